@@ -1,0 +1,34 @@
+# Sourced by bin/kvtier and bin/test: makes .venv (python3 only) and installs what a profile needs.
+#   ensure_venv run   -> the package and its runtime dependencies
+#   ensure_venv test  -> + dev tools, CPU torch 2.13.0, vLLM 0.33.0 (--no-deps) and its import needs
+# Re-installs only when pyproject.toml or requirements/ change (stamp file in .venv).
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVTIER_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+
+_stamp() {
+    cat "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt | sha256sum | cut -c1-16
+}
+
+ensure_venv() {
+    local profile="$1" stamp
+    stamp="$profile-$(_stamp)"
+    if [ ! -x "$PY" ]; then
+        echo "kvtier: creating virtual environment in $VENV" >&2
+        python3 -m venv "$VENV"
+    fi
+    if [ -f "$VENV/.kvtier-$profile" ] && [ "$(cat "$VENV/.kvtier-$profile")" = "$stamp" ]; then
+        return 0
+    fi
+    local pip=("$PY" -m pip install -q --disable-pip-version-check)
+    echo "kvtier: installing ($profile) into $VENV" >&2
+    if [ "$profile" = test ]; then
+        "${pip[@]}" "torch==2.13.0"
+        "${pip[@]}" -e "$ROOT[dev]"
+        "${pip[@]}" -r "$ROOT/requirements/vllm.txt"
+        "${pip[@]}" --no-deps "vllm==0.33.0"
+    else
+        "${pip[@]}" -e "$ROOT"
+    fi
+    echo "$stamp" > "$VENV/.kvtier-$profile"
+}
