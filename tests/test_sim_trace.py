@@ -53,7 +53,7 @@ def test_sample_trace_counts_match_its_readme():
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1.0]}', "[0]"),
         # id 1 came after id 0 on line 1; here it is a first block: not a chained prefix id.
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}', "chained"),
-        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0, 1, 0]}', "chained"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0, 1, 0]}', "id 0"),
     ],
 )
 def test_bad_line_is_reported_with_its_line_number(line, needle):

@@ -71,9 +71,7 @@ def parse_line(text: str) -> Request:
         raise ValueError(f"'hash_ids' must be a list of integers, got {type(ids).__name__}")
     for pos, h in enumerate(ids):
         if not _is_int(h) or h < 0:
-            raise ValueError(
-                f"'hash_ids'[{pos}] must be an integer >= 0, got {json.dumps(h)}"
-            )
+            raise ValueError(f"'hash_ids'[{pos}] must be an integer >= 0, got {json.dumps(h)}")
     return Request(obj["timestamp"], obj["input_length"], obj["output_length"], tuple(ids))
 
 
@@ -146,14 +144,17 @@ def dump_lines(requests: Iterable[Request]) -> Iterator[str]:
     """Mooncake JSONL lines, newline-terminated."""
     for r in requests:
         ts: float = int(r.timestamp) if float(r.timestamp).is_integer() else r.timestamp
-        yield json.dumps(
-            {
-                "timestamp": ts,
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
-            }
-        ) + "\n"
+        yield (
+            json.dumps(
+                {
+                    "timestamp": ts,
+                    "input_length": r.input_length,
+                    "output_length": r.output_length,
+                    "hash_ids": list(r.hash_ids),
+                }
+            )
+            + "\n"
+        )
 
 
 def block_refs(requests: Iterable[Request]) -> int:

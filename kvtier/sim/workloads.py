@@ -65,7 +65,7 @@ class _Ids:
         self._next = itertools.count()
 
     def chain(self, segments: list[tuple[Hashable, int]], input_length: int) -> tuple[int, ...]:
-        """Ids for a prompt of `input_length` tokens; `segments` = [(owner, end_token)] ascending."""
+        """Ids of an `input_length`-token prompt; `segments` = [(owner, end_token)], ascending."""
         n_blocks = -(-input_length // TRACE_BLOCK_TOKENS)
         ids: list[int] = []
         seg = 0
@@ -96,8 +96,12 @@ def _check_positive(**values: float) -> None:
 
 def chat(spec: ChatSpec = ChatSpec()) -> list[Request]:
     """Multi-turn chat: each turn's prompt = system prompt + transcript so far + new message."""
-    _check_positive(requests=spec.requests, system_prompts=spec.system_prompts,
-                    sessions_per_s=spec.sessions_per_s, mean_turns=spec.mean_turns)
+    _check_positive(
+        requests=spec.requests,
+        system_prompts=spec.system_prompts,
+        sessions_per_s=spec.sessions_per_s,
+        mean_turns=spec.mean_turns,
+    )
     rng = random.Random(spec.seed)
     sys_len = [rng.randint(*spec.system_tokens) for _ in range(spec.system_prompts)]
     cum = _zipf_cum_weights(spec.system_prompts, spec.zipf_s)
@@ -115,7 +119,10 @@ def chat(spec: ChatSpec = ChatSpec()) -> list[Request]:
             if prompt > spec.max_context_tokens:
                 break
             out = rng.randint(*spec.output_tokens)
-            segs: list[tuple[Hashable, int]] = [(("sys", s), sys_len[s]), (("chat", session), prompt)]
+            segs: list[tuple[Hashable, int]] = [
+                (("sys", s), sys_len[s]),
+                (("chat", session), prompt),
+            ]
             hash_ids = ids.chain(segs, prompt)
             turns.append((t, session, turn, Request(round(t * 1000.0, 3), prompt, out, hash_ids)))
             context = prompt + out
@@ -129,8 +136,9 @@ def chat(spec: ChatSpec = ChatSpec()) -> list[Request]:
 
 def docqa(spec: DocQASpec = DocQASpec()) -> list[Request]:
     """Long-document QA: instruction prefix + one (Zipf-popular) document + a fresh question."""
-    _check_positive(requests=spec.requests, documents=spec.documents,
-                    requests_per_s=spec.requests_per_s)
+    _check_positive(
+        requests=spec.requests, documents=spec.documents, requests_per_s=spec.requests_per_s
+    )
     rng = random.Random(spec.seed)
     doc_len = [rng.randint(*spec.document_tokens) for _ in range(spec.documents)]
     cum = _zipf_cum_weights(spec.documents, spec.zipf_s)
@@ -143,8 +151,9 @@ def docqa(spec: DocQASpec = DocQASpec()) -> list[Request]:
         d = rng.choices(range(spec.documents), cum_weights=cum)[0]
         prompt = head + doc_len[d] + rng.randint(*spec.question_tokens)
         segs: list[tuple[Hashable, int]] = [("instructions", head), (("doc", d), head + doc_len[d])]
-        req = Request(round(t * 1000.0, 3), prompt, rng.randint(*spec.output_tokens),
-                      ids.chain(segs, prompt))
+        req = Request(
+            round(t * 1000.0, 3), prompt, rng.randint(*spec.output_tokens), ids.chain(segs, prompt)
+        )
         out.append(req)
     return out
 
