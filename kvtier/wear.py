@@ -95,15 +95,15 @@ class TokenBucket:
 
 
 class WriteBudget:
-    """Token bucket sized from an `Endurance`, with counters of granted and denied bytes."""
+    """Token bucket of `bytes_per_day` (see `Endurance.bytes_per_day`) with counters."""
 
     def __init__(
         self,
-        endurance: Endurance,
+        bytes_per_day: float,
         burst_bytes: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.bytes_per_day = endurance.bytes_per_day()
+        self.bytes_per_day = float(bytes_per_day)
         self._bucket = TokenBucket(self.bytes_per_day / SECONDS_PER_DAY, burst_bytes, clock)
         self.granted_bytes = 0
         self.denied_bytes = 0
@@ -112,7 +112,13 @@ class WriteBudget:
     @classmethod
     def unlimited(cls) -> WriteBudget:
         """A budget that never denies (for tests and for drives without a wear concern)."""
-        return cls(Endurance(drive_bytes=1 << 62, dwpd=1e6), burst_bytes=1 << 62)
+        return cls(float(1 << 80), burst_bytes=1 << 62)
+
+    @classmethod
+    def from_endurance(
+        cls, endurance: Endurance, burst_bytes: int, clock: Callable[[], float] = time.monotonic
+    ) -> WriteBudget:
+        return cls(endurance.bytes_per_day(), burst_bytes, clock)
 
     def try_spend(self, nbytes: int) -> bool:
         if self._bucket.take(nbytes):
