@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import statistics
 import threading
 from collections import deque
@@ -87,10 +88,9 @@ class CalibrationLike(Protocol):
 
 
 def _finite_pos(*xs: object) -> bool:
-    try:
-        return all(math.isfinite(float(x)) and float(x) > 0 for x in xs)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
+    """Every x is a real number (not a bool or a string), finite and > 0."""
+    ok = (isinstance(x, numbers.Real) and not isinstance(x, bool) for x in xs)
+    return all(ok) and all(math.isfinite(x) and float(x) > 0 for x in xs)  # type: ignore[arg-type]
 
 
 class _Window:
