@@ -17,7 +17,7 @@ import enum
 import heapq
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -48,6 +48,9 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(list(self._leases.values()))
 
     def count(self, kind: LeaseKind) -> int:
         return sum(1 for lease in self._leases.values() if lease.kind is kind)

@@ -122,6 +122,10 @@ class DaemonMetrics:
         )
         self._http: object | None = None
 
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (0 when it was never set), e.g. for the Stats RPC."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
     def attach_pool(self, snapshot: Callable[[], PoolGauges]) -> None:
         self.registry.register(_PoolCollector(snapshot))
 

@@ -19,16 +19,24 @@ TIER_DRAM: Tier
 TIER_SSD: Tier
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("name", "size", "generation", "slot_bytes")
+    __slots__ = ("name", "size", "generation", "slot_bytes", "slot_stride", "slot_count", "data_offset", "shm_dir")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     generation: int
     slot_bytes: int
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., generation: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    slot_stride: int
+    slot_count: int
+    data_offset: int
+    shm_dir: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., generation: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_stride: _Optional[int] = ..., slot_count: _Optional[int] = ..., data_offset: _Optional[int] = ..., shm_dir: _Optional[str] = ...) -> None: ...
 
 class ModelCost(_message.Message):
     __slots__ = ("active_params", "num_layers", "attn_dim", "sliding_window")
@@ -83,18 +91,20 @@ class Plan(_message.Message):
     def __init__(self, fetch_blocks: _Optional[int] = ..., predicted_fetch_seconds: _Optional[float] = ..., predicted_recompute_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., promote_in_background: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("layout", "keys", "key_width", "start_token", "want_plan")
+    __slots__ = ("layout", "keys", "key_width", "start_token", "want_plan", "prompt_tokens")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     WANT_PLAN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layout: bytes
     keys: bytes
     key_width: int
     start_token: int
     want_plan: bool
-    def __init__(self, layout: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., start_token: _Optional[int] = ..., want_plan: _Optional[bool] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, layout: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., start_token: _Optional[int] = ..., want_plan: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_blocks", "tiers", "plan")

@@ -1,0 +1,619 @@
+"""The daemon's domain logic: layouts, namespaces, blocks, leases, quotas and eviction. No gRPC.
+
+Every block lives in a namespace (tenant, layout fingerprint): the same key bytes in two
+namespaces are two blocks, so a tenant can neither see nor overwrite another's blocks whatever
+keys it sends. A block is in DRAM (a slot of the shared pool), on SSD, or both.
+
+    Allocate ─▶ WRITE lease (slots, not yet visible) ─▶ Commit ─▶ block in DRAM ─▶ (write-back) SSD
+                                                  └──▶ Abort / TTL ─▶ slots freed
+    Lookup ─▶ Acquire ─▶ READ lease (blocks pinned; SSD blocks promoted to DRAM) ─▶ Release / TTL
+
+Rules enforced here (each raises a `CacheError` subclass and changes nothing):
+- the layout must be registered; key width, counts and sizes must match it;
+- a lease can only be used by the tenant that holds it, and only for its kind;
+- DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks (LRU) or refuses.
+
+Invariants kept:
+- a pinned block is never evicted, moved or rewritten (its slot is also pinned in the DramPool);
+- no stranded blocks: a block leaves its last tier only when it has no cached children
+  (leaf-first), and a block is committed only if its parent is still cached;
+- every slot is owned by exactly one of: the free list, a WRITE lease, a cached block — leases
+  that end (released, committed, aborted, expired) give back what they held exactly once.
+
+Threading: every public method takes `self._lock`; all are short (no payload I/O happens under
+the lock except slot-sized copies in `read_into`/`write_from`). Call `expire()` periodically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvtier.auth import Tenant
+from kvtier.config import Config
+from kvtier.costmodel import CostModel
+from kvtier.dram import DramPool, DramSpec, SegmentHandle
+from kvtier.errors import KvtierError
+from kvtier.events import EventLog
+from kvtier.leases import Lease, LeaseKind, LeaseTable
+from kvtier.metrics import DaemonMetrics, PoolGauges
+from kvtier.planner import Plan, Prefix, plan
+from kvtier.rates import Link, RateBook
+from kvtier.types import Tier
+
+KEY_WIDTHS = (16, 32)
+FINGERPRINT_BYTES = (8, 64)
+
+
+
+class CacheError(KvtierError):
+    """A request the cache refuses; the service maps the subclass to a gRPC status."""
+
+
+class InvalidArgument(CacheError):
+    pass
+
+
+class NotFound(CacheError):
+    pass
+
+
+class PermissionDenied(CacheError):
+    pass
+
+
+class ResourceExhausted(CacheError):
+    pass
+
+
+class FailedPrecondition(CacheError):
+    pass
+
+
+class Unavailable(CacheError):
+    """The daemon is draining: no new leases."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutInfo:
+    fingerprint: bytes
+    block_bytes: int
+    block_tokens: int
+    key_width: int
+    cost: CostModel | None
+
+
+@dataclass(slots=True)
+class _TenantState:
+    tenant: Tenant
+    dram_bytes: int = 0
+    ssd_bytes: int = 0
+    evictable: OrderedDict[_Block, None] = field(default_factory=OrderedDict)
+
+
+@dataclass(slots=True, eq=False)
+class _Namespace:
+    tenant: _TenantState
+    layout: LayoutInfo
+    blocks: dict[bytes, _Block] = field(default_factory=dict)
+    pending: dict[bytes, str] = field(default_factory=dict)  # key -> WRITE lease id
+
+
+@dataclass(slots=True, eq=False)
+class _Block:
+    key: bytes
+    parent: bytes  # b"" = first block of a prompt
+    ns: _Namespace
+    slot: int = -1  # DRAM slot, -1 = not in DRAM
+    on_ssd: bool = False
+    pins: int = 0
+    children: int = 0  # cached children
+    hits: int = 0
+
+
+@dataclass(slots=True)
+class _Write:
+    ns: _Namespace
+    keys: list[bytes]
+    parent: bytes
+    todo: list[tuple[int, int]]  # (index in keys, slot)
+
+
+class LookupResult(NamedTuple):
+    tiers: list[Tier]
+    plan: Plan | None
+
+
+class AcquireResult(NamedTuple):
+    lease_id: str  # "" when nothing was acquired
+    offsets: list[int]
+    source_tiers: list[Tier]
+    ttl_s: float
+
+
+class AllocateResult(NamedTuple):
+    lease_id: str  # "" when every key was already cached
+    indices: list[int]
+    offsets: list[int]
+    ttl_s: float
+
+
+class CacheStats(NamedTuple):
+    dram_capacity_bytes: int
+    dram_used_bytes: int
+    dram_blocks: int
+    ssd_capacity_bytes: int
+    ssd_used_bytes: int
+    ssd_blocks: int
+    read_leases: int
+    write_leases: int
+    layouts: int
+    tenant_dram_bytes: int
+    tenant_ssd_bytes: int
+
+
+class Cache:
+    """Owns the DRAM pool and all block metadata. See the module docstring for the rules."""
+
+    def __init__(
+        self, cfg: Config, metrics: DaemonMetrics, events: EventLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.events = events or EventLog()
+        self._lock = threading.RLock()
+        self._leases = LeaseTable(clock)
+        self._layouts: dict[bytes, LayoutInfo] = {}
+        self._tenants: dict[str, _TenantState] = {}
+        self._namespaces: dict[tuple[str, bytes], _Namespace] = {}
+        self._evictable: OrderedDict[_Block, None] = OrderedDict()
+        self._dram_blocks = 0
+        self.draining = False
+        self.rates = RateBook()
+        self.pool = DramPool.create(DramSpec(
+            name="kvtier-" + hashlib.sha256(str(cfg.socket).encode()).hexdigest()[:16],
+            slot_size=cfg.slot_bytes, slot_count=cfg.slots, replace_stale=True,
+        ))
+        metrics.attach_pool(self.gauges)
+
+    # -- layouts and namespaces -------------------------------------------------------------
+
+    def register_layout(
+        self, fingerprint: bytes, block_bytes: int, block_tokens: int, key_width: int,
+        cost: CostModel | None,
+    ) -> SegmentHandle:
+        if not FINGERPRINT_BYTES[0] <= len(fingerprint) <= FINGERPRINT_BYTES[1]:
+            raise InvalidArgument(
+                f"layout fingerprint must be {FINGERPRINT_BYTES[0]}..{FINGERPRINT_BYTES[1]} "
+                f"bytes, got {len(fingerprint)}"
+            )
+        if key_width not in KEY_WIDTHS:
+            raise InvalidArgument(f"key_width must be 16 or 32, got {key_width}")
+        if not 0 < block_bytes <= self.cfg.slot_bytes:
+            raise InvalidArgument(
+                f"block_bytes must be in 1..{self.cfg.slot_bytes} (the daemon's slot size), "
+                f"got {block_bytes}"
+            )
+        if not 0 < block_tokens <= 1 << 20:
+            raise InvalidArgument(f"block_tokens must be in 1..{1 << 20}, got {block_tokens}")
+        info = LayoutInfo(fingerprint, block_bytes, block_tokens, key_width, cost)
+        with self._lock:
+            old = self._layouts.get(fingerprint)
+            shape = (block_bytes, block_tokens, key_width)
+            if old is not None and (old.block_bytes, old.block_tokens, old.key_width) != shape:
+                raise FailedPrecondition(
+                    f"layout {fingerprint.hex()[:16]} is already registered with "
+                    f"block_bytes={old.block_bytes} block_tokens={old.block_tokens} "
+                    f"key_width={old.key_width}"
+                )
+            if old is None or (cost is not None and old.cost != cost):
+                self._layouts[fingerprint] = info
+            return self.pool.handle()
+
+    def _ns(self, tenant: Tenant, fingerprint: bytes) -> _Namespace:
+        layout = self._layouts.get(fingerprint)
+        if layout is None:
+            raise NotFound(
+                f"unknown layout {fingerprint.hex()[:16]}: call RegisterLayout first"
+            )
+        ns = self._namespaces.get((tenant.name, fingerprint))
+        if ns is None:
+            ns = _Namespace(self._tenant(tenant), layout)
+            self._namespaces[(tenant.name, fingerprint)] = ns
+        return ns
+
+    def _tenant(self, tenant: Tenant) -> _TenantState:
+        state = self._tenants.get(tenant.name)
+        if state is None:
+            state = self._tenants[tenant.name] = _TenantState(tenant)
+        return state
+
+    def _keys(self, ns: _Namespace, keys: bytes, key_width: int, unique: bool) -> list[bytes]:
+        width = ns.layout.key_width
+        if key_width != width:
+            raise InvalidArgument(f"key_width {key_width} does not match the layout's {width}")
+        if len(keys) % width:
+            raise InvalidArgument(f"keys length {len(keys)} is not a multiple of {width}")
+        n = len(keys) // width
+        if n > self.cfg.max_blocks_per_request:
+            raise InvalidArgument(
+                f"{n} keys exceed the limit of {self.cfg.max_blocks_per_request} per request"
+            )
+        out = [keys[i : i + width] for i in range(0, len(keys), width)]
+        if unique and len(set(out)) != n:
+            raise InvalidArgument("keys repeat within the chain")
+        return out
+
+    # -- lookup, acquire, release -----------------------------------------------------------
+
+    def lookup(
+        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int,
+        start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
+    ) -> LookupResult:
+        with self._lock:
+            ns = self._ns(tenant, fingerprint)
+            chain = self._keys(ns, keys, key_width, unique=False)
+            tiers: list[Tier] = []
+            for key in chain:
+                block = ns.blocks.get(key)
+                if block is None:
+                    break
+                block.hits += 1
+                self._touch(block)
+                tiers.append(Tier.DRAM if block.slot >= 0 else Tier.SSD)
+        m = self.metrics
+        m.lookups.labels("hit" if tiers else "miss").inc()
+        for tier in (Tier.DRAM, Tier.SSD):
+            count = sum(1 for t in tiers if t is tier)
+            if count:
+                m.blocks_hit.labels(tier.label).inc(count)
+        if len(chain) > len(tiers):
+            m.blocks_missed.inc(len(chain) - len(tiers))
+        the_plan = None
+        lay = ns.layout
+        if want_plan and lay.cost is not None:
+            cached_end = start_token + len(tiers) * lay.block_tokens
+            suffix = max(0, prompt_tokens - cached_end) if prompt_tokens else (
+                (len(chain) - len(tiers)) * lay.block_tokens
+            )
+            prefix = Prefix.uniform([int(t) for t in tiers], lay.block_tokens, lay.block_bytes,
+                                    start_token)
+            the_plan = plan(prefix, lay.cost, self.rates.snapshot(), suffix_tokens=suffix)
+            m.plan_decisions.labels("fetch").inc(the_plan.cut)
+            m.plan_decisions.labels("recompute").inc(len(tiers) - the_plan.cut)
+            m.predicted_seconds_saved.inc(max(0.0, the_plan.saved_s))
+        return LookupResult(tiers, the_plan)
+
+    def acquire(
+        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, ttl_s: float,
+    ) -> AcquireResult:
+        ttl = self._new_lease_ttl(ttl_s)
+        with self._lock:
+            ns = self._ns(tenant, fingerprint)
+            chain = self._keys(ns, keys, key_width, unique=False)
+            pinned: list[_Block] = []
+            sources: list[Tier] = []
+            for key in chain:
+                block = ns.blocks.get(key)
+                if block is None or block.slot < 0:
+                    break  # SSD promotion happens here once the SSD tier is wired in
+                sources.append(Tier.DRAM)
+                self._pin(block)
+                pinned.append(block)
+            if not pinned:
+                return AcquireResult("", [], [], ttl)
+            lease = self._leases.grant(tenant.name, LeaseKind.READ, ttl, pinned)
+            offsets = [self.pool.offset(b.slot) for b in pinned]
+            return AcquireResult(lease.id, offsets, sources, ttl)
+
+    def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            lease = self._own(tenant, lease_id, LeaseKind.READ)
+            self._leases.pop(lease.id)
+            self._end_read(lease)
+        if nbytes:
+            self.metrics.bytes_moved.labels("dram", "to_client").inc(nbytes)
+        if seconds > 0:
+            self.metrics.copy_seconds.labels("to_client").observe(seconds)
+            self.rates.observe_transfer(Link.DRAM_READ, nbytes, seconds)
+
+    def renew(self, tenant: Tenant, lease_id: str, ttl_s: float) -> float:
+        ttl = self._ttl(ttl_s)
+        with self._lock:
+            lease = self._own(tenant, lease_id, None)
+            self._leases.renew(lease.id, ttl)
+        return ttl
+
+    # -- allocate, commit, abort ------------------------------------------------------------
+
+    def allocate(
+        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, parent: bytes,
+        ttl_s: float,
+    ) -> AllocateResult:
+        ttl = self._new_lease_ttl(ttl_s)
+        with self._lock:
+            ns = self._ns(tenant, fingerprint)
+            chain = self._keys(ns, keys, key_width, unique=True)
+            if parent:
+                if len(parent) != ns.layout.key_width:
+                    raise InvalidArgument(
+                        f"parent_key has {len(parent)} bytes, the layout's keys have "
+                        f"{ns.layout.key_width}"
+                    )
+                if parent not in ns.blocks and parent not in ns.pending:
+                    raise FailedPrecondition(
+                        "parent_key is not cached: blocks after it could never be hit"
+                    )
+                if parent in chain:
+                    raise InvalidArgument("parent_key repeats inside the chain")
+            need = [i for i, k in enumerate(chain) if k not in ns.blocks and k not in ns.pending]
+            if not need:
+                return AllocateResult("", [], [], ttl)
+            slots = self._take_slots(ns.tenant, len(need))
+            lease = self._leases.grant(
+                tenant.name, LeaseKind.WRITE, ttl,
+                _Write(ns, chain, parent, list(zip(need, slots, strict=True))),
+            )
+            for i in need:
+                ns.pending[chain[i]] = lease.id
+            return AllocateResult(lease.id, need, [self.pool.offset(s) for s in slots], ttl)
+
+    def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
+        with self._lock:
+            lease = self._own(tenant, lease_id, LeaseKind.WRITE)
+            self._leases.pop(lease.id)
+            w: _Write = lease.payload  # type: ignore[assignment]
+            ns = w.ns
+            stored_runs: list[list[bytes]] = []
+            run: list[bytes] = []
+            for index, slot in w.todo:
+                key = w.keys[index]
+                del ns.pending[key]
+                parent = w.keys[index - 1] if index else w.parent
+                parent_block = ns.blocks.get(parent) if parent else None
+                if parent and parent_block is None:
+                    self._give_back(ns.tenant, slot)  # would be stranded: its parent is gone
+                    continue
+                block = _Block(key, parent, ns, slot=slot)
+                ns.blocks[key] = block
+                self._dram_blocks += 1
+                if parent_block is not None:
+                    parent_block.children += 1
+                    self._refresh(parent_block)
+                self._refresh(block)
+                if run and run[-1] != parent:
+                    stored_runs.append(run)
+                    run = []
+                if not run:
+                    run = [parent]
+                run.append(key)
+            if run:
+                stored_runs.append(run)
+        for r in stored_runs:
+            self.events.emit(tenant.name, ns.layout.fingerprint, True, Tier.DRAM, r[1:], r[0],
+                             ns.layout.block_tokens)
+        if nbytes:
+            self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
+        if seconds > 0:
+            self.metrics.copy_seconds.labels("from_client").observe(seconds)
+            self.rates.observe_transfer(Link.DRAM_WRITE, nbytes, seconds)
+        return sum(len(r) - 1 for r in stored_runs)
+
+    def abort(self, tenant: Tenant, lease_id: str) -> None:
+        with self._lock:
+            lease = self._own(tenant, lease_id, LeaseKind.WRITE)
+            self._leases.pop(lease.id)
+            self._end_write(lease)
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def _new_lease_ttl(self, ttl_s: float) -> float:
+        if self.draining:
+            raise Unavailable("the daemon is shutting down; no new leases")
+        return self._ttl(ttl_s)
+
+    def _ttl(self, ttl_s: float) -> float:
+        if ttl_s < 0:
+            raise InvalidArgument(f"lease TTL must be >= 0, got {ttl_s}")
+        if ttl_s > self.cfg.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"lease TTL {ttl_s:g} s exceeds the maximum {self.cfg.max_lease_ttl_s:g} s"
+            )
+        return ttl_s or self.cfg.lease_ttl_s
+
+    def _own(self, tenant: Tenant, lease_id: str, kind: LeaseKind | None) -> Lease:
+        if not lease_id:
+            raise InvalidArgument("lease_id is empty")
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotFound(f"no live lease {lease_id[:12]} (released, committed or expired)")
+        if lease.tenant != tenant.name:
+            raise PermissionDenied("the lease belongs to another tenant")
+        if kind is not None and lease.kind is not kind:
+            raise FailedPrecondition(f"lease {lease_id[:12]} is a {lease.kind.value} lease")
+        return lease
+
+    def _end_read(self, lease: Lease) -> None:
+        for block in lease.payload:  # type: ignore[attr-defined]
+            block.pins -= 1
+            self.pool.unpin(block.slot)
+            self._refresh(block)
+
+    def _end_write(self, lease: Lease) -> None:
+        w: _Write = lease.payload  # type: ignore[assignment]
+        for index, slot in w.todo:
+            w.ns.pending.pop(w.keys[index], None)
+            self._give_back(w.ns.tenant, slot)
+
+    def expire(self) -> int:
+        """Ends every lease past its TTL (unpin / abort). Returns how many ended."""
+        with self._lock:
+            gone = self._leases.expired()
+            for lease in gone:
+                if lease.kind is LeaseKind.READ:
+                    self._end_read(lease)
+                else:
+                    self._end_write(lease)
+        for lease in gone:
+            self.metrics.leases_expired.labels(lease.kind.value).inc()
+        return len(gone)
+
+    def active_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    # -- DRAM slots and eviction ------------------------------------------------------------
+
+    def _pin(self, block: _Block) -> None:
+        block.pins += 1
+        self.pool.pin(block.slot)
+        self._refresh(block)
+
+    def _take_slots(self, tenant: _TenantState, n: int) -> list[int]:
+        quota, slot_bytes = tenant.tenant.dram_quota_bytes, self.cfg.slot_bytes
+        if quota:
+            over = tenant.dram_bytes + n * slot_bytes - quota
+            while over > 0 and tenant.evictable:
+                self._evict(next(iter(tenant.evictable)), "quota")
+                over -= slot_bytes
+            if over > 0:
+                raise ResourceExhausted(
+                    f"tenant {tenant.tenant.name!r} DRAM quota of {quota} bytes: {n} more "
+                    f"blocks do not fit (uses {tenant.dram_bytes}, the rest is pinned or in flight)"
+                )
+        slots = self.pool.alloc_many(n)
+        while slots is None and self._evictable:
+            self._evict(next(iter(self._evictable)), "capacity")
+            slots = self.pool.alloc_many(n)
+        if slots is None:
+            raise ResourceExhausted(
+                f"DRAM pool full: {n} slots wanted, {self.pool.stats().slots_free} free, the rest "
+                "pinned by leases or being written"
+            )
+        tenant.dram_bytes += n * slot_bytes
+        return slots
+
+    def _give_back(self, tenant: _TenantState, slot: int) -> None:
+        self.pool.free(slot)
+        tenant.dram_bytes -= self.cfg.slot_bytes
+
+    def _refresh(self, block: _Block) -> None:
+        """Keeps `block`'s membership of the evictable LRU lists right after any change."""
+        ok = block.slot >= 0 and block.pins == 0 and (block.on_ssd or block.children == 0)
+        lists = (self._evictable, block.ns.tenant.evictable)
+        for lru in lists:
+            if ok and block not in lru:
+                lru[block] = None
+            elif not ok:
+                lru.pop(block, None)
+
+    def _touch(self, block: _Block) -> None:
+        for lru in (self._evictable, block.ns.tenant.evictable):
+            if block in lru:
+                lru.move_to_end(block)
+
+    def _evict(self, block: _Block, reason: str) -> None:
+        ns = block.ns
+        self._give_back(ns.tenant, block.slot)
+        block.slot = -1
+        self._dram_blocks -= 1
+        self._refresh(block)
+        self.metrics.evictions.labels("dram", reason).inc()
+        self.events.emit(ns.tenant.tenant.name, ns.layout.fingerprint, False, Tier.DRAM,
+                         [block.key])
+        if not block.on_ssd:
+            del ns.blocks[block.key]
+            parent = ns.blocks.get(block.parent) if block.parent else None
+            if parent is not None:
+                parent.children -= 1
+                self._refresh(parent)
+
+    # -- streaming byte path ----------------------------------------------------------------
+
+    @contextmanager
+    def reading(
+        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int,
+    ) -> Iterator[list[memoryview]]:
+        """Acquire + read-only views of the pinned blocks + release (the ReadBlocks path)."""
+        got = self.acquire(tenant, fingerprint, keys, key_width, 0.0)
+        block_bytes = self._layouts[fingerprint].block_bytes
+        try:
+            views = [self._view(o, block_bytes) for o in got.offsets]
+            yield views
+        finally:
+            if got.lease_id:
+                self.release(tenant, got.lease_id, len(got.offsets) * block_bytes)
+
+    def slot_view(self, offset: int, nbytes: int) -> memoryview:
+        """Writable view of a slot the caller holds under a WRITE lease (the WriteBlocks path)."""
+        return self._view(offset, nbytes)
+
+    def _view(self, offset: int, nbytes: int) -> memoryview:
+        slot = (offset - self.pool.data_offset) // self.pool.slot_stride
+        return memoryview(self.pool.view(slot, nbytes))  # type: ignore[arg-type]
+
+    def report_prefill(
+        self, tenant: Tenant, fingerprint: bytes, tokens: int, seconds: float, context: int,
+    ) -> bool:
+        """An engine's realized prefill; False when the layout has no cost model or it is noise."""
+        info = self.layout(fingerprint)
+        if tokens <= 0 or not 0 < seconds < 1e6:
+            raise InvalidArgument("tokens and seconds must be positive (seconds finite)")
+        if info.cost is None:
+            return False
+        return self.rates.observe_prefill_tokens(info.cost, context, tokens, seconds)
+
+    # -- reporting and shutdown -------------------------------------------------------------
+
+    def layout(self, fingerprint: bytes) -> LayoutInfo:
+        with self._lock:
+            info = self._layouts.get(fingerprint)
+        if info is None:
+            raise NotFound(f"unknown layout {fingerprint.hex()[:16]}: call RegisterLayout first")
+        return info
+
+    def stats(self, tenant: Tenant | None = None) -> CacheStats:
+        with self._lock:
+            ps = self.pool.stats()
+            state = self._tenants.get(tenant.name) if tenant else None
+            return CacheStats(
+                ps.bytes_reserved, ps.bytes_used, self._dram_blocks, 0, 0, 0,
+                self._leases.count(LeaseKind.READ), self._leases.count(LeaseKind.WRITE),
+                len(self._layouts), state.dram_bytes if state else 0,
+                state.ssd_bytes if state else 0,
+            )
+
+    def gauges(self) -> PoolGauges:
+        s = self.stats()
+        return PoolGauges(
+            {"dram": s.dram_capacity_bytes, "ssd": s.ssd_capacity_bytes},
+            {"dram": s.dram_used_bytes, "ssd": s.ssd_used_bytes},
+            {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
+            {"read": s.read_leases, "write": s.write_leases},
+            0.0, 0,
+        )
+
+    def leaked_slots(self) -> int:
+        """Slots neither free nor held by a block or a WRITE lease (must always be 0)."""
+        with self._lock:
+            writes = [lease.payload for lease in self._leases if lease.kind is LeaseKind.WRITE]
+            held = self._dram_blocks + sum(len(w.todo) for w in writes if isinstance(w, _Write))
+            return self.pool.stats().slots_used - held
+
+    def close(self) -> None:
+        """Ends all leases and unlinks the shared segment."""
+        with self._lock:
+            for lease in self._leases.pop_all():
+                if lease.kind is LeaseKind.READ:
+                    self._end_read(lease)
+                else:
+                    self._end_write(lease)
+            self.events.close()
+            self.pool.close()
