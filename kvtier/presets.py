@@ -229,6 +229,4 @@ def get_preset(name: str) -> ModelSpec:
     try:
         return _PRESETS[name.strip().lower()]
     except KeyError:
-        raise UsageError(
-            f"unknown preset {name!r} (known: {', '.join(list_presets())})"
-        ) from None
+        raise UsageError(f"unknown preset {name!r} (known: {', '.join(list_presets())})") from None

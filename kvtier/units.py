@@ -55,9 +55,7 @@ def parse_size(text: str, what: str = "size") -> Size:
     if m is None and isinstance(text, str) and text.strip().startswith("-"):
         raise UsageError(f"{what}: {text!r} is negative; sizes must be >= 0")
     if m is None:
-        raise UsageError(
-            f"{what}: cannot read {text!r} as a size (examples: 80GB, 16GiB, 55.54e9)"
-        )
+        raise UsageError(f"{what}: cannot read {text!r} as a size (examples: 80GB, 16GiB, 55.54e9)")
     number, unit = m.group(1), m.group(2).upper()
     if unit in ("", "B"):
         scale, label = 1, "B" if unit else ""

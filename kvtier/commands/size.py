@@ -1,0 +1,460 @@
+"""`kvtier size`: KV bytes, GPU pool pages, workload fit and host-tier capacity for a model.
+
+Flags are read as text and validated here, so every bad value is one `UsageError` line (exit 2).
+The arithmetic lives in `kvtier.layout` and `kvtier.sizing`; this module builds the inputs and
+renders the answer as a table or (`--json`) one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from kvtier.errors import UsageError
+from kvtier.layout import DType, KVLayout, LayerSpec, alternating
+from kvtier.presets import ModelSpec, get_preset, list_presets
+from kvtier.sizing import (
+    GpuPool,
+    Workload,
+    group_pages,
+    kv_groups,
+    page_bytes,
+    plan_workload,
+    tier_capacity,
+)
+from kvtier.units import Size, format_bytes, parse_size
+
+HELP = "KV bytes per token/block, GPU pool pages, workload fit and host-tier capacity"
+
+_SHAPE_FLAGS = (
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "attention_heads",
+    "layer_pattern",
+    "window",
+    "kv_lora_rank",
+    "rope_dim",
+    "state_bytes",
+    "state_heads",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Sizes take units: 80GB = 80e9 B, 16GiB = 16 x 2^30 B, a plain number is bytes "
+        "(55.54e9). Pages follow vLLM v1's paged pool: ceil per sequence and per KV-cache group; "
+        "a sliding window caps only its own layers. Presets: " + ", ".join(list_presets()) + "."
+    )
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+
+    def one_line_error(message: str) -> None:
+        p.exit(2, f"kvtier size: error: {message} (see kvtier size --help)\n")
+
+    p.error = one_line_error  # type: ignore[method-assign,assignment]
+    m = p.add_argument_group("model (one of --preset, --hf-config, or the shape flags)")
+    m.add_argument("--preset", metavar="NAME", help="a built-in model (see --list-presets)")
+    m.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    m.add_argument("--hf-config", metavar="PATH", help="a local Hugging Face config.json")
+    m.add_argument("--layers", metavar="N", help="custom model: number of layers")
+    m.add_argument("--kv-heads", metavar="N", help="custom model: KV heads (MHA/GQA/MQA)")
+    m.add_argument("--head-dim", metavar="N", help="custom model: head dimension")
+    m.add_argument(
+        "--attention-heads", metavar="N", help="custom model: query heads (default: --kv-heads)"
+    )
+    m.add_argument(
+        "--layer-pattern",
+        metavar="KINDS",
+        help="custom model: comma list of full|sliding|mla|recurrent repeated over the layers "
+        "(default: full; mla when --kv-lora-rank is given), e.g. sliding,full",
+    )
+    m.add_argument("--window", metavar="TOKENS", help="custom model: sliding-window size")
+    m.add_argument("--kv-lora-rank", metavar="N", help="custom model: MLA latent dimension")
+    m.add_argument("--rope-dim", metavar="N", help="custom model: MLA decoupled RoPE dimension")
+    m.add_argument(
+        "--state-bytes", metavar="SIZE", help="custom model: recurrent state per layer and sequence"
+    )
+    m.add_argument(
+        "--state-heads",
+        metavar="N",
+        help="custom model: heads the recurrent state splits into under TP (default 1)",
+    )
+    m.add_argument(
+        "--params", metavar="COUNT", help="total parameters (custom model, or override a preset)"
+    )
+    k = p.add_argument_group("KV layout")
+    k.add_argument("--dtype", default="bf16", help="KV dtype: fp32, bf16, fp16, fp8 (default bf16)")
+    k.add_argument(
+        "--fp8-scale-bytes",
+        metavar="N",
+        default="0",
+        help="fp8 only: scale bytes stored with each K or V vector (per token, layer, KV head); "
+        "0 = per-tensor scales outside the cache (default 0)",
+    )
+    k.add_argument("--block-tokens", metavar="N", default="16", help="tokens per block (16)")
+    k.add_argument("--tp", metavar="N", default="1", help="tensor-parallel size (default 1)")
+    k.add_argument("--tp-rank", metavar="N", default="0", help="rank to describe (default 0)")
+    g = p.add_argument_group("GPU pool (one rank)")
+    g.add_argument("--gpu-mem", metavar="SIZE", default="80GiB", help="device memory (80GiB)")
+    g.add_argument(
+        "--gpu-util", metavar="FRACTION", default="0.9", help="share for the engine, (0,1] (0.9)"
+    )
+    g.add_argument(
+        "--weights",
+        metavar="SIZE",
+        help="weight bytes on one rank (default: params x --weight-bytes-per-param / TP)",
+    )
+    g.add_argument(
+        "--weight-bytes-per-param",
+        metavar="B",
+        default="2",
+        help="bytes per weight for the default (2 = bf16; ~0.53 for MXFP4 experts)",
+    )
+    g.add_argument(
+        "--reserved",
+        metavar="SIZE",
+        default="0",
+        help="other memory held on the rank: activations, CUDA graphs, other processes (0)",
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--concurrency", metavar="N", default="64", help="concurrent requests (64)")
+    w.add_argument("--prompt-tokens", metavar="N", default="2048", help="prompt length (2048)")
+    w.add_argument(
+        "--max-output-tokens", metavar="N", default="512", help="max generated tokens (512)"
+    )
+    w.add_argument(
+        "--prefill-chunk",
+        metavar="N",
+        default="0",
+        help="tokens per prefill step (vLLM max_num_batched_tokens); 0 = whole prompt (0)",
+    )
+    w.add_argument(
+        "--max-seqs", metavar="N", help="concurrency cap for 'pages left' (default: --concurrency)"
+    )
+    h = p.add_argument_group("host tiers")
+    h.add_argument("--dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
+    h.add_argument("--ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _count(value: str | None, flag: str, minimum: int = 0) -> int:
+    if value is None:
+        raise UsageError(f"this model needs {flag}")
+    try:
+        n = int(value.strip())
+    except ValueError:
+        raise UsageError(f"{flag} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise UsageError(f"{flag} must be >= {minimum}, got {n}")
+    return n
+
+
+def _param_count(value: str) -> int:
+    try:
+        d = Decimal(value.strip())
+    except InvalidOperation:
+        raise UsageError(f"--params must be a number such as 8.03e9, got {value!r}") from None
+    if not d.is_finite() or d < 0 or d != d.to_integral_value():
+        raise UsageError(f"--params must be a non-negative whole count, got {value!r}")
+    return int(d)
+
+
+def _fraction(value: str, flag: str, low_open: float, high: float) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise UsageError(f"{flag} must be a number, got {value!r}") from None
+    if not math.isfinite(x) or not low_open < x <= high:
+        raise UsageError(f"{flag} must be in ({low_open:g}, {high:g}], got {value}")
+    return x
+
+
+def _custom_model(a: argparse.Namespace) -> ModelSpec:
+    pattern_text = a.layer_pattern or ("mla" if a.kv_lora_rank is not None else "full")
+    kinds = [k.strip().lower() for k in pattern_text.split(",")]
+    pattern: list[LayerSpec] = []
+    for kind in kinds:
+        if kind == "full":
+            pattern.append(LayerSpec.full())
+        elif kind == "sliding":
+            pattern.append(LayerSpec.sliding(_count(a.window, "--window", 1)))
+        elif kind == "mla":
+            rank = _count(a.kv_lora_rank, "--kv-lora-rank", 1)
+            pattern.append(LayerSpec.mla(rank, _count(a.rope_dim or "0", "--rope-dim")))
+        elif kind == "recurrent":
+            if a.state_bytes is None:
+                raise UsageError("recurrent layers need --state-bytes")
+            state = parse_size(a.state_bytes, "--state-bytes").bytes
+            heads = _count(a.state_heads or "1", "--state-heads", 1)
+            pattern.append(LayerSpec.recurrent(state, heads))
+        else:
+            raise UsageError(f"--layer-pattern: unknown kind {kind!r} (full|sliding|mla|recurrent)")
+    layers = alternating(pattern, _count(a.layers, "--layers", 1))
+    has_heads = any(k in ("full", "sliding") for k in kinds)
+    kv_heads = _count(a.kv_heads, "--kv-heads", 1) if has_heads else 1
+    head_dim = _count(a.head_dim, "--head-dim", 1) if has_heads or a.head_dim else 1
+    heads = _count(a.attention_heads or str(kv_heads), "--attention-heads", 1)
+    params = _param_count(a.params) if a.params is not None else 0
+    return ModelSpec(
+        name="custom",
+        hf_repo="",
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        layers=layers,
+        total_params=params,
+        active_params=params,
+        vocab_size=0,
+    )
+
+
+def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
+    shape = [f for f in _SHAPE_FLAGS if getattr(a, f) is not None]
+    sources = [s for s, given in (("--preset", a.preset), ("--hf-config", a.hf_config)) if given]
+    if shape:
+        sources.append("--" + shape[0].replace("_", "-"))
+    if len(sources) > 1:
+        raise UsageError(f"give one model source, not {' and '.join(sources)}")
+    if a.preset is not None:
+        spec, source = get_preset(a.preset), f"preset {a.preset}"
+    elif a.hf_config is not None:
+        from kvtier.hfconfig import read_hf_config
+
+        spec, source = read_hf_config(a.hf_config), f"HF config {a.hf_config}"
+    elif shape:
+        spec, source = _custom_model(a), "flags"
+    else:
+        raise UsageError("no model: give --preset NAME, --hf-config PATH or --layers/--kv-heads")
+    if a.params is not None and not shape:
+        n = _param_count(a.params)
+        spec = ModelSpec(**{**_fields(spec), "total_params": n, "active_params": n})
+    return spec, source
+
+
+def _fields(spec: ModelSpec) -> dict[str, Any]:
+    return {f: getattr(spec, f) for f in ModelSpec.__slots__}
+
+
+def _kv_formula(layout: KVLayout) -> str:
+    e, s = layout.dtype.itemsize, layout.fp8_scale_bytes
+    parts = []
+    for spec, n in layout.kinds().items():
+        what = f"{n} {spec.describe()} layers"
+        if spec.kind.value in ("full", "sliding"):
+            vec = f"({layout.head_dim} x {e} + {s} B)" if s else f"{layout.head_dim} x {e} B"
+            parts.append(f"2 x {what} x {layout.kv_heads_per_rank} heads x {vec}")
+        elif spec.kind.value == "mla":
+            lat = f"({spec.kv_lora_rank} + {spec.rope_dim}) x {e} B"
+            parts.append(f"{what} x ({lat} + {s} B)" if s else f"{what} x {lat}")
+    return " + ".join(parts) or "0 (no attention layers)"
+
+
+def compute(a: argparse.Namespace) -> dict[str, Any]:
+    """The whole answer as a JSON-ready dict (the `--json` output)."""
+    spec, source = _model(a)
+    dtype = DType.parse(a.dtype)
+    tp = _count(a.tp, "--tp", 1)
+    layout = spec.layout(
+        dtype=dtype,
+        block_tokens=_count(a.block_tokens, "--block-tokens", 1),
+        tp_size=tp,
+        tp_rank=_count(a.tp_rank, "--tp-rank", 0),
+        fp8_scale_bytes=_count(a.fp8_scale_bytes, "--fp8-scale-bytes", 0),
+    )
+    device = parse_size(a.gpu_mem, "--gpu-mem")
+    if a.weights is not None:
+        weights = parse_size(a.weights, "--weights").bytes
+        weights_note = f"--weights {a.weights}"
+    else:
+        per = _fraction(a.weight_bytes_per_param, "--weight-bytes-per-param", 0.0, 8.0)
+        weights = math.ceil(spec.total_params * per / tp)
+        weights_note = f"{spec.total_params:,} params x {per:g} B / TP {tp}"
+        if spec.total_params == 0:
+            weights_note = "0: parameter count unknown (give --params or --weights)"
+    pool = GpuPool(
+        device.bytes,
+        _fraction(a.gpu_util, "--gpu-util", 0.0, 1.0),
+        weights,
+        parse_size(a.reserved, "--reserved").bytes,
+    )
+    page = page_bytes(layout)
+    pool_pages = max(0, pool.usable_bytes) // page if page else 0
+    concurrency = _count(a.concurrency, "--concurrency", 1)
+    load = Workload(
+        concurrency,
+        _count(a.prompt_tokens, "--prompt-tokens", 1),
+        _count(a.max_output_tokens, "--max-output-tokens", 0),
+        _count(a.prefill_chunk, "--prefill-chunk", 0),
+        _count(a.max_seqs, "--max-seqs", 1) if a.max_seqs is not None else concurrency,
+    )
+    plan = plan_workload(layout, pool_pages, load)
+    full_len = load.prompt_tokens + load.max_output_tokens
+    groups = [
+        {
+            "kind": g.spec.kind.value,
+            "layer": g.spec.describe(),
+            "layers": g.layers,
+            "group_size": g.group_size,
+            "admission_pages_per_seq": group_pages(
+                layout, g.spec, load.prompt_tokens, load.admission_in_flight
+            ),
+            "full_growth_pages_per_seq": group_pages(layout, g.spec, full_len, 1),
+        }
+        for g in kv_groups(layout)
+    ]
+    tiers = {}
+    for name, text in (("dram", a.dram), ("ssd", a.ssd)):
+        size: Size | None = parse_size(text, f"--{name}") if text is not None else None
+        cap = tier_capacity(layout, size.bytes) if size else None
+        tiers[name] = (
+            {
+                "bytes": cap.capacity_bytes,
+                "unit": size.explain(),
+                "blocks": cap.blocks,
+                "tokens": cap.tokens,
+            }
+            if cap and size
+            else None
+        )
+    return {
+        "model": {
+            "name": spec.name,
+            "source": source,
+            "hf_repo": spec.hf_repo,
+            "layers": layout.describe(),
+            "num_layers": spec.num_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_kv_heads": spec.num_kv_heads,
+            "kv_heads_per_rank": layout.kv_heads_per_rank,
+            "head_dim": spec.head_dim,
+            "total_params": spec.total_params,
+            "active_params": spec.active_params,
+        },
+        "dtype": dtype.value,
+        "fp8_scale_bytes": layout.fp8_scale_bytes,
+        "block_tokens": layout.block_tokens,
+        "tp_size": layout.tp_size,
+        "tp_rank": layout.tp_rank,
+        "fingerprint": layout.fingerprint().hex(),
+        "kv_formula": _kv_formula(layout),
+        "kv_bytes_per_token": layout.bytes_per_token(),
+        "kv_bytes_per_token_total": layout.bytes_per_token_total(),
+        "block_bytes": layout.block_bytes(),
+        "block_bytes_total": layout.block_bytes_total(),
+        "state_bytes_per_sequence": layout.state_bytes_per_sequence(),
+        "page_bytes": page,
+        "kv_groups": groups,
+        "gpu_bytes": pool.device_bytes,
+        "gpu_bytes_unit": f"{a.gpu_mem}: "
+        + (f"{device.unit} = {device.meaning}" if device.unit else device.meaning),
+        "gpu_util": pool.utilization,
+        "gpu_budget_bytes": pool.budget_bytes,
+        "weights_bytes": pool.weights_bytes,
+        "weights_note": weights_note,
+        "reserved_bytes": pool.reserved_bytes,
+        "usable_kv_bytes": pool.usable_bytes,
+        "pool_pages": pool_pages,
+        "concurrency": load.concurrency,
+        "prompt_tokens": load.prompt_tokens,
+        "max_output_tokens": load.max_output_tokens,
+        "prefill_chunk": load.prefill_chunk,
+        "max_seqs": load.concurrency_cap,
+        "admission_pages_per_seq": plan.admission_pages_per_seq,
+        "full_growth_pages_per_seq": plan.full_pages_per_seq,
+        "admission_pages": plan.admission_pages,
+        "full_growth_pages": plan.full_growth_pages,
+        "full_growth_pages_if_summed": plan.full_pages_if_summed,
+        "admission_fits": plan.admission_fits,
+        "full_growth_fits": plan.full_growth_fits,
+        "concurrency_ceiling": plan.concurrency_ceiling,
+        "pages_left_at_max_seqs": plan.pages_left_at_cap,
+        "dram": tiers["dram"],
+        "ssd": tiers["ssd"],
+    }
+
+
+def _b(n: int) -> str:
+    return f"{n:,} B ({format_bytes(n)})"
+
+
+def render(r: dict[str, Any]) -> str:
+    """The human table for `compute`'s result."""
+    m, tp = r["model"], r["tp_size"]
+    yes = {True: "yes", False: "NO"}
+    lines = [
+        f"model        {m['name']}  ({m['source']})",
+        f"layout       {m['layers']}",
+        f"fingerprint  {r['fingerprint']}",
+        "",
+        "KV per token",
+        f"  per rank   {_b(r['kv_bytes_per_token'])} = {r['kv_formula']}",
+        f"  all ranks  {_b(r['kv_bytes_per_token_total'])} = TP {tp} x per rank",
+        f"KV per block ({r['block_tokens']} tokens)",
+        f"  per rank   {_b(r['block_bytes'])} = {r['block_tokens']} tokens x per-token bytes",
+        f"  all ranks  {_b(r['block_bytes_total'])}",
+    ]
+    if r["state_bytes_per_sequence"]:
+        lines.append(f"recurrent state per sequence (rank): {_b(r['state_bytes_per_sequence'])}")
+    lines += [
+        "",
+        "GPU pool (one rank)",
+        f"  device memory        {_b(r['gpu_bytes'])}  [{r['gpu_bytes_unit']}]",
+        f"  x utilization {r['gpu_util']:<6g} {_b(r['gpu_budget_bytes'])}",
+        f"  - weights            {_b(r['weights_bytes'])}  [{r['weights_note']}]",
+        f"  - other reserved     {_b(r['reserved_bytes'])}",
+        f"  = usable KV          {_b(r['usable_kv_bytes'])}"
+        + ("  (weights do not fit)" if r["usable_kv_bytes"] < 0 else ""),
+        f"  page                 {_b(r['page_bytes'])}",
+        f"  usable pages         {r['pool_pages']:,} = floor(usable / page)",
+        "",
+        f"workload     {r['concurrency']} requests x ({r['prompt_tokens']} prompt + "
+        f"{r['max_output_tokens']} output tokens), prefill chunk "
+        + (f"{r['prefill_chunk']} tokens" if r["prefill_chunk"] else "= whole prompt"),
+        f"                    per sequence   x {r['concurrency']:<8} fits in {r['pool_pages']:,}?",
+        f"  at admission      {r['admission_pages_per_seq']:<14,} {r['admission_pages']:<10,} "
+        f"{yes[r['admission_fits']]}",
+        f"  at full growth    {r['full_growth_pages_per_seq']:<14,} {r['full_growth_pages']:<10,} "
+        f"{yes[r['full_growth_fits']]}",
+        "  pages per sequence by KV-cache group (admission / full growth):",
+    ]
+    for g in r["kv_groups"]:
+        lines.append(
+            f"    {g['layer']:<34} {g['layers']:>3} layers (group of {g['group_size']}): "
+            f"{g['admission_pages_per_seq']} / {g['full_growth_pages_per_seq']}"
+        )
+    lines += [
+        f"  (ceil per sequence; ceil on the summed tokens would claim "
+        f"{r['full_growth_pages_if_summed']:,} pages at full growth)",
+        f"  concurrency ceiling at full length: {r['concurrency_ceiling']:,} "
+        f"= floor({r['pool_pages']:,} / {r['full_growth_pages_per_seq']:,})",
+        f"  pages left at {r['max_seqs']} sequences: {r['pages_left_at_max_seqs']:,}",
+    ]
+    if r["dram"] or r["ssd"]:
+        lines.append("")
+    for name in ("dram", "ssd"):
+        t = r[name]
+        if t:
+            lines += [
+                f"{name.upper()} tier     {t['unit']}",
+                f"  holds {t['blocks']:,} blocks of {format_bytes(r['block_bytes'])} (one rank's "
+                f"layout) = {t['tokens']:,} tokens with all {tp} ranks' KV",
+            ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        for name in list_presets():
+            s = get_preset(name)
+            print(
+                f"{name:<16} {s.hf_repo:<30} {s.total_params / 1e9:7.2f}B total "
+                f"{s.active_params / 1e9:7.2f}B active"
+            )
+        return 0
+    result = compute(args)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
