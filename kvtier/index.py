@@ -1,0 +1,629 @@
+"""The prefix index: which blocks are cached, in which tiers, who pins them, what to evict next.
+
+Pure bookkeeping — no I/O, no tensors, no protobuf, no threads. Entries are keyed by
+``(tenant, key)``: the tenant is a small int or str chosen by the server after authentication, the
+key the block key of `kvtier.hashing` (opaque bytes here). One `Block` per entry.
+
+Residency. An entry exists exactly while the daemon *stores* the block: in a DRAM slot, on SSD,
+or both (promotion keeps the SSD copy, so a later DRAM eviction of that block is a free demotion).
+HBM is the engines' memory: replicas report what they hold (`hbm_add`/`hbm_drop`) and the index
+keeps that as a per-replica bit mask on stored entries, for lookups and statistics; it never
+evicts HBM, and HBM never keeps an entry alive.
+
+Invariants (checked by tests/test_index_props.py after every step):
+
+1. No stranded block: every entry's parent is an entry of the same tenant (or it is a root).
+   A chain can only hit from its first block, so a block under a missing parent is dead weight.
+   Hence a block leaves its *last* tier only as a leaf (``children == 0``), and the block that
+   leaves DRAM while it has an SSD copy (demotion) keeps its children reachable.
+2. SSD is prefix-closed: a block gets an SSD copy only if it is a root or its parent is on SSD.
+   So the SSD tier alone always serves whole prefixes and, after a daemon crash (DRAM lost), holds
+   no stranded block; and a DRAM-only block only has DRAM-only descendants, so DRAM always has a
+   leaf or a demotable block to evict unless everything is pinned.
+3. A pinned block (``pins > 0``) is never evicted, dropped, demoted or removed.
+4. ``blocks(tier) <= capacity(tier)``; an insert/promotion into a full tier raises `TierFull`
+   and changes nothing — the caller evicts first.
+5. Counters (`stats`) equal a recount at every step.
+
+Eviction structure. Each managed tier has one eviction queue (a `kvtier.policies` strategy over
+intrusive links in the blocks) holding exactly the blocks that may leave that tier now:
+
+    DRAM queue: unpinned, in DRAM, and (on SSD too  -> eviction = demotion, children stay
+                                         or a leaf   -> eviction drops its last tier)
+    SSD queue:  unpinned, on SSD only, and a leaf    -> eviction drops its last tier
+
+A block is in at most one queue (an SSD copy of a DRAM-resident block is not reclaimed by SSD
+eviction; the block's DRAM eviction turns it into an SSD-only block first). Membership is
+re-derived in O(1) whenever pins, residency or the child count change, so choosing a victim is
+popping the queue's cold end — never a scan. A block entering a queue (unpinned, its last child
+gone, an SSD copy added, demoted) goes to the cold end if it was last used no later than the
+queue's coldest block, else to the hot end; so a chain used together drains tail-first, and the
+order is exact LRU whenever entering blocks are older than all or newer than all.
+
+Access statistics: `hits` counts accesses (the commit is the first, each lookup hit adds one);
+`last` is the index's logical clock at the last access (one tick per public call).
+
+Exceptions are `IndexStateError` subclasses; a call that raises has changed nothing.
+Threading: not thread-safe; the owner serialises calls (the daemon holds one lock around it).
+Block objects returned are live views: read them, never write them, and don't keep them across
+calls that may remove the entry.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvtier.errors import KvtierError
+from kvtier.policies import EvictionQueue, KthAccess, make_queue
+from kvtier.types import BlockKey, Tier
+
+Tenant = int | str
+
+IN_DRAM = 1 << 1
+ON_SSD = 1 << 2
+Q_DRAM = 1 << 3
+Q_SSD = 1 << 4
+_STORED = IN_DRAM | ON_SSD
+_QUEUED = Q_DRAM | Q_SSD
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One cached block. Fields are owned by the index (and its queue links by the policy)."""
+
+    key: BlockKey
+    tenant: Tenant
+    parent: Block | None = field(repr=False)
+    children: int = 0
+    flags: int = 0
+    dram_slot: int | None = None
+    hbm: int = 0
+    pins: int = 0
+    hits: int = 0
+    last: int = 0
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+    @property
+    def in_dram(self) -> bool:
+        return bool(self.flags & IN_DRAM)
+
+    @property
+    def on_ssd(self) -> bool:
+        return bool(self.flags & ON_SSD)
+
+    @property
+    def parent_key(self) -> BlockKey | None:
+        return None if self.parent is None else self.parent.key
+
+
+class IndexStateError(KvtierError):
+    """An index operation that does not apply to the current state; nothing was changed."""
+
+
+class UnknownBlock(IndexStateError):
+    pass
+
+
+class MissingParent(IndexStateError):
+    pass
+
+
+class DuplicateBlock(IndexStateError):
+    pass
+
+
+class PinnedBlock(IndexStateError):
+    pass
+
+
+class NotEvictable(IndexStateError):
+    """Dropping the block's last tier would strand its children."""
+
+
+class TierFull(IndexStateError):
+    pass
+
+
+class BadSlot(IndexStateError):
+    pass
+
+
+class Reason(enum.Enum):
+    DEMOTED = "demoted"
+    """DRAM copy dropped; the block stays on SSD with its children reachable."""
+    WRITTEN_BACK = "written_back"
+    """Like DEMOTED, but the SSD copy is new: the caller writes the bytes from `dram_slot` first."""
+    WRITTEN = "written"
+    """No eviction: an SSD copy was added (the block stays in DRAM at `dram_slot`, which is not
+    freed); the caller writes the bytes. Ancestors of a WRITTEN_BACK block, for prefix closure."""
+    COPY_DROPPED = "copy_dropped"
+    """SSD copy dropped; the block stays in DRAM."""
+    DROPPED = "dropped"
+    """The block left its last tier; the entry is gone."""
+
+
+EVICTION_COUNTERS = ("dram_demoted", "dram_written_back", "dram_dropped", "ssd_copy_dropped",
+                     "ssd_dropped", "removed")
+"""Keys of `IndexStats.evictions`: `<tier>_<reason>` of every eviction/drop, and `removed`."""
+
+
+class Evicted(NamedTuple):
+    """What one eviction/drop did to one block in `tier`. `dram_slot`: the DRAM slot freed (the
+    copy source for WRITTEN, which frees nothing); None if no slot is involved."""
+
+    tenant: Tenant
+    key: BlockKey
+    tier: Tier
+    reason: Reason
+    dram_slot: int | None
+
+
+class Prefix(NamedTuple):
+    """The longest cached prefix of a key chain: its blocks and each one's best tier."""
+
+    blocks: list[Block]
+    tiers: list[Tier]
+
+
+class IndexStats(NamedTuple):
+    entries: int
+    dram_blocks: int
+    ssd_blocks: int
+    hbm_blocks: int
+    pinned_blocks: int
+    pins: int
+    evictable_dram: int
+    evictable_ssd: int
+    dram_capacity: int | None
+    ssd_capacity: int | None
+    block_bytes: int | None
+    ssd_writes: int
+    """SSD copies added by any call (insert, add_tier, demote, write-back)."""
+    evictions: dict[str, int]
+    """`EVICTION_COUNTERS` -> count."""
+
+
+class PrefixIndex:
+    """Prefix index over DRAM and SSD with HBM annotations (contract in the module docstring).
+
+    `dram_blocks`/`ssd_blocks`: tier capacities in blocks (None = unbounded). DRAM slot ids, when
+    used, are validated against ``range(dram_blocks)`` and must be unique. `block_bytes`: the
+    fixed size of one block, for byte accounting. `policy`: a `kvtier.policies.POLICIES` name.
+    `admission_k`: SSD admission on the k-th access.
+    """
+
+    def __init__(
+        self,
+        *,
+        dram_blocks: int | None = None,
+        ssd_blocks: int | None = None,
+        block_bytes: int | None = None,
+        policy: str = "lru",
+        admission_k: int = 2,
+    ) -> None:
+        for name, cap in (("dram_blocks", dram_blocks), ("ssd_blocks", ssd_blocks)):
+            if cap is not None and cap < 0:
+                raise ValueError(f"{name} must be >= 0, got {cap}")
+        self._cap = {Tier.DRAM: dram_blocks, Tier.SSD: ssd_blocks}
+        self._count = {Tier.DRAM: 0, Tier.SSD: 0}
+        self._queue: dict[Tier, EvictionQueue] = {
+            Tier.DRAM: make_queue(policy),
+            Tier.SSD: make_queue(policy),
+        }
+        self.policy = policy
+        self.admission = KthAccess(admission_k)
+        self.block_bytes = block_bytes
+        self._slots: list[Block | None] = [None] * dram_blocks if dram_blocks else []
+        self._maps: dict[Tenant, dict[BlockKey, Block]] = {}
+        self._replicas: dict[str | int, int] = {}
+        self._clock = 0
+        self._entries = 0
+        self._hbm_blocks = 0
+        self._pinned = 0
+        self._pins = 0
+        self._ssd_writes = 0
+        self._evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
+
+    # ---------------------------------------------------------------- queries
+    def get(self, tenant: Tenant, key: BlockKey) -> Block | None:
+        m = self._maps.get(tenant)
+        return None if m is None else m.get(key)
+
+    def __len__(self) -> int:
+        return self._entries
+
+    def capacity(self, tier: Tier) -> int | None:
+        return self._cap[tier]
+
+    def blocks(self, tier: Tier) -> int:
+        return self._hbm_blocks if tier is Tier.HBM else self._count[tier]
+
+    def free(self, tier: Tier) -> int | None:
+        """Blocks that fit into `tier` without evicting (None = unbounded)."""
+        cap = self._cap[tier]
+        return None if cap is None else cap - self._count[tier]
+
+    def lookup(
+        self,
+        tenant: Tenant,
+        keys: Sequence[BlockKey],
+        *,
+        replica: str | int | None = None,
+        touch: bool = True,
+    ) -> Prefix:
+        """Longest cached prefix of the chain `keys` (keys[0] a root, each next key's parent the
+        previous one; the walk stops at the first key not cached *as that chain's next block*).
+
+        Best tier per block: HBM if `replica` holds it (any replica when `replica` is None),
+        else DRAM, else SSD. With `touch`, each hit block counts an access (hits, last, and its
+        eviction-queue position). O(len(prefix)).
+        """
+        blocks: list[Block] = []
+        tiers: list[Tier] = []
+        m = self._maps.get(tenant)
+        if m is None:
+            return Prefix(blocks, tiers)
+        if replica is None:
+            mask = -1
+        else:
+            bit = self._replicas.get(replica)
+            mask = 0 if bit is None else 1 << bit
+        self._clock += 1
+        now = self._clock
+        hbm, dram, ssd = Tier.HBM, Tier.DRAM, Tier.SSD
+        qd, qs = self._queue[dram], self._queue[ssd]
+        parent = None
+        for key in keys:
+            b = m.get(key)
+            if b is None or b.parent is not parent:
+                break
+            f = b.flags
+            tiers.append(hbm if b.hbm & mask else dram if f & IN_DRAM else ssd)
+            blocks.append(b)
+            if touch:
+                b.hits += 1
+                b.last = now
+                if f & Q_DRAM:
+                    qd.touch(b)
+                elif f & Q_SSD:
+                    qs.touch(b)
+            parent = b
+        return Prefix(blocks, tiers)
+
+    # ---------------------------------------------------------------- commit
+    def insert(
+        self,
+        tenant: Tenant,
+        key: BlockKey,
+        parent: BlockKey | None,
+        tier: Tier = Tier.DRAM,
+        *,
+        dram_slot: int | None = None,
+    ) -> Block:
+        """Record a committed block stored in `tier` (DRAM or SSD) under `parent` (None = root).
+
+        Raises DuplicateBlock if (tenant, key) is cached (one payload per key: the caller frees
+        its copy), MissingParent if `parent` is not cached, TierFull, BadSlot.
+        """
+        if not isinstance(key, bytes) or not key:
+            raise TypeError("a block key is non-empty bytes")
+        if tier is Tier.HBM:
+            raise ValueError("HBM residency is reported with hbm_add, not inserted")
+        m = self._maps.get(tenant)
+        if m is not None and key in m:
+            raise DuplicateBlock(f"block {key.hex()[:16]} of tenant {tenant!r} is already cached")
+        p = None
+        if parent is not None:
+            p = None if m is None else m.get(parent)
+            if p is None:
+                raise MissingParent(f"parent {parent.hex()[:16]} is not cached; insert it first")
+        self._check_room(tier, dram_slot)
+        if tier is Tier.SSD:
+            self._check_closure(p)
+        if m is None:
+            m = self._maps[tenant] = {}
+        self._clock += 1
+        b = Block(key, tenant, p, hits=1, last=self._clock)
+        m[key] = b
+        self._entries += 1
+        if p is not None:
+            p.children += 1
+            self._requeue(p)
+        self._add(b, tier, dram_slot)
+        return b
+
+    def add_tier(self, tenant: Tenant, key: BlockKey, tier: Tier, *,
+                 dram_slot: int | None = None) -> Block:
+        """A copy of a cached block now also lives in `tier`: promotion SSD -> DRAM (with its
+        slot), or a completed write-back DRAM -> SSD. Raises if already there, TierFull, BadSlot.
+        """
+        b = self._need(tenant, key)
+        if tier is Tier.HBM:
+            raise ValueError("HBM residency is reported with hbm_add")
+        if b.flags & (1 << tier):
+            raise DuplicateBlock(f"block {key.hex()[:16]} is already in {tier.label}")
+        self._check_room(tier, dram_slot)
+        if tier is Tier.SSD:
+            self._check_closure(b.parent)
+        self._add(b, tier, dram_slot)
+        return b
+
+    promote = add_tier
+
+    def demote(self, tenant: Tenant, key: BlockKey) -> Evicted:
+        """DRAM -> SSD bookkeeping once the bytes are on SSD: adds the SSD copy if missing and
+        drops the DRAM copy; children stay reachable. Raises PinnedBlock, TierFull."""
+        b = self._need(tenant, key)
+        if not b.flags & IN_DRAM:
+            raise UnknownBlock(f"block {key.hex()[:16]} is not in dram")
+        if b.pins:
+            raise PinnedBlock(f"block {key.hex()[:16]} is pinned")
+        written = not b.flags & ON_SSD
+        if written:
+            self._check_room(Tier.SSD, None)
+            self._check_closure(b.parent)
+            self._add(b, Tier.SSD, None)
+        return self._drop(b, Tier.DRAM, Reason.WRITTEN_BACK if written else None)
+
+    def drop(self, tenant: Tenant, key: BlockKey, tier: Tier) -> Evicted:
+        """Drop the copy in `tier`. Raises PinnedBlock, or NotEvictable when it is the block's
+        last tier and it has children."""
+        b = self._need(tenant, key)
+        if tier is Tier.HBM or not b.flags & (1 << tier):
+            raise UnknownBlock(f"block {key.hex()[:16]} is not in {tier.label}")
+        if b.pins:
+            raise PinnedBlock(f"block {key.hex()[:16]} is pinned")
+        if b.children and (tier is Tier.SSD or not b.flags & ON_SSD):
+            raise NotEvictable(f"block {key.hex()[:16]} has {b.children} cached children")
+        return self._drop(b, tier, None)
+
+    def remove(self, tenant: Tenant, key: BlockKey) -> list[Evicted]:
+        """Remove a leaf block from every tier (e.g. its SSD copy failed verification)."""
+        b = self._need(tenant, key)
+        if b.pins:
+            raise PinnedBlock(f"block {key.hex()[:16]} is pinned")
+        if b.children:
+            raise NotEvictable(f"block {key.hex()[:16]} has {b.children} cached children")
+        out = []
+        if b.flags & ON_SSD and b.flags & IN_DRAM:
+            out.append(self._drop(b, Tier.SSD, None, count=False))
+        last = Tier.DRAM if b.flags & IN_DRAM else Tier.SSD
+        out.append(self._drop(b, last, None, count=False))
+        self._evictions["removed"] += 1
+        return out
+
+    # ---------------------------------------------------------------- leases
+    def pin(self, tenant: Tenant, key: BlockKey) -> Block:
+        """Take one lease: the block cannot leave any tier until the matching `unpin`."""
+        b = self._need(tenant, key)
+        if not b.pins:
+            self._pinned += 1
+        b.pins += 1
+        self._pins += 1
+        self._requeue(b)
+        return b
+
+    def unpin(self, tenant: Tenant, key: BlockKey) -> Block:
+        b = self._need(tenant, key)
+        if not b.pins:
+            raise IndexStateError(f"block {key.hex()[:16]} is not pinned")
+        b.pins -= 1
+        self._pins -= 1
+        if not b.pins:
+            self._pinned -= 1
+            self._requeue(b)
+        return b
+
+    # ---------------------------------------------------------------- HBM reports
+    def hbm_add(self, replica: str | int, tenant: Tenant, key: BlockKey) -> bool:
+        """Replica reports holding the block in HBM. False (ignored) if the block is not cached."""
+        b = self.get(tenant, key)
+        if b is None:
+            return False
+        bit = self._replicas.get(replica)
+        if bit is None:
+            used = set(self._replicas.values())
+            bit = self._replicas[replica] = next(i for i in range(len(used) + 1) if i not in used)
+        if not b.hbm:
+            self._hbm_blocks += 1
+        b.hbm |= 1 << bit
+        return True
+
+    def hbm_drop(self, replica: str | int, tenant: Tenant, key: BlockKey) -> bool:
+        b = self.get(tenant, key)
+        bit = self._replicas.get(replica)
+        if b is None or bit is None or not b.hbm >> bit & 1:
+            return False
+        b.hbm &= ~(1 << bit)
+        if not b.hbm:
+            self._hbm_blocks -= 1
+        return True
+
+    def drop_replica(self, replica: str | int) -> int:
+        """Forget a replica (it restarted or left): O(entries), not for the hot path."""
+        bit = self._replicas.pop(replica, None)
+        if bit is None:
+            return 0
+        n = 0
+        for m in self._maps.values():
+            for b in m.values():
+                if b.hbm >> bit & 1:
+                    b.hbm &= ~(1 << bit)
+                    n += 1
+                    if not b.hbm:
+                        self._hbm_blocks -= 1
+        return n
+
+    # ---------------------------------------------------------------- eviction
+    def victims(self, tier: Tier, n: int) -> list[Block]:
+        """Up to `n` blocks that may leave `tier` now, coldest first; changes nothing. Each stays
+        evictable until a call touching that block (pin, insert of a child, lookup)."""
+        out: list[Block] = []
+        if n <= 0:
+            return out
+        for b in self._queue[tier]:
+            out.append(b)
+            if len(out) == n:
+                break
+        return out
+
+    def evict(self, tier: Tier, n: int, *, write_back: bool = False) -> list[Evicted]:
+        """Evict up to `n` blocks from `tier` (fewer if fewer are evictable), coldest first.
+
+        With `write_back` (DRAM only), a DRAM-only victim that the admission rule admits goes to
+        SSD (WRITTEN_BACK) together with its DRAM-only ancestors (WRITTEN, they stay in DRAM) to
+        keep SSD prefix-closed, evicting SSD leaves for room; without room it is DROPPED. The
+        result lists every change including those SSD evictions, in order. Meant for synchronous
+        callers (the simulator); the mover uses `victims` + `add_tier`/`demote`.
+        """
+        out: list[Evicted] = []
+        q = self._queue[tier]
+        done = 0
+        while done < n:
+            b = q.first()
+            if b is None:
+                break
+            done += 1
+            if (write_back and tier is Tier.DRAM and not b.flags & ON_SSD
+                    and self.admission.admits(b) and self._write_chain(b, out)):
+                out.append(self._drop(b, Tier.DRAM, Reason.WRITTEN_BACK))
+            else:
+                out.append(self._drop(b, tier, None))
+        return out
+
+    def _write_chain(self, b: Block, out: list[Evicted]) -> bool:
+        chain = [b]
+        p = b.parent
+        while p is not None and not p.flags & ON_SSD:
+            chain.append(p)
+            p = p.parent
+        free = self.free(Tier.SSD)
+        if free is not None and free < len(chain):
+            if free + len(self._queue[Tier.SSD]) < len(chain):
+                return False
+            out.extend(self.evict(Tier.SSD, len(chain) - free))
+        for c in reversed(chain):
+            self._add(c, Tier.SSD, None)
+            if c is not b:
+                out.append(Evicted(c.tenant, c.key, Tier.SSD, Reason.WRITTEN, c.dram_slot))
+        return True
+
+    def admits(self, b: Block) -> bool:
+        """The SSD admission rule (k-th access)."""
+        return self.admission.admits(b)
+
+    def stats(self) -> IndexStats:
+        return IndexStats(
+            entries=self._entries,
+            dram_blocks=self._count[Tier.DRAM],
+            ssd_blocks=self._count[Tier.SSD],
+            hbm_blocks=self._hbm_blocks,
+            pinned_blocks=self._pinned,
+            pins=self._pins,
+            evictable_dram=len(self._queue[Tier.DRAM]),
+            evictable_ssd=len(self._queue[Tier.SSD]),
+            dram_capacity=self._cap[Tier.DRAM],
+            ssd_capacity=self._cap[Tier.SSD],
+            block_bytes=self.block_bytes,
+            ssd_writes=self._ssd_writes,
+            evictions=dict(self._evictions),
+        )
+
+    # ---------------------------------------------------------------- internals
+    def _need(self, tenant: Tenant, key: BlockKey) -> Block:
+        b = self.get(tenant, key)
+        if b is None:
+            shown = key.hex()[:16] if isinstance(key, bytes) else repr(key)
+            raise UnknownBlock(f"block {shown} of tenant {tenant!r} is not cached")
+        return b
+
+    def _check_room(self, tier: Tier, slot: int | None) -> None:
+        cap = self._cap[tier]
+        if cap is not None and self._count[tier] >= cap:
+            raise TierFull(f"{tier.label} is full ({cap} blocks); evict first")
+        if slot is None:
+            return
+        if tier is not Tier.DRAM:
+            raise BadSlot("only DRAM copies have a slot")
+        if not isinstance(slot, int) or not 0 <= slot < len(self._slots):
+            raise BadSlot(f"DRAM slot {slot!r} is outside the pool (0..{len(self._slots) - 1})")
+        if self._slots[slot] is not None:
+            raise BadSlot(f"DRAM slot {slot} already holds another block")
+
+    def _check_closure(self, parent: Block | None) -> None:
+        if parent is not None and not parent.flags & ON_SSD:
+            raise MissingParent(
+                f"parent {parent.key.hex()[:16]} is not on SSD; SSD holds whole prefixes")
+
+    def _add(self, b: Block, tier: Tier, slot: int | None) -> None:
+        b.flags |= 1 << tier
+        self._count[tier] += 1
+        if tier is Tier.SSD:
+            self._ssd_writes += 1
+        if slot is not None:
+            b.dram_slot = slot
+            self._slots[slot] = b
+        self._requeue(b)
+
+    def _drop(self, b: Block, tier: Tier, reason: Reason | None, count: bool = True) -> Evicted:
+        slot = None
+        if tier is Tier.DRAM:
+            slot = b.dram_slot
+            if slot is not None:
+                self._slots[slot] = None
+                b.dram_slot = None
+        b.flags &= ~(1 << tier)
+        self._count[tier] -= 1
+        if b.flags & _STORED:
+            if reason is None:
+                reason = Reason.DEMOTED if tier is Tier.DRAM else Reason.COPY_DROPPED
+            self._requeue(b)
+        else:
+            reason = Reason.DROPPED
+            self._unlink(b)
+        if count:
+            self._evictions[f"{tier.label}_{reason.value}"] += 1
+        return Evicted(b.tenant, b.key, tier, reason, slot)
+
+    def _unlink(self, b: Block) -> None:
+        """Remove an entry that left its last tier (a leaf)."""
+        self._set_queue(b, 0)
+        if b.hbm:
+            self._hbm_blocks -= 1
+        m = self._maps[b.tenant]
+        del m[b.key]
+        if not m:
+            del self._maps[b.tenant]
+        self._entries -= 1
+        p = b.parent
+        if p is not None:
+            p.children -= 1
+            if not p.children:
+                self._requeue(p)
+
+    def _requeue(self, b: Block) -> None:
+        f = b.flags
+        want = 0
+        if not b.pins:
+            if f & IN_DRAM:
+                if f & ON_SSD or not b.children:
+                    want = Q_DRAM
+            elif f & ON_SSD and not b.children:
+                want = Q_SSD
+        if f & _QUEUED != want:
+            self._set_queue(b, want)
+
+    def _set_queue(self, b: Block, want: int) -> None:
+        if b.flags & Q_DRAM:
+            self._queue[Tier.DRAM].discard(b)
+        elif b.flags & Q_SSD:
+            self._queue[Tier.SSD].discard(b)
+        b.flags = (b.flags & ~_QUEUED) | want
+        if want:
+            q = self._queue[Tier.DRAM if want == Q_DRAM else Tier.SSD]
+            head = q.first()
+            q.push(b, cold=head is not None and b.last <= head.last)

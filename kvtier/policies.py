@@ -1,0 +1,241 @@
+"""Eviction orders and SSD admission for the prefix index: small strategies, O(1) per operation.
+
+An eviction queue holds the blocks of one tier that may be evicted *now* (the index decides
+membership; see `kvtier.index`). The queue only orders them. Blocks are linked intrusively through
+their own `prev`/`next` slots (vLLM free-block-queue style), so push, discard and touch are O(1)
+and a block is in at most one queue at a time.
+
+    coldest ─▶ b ⇄ b ⇄ b ⇄ b ◀─ hottest          (iteration order = eviction order)
+
+Policies:
+
+- ``lru`` (default): one list; a touch moves the block to the hot end.
+- ``slru``: segmented LRU, frequency-aware. A block accessed fewer than two times sits in the
+  *probation* list, one accessed again moves to the *protected* list; protected holds at most
+  `protected_fraction` of the queue (its coldest overflow falls back to probation's hot end).
+  Victims come from probation first, so one-shot blocks (a long document read once) cannot flush
+  blocks that are reused (a shared system prompt).
+
+SSD admission: `KthAccess(k)` admits a block to SSD once it has been accessed k times (the commit
+counts as the first access, each lookup hit as one more); k = 2 keeps one-shot prefixes off the
+drive, k = 1 writes everything back.
+
+Threading: none of this is thread-safe; the index's owner serialises calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.index import Block
+
+PROTECTED = 1 << 7
+"""Bit of `Block.flags` reserved for policies (set while a block is in SLRU's protected list)."""
+
+
+class BlockList:
+    """Intrusive doubly linked list over `Block.prev`/`Block.next`; `None` ends the list."""
+
+    __slots__ = ("head", "size", "tail")
+
+    def __init__(self) -> None:
+        self.head: Block | None = None
+        self.tail: Block | None = None
+        self.size = 0
+
+    def append(self, b: Block) -> None:
+        tail = self.tail
+        b.prev = tail
+        b.next = None
+        if tail is None:
+            self.head = b
+        else:
+            tail.next = b
+        self.tail = b
+        self.size += 1
+
+    def appendleft(self, b: Block) -> None:
+        head = self.head
+        b.next = head
+        b.prev = None
+        if head is None:
+            self.tail = b
+        else:
+            head.prev = b
+        self.head = b
+        self.size += 1
+
+    def unlink(self, b: Block) -> None:
+        p, n = b.prev, b.next
+        if p is None:
+            self.head = n
+        else:
+            p.next = n
+        if n is None:
+            self.tail = p
+        else:
+            n.prev = p
+        b.prev = b.next = None
+        self.size -= 1
+
+    def move_to_end(self, b: Block) -> None:
+        if self.tail is not b:
+            self.unlink(b)
+            self.append(b)
+
+    def __iter__(self) -> Iterator[Block]:
+        b = self.head
+        while b is not None:
+            nxt = b.next
+            yield b
+            b = nxt
+
+
+class EvictionQueue:
+    """Order over the evictable blocks of one tier. Subclasses are the policies.
+
+    Contract: `push` only blocks not in any queue, `discard`/`touch` only blocks in this queue;
+    `touch` is called after the index has updated the block's `hits`/`last`. Iteration is coldest
+    first and tolerates discarding the block just yielded, nothing else.
+    """
+
+    __slots__ = ()
+    name = ""
+
+    def push(self, b: Block, cold: bool = False) -> None:
+        """Add an evictable block; `cold` places it at the eviction end instead of the hot end."""
+        raise NotImplementedError
+
+    def discard(self, b: Block) -> None:
+        raise NotImplementedError
+
+    def touch(self, b: Block) -> None:
+        raise NotImplementedError
+
+    def first(self) -> Block | None:
+        """The next victim, or None when nothing is evictable."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Block]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+class LruQueue(EvictionQueue):
+    __slots__ = ("_list",)
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._list = BlockList()
+
+    def push(self, b: Block, cold: bool = False) -> None:
+        if cold:
+            self._list.appendleft(b)
+        else:
+            self._list.append(b)
+
+    def discard(self, b: Block) -> None:
+        self._list.unlink(b)
+
+    def touch(self, b: Block) -> None:
+        self._list.move_to_end(b)
+
+    def first(self) -> Block | None:
+        return self._list.head
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._list)
+
+    def __len__(self) -> int:
+        return self._list.size
+
+
+class SlruQueue(EvictionQueue):
+    __slots__ = ("_fraction", "_probation", "_protected")
+    name = "slru"
+
+    def __init__(self, protected_fraction: float = 0.8) -> None:
+        if not 0.0 < protected_fraction < 1.0:
+            raise ValueError(f"protected_fraction must be in (0, 1), got {protected_fraction}")
+        self._fraction = protected_fraction
+        self._probation = BlockList()
+        self._protected = BlockList()
+
+    def push(self, b: Block, cold: bool = False) -> None:
+        if b.hits >= 2:
+            b.flags |= PROTECTED
+            seg = self._protected
+        else:
+            seg = self._probation
+        if cold:
+            seg.appendleft(b)
+        else:
+            seg.append(b)
+        self._rebalance()
+
+    def discard(self, b: Block) -> None:
+        if b.flags & PROTECTED:
+            b.flags &= ~PROTECTED
+            self._protected.unlink(b)
+        else:
+            self._probation.unlink(b)
+
+    def touch(self, b: Block) -> None:
+        if b.flags & PROTECTED:
+            self._protected.move_to_end(b)
+        elif b.hits >= 2:
+            self._probation.unlink(b)
+            b.flags |= PROTECTED
+            self._protected.append(b)
+            self._rebalance()
+        else:
+            self._probation.move_to_end(b)
+
+    def _rebalance(self) -> None:
+        protected, probation = self._protected, self._probation
+        limit = max(1, int(self._fraction * (protected.size + probation.size)))
+        while protected.size > limit and protected.head is not None:
+            b = protected.head
+            protected.unlink(b)
+            b.flags &= ~PROTECTED
+            probation.append(b)
+
+    def first(self) -> Block | None:
+        return self._probation.head or self._protected.head
+
+    def __iter__(self) -> Iterator[Block]:
+        yield from self._probation
+        yield from self._protected
+
+    def __len__(self) -> int:
+        return self._probation.size + self._protected.size
+
+
+POLICIES: dict[str, Callable[[], EvictionQueue]] = {"lru": LruQueue, "slru": SlruQueue}
+"""Policy name -> factory of one tier's queue."""
+
+
+def make_queue(policy: str) -> EvictionQueue:
+    try:
+        return POLICIES[policy]()
+    except KeyError:
+        known = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown eviction policy {policy!r} (known: {known})") from None
+
+
+class KthAccess:
+    """SSD admission: write a block back only once it has been accessed `k` times."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int = 2) -> None:
+        if k < 1:
+            raise ValueError(f"admission k must be >= 1, got {k}")
+        self.k = k
+
+    def admits(self, b: Block) -> bool:
+        return b.hits >= self.k

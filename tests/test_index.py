@@ -1,0 +1,244 @@
+"""Hand-worked cases for the prefix index (kvtier.index) and its policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.index import (
+    BadSlot,
+    DuplicateBlock,
+    IndexStateError,
+    MissingParent,
+    NotEvictable,
+    PinnedBlock,
+    PrefixIndex,
+    Reason,
+    TierFull,
+    UnknownBlock,
+)
+from kvtier.policies import KthAccess, make_queue
+from kvtier.types import Tier
+
+D, S, H = Tier.DRAM, Tier.SSD, Tier.HBM
+
+
+def chain(ix: PrefixIndex, keys: list[bytes], tenant: int | str = 0, tier: Tier = D) -> None:
+    parent = None
+    for k in keys:
+        ix.insert(tenant, k, parent, tier)
+        parent = k
+
+
+def test_ssd_is_prefix_closed() -> None:
+    ix = PrefixIndex()
+    chain(ix, [b"a", b"b", b"c"])
+    with pytest.raises(MissingParent):
+        ix.demote(0, b"c")
+    ix.add_tier(0, b"a", S)
+    ix.demote(0, b"b")
+    assert ix.lookup(0, [b"a", b"b", b"c", b"x"]).tiers == [D, S, D]
+
+
+def test_lookup_stops_at_gap_and_at_broken_chain() -> None:
+    ix = PrefixIndex()
+    chain(ix, [b"a", b"b", b"c"])
+    chain(ix, [b"z"])
+    assert len(ix.lookup(0, [b"a", b"x", b"c"]).blocks) == 1
+    # b"c" is cached but its parent is b"b", not b"z": not a continuation of that chain.
+    assert len(ix.lookup(0, [b"z", b"c"]).blocks) == 1
+    # A chain must start at a root.
+    assert ix.lookup(0, [b"b", b"c"]).blocks == []
+    assert ix.lookup(1, [b"a"]).blocks == []  # other tenant sees nothing
+
+
+def test_tenants_are_isolated() -> None:
+    ix = PrefixIndex()
+    ix.insert("t1", b"a", None)
+    ix.insert("t2", b"a", None)  # same key bytes, different tenant: separate entry
+    with pytest.raises(MissingParent):
+        ix.insert("t3", b"b", b"a")
+    assert len(ix) == 2
+    ix.remove("t1", b"a")
+    assert ix.get("t2", b"a") is not None and ix.get("t1", b"a") is None
+
+
+def test_insert_errors_change_nothing() -> None:
+    ix = PrefixIndex(dram_blocks=2)
+    ix.insert(0, b"a", None, dram_slot=0)
+    before = ix.stats()
+    with pytest.raises(DuplicateBlock):
+        ix.insert(0, b"a", None, dram_slot=1)
+    with pytest.raises(MissingParent):
+        ix.insert(0, b"b", b"nope", dram_slot=1)
+    with pytest.raises(BadSlot):
+        ix.insert(0, b"b", b"a", dram_slot=0)  # slot 0 holds b"a"
+    with pytest.raises(BadSlot):
+        ix.insert(0, b"b", b"a", dram_slot=2)  # pool has slots 0..1
+    with pytest.raises(TypeError):
+        ix.insert(0, "b", b"a")  # type: ignore[arg-type]
+    assert ix.stats() == before
+    ix.insert(0, b"b", b"a", dram_slot=1)
+    with pytest.raises(TierFull):
+        ix.insert(0, b"c", b"b")
+    assert ix.stats().dram_blocks == 2
+
+
+def test_lru_evicts_leaf_first_and_drains_cold_chain_tail_first() -> None:
+    # Chain a<-b<-c inserted at clock 1..3, then x alone at clock 4.
+    # Only leaves c and x are evictable; c is colder. Evicting c makes b a leaf whose
+    # last use (2) is <= c's (3), so b goes to the cold end and is next, then a, then x.
+    ix = PrefixIndex()
+    chain(ix, [b"a", b"b", b"c"])
+    ix.insert(0, b"x", None)
+    assert [b.key for b in ix.victims(D, 10)] == [b"c", b"x"]
+    got = [e.key for e in ix.evict(D, 4)]
+    assert got == [b"c", b"b", b"a", b"x"]
+    assert len(ix) == 0
+    assert ix.stats().evictions["dram_dropped"] == 4
+
+
+def test_lookup_refreshes_recency() -> None:
+    ix = PrefixIndex()
+    chain(ix, [b"a", b"b"])
+    chain(ix, [b"x", b"y"])
+    ix.lookup(0, [b"a", b"b"])  # a, b now hotter than x, y
+    assert [e.key for e in ix.evict(D, 2)] == [b"y", b"x"]
+
+
+def test_pinned_blocks_are_never_chosen_or_dropped() -> None:
+    ix = PrefixIndex()
+    chain(ix, [b"a", b"b"])
+    ix.pin(0, b"b")
+    assert ix.victims(D, 5) == []
+    assert ix.evict(D, 5) == []
+    with pytest.raises(PinnedBlock):
+        ix.drop(0, b"b", D)
+    with pytest.raises(PinnedBlock):
+        ix.remove(0, b"b")
+    ix.pin(0, b"b")
+    ix.unpin(0, b"b")
+    assert ix.stats().pins == 1 and ix.stats().pinned_blocks == 1
+    ix.unpin(0, b"b")
+    with pytest.raises(IndexStateError):
+        ix.unpin(0, b"b")
+    assert [e.key for e in ix.evict(D, 5)] == [b"b", b"a"]
+
+
+def test_demotion_keeps_children_reachable() -> None:
+    ix = PrefixIndex(dram_blocks=3, ssd_blocks=10)
+    chain(ix, [b"a", b"b", b"c"])
+    ix.add_tier(0, b"a", S)  # a: DRAM+SSD, so its DRAM copy is evictable as a demotion
+    assert [b.key for b in ix.victims(D, 5)] == [b"a", b"c"]
+    ev = ix.evict(D, 1)
+    assert [(e.key, e.reason) for e in ev] == [(b"a", Reason.DEMOTED)]
+    assert ix.lookup(0, [b"a", b"b", b"c"]).tiers == [S, D, D]
+    with pytest.raises(NotEvictable):
+        ix.drop(0, b"a", S)  # its last tier, and it has a child
+    with pytest.raises(NotEvictable):
+        ix.drop(0, b"b", D)
+
+
+def test_write_back_evict_writes_chain_and_respects_admission() -> None:
+    # k = 2: a block is admitted on its second access (commit = 1st, a lookup hit = 2nd).
+    ix = PrefixIndex(dram_blocks=4, ssd_blocks=4, admission_k=2)
+    chain(ix, [b"a", b"b"])
+    chain(ix, [b"x"])
+    ix.lookup(0, [b"a", b"b"])  # a, b: 2 accesses; x: 1
+    ev = ix.evict(D, 2, write_back=True)
+    # x is colder and not admitted -> dropped; b admitted -> written back with its ancestor a.
+    assert [(e.key, e.tier, e.reason) for e in ev] == [
+        (b"x", D, Reason.DROPPED),
+        (b"a", S, Reason.WRITTEN),
+        (b"b", D, Reason.WRITTEN_BACK),
+    ]
+    st = ix.stats()
+    assert (st.dram_blocks, st.ssd_blocks, st.ssd_writes) == (1, 2, 2)
+    assert ix.lookup(0, [b"a", b"b"]).tiers == [D, S]
+
+
+def test_write_back_without_ssd_room_drops() -> None:
+    ix = PrefixIndex(ssd_blocks=1, admission_k=1)
+    chain(ix, [b"a", b"b"])  # writing b needs 2 SSD blocks (a then b): only 1 -> drop
+    ev = ix.evict(D, 1, write_back=True)
+    assert [(e.key, e.reason) for e in ev] == [(b"b", Reason.DROPPED)]
+
+
+def test_write_back_evicts_ssd_leaves_for_room() -> None:
+    ix = PrefixIndex(ssd_blocks=1, admission_k=1)
+    ix.insert(0, b"old", None, S)
+    ix.insert(0, b"new", None, D)
+    ev = ix.evict(D, 1, write_back=True)
+    assert [(e.key, e.tier, e.reason) for e in ev] == [
+        (b"old", S, Reason.DROPPED),
+        (b"new", D, Reason.WRITTEN_BACK),
+    ]
+
+
+def test_ssd_eviction_is_leaf_first() -> None:
+    ix = PrefixIndex()
+    chain(ix, [b"a", b"b", b"c"], tier=S)
+    assert [e.key for e in ix.evict(S, 3)] == [b"c", b"b", b"a"]
+
+
+def test_promote_and_slots() -> None:
+    ix = PrefixIndex(dram_blocks=2, ssd_blocks=2)
+    ix.insert(0, b"a", None, S)
+    ix.promote(0, b"a", D, dram_slot=1)
+    b = ix.get(0, b"a")
+    assert b is not None and b.in_dram and b.on_ssd and b.dram_slot == 1
+    with pytest.raises(DuplicateBlock):
+        ix.promote(0, b"a", D, dram_slot=0)
+    ev = ix.drop(0, b"a", D)
+    assert (ev.reason, ev.dram_slot) == (Reason.DEMOTED, 1)
+    ix.insert(0, b"b", None, D, dram_slot=1)  # slot 1 is free again
+
+
+def test_hbm_reports() -> None:
+    ix = PrefixIndex()
+    chain(ix, [b"a", b"b"])
+    assert ix.hbm_add("r1", 0, b"a")
+    assert not ix.hbm_add("r1", 0, b"zz")  # unknown block: ignored
+    assert ix.lookup(0, [b"a", b"b"]).tiers == [H, D]
+    assert ix.lookup(0, [b"a", b"b"], replica="r2").tiers == [D, D]
+    assert ix.lookup(0, [b"a", b"b"], replica="r1").tiers == [H, D]
+    assert ix.blocks(H) == 1
+    assert ix.drop_replica("r1") == 1
+    assert ix.blocks(H) == 0
+    ix.hbm_add("r2", 0, b"b")
+    assert ix.hbm_drop("r2", 0, b"b") and not ix.hbm_drop("r2", 0, b"b")
+
+
+def test_remove_requires_leaf() -> None:
+    ix = PrefixIndex()
+    chain(ix, [b"a", b"b"])
+    with pytest.raises(NotEvictable):
+        ix.remove(0, b"a")
+    with pytest.raises(UnknownBlock):
+        ix.remove(0, b"zz")
+    ix.remove(0, b"b")
+    ix.remove(0, b"a")
+    assert len(ix) == 0 and ix.stats().evictions["removed"] == 2
+
+
+def test_slru_protects_reused_blocks_from_one_shot_scan() -> None:
+    # One reused block r (2 accesses) and a scan of 5 one-shot blocks: LRU evicts r first
+    # (it is the oldest); SLRU keeps it because it sits in the protected segment.
+    def run(policy: str) -> list[bytes]:
+        ix = PrefixIndex(policy=policy)
+        ix.insert(0, b"r", None)
+        ix.lookup(0, [b"r"])
+        for i in range(5):
+            ix.insert(0, bytes([i]), None)
+        return [e.key for e in ix.evict(D, 3)]
+
+    assert run("lru") == [b"r", b"\x00", b"\x01"]
+    assert run("slru") == [b"\x00", b"\x01", b"\x02"]
+
+
+def test_policy_and_admission_validation() -> None:
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_queue("fifo-ish")
+    with pytest.raises(ValueError):
+        KthAccess(0)
+    with pytest.raises(ValueError):
+        PrefixIndex(dram_blocks=-1)
