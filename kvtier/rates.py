@@ -81,10 +81,9 @@ class CalibrationLike(Protocol):
     """What `RateBook.from_calibration` reads (see `kvtier.calibrate.Calibration`)."""
 
     @property
-    def links(self) -> Mapping[Link, LinkRate]: ...
-
-    @property
     def prefill_flops_per_s(self) -> float | None: ...
+
+    def seed_links(self) -> Mapping[Link, LinkRate]: ...
 
 
 def _finite_pos(*xs: object) -> bool:
@@ -147,7 +146,7 @@ class RateBook:
         """Seeded from `kvtier calibrate` results; defaults for anything not measured."""
         if cal is None:
             return cls(window=window)
-        return cls(cal.links, cal.prefill_flops_per_s, window)
+        return cls(cal.seed_links(), cal.prefill_flops_per_s, window)
 
     def observe_transfer(self, link: Link, nbytes: float, seconds: float) -> bool:
         """One request moved `nbytes` in `seconds` over `link`. False if rejected or skipped."""
