@@ -36,7 +36,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -99,14 +99,21 @@ class Prefix:
 
     @classmethod
     def uniform(
-        cls, tiers: Sequence[int] | bytes, block_tokens: int, block_bytes: int, start: int = 0
+        cls,
+        tiers: Sequence[int] | bytes | npt.NDArray[np.integer[Any]],
+        block_tokens: int,
+        block_bytes: int,
+        start: int = 0,
     ) -> Prefix:
         """Equal blocks (one layout): the daemon's case. `tiers` may be a bytes of Tier codes."""
-        t = (
-            np.frombuffer(tiers, dtype=np.int8)
-            if isinstance(tiers, bytes | bytearray)
-            else np.asarray(tiers, dtype=np.int8)
-        )
+        if isinstance(tiers, np.ndarray):
+            t = tiers.astype(np.int8)
+        else:  # bytes() of a list of Tier is ~40x faster than np.asarray on it
+            try:
+                raw = tiers if isinstance(tiers, bytes | bytearray) else bytes(tiers)
+            except (TypeError, ValueError):
+                raise ValueError("tiers must be Tier values (HBM, DRAM or SSD)") from None
+            t = np.frombuffer(raw, dtype=np.int8)
         n = len(t)
         return cls(
             t, np.full(n, float(block_bytes)), np.full(n, float(block_tokens)), int(start)
