@@ -85,7 +85,8 @@ class Copy(NamedTuple):
     dev_pitch: int
     width: int
     height: int
-    first_pair: int  # index into the sorted pair order; rows cover [first_pair, first_pair+height)
+    first_pair: int  # the op covers pairs [first_pair, first_pair + n_pairs) of the planned order
+    n_pairs: int
 
 
 def check_geometry(pool: PoolGeometry, slots: SlotGeometry) -> None:
@@ -191,6 +192,7 @@ def copy_ops(runs: Sequence[Run], pool: PoolGeometry, slots: SlotGeometry) -> li
                     width=width,
                     height=height,
                     first_pair=first,
+                    n_pairs=run.length,
                 )
             )
         first += run.length

@@ -49,15 +49,15 @@ def test_copy_ops_layered_are_2d_per_chunk() -> None:
     op = ops[1]
     # chunk 1 of slot 1 starts at 1*128 + 1*32 = 160; block 2 at 2*32 = 64; 3 rows of 32 B.
     assert (op.host_off, op.host_pitch, op.dev_off, op.dev_pitch) == (160, 128, 64, 32)
-    assert (op.width, op.height, op.first_pair) == (32, 3, 0)
+    assert (op.width, op.height, op.first_pair, op.n_pairs) == (32, 3, 0, 3)
 
 
 def test_copy_ops_contiguous_collapse_to_1d() -> None:
     pool = PoolGeometry(PoolKind.CONTIGUOUS, 10, 1, 128, 128)
     ops = copy_ops([Run(0, 4, 5), Run(5, 0, 1)], pool, SLOTS)
     # dense on both sides: 5 rows of 128 B become one 640 B copy.
-    assert [(o.host_off, o.dev_off, o.width, o.height, o.first_pair) for o in ops] == [
-        (0, 512, 640, 1, 0), (640, 0, 128, 1, 5)]
+    assert [(o.host_off, o.dev_off, o.width, o.height, o.first_pair, o.n_pairs) for o in ops] == [
+        (0, 512, 640, 1, 0, 5), (640, 0, 128, 1, 5, 1)]
     padded = SlotGeometry(6, 128, 192)
     assert copy_ops([Run(0, 4, 5)], pool, padded)[0].height == 5
 
