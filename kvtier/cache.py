@@ -20,16 +20,12 @@ Invariants kept:
 - every slot is owned by exactly one of: the free list, a WRITE lease, a cached block — leases
   that end (released, committed, aborted, expired) give back what they held exactly once.
 
-Threading: every public method takes `self._lock`; all are short (no payload I/O happens under
-the lock except slot-sized copies in `read_into`/`write_from`). Call `expire()` periodically.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,18 +34,19 @@ from typing import NamedTuple
 from kvtier.auth import Tenant
 from kvtier.config import Config
 from kvtier.costmodel import CostModel
-from kvtier.dram import DramPool, DramSpec, SegmentHandle
+from kvtier.dram import SegmentHandle
 from kvtier.errors import KvtierError
 from kvtier.events import EventLog
+from kvtier.index import Block, DuplicateBlock, MissingParent
 from kvtier.leases import Lease, LeaseKind, LeaseTable
 from kvtier.metrics import DaemonMetrics, PoolGauges
 from kvtier.planner import Plan, Prefix, plan
 from kvtier.rates import Link, RateBook
+from kvtier.residency import Tiers, namespace
 from kvtier.types import Tier
 
 KEY_WIDTHS = (16, 32)
 FINGERPRINT_BYTES = (8, 64)
-
 
 
 class CacheError(KvtierError):
@@ -94,27 +91,20 @@ class _TenantState:
     tenant: Tenant
     dram_bytes: int = 0
     ssd_bytes: int = 0
-    evictable: OrderedDict[_Block, None] = field(default_factory=OrderedDict)
 
 
 @dataclass(slots=True, eq=False)
 class _Namespace:
+    name: str  # the index/SSD namespace string
     tenant: _TenantState
     layout: LayoutInfo
-    blocks: dict[bytes, _Block] = field(default_factory=dict)
     pending: dict[bytes, str] = field(default_factory=dict)  # key -> WRITE lease id
 
 
-@dataclass(slots=True, eq=False)
-class _Block:
-    key: bytes
-    parent: bytes  # b"" = first block of a prompt
+@dataclass(slots=True)
+class _Read:
     ns: _Namespace
-    slot: int = -1  # DRAM slot, -1 = not in DRAM
-    on_ssd: bool = False
-    pins: int = 0
-    children: int = 0  # cached children
-    hits: int = 0
+    blocks: list[Block]
 
 
 @dataclass(slots=True)
@@ -159,7 +149,7 @@ class CacheStats(NamedTuple):
 
 
 class Cache:
-    """Owns the DRAM pool and all block metadata. See the module docstring for the rules."""
+    """Owns all block metadata and the tiers. See the module docstring for the rules."""
 
     def __init__(
         self, cfg: Config, metrics: DaemonMetrics, events: EventLog | None = None,
@@ -168,22 +158,19 @@ class Cache:
         self.cfg = cfg
         self.metrics = metrics
         self.events = events or EventLog()
+        self.rates = RateBook()
+        self.draining = False
         self._lock = threading.RLock()
         self._leases = LeaseTable(clock)
         self._layouts: dict[bytes, LayoutInfo] = {}
         self._tenants: dict[str, _TenantState] = {}
         self._namespaces: dict[tuple[str, bytes], _Namespace] = {}
-        self._evictable: OrderedDict[_Block, None] = OrderedDict()
-        self._dram_blocks = 0
-        self.draining = False
-        self.rates = RateBook()
-        self.pool = DramPool.create(DramSpec(
-            name="kvtier-" + hashlib.sha256(str(cfg.socket).encode()).hexdigest()[:16],
-            slot_size=cfg.slot_bytes, slot_count=cfg.slots, replace_stale=True,
-        ))
+        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self._charge)
+        self.pool = self.tiers.pool
+        self.index = self.tiers.index
         metrics.attach_pool(self.gauges)
 
-    # -- layouts and namespaces -------------------------------------------------------------
+    # -- layouts, namespaces, tenants -------------------------------------------------------
 
     def register_layout(
         self, fingerprint: bytes, block_bytes: int, block_tokens: int, key_width: int,
@@ -215,25 +202,42 @@ class Cache:
                 )
             if old is None or (cost is not None and old.cost != cost):
                 self._layouts[fingerprint] = info
+                for ns in self._namespaces.values():
+                    if ns.layout.fingerprint == fingerprint:
+                        ns.layout = info
             return self.pool.handle()
 
+    def layout(self, fingerprint: bytes) -> LayoutInfo:
+        with self._lock:
+            info = self._layouts.get(fingerprint)
+        if info is None:
+            raise NotFound(f"unknown layout {fingerprint.hex()[:16]}: call RegisterLayout first")
+        return info
+
     def _ns(self, tenant: Tenant, fingerprint: bytes) -> _Namespace:
-        layout = self._layouts.get(fingerprint)
-        if layout is None:
-            raise NotFound(
-                f"unknown layout {fingerprint.hex()[:16]}: call RegisterLayout first"
-            )
         ns = self._namespaces.get((tenant.name, fingerprint))
         if ns is None:
-            ns = _Namespace(self._tenant(tenant), layout)
+            layout = self.layout(fingerprint)
+            name = namespace(tenant.name, fingerprint)
+            ns = _Namespace(name, self._tenant(tenant.name, tenant), layout)
             self._namespaces[(tenant.name, fingerprint)] = ns
+            self.tiers.block_bytes[name] = layout.block_bytes
         return ns
 
-    def _tenant(self, tenant: Tenant) -> _TenantState:
-        state = self._tenants.get(tenant.name)
+    def _tenant(self, name: str, tenant: Tenant | None = None) -> _TenantState:
+        state = self._tenants.get(name)
         if state is None:
-            state = self._tenants[tenant.name] = _TenantState(tenant)
+            state = self._tenants[name] = _TenantState(tenant or Tenant(name))
+        elif tenant is not None and state.tenant != tenant:
+            state.tenant = tenant
         return state
+
+    def _charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
+        state = self._tenant(tenant)
+        if tier is Tier.DRAM:
+            state.dram_bytes += nbytes
+        else:
+            state.ssd_bytes += nbytes
 
     def _keys(self, ns: _Namespace, keys: bytes, key_width: int, unique: bool) -> list[bytes]:
         width = ns.layout.key_width
@@ -260,14 +264,9 @@ class Cache:
         with self._lock:
             ns = self._ns(tenant, fingerprint)
             chain = self._keys(ns, keys, key_width, unique=False)
-            tiers: list[Tier] = []
-            for key in chain:
-                block = ns.blocks.get(key)
-                if block is None:
-                    break
-                block.hits += 1
-                self._touch(block)
-                tiers.append(Tier.DRAM if block.slot >= 0 else Tier.SSD)
+            found = self.index.lookup(ns.name, chain)
+            tiers: list[Tier] = [Tier.DRAM if t is Tier.HBM else t for t in found.tiers]
+            self.tiers.maybe_write_back(ns.name, found.blocks)
         m = self.metrics
         m.lookups.labels("hit" if tiers else "miss").inc()
         for tier in (Tier.DRAM, Tier.SSD):
@@ -298,20 +297,34 @@ class Cache:
         with self._lock:
             ns = self._ns(tenant, fingerprint)
             chain = self._keys(ns, keys, key_width, unique=False)
-            pinned: list[_Block] = []
+            found = self.index.lookup(ns.name, chain, touch=False)
+            pinned: list[Block] = []
             sources: list[Tier] = []
-            for key in chain:
-                block = ns.blocks.get(key)
-                if block is None or block.slot < 0:
-                    break  # SSD promotion happens here once the SSD tier is wired in
-                sources.append(Tier.DRAM)
-                self._pin(block)
+            for block in found.blocks:
+                source = Tier.DRAM if block.in_dram else Tier.SSD
+                if not block.in_dram and not self._promote(ns, block):
+                    break
+                self.index.pin(ns.name, block.key)
+                assert block.dram_slot is not None
+                self.pool.pin(block.dram_slot)
                 pinned.append(block)
+                sources.append(source)
             if not pinned:
                 return AcquireResult("", [], [], ttl)
-            lease = self._leases.grant(tenant.name, LeaseKind.READ, ttl, pinned)
-            offsets = [self.pool.offset(b.slot) for b in pinned]
+            lease = self._leases.grant(tenant.name, LeaseKind.READ, ttl, _Read(ns, pinned))
+            offsets = [self.pool.offset(b.dram_slot or 0) for b in pinned]
             return AcquireResult(lease.id, offsets, sources, ttl)
+
+    def _promote(self, ns: _Namespace, block: Block) -> bool:
+        if self.tiers.store is None:
+            return False
+        state = ns.tenant
+        quota = state.tenant.dram_quota_bytes
+        if quota and state.dram_bytes + self.cfg.slot_bytes > quota:
+            self.tiers.evict_tenant_dram(state.tenant.name, 1)
+            if state.dram_bytes + self.cfg.slot_bytes > quota:
+                return False
+        return self.tiers.promote(ns.name, block)
 
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
@@ -347,13 +360,14 @@ class Cache:
                         f"parent_key has {len(parent)} bytes, the layout's keys have "
                         f"{ns.layout.key_width}"
                     )
-                if parent not in ns.blocks and parent not in ns.pending:
+                if self.index.get(ns.name, parent) is None and parent not in ns.pending:
                     raise FailedPrecondition(
                         "parent_key is not cached: blocks after it could never be hit"
                     )
                 if parent in chain:
                     raise InvalidArgument("parent_key repeats inside the chain")
-            need = [i for i, k in enumerate(chain) if k not in ns.blocks and k not in ns.pending]
+            need = [i for i, k in enumerate(chain)
+                    if self.index.get(ns.name, k) is None and k not in ns.pending]
             if not need:
                 return AllocateResult("", [], [], ttl)
             slots = self._take_slots(ns.tenant, len(need))
@@ -365,38 +379,50 @@ class Cache:
                 ns.pending[chain[i]] = lease.id
             return AllocateResult(lease.id, need, [self.pool.offset(s) for s in slots], ttl)
 
+    def _take_slots(self, state: _TenantState, n: int) -> list[int]:
+        quota, slot_bytes = state.tenant.dram_quota_bytes, self.cfg.slot_bytes
+        if quota and state.dram_bytes + n * slot_bytes > quota:
+            over = -(-(state.dram_bytes + n * slot_bytes - quota) // slot_bytes)
+            self.tiers.evict_tenant_dram(state.tenant.name, over)
+            if state.dram_bytes + n * slot_bytes > quota:
+                raise ResourceExhausted(
+                    f"tenant {state.tenant.name!r} DRAM quota of {quota} bytes: {n} more blocks "
+                    f"do not fit (it holds {state.dram_bytes}, pinned or being written)"
+                )
+        slots = self.tiers.take_slots(n)
+        if not slots:
+            raise ResourceExhausted(
+                f"DRAM pool full: {n} slots wanted, {self.pool.stats().slots_free} free, the rest "
+                "pinned by leases or being written"
+            )
+        state.dram_bytes += n * slot_bytes
+        return slots
+
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
         with self._lock:
             lease = self._own(tenant, lease_id, LeaseKind.WRITE)
             self._leases.pop(lease.id)
             w: _Write = lease.payload  # type: ignore[assignment]
             ns = w.ns
-            stored_runs: list[list[bytes]] = []
+            runs: list[list[bytes]] = []
             run: list[bytes] = []
             for index, slot in w.todo:
                 key = w.keys[index]
                 del ns.pending[key]
                 parent = w.keys[index - 1] if index else w.parent
-                parent_block = ns.blocks.get(parent) if parent else None
-                if parent and parent_block is None:
-                    self._give_back(ns.tenant, slot)  # would be stranded: its parent is gone
+                try:
+                    self.index.insert(ns.name, key, parent or None, Tier.DRAM, dram_slot=slot)
+                except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
+                    self._give_back(ns.tenant, slot)
                     continue
-                block = _Block(key, parent, ns, slot=slot)
-                ns.blocks[key] = block
-                self._dram_blocks += 1
-                if parent_block is not None:
-                    parent_block.children += 1
-                    self._refresh(parent_block)
-                self._refresh(block)
                 if run and run[-1] != parent:
-                    stored_runs.append(run)
+                    runs.append(run)
                     run = []
-                if not run:
-                    run = [parent]
+                run = run or [parent]
                 run.append(key)
             if run:
-                stored_runs.append(run)
-        for r in stored_runs:
+                runs.append(run)
+        for r in runs:
             self.events.emit(tenant.name, ns.layout.fingerprint, True, Tier.DRAM, r[1:], r[0],
                              ns.layout.block_tokens)
         if nbytes:
@@ -404,13 +430,17 @@ class Cache:
         if seconds > 0:
             self.metrics.copy_seconds.labels("from_client").observe(seconds)
             self.rates.observe_transfer(Link.DRAM_WRITE, nbytes, seconds)
-        return sum(len(r) - 1 for r in stored_runs)
+        return sum(len(r) - 1 for r in runs)
 
     def abort(self, tenant: Tenant, lease_id: str) -> None:
         with self._lock:
             lease = self._own(tenant, lease_id, LeaseKind.WRITE)
             self._leases.pop(lease.id)
             self._end_write(lease)
+
+    def _give_back(self, state: _TenantState, slot: int) -> None:
+        self.pool.free(slot)
+        state.dram_bytes -= self.cfg.slot_bytes
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -420,7 +450,7 @@ class Cache:
         return self._ttl(ttl_s)
 
     def _ttl(self, ttl_s: float) -> float:
-        if ttl_s < 0:
+        if not ttl_s >= 0:
             raise InvalidArgument(f"lease TTL must be >= 0, got {ttl_s}")
         if ttl_s > self.cfg.max_lease_ttl_s:
             raise InvalidArgument(
@@ -433,7 +463,7 @@ class Cache:
             raise InvalidArgument("lease_id is empty")
         lease = self._leases.get(lease_id)
         if lease is None:
-            raise NotFound(f"no live lease {lease_id[:12]} (released, committed or expired)")
+            raise NotFound(f"no live lease {lease_id[:12]!r} (released, committed or expired)")
         if lease.tenant != tenant.name:
             raise PermissionDenied("the lease belongs to another tenant")
         if kind is not None and lease.kind is not kind:
@@ -441,10 +471,11 @@ class Cache:
         return lease
 
     def _end_read(self, lease: Lease) -> None:
-        for block in lease.payload:  # type: ignore[attr-defined]
-            block.pins -= 1
-            self.pool.unpin(block.slot)
-            self._refresh(block)
+        r: _Read = lease.payload  # type: ignore[assignment]
+        for block in r.blocks:
+            assert block.dram_slot is not None
+            self.pool.unpin(block.dram_slot)
+            self.index.unpin(r.ns.name, block.key)
 
     def _end_write(self, lease: Lease) -> None:
         w: _Write = lease.payload  # type: ignore[assignment]
@@ -469,95 +500,27 @@ class Cache:
         with self._lock:
             return len(self._leases)
 
-    # -- DRAM slots and eviction ------------------------------------------------------------
-
-    def _pin(self, block: _Block) -> None:
-        block.pins += 1
-        self.pool.pin(block.slot)
-        self._refresh(block)
-
-    def _take_slots(self, tenant: _TenantState, n: int) -> list[int]:
-        quota, slot_bytes = tenant.tenant.dram_quota_bytes, self.cfg.slot_bytes
-        if quota:
-            over = tenant.dram_bytes + n * slot_bytes - quota
-            while over > 0 and tenant.evictable:
-                self._evict(next(iter(tenant.evictable)), "quota")
-                over -= slot_bytes
-            if over > 0:
-                raise ResourceExhausted(
-                    f"tenant {tenant.tenant.name!r} DRAM quota of {quota} bytes: {n} more "
-                    f"blocks do not fit (uses {tenant.dram_bytes}, the rest is pinned or in flight)"
-                )
-        slots = self.pool.alloc_many(n)
-        while slots is None and self._evictable:
-            self._evict(next(iter(self._evictable)), "capacity")
-            slots = self.pool.alloc_many(n)
-        if slots is None:
-            raise ResourceExhausted(
-                f"DRAM pool full: {n} slots wanted, {self.pool.stats().slots_free} free, the rest "
-                "pinned by leases or being written"
-            )
-        tenant.dram_bytes += n * slot_bytes
-        return slots
-
-    def _give_back(self, tenant: _TenantState, slot: int) -> None:
-        self.pool.free(slot)
-        tenant.dram_bytes -= self.cfg.slot_bytes
-
-    def _refresh(self, block: _Block) -> None:
-        """Keeps `block`'s membership of the evictable LRU lists right after any change."""
-        ok = block.slot >= 0 and block.pins == 0 and (block.on_ssd or block.children == 0)
-        lists = (self._evictable, block.ns.tenant.evictable)
-        for lru in lists:
-            if ok and block not in lru:
-                lru[block] = None
-            elif not ok:
-                lru.pop(block, None)
-
-    def _touch(self, block: _Block) -> None:
-        for lru in (self._evictable, block.ns.tenant.evictable):
-            if block in lru:
-                lru.move_to_end(block)
-
-    def _evict(self, block: _Block, reason: str) -> None:
-        ns = block.ns
-        self._give_back(ns.tenant, block.slot)
-        block.slot = -1
-        self._dram_blocks -= 1
-        self._refresh(block)
-        self.metrics.evictions.labels("dram", reason).inc()
-        self.events.emit(ns.tenant.tenant.name, ns.layout.fingerprint, False, Tier.DRAM,
-                         [block.key])
-        if not block.on_ssd:
-            del ns.blocks[block.key]
-            parent = ns.blocks.get(block.parent) if block.parent else None
-            if parent is not None:
-                parent.children -= 1
-                self._refresh(parent)
-
     # -- streaming byte path ----------------------------------------------------------------
 
     @contextmanager
     def reading(
         self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int,
     ) -> Iterator[list[memoryview]]:
-        """Acquire + read-only views of the pinned blocks + release (the ReadBlocks path)."""
+        """Acquire + views of the pinned blocks + release (the ReadBlocks path)."""
         got = self.acquire(tenant, fingerprint, keys, key_width, 0.0)
-        block_bytes = self._layouts[fingerprint].block_bytes
+        block_bytes = self.layout(fingerprint).block_bytes
         try:
-            views = [self._view(o, block_bytes) for o in got.offsets]
-            yield views
+            yield [self.slot_view(o, block_bytes) for o in got.offsets]
         finally:
             if got.lease_id:
                 self.release(tenant, got.lease_id, len(got.offsets) * block_bytes)
 
     def slot_view(self, offset: int, nbytes: int) -> memoryview:
-        """Writable view of a slot the caller holds under a WRITE lease (the WriteBlocks path)."""
-        return self._view(offset, nbytes)
-
-    def _view(self, offset: int, nbytes: int) -> memoryview:
+        """View of a slot the caller holds under a lease (READ: read it; WRITE: fill it)."""
         slot = (offset - self.pool.data_offset) // self.pool.slot_stride
         return memoryview(self.pool.view(slot, nbytes))  # type: ignore[arg-type]
+
+    # -- engines' reports -------------------------------------------------------------------
 
     def report_prefill(
         self, tenant: Tenant, fingerprint: bytes, tokens: int, seconds: float, context: int,
@@ -572,19 +535,16 @@ class Cache:
 
     # -- reporting and shutdown -------------------------------------------------------------
 
-    def layout(self, fingerprint: bytes) -> LayoutInfo:
-        with self._lock:
-            info = self._layouts.get(fingerprint)
-        if info is None:
-            raise NotFound(f"unknown layout {fingerprint.hex()[:16]}: call RegisterLayout first")
-        return info
-
     def stats(self, tenant: Tenant | None = None) -> CacheStats:
         with self._lock:
             ps = self.pool.stats()
+            store = self.tiers.store
+            ss = store.stats() if store is not None else None
             state = self._tenants.get(tenant.name) if tenant else None
             return CacheStats(
-                ps.bytes_reserved, ps.bytes_used, self._dram_blocks, 0, 0, 0,
+                ps.bytes_reserved, ps.bytes_used, self.index.blocks(Tier.DRAM),
+                ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,
+                self.index.blocks(Tier.SSD),
                 self._leases.count(LeaseKind.READ), self._leases.count(LeaseKind.WRITE),
                 len(self._layouts), state.dram_bytes if state else 0,
                 state.ssd_bytes if state else 0,
@@ -592,28 +552,40 @@ class Cache:
 
     def gauges(self) -> PoolGauges:
         s = self.stats()
+        budget = self.tiers.budget
+        used_ratio = 0.0
+        if budget is not None:
+            b = budget.stats()
+            used_ratio = 1.0 - b.available_bytes / b.burst_bytes if b.burst_bytes else 0.0
+        mover = self.tiers.mover
         return PoolGauges(
             {"dram": s.dram_capacity_bytes, "ssd": s.ssd_capacity_bytes},
             {"dram": s.dram_used_bytes, "ssd": s.ssd_used_bytes},
             {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
             {"read": s.read_leases, "write": s.write_leases},
-            0.0, 0,
+            used_ratio, mover.stats().queue_depth if mover else 0,
         )
 
     def leaked_slots(self) -> int:
-        """Slots neither free nor held by a block or a WRITE lease (must always be 0)."""
+        """Slots neither free nor held by a DRAM block or a WRITE lease (must always be 0)."""
         with self._lock:
             writes = [lease.payload for lease in self._leases if lease.kind is LeaseKind.WRITE]
-            held = self._dram_blocks + sum(len(w.todo) for w in writes if isinstance(w, _Write))
+            held = self.index.blocks(Tier.DRAM) + sum(
+                len(w.todo) for w in writes if isinstance(w, _Write)
+            )
             return self.pool.stats().slots_used - held
 
-    def close(self) -> None:
-        """Ends all leases and unlinks the shared segment."""
+    def flush(self, timeout: float) -> bool:
+        """Waits for queued SSD write-backs (tests, drain)."""
+        return self.tiers.flush(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment."""
         with self._lock:
             for lease in self._leases.pop_all():
                 if lease.kind is LeaseKind.READ:
                     self._end_read(lease)
                 else:
                     self._end_write(lease)
-            self.events.close()
-            self.pool.close()
+        self.tiers.close(timeout)
+        self.events.close()

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -102,7 +103,7 @@ class Daemon:
             cfg.socket, f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else "",
             f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off",
             format_bytes(cfg.dram_bytes), cfg.slots, format_bytes(cfg.slot_bytes),
-            "off (not wired in yet)", cfg.data_dir,
+            format_bytes(cfg.ssd_bytes) if cfg.ssd_bytes else "off", cfg.data_dir,
             "tenants: " + ", ".join(t.name for t in self.auth.tenants())
             + (" (token auth)" if self.auth.required else " (no auth)"),
         )
@@ -192,6 +193,7 @@ async def run(cfg: Config) -> None:
 
 def serve(cfg: Config) -> int:
     """Blocking entry point of `kvtier serve`; returns the exit code."""
+    prometheus_client.disable_created_metrics()  # this process is the daemon: no *_created series
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,0 +1,283 @@
+"""Where blocks live: the prefix index (B1) over the DRAM slot pool and the SSD store + mover (E).
+
+`Tiers` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
+`ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing:
+
+- index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot;
+- DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists);
+- write-back (mover) starts when a DRAM-only block is admitted (k-th access, index rule) and its
+  parent is on SSD or queued, so SSD stays prefix-closed; the block is pinned while queued;
+- SSD room is made *before* a write-back is queued, by index SSD eviction + store deletes, so the
+  store never refuses for capacity; the index bounds SSD blocks at ssd_bytes / (slot + header);
+- promotion copies a verified SSD payload into a fresh slot; a failed verification is a miss,
+  a counter, and the block's removal.
+
+Index "tenants" are namespaces: `"<tenant>/<layout fingerprint hex>"`, the same string keys the
+SSD store, so after a restart the stored blocks come back under the right tenant and layout.
+
+Threading: every method is called with the cache lock held, except `on_written`, which the mover
+calls on its writer thread and which takes the cache lock itself. Lock order: cache lock, then
+the SSD store's write lock — the writer thread never holds the store lock while taking ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvtier import blockfmt
+from kvtier.config import Config
+from kvtier.dram import DramPool, DramSpec
+from kvtier.events import EventLog
+from kvtier.index import Block as IndexBlock
+from kvtier.index import Evicted, IndexStateError, PrefixIndex, Reason
+from kvtier.metrics import DaemonMetrics
+from kvtier.mover import Mover, MoverSpec, Submitted, WriteBack
+from kvtier.rates import Link, RateBook
+from kvtier.ssd import PutResult, SsdSpec, SsdStore
+from kvtier.types import Tier
+from kvtier.wear import WriteBudget
+
+log = logging.getLogger(__name__)
+
+STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
+"""The SSD store's own layout tag; each block's namespace (tenant + layout) is in its key."""
+
+
+def namespace(tenant: str, fingerprint: bytes) -> str:
+    return f"{tenant}/{fingerprint.hex()}"
+
+
+def namespace_tenant(ns: str) -> str:
+    return ns.rpartition("/")[0]
+
+
+class Removed(NamedTuple):
+    """A DRAM/SSD copy that went away (for events and tenant accounting)."""
+
+    ns: str
+    key: bytes
+    tier: Tier
+
+
+class Tiers:
+    def __init__(
+        self, cfg: Config, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
+        lock: threading.RLock, charge: Callable[[str, Tier, int], None],
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.events = events
+        self.rates = rates
+        self._lock = lock
+        self._charge = charge  # (tenant, tier, +-bytes): the cache's per-tenant accounting
+        self.slot_bytes = cfg.slot_bytes
+        self.pool = DramPool.create(DramSpec(
+            name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
+            slot_count=cfg.slots, replace_stale=True,
+        ))
+        self.ssd_block_bytes = cfg.slot_bytes + blockfmt.HEADER_SIZE
+        ssd_blocks = cfg.ssd_bytes // self.ssd_block_bytes
+        self.index = PrefixIndex(
+            dram_blocks=cfg.slots, ssd_blocks=ssd_blocks, admission_k=cfg.ssd_admit_after
+        )
+        self.store: SsdStore | None = None
+        self.mover: Mover | None = None
+        self.budget: WriteBudget | None = None
+        self._queued: set[tuple[str, bytes]] = set()
+        self.block_bytes: dict[str, int] = {}  # namespace -> payload bytes (from its layout)
+        if ssd_blocks > 0:
+            self._open_ssd()
+
+    # -- SSD ----------------------------------------------------------------------------------
+
+    def _open_ssd(self) -> None:
+        cfg = self.cfg
+        self.store = SsdStore(SsdSpec(
+            path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
+            layout_fingerprint=STORE_FINGERPRINT,
+        ))
+        per_day = cfg.ssd_write_bytes_per_day or cfg.ssd_bytes  # default: 1 cache-write per day
+        self.budget = WriteBudget(per_day, burst_bytes=max(per_day // 24, 16 * cfg.slot_bytes))
+        self.mover = Mover(self.pool, self.store, self.budget, MoverSpec(),
+                           on_written=self.on_written)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Re-enters every stored block into the index (parents first); drops stranded ones."""
+        assert self.store is not None
+        started = time.monotonic()
+        entries = self.store.entries()
+        by_ns: dict[str, dict[bytes, bytes | None]] = {}
+        for e in entries:
+            by_ns.setdefault(e.tenant, {})[e.key] = e.parent
+        doomed: list[tuple[str, bytes]] = []
+        for ns, parents in by_ns.items():
+            kids: dict[bytes, list[bytes]] = {}
+            stack: list[bytes] = []
+            for key, parent in parents.items():
+                if not parent:
+                    stack.append(key)
+                elif parent in parents:
+                    kids.setdefault(parent, []).append(key)
+            while stack:
+                key = stack.pop()
+                try:
+                    self.index.insert(ns, key, parents[key] or None, Tier.SSD)
+                except IndexStateError:
+                    continue  # over capacity (the config shrank): it and its subtree go
+                self._charge(namespace_tenant(ns), Tier.SSD, self.ssd_block_bytes)
+                stack.extend(kids.get(key, ()))
+            doomed.extend((ns, k) for k in parents if self.index.get(ns, k) is None)
+        if doomed:
+            log.warning("SSD tier: dropping %d stored blocks without a cached parent or room",
+                        len(doomed))
+            self.store.delete_many(doomed)
+        log.info("SSD tier: %d blocks indexed in %.2f s", len(entries) - len(doomed),
+                 time.monotonic() - started)
+
+    def maybe_write_back(self, ns: str, blocks: list[IndexBlock]) -> None:
+        """Queues write-backs for admitted DRAM-only blocks of a looked-up chain (root first)."""
+        mover = self.mover
+        if mover is None:
+            return
+        for b in blocks:
+            if b.on_ssd or (ns, b.key) in self._queued:
+                continue
+            parent = b.parent
+            if parent is not None and not parent.on_ssd and (ns, parent.key) not in self._queued:
+                return
+            if not self.index.admits(b) or b.dram_slot is None:
+                return
+            if not self._make_ssd_room(1 + len(self._queued)):
+                self.metrics.writeback_dropped.inc()
+                return
+            nbytes = self.block_bytes.get(ns, self.slot_bytes)
+            self.index.pin(ns, b.key)
+            got = mover.submit(WriteBack(ns, b.key, b.parent_key, b.dram_slot, nbytes))
+            if got is Submitted.QUEUED:
+                self._queued.add((ns, b.key))
+                continue
+            self.index.unpin(ns, b.key)
+            if got is Submitted.ALREADY_STORED:
+                self.index.add_tier(ns, b.key, Tier.SSD)
+                continue
+            self.metrics.writeback_dropped.inc()
+            return
+
+    def _make_ssd_room(self, need: int) -> bool:
+        free = self.index.free(Tier.SSD)
+        if free is None or free >= need:
+            return True
+        gone = self.index.evict(Tier.SSD, need - free)
+        self._removed(gone, "capacity")
+        return (self.index.free(Tier.SSD) or 0) >= need
+
+    def on_written(self, batch: list[WriteBack], result: PutResult) -> None:
+        """Mover callback (writer thread): record SSD copies, unpin, account."""
+        stored = set(result.stored)
+        undo: list[tuple[str, bytes]] = []
+        with self._lock:
+            for w in batch:
+                self._queued.discard((w.tenant, w.key))
+                if self.index.get(w.tenant, w.key) is None:
+                    continue
+                self.index.unpin(w.tenant, w.key)
+                if (w.tenant, w.key) not in stored:
+                    self.metrics.writeback_dropped.inc()
+                    continue
+                try:
+                    self.index.add_tier(w.tenant, w.key, Tier.SSD)
+                except IndexStateError:  # parent's copy was refused: keep SSD prefix-closed
+                    undo.append((w.tenant, w.key))
+                    continue
+                self._charge(namespace_tenant(w.tenant), Tier.SSD, self.ssd_block_bytes)
+                self.events.emit(namespace_tenant(w.tenant), _fp(w.tenant), True, Tier.SSD,
+                                 [w.key], w.parent or b"")
+            if undo and self.store is not None:
+                self.store.delete_many(undo)
+        self.metrics.ssd_bytes_written.inc(result.bytes_written)
+        self.metrics.bytes_moved.labels("ssd", "demote").inc(result.bytes_written)
+
+    def promote(self, ns: str, block: IndexBlock) -> bool:
+        """Copies an SSD-only block into a new DRAM slot (caller holds room). False on a miss."""
+        assert self.mover is not None and self.store is not None
+        slot = self.take_slots(1)[0]
+        corrupt_before = self.store.counters.corrupt
+        started = time.perf_counter()
+        n = self.mover.promote(ns, block.key, slot)
+        seconds = time.perf_counter() - started
+        if n is None:
+            self.pool.free(slot)
+            self.metrics.checksum_failures.inc(self.store.counters.corrupt - corrupt_before)
+            if block.children == 0 and block.pins == 0:
+                self._removed(self.index.remove(ns, block.key), "checksum")
+            return False
+        self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
+        self._charge(namespace_tenant(ns), Tier.DRAM, self.slot_bytes)
+        self.metrics.bytes_moved.labels("ssd", "promote").inc(n)
+        self.rates.observe_transfer(Link.SSD_READ, n, seconds)
+        return True
+
+    # -- DRAM ---------------------------------------------------------------------------------
+
+    def take_slots(self, n: int) -> list[int]:
+        """`n` free slots, evicting unpinned DRAM blocks (LRU) as needed; [] when impossible."""
+        slots = self.pool.alloc_many(n)
+        if slots is None:
+            short = n - self.pool.stats().slots_free
+            self._removed(self.index.evict(Tier.DRAM, short), "capacity")
+            slots = self.pool.alloc_many(n)
+        return slots or []
+
+    def evict_tenant_dram(self, tenant: str, n: int) -> int:
+        """Evicts up to `n` of one tenant's DRAM blocks (quota); O(evictable blocks)."""
+        prefix = tenant + "/"
+        mine = [b for b in self.index.victims(Tier.DRAM, 1 << 30)
+                if isinstance(b.tenant, str) and b.tenant.startswith(prefix)][:n]
+        for b in mine:
+            self._removed([self.index.drop(b.tenant, b.key, Tier.DRAM)], "quota")
+        return len(mine)
+
+    def _removed(self, gone: list[Evicted], reason: str) -> None:
+        ssd_deletes: list[tuple[str, bytes]] = []
+        for e in gone:
+            ns = str(e.tenant)
+            if e.reason is Reason.WRITTEN:
+                continue
+            if e.tier is Tier.DRAM and e.dram_slot is not None:
+                self.pool.free(e.dram_slot)
+                self._charge(namespace_tenant(ns), Tier.DRAM, -self.slot_bytes)
+            if e.tier is Tier.SSD:
+                ssd_deletes.append((ns, e.key))
+                self._charge(namespace_tenant(ns), Tier.SSD, -self.ssd_block_bytes)
+            self.metrics.evictions.labels(e.tier.label, reason).inc()
+            self.events.emit(namespace_tenant(ns), _fp(ns), False, e.tier, [e.key])
+        if ssd_deletes and self.store is not None:
+            self.store.delete_many(ssd_deletes)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def flush(self, timeout: float) -> bool:
+        return self.mover.flush(timeout) if self.mover is not None else True
+
+    def close(self, timeout: float) -> None:
+        """Flushes the write-back queue, closes LMDB, unlinks the segment. Call without the lock."""
+        if self.mover is not None:
+            self.mover.close(timeout)
+        if self.store is not None:
+            self.store.close()
+        self.pool.close()
+
+
+def _fp(ns: str) -> bytes:
+    return bytes.fromhex(ns.rpartition("/")[2])
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
