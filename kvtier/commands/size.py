@@ -441,7 +441,7 @@ def render(r: dict[str, Any]) -> str:
             lines += [
                 f"{name.upper()} tier     {t['unit']}",
                 f"  holds {t['blocks']:,} blocks of {format_bytes(r['block_bytes'])} (one rank's "
-                f"layout) = {t['tokens']:,} tokens with all {tp} ranks' KV",
+                f"layout) = {t['tokens']:,} tokens of the whole model (TP {tp})",
             ]
     return "\n".join(lines)
 
