@@ -406,12 +406,14 @@ class Cache:
             ns = w.ns
             runs: list[list[bytes]] = []
             run: list[bytes] = []
+            inserted: list[Block] = []
             for index, slot in w.todo:
                 key = w.keys[index]
                 del ns.pending[key]
                 parent = w.keys[index - 1] if index else w.parent
                 try:
-                    self.index.insert(ns.name, key, parent or None, Tier.DRAM, dram_slot=slot)
+                    inserted.append(self.index.insert(
+                        ns.name, key, parent or None, Tier.DRAM, dram_slot=slot))
                 except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
                     self._give_back(ns.tenant, slot)
                     continue
@@ -422,6 +424,7 @@ class Cache:
                 run.append(key)
             if run:
                 runs.append(run)
+            self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
         for r in runs:
             self.events.emit(tenant.name, ns.layout.fingerprint, True, Tier.DRAM, r[1:], r[0],
                              ns.layout.block_tokens)

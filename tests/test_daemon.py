@@ -1,0 +1,257 @@
+"""The daemon end to end: a real `kvtier serve` process, real gRPC over its Unix socket, real shared
+memory and a real LMDB store."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvtier.client import Client, KvtierRpcError, LayoutDecl
+from kvtier.types import Tier
+from tests.daemon_fixture import ROOT, DaemonProc
+
+BLOCK = 65536
+LAYOUT = LayoutDecl(fingerprint=b"test-layout-fp-01", block_bytes=BLOCK, block_tokens=16)
+
+
+def chain(tag: int, n: int) -> list[bytes]:
+    return [bytes([tag, i]) + bytes(30) for i in range(n)]
+
+
+def payloads(n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    d = DaemonProc(tmp_path_factory.mktemp("daemon"), ["--ssd-admit-after", "1"]).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def wait_for(pred: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_socket_is_private(shared: DaemonProc) -> None:
+    assert stat.S_IMODE(shared.socket.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("store_streaming,load_streaming", [
+    (False, False), (True, True), (False, True), (True, False),
+])
+def test_store_load_roundtrip_is_bit_exact(
+    shared: DaemonProc, store_streaming: bool, load_streaming: bool
+) -> None:
+    tag = 10 + 2 * store_streaming + load_streaming
+    keys, data = chain(tag, 6), payloads(6, tag)
+    with Client(shared.socket, layout=LAYOUT, streaming=store_streaming) as w:
+        assert w.uses_shm is not store_streaming
+        assert w.store(keys, data) == (6, 0)
+        assert w.store(keys, data) == (0, 6)  # already cached: nothing allocated again
+    with Client(shared.socket, layout=LAYOUT, streaming=load_streaming) as r:
+        assert r.lookup(keys + chain(99, 2)).hit_blocks == 6
+        with r.load(keys + chain(99, 2)) as got:
+            assert got.blocks == 6
+            assert [bytes(v) for v in got.views] == data
+
+
+def test_store_after_a_cached_parent_and_partial_hits(shared: DaemonProc) -> None:
+    keys, data = chain(20, 8), payloads(8, 20)
+    with Client(shared.socket, layout=LAYOUT) as kv:
+        assert kv.store(keys[:4], data[:4]).stored == 4
+        assert kv.store(keys[4:], data[4:], parent=keys[3]).stored == 4
+        assert kv.lookup(keys).hit_blocks == 8
+        with pytest.raises(KvtierRpcError) as exc:
+            kv.store(chain(21, 2), data[:2], parent=chain(22, 1)[0])
+        assert exc.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        with kv.load(keys[:3] + chain(23, 1) + keys[4:]) as got:
+            assert got.blocks == 3
+
+
+def test_abort_on_exception_frees_the_slots(shared: DaemonProc) -> None:
+    keys = chain(30, 4)
+    with Client(shared.socket, layout=LAYOUT) as kv:
+        before = kv.stats().tiers[0].used_bytes
+        with pytest.raises(RuntimeError), kv.store_into(keys) as tx:
+            assert len(tx.slots) == 4
+            raise RuntimeError("engine failed mid-copy")
+        assert kv.stats().tiers[0].used_bytes == before
+        assert kv.lookup(keys).hit_blocks == 0
+        assert kv.stats().active_leases == 0
+
+
+def test_events_stream_reports_stores(shared: DaemonProc) -> None:
+    keys = chain(40, 3)
+    with Client(shared.socket, layout=LAYOUT) as kv:
+        seq0 = 0
+        kv.store(keys, payloads(3, 40))
+        events = kv.watch(since=seq0 + 1)
+        got = []
+        for ev in events:
+            if ev.HasField("stored") and keys[0] in ev.stored.block_hashes:
+                got.append(ev)
+                break
+        assert got and list(got[0].stored.block_hashes) == keys
+        assert got[0].stored.block_size == 16 and got[0].sequence > 0
+
+
+def test_metrics_counters_move(shared: DaemonProc) -> None:
+    def value(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name))
+
+    before = shared.metrics_text()
+    keys = chain(50, 4)
+    with Client(shared.socket, layout=LAYOUT) as kv:
+        kv.store(keys, payloads(4, 50))
+        kv.lookup(keys + chain(51, 1))
+        with kv.load(keys) as got:
+            assert got.blocks == 4
+    after = shared.metrics_text()
+    assert value(after, 'kvtier_lookups_total{result="hit"}') > value(
+        before, 'kvtier_lookups_total{result="hit"}')
+    assert value(after, 'kvtier_blocks_hit_total{tier="dram"}') >= value(
+        before, 'kvtier_blocks_hit_total{tier="dram"}') + 4
+    assert value(after, "kvtier_blocks_missed_total") >= value(
+        before, "kvtier_blocks_missed_total") + 1
+    moved = 'kvtier_bytes_moved_total{direction="from_client",tier="dram"}'
+    assert value(after, moved) >= value(before, moved) + 4 * BLOCK
+    assert value(after, 'kvtier_rpc_duration_seconds_count{method="Lookup"}') > 0
+    assert 'kvtier_pool_capacity_bytes{tier="dram"} 1.6777216e+07' in after
+    assert "kvtier_active_leases" in after
+
+
+def test_client_sigkilled_mid_lease_loses_its_leases(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d", ["--lease-ttl-s", "1"]).start()
+    try:
+        script = textwrap.dedent(f"""
+            import os, signal, sys
+            sys.path.insert(0, {str(ROOT)!r})
+            from kvtier.client import Client, LayoutDecl
+            lay = LayoutDecl({LAYOUT.fingerprint!r}, {BLOCK}, 16)
+            kv = Client({str(d.socket)!r}, layout=lay)
+            keys = [bytes([1, i]) + bytes(30) for i in range(4)]
+            kv.store(keys, [bytes({BLOCK})] * 4)
+            cm = kv.load(keys); cm.__enter__()            # READ lease, never released
+            tx = kv.store_into([bytes([2, i]) + bytes(30) for i in range(3)]); tx.__enter__()
+            print("held", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == -9 and "held" in proc.stdout, proc.stderr
+        with Client(d.socket, layout=LAYOUT) as kv:
+            stats = kv.stats()
+            assert stats.active_leases == 2
+            wait_for(lambda: kv.stats().active_leases == 0, timeout=5)
+            s = kv.stats()
+            assert s.tiers[0].used_bytes == s.tiers[0].blocks * BLOCK == 4 * BLOCK  # no leak
+            assert kv.lookup([bytes([2, 0]) + bytes(30)]).hit_blocks == 0
+            with kv.load([bytes([1, i]) + bytes(30) for i in range(4)]) as got:
+                assert got.blocks == 4
+        assert 'kvtier_leases_expired_total{kind="read"} 1.0' in d.metrics_text()
+    finally:
+        d.stop()
+
+
+def test_restart_keeps_ssd_blocks_and_clients_reconnect(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d", ["--ssd-admit-after", "1"]).start()
+    keys, data = chain(60, 5), payloads(5, 60)
+    try:
+        kv = Client(d.socket, layout=LAYOUT)
+        kv.store(keys, data)
+        wait_for(lambda: kv.stats().tiers[1].blocks == 5)
+        old_generation = kv.stats().segment.generation
+        assert d.stop() == 0
+        d.start()
+        assert kv.lookup(keys).tiers == [Tier.SSD] * 5  # same client object, re-registered
+        with kv.load(keys) as got:
+            assert got.tiers == [Tier.SSD] * 5
+            assert [bytes(v) for v in got.views] == data
+        assert kv.lookup(keys).tiers == [Tier.DRAM] * 5  # promoted
+        assert kv.stats().segment.generation != old_generation
+        kv.close()
+        assert "SSD tier: 5 blocks indexed" in d.log()
+    finally:
+        d.stop()
+
+
+def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d").start()
+    assert d.proc is not None
+    with Client(d.socket, layout=LAYOUT) as kv:
+        keys = chain(70, 2)
+        kv.store(keys, payloads(2, 70))
+        with kv.load(keys) as got:
+            d.proc.send_signal(15)
+            time.sleep(0.3)
+            assert d.proc.poll() is None  # waits for our lease
+            assert bytes(got.views[0])[:4] == payloads(2, 70)[0][:4]
+        assert d.proc.wait(10) == 0
+    assert not d.socket.exists()
+    assert not (Path("/dev/shm") / _segment_name(d)).exists()
+    assert "stopped (0 lease(s) ended at shutdown)" in d.log()
+
+
+def _segment_name(d: DaemonProc) -> str:
+    import hashlib
+
+    return "kvtier-" + hashlib.sha256(str(d.socket).encode()).hexdigest()[:16]
+
+
+def test_serve_runs_with_no_configuration(tmp_path: Path) -> None:
+    import socket as so
+
+    probe = so.socket()
+    try:
+        probe.bind(("127.0.0.1", 9464))
+    except OSError:
+        pytest.skip("the default metrics port 9464 is in use on this machine")
+    finally:
+        probe.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.update(HOME=str(tmp_path / "home"), XDG_RUNTIME_DIR=str(tmp_path / "xdg"),
+               PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        sock = tmp_path / "xdg" / "kvtier" / "kvtier.sock"
+        wait_for(sock.exists, timeout=30)
+        time.sleep(0.5)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert f"serving on unix:{sock}" in out and "metrics http://127.0.0.1:9464/metrics" in out
+    assert (tmp_path / "home" / ".local" / "share" / "kvtier" / "ssd").is_dir()
+    assert "Traceback" not in out
+
+
+def test_second_daemon_on_the_same_socket_is_refused(shared: DaemonProc) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier", "serve", "--socket", str(shared.socket),
+         "--data-dir", str(shared.workdir / "other"), "--metrics", ""],
+        capture_output=True, text=True, timeout=60, env=shared.env,
+    )
+    assert proc.returncode == 2
+    assert "another daemon is listening" in proc.stderr and "Traceback" not in proc.stderr
+    assert shared.healthy()
