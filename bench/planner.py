@@ -133,7 +133,7 @@ def decision_time(n: int, repeats: int) -> dict[str, Any]:
 
 
 def _fmt_bw(v: float | None) -> str:
-    return "never" if v is None else f"{v / 1e9:.2f}"
+    return "never" if v is None else f"{v / 1e9:.3g}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rates: {source}")
     print(f"  h2d {rates.h2d_bytes_per_s / 1e9:.2f} GB/s + {rates.h2d_latency_s * 1e6:.0f} µs; "
           f"ssd {rates.ssd_bytes_per_s / 1e9:.2f} GB/s + {rates.ssd_latency_s * 1e6:.0f} µs; "
-          f"prefill {rates.prefill_flops_per_s / 1e12:.1f} TFLOP/s")
+          f"prefill {rates.prefill_flops_per_s / 1e12:.4g} TFLOP/s")
     rows = []
     head = f"{'preset':<16}{'tier':<5}" + "".join(
         f"{f'{c // 1024}K ratio':>11}{'B/E GB/s':>10}" for c in CONTEXTS
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             cells = [tier_row(cm, rates, tier, c) for c in CONTEXTS]
             rows.append({"preset": name, "tier": tier.label, "contexts": cells})
             print(f"{name:<16}{tier.label:<5}" + "".join(
-                f"{c['ratio']:>11.3f}{_fmt_bw(c['break_even_bytes_per_s']):>10}" for c in cells
+                f"{c['ratio']:>11.3g}{_fmt_bw(c['break_even_bytes_per_s']):>10}" for c in cells
             ))
     dt = decision_time(4096, args.repeats)
     print(f"\nplan() on {dt['blocks']} blocks: median {dt['plan_median_s'] * 1e6:.0f} µs "

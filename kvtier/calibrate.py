@@ -2,10 +2,10 @@
 
 Measures, each with the fastest path present:
 
-* copy (DRAM ↔ GPU): with CuPy and a CUDA device, pinned-host ↔ device `cudaMemcpyAsync` timed by
-  CUDA events (H2D = dram_read, D2H = dram_write); otherwise a host memcpy (`numpy.copyto`) of
-  >= 256 MiB buffers (16 MiB with `quick`), the stand-in for a CPU engine. Per-call latency: the
-  median of 4 KiB copies.
+* copy (DRAM ↔ GPU): with a CUDA device, pinned-host ↔ device copies timed by CUDA events (CuPy's
+  `cudaMemcpyAsync`, else torch's `copy_`; H2D = dram_read, D2H = dram_write); otherwise a host
+  memcpy (`numpy.copyto`) of >= 256 MiB buffers (16 MiB with `quick`), the stand-in for a CPU
+  engine. Per-call latency: the median of 4 KiB copies.
 * SSD read on the data dir: write a temp file, fsync, drop it from the page cache with
   ``posix_fadvise(DONTNEED)``, read it back in 2 MiB (block-sized) reads; latency = median of 4 KiB
   reads at random offsets after another drop. The file is always removed. On a file system that
@@ -178,6 +178,9 @@ def measure_copy(nbytes: int, repeats: int = 5) -> tuple[dict[Link, LinkRate], d
     """DRAM↔GPU copy bandwidth and per-call latency (host memcpy without a GPU)."""
     if _cuda_ready():
         return _measure_cuda_copy(nbytes, repeats)
+    torch = _torch_cuda()
+    if torch is not None:
+        return _measure_torch_copy(torch, nbytes, repeats)
     src = np.ones(nbytes, np.uint8)
     dst = np.zeros(nbytes, np.uint8)
     bw_read = nbytes / _median_time(lambda: np.copyto(dst, src), repeats)
@@ -223,6 +226,46 @@ def _measure_cuda_copy(nbytes: int, repeats: int) -> tuple[dict[Link, LinkRate],
     name = rt.getDeviceProperties(0)["name"]
     device = name.decode() if isinstance(name, bytes) else str(name)
     return out, {"method": "cuda-memcpy pinned", "device": device, "buffer_bytes": nbytes}
+
+
+def _torch_cuda() -> Any:
+    """torch when it is importable and sees a CUDA device, else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _measure_torch_copy(
+    torch: Any, nbytes: int, repeats: int
+) -> tuple[dict[Link, LinkRate], dict[str, Any]]:
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out: dict[Link, LinkRate] = {}
+    for link, dst, src in ((Link.DRAM_READ, dev, host), (Link.DRAM_WRITE, host, dev)):
+
+        def timed(dst: Any = dst, src: Any = src) -> float:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+
+        timed()
+        bw = nbytes / statistics.median(timed() for _ in range(repeats))
+        small_dst, small_src = dst[:4096], src[:4096]
+
+        def small(d: Any = small_dst, s: Any = small_src) -> None:
+            d.copy_(s, non_blocking=True)
+            torch.cuda.synchronize()
+
+        out[link] = LinkRate(bw, _median_time(small, 201))
+    info = {"method": "torch cuda copy pinned", "device": torch.cuda.get_device_name(0),
+            "buffer_bytes": nbytes}
+    return out, info
 
 
 def measure_ssd_read(directory: str | Path, nbytes: int, repeats: int = 2) -> tuple[
@@ -290,12 +333,13 @@ def measure_ssd_read(directory: str | Path, nbytes: int, repeats: int = 2) -> tu
 
 def measure_prefill(quick: bool = False) -> tuple[float, dict[str, Any]]:
     """Achieved prefill FLOP rate: bf16 matmul on a CUDA GPU, else a CPU layer-shaped forward."""
+    cuda = _torch_cuda()
+    if cuda is not None:
+        return _torch_cuda_matmul(cuda, quick)
     try:
         import torch
     except ImportError:
-        torch = None  # type: ignore[assignment]
-    if torch is not None and torch.cuda.is_available():
-        return _torch_cuda_matmul(torch, quick)
+        return _cpu_layer(None, quick)
     return _cpu_layer(torch, quick)
 
 
