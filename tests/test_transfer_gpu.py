@@ -114,10 +114,11 @@ def test_host_registration_and_calibration() -> None:
     from kvtier.transfer_plan import PoolGeometry
 
     slots = _host_slots(2, 1 << 20, seed=5)
-    assert hostmem.device_pointer(slots.ctypes.data) is None
     reg = hostmem.register(slots)
-    assert hostmem.device_pointer(slots.ctypes.data) == reg.device_ptr
+    assert reg.nbytes == 2 << 20
+    assert hostmem.device_pointer(slots.ctypes.data + 4096) == reg.device_ptr + 4096
     hostmem.unregister(reg)
+    hostmem.unregister(hostmem.register(slots))  # unregistered cleanly: registers again
     cal = calibrate_pool(PoolGeometry(PoolKind.LAYERED, 8, 64, 32 << 10, 32 << 10))
     assert {r.direction for r in cal.rows} == set(Direction)
     assert all(r.kernel_gbps > 0 and r.dma_gbps > 0 for r in cal.rows)
