@@ -2,11 +2,11 @@
 
 A `KVLayout` says what one engine rank stores per token and per block, layer by layer:
 
-    kind        stored per token and layer (on one rank)             beyond that
-    FULL        K and V: 2 · kv_heads_on_rank · head_dim · elem (+scales)  -
-    SLIDING     same as FULL                                          only the last `window` tokens
-    MLA         one latent: (kv_lora_rank + rope_dim) · elem (+scale)  replicated on every rank
-    RECURRENT   nothing per token                                     `state_bytes` per sequence
+    kind        stored per token and layer (one rank)                  kept
+    FULL        K and V: 2 · kv_heads_on_rank · head_dim · elem (+scales)  every token
+    SLIDING     same as FULL                                           the last `window` tokens
+    MLA         one latent: (kv_lora_rank + rope_dim) · elem (+scale)  every token, on every rank
+    RECURRENT   nothing per token                                      `state_bytes` per sequence
 
 Tensor parallelism splits KV heads across ranks: a rank holds kv_heads / min(tp, kv_heads) heads;
 when tp exceeds the KV head count every head is replicated tp / kv_heads times. That needs
@@ -45,7 +45,7 @@ class AttentionKind(enum.Enum):
 
 
 class DType(enum.Enum):
-    """KV element type; `.itemsize` is bytes per element."""
+    """KV element type; `.itemsize` is bytes per element. FP8 is e4m3 (vLLM's "fp8")."""
 
     FP32 = "fp32"
     BF16 = "bf16"
@@ -74,7 +74,6 @@ _DTYPE_ALIASES = {
     "float16": "fp16",
     "half": "fp16",
     "fp8_e4m3": "fp8",
-    "fp8_e5m2": "fp8",
 }
 
 

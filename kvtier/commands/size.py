@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import textwrap
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -29,6 +30,8 @@ from kvtier.units import Size, format_bytes, parse_size
 
 HELP = "KV bytes per token/block, GPU pool pages, workload fit and host-tier capacity"
 
+MAX_LAYERS = 10_000
+
 _SHAPE_FLAGS = (
     "layers",
     "kv_heads",
@@ -44,10 +47,11 @@ _SHAPE_FLAGS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.epilog = (
+    p.epilog = textwrap.fill(
         "Sizes take units: 80GB = 80e9 B, 16GiB = 16 x 2^30 B, a plain number is bytes "
         "(55.54e9). Pages follow vLLM v1's paged pool: ceil per sequence and per KV-cache group; "
-        "a sliding window caps only its own layers. Presets: " + ", ".join(list_presets()) + "."
+        "a sliding window caps only its own layers. Presets: " + ", ".join(list_presets()) + ".",
+        width=78,
     )
     p.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -192,7 +196,10 @@ def _custom_model(a: argparse.Namespace) -> ModelSpec:
             pattern.append(LayerSpec.recurrent(state, heads))
         else:
             raise UsageError(f"--layer-pattern: unknown kind {kind!r} (full|sliding|mla|recurrent)")
-    layers = alternating(pattern, _count(a.layers, "--layers", 1))
+    num_layers = _count(a.layers, "--layers", 1)
+    if num_layers > MAX_LAYERS:
+        raise UsageError(f"--layers {num_layers} is implausible (limit {MAX_LAYERS})")
+    layers = alternating(pattern, num_layers)
     has_heads = any(k in ("full", "sliding") for k in kinds)
     kv_heads = _count(a.kv_heads, "--kv-heads", 1) if has_heads else 1
     head_dim = _count(a.head_dim, "--head-dim", 1) if has_heads or a.head_dim else 1
