@@ -253,8 +253,12 @@ class SsdStore:
         skeys = [stored_key(i.tenant, i.key) for i in items]
         sizes = [blockfmt.HEADER_SIZE + memoryview(i.payload).nbytes for i in items]
         cap = self.spec.capacity_bytes
+        seen: set[bytes] = set()
+        fresh: list[bool] = []
         with self._env.begin() as rtxn:
-            fresh = [rtxn.get(k, db=self._meta) is None for k in skeys]
+            for k in skeys:
+                fresh.append(k not in seen and rtxn.get(k, db=self._meta) is None)
+                seen.add(k)
         need = sum(s for s, f in zip(sizes, fresh, strict=True) if f)
         over = self._used + need + evict_extra - cap
         victims = list(self.evictor(over)) if over > 0 and self.evictor is not None else []
