@@ -7,9 +7,10 @@ PCIe with another replica looks 10× slow. One such sample moves an EWMA by its 
 error; a median ignores any minority of outliers, yet follows a real, lasting change (a shared drive
 getting busy) within window/2 samples, and forgets everything older than `window` samples.
 
-Bandwidth samples are ``(bytes, seconds)`` of one request. The per-request latency (seeded by
-calibration or the defaults below, or fed with `observe_latency`) is subtracted before dividing;
-samples whose duration is at most twice that latency say little about bandwidth and are skipped.
+Bandwidth samples are ``(bytes, seconds)`` of one transfer, normally timed around the data movement
+alone. For samples timed around a whole request (``includes_latency=True``) the per-request latency
+(seeded by calibration or the defaults below, or fed with `observe_latency`) is subtracted first;
+such samples at most twice that latency say little about bandwidth and are skipped.
 Nonsense — non-positive, NaN or infinite values, or a rate beyond any hardware (> 10 TB/s,
 > 100 PFLOP/s per GPU) — is rejected and counted, never stored.
 
@@ -148,16 +149,26 @@ class RateBook:
             return cls(window=window)
         return cls(cal.seed_links(), cal.prefill_flops_per_s, window)
 
-    def observe_transfer(self, link: Link, nbytes: float, seconds: float) -> bool:
-        """One request moved `nbytes` in `seconds` over `link`. False if rejected or skipped."""
+    def observe_transfer(
+        self, link: Link, nbytes: float, seconds: float, *, includes_latency: bool = False
+    ) -> bool:
+        """One request moved `nbytes` in `seconds` over `link`. False if rejected or skipped.
+
+        By default `seconds` is the data movement alone (a client timing its copy for Release,
+        the daemon timing an SSD read). With `includes_latency` it is a whole request: the
+        link's latency is subtracted, and a sample at most twice the latency is skipped.
+        """
         if not _finite_pos(nbytes, seconds) or nbytes / seconds > MAX_BYTES_PER_S:
             return self._reject()
         with self._lock:
-            lat = self._latency(link)
-            if seconds <= 2 * lat:
-                self.skipped += 1
-                return False
-            self._bw[link].add(nbytes / (seconds - lat))
+            moving = seconds
+            if includes_latency:
+                lat = self._latency(link)
+                if seconds <= 2 * lat:
+                    self.skipped += 1
+                    return False
+                moving = seconds - lat
+            self._bw[link].add(nbytes / moving)
         return True
 
     def observe_latency(self, link: Link, seconds: float) -> bool:

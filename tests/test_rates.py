@@ -20,8 +20,8 @@ def test_defaults_come_from_design_physics():
 def test_seed_then_measured_median_with_latency_subtracted():
     book = RateBook({Link.DRAM_READ: LinkRate(10e9, 1e-3)}, prefill_flops_per_s=1e14)
     assert book.bandwidth(Link.DRAM_READ) == 10e9
-    # 1 GB in 1.001 s with 1 ms latency → 1e9 / 1.0 = 1 GB/s exactly
-    assert book.observe_transfer(Link.DRAM_READ, 1e9, 1.001)
+    # a whole request: 1 GB in 1.001 s with 1 ms latency → 1e9 / 1.0 = 1 GB/s exactly
+    assert book.observe_transfer(Link.DRAM_READ, 1e9, 1.001, includes_latency=True)
     assert book.bandwidth(Link.DRAM_READ) == pytest.approx(1e9)
     assert book.prefill_flops_per_s() == 1e14
     # unmeasured links keep their seeds
@@ -57,9 +57,12 @@ def test_nonsense_transfer_samples_are_rejected_and_change_nothing(nbytes, secon
 def test_latency_dominated_samples_are_skipped():
     book = RateBook({Link.DRAM_READ: LinkRate(10e9, 1e-3)})
     # 4 KiB in 1.5 ms with 1 ms latency: at most twice the latency → not a bandwidth sample
-    assert book.observe_transfer(Link.DRAM_READ, 4096, 1.5e-3) is False
+    assert book.observe_transfer(Link.DRAM_READ, 4096, 1.5e-3, includes_latency=True) is False
     assert (book.skipped, book.rejected) == (1, 0)
     assert book.bandwidth(Link.DRAM_READ) == 10e9
+    # timed around the copy alone (the default), the same sample is pure bandwidth: 4096/1.5e-3
+    assert book.observe_transfer(Link.DRAM_READ, 4096, 1.5e-3)
+    assert book.bandwidth(Link.DRAM_READ) == pytest.approx(4096 / 1.5e-3)
 
 
 def test_latency_observations_replace_the_seed():
