@@ -42,8 +42,7 @@ def _load(name: str) -> ModuleType | None:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
