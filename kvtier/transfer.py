@@ -83,7 +83,11 @@ class ArrayInfo(NamedTuple):
 
 
 def array_info(x: Any) -> ArrayInfo:
-    """Describe `x` without importing torch or CuPy (duck typing; `__cuda_array_interface__`)."""
+    """Describe `x` without importing torch or CuPy (duck typing; `__cuda_array_interface__`).
+
+    Other DLPack producers are viewed through `numpy.from_dlpack` (CPU) or `cupy.from_dlpack`
+    (CUDA; CuPy is imported only then). The caller keeps `x` alive while the pointer is used.
+    """
     if isinstance(x, np.ndarray):
         return ArrayInfo(x.shape, x.strides, x.itemsize, str(x.dtype), "cpu", x.ctypes.data)
     if hasattr(x, "data_ptr") and hasattr(x, "element_size"):
@@ -99,6 +103,14 @@ def array_info(x: Any) -> ArrayInfo:
             item * math.prod(shape[i + 1:]) for i in range(len(shape)))
         return ArrayInfo(shape, tuple(strides), item, str(np.dtype(cai["typestr"])), "cuda",
                          int(cai["data"][0]))
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        kind = int(x.__dlpack_device__()[0])
+        if kind == 1:  # kDLCPU
+            return array_info(np.from_dlpack(x))
+        if kind == 2:  # kDLCUDA
+            import cupy
+
+            return array_info(cupy.from_dlpack(x))
     raise ValueError(f"unsupported array type {type(x)!r}: use numpy, torch or CuPy")
 
 
