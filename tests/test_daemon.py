@@ -255,3 +255,27 @@ def test_second_daemon_on_the_same_socket_is_refused(shared: DaemonProc) -> None
     assert proc.returncode == 2
     assert "another daemon is listening" in proc.stderr and "Traceback" not in proc.stderr
     assert shared.healthy()
+
+
+def test_stats_command_text_and_json(shared: DaemonProc) -> None:
+    import json
+
+    base = [sys.executable, "-m", "kvtier", "stats", "--socket", str(shared.socket)]
+    out = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60,
+                         env=shared.env)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["tiers"][0]["tier"] == "TIER_DRAM"
+    assert int(data["tiers"][0]["capacity_bytes"]) == 16 << 20
+    assert data["version"] == "0.1.0"
+    text = subprocess.run(base, capture_output=True, text=True, timeout=60, env=shared.env)
+    assert text.returncode == 0 and "dram" in text.stdout and "16 MiB" in text.stdout
+
+
+def test_stats_command_without_a_daemon_exits_2(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier", "stats", "--socket", str(tmp_path / "none.sock")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "no daemon answers" in out.stderr and "Traceback" not in out.stderr
