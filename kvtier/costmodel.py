@@ -134,6 +134,8 @@ class CostModel:
         """A model whose `layers` layers all use MHA/GQA with ``attn_dim = H·head_dim`` query width.
 
         Matches the daemon protocol's ``ModelCost`` message; ``sliding_window`` 0 = full attention.
+        `active_params`: matmul parameters per token, without the input embedding (and ideally
+        without the LM head, which prefill applies to one token only).
         """
         group = AttnGroup(layers, 4.0 * attn_dim, sliding_window)
         return cls(name, 2.0 * active_params, (group,), layers, kv_bytes_per_token)

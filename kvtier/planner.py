@@ -23,7 +23,7 @@ i's compute wait for layer i's KV (only attention does). The suffix's compute is
 every cut, but it is part of T so that overlap (and the reported total) are right.
 
 Everything is a prefix sum or a closed form (see `kvtier.costmodel`), so all n+1 cuts are priced
-with a handful of numpy passes and the exact minimum is taken: O(n), ~0.1 ms for 4,096 blocks.
+with a handful of numpy passes and the exact minimum is taken: O(n), ~0.2 ms for 4,096 blocks.
 Ties go to the larger k (same time, fewer GPU FLOPs).
 
 Contract: `plan` is pure and thread-safe, reads its inputs and allocates its result; it raises
@@ -110,7 +110,7 @@ class Prefix:
             t = tiers.astype(np.int8)
         else:  # bytes() of a list of Tier is ~40x faster than np.asarray on it
             try:
-                raw = tiers if isinstance(tiers, bytes | bytearray) else bytes(tiers)
+                raw = bytes(tiers)
             except (TypeError, ValueError):
                 raise ValueError("tiers must be Tier values (HBM, DRAM or SSD)") from None
             t = np.frombuffer(raw, dtype=np.int8)
