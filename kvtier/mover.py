@@ -34,7 +34,9 @@ from typing import NamedTuple
 
 from kvtier import blockfmt
 from kvtier.dram import DramPool
-from kvtier.ssd import PutItem, PutResult, SsdStore
+from kvtier.index import PrefixIndex
+from kvtier.ssd import Evictor, PutItem, PutResult, SsdStore, TenantKey
+from kvtier.types import Tier
 from kvtier.wear import WriteBudget
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,24 @@ class AccessCounter:
     def admit(self, tenant: str, key: bytes) -> bool:
         with self._lock:
             return self._counts.get((tenant, key), 0) >= self.k
+
+
+def index_evictor(
+    index: PrefixIndex, lock: threading.Lock | threading.RLock, stored_block_bytes: int
+) -> Evictor:
+    """An `SsdStore` evictor that asks the prefix index for SSD victims (leaf-first).
+
+    The index drops the victims' SSD residency when it picks them; the store then deletes them
+    in the same transaction as the puts that needed the room. Takes `lock` (the daemon's index
+    lock); the store calls it with no store lock held.
+    """
+
+    def evict(need_bytes: int) -> list[TenantKey]:
+        n = -(-need_bytes // stored_block_bytes)
+        with lock:
+            return [(str(e.tenant), e.key) for e in index.evict(Tier.SSD, n)]
+
+    return evict
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,8 @@ class Mover:
 
         On any other result the slot is untouched and stays the caller's to free.
         """
+        if self._closing:
+            return Submitted.CLOSED
         if self.admit is not None and not self.admit(item.tenant, item.key):
             self._c.not_admitted += 1
             return Submitted.NOT_ADMITTED

@@ -29,7 +29,7 @@ the prefix index); what still does not fit is refused. `lmdb.MapFullError` never
 Threading: one writer at a time — writes (`put_many`, `delete_many`, `flush_stats`) are
 serialized by an internal lock and are meant to come from the mover's writer thread; reads
 (`get_into`, `get`, `contains`) run concurrently from any thread and never block on writers.
-The `evictor` runs on the writing thread while the write lock is held.
+The `evictor` runs on the writing thread with no store lock held.
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ class SsdStore:
         self._info = self._env.open_db(b"info")
         self._wlock = threading.Lock()
         self._pending_access: dict[bytes, tuple[int, float]] = {}
+        self._alock = threading.Lock()
         self._bad: set[bytes] = set()
         self.counters = _Counters()
         self._closed = False
@@ -223,45 +224,52 @@ class SsdStore:
     def record_access(self, tenant: str, key: bytes, now: float | None = None) -> None:
         """Count an access; persisted with the next write transaction (lost if the daemon dies)."""
         skey = stored_key(tenant, key)
-        count, _ = self._pending_access.get(skey, (0, 0.0))
-        self._pending_access[skey] = (count + 1, time.time() if now is None else now)
+        with self._alock:
+            count, _ = self._pending_access.get(skey, (0, 0.0))
+            self._pending_access[skey] = (count + 1, time.time() if now is None else now)
 
     # -- writes (one writer) ---------------------------------------------------------------
 
     def put_many(self, items: Sequence[PutItem]) -> PutResult:
-        """Store a batch in one transaction. Never raises for a full store: it refuses instead."""
-        with self._wlock:
-            self._check_open()
-            try:
-                return self._put_locked(items, evict_extra=0)
-            except lmdb.MapFullError:
-                self.counters.map_full += 1
-                log.warning("SSD map full with %d of %d bytes used; evicting more",
-                            self._used, self.spec.capacity_bytes)
-            extra = sum(blockfmt.HEADER_SIZE + memoryview(i.payload).nbytes for i in items)
-            try:
-                return self._put_locked(items, evict_extra=extra)
-            except lmdb.MapFullError:
-                self.counters.map_full += 1
-            except lmdb.Error as exc:
-                log.error("SSD write failed: %s", exc)
-            refused = [(i.tenant, i.key) for i in items]
-            self.counters.refused += len(refused)
-            return PutResult([], refused, [], 0)
+        """Store a batch in one transaction. Never raises for a full store: it refuses instead.
 
-    def _put_locked(self, items: Sequence[PutItem], evict_extra: int) -> PutResult:
+        The evictor is called before the write lock is taken (no store lock held), so it may
+        take the daemon's index lock without a lock-order inversion.
+        """
+        self._check_open()
         skeys = [stored_key(i.tenant, i.key) for i in items]
         sizes = [blockfmt.HEADER_SIZE + memoryview(i.payload).nbytes for i in items]
+        need = sum(s for s, f in zip(sizes, self._fresh(skeys), strict=True) if f)
+        victims: list[TenantKey] = []
+        for attempt in range(2):
+            # a retry after MapFullError asks for room for the batch twice over
+            over = self._used + need * (1 + attempt) - self.spec.capacity_bytes
+            if over > 0 and self.evictor is not None:
+                victims.extend(self.evictor(over))
+            with self._wlock:
+                self._check_open()
+                try:
+                    return self._put_locked(items, skeys, sizes, victims)
+                except lmdb.MapFullError:
+                    self.counters.map_full += 1
+                    log.warning("SSD map full with %d of %d bytes used (attempt %d)",
+                                self._used, self.spec.capacity_bytes, attempt + 1)
+                except lmdb.Error as exc:
+                    log.error("SSD write failed: %s", exc)
+                    break
+        refused = [(i.tenant, i.key) for i in items]
+        self.counters.refused += len(refused)
+        return PutResult([], refused, [], 0)
+
+    def _put_locked(
+        self,
+        items: Sequence[PutItem],
+        skeys: list[bytes],
+        sizes: list[int],
+        victims: list[TenantKey],
+    ) -> PutResult:
         cap = self.spec.capacity_bytes
-        seen: set[bytes] = set()
-        fresh: list[bool] = []
-        with self._env.begin() as rtxn:
-            for k in skeys:
-                fresh.append(k not in seen and rtxn.get(k, db=self._meta) is None)
-                seen.add(k)
-        need = sum(s for s, f in zip(sizes, fresh, strict=True) if f)
-        over = self._used + need + evict_extra - cap
-        victims = list(self.evictor(over)) if over > 0 and self.evictor is not None else []
+        fresh = self._fresh(skeys)
         stored: list[TenantKey] = []
         refused: list[TenantKey] = []
         evicted: list[TenantKey] = []
@@ -314,8 +322,19 @@ class SsdStore:
         c.evicted += len(evicted)
         return PutResult(stored, refused, evicted, written)
 
+    def _fresh(self, skeys: list[bytes]) -> list[bool]:
+        """Which keys are not stored yet (a key repeated within the batch counts once)."""
+        seen: set[bytes] = set()
+        fresh: list[bool] = []
+        with self._env.begin(db=self._meta) as rtxn:
+            for k in skeys:
+                fresh.append(k not in seen and rtxn.get(k) is None)
+                seen.add(k)
+        return fresh
+
     def _flush_access(self, txn: Any) -> None:
-        pending, self._pending_access = self._pending_access, {}
+        with self._alock:
+            pending, self._pending_access = self._pending_access, {}
         for skey, (count, last) in pending.items():
             rec = txn.get(skey, db=self._meta)
             if rec is None:

@@ -1,0 +1,217 @@
+"""Mover: write-back through the bounded queue, drops, wear budget, promotion, shutdown, and the
+whole DRAM -> SSD -> DRAM cycle against the real prefix index."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.blockfmt import HEADER_SIZE
+from kvtier.dram import DramPool, DramSpec, SlotPinned
+from kvtier.index import PrefixIndex
+from kvtier.mover import (
+    AccessCounter,
+    Mover,
+    MoverSpec,
+    Submitted,
+    WriteBack,
+    index_evictor,
+)
+from kvtier.ssd import PutResult, SsdSpec, SsdStore
+from kvtier.types import Tier
+from kvtier.wear import WriteBudget
+
+SLOT = 32 << 10
+FP = b"mover-layout"
+
+
+@pytest.fixture
+def pool() -> Iterator[DramPool]:
+    p = DramPool.create(DramSpec(f"kvt-test-{uuid.uuid4().hex[:12]}", SLOT, 64))
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SsdStore]:
+    s = SsdStore(SsdSpec(str(tmp_path / "ssd"), 64 << 20, FP))
+    yield s
+    s.close()
+
+
+def fill(pool: DramPool, n: int) -> list[tuple[WriteBack, bytes]]:
+    out = []
+    for i in range(n):
+        slot = pool.alloc()
+        assert slot is not None
+        data = os.urandom(SLOT)
+        pool.write(slot, data)
+        out.append((WriteBack("t", b"key-%03d" % i, None, slot, SLOT), data))
+    return out
+
+
+class Recorder:
+    def __init__(self, pool: DramPool) -> None:
+        self.pool = pool
+        self.done: list[tuple[WriteBack, bool]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: list[WriteBack], result: PutResult) -> None:
+        refused = set(result.refused)
+        with self.lock:
+            for w in batch:
+                self.pool.free(w.slot)  # unpinned by the mover before this call
+                self.done.append((w, (w.tenant, w.key) not in refused))
+
+
+def test_write_back_then_promote(pool: DramPool, store: SsdStore) -> None:
+    rec = Recorder(pool)
+    mover = Mover(pool, store, WriteBudget.unlimited(), on_written=rec)
+    blocks = fill(pool, 20)
+    for w, _ in blocks:
+        assert mover.submit(w) is Submitted.QUEUED
+        assert pool.pins(w.slot) == 1
+    assert mover.flush(10.0)
+    assert len(rec.done) == 20 and all(ok for _, ok in rec.done)
+    assert mover.submit(blocks[0][0]) is Submitted.ALREADY_STORED
+    for w, data in blocks:
+        slot = pool.alloc()
+        assert slot is not None
+        assert mover.promote(w.tenant, w.key, slot) == SLOT
+        assert bytes(pool.view(slot)) == data
+    assert mover.promote("t", b"absent", 0) is None
+    s = mover.stats()
+    assert (s.written_blocks_total, s.written_bytes_total) == (20, 20 * (SLOT + HEADER_SIZE))
+    assert (s.promoted_blocks_total, s.promote_misses_total) == (20, 1)
+    assert mover.close(5.0) == 0
+
+
+def test_slot_under_write_back_cannot_be_freed(pool: DramPool, store: SsdStore) -> None:
+    gate = threading.Event()
+
+    def slow(batch: list[WriteBack], result: PutResult) -> None:
+        gate.wait(10)
+
+    mover = Mover(pool, store, WriteBudget.unlimited(), on_written=slow)
+    (w, _), = fill(pool, 1)
+    mover.submit(w)
+    with pytest.raises(SlotPinned):
+        pool.free(w.slot)  # pinned until the mover has written it
+    gate.set()
+    mover.close(5.0)
+    pool.free(w.slot)
+
+
+def test_full_queue_drops_without_blocking(pool: DramPool, store: SsdStore) -> None:
+    gate = threading.Event()
+    mover = Mover(
+        pool, store, WriteBudget.unlimited(), MoverSpec(queue_blocks=4, batch_blocks=1),
+        on_written=lambda b, r: gate.wait(10),
+    )
+    results = [mover.submit(w) for w, _ in fill(pool, 12)]
+    # the writer holds at most one batch (1 block) while 4 wait in the queue
+    assert results.count(Submitted.QUEUE_FULL) >= 12 - 5
+    assert mover.stats().dropped_queue_full_total == results.count(Submitted.QUEUE_FULL)
+    gate.set()
+    mover.close(5.0)
+
+
+def test_budget_and_admission_gate_writes(pool: DramPool, store: SsdStore) -> None:
+    t = [0.0]
+    # 86_400 * 3 * 32 KiB per day = 3 blocks (+headers) per second; burst of 2 blocks
+    budget = WriteBudget(86_400 * 3 * (SLOT + HEADER_SIZE), 2 * (SLOT + HEADER_SIZE), lambda: t[0])
+    counter = AccessCounter(k=2)
+    mover = Mover(pool, store, budget, admit=counter.admit)
+    blocks = fill(pool, 6)
+    w0 = blocks[0][0]
+    assert mover.submit(w0) is Submitted.NOT_ADMITTED
+    for w, _ in blocks:
+        counter.note_access(w.tenant, w.key)
+        counter.note_access(w.tenant, w.key)
+    got = [mover.submit(w) for w, _ in blocks[:4]]
+    assert got == [Submitted.QUEUED] * 2 + [Submitted.OVER_BUDGET] * 2
+    t[0] += 1.0  # 3 more blocks of tokens, capped at the 2-block burst
+    assert [mover.submit(w) for w, _ in blocks[2:5]] == [Submitted.QUEUED] * 2 + [
+        Submitted.OVER_BUDGET
+    ]
+    mover.close(5.0)
+    s = mover.stats()
+    assert (s.dropped_not_admitted_total, s.dropped_budget_total, s.written_blocks_total) == (
+        1, 3, 4,
+    )
+    assert budget.granted_bytes == 4 * (SLOT + HEADER_SIZE)
+
+
+def test_close_reports_unwritten_items(pool: DramPool, store: SsdStore) -> None:
+    gate = threading.Event()
+    rec = Recorder(pool)
+
+    def blocked(batch: list[WriteBack], result: PutResult) -> None:
+        gate.wait(10)
+        rec(batch, result)
+
+    mover = Mover(pool, store, WriteBudget.unlimited(), MoverSpec(batch_blocks=1),
+                  on_written=blocked)
+    for w, _ in fill(pool, 5):
+        mover.submit(w)
+    threading.Timer(0.5, gate.set).start()
+    dropped = mover.close(timeout=0.1)
+    assert dropped >= 1
+    assert mover.submit(fill(pool, 1)[0][0]) is Submitted.CLOSED
+    assert len(rec.done) == 5 and sum(not ok for _, ok in rec.done) == dropped
+    assert pool.stats().slots_pinned == 0
+
+
+def test_dram_ssd_cycle_with_the_prefix_index(pool: DramPool, tmp_path: Path) -> None:
+    """DRAM evictions written back and demoted in the index; SSD full -> index evicts leaves."""
+    lock = threading.Lock()
+    stored = SLOT + HEADER_SIZE
+    index = PrefixIndex(dram_blocks=64, ssd_blocks=10, block_bytes=SLOT, admission_k=1)
+    store = SsdStore(SsdSpec(str(tmp_path / "ssd"), 10 * stored, FP),
+                     evictor=index_evictor(index, lock, stored))
+
+    def on_written(batch: list[WriteBack], result: PutResult) -> None:
+        ok = set(result.stored)
+        with lock:
+            for w in batch:
+                if (w.tenant, w.key) in ok:
+                    index.demote(w.tenant, w.key)
+                else:
+                    index.remove(w.tenant, w.key)
+                pool.free(w.slot)
+
+    mover = Mover(pool, store, WriteBudget.unlimited(), MoverSpec(batch_blocks=4),
+                  on_written=on_written)
+    data: dict[bytes, bytes] = {}
+    for chain in range(6):  # 6 chains of 3 blocks = 18 blocks through a 10-block SSD
+        parent = None
+        for i in range(3):
+            key = b"c%d-%d" % (chain, i)
+            slot = pool.alloc()
+            assert slot is not None
+            data[key] = os.urandom(SLOT)
+            pool.write(slot, data[key])
+            with lock:
+                index.insert("t", key, parent, Tier.DRAM, dram_slot=slot)
+            parent = key
+        with lock:  # the whole chain, root first: SSD stays prefix-closed
+            chain_blocks = [index.get("t", b"c%d-%d" % (chain, i)) for i in range(3)]
+            todo = [(b.key, b.parent_key, b.dram_slot) for b in chain_blocks if b is not None]
+        for key, parent_key, slot in todo:
+            assert slot is not None
+            assert mover.submit(WriteBack("t", key, parent_key, slot, SLOT)) is Submitted.QUEUED
+        assert mover.flush(10.0)
+    mover.close(5.0)
+    with lock:
+        on_ssd = {b.key for b in index.iter_blocks() if b.on_ssd}
+        assert index.stats().ssd_blocks == len(on_ssd) <= 10
+    assert {e.key for e in store.entries()} == on_ssd
+    assert store.stats().evicted_total == 18 - len(on_ssd)
+    for key in on_ssd:
+        assert store.get("t", key) == data[key]
+    store.close()
