@@ -67,7 +67,7 @@ from kvtier.transfer_plan import (
 
 __all__ = [
     "ArrayInfo", "Direction", "KVPool", "PoolKind", "TransferEngine", "TransferHandle",
-    "TransferJob", "TransferResult", "array_info",
+    "TransferJob", "TransferResult", "array_info", "slot_array", "slot_geometry",
 ]
 
 
@@ -175,6 +175,23 @@ class KVPool:
         return array_info(self.chunks[0]).device
 
 
+def slot_array(segment: npt.NDArray[np.uint8], data_offset: int, num_slots: int,
+               slot_bytes: int, slot_stride: int) -> npt.NDArray[np.uint8]:
+    """The [num_slots, slot_bytes] slot buffer over a mapped segment (e.g. the DRAM tier's shm):
+    slot i starts at data_offset + i * slot_stride. Shares memory with `segment`."""
+    if segment.dtype != np.uint8 or segment.ndim != 1:
+        raise ValueError("segment must be a 1-D uint8 array")
+    if slot_stride < slot_bytes or num_slots <= 0:
+        raise ValueError(f"bad slot geometry: {num_slots} slots of {slot_bytes} B every "
+                         f"{slot_stride} B")
+    end = data_offset + (num_slots - 1) * slot_stride + slot_bytes
+    if data_offset < 0 or end > segment.size:
+        raise ValueError(f"slots end at byte {end}, past the {segment.size} B segment")
+    return np.lib.stride_tricks.as_strided(
+        segment[data_offset:], shape=(num_slots, slot_bytes), strides=(slot_stride, 1),
+        writeable=bool(segment.flags.writeable))
+
+
 def slot_geometry(slots: Any) -> SlotGeometry:
     info = array_info(slots)
     if info.dtype != "uint8" or len(info.shape) != 2 or info.strides[1] != 1:
@@ -185,7 +202,11 @@ def slot_geometry(slots: Any) -> SlotGeometry:
 
 @dataclass(frozen=True, slots=True)
 class TransferJob:
-    """Move blocks: LOAD copies slots[i] -> pool block blocks[i]; STORE the reverse."""
+    """Move blocks: LOAD copies slots[i] -> pool block blocks[i]; STORE the reverse.
+
+    `after`: CUDA backend — a CuPy/torch event or stream, or a raw cudaStream_t; CPU backend — any
+    object with `.wait()` or `.synchronize()` (a threading.Event, a torch.cuda.Event).
+    """
 
     direction: Direction
     slots: Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -248,6 +269,7 @@ class TransferEngine:
         self.pool_geometry = pool.geometry()
         self.slot_geometry = slot_geometry(slots)
         check_geometry(self.pool_geometry, self.slot_geometry)
+        self._slots_writable = bool(getattr(getattr(slots, "flags", None), "writeable", True))
         if isinstance(backend, str):
             backend = _make_backend(backend, pool, slots, self.pool_geometry,
                                     self.slot_geometry, calibration)
@@ -258,6 +280,8 @@ class TransferEngine:
     def submit(self, job: TransferJob) -> TransferHandle:
         """Validate and start a job; ValueError (nothing written) on bad input."""
         direction = Direction(job.direction)
+        if direction is Direction.STORE and not self._slots_writable:
+            raise ValueError("slot buffer is read-only: STORE needs a writable mapping")
         s, b = check_pairs(direction, job.slots, job.blocks, self.pool_geometry,
                            self.slot_geometry)
         handle = TransferHandle(next(self._ids))

@@ -38,7 +38,7 @@ def host_bytes(x: Any) -> U8:
 
         if x.ndim and x.stride(-1) != 1:
             raise ValueError("tensor's last dimension must be contiguous")
-        arr = x.view(torch.uint8).numpy() if x.element_size() else x.numpy()
+        arr = x.detach().view(torch.uint8).numpy()
     else:
         raise ValueError(f"CPU backend takes numpy arrays or torch CPU tensors, got {type(x)!r}")
     if arr.ndim and arr.strides[-1] != arr.itemsize:

@@ -199,6 +199,16 @@ def copy_ops(runs: Sequence[Run], pool: PoolGeometry, slots: SlotGeometry) -> li
     return ops
 
 
+def pairs_of_ops(n_pairs: int, order: IntArray, ops: Sequence[Copy],
+                 op_idx: Sequence[int]) -> npt.NDArray[np.bool_]:
+    """Mask over the caller's pairs touched by ops `op_idx` (ops planned over `order`)."""
+    mask = np.zeros(n_pairs, dtype=np.bool_)
+    for i in op_idx:
+        op = ops[i]
+        mask[order[op.first_pair:op.first_pair + op.n_pairs]] = True
+    return mask
+
+
 def per_chunk_ops(slot_idx: IntArray, block_idx: IntArray, pool: PoolGeometry,
                   slots: SlotGeometry) -> list[Copy]:
     """The naive plan: one 1-D copy per (pair, chunk) with no merging (the bench baseline)."""

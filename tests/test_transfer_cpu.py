@@ -248,3 +248,41 @@ def test_failed_wait_fails_every_pair_and_writes_nothing() -> None:
     assert res.error is not None and "wait failed" in res.error
     for t, b in zip(chunks, before, strict=True):
         np.testing.assert_array_equal(_bytes(t), b)
+
+
+def test_slot_payload_matches_kvlayout_block_bytes() -> None:
+    from kvtier.presets import get_preset
+
+    for tp, heads in ((1, 8), (8, 1)):
+        layout = get_preset("Llama-3-8B").layout(block_tokens=16, tp_size=tp)
+        assert layout.kv_heads_per_rank == heads
+        k = [torch.empty((1, 16, heads, 128), dtype=torch.bfloat16) for _ in range(32)]
+        geom = KVPool.layered(k, k).geometry()
+        # 16 tokens * heads * 128 * 2 B per chunk; 64 chunks: 2 MiB at TP1, 256 KiB at TP8
+        assert geom.chunk_bytes == 16 * heads * 128 * 2
+        assert geom.payload_bytes == layout.block_bytes() == (2 << 20) // tp
+
+
+def test_slot_array_over_a_segment_and_read_only_slots() -> None:
+    from kvtier.transfer import slot_array
+
+    seg = np.zeros(4096 + 3 * 512, dtype=np.uint8)
+    rows = slot_array(seg, data_offset=4096, num_slots=3, slot_bytes=256, slot_stride=512)
+    pool = KVPool.contiguous(np.arange(4 * 256, dtype=np.uint8).reshape(4, 256) % 251)
+    with TransferEngine(pool, rows) as eng:
+        assert eng.wait(eng.submit(TransferJob(Direction.STORE, [2, 0], [1, 3]))).all_ok
+    # slot 2 at 4096 + 2*512 = 5120 holds block 1; slot 0 at 4096 holds block 3
+    np.testing.assert_array_equal(seg[5120:5376], pool.chunks[0][1])
+    np.testing.assert_array_equal(seg[4096:4352], pool.chunks[0][3])
+    assert not seg[4352:5120].any() and not seg[:4096].any()
+    with pytest.raises(ValueError, match="past the 5632 B segment"):
+        slot_array(seg, 4096, 4, 256, 512)
+    seg.flags.writeable = False
+    ro = slot_array(seg, 4096, 3, 256, 512)
+    with TransferEngine(pool, ro) as eng:
+        with pytest.raises(ValueError, match="read-only"):
+            eng.submit(TransferJob(Direction.STORE, [0], [0]))
+        seg_before = seg.copy()
+        assert eng.wait(eng.submit(TransferJob(Direction.LOAD, [2], [0]))).all_ok
+    np.testing.assert_array_equal(seg, seg_before)
+    np.testing.assert_array_equal(pool.chunks[0][0], pool.chunks[0][1])

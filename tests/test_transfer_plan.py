@@ -20,6 +20,7 @@ from kvtier.transfer_plan import (
     check_pairs,
     copy_ops,
     merge_runs,
+    pairs_of_ops,
     per_chunk_ops,
     sort_pairs,
 )
@@ -162,3 +163,14 @@ def test_calibration_chooses_measured_faster_path() -> None:
     assert Calibration.from_json(cal.to_json()) == cal
     with pytest.raises(LookupError):
         Calibration((), "empty").choose(Direction.LOAD, small)
+
+
+def test_pairs_of_failed_ops_map_back_to_caller_order() -> None:
+    s = np.array([9, 3, 4, 0], dtype=np.int64)
+    b = np.array([1, 7, 8, 5], dtype=np.int64)
+    order = sort_pairs(s, b)  # sorted by slot: (0,5) (3,7) (4,8) (9,1) -> caller idx 3,1,2,0
+    ops = copy_ops(merge_runs(s[order], b[order]), POOL, SLOTS)
+    # runs: (0,5,1) (3,7,2) (9,1,1); 4 chunks each -> ops 0-3, 4-7, 8-11
+    assert pairs_of_ops(4, order, ops, [5]).tolist() == [False, True, True, False]
+    assert pairs_of_ops(4, order, ops, [0, 11]).tolist() == [True, False, False, True]
+    assert not pairs_of_ops(4, order, ops, []).any()

@@ -38,6 +38,7 @@ from kvtier.transfer_plan import (
     SlotGeometry,
     copy_ops,
     merge_runs,
+    pairs_of_ops,
     sort_pairs,
 )
 
@@ -105,7 +106,13 @@ class CudaBackend:
         else:
             dev = hostmem.device_pointer(sinfo.ptr)
             if dev is None:
-                self._reg = hostmem.register(slots)
+                try:
+                    self._reg = hostmem.register(slots)
+                except Exception as exc:
+                    raise ValueError(
+                        "slot buffer is not device-mapped and could not be registered (a range "
+                        "pinned without cudaHostRegisterMapped? use kvtier.gpu.hostmem.register): "
+                        f"{exc}") from exc
                 dev = self._reg.device_ptr
             self._slot_ptr = dev
         self._streams = {d: cupy.cuda.Stream(non_blocking=True) for d in Direction}
@@ -148,11 +155,11 @@ class CudaBackend:
                     kernels.launch(direction, self._slot_ptr, self._slots, self._bases,
                                    self._pool, keep, stream)
                 else:
-                    for i in dma.enqueue(direction, ops, self._slot_ptr, self._chunk_ptrs,
-                                         stream.ptr):
-                        op = ops[i]
-                        ok[order[op.first_pair:op.first_pair + op.n_pairs]] = False
-                        error = error or f"cudaMemcpyAsync failed for {op}"
+                    bad = dma.enqueue(direction, ops, self._slot_ptr, self._chunk_ptrs,
+                                      stream.ptr)
+                    if bad:
+                        ok &= ~pairs_of_ops(n, order, ops, bad)
+                        error = f"{len(bad)} of {len(ops)} cudaMemcpyAsync calls failed"
         except Exception as exc:
             ok[:] = False
             return _Pending(None, ok, path, f"{type(exc).__name__}: {exc}", keep)
