@@ -43,7 +43,7 @@ from kvtier.types import Tier
 
 MAX_MESSAGE_BYTES = 8 << 20
 CHUNK_BYTES = 1 << 20
-_FROM_PB = {pb.TIER_HBM: Tier.HBM, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
+TIER_FROM_PB = {pb.TIER_HBM: Tier.HBM, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 T = TypeVar("T")
 U8 = npt.NDArray[np.uint8]
 
@@ -122,7 +122,7 @@ class StoreTx:
 
 
 @dataclass(slots=True)
-class _Segment:
+class MappedSegment:
     info: pb.SegmentInfo
     dram: DramClient | None = None
     failed: bool = False
@@ -161,7 +161,7 @@ def register_request(layout: LayoutDecl) -> pb.RegisterLayoutRequest:
 
 
 def lookup_result(reply: pb.LookupResponse) -> Lookup:
-    tiers = [_FROM_PB[t] for t in reply.tiers]
+    tiers = [TIER_FROM_PB[t] for t in reply.tiers]
     has_plan = reply.HasField("plan")
     cut = reply.plan.fetch_blocks if has_plan else reply.hit_blocks
     return Lookup(reply.hit_blocks, tiers, cut, reply.plan if has_plan else None)
@@ -217,7 +217,7 @@ class Client:
         self._channel = (grpc.secure_channel(self.target, credentials, options=opts)
                          if credentials else grpc.insecure_channel(self.target, options=opts))
         self._stub = pb_grpc.KvTierStub(self._channel)  # type: ignore[no-untyped-call]
-        self._segment: _Segment | None = None
+        self._segment: MappedSegment | None = None
         self.tenant = ""
         self._register()
 
@@ -245,7 +245,7 @@ class Client:
         self.tenant = reply.tenant
         self._adopt(reply.segment)
 
-    def _adopt(self, info: pb.SegmentInfo) -> _Segment:
+    def _adopt(self, info: pb.SegmentInfo) -> MappedSegment:
         seg = self._segment
         same = seg is not None and (seg.info.name, seg.info.generation) == (
             info.name, info.generation)
@@ -253,7 +253,7 @@ class Client:
             return seg
         if seg is not None and seg.dram is not None:
             seg.dram.close()
-        seg = self._segment = _Segment(info)
+        seg = self._segment = MappedSegment(info)
         if not self.force_streaming:
             try:
                 seg.dram = DramClient.attach(segment_handle(info))
@@ -307,7 +307,7 @@ class Client:
             v.flags.writeable = False
         started = time.perf_counter()
         try:
-            yield Loaded(reply.count, views, [_FROM_PB[t] for t in reply.source_tiers])
+            yield Loaded(reply.count, views, [TIER_FROM_PB[t] for t in reply.source_tiers])
         finally:
             if reply.lease_id:
                 self._raw(self._stub.Release, pb.ReleaseRequest(
