@@ -183,13 +183,17 @@ def _run_shape(kind: PoolKind, n_chunks: int, chunk: int, total: int, max_pairs:
         scr.close()
 
 
-def gpu_sweep() -> dict[str, Any]:
+SWEEP_CHUNKS = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 2 * MIB, 4 * MIB, 16 * MIB)
+
+
+def gpu_sweep(chunks: tuple[int, ...] = SWEEP_CHUNKS, total: int = 256 * MIB,
+              max_pairs: int = 4096) -> dict[str, Any]:
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
     rows, out = [], []
-    for chunk in (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 2 * MIB, 4 * MIB, 16 * MIB):
-        for r in _run_shape(PoolKind.CONTIGUOUS, 1, chunk, 256 * MIB, 4096, stream):
+    for chunk in chunks:
+        for r in _run_shape(PoolKind.CONTIGUOUS, 1, chunk, total, max_pairs, stream):
             out.append(r)
             rows.append([f"{chunk // KIB} KiB", r["direction"], r["pairs"], r["kernel_gbps"],
                          r["loop_gbps"], r["dma_gbps"], r["ceiling_gbps"],
@@ -200,14 +204,14 @@ def gpu_sweep() -> dict[str, Any]:
     return {"rows": out}
 
 
-def gpu_goals() -> dict[str, Any]:
+def gpu_goals(total: int = 512 * MIB, max_pairs: int = 1024) -> dict[str, Any]:
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
     out, rows = [], []
     for name, heads in (("llama3-8b tp1 (2 MiB blocks)", 8), ("llama3-8b tp8 rank", 1)):
         chunk = LLAMA["block_tokens"] * heads * LLAMA["head_dim"] * LLAMA["dtype_bytes"]
-        for r in _run_shape(PoolKind.LAYERED, 2 * LLAMA["layers"], chunk, 512 * MIB, 1024,
+        for r in _run_shape(PoolKind.LAYERED, 2 * LLAMA["layers"], chunk, total, max_pairs,
                             stream):
             r["shape"] = name
             r["goal_ceiling"] = None if heads != 8 else r["kernel_over_ceiling"] >= 0.85

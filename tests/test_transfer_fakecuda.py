@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -72,9 +73,10 @@ class FakeEvent:
         self.ptr = id(self)
         self.done = True
         self.fail: str | None = None
+        self.t = 0.0
 
     def record(self, stream: Any = None) -> None:
-        pass
+        self.t = time.perf_counter()
 
     def synchronize(self) -> None:
         if self.fail:
@@ -93,6 +95,9 @@ class FakeRuntime:
 
     def getDeviceCount(self) -> int:
         return 1
+
+    def getDeviceProperties(self, dev: int) -> dict[str, Any]:
+        return {"name": b"FakeGPU (host memory)"}
 
     def deviceGetAttribute(self, attr: int, dev: int) -> int:
         assert attr == 16
@@ -158,10 +163,14 @@ def fake() -> Iterator[FakeRuntime]:
     rt = FakeRuntime()
     cuda = types.SimpleNamespace(
         runtime=rt, Stream=FakeStream, Event=FakeEvent,
-        Device=lambda: types.SimpleNamespace(id=0))
+        Device=lambda: types.SimpleNamespace(id=0),
+        get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3)
     module = types.ModuleType("cupy")
     module.cuda = cuda  # type: ignore[attr-defined]
     module.asarray = lambda x: DevArray(np.ascontiguousarray(x))  # type: ignore[attr-defined]
+    module.asnumpy = lambda x: x.a.copy()  # type: ignore[attr-defined]
+    module.zeros = lambda shape, dtype: DevArray(np.zeros(shape, dtype))  # type: ignore[attr-defined]
+    module.uint8 = np.uint8  # type: ignore[attr-defined]
     module.RawModule = lambda code, options: types.SimpleNamespace(  # type: ignore[attr-defined]
         get_function=_emulated_kernel)
     runtime_mod = types.ModuleType("cupy.cuda.runtime")
@@ -284,3 +293,23 @@ def test_orders_after_streams_and_events(fake: FakeRuntime) -> None:
     assert fake.recorded[-1] == (scratch.ptr, 0x77)
     with pytest.raises(ValueError, match="cannot order after"):
         wait_on("soon", ours, scratch)
+
+
+def test_bench_gpu_sections_run_on_fake_cuda(fake: FakeRuntime, tmp_path: Any,
+                                             monkeypatch: Any) -> None:
+    import bench.gpu_transfer as bench
+    from kvtier.gpu.measure import calibrate_pool
+    from kvtier.transfer_plan import PoolGeometry, PoolKind
+
+    assert bench._gpu_device() == "FakeGPU (host memory)"
+    check = bench.gpu_check()
+    assert len(check["rows"]) == 16 and all(r["bit_exact"] for r in check["rows"])
+    sweep = bench.gpu_sweep(chunks=(4096, 65_536), total=1 << 20, max_pairs=64)
+    assert [r["chunk_bytes"] for r in sweep["rows"]] == [4096, 4096, 65_536, 65_536]
+    goals = bench.gpu_goals(total=4 << 20, max_pairs=4)
+    assert {r["shape"] for r in goals["rows"]} == {"llama3-8b tp1 (2 MiB blocks)",
+                                                   "llama3-8b tp8 rank"}
+    assert all(r["kernel_gbps"] > 0 and r["ceiling_gbps"] > 0 for r in goals["rows"])
+    cal = calibrate_pool(PoolGeometry(PoolKind.LAYERED, 1, 64, 4096, 4096), budget_bytes=1 << 18)
+    assert sorted({r.chunk_bytes for r in cal.rows}) == [4096, 16_384, 65_536, 262_144]
+    assert fake.registered == []
