@@ -1,0 +1,122 @@
+"""`kvtier simulate`: replay a trace (or a built-in workload) through the real prefix index."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvtier.sim.trace import Request
+
+HELP = "replay a request trace through the prefix index and report hit ratios and tier traffic"
+
+_EPILOG = """\
+capacities: a whole number is 512-token trace blocks ("4000"); a size with a unit ("64GiB",
+"500GB") is bytes and needs --model (KV bytes of a 512-token block from a preset) or --block-bytes.
+
+examples:
+  kvtier simulate --trace trace.jsonl --dram 4000 --ssd 16000
+  kvtier simulate --workload chat --dram 64GiB --ssd 1TiB --model Llama-3-8B --json
+  kvtier simulate --trace trace.jsonl --dram 4000 --ssd 16000 --plot hit_ratio.png
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvtier.policies import POLICIES
+    from kvtier.sim.workloads import WORKLOADS
+
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (one request per line)")
+    src.add_argument("--workload", choices=WORKLOADS, help="built-in generated workload")
+    parser.add_argument("--requests", type=int, default=4000, help="--workload size (4000)")
+    parser.add_argument("--seed", type=int, default=0, help="--workload seed (0)")
+    parser.add_argument("--dram", metavar="CAP", required=True, help="DRAM tier capacity")
+    parser.add_argument("--ssd", metavar="CAP", default="0", help="SSD tier capacity (0)")
+    parser.add_argument("--model", metavar="PRESET", help="model preset for byte capacities")
+    parser.add_argument("--dtype", default="bf16", help="KV dtype with --model (bf16)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size with --model (1)")
+    parser.add_argument("--block-bytes", metavar="SIZE", help="bytes of one 512-token block")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="lru", help="eviction (lru)")
+    parser.add_argument(
+        "--ssd-admit-k",
+        type=int,
+        default=2,
+        metavar="K",
+        help="admit to SSD on the K-th access (2)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", metavar="FILE.png", help="also plot hit ratio against capacity")
+    parser.add_argument("--sweep-points", type=int, default=8, help="capacities in --plot (8)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _load(args: argparse.Namespace) -> tuple[list[Request], str]:
+    from kvtier.sim.trace import read_trace
+    from kvtier.sim.workloads import generate
+
+    if args.trace is not None:
+        return read_trace(args.trace), Path(args.trace).name
+    if args.requests < 1:
+        raise UsageError(f"--requests must be >= 1, got {args.requests}")
+    return generate(args.workload, args.requests, args.seed), (
+        f"workload {args.workload} (seed {args.seed})"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.sim.capacity import parse_capacity, trace_block_bytes
+    from kvtier.sim.ceilings import belady_hits, flatten, infinite_hits
+    from kvtier.sim.config import TierConfig
+    from kvtier.sim.progress import progress_bar
+    from kvtier.sim.replay import replay
+    from kvtier.sim.report import SimReport, format_table, to_json
+
+    block_bytes = trace_block_bytes(args.model, args.dtype, args.tp, args.block_bytes)
+    dram = parse_capacity(args.dram, block_bytes, "--dram")
+    ssd = parse_capacity(args.ssd, block_bytes, "--ssd")
+    if args.ssd_admit_k < 1:
+        raise UsageError(f"--ssd-admit-k must be >= 1, got {args.ssd_admit_k}")
+    config = TierConfig(dram, ssd, args.policy, args.ssd_admit_k)
+    if args.plot:
+        from kvtier.sim.sweep import check_plot_target
+
+        check_plot_target(args.plot)
+    requests, source = _load(args)
+    show = not args.quiet and sys.stderr.isatty()
+
+    refs = flatten(requests)
+    with progress_bar(len(requests), "replay", show) as bar:
+        stats = replay(requests, config, progress=bar)
+    report = SimReport(
+        source,
+        len(set(refs)),
+        config,
+        block_bytes,
+        stats,
+        infinite_hits(requests),
+        belady_hits(refs, config.total_blocks),
+    )
+    doc = to_json(report)
+    if args.plot:
+        from kvtier.sim.sweep import plot, run_sweep, sweep_configs, sweep_json
+
+        configs = sweep_configs(config, report.distinct_blocks, args.sweep_points)
+        with progress_bar(len(configs), "sweep", show, unit="capacity") as bar:
+            points = run_sweep(requests, configs, on_point=lambda: bar(1))
+        plot(points, doc["infinite_hit_ratio"], config, source, args.plot, block_bytes)
+        doc["sweep"] = sweep_json(points)
+        doc["plot"] = args.plot
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_table(report))
+        if args.plot:
+            print(f"plot: {args.plot} ({len(doc['sweep'])} capacities)")
+    return 0

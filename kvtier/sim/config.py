@@ -1,0 +1,65 @@
+"""What a replay is given (`TierConfig`) and what it counts (`ReplayStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Capacities in trace blocks, the index's eviction policy and the SSD admission threshold."""
+
+    dram_blocks: int
+    ssd_blocks: int = 0
+    policy: str = "lru"
+    ssd_admit_k: int = 2
+
+    def __post_init__(self) -> None:
+        if self.dram_blocks < 0 or self.ssd_blocks < 0:
+            raise ValueError("capacities must be >= 0 blocks")
+        if self.ssd_admit_k < 1:
+            raise ValueError(f"SSD admission k must be >= 1, got {self.ssd_admit_k}")
+
+    @property
+    def total_blocks(self) -> int:
+        """Distinct blocks the tiers can hold together (the ceilings' capacity)."""
+        return self.dram_blocks + self.ssd_blocks
+
+
+class ReplayStats(NamedTuple):
+    """Counters of one replay. Hits follow the prefix rule of `kvtier.sim.ceilings`.
+
+    hits_dram / hits_ssd: prefix-hit blocks by the fastest tier holding them at lookup.
+    promotions: SSD-resident hits copied into DRAM. demotions: DRAM victims kept on SSD.
+    ssd_blocks_written: blocks written to SSD (a demotion of a block that still has an SSD copy
+    writes nothing). dropped_dram: DRAM victims not admitted to SSD, gone from the cache.
+    evicted_ssd: blocks evicted from SSD. inserted: missed blocks committed into DRAM;
+    not_stored: missed blocks left out because every DRAM block was in use by the request.
+    stranded_blocks: cached blocks whose parent is cached in no tier, counted on the index at the
+    end (DESIGN invariant 2 says 0). dram_blocks_end / ssd_blocks_end: occupancy at the end.
+    """
+
+    requests: int
+    block_refs: int
+    hits_dram: int
+    hits_ssd: int
+    promotions: int
+    demotions: int
+    ssd_blocks_written: int
+    dropped_dram: int
+    evicted_ssd: int
+    inserted: int
+    not_stored: int
+    stranded_blocks: int
+    dram_blocks_end: int
+    ssd_blocks_end: int
+    seconds: float
+
+    @property
+    def hits(self) -> int:
+        return self.hits_dram + self.hits_ssd
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.block_refs if self.block_refs else 0.0

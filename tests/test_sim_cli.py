@@ -1,0 +1,164 @@
+"""`kvtier simulate` end to end, as a user runs it (subprocess), plus the progress bar."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.sim.progress import progress_bar
+
+SAMPLE = Path("/work/shared/traces/synthetic_trace.jsonl")
+GOOD = '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}'
+JSON_KEYS = {
+    "hit_ratio",
+    "hit_ratio_by_tier",
+    "infinite_hit_ratio",
+    "belady_hit_ratio",
+    "ssd_blocks_written",
+    "stranded_blocks",
+    "promotions",
+    "demotions",
+}
+
+
+def simulate(*args, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        ("{not json", "malformed JSON"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1}', "missing field"),
+        ('{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [7]}', ">= 0"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": ["a"]}', "integer"),
+    ],
+)
+def test_bad_trace_line_exits_2_with_line_number(tmp_path, bad, needle):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(f"{GOOD}\n{GOOD}\n{bad}\n{GOOD}\n")
+    p = simulate("--trace", str(trace), "--dram", "10")
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert "t.jsonl:3: " in p.stderr and needle in p.stderr
+    assert p.stderr.startswith("kvtier simulate: error: ")
+    assert p.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--dram", "64GiB"], "give --model"),
+        (["--dram", "10", "--model", "no-such-model"], "unknown preset"),
+        (["--dram", "ten"], "cannot read"),
+        (["--dram", "-3"], "negative"),
+        (["--dram", "10", "--ssd-admit-k", "0"], "--ssd-admit-k"),
+        (["--dram", "10", "--plot", "out.txt"], ".png"),
+        (["--dram", "10", "--plot", "/no/such/dir/x.png"], "does not exist"),
+        (["--dram", "10", "--requests", "0"], "--requests"),
+    ],
+)
+def test_bad_flags_exit_2_without_traceback(args, needle):
+    p = simulate("--workload", "chat", *args)
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr and "Traceback" not in p.stderr
+
+
+def test_missing_trace_file_exits_2(tmp_path):
+    p = simulate("--trace", str(tmp_path / "none.jsonl"), "--dram", "10")
+    assert p.returncode == 2 and "cannot read trace" in p.stderr
+
+
+def test_json_on_sample_trace_has_the_promised_keys_and_values():
+    if not SAMPLE.exists():
+        pytest.skip("sample trace not present")
+    p = simulate("--trace", str(SAMPLE), "--dram", "4000", "--ssd", "16000", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc.keys() >= JSON_KEYS
+    assert set(doc["hit_ratio_by_tier"]) == {"dram", "ssd"}
+    assert doc["hit_ratio"] == pytest.approx(sum(doc["hit_ratio_by_tier"].values()))
+    # 121,877 - 43,924 distinct = 77,953 infinite-cache hits.
+    assert doc["infinite_hit_ratio"] == pytest.approx(77_953 / 121_877)
+    assert doc["infinite_hit_ratio"] >= doc["belady_hit_ratio"] >= doc["hit_ratio"] > 0
+    assert doc["stranded_blocks"] == 0
+    assert doc["block_refs"] == 121_877 and doc["requests"] == 3993
+    assert p.stderr == ""  # not a TTY: no progress bar
+
+
+def test_byte_capacities_with_a_model_preset():
+    # Llama-3-8B bf16: 128 KiB/token x 512 tokens = 64 MiB per trace block; 1 GiB = 16 blocks,
+    # 2 GiB = 32 blocks.
+    p = simulate(
+        "--workload",
+        "docqa",
+        "--requests",
+        "200",
+        "--dram",
+        "1GiB",
+        "--ssd",
+        "2GiB",
+        "--model",
+        "Llama-3-8B",
+        "--json",
+    )
+    assert p.returncode == 0, p.stderr
+    cap = json.loads(p.stdout)["capacity"]
+    assert cap == {
+        "dram_blocks": 16,
+        "ssd_blocks": 32,
+        "block_bytes": 64 * 2**20,
+        "dram_bytes": 2**30,
+        "ssd_bytes": 2**31,
+    }
+
+
+def test_table_output_and_plot(tmp_path):
+    out = tmp_path / "hit.png"
+    p = simulate(
+        "--workload",
+        "chat",
+        "--requests",
+        "300",
+        "--dram",
+        "200",
+        "--ssd",
+        "400",
+        "--plot",
+        str(out),
+        "--sweep-points",
+        "3",
+    )
+    assert p.returncode == 0, p.stderr
+    for needle in ("prefix hits", "from SSD", "Belady MIN", "stranded blocks", "plot: "):
+        assert needle in p.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from kvtier.cli import main; "
+        f"sys.exit(main(['simulate', '--workload', 'chat', '--dram', '10', '--plot', "
+        f"{str(tmp_path / 'x.png')!r}]))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "needs matplotlib" in p.stderr and "kvtier[plot]" in p.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_progress_bar_draws_on_stderr_only_when_shown(capsys):
+    with progress_bar(10, "replay", show=True) as advance:
+        advance(10)
+    assert "replay" in capsys.readouterr().err
+    with progress_bar(10, "replay", show=False) as advance:
+        advance(10)
+    assert capsys.readouterr() == ("", "")
