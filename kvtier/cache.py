@@ -298,13 +298,17 @@ class Cache:
             ns = self._ns(tenant, fingerprint)
             chain = self._keys(ns, keys, key_width, unique=False)
             found = self.index.lookup(ns.name, chain, touch=False)
+            for block in found.blocks:  # first, so promotions cannot evict the rest
+                self.index.pin(ns.name, block.key)
             pinned: list[Block] = []
             sources: list[Tier] = []
-            for block in found.blocks:
+            for i, block in enumerate(found.blocks):
                 source = Tier.DRAM if block.in_dram else Tier.SSD
                 if not block.in_dram and not self._promote(ns, block):
+                    for rest in found.blocks[i:]:
+                        self.index.unpin(ns.name, rest.key)
+                    self.tiers.drop_lost(ns.name, block)
                     break
-                self.index.pin(ns.name, block.key)
                 assert block.dram_slot is not None
                 self.pool.pin(block.dram_slot)
                 pinned.append(block)

@@ -213,14 +213,21 @@ class Tiers:
         if n is None:
             self.pool.free(slot)
             self.metrics.checksum_failures.inc(self.store.counters.corrupt - corrupt_before)
-            if block.children == 0 and block.pins == 0:
-                self._removed(self.index.remove(ns, block.key), "checksum")
             return False
         self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
         self._charge(namespace_tenant(ns), Tier.DRAM, self.slot_bytes)
         self.metrics.bytes_moved.labels("ssd", "promote").inc(n)
         self.rates.observe_transfer(Link.SSD_READ, n, seconds)
         return True
+
+    def drop_lost(self, ns: str, block: IndexBlock) -> None:
+        """Forgets an SSD-only block whose payload failed to read, when it is an unpinned leaf.
+
+        A lost block with cached children stays indexed (the index removes leaves only); its
+        reads keep failing fast (the store remembers the bad key) and Acquire stops before it.
+        """
+        if not block.in_dram and block.pins == 0 and block.children == 0:
+            self._removed(self.index.remove(ns, block.key), "checksum")
 
     # -- DRAM ---------------------------------------------------------------------------------
 

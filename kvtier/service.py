@@ -14,6 +14,7 @@ Handlers run on the server's event loop; cache calls are short and synchronous.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,6 +40,7 @@ from kvtier.costmodel import CostModel
 from kvtier.dram import SegmentHandle
 from kvtier.types import Tier
 
+log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 8 << 20
 
@@ -260,6 +262,10 @@ class KvTierService(pb_grpc.KvTierServicer):
             code = next(c for t, c in _CODES.items() if isinstance(exc, t))
             self._record(method, code, started)
             await self._fail(context, exc)
+        except Exception as exc:  # a bug: log it, answer INTERNAL, keep serving
+            log.exception("%s failed", method)
+            self._record(method, grpc.StatusCode.INTERNAL, started)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
         self._record(method, grpc.StatusCode.OK, started)
         return result
 
