@@ -17,6 +17,7 @@ JSON goes to bench/results/gpu_transfer.json and, if $OUT is set, $OUT/gpu_trans
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -88,8 +89,8 @@ def _cpu_case(name: str, heads: int, n_blocks: int, n_pairs: int) -> list[dict[s
         copy_loop(d, slots, chunks, pool, s, b)
         same = np.array_equal(want[0], slots) and all(
             np.array_equal(x, y) for x, y in zip(want[1], chunks, strict=True))
-        fancy = _median_s(lambda d=d: reference_copy(d, slots, chunks, pool, s, b))
-        loop = _median_s(lambda d=d: copy_loop(d, slots, chunks, pool, s, b))
+        fancy = _median_s(functools.partial(reference_copy, d, slots, chunks, pool, s, b))
+        loop = _median_s(functools.partial(copy_loop, d, slots, chunks, pool, s, b))
         ceil = _median_s(lambda: np.copyto(flat_dst, flat_src))
         out.append({"shape": name, "direction": d.value, "chunk_bytes": chunk, "pairs": n_pairs,
                     "bytes": nbytes, "fancy_gbps": _gbps(nbytes, fancy),

@@ -27,7 +27,8 @@ def _rand_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
 def _bytes(t: Any) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t.reshape(-1).view(np.uint8).copy()
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy().copy()
+    out: np.ndarray = t.contiguous().view(torch.uint8).reshape(-1).numpy().copy()
+    return out
 
 
 def _layered(dtype: torch.dtype, seed: int) -> tuple[KVPool, list[torch.Tensor]]:
