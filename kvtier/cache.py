@@ -250,7 +250,8 @@ class Cache:
             raise InvalidArgument(
                 f"{n} keys exceed the limit of {self.cfg.max_blocks_per_request} per request"
             )
-        out = [keys[i : i + width] for i in range(0, len(keys), width)]
+        out = list(map(keys.__getitem__, map(slice, range(0, len(keys), width),
+                                             range(width, len(keys) + width, width))))
         if unique and len(set(out)) != n:
             raise InvalidArgument("keys repeat within the chain")
         return out
@@ -265,14 +266,17 @@ class Cache:
             ns = self._ns(tenant, fingerprint)
             chain = self._keys(ns, keys, key_width, unique=False)
             found = self.index.lookup(ns.name, chain)
-            tiers: list[Tier] = [Tier.DRAM if t is Tier.HBM else t for t in found.tiers]
+            tiers: list[Tier] = found.tiers
+            if Tier.HBM in tiers:  # the daemon serves DRAM copies of engine-resident blocks
+                tiers = [Tier.DRAM if t is Tier.HBM else t for t in tiers]
             self.tiers.maybe_write_back(ns.name, found.blocks)
         m = self.metrics
         m.lookups.labels("hit" if tiers else "miss").inc()
-        for tier in (Tier.DRAM, Tier.SSD):
-            count = sum(1 for t in tiers if t is tier)
-            if count:
-                m.blocks_hit.labels(tier.label).inc(count)
+        in_dram = tiers.count(Tier.DRAM)
+        if in_dram:
+            m.blocks_hit.labels("dram").inc(in_dram)
+        if len(tiers) > in_dram:
+            m.blocks_hit.labels("ssd").inc(len(tiers) - in_dram)
         if len(chain) > len(tiers):
             m.blocks_missed.inc(len(chain) - len(tiers))
         the_plan = None

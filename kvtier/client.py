@@ -42,8 +42,9 @@ from kvtier.errors import KvtierError
 from kvtier.types import Tier
 
 MAX_MESSAGE_BYTES = 8 << 20
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 4 << 20
 TIER_FROM_PB = {pb.TIER_HBM: Tier.HBM, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
+_TIER_BY_PB = [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.SSD]  # TIER_NONE never appears in a reply
 T = TypeVar("T")
 U8 = npt.NDArray[np.uint8]
 
@@ -161,7 +162,7 @@ def register_request(layout: LayoutDecl) -> pb.RegisterLayoutRequest:
 
 
 def lookup_result(reply: pb.LookupResponse) -> Lookup:
-    tiers = [TIER_FROM_PB[t] for t in reply.tiers]
+    tiers = list(map(_TIER_BY_PB.__getitem__, reply.tiers))
     has_plan = reply.HasField("plan")
     cut = reply.plan.fetch_blocks if has_plan else reply.hit_blocks
     return Lookup(reply.hit_blocks, tiers, cut, reply.plan if has_plan else None)

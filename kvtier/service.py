@@ -41,7 +41,7 @@ from kvtier.dram import SegmentHandle
 from kvtier.types import Tier
 
 log = logging.getLogger(__name__)
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 8 << 20
 
 _CODES: dict[type[Exception], grpc.StatusCode] = {
@@ -62,6 +62,14 @@ if TYPE_CHECKING:
     Ctx = grpc.aio.ServicerContext[Any, Any]
 else:
     Ctx = grpc.aio.ServicerContext
+
+
+_PLUS_ONE = bytes(min(i + 1, 255) for i in range(256))
+
+
+def tiers_to_pb(tiers: list[Tier]) -> list[Any]:
+    """kvtier.types.Tier → kvtier.v1.Tier (TIER_NONE = 0 shifts every value by one), in C."""
+    return list(bytes(tiers).translate(_PLUS_ONE))
 
 
 def segment_info(h: SegmentHandle) -> pb.SegmentInfo:
@@ -134,9 +142,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                 tenant, request.layout, request.keys, request.key_width, request.start_token,
                 request.prompt_tokens, request.want_plan,
             )
-            reply = pb.LookupResponse(
-                hit_blocks=len(res.tiers), tiers=[_TIER_TO_PB[t] for t in res.tiers]
-            )
+            reply = pb.LookupResponse(hit_blocks=len(res.tiers), tiers=tiers_to_pb(res.tiers))
             if res.plan is not None:
                 p = res.plan
                 reply.plan.CopyFrom(pb.Plan(
@@ -158,7 +164,7 @@ class KvTierService(pb_grpc.KvTierServicer):
             return pb.AcquireResponse(
                 lease_id=res.lease_id, count=len(res.offsets), offsets=res.offsets,
                 block_bytes=info.block_bytes, segment=segment_info(self.cache.pool.handle()),
-                source_tiers=[_TIER_TO_PB[t] for t in res.source_tiers],
+                source_tiers=tiers_to_pb(res.source_tiers),
                 lease_ttl_ms=int(res.ttl_s * 1000),
             )
 

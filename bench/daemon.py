@@ -1,0 +1,189 @@
+"""Daemon benchmark: Lookup latency, RPC throughput, and store+load bandwidth through the daemon.
+
+    python -m bench.daemon [--quick]
+
+Starts real `kvtier serve` daemons on temporary sockets (4 KiB slots for the Lookup figures, 2 MiB
+slots for the copies; no SSD tier, so the DRAM path is measured) and
+reports, with baselines measured in the same run:
+- Lookup latency p50/p99 for 1-, 64- and 1024-block cached chains over the Unix socket
+  (goal: 1024-block p50 <= 2 ms);
+- Lookup RPCs/s with 8 concurrent client processes (16-block chains);
+- store+load GB/s of 2 MiB blocks in batches of 64 through shared memory (allocate, copy in,
+  commit; acquire, copy out, release) against `numpy.copyto` of the same bytes between the same
+  kind of buffers (goal >= 0.7x), and the same through the streaming byte path (ratio reported).
+Writes bench/results/daemon.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.client import Client, LayoutDecl
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+SMALL = LayoutDecl(b"bench-lookup-layout", 4096, 16)
+BIG = LayoutDecl(b"bench-copy-layout-2m", 2 * MiB, 16)
+
+
+def start_daemon(work: Path, slot: str, dram: str) -> tuple[subprocess.Popen[bytes], Path]:
+    work.mkdir(parents=True, exist_ok=True)
+    sock = work / "kvtier.sock"
+    log = open(work / "daemon.log", "wb")  # noqa: SIM115 (the child owns it)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "serve", "--socket", str(sock), "--data-dir",
+         str(work / "data"), "--dram-bytes", dram, "--slot-bytes", slot, "--ssd-bytes", "0",
+         "--metrics", "", "--max-blocks-per-request", "4096", "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    log.close()
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"daemon did not start:\n{(work / 'daemon.log').read_text()}")
+        time.sleep(0.05)
+    return proc, sock
+
+
+def keys_for(tag: int, n: int) -> list[bytes]:
+    return [tag.to_bytes(4, "little") + i.to_bytes(4, "little") + bytes(24) for i in range(n)]
+
+
+def lookup_latency(sock: Path, quick: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with Client(sock, layout=SMALL) as kv:
+        for n in (1, 64, 1024):
+            keys = keys_for(n, n)
+            kv.store(keys, [bytes(4096)] * n)
+            iters = (200 if quick else 2000) if n < 1024 else (100 if quick else 500)
+            for _ in range(20):
+                kv.lookup(keys)
+            samples = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                hit = kv.lookup(keys).hit_blocks
+                samples.append(time.perf_counter() - t0)
+                assert hit == n
+            samples.sort()
+            out[str(n)] = {"p50_ms": 1e3 * samples[len(samples) // 2],
+                           "p99_ms": 1e3 * samples[int(len(samples) * 0.99)], "iters": iters}
+    return out
+
+
+def _rps_worker(sock: str, seconds: float, q: Any) -> None:
+    keys = keys_for(16, 16)
+    n = 0
+    with Client(sock, layout=SMALL) as kv:
+        kv.lookup(keys)
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            kv.lookup(keys)
+            n += 1
+    q.put(n)
+
+
+def rpc_throughput(sock: Path, clients: int, seconds: float) -> dict[str, Any]:
+    with Client(sock, layout=SMALL) as kv:
+        kv.store(keys_for(16, 16), [bytes(4096)] * 16)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rps_worker, args=(str(sock), seconds, q)) for _ in range(clients)]
+    for p in procs:
+        p.start()
+    total = sum(q.get(timeout=seconds + 60) for _ in procs)
+    for p in procs:
+        p.join()
+    return {"clients": clients, "seconds": seconds, "rpcs": total, "rpcs_per_s": total / seconds}
+
+
+def copy_bandwidth(sock: Path, streaming: bool, rounds: int) -> dict[str, Any]:
+    """store+load of 64 x 2 MiB per round vs numpy.copyto of the same bytes (in and out)."""
+    batch = 64
+    rng = np.random.default_rng(0)
+    src = [rng.integers(0, 256, BIG.block_bytes, dtype=np.uint8) for _ in range(batch)]
+    dst = [np.empty(BIG.block_bytes, dtype=np.uint8) for _ in range(batch)]
+    stage = [np.empty(BIG.block_bytes, dtype=np.uint8) for _ in range(batch)]
+    for a in (*dst, *stage):
+        a.fill(0)  # fault the pages in, as the daemon's warm slots are
+    base, daemon = [], []
+    with Client(sock, layout=BIG, streaming=streaming) as kv:
+        warm = -(-kv.stats().segment.slot_count // batch)  # every slot touched once first
+        for r in range(rounds + warm):
+            t0 = time.perf_counter()
+            for s, t in zip(src, stage, strict=True):
+                np.copyto(t, s)
+            for t, d in zip(stage, dst, strict=True):
+                np.copyto(d, t)
+            t1 = time.perf_counter()
+            keys = keys_for((2000 if streaming else 1000) + r, batch)
+            stored = kv.store(keys, src)
+            with kv.load(keys) as got:
+                for v, d in zip(got.views, dst, strict=True):
+                    np.copyto(d, v)
+            t2 = time.perf_counter()
+            assert stored.stored == batch and got.blocks == batch
+            assert np.array_equal(dst[-1], src[-1])
+            if r >= warm:  # steady state: the pool's pages are resident, as in a live daemon
+                base.append(t1 - t0)
+                daemon.append(t2 - t1)
+    nbytes = 2 * batch * BIG.block_bytes
+    b, d = statistics.median(base), statistics.median(daemon)
+    return {"path": "streaming" if streaming else "shm", "rounds": rounds,
+            "bytes_per_round": nbytes, "memcpy_gb_s": nbytes / b / 1e9,
+            "daemon_gb_s": nbytes / d / 1e9, "ratio": b / d}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        proc, sock = start_daemon(Path(tmp) / "small", "4KiB", "64MiB")
+        try:
+            lat = lookup_latency(sock, args.quick)
+            rps = rpc_throughput(sock, 8, 2.0 if args.quick else 5.0)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        proc, sock = start_daemon(Path(tmp) / "big", "2MiB", "640MiB")
+        try:
+            shm = copy_bandwidth(sock, False, 2 if args.quick else 8)
+            stream = copy_bandwidth(sock, True, 1 if args.quick else 3)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print("Lookup latency over the Unix socket (cached chains)")
+    print(f"{'blocks':>8}{'p50 ms':>10}{'p99 ms':>10}")
+    for n, row in lat.items():
+        print(f"{n:>8}{row['p50_ms']:>10.3f}{row['p99_ms']:>10.3f}")
+    goal = lat["1024"]["p50_ms"] <= 2.0
+    print(f"goal 1024-block p50 <= 2 ms: {'reached' if goal else 'NOT reached'}")
+    print(f"\nLookup RPCs/s, {rps['clients']} client processes: {rps['rpcs_per_s']:.0f}")
+    print("\nstore+load of 64 x 2 MiB blocks per round (median of rounds)")
+    print(f"{'path':>10}{'memcpy GB/s':>13}{'daemon GB/s':>13}{'ratio':>8}")
+    for row in (shm, stream):
+        print(f"{row['path']:>10}{row['memcpy_gb_s']:>13.2f}{row['daemon_gb_s']:>13.2f}"
+              f"{row['ratio']:>8.2f}")
+    print(f"goal shm ratio >= 0.7: {'reached' if shm['ratio'] >= 0.7 else 'NOT reached'}")
+    result = {"lookup_latency": lat, "rpc_throughput": rps, "copy_shm": shm,
+              "copy_streaming": stream, "quick": args.quick}
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "daemon.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
