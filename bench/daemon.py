@@ -139,10 +139,10 @@ def copy_bandwidth(sock: Path, streaming: bool, rounds: int) -> dict[str, Any]:
                 base.append(t1 - t0)
                 daemon.append(t2 - t1)
     nbytes = 2 * batch * BIG.block_bytes
-    b, d = statistics.median(base), statistics.median(daemon)
+    t_base, t_daemon = statistics.median(base), statistics.median(daemon)
     return {"path": "streaming" if streaming else "shm", "rounds": rounds,
-            "bytes_per_round": nbytes, "memcpy_gb_s": nbytes / b / 1e9,
-            "daemon_gb_s": nbytes / d / 1e9, "ratio": b / d}
+            "bytes_per_round": nbytes, "memcpy_gb_s": nbytes / t_base / 1e9,
+            "daemon_gb_s": nbytes / t_daemon / 1e9, "ratio": t_base / t_daemon}
 
 
 def main(argv: list[str] | None = None) -> int:
