@@ -165,7 +165,8 @@ class Cache:
         self._layouts: dict[bytes, LayoutInfo] = {}
         self._tenants: dict[str, _TenantState] = {}
         self._namespaces: dict[tuple[str, bytes], _Namespace] = {}
-        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self._charge)
+        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self._charge,
+                           self._ssd_quota_ok)
         self.pool = self.tiers.pool
         self.index = self.tiers.index
         metrics.attach_pool(self.gauges)
@@ -238,6 +239,11 @@ class Cache:
             state.dram_bytes += nbytes
         else:
             state.ssd_bytes += nbytes
+
+    def _ssd_quota_ok(self, tenant: str, nbytes: int) -> bool:
+        state = self._tenant(tenant)
+        quota = state.tenant.ssd_quota_bytes
+        return not quota or state.ssd_bytes + nbytes <= quota
 
     def _keys(self, ns: _Namespace, keys: bytes, key_width: int, unique: bool) -> list[bytes]:
         width = ns.layout.key_width

@@ -67,6 +67,7 @@ class Tiers:
     def __init__(
         self, cfg: Config, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
         lock: threading.RLock, charge: Callable[[str, Tier, int], None],
+        ssd_quota_ok: Callable[[str, int], bool],
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
@@ -74,6 +75,7 @@ class Tiers:
         self.rates = rates
         self._lock = lock
         self._charge = charge  # (tenant, tier, +-bytes): the cache's per-tenant accounting
+        self._ssd_quota_ok = ssd_quota_ok  # (tenant, more bytes) -> within its SSD quota?
         self.slot_bytes = cfg.slot_bytes
         self.pool = DramPool.create(DramSpec(
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
@@ -114,6 +116,7 @@ class Tiers:
         by_ns: dict[str, dict[bytes, bytes | None]] = {}
         for e in entries:
             by_ns.setdefault(e.tenant, {})[e.key] = e.parent
+            self.block_bytes.setdefault(e.tenant, e.size - blockfmt.HEADER_SIZE)
         doomed: list[tuple[str, bytes]] = []
         for ns, parents in by_ns.items():
             kids: dict[bytes, list[bytes]] = {}
@@ -129,7 +132,7 @@ class Tiers:
                     self.index.insert(ns, key, parents[key] or None, Tier.SSD)
                 except IndexStateError:
                     continue  # over capacity (the config shrank): it and its subtree go
-                self._charge(namespace_tenant(ns), Tier.SSD, self.ssd_block_bytes)
+                self._charge(namespace_tenant(ns), Tier.SSD, self.ssd_bytes_of(ns))
                 stack.extend(kids.get(key, ()))
             doomed.extend((ns, k) for k in parents if self.index.get(ns, k) is None)
         if doomed:
@@ -138,6 +141,10 @@ class Tiers:
             self.store.delete_many(doomed)
         log.info("SSD tier: %d blocks indexed in %.2f s", len(entries) - len(doomed),
                  time.monotonic() - started)
+
+    def ssd_bytes_of(self, ns: str) -> int:
+        """Stored bytes of one block of this namespace (payload + header)."""
+        return self.block_bytes.get(ns, self.slot_bytes) + blockfmt.HEADER_SIZE
 
     def maybe_write_back(self, ns: str, blocks: list[IndexBlock]) -> None:
         """Queues write-backs for admitted DRAM-only blocks of a looked-up chain (root first)."""
@@ -155,16 +162,25 @@ class Tiers:
             if not self._make_ssd_room(1 + len(self._queued)):
                 self.metrics.writeback_dropped.inc()
                 return
+            tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
+            if not self._ssd_quota_ok(tenant, cost):
+                self.metrics.writeback_dropped.inc()
+                return
             nbytes = self.block_bytes.get(ns, self.slot_bytes)
             self.index.pin(ns, b.key)
             got = mover.submit(WriteBack(ns, b.key, b.parent_key, b.dram_slot, nbytes))
             if got is Submitted.QUEUED:
                 self._queued.add((ns, b.key))
+                self._charge(tenant, Tier.SSD, cost)  # reserved now, returned if refused
                 continue
             self.index.unpin(ns, b.key)
             if got is Submitted.ALREADY_STORED:
-                self.index.add_tier(ns, b.key, Tier.SSD)
-                continue
+                try:
+                    self.index.add_tier(ns, b.key, Tier.SSD)
+                    self._charge(tenant, Tier.SSD, cost)
+                    continue
+                except IndexStateError:
+                    return
             self.metrics.writeback_dropped.inc()
             return
 
@@ -183,18 +199,20 @@ class Tiers:
         with self._lock:
             for w in batch:
                 self._queued.discard((w.tenant, w.key))
-                if self.index.get(w.tenant, w.key) is None:
+                if self.index.get(w.tenant, w.key) is None:  # cannot happen: it was pinned
                     continue
                 self.index.unpin(w.tenant, w.key)
+                cost = self.ssd_bytes_of(w.tenant)
                 if (w.tenant, w.key) not in stored:
                     self.metrics.writeback_dropped.inc()
+                    self._charge(namespace_tenant(w.tenant), Tier.SSD, -cost)
                     continue
                 try:
                     self.index.add_tier(w.tenant, w.key, Tier.SSD)
                 except IndexStateError:  # parent's copy was refused: keep SSD prefix-closed
                     undo.append((w.tenant, w.key))
+                    self._charge(namespace_tenant(w.tenant), Tier.SSD, -cost)
                     continue
-                self._charge(namespace_tenant(w.tenant), Tier.SSD, self.ssd_block_bytes)
                 self.events.emit(namespace_tenant(w.tenant), _fp(w.tenant), True, Tier.SSD,
                                  [w.key], w.parent or b"")
             if undo and self.store is not None:
@@ -205,7 +223,10 @@ class Tiers:
     def promote(self, ns: str, block: IndexBlock) -> bool:
         """Copies an SSD-only block into a new DRAM slot (caller holds room). False on a miss."""
         assert self.mover is not None and self.store is not None
-        slot = self.take_slots(1)[0]
+        slots = self.take_slots(1)
+        if not slots:
+            return False
+        slot = slots[0]
         corrupt_before = self.store.counters.corrupt
         started = time.perf_counter()
         n = self.mover.promote(ns, block.key, slot)
@@ -260,7 +281,7 @@ class Tiers:
                 self._charge(namespace_tenant(ns), Tier.DRAM, -self.slot_bytes)
             if e.tier is Tier.SSD:
                 ssd_deletes.append((ns, e.key))
-                self._charge(namespace_tenant(ns), Tier.SSD, -self.ssd_block_bytes)
+                self._charge(namespace_tenant(ns), Tier.SSD, -self.ssd_bytes_of(ns))
             self.metrics.evictions.labels(e.tier.label, reason).inc()
             self.events.emit(namespace_tenant(ns), _fp(ns), False, e.tier, [e.key])
         if ssd_deletes and self.store is not None:
