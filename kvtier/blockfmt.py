@@ -86,14 +86,17 @@ def encode_header(stored_key: bytes, layout: bytes, payload: bytes | memoryview)
     return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def check_header(stored_key: bytes, layout: bytes, blob: bytes | memoryview) -> int:
-    """Verify the header of a stored value; return the expected payload checksum.
+def check_header(
+    stored_key: bytes, layout: bytes, blob: bytes | bytearray | memoryview, total_len: int
+) -> int:
+    """Verify the header at the start of `blob` for a stored value of `total_len` bytes
+    (header + payload); return the expected payload checksum.
 
     The caller then checksums the payload bytes it actually serves (e.g. after copying them out),
     so what is served is exactly what was verified.
     """
     view = memoryview(blob)
-    if len(view) < HEADER_SIZE:
+    if len(view) < HEADER_SIZE or total_len < HEADER_SIZE:
         raise BlockCorrupt(Corruption.SHORT)
     head = view[: _HEAD.size]
     (check,) = _CHECK.unpack_from(view, _HEAD.size)
@@ -108,7 +111,7 @@ def check_header(stored_key: bytes, layout: bytes, blob: bytes | memoryview) -> 
         raise BlockCorrupt(Corruption.LAYOUT)
     if kdig != key_digest(stored_key):
         raise BlockCorrupt(Corruption.KEY)
-    if length != len(view) - HEADER_SIZE:
+    if length != total_len - HEADER_SIZE:
         raise BlockCorrupt(Corruption.LENGTH)
     return int(csum)
 
@@ -118,7 +121,7 @@ def verify(stored_key: bytes, layout: bytes, blob: bytes | memoryview) -> memory
 
     The returned view aliases `blob` (zero-copy): it is valid exactly as long as `blob` is.
     """
-    csum = check_header(stored_key, layout, blob)
+    csum = check_header(stored_key, layout, blob, len(blob))
     payload = memoryview(blob)[HEADER_SIZE:]
     if payload_checksum(payload) != csum:
         raise BlockCorrupt(Corruption.PAYLOAD_CHECKSUM)

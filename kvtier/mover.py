@@ -249,14 +249,19 @@ class Mover:
 
     def promote(self, tenant: str, key: bytes, slot: int) -> int | None:
         """Copy a verified SSD block into an allocated, unpublished DRAM slot; bytes or None."""
-        n = self.store.get_into(tenant, key, self.pool.view(slot))
-        if n is None:
-            self._c.promote_misses += 1
-            return None
-        self.store.record_access(tenant, key)
-        self._c.promoted += 1
-        self._c.promoted_bytes += n
-        return n
+        return self.promote_many([(tenant, key, slot)])[0]
+
+    def promote_many(self, reads: list[tuple[str, bytes, int]]) -> list[int | None]:
+        """`promote` for a batch (one read transaction, read-ahead for all of it)."""
+        got = self.store.get_many_into([(t, k, self.pool.view(s)) for t, k, s in reads])
+        for (tenant, key, _), n in zip(reads, got, strict=True):
+            if n is None:
+                self._c.promote_misses += 1
+                continue
+            self.store.record_access(tenant, key)
+            self._c.promoted += 1
+            self._c.promoted_bytes += n
+        return got
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ while True:
         PutItem("t", b"b%06d-%02d" % (b, i), None, rng(b * 1000 + i).bytes({BLOCK}))
         for i in range({PER_BATCH})
     ]
+    print("begin", b, flush=True)
     r = s.put_many(items)
     assert len(r.stored) == {PER_BATCH}, r
     print("committed", b, flush=True)
@@ -79,6 +80,7 @@ def test_sigkill_during_batched_puts(tmp_path: Path) -> None:
     rng = random.Random(4)
     committed: set[int] = set()
     start = 0
+    in_flight_kills = 0
     for _ in range(12):
         proc = subprocess.Popen(
             [sys.executable, "-c", WRITER, path, str(start)],
@@ -91,6 +93,8 @@ def test_sigkill_during_batched_puts(tmp_path: Path) -> None:
         out, _ = proc.communicate()
         assert proc.returncode == -signal.SIGKILL
         reported = {int(line.split()[1]) for line in out.splitlines() if line.startswith("comm")}
+        begun = {int(line.split()[1]) for line in out.splitlines() if line.startswith("begin")}
+        in_flight_kills += bool(begun - reported)
         committed |= reported
         present, _ = check_store(path)
         assert committed <= present, "a reported commit was lost"
@@ -99,12 +103,14 @@ def test_sigkill_during_batched_puts(tmp_path: Path) -> None:
         committed = present
         start = max(present, default=-1) + 1
     assert len(committed) >= 12
+    assert in_flight_kills >= 6, "most kills should land inside a put_many"
 
 
-def test_flipped_bits_are_always_detected_and_never_served(tmp_path: Path) -> None:
-    path = str(tmp_path / "ssd")
+def stored_with_flips(path: str, seed: int) -> tuple[SsdSpec, dict[bytes, bytes], set[bytes]]:
+    """80 blocks of mixed sizes; one random bit flipped in the file in 60 of them (half in the
+    header, half in the payload); 20 stay intact as a control group."""
     spec = SsdSpec(path, 32 << 20, FP)
-    rng = random.Random(7)
+    rng = random.Random(seed)
     sizes = [rng.choice([100, 3000, 70_000, 300_000]) for _ in range(80)]
     payloads = {b"k%03d" % i: os.urandom(n) for i, n in enumerate(sizes)}
     with SsdStore(spec) as s:
@@ -118,11 +124,10 @@ def test_flipped_bits_are_always_detected_and_never_served(tmp_path: Path) -> No
     try:
         for i, (k, p) in enumerate(payloads.items()):
             if i % 4 == 3:
-                continue  # a control group stays intact
+                continue
             value = blockfmt.encode_header(stored_key("t", k), layout, p) + p
             off = raw.find(value)
             assert off >= 0 and raw.find(value, off + 1) < 0
-            # half the flips land in the 64-byte header, half in the payload
             where = rng.randrange(64) if i % 2 else rng.randrange(64, len(value))
             byte = bytearray(os.pread(fd, 1, off + where))
             byte[0] ^= 1 << rng.randrange(8)
@@ -130,6 +135,12 @@ def test_flipped_bits_are_always_detected_and_never_served(tmp_path: Path) -> No
             flipped.add(k)
     finally:
         os.close(fd)
+    assert len(flipped) == 60
+    return spec, payloads, flipped
+
+
+def test_flipped_bits_are_always_detected_and_never_served(tmp_path: Path) -> None:
+    spec, payloads, flipped = stored_with_flips(str(tmp_path / "ssd"), seed=7)
     with SsdStore(spec) as s:
         for k, p in payloads.items():
             got = s.get("t", k)
@@ -138,9 +149,25 @@ def test_flipped_bits_are_always_detected_and_never_served(tmp_path: Path) -> No
                 assert not s.contains("t", k)
             else:
                 assert got == p
-        assert s.stats().corrupt_total == len(flipped) == 60
+        assert s.stats().corrupt_total == len(flipped)
         assert s.get("t", next(iter(flipped))) is None
-        assert s.stats().corrupt_total == 60  # a deleted entry is a plain miss afterwards
+        assert s.stats().corrupt_total == len(flipped)  # deleted: a plain miss afterwards
+    with SsdStore(spec) as s:
+        assert {e.key for e in s.entries()} == set(payloads) - flipped
+
+
+def test_flipped_bits_in_a_batch_read(tmp_path: Path) -> None:
+    spec, payloads, flipped = stored_with_flips(str(tmp_path / "ssd"), seed=8)
+    with SsdStore(spec) as s:
+        bufs = [bytearray(len(p)) for p in payloads.values()]
+        got = s.get_many_into([("t", k, b) for k, b in zip(payloads, bufs, strict=True)])
+        for (k, p), n, b in zip(payloads.items(), got, bufs, strict=True):
+            if k in flipped:
+                assert n is None
+            else:
+                assert n == len(p) and b == p
+        st = s.stats()
+        assert (st.corrupt_total, st.hits_total, st.misses_total) == (60, 20, 60)
     with SsdStore(spec) as s:
         assert {e.key for e in s.entries()} == set(payloads) - flipped
 

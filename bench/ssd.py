@@ -1,0 +1,196 @@
+"""SSD tier benchmark: LMDB store write / cold read of 2 MiB blocks vs raw file I/O, and restart.
+
+    python -m bench.ssd [--dir DIR] [--total-mib 512] [--rounds 3] [--restart-blocks 100000]
+
+Same disk, same bytes, same run:
+  write       `SsdStore.put_many` in batches of 64 (one transaction each) with the daemon's
+              durability ("nometasync", writemap) vs a raw sequential file write of the same bytes
+              with one fsync per 64 blocks. Variants: "sync" (fsync meta too) and no writemap.
+  cold read   the store closed, its data.mdb dropped from the page cache (posix_fadvise DONTNEED),
+              reopened, blocks read with `get_many_into` in batches of 64 into 64 distinct 2 MiB
+              buffers (header + checksum verified) vs the raw file dropped the same way and read
+              sequentially with readinto into the same 64 buffers.
+  restart     open a store holding `--restart-blocks` blocks of 64-byte payloads (128 stored
+              bytes each) and rebuild the index (`entries()`), warm and with the page cache dropped.
+Goals: read >= 0.8x, write >= 0.7x, restart with 100k blocks < 5 s. Medians over rounds, rounds
+alternate store and raw. Writes bench/results/ssd.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.ssd import PutItem, SsdSpec, SsdStore
+
+BLOCK = 2 << 20
+BATCH = 64
+RESULTS = Path(__file__).parent / "results" / "ssd.json"
+FP = b"bench-layout"
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def raw_write(path: str, blocks: list[np.ndarray]) -> float:
+    if os.path.exists(path):
+        os.unlink(path)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        for i in range(0, len(blocks), BATCH):
+            os.writev(fd, blocks[i : i + BATCH])
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def raw_read(path: str, n: int, outs: list[np.ndarray]) -> float:
+    drop_cache(path)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        for j in range(n):
+            f.readinto(outs[j % BATCH])  # type: ignore[attr-defined]
+    return time.perf_counter() - t0
+
+
+def spec(path: str, total: int, **kw: Any) -> SsdSpec:
+    return SsdSpec(path, total + (64 << 20), FP, **kw)
+
+
+def store_write(path: str, blocks: list[np.ndarray], **kw: Any) -> float:
+    shutil.rmtree(path, ignore_errors=True)
+    total = len(blocks) * BLOCK
+    with SsdStore(spec(path, total, **kw)) as s:
+        t0 = time.perf_counter()
+        for i in range(0, len(blocks), BATCH):
+            r = s.put_many([
+                PutItem("t", b"k%06d" % j, None, blocks[j]) for j in range(i, i + BATCH)
+            ])
+            assert not r.refused
+        return time.perf_counter() - t0
+
+
+def store_read(path: str, n: int, outs: list[np.ndarray], expect: list[np.ndarray]) -> float:
+    drop_cache(os.path.join(path, "data.mdb"))
+    with SsdStore(spec(path, n * BLOCK)) as s:
+        t0 = time.perf_counter()
+        for i in range(0, n, BATCH):
+            got = s.get_many_into([("t", b"k%06d" % j, outs[j - i]) for j in range(i, i + BATCH)])
+            if got != [BLOCK] * BATCH:
+                raise SystemExit(f"blocks missing in batch {i // BATCH}")
+        elapsed = time.perf_counter() - t0
+    if not np.array_equal(outs[-1], expect[n - 1]):
+        raise SystemExit("read back wrong bytes")
+    return elapsed
+
+
+def restart(path: str, n: int) -> dict[str, float]:
+    shutil.rmtree(path, ignore_errors=True)
+    sp = SsdSpec(path, 1 << 30, FP)
+    with SsdStore(sp) as s:
+        for b in range(0, n, 10_000):
+            s.put_many([
+                PutItem("t", b"r%08d" % i, b"r%08d" % (i - 1) if i else None, b"p" * 64)
+                for i in range(b, min(n, b + 10_000))
+            ])
+    out: dict[str, float] = {}
+    for label in ("warm", "cold"):
+        if label == "cold":
+            drop_cache(os.path.join(path, "data.mdb"))
+        t0 = time.perf_counter()
+        with SsdStore(sp) as s:
+            entries = s.entries()
+            out[label] = time.perf_counter() - t0
+        assert len(entries) == n
+    shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=str(Path(__file__).parent / "results" / "ssd-data"))
+    ap.add_argument("--total-mib", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--restart-blocks", type=int, default=100_000)
+    args = ap.parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    n = max(BATCH, args.total_mib * (1 << 20) // BLOCK // BATCH * BATCH)
+    total = n * BLOCK
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, size=total, dtype=np.uint8)
+    blocks = [data[i * BLOCK : (i + 1) * BLOCK] for i in range(n)]
+    outs = [np.ones(BLOCK, dtype=np.uint8) for _ in range(BATCH)]  # pre-faulted
+    raw_path = os.path.join(args.dir, "raw.bin")
+    db = os.path.join(args.dir, "store")
+    variants = {
+        "store_nometasync_writemap": {},
+        "store_sync_writemap": {"durability": "sync"},
+        "store_nometasync_nowritemap": {"writemap": False},
+    }
+    t: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read", "store_read", *variants)}
+    for _ in range(args.rounds):
+        t["raw_write"].append(raw_write(raw_path, blocks))
+        t["raw_read"].append(raw_read(raw_path, n, outs))
+        for name, kw in reversed(variants.items()):  # the daemon's mode last: its file is read
+            t[name].append(store_write(db, blocks, **kw))
+        t["store_read"].append(store_read(db, n, outs, blocks))
+    gbps = {k: total / statistics.median(v) / 1e9 for k, v in t.items()}
+    ratio_write = gbps["store_nometasync_writemap"] / gbps["raw_write"]
+    ratio_read = gbps["store_read"] / gbps["raw_read"]
+    rs = restart(os.path.join(args.dir, "restart"), args.restart_blocks)
+    shutil.rmtree(db, ignore_errors=True)
+    os.unlink(raw_path)
+    result = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "dir": args.dir,
+        "block_bytes": BLOCK,
+        "batch": BATCH,
+        "total_bytes": total,
+        "rounds": args.rounds,
+        "median_gb_per_s": gbps,
+        "ratio_write": ratio_write,
+        "ratio_read": ratio_read,
+        "restart_blocks": args.restart_blocks,
+        "restart_payload_bytes": 64,
+        "restart_seconds": rs,
+        "seconds": t,
+    }
+    print(f"SSD tier on {args.dir}: {n} blocks of 2 MiB, batches of {BATCH}, "
+          f"median of {args.rounds}")
+    print(f"{'measure':<30}{'GB/s':>8}{'vs raw':>9}")
+    for k in ("raw_write", *variants):
+        print(f"{k:<30}{gbps[k]:>8.3f}{gbps[k] / gbps['raw_write']:>8.2f}x")
+    print(f"{'raw_read (cold)':<30}{gbps['raw_read']:>8.3f}{1.0:>8.2f}x")
+    print(f"{'store_read (cold, verified)':<30}{gbps['store_read']:>8.3f}{ratio_read:>8.2f}x")
+    print(f"write goal 0.7x: {'reached' if ratio_write >= 0.7 else 'NOT reached'} "
+          f"({ratio_write:.2f}x); read goal 0.8x: "
+          f"{'reached' if ratio_read >= 0.8 else 'NOT reached'} ({ratio_read:.2f}x)")
+    print(f"restart with {args.restart_blocks} blocks (64 B payloads): warm {rs['warm']:.2f} s, "
+          f"cold {rs['cold']:.2f} s (goal < 5 s: "
+          f"{'reached' if max(rs.values()) < 5 else 'NOT reached'})")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
