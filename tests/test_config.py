@@ -145,3 +145,12 @@ def test_bad_tokens_files(tmp_path: Path, text: str, message: str) -> None:
     f.write_text(text)
     with pytest.raises(UsageError, match=message):
         Authenticator.from_file(f)
+
+
+def test_deploy_examples_are_valid(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    cfg = config.load({}, {"HOME": str(tmp_path)}, str(root / "deploy" / "kvtier.toml"))
+    assert cfg.slot_bytes == 2 << 20 and cfg.ssd_admit_after == 2
+    auth = Authenticator.from_file(root / "deploy" / "tokens.toml")
+    assert [t.name for t in auth.tenants()] == ["team-chat", "team-agents"]
+    assert auth.authenticate([("authorization", "Bearer foo")]).name == "team-chat"
