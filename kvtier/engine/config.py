@@ -66,6 +66,12 @@ class ModelConfig:
     def block_bytes(self) -> int:
         return self.kv_bytes_per_token() * self.block_tokens
 
+    def matmul_params(self) -> int:
+        """Parameters touched per prefill token by matmuls (projections and MLPs; no embedding,
+        no LM head: prefill applies it to the last token only) — the planner's P."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return self.layers * (attn + 3 * self.hidden * self.mlp_hidden)
+
     def num_parameters(self) -> int:
         """Parameters excluding the embedding table (the lm_head is counted)."""
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)

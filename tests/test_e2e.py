@@ -1,0 +1,294 @@
+"""End to end: the reference engine served through a real daemon process returns exactly the logits
+of full recompute (fp32, bit for bit) whatever kvtier does — DRAM hits, SSD hits after a restart,
+hits after evictions and demotions, another engine process's blocks, a corrupted SSD block, the
+daemon killed mid-request."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtier.engine import Engine, Sequence, get_config  # noqa: E402
+from kvtier.engine.kvtier_adapter import (  # noqa: E402
+    KvtierEngine,
+    LinkOptions,
+    ServeResult,
+    slot_window,
+)
+from kvtier.types import Tier  # noqa: E402
+from tests.daemon_fixture import ROOT, DaemonProc  # noqa: E402
+
+CFG = get_config("tiny")
+B = CFG.block_tokens
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def kvd(tmp_path: Path) -> Iterator[DaemonProc]:
+    """A daemon process on the fixture's small defaults."""
+    d = DaemonProc(tmp_path / "d").start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def rand_tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
+    return out
+
+
+class Checked:
+    """A replica plus an independent reference engine (same weights) for full recompute."""
+
+    def __init__(self, socket: Path, num_blocks: int = 256, **opts: Any) -> None:
+        self.replica = KvtierEngine(Engine(CFG, num_blocks),
+                                    LinkOptions(**{"socket": socket, "timeout_s": 5.0, **opts}))
+        self.reference = Engine(CFG, num_blocks)
+
+    def serve(self, prompt: list[int], decode: int = 0) -> tuple[ServeResult, list[int]]:
+        out = self.replica.serve(prompt)
+        ref_seq = Sequence()
+        ref = self.reference.prefill(ref_seq, prompt).logits
+        assert torch.equal(out.logits, ref), describe_failure(out)
+        reply: list[int] = []
+        if decode:
+            reply, steps = self.replica.engine.greedy(out.seq, out.logits, decode)
+            ref_reply, ref_steps = self.reference.greedy(ref_seq, ref, decode)
+            assert reply == ref_reply
+            assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps, strict=True))
+        self.replica.engine.release(out.seq)
+        self.reference.release(ref_seq)
+        assert self.replica.engine.pool.num_free == self.replica.engine.pool.num_blocks
+        return out, reply
+
+    def close(self) -> None:
+        self.replica.close()
+
+
+def describe_failure(out: ServeResult) -> str:
+    return f"logits differ from full recompute: {out._replace(logits=None, seq=None)}"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def ssd_blocks(replica: KvtierEngine) -> int:
+    client = replica.client()
+    assert client is not None
+    return int(next(t.blocks for t in client.stats().tiers if t.tier == 2))
+
+
+def test_multi_turn_chat_and_shared_system_prompt_dram_hits(kvd: DaemonProc) -> None:
+    c = Checked(kvd.socket)
+    system = rand_tokens(3 * B, seed=1)
+    # Multi-turn chat: each turn's prompt is the previous prompt + the reply + a new message.
+    prompt = system + rand_tokens(10, seed=2)
+    first, reply = c.serve(prompt, decode=6)
+    assert first.loaded_blocks == 0 and first.stored_blocks == len(prompt) // B
+    for turn in range(3):
+        prompt = prompt + reply + rand_tokens(7 + turn, seed=10 + turn)
+        out, reply = c.serve(prompt, decode=6)
+        assert out.fallback == ""
+        assert out.loaded_blocks >= 3 and set(out.loaded_tiers) == {Tier.DRAM}
+        assert out.computed_tokens == len(prompt) - out.loaded_blocks * B
+    # Other users with the same system prompt: its 3 blocks come from DRAM.
+    for user in range(3):
+        out, _ = c.serve(system + rand_tokens(5 + user, seed=20 + user))
+        assert out.loaded_tiers == (Tier.DRAM,) * 3
+    # A prompt that is exactly cached blocks still computes its last block for the logits.
+    out, _ = c.serve(system)
+    assert out.loaded_blocks == 2 and out.computed_tokens == B
+    c.close()
+
+
+def test_streaming_path_without_shared_memory(kvd: DaemonProc) -> None:
+    c = Checked(kvd.socket, streaming=True)
+    assert c.replica.client() is not None and not c.replica.client().uses_shm  # type: ignore[union-attr]
+    system = rand_tokens(4 * B, seed=30)
+    c.serve(system + rand_tokens(3, seed=31))
+    out, _ = c.serve(system + rand_tokens(9, seed=32))
+    assert out.loaded_tiers == (Tier.DRAM,) * 4 and out.fallback == ""
+    c.close()
+
+
+def test_ssd_hits_after_daemon_restart(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d", ["--ssd-admit-after", "1"]).start()
+    try:
+        # Fetch every hit: a restarted daemon's planner has not yet learned this CPU engine's
+        # prefill rate and would (rightly, for a GPU-class rate) recompute from SSD.
+        c = Checked(d.socket, use_plan=False)
+        doc = rand_tokens(5 * B, seed=40)
+        first, _ = c.serve(doc + rand_tokens(4, seed=41))
+        wait_for(lambda: ssd_blocks(c.replica) >= first.stored_blocks)
+        assert d.stop() == 0
+        d.start()
+        out, _ = c.serve(doc + rand_tokens(11, seed=42))
+        assert out.loaded_tiers == (Tier.SSD,) * 5 and out.fallback == ""
+        out, _ = c.serve(doc + rand_tokens(2, seed=43))
+        assert out.loaded_tiers == (Tier.DRAM,) * 5  # promoted by the first SSD hit
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_hits_after_evictions_and_demotions(tmp_path: Path) -> None:
+    # 16 DRAM slots of 16 KiB; a tiny block is 8 KiB (2·2 layers·16 tokens·2 heads·16 dims·4 B).
+    d = DaemonProc(tmp_path / "d", ["--dram-bytes", "256KiB", "--slot-bytes", "16KiB",
+                                    "--ssd-admit-after", "1"]).start()
+    try:
+        c = Checked(d.socket, use_plan=False)
+        docs = [rand_tokens(4 * B, seed=50 + i) for i in range(8)]  # 32 blocks > 16 slots
+        for i, doc in enumerate(docs):
+            c.serve(doc + rand_tokens(3, seed=60 + i))
+        assert "kvtier_evictions_total" in d.metrics_text()
+        seen: set[Tier] = set()
+        for i, doc in enumerate(docs):
+            out, _ = c.serve(doc + rand_tokens(5, seed=70 + i))
+            seen.update(out.loaded_tiers)
+            assert out.fallback == ""
+        assert Tier.SSD in seen, "no block was served from SSD after demotion"
+        c.close()
+    finally:
+        d.stop()
+
+
+CHILD = r"""
+import json, sys, torch
+torch.set_num_threads(1)
+from kvtier.engine import Engine, get_config
+from kvtier.engine.kvtier_adapter import KvtierEngine, LinkOptions, describe
+socket, prompts, out_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+replica = KvtierEngine(Engine(get_config("tiny"), 256), LinkOptions(socket=socket))
+results = []
+for p in prompts:
+    r = replica.serve(p)
+    results.append({**describe(r), "logits": r.logits.tolist()})
+    replica.engine.release(r.seq)
+json.dump(results, open(out_path, "w"))
+"""
+
+
+def run_child(socket: Path, prompts: list[list[int]], out: Path) -> list[dict[str, object]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", CHILD, str(socket), json.dumps(prompts), str(out)],
+                   check=True, env=env, timeout=120)
+    result: list[dict[str, object]] = json.loads(out.read_text())
+    return result
+
+
+def test_two_engine_processes_share_one_daemon(kvd: DaemonProc, tmp_path: Path) -> None:
+    system = rand_tokens(4 * B, seed=80)
+    # Process 1 computes and stores the system prompt's blocks.
+    run_child(kvd.socket, [system + rand_tokens(6, seed=81)], tmp_path / "a.json")
+    # This process hits them.
+    c = Checked(kvd.socket)
+    mine = system + rand_tokens(20, seed=82)
+    out, _ = c.serve(mine)
+    assert out.loaded_tiers == (Tier.DRAM,) * 4 and out.stored_blocks == 1
+    # Process 2 hits this process's 5th block too; its logits equal our full recompute.
+    prompt = mine + rand_tokens(9, seed=83)
+    got = run_child(kvd.socket, [prompt], tmp_path / "b.json")[0]
+    assert got["loaded_blocks"] == 5
+    ref = c.reference.prefill(Sequence(), prompt).logits
+    assert torch.equal(torch.tensor(got["logits"], dtype=torch.float32), ref)
+    c.close()
+
+
+def block_payload(engine: Engine, block: int) -> bytes:
+    """A pool block in the slot layout [K_0 | V_0 | K_1 | V_1 ...] (see kvtier.transfer)."""
+    parts = []
+    for k, v in zip(engine.pool.k, engine.pool.v, strict=True):
+        parts += [k[block].numpy().tobytes(), v[block].numpy().tobytes()]
+    return b"".join(parts)
+
+
+def test_corrupted_ssd_block_is_detected_and_recomputed(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d", ["--ssd-admit-after", "1"]).start()
+    try:
+        c = Checked(d.socket, use_plan=False)
+        doc = rand_tokens(5 * B, seed=90)
+        out = c.replica.serve(doc + rand_tokens(3, seed=91))
+        victim = block_payload(c.replica.engine, out.seq.block_table[2])
+        c.replica.engine.release(out.seq)
+        wait_for(lambda: ssd_blocks(c.replica) >= 5)
+        assert d.stop() == 0
+        (data_file,) = d.data_dir.rglob("data.mdb")
+        raw = data_file.read_bytes()
+        off = raw.find(victim)
+        assert off >= 0 and raw.find(victim, off + 1) < 0
+        with open(data_file, "r+b") as f:  # flip one bit in the middle of block 2's payload
+            f.seek(off + len(victim) // 2)
+            byte = f.read(1)[0]
+            f.seek(off + len(victim) // 2)
+            f.write(bytes([byte ^ 0x10]))
+        d.start()
+        out2, _ = c.serve(doc + rand_tokens(8, seed=92))
+        assert out2.loaded_tiers == (Tier.SSD,) * 2  # blocks 0-1; block 2 failed verification
+        assert out2.computed_tokens == 3 * B + 8
+        assert "kvtier_checksum_failures_total 1.0" in d.metrics_text()
+        c.close()
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("stage", ["lookup_done", "acquired"])
+def test_daemon_killed_mid_request_recomputes_correctly(tmp_path: Path, stage: str) -> None:
+    d = DaemonProc(tmp_path / "d").start()
+    try:
+        c = Checked(d.socket, timeout_s=2.0, retry_after_s=30.0)
+        system = rand_tokens(4 * B, seed=100)
+        c.serve(system + rand_tokens(2, seed=101))
+
+        def kill(name: str) -> None:
+            if name == stage:
+                d.kill()
+
+        c.replica.on_stage = kill
+        out, _ = c.serve(system + rand_tokens(7, seed=102), decode=4)
+        assert out.fallback and out.loaded_blocks == 0 and out.computed_tokens == 4 * B + 7
+        # The next request does not wait for the dead daemon (retry_after_s) and is still right.
+        started = time.perf_counter()
+        out, _ = c.serve(system + rand_tokens(5, seed=103))
+        assert out.hit_blocks == 0 and time.perf_counter() - started < 2.0
+        c.close()
+    finally:
+        d.kill()
+
+
+def test_slot_window_addresses_views_in_place() -> None:
+    import numpy as np
+
+    seg = np.zeros(10 * 4096, dtype=np.uint8)
+    views = [seg[4096 * s: 4096 * s + 1000] for s in (7, 2, 4)]
+    win = slot_window(views, 1000)
+    assert win is not None
+    arr, rows = win
+    # offsets 2, 4 and 7 slots of 4096 B: gcd of deltas (0, 2, 5)·4096 is 4096 -> rows 5, 0, 2.
+    assert rows == [5, 0, 2] and arr.shape == (6, 1000) and arr.strides == (4096, 1)
+    arr[5, :3] = 9
+    assert views[0][:3].tolist() == [9, 9, 9]
+    assert slot_window([np.zeros(1000, dtype=np.uint8), views[0]], 1000) is None
