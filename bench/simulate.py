@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvtier.sim.ceilings import belady_hits, flatten, infinite_hits, next_uses
+from kvtier.sim.ceilings import belady, flatten, infinite_hits, next_uses
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import replay
 from kvtier.sim.trace import Request, read_trace
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head + f" {'dLRUhit':>7} {'MIN':>6} {'MIN s':>5}  goal<{GOAL_S:g}s")
     for cfg in CONFIGS:
         cpu, wall, stats = _measure(lambda c=cfg: replay(reqs, c), args.rounds)
-        b_cpu, _, best = _measure(lambda c=cfg: belady_hits(refs, c.total_blocks, nxt), 1)
+        b_cpu, _, best = _measure(lambda c=cfg: belady(reqs, c.total_blocks, nxt).prefix_hits, 1)
         d_cpu, _, d_hits = _measure(lambda c=cfg: dict_lru_hits(reqs, c.total_blocks), 1)
         ok = cpu < GOAL_S
         rows.append(

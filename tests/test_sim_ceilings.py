@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.sim import workloads
-from kvtier.sim.ceilings import belady_hits, flatten, infinite_hits, next_uses
+from kvtier.sim.ceilings import belady, flatten, infinite_hits, next_uses
 from kvtier.sim.trace import Request, read_trace
 
 SAMPLE = Path("/work/shared/traces/synthetic_trace.jsonl")
@@ -55,6 +55,15 @@ def test_infinite_hits_worked_example():
     assert infinite_hits(reqs) == independent_prefix_hits(reqs) == 6
 
 
+def singles(refs):
+    """Each reference as its own one-block request: block hits = prefix hits, no chains."""
+    return [Request(i, 512, 1, (b,)) for i, b in enumerate(refs)]
+
+
+def belady_block_hits(refs, capacity):
+    return belady(singles(refs), capacity).block_hits
+
+
 def brute_force_optimum(refs, capacity):
     """Best block-hit count of ANY caching policy with bypass, by exhaustive search over states."""
     best = {frozenset(): 0}
@@ -85,14 +94,17 @@ def test_belady_equals_exhaustive_optimum_on_small_sequences(seed):
     rng = random.Random(seed)
     refs = [rng.randrange(5) for _ in range(12)]
     for capacity in (1, 2, 3):
-        assert belady_hits(refs, capacity) == brute_force_optimum(refs, capacity), (refs, capacity)
+        assert belady_block_hits(refs, capacity) == brute_force_optimum(refs, capacity), (
+            refs,
+            capacity,
+        )
 
 
 def test_belady_worked_example():
     # capacity 2, refs a b c a b: at c (miss), next uses a@3, b@4, c@never -> bypass c;
     # then a and b hit: 2 hits. LRU would evict a for c and then miss a and b: 0 hits.
-    assert belady_hits([1, 2, 3, 1, 2], 2) == 2
-    assert belady_hits([1, 2, 3, 1, 2], 0) == 0
+    assert belady_block_hits([1, 2, 3, 1, 2], 2) == 2
+    assert belady_block_hits([1, 2, 3, 1, 2], 0) == 0
     assert next_uses([1, 2, 1]) == [2, next_uses([7])[0], next_uses([7])[0]]
 
 
@@ -107,9 +119,32 @@ def test_belady_is_monotone_in_capacity_and_bounded_by_infinite(source):
     refs = flatten(reqs)
     nxt = next_uses(refs)
     distinct = len(set(refs))
-    scores = [belady_hits(refs, c, nxt) for c in (0, 50, 500, 5000, distinct)]
+    results = [belady(reqs, c, nxt) for c in (0, 50, 500, 5000, distinct)]
+    scores = [r.prefix_hits for r in results]
     assert scores == sorted(scores)
     assert scores[0] == 0
+    # MIN's cache stays prefix-closed, so every block hit is a prefix hit (ceilings docstring).
+    assert all(r.block_hits == r.prefix_hits for r in results)
     # With room for every block, MIN only misses first references; = the infinite prefix count
     # because ids are chained.
     assert scores[-1] == len(refs) - distinct == infinite_hits(reqs)
+
+
+def test_belady_prefix_hits_equal_block_hits_on_branching_chains():
+    # Random trees of chained ids (many shared prefixes, deep and shallow), small capacities:
+    # the claim "MIN never strands, so block hits = prefix hits" checked where it is tightest.
+    rng = random.Random(5)
+    for _ in range(40):
+        paths = [(0,)]
+        reqs = []
+        next_id = 1
+        for t in range(60):
+            base = rng.choice(paths)[: rng.randint(1, 4)]
+            tail = tuple(range(next_id, next_id + rng.randint(0, 3)))
+            next_id += len(tail)
+            path = base + tail
+            paths.append(path)
+            reqs.append(Request(t, 512 * len(path), 1, path))
+        for cap in (1, 2, 3, 5, 8):
+            r = belady(reqs, cap)
+            assert r.block_hits == r.prefix_hits, (cap, reqs)

@@ -7,7 +7,7 @@ import pytest
 
 from kvtier.index import PrefixIndex
 from kvtier.sim import workloads
-from kvtier.sim.ceilings import belady_hits, flatten, infinite_hits
+from kvtier.sim.ceilings import belady, flatten, infinite_hits
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import count_stranded, key_of, new_index, replay
 from kvtier.sim.trace import Request, read_trace
@@ -106,8 +106,7 @@ def test_small_dram_with_unbounded_ssd_and_k1_loses_nothing(sample):
 )
 def test_belady_bounds_replay_and_invariants_hold(sample, cfg):
     s = replay(sample, cfg)
-    refs = flatten(sample)
-    assert belady_hits(refs, cfg.total_blocks) >= s.hits
+    assert belady(sample, cfg.total_blocks).prefix_hits >= s.hits
     assert s.stranded_blocks == 0
     assert s.dram_blocks_end <= cfg.dram_blocks and s.ssd_blocks_end <= cfg.ssd_blocks
     assert s.hits + s.inserted + s.not_stored == s.block_refs
@@ -117,11 +116,10 @@ def test_belady_bounds_replay_and_invariants_hold(sample, cfg):
 
 
 def test_belady_bounds_replay_on_generated_workloads(generated):
-    name, reqs = generated
-    refs = flatten(reqs)
+    _, reqs = generated
     for cfg in (TierConfig(100), TierConfig(400, 1200), TierConfig(2000, 0, "slru")):
         s = replay(reqs, cfg)
-        assert infinite_hits(reqs) >= belady_hits(refs, cfg.total_blocks) >= s.hits, (name, cfg)
+        assert infinite_hits(reqs) >= belady(reqs, cfg.total_blocks).prefix_hits >= s.hits, cfg
         assert s.stranded_blocks == 0
 
 

@@ -72,7 +72,7 @@ def _load(args: argparse.Namespace) -> tuple[list[Request], str]:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.sim.capacity import parse_capacity, trace_block_bytes
-    from kvtier.sim.ceilings import belady_hits, flatten, infinite_hits
+    from kvtier.sim.ceilings import belady, flatten, infinite_hits
     from kvtier.sim.config import TierConfig
     from kvtier.sim.progress import progress_bar
     from kvtier.sim.replay import replay
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         block_bytes,
         stats,
         infinite_hits(requests),
-        belady_hits(refs, config.total_blocks),
+        belady(requests, config.total_blocks).prefix_hits,
     )
     doc = to_json(report)
     if args.plot:
@@ -110,7 +110,12 @@ def run(args: argparse.Namespace) -> int:
         configs = sweep_configs(config, report.distinct_blocks, args.sweep_points)
         with progress_bar(len(configs), "sweep", show, unit="capacity") as bar:
             points = run_sweep(requests, configs, on_point=lambda: bar(1))
-        plot(points, doc["infinite_hit_ratio"], config, source, args.plot, block_bytes)
+        share = config.dram_blocks / config.total_blocks if config.total_blocks else 1.0
+        title = (
+            f"{source}: {config.policy}, SSD admission k={config.ssd_admit_k}, "
+            f"DRAM {share:.0%} of capacity"
+        )
+        plot(points, doc["infinite_hit_ratio"], config, title, args.plot, block_bytes)
         doc["sweep"] = sweep_json(points)
         doc["plot"] = args.plot
     if args.json:

@@ -9,28 +9,33 @@ are chained, so when block i of a request was seen, blocks 0..i-1 were seen with
 is prefix-closed and every previously seen block of a request is a prefix hit. The infinite hit
 ratio is therefore exact, and no replay at any capacity can beat it.
 
-Belady MIN at capacity C (C = distinct blocks the tiers can hold, DRAM + SSD). We replay the
-trace's block references in order (request by request, position by position) through an
-offline-optimal cache that may bypass: on a miss, among the cached blocks plus the new one, the
-one whose next reference is farthest is not kept. It counts *every* reference that finds its block
-cached, ignoring the prefix rule. That makes it an honest upper bound, not a heuristic:
+Belady MIN at capacity C (C = distinct blocks the tiers hold together, DRAM + SSD). The trace's
+block references are replayed in order (request by request, position by position) through an
+offline-optimal cache with bypass: on a miss, among the cached blocks plus the new one, the one
+whose next reference is farthest is not kept; a block is dropped at its last reference.
 
-  * for any policy P that caches at most C distinct blocks between requests and inserts only the
-    blocks a request references, a block-level policy that copies P's state at request boundaries
-    (inserting P's new blocks as they are referenced, evicting P's dropped ones to make room)
-    scores at least P's prefix hits on every request, since each prefix hit of P is a block
-    cached at the request's start;
-  * farthest-next-use with bypass is optimal among block-level policies (Belady 1966; Mattson et
-    al. 1970), so its count is >= that one's.
+  * Upper bound. Counting *every* reference that finds its block cached, farthest-next-use with
+    bypass is optimal among all caches of C blocks (Belady 1966; Mattson et al. 1970). A policy P
+    that holds at most C distinct blocks and stores only blocks a request references can be
+    copied by a block-level cache (P's state at request boundaries; P's new blocks inserted as
+    they are referenced, P's dropped ones evicted to make room) that scores at least P's prefix
+    hits on every request. So no policy, tiered or not, beats MIN at C.
+  * Attained under the prefix rule. A request that references a block references its parent
+    earlier, so while both are cached next(parent) < next(child): MIN never drops a parent and
+    keeps its child, never admits a child whose parent it bypassed, and never evicts a block
+    still to be referenced in the current request. Its cache is therefore prefix-closed at every
+    request start and its block hits are prefix hits (`belady` returns both; tests check they
+    are equal). MIN is thus the exact optimum of a single pool of C blocks, reached by a
+    clairvoyant prefix cache; a tiered cache has further limits (admission, per-tier room).
 
-Hence infinite >= Belady >= any replay at the same capacity. The bound may be loose: it ignores
-that a block only pays off while its whole prefix is cached.
+Hence infinite >= Belady >= any replay at the same capacity.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvtier.sim.trace import Request
 
@@ -66,44 +71,60 @@ def flatten(requests: Sequence[Request]) -> list[int]:
     return [h for r in requests for h in r.hash_ids]
 
 
-def belady_hits(refs: Sequence[int], capacity: int, nxt: Sequence[int] | None = None) -> int:
-    """Block hits of farthest-next-use with bypass at `capacity` blocks (see module docstring).
+class BeladyResult(NamedTuple):
+    block_hits: int
+    """References that found their block cached."""
+    prefix_hits: int
+    """Leading cached blocks per request at its arrival (equal to block_hits; module docstring)."""
 
-    `nxt` is `next_uses(refs)`, passed in to reuse it across a capacity sweep.
+
+def belady(
+    requests: Sequence[Request], capacity: int, nxt: Sequence[int] | None = None
+) -> BeladyResult:
+    """Farthest-next-use with bypass at `capacity` blocks (see the module docstring).
+
+    `nxt` is `next_uses(flatten(requests))`, passed in to reuse it across a capacity sweep.
     """
     if capacity <= 0:
-        return 0
+        return BeladyResult(0, 0)
     if nxt is None:
-        nxt = next_uses(refs)
+        nxt = next_uses(flatten(requests))
     cached: dict[int, int] = {}  # block -> position of its next reference
     heap: list[tuple[int, int]] = []  # (-next reference, block); stale entries skipped lazily
-    hits = 0
+    hits = prefix_hits = 0
+    i = 0
     push, pop = heapq.heappush, heapq.heappop
-    for i, b in enumerate(refs):
-        n = nxt[i]
-        if b in cached:
-            hits += 1
-            if n == _NEVER:
-                del cached[b]
-            else:
-                cached[b] = n
-                push(heap, (-n, b))
-            continue
-        if n == _NEVER:
-            continue
-        if len(cached) >= capacity:
-            while True:
-                neg, victim = heap[0]
-                if cached.get(victim) == -neg:
-                    break
-                pop(heap)
-            if -neg < n:
+    for r in requests:
+        for b in r.hash_ids:
+            if b not in cached:
+                break
+            prefix_hits += 1
+        for b in r.hash_ids:
+            n = nxt[i]
+            i += 1
+            if b in cached:
+                hits += 1
+                if n == _NEVER:
+                    del cached[b]
+                else:
+                    cached[b] = n
+                    push(heap, (-n, b))
                 continue
-            pop(heap)
-            del cached[victim]
-        cached[b] = n
-        push(heap, (-n, b))
-        if len(heap) > 4 * capacity + 64:
-            heap = [(-v, k) for k, v in cached.items()]
-            heapq.heapify(heap)
-    return hits
+            if n == _NEVER:
+                continue
+            if len(cached) >= capacity:
+                while True:
+                    neg, victim = heap[0]
+                    if cached.get(victim) == -neg:
+                        break
+                    pop(heap)
+                if -neg < n:
+                    continue
+                pop(heap)
+                del cached[victim]
+            cached[b] = n
+            push(heap, (-n, b))
+            if len(heap) > 4 * capacity + 64:
+                heap = [(-v, k) for k, v in cached.items()]
+                heapq.heapify(heap)
+    return BeladyResult(hits, prefix_hits)

@@ -114,6 +114,7 @@ def format_table(r: SimReport) -> str:
     body = [f"{a:<{w0}}  {b:>{w1}}  {x}".rstrip() for a, b, x in rows]
     foot = [
         "",
-        "hits = longest cached prefix of each request; Belady MIN = upper bound at DRAM+SSD blocks",
+        "hits = longest cached prefix of each request; Belady MIN = the best any cache of DRAM+SSD",
+        "blocks can do on this trace (clairvoyant; kvtier.sim.ceilings)",
     ]
     return "\n".join(head + body + foot)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvtier.errors import UsageError
-from kvtier.sim.ceilings import belady_hits, next_uses
+from kvtier.sim.ceilings import belady, flatten, next_uses
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import replay
 from kvtier.sim.trace import Request
@@ -51,13 +51,13 @@ def run_sweep(
     on_point: Callable[[], None] | None = None,
 ) -> list[SweepPoint]:
     """Replay and compute Belady MIN at every configuration."""
-    refs = [h for r in requests for h in r.hash_ids]
+    refs = flatten(requests)
     nxt = next_uses(refs)
     n = len(refs)
     out = []
     for cfg in configs:
         stats = replay(requests, cfg)
-        best = belady_hits(refs, cfg.total_blocks, nxt)
+        best = belady(requests, cfg.total_blocks, nxt).prefix_hits
         out.append(SweepPoint(cfg.dram_blocks, cfg.ssd_blocks, stats.hit_ratio, best / n))
         if on_point is not None:
             on_point()
@@ -107,7 +107,9 @@ def plot(
 
     xs = [p.total_blocks for p in points]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    ax.plot(xs, [p.belady_hit_ratio for p in points], "s--", label="Belady MIN (upper bound)")
+    ax.plot(
+        xs, [p.belady_hit_ratio for p in points], "s--", label="Belady MIN (clairvoyant optimum)"
+    )
     ax.plot(xs, [p.hit_ratio for p in points], "o-", label=f"kvtier index, {base.policy}")
     ax.axhline(infinite_ratio, color="gray", linestyle=":", label="infinite cache")
     ax.axvline(base.total_blocks, color="tab:red", alpha=0.3, label="configured capacity")
@@ -126,7 +128,7 @@ def plot(
         sec = ax.secondary_xaxis("top", functions=(to_gib, to_blocks))
         sec.set_xlabel("GiB")
     ax.set_ylabel("prefix-hit ratio")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=10, pad=30 if block_bytes else 6)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
