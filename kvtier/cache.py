@@ -438,10 +438,10 @@ class Cache:
                 run.append(key)
             if run:
                 runs.append(run)
+            for r in runs:  # under the lock: before any SSD event of the same blocks
+                self.events.emit(tenant.name, ns.layout.fingerprint, True, Tier.DRAM, r[1:], r[0],
+                                 ns.layout.block_tokens)
             self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
-        for r in runs:
-            self.events.emit(tenant.name, ns.layout.fingerprint, True, Tier.DRAM, r[1:], r[0],
-                             ns.layout.block_tokens)
         if nbytes:
             self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
         if seconds > 0:

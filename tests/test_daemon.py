@@ -108,6 +108,7 @@ def test_events_stream_reports_stores(shared: DaemonProc) -> None:
         got = []
         for ev in events:
             if ev.HasField("stored") and keys[0] in ev.stored.block_hashes:
+                assert ev.stored.medium == 2  # TIER_DRAM comes first, SSD copies later
                 got.append(ev)
                 break
         assert got and list(got[0].stored.block_hashes) == keys
@@ -279,3 +280,21 @@ def test_stats_command_without_a_daemon_exits_2(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "no daemon answers" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_tcp_listener_serves_remote_style_clients(tmp_path: Path) -> None:
+    import socket as so
+
+    with so.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = DaemonProc(tmp_path / "d", ["--tcp", f"127.0.0.1:{port}"]).start()
+    try:
+        assert f"and tcp:127.0.0.1:{port}" in d.log()
+        keys, data = chain(80, 3), payloads(3, 80)
+        with Client(layout=LAYOUT, target=f"127.0.0.1:{port}", streaming=True) as kv:
+            assert kv.store(keys, data).stored == 3
+            with kv.load(keys) as got:
+                assert [bytes(v) for v in got.views] == data
+    finally:
+        d.stop()

@@ -229,3 +229,20 @@ def test_tenants_are_isolated(env: Env) -> None:
             assert [bytes(v) for v in got.views] == b_data
         assert alice.stats().tenant_dram_quota_bytes == 512 * 1024
         assert bob.stats().tenant_dram_quota_bytes == 0
+
+
+def test_events_are_per_tenant(env: Env) -> None:
+    env.alice_store(keys(120, 2))
+    env.bob_store(keys(121, 2))
+    seen: dict[str, set[bytes]] = {}
+    for who, md in (("alice", ALICE), ("bob", BOB)):
+        stream = env.stub.WatchEvents(pb.WatchEventsRequest(since_sequence=1), metadata=md,
+                                      timeout=1.5)
+        got: set[bytes] = set()
+        with pytest.raises(grpc.RpcError) as exc:
+            for ev in stream:
+                got.update(ev.stored.block_hashes if ev.HasField("stored") else ())
+        assert exc.value.code() is Code.DEADLINE_EXCEEDED  # the stream stays open until then
+        seen[who] = got
+    assert key(120, 0) in seen["alice"] and key(120, 0) not in seen["bob"]
+    assert key(121, 0) in seen["bob"] and key(121, 0) not in seen["alice"]

@@ -1,0 +1,151 @@
+"""`kvtier.cache.Cache` in-process (real shm pool, real LMDB, injected lease clock): the domain
+rules without gRPC — eviction under pressure, expiry, no leaked slots, SSD round trip."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import config
+from kvtier.auth import Tenant
+from kvtier.cache import (
+    Cache,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from kvtier.metrics import DaemonMetrics
+from kvtier.types import Tier
+
+FP = b"cache-test-layout"
+BLOCK = 4096
+T = Tenant("t")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(tmp: Path, clock: Clock, slots: int = 8, ssd: str = "0", **kw: str) -> Cache:
+    cfg = config.load({
+        "socket": str(tmp / "s.sock"), "data_dir": str(tmp / "data"), "slot_bytes": "4KiB",
+        "dram_bytes": str(slots * BLOCK), "ssd_bytes": ssd, "metrics": "", **kw,
+    }, {"HOME": str(tmp)})
+    cache = Cache(cfg, DaemonMetrics(), clock=clock)
+    cache.register_layout(FP, BLOCK, 16, 32, None)
+    return cache
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def cache(tmp_path: Path, clock: Clock) -> Iterator[Cache]:
+    c = make(tmp_path, clock)
+    yield c
+    c.close()
+
+
+def keys(tag: int, n: int) -> bytes:
+    return b"".join(bytes([tag, i]) + bytes(30) for i in range(n))
+
+
+def store(c: Cache, k: bytes, parent: bytes = b"", fill: int = 7) -> int:
+    a = c.allocate(T, FP, k, 32, parent, 0)
+    for off in a.offsets:
+        c.slot_view(off, BLOCK)[:] = bytes([fill]) * BLOCK
+    return c.commit(T, a.lease_id, len(a.offsets) * BLOCK) if a.lease_id else 0
+
+
+def test_pressure_evicts_leaves_first_and_never_strands(cache: Cache) -> None:
+    assert store(cache, keys(1, 6)) == 6
+    assert store(cache, keys(2, 4)) == 4  # 10 > 8 slots: evicts 2 blocks of chain 1 from its end
+    hit1 = len(cache.lookup(T, FP, keys(1, 6), 32).tiers)
+    assert hit1 == 4  # 6 - 2 leaves; the surviving blocks are still a prefix
+    assert len(cache.lookup(T, FP, keys(2, 4), 32).tiers) == 4
+    assert cache.leaked_slots() == 0
+
+
+def test_pinned_blocks_are_never_evicted(cache: Cache) -> None:
+    store(cache, keys(1, 8))
+    got = cache.acquire(T, FP, keys(1, 8), 32, 0)
+    with pytest.raises(ResourceExhausted):
+        store(cache, keys(2, 1))
+    cache.release(T, got.lease_id)
+    assert store(cache, keys(2, 1)) == 1
+    assert cache.leaked_slots() == 0
+
+
+def test_expired_leases_are_undone(cache: Cache, clock: Clock) -> None:
+    store(cache, keys(1, 2))
+    read = cache.acquire(T, FP, keys(1, 2), 32, 5)
+    write = cache.allocate(T, FP, keys(3, 3), 32, b"", 10)
+    assert cache.active_leases() == 2 and cache.pool.stats().slots_used == 5
+    clock.now += 5
+    assert cache.expire() == 1  # the read lease
+    clock.now += 5
+    assert cache.expire() == 1  # the allocation: aborted
+    assert cache.pool.stats().slots_used == 2 and cache.pool.stats().slots_pinned == 0
+    with pytest.raises(NotFound):
+        cache.commit(T, write.lease_id)
+    with pytest.raises(NotFound):
+        cache.release(T, read.lease_id)
+    assert cache.leaked_slots() == 0
+
+
+def test_commit_drops_blocks_whose_parent_vanished(cache: Cache) -> None:
+    store(cache, keys(1, 1))
+    parent = keys(1, 1)
+    a = cache.allocate(T, FP, keys(2, 2), 32, parent, 0)
+    store(cache, keys(3, 6))  # 5 free + the unpinned parent (a leaf), evicted
+    assert cache.lookup(T, FP, parent, 32).tiers == []
+    assert cache.commit(T, a.lease_id) == 0  # its children could never be hit
+    assert cache.leaked_slots() == 0
+
+
+def test_rules(cache: Cache) -> None:
+    with pytest.raises(NotFound):
+        cache.lookup(T, b"other-layout-xx", keys(1, 1), 32)
+    with pytest.raises(InvalidArgument):
+        cache.allocate(T, FP, keys(1, 1) * 2, 32, b"", 0)
+    with pytest.raises(FailedPrecondition):
+        cache.allocate(T, FP, keys(1, 1), 32, keys(9, 1), 0)
+    a = cache.allocate(T, FP, keys(1, 1), 32, b"", 0)
+    with pytest.raises(PermissionDenied):
+        cache.abort(Tenant("intruder"), a.lease_id)
+    assert cache.allocate(T, FP, keys(1, 1), 32, b"", 0).lease_id == ""  # pending: not twice
+    cache.abort(T, a.lease_id)
+    assert cache.leaked_slots() == 0
+
+
+def test_ssd_write_back_promotion_and_restart(tmp_path: Path, clock: Clock) -> None:
+    c = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    assert store(c, keys(1, 4), fill=3) == 4
+    assert c.flush(10)
+    assert c.stats().ssd_blocks == 4
+    store(c, keys(2, 4))  # DRAM full: chain 1 is demoted (it has SSD copies)
+    assert c.flush(10)  # chain 2's write-backs pin its slots until written
+    assert c.lookup(T, FP, keys(1, 4), 32).tiers == [Tier.SSD] * 4
+    got = c.acquire(T, FP, keys(1, 4), 32, 0)
+    assert got.source_tiers == [Tier.SSD] * 4
+    assert all(bytes(c.slot_view(o, BLOCK)) == bytes([3]) * BLOCK for o in got.offsets)
+    c.release(T, got.lease_id)
+    assert c.leaked_slots() == 0
+    c.close()
+    started = time.monotonic()
+    c2 = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    assert time.monotonic() - started < 5
+    assert c2.lookup(T, FP, keys(1, 4), 32).tiers == [Tier.SSD] * 4
+    assert c2.stats(T).tenant_ssd_bytes == c2.stats().ssd_used_bytes
+    c2.close()
