@@ -298,3 +298,44 @@ def test_tcp_listener_serves_remote_style_clients(tmp_path: Path) -> None:
                 assert [bytes(v) for v in got.views] == data
     finally:
         d.stop()
+
+
+def test_lookup_returns_the_planners_cut(shared: DaemonProc) -> None:
+    from kvtier.client import ModelCost
+
+    # Llama-3-8B-like cost: 8e9 active parameters, 32 layers, 4096-wide attention.
+    lay = LayoutDecl(b"test-layout-planned", BLOCK, 16, model=ModelCost(8.0e9, 32, 4096))
+    keys = chain(90, 8)
+    with Client(shared.socket, layout=lay) as kv:
+        kv.store(keys, payloads(8, 90))
+        res = kv.lookup(keys + chain(91, 4), plan=True, prompt_tokens=12 * 16)
+        assert res.hit_blocks == 8 and res.plan is not None
+        assert 0 <= res.fetch_blocks <= 8 and res.plan.reason
+        # 64 KiB DRAM blocks of 16 tokens against 16 tokens x 2 x 8e9 FLOPs of recompute each:
+        # fetching wins by orders of magnitude at any plausible rate, so the whole prefix is cut.
+        assert res.fetch_blocks == 8 and res.plan.predicted_recompute_seconds > 0
+        kv.report_prefill(tokens=2048, seconds=0.5, context_tokens=0)
+        assert kv.lookup(keys).plan is None  # no plan unless asked
+    assert 'kvtier_plan_decisions_total{action="fetch"}' in shared.metrics_text()
+
+
+def test_renew_extends_a_lease(tmp_path: Path) -> None:
+    from kvtier._proto import kvtier_pb2 as pb
+    from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+
+    d = DaemonProc(tmp_path / "d", ["--lease-ttl-s", "1"]).start()
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv, grpc.insecure_channel(
+                f"unix:{d.socket}") as ch:
+            kv.store(chain(95, 1), payloads(1, 95))
+            stub = pb_grpc.KvTierStub(ch)  # type: ignore[no-untyped-call]
+            got = stub.Acquire(pb.AcquireRequest(layout=LAYOUT.fingerprint, keys=chain(95, 1)[0],
+                                                 key_width=32))
+            for _ in range(4):  # 2 s in all, twice the TTL, kept alive by renewals
+                time.sleep(0.5)
+                stub.RenewLease(pb.RenewLeaseRequest(lease_id=got.lease_id, lease_ttl_ms=1000))
+            assert kv.stats().active_leases == 1
+            stub.Release(pb.ReleaseRequest(lease_id=got.lease_id))
+            assert kv.stats().active_leases == 0
+    finally:
+        d.stop()
