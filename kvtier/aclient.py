@@ -25,6 +25,7 @@ from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client import (
     MAX_MESSAGE_BYTES,
     TIER_FROM_PB,
+    Assembler,
     KvtierRpcError,
     KvtierUnavailable,
     LayoutDecl,
@@ -44,7 +45,6 @@ from kvtier.client import (
     write_chunks,
 )
 from kvtier.dram import DramClient, StaleSegment
-from kvtier.types import Tier
 
 T = TypeVar("T")
 
@@ -176,24 +176,13 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def _assemble(self, req: pb.ReadBlocksRequest) -> Loaded:
-        block_bytes = self.layout.block_bytes
-        blocks: list[bytearray] = []
-        count = 0
+        asm = Assembler(self.layout.block_bytes)
         stream = self._stub.ReadBlocks(req, timeout=self.timeout, metadata=self._metadata,
                                        wait_for_ready=True)
         async for chunk in stream:
-            if not blocks and chunk.index == 0 and chunk.offset == 0:
-                count = chunk.count
-                if count == 0:
-                    break
-                blocks = [bytearray() for _ in range(count)]
-            if chunk.index >= count or len(blocks[chunk.index]) != chunk.offset:
-                raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "out-of-order ReadBlocks chunk")
-            blocks[chunk.index] += chunk.data
-        if any(len(b) != block_bytes for b in blocks):
-            raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "truncated ReadBlocks stream")
-        return Loaded(count, [np.frombuffer(b, dtype=np.uint8) for b in blocks],
-                      [Tier.DRAM] * count)
+            if not asm.add(chunk):
+                break
+        return asm.result()
 
     async def store(self, keys: Sequence[bytes], blocks: Sequence[Any], parent: bytes = b""
                     ) -> Stored:

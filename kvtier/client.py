@@ -403,18 +403,41 @@ class Client:
 
 def assemble(stream: Any, block_bytes: int) -> Loaded:
     """Rebuilds blocks from ReadBlocks chunks (checks order and sizes)."""
-    blocks: list[bytearray] = []
-    count = 0
+    asm = Assembler(block_bytes)
     for chunk in stream:
-        if not blocks and chunk.index == 0 and chunk.offset == 0:
-            count = chunk.count
-            if count == 0:
-                break
-            blocks = [bytearray() for _ in range(count)]
-        if chunk.index >= count or len(blocks[chunk.index]) != chunk.offset:
+        if not asm.add(chunk):
+            break
+    return asm.result()
+
+
+class Assembler:
+    """Rebuilds blocks from ReadBlocks chunks into preallocated arrays (checks order, sizes)."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.blocks: list[U8] = []
+        self.filled: list[int] = []
+        self.count = -1
+
+    def add(self, chunk: pb.BlockChunk) -> bool:
+        """Takes one chunk; False when the stream says nothing is cached."""
+        if self.count < 0:
+            if chunk.index or chunk.offset:
+                raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "ReadBlocks stream without start")
+            self.count = chunk.count
+            self.blocks = [np.empty(self.block_bytes, np.uint8) for _ in range(self.count)]
+            self.filled = [0] * self.count
+            if not self.count:
+                return False
+        i, n = chunk.index, len(chunk.data)
+        if i >= self.count or self.filled[i] != chunk.offset or chunk.offset + n > self.block_bytes:
             raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "out-of-order ReadBlocks chunk")
-        blocks[chunk.index] += chunk.data
-    if any(len(b) != block_bytes for b in blocks):
-        raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "truncated ReadBlocks stream")
-    views = [np.frombuffer(b, dtype=np.uint8) for b in blocks]
-    return Loaded(count, views, [Tier.DRAM] * count)
+        self.blocks[i][chunk.offset : chunk.offset + n] = np.frombuffer(chunk.data, np.uint8)
+        self.filled[i] += n
+        return True
+
+    def result(self) -> Loaded:
+        if any(f != self.block_bytes for f in self.filled):
+            raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "truncated ReadBlocks stream")
+        count = max(self.count, 0)
+        return Loaded(count, self.blocks, [Tier.DRAM] * count)
