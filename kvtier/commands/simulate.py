@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,10 +119,11 @@ def run(args: argparse.Namespace) -> int:
         plot(points, doc["infinite_hit_ratio"], config, title, args.plot, block_bytes)
         doc["sweep"] = sweep_json(points)
         doc["plot"] = args.plot
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print(format_table(report))
-        if args.plot:
-            print(f"plot: {args.plot} ({len(doc['sweep'])} capacities)")
+    text = json.dumps(doc, indent=2) if args.json else format_table(report)
+    if args.plot and not args.json:
+        text += f"\nplot: {args.plot} ({len(doc['sweep'])} capacities)"
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # e.g. `| head`: the reader is gone, nothing left to report to
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
