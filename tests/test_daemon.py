@@ -339,3 +339,71 @@ def test_renew_extends_a_lease(tmp_path: Path) -> None:
             assert kv.stats().active_leases == 0
     finally:
         d.stop()
+
+
+def test_reflection_lists_the_services(shared: DaemonProc) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(f"unix:{shared.socket}") as ch:
+        services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    assert {"kvtier.v1.KvTier", "grpc.health.v1.Health"} <= services
+
+
+def test_client_falls_back_to_streaming_when_the_segment_cannot_be_mapped(
+    shared: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvtier.client
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError("not allowed to map the segment")
+
+    monkeypatch.setattr(kvtier.client.DramClient, "attach", refuse)
+    keys, data = chain(85, 3), payloads(3, 85)
+    with Client(shared.socket, layout=LAYOUT) as kv:
+        assert not kv.uses_shm
+        assert kv.store(keys, data).stored == 3
+        with kv.load(keys) as got:
+            assert [bytes(v) for v in got.views] == data
+
+
+def test_sigterm_flushes_queued_write_backs(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d", ["--ssd-admit-after", "1"]).start()
+    keys, data = chain(86, 6), payloads(6, 86)
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            assert kv.store(keys, data).stored == 6
+        assert d.stop() == 0  # no waiting: whatever is still queued is flushed by the drain
+        d.start()
+        with Client(d.socket, layout=LAYOUT) as kv, kv.load(keys) as got:
+            assert got.tiers == [Tier.SSD] * 6
+            assert [bytes(v) for v in got.views] == data
+    finally:
+        d.stop()
+
+
+def test_tcp_with_tls(tmp_path: Path) -> None:
+    import socket as so
+
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    with so.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = DaemonProc(tmp_path / "d", ["--tcp", f"0.0.0.0:{port}", "--tls-cert", str(cert),
+                                    "--tls-key", str(key)]).start()
+    try:
+        assert "(TLS)" in d.log()
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with Client(layout=LAYOUT, target=f"localhost:{port}", credentials=creds,
+                    streaming=True) as kv:
+            assert kv.store(chain(87, 1), payloads(1, 87)).stored == 1
+        with pytest.raises(KvtierRpcError) as exc, Client(
+                layout=LAYOUT, target=f"localhost:{port}", timeout=3):  # plaintext: refused
+            pass
+        assert exc.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        d.stop()
