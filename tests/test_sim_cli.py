@@ -64,6 +64,10 @@ def test_bad_trace_line_exits_2_with_line_number(tmp_path, bad, needle):
         (["--dram", "10", "--plot", "out.txt"], ".png"),
         (["--dram", "10", "--plot", "/no/such/dir/x.png"], "does not exist"),
         (["--dram", "10", "--requests", "0"], "--requests"),
+        (["--dram", "10", "--plot", "x.png", "--sweep-points", "1"], "--sweep-points"),
+        (["--dram", "1.5"], "whole block count"),
+        (["--dram", "1GiB", "--model", "Llama-3-8B", "--tp", "3"], "TP size 3"),
+        (["--dram", "1GiB", "--model", "Llama-3-8B", "--block-bytes", "2MiB"], "not both"),
     ],
 )
 def test_bad_flags_exit_2_without_traceback(args, needle):

@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.sim.sweep import check_plot_target
 
         check_plot_target(args.plot)
+        if args.sweep_points < 2:
+            raise UsageError(f"--sweep-points must be >= 2, got {args.sweep_points}")
     requests, source = _load(args)
     show = not args.quiet and sys.stderr.isatty()
 
