@@ -59,7 +59,6 @@ Evictor = Callable[[int], Sequence[TenantKey]]
 
 _META = struct.Struct("<QQddB")
 _U64 = struct.Struct("<Q")
-_PREAD_MIN = 64 << 10
 _PAGE = 4096
 
 
@@ -174,9 +173,7 @@ class SsdStore:
         self.counters = _Counters()
         self._closed = False
         self._used, self._entries = self._open_info()
-        self._map_addr = int(self._env.info()["map_addr"])
-        self._map_size = int(self._env.info()["map_size"])
-        self._fd = os.open(os.path.join(spec.path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+
 
     def _open_info(self) -> tuple[int, int]:
         with self._env.begin(write=True) as txn:
@@ -384,17 +381,16 @@ class SsdStore:
     def get_many_into(self, reads: Sequence[tuple[str, bytes, Any]]) -> list[int | None]:
         """`get_into` for a batch in one read transaction.
 
-        Values of 64 KiB and more are read with preadv from data.mdb at their offset in the map
-        (one large read each) instead of being copied out of the map one 4 KiB page fault at a
-        time: cold reads run at the disk's sequential speed (docs/ARCHITECTURE.md).
+        py-lmdb pre-faults each value's pages (GIL released) before returning its zero-copy
+        view; with the kernel's mmap read-ahead that is the cold-read path (measured in
+        docs/ARCHITECTURE.md "## Storage tiers"). The payload is checksummed after the copy, in
+        `out`: the bytes served are the bytes verified.
         """
         skeys = [stored_key(t, k) for t, k, _ in reads]
         results: list[int | None] = [None] * len(reads)
         rejected: list[tuple[bytes, blockfmt.Corruption]] = []
         with self._env.begin(db=self._blocks, buffers=True) as txn:
             values = [None if k in self._bad else txn.get(k) for k in skeys]
-            if len(values) > 1:
-                self._read_ahead(values)
             for i, (skey, value, (_, _, out)) in enumerate(zip(skeys, values, reads, strict=True)):
                 if value is None:
                     continue
@@ -409,33 +405,13 @@ class SsdStore:
         self.counters.misses += len(reads) - hits - len(rejected)
         return results
 
-    def _read_ahead(self, values: list[memoryview | None]) -> None:
-        """Start reading every large value of a batch at once (page cache read-ahead), so the
-        disk works on later blocks while earlier ones are copied and checksummed."""
-        for v in values:
-            if v is not None and len(v) >= _PREAD_MIN:
-                offset = int(np.frombuffer(v, dtype=np.uint8).ctypes.data) - self._map_addr
-                if 0 <= offset <= self._map_size - len(v):
-                    os.posix_fadvise(self._fd, offset, len(v), os.POSIX_FADV_WILLNEED)
-
     def _copy_verified(self, skey: bytes, value: memoryview, dst: np.ndarray) -> int | None:
         total = len(value)
         n = total - blockfmt.HEADER_SIZE
         if n > dst.nbytes:
             return None
-        src = np.frombuffer(value, dtype=np.uint8)
-        offset = int(src.ctypes.data) - self._map_addr
-        if total >= _PREAD_MIN and 0 <= offset <= self._map_size - total:
-            # The value's bytes sit contiguously in data.mdb at the same offset as in the map
-            # (and cannot be reused while this read transaction is open): read them with one
-            # preadv, header into a small buffer, payload straight into `dst`.
-            header = bytearray(blockfmt.HEADER_SIZE)
-            if os.preadv(self._fd, [header, dst[:n].data], offset) != total:
-                raise blockfmt.BlockCorrupt(blockfmt.Corruption.SHORT)
-            csum = blockfmt.check_header(skey, self._layout, header, total)
-        else:
-            csum = blockfmt.check_header(skey, self._layout, value, total)
-            np.copyto(dst[:n], src[blockfmt.HEADER_SIZE :])
+        csum = blockfmt.check_header(skey, self._layout, value, total)
+        np.copyto(dst[:n], np.frombuffer(value, dtype=np.uint8, offset=blockfmt.HEADER_SIZE))
         if blockfmt.payload_checksum(dst[:n].data) != csum:
             raise blockfmt.BlockCorrupt(blockfmt.Corruption.PAYLOAD_CHECKSUM)
         return n
@@ -494,7 +470,6 @@ class SsdStore:
                 return
             self._closed = True
             self._env.close()
-            os.close(self._fd)
 
     def __enter__(self) -> SsdStore:
         return self
