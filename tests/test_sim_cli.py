@@ -76,9 +76,11 @@ def test_bad_flags_exit_2_without_traceback(args, needle):
     assert needle in p.stderr and "Traceback" not in p.stderr
 
 
-def test_missing_trace_file_exits_2(tmp_path):
+def test_missing_trace_file_and_workload_flags_with_a_trace_exit_2(tmp_path):
     p = simulate("--trace", str(tmp_path / "none.jsonl"), "--dram", "10")
     assert p.returncode == 2 and "cannot read trace" in p.stderr
+    p = simulate("--trace", str(tmp_path / "none.jsonl"), "--dram", "10", "--seed", "3")
+    assert p.returncode == 2 and "shape a --workload" in p.stderr
 
 
 def test_json_on_sample_trace_has_the_promised_keys_and_values():

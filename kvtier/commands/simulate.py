@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (one request per line)")
     src.add_argument("--workload", choices=WORKLOADS, help="built-in generated workload")
-    parser.add_argument("--requests", type=int, default=4000, help="--workload size (4000)")
-    parser.add_argument("--seed", type=int, default=0, help="--workload seed (0)")
+    parser.add_argument("--requests", type=int, help="--workload size (4000)")
+    parser.add_argument("--seed", type=int, help="--workload seed (0)")
     parser.add_argument("--dram", metavar="CAP", required=True, help="DRAM tier capacity")
     parser.add_argument("--ssd", metavar="CAP", default="0", help="SSD tier capacity (0)")
     parser.add_argument("--model", metavar="PRESET", help="model preset for byte capacities")
@@ -63,12 +63,16 @@ def _load(args: argparse.Namespace) -> tuple[list[Request], str]:
     from kvtier.sim.workloads import generate
 
     if args.trace is not None:
+        if args.requests is not None or args.seed is not None:
+            raise UsageError(
+                "--requests and --seed shape a --workload; a --trace is replayed whole"
+            )
         return read_trace(args.trace), Path(args.trace).name
-    if args.requests < 1:
-        raise UsageError(f"--requests must be >= 1, got {args.requests}")
-    return generate(args.workload, args.requests, args.seed), (
-        f"workload {args.workload} (seed {args.seed})"
-    )
+    n = 4000 if args.requests is None else args.requests
+    seed = 0 if args.seed is None else args.seed
+    if n < 1:
+        raise UsageError(f"--requests must be >= 1, got {n}")
+    return generate(args.workload, n, seed), f"workload {args.workload} (seed {seed})"
 
 
 def run(args: argparse.Namespace) -> int:

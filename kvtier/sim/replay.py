@@ -18,6 +18,10 @@ Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian k
 
 Movement counters come from the index's own eviction counters; `stranded_blocks` is recounted on
 the index after the replay, never assumed.
+
+Model limits: requests are served one at a time in trace order (timestamps only order them; no
+overlap between requests, no lease expiry, no HBM tier), and every missed block is committed at
+once, as if its prefill had finished before the next request arrives.
 """
 
 from __future__ import annotations
