@@ -28,88 +28,44 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvtier.auth import Tenant
 from kvtier.config import Config
 from kvtier.costmodel import CostModel
 from kvtier.dram import SegmentHandle
-from kvtier.errors import KvtierError
 from kvtier.events import EventLog
 from kvtier.index import Block, DuplicateBlock, MissingParent
 from kvtier.leases import Lease, LeaseKind, LeaseTable
 from kvtier.metrics import DaemonMetrics, PoolGauges
+from kvtier.namespaces import (
+    FailedPrecondition,
+    InvalidArgument,
+    LayoutInfo,
+    Namespace,
+    Namespaces,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    TenantState,
+    Unavailable,
+)
 from kvtier.planner import Plan, Prefix, plan
 from kvtier.rates import Link, RateBook
-from kvtier.residency import Tiers, namespace
+from kvtier.residency import Tiers
 from kvtier.types import Tier
-
-KEY_WIDTHS = (16, 32)
-FINGERPRINT_BYTES = (8, 64)
-
-
-class CacheError(KvtierError):
-    """A request the cache refuses; the service maps the subclass to a gRPC status."""
-
-
-class InvalidArgument(CacheError):
-    pass
-
-
-class NotFound(CacheError):
-    pass
-
-
-class PermissionDenied(CacheError):
-    pass
-
-
-class ResourceExhausted(CacheError):
-    pass
-
-
-class FailedPrecondition(CacheError):
-    pass
-
-
-class Unavailable(CacheError):
-    """The daemon is draining: no new leases."""
-
-
-@dataclass(frozen=True, slots=True)
-class LayoutInfo:
-    fingerprint: bytes
-    block_bytes: int
-    block_tokens: int
-    key_width: int
-    cost: CostModel | None
-
-
-@dataclass(slots=True)
-class _TenantState:
-    tenant: Tenant
-    dram_bytes: int = 0
-    ssd_bytes: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _Namespace:
-    name: str  # the index/SSD namespace string
-    tenant: _TenantState
-    layout: LayoutInfo
-    pending: dict[bytes, str] = field(default_factory=dict)  # key -> WRITE lease id
 
 
 @dataclass(slots=True)
 class _Read:
-    ns: _Namespace
+    ns: Namespace
     blocks: list[Block]
 
 
 @dataclass(slots=True)
 class _Write:
-    ns: _Namespace
+    ns: Namespace
     keys: list[bytes]
     parent: bytes
     todo: list[tuple[int, int]]  # (index in keys, slot)
@@ -162,105 +118,30 @@ class Cache:
         self.draining = False
         self._lock = threading.RLock()
         self._leases = LeaseTable(clock)
-        self._layouts: dict[bytes, LayoutInfo] = {}
-        self._tenants: dict[str, _TenantState] = {}
-        self._namespaces: dict[tuple[str, bytes], _Namespace] = {}
-        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self._charge,
-                           self._ssd_quota_ok)
+        self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
+        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
+                           self.names.ssd_quota_ok)
         self.pool = self.tiers.pool
         self.index = self.tiers.index
         metrics.attach_pool(self.gauges)
-
-    # -- layouts, namespaces, tenants -------------------------------------------------------
 
     def register_layout(
         self, fingerprint: bytes, block_bytes: int, block_tokens: int, key_width: int,
         cost: CostModel | None,
     ) -> SegmentHandle:
-        if not FINGERPRINT_BYTES[0] <= len(fingerprint) <= FINGERPRINT_BYTES[1]:
-            raise InvalidArgument(
-                f"layout fingerprint must be {FINGERPRINT_BYTES[0]}..{FINGERPRINT_BYTES[1]} "
-                f"bytes, got {len(fingerprint)}"
-            )
-        if key_width not in KEY_WIDTHS:
-            raise InvalidArgument(f"key_width must be 16 or 32, got {key_width}")
-        if not 0 < block_bytes <= self.cfg.slot_bytes:
-            raise InvalidArgument(
-                f"block_bytes must be in 1..{self.cfg.slot_bytes} (the daemon's slot size), "
-                f"got {block_bytes}"
-            )
-        if not 0 < block_tokens <= 1 << 20:
-            raise InvalidArgument(f"block_tokens must be in 1..{1 << 20}, got {block_tokens}")
-        info = LayoutInfo(fingerprint, block_bytes, block_tokens, key_width, cost)
+        """Declares a layout (idempotent); returns the segment clients map. See `Namespaces`."""
         with self._lock:
-            old = self._layouts.get(fingerprint)
-            shape = (block_bytes, block_tokens, key_width)
-            if old is not None and (old.block_bytes, old.block_tokens, old.key_width) != shape:
-                raise FailedPrecondition(
-                    f"layout {fingerprint.hex()[:16]} is already registered with "
-                    f"block_bytes={old.block_bytes} block_tokens={old.block_tokens} "
-                    f"key_width={old.key_width}"
-                )
-            if old is None or (cost is not None and old.cost != cost):
-                self._layouts[fingerprint] = info
-                for ns in self._namespaces.values():
-                    if ns.layout.fingerprint == fingerprint:
-                        ns.layout = info
-            return self.pool.handle()
+            self.names.register(fingerprint, block_bytes, block_tokens, key_width, cost)
+        return self.pool.handle()
 
     def layout(self, fingerprint: bytes) -> LayoutInfo:
         with self._lock:
-            info = self._layouts.get(fingerprint)
-        if info is None:
-            raise NotFound(f"unknown layout {fingerprint.hex()[:16]}: call RegisterLayout first")
-        return info
+            return self.names.layout(fingerprint)
 
-    def _ns(self, tenant: Tenant, fingerprint: bytes) -> _Namespace:
-        ns = self._namespaces.get((tenant.name, fingerprint))
-        if ns is None:
-            layout = self.layout(fingerprint)
-            name = namespace(tenant.name, fingerprint)
-            ns = _Namespace(name, self._tenant(tenant.name, tenant), layout)
-            self._namespaces[(tenant.name, fingerprint)] = ns
-            self.tiers.block_bytes[name] = layout.block_bytes
+    def _ns(self, tenant: Tenant, fingerprint: bytes) -> Namespace:
+        ns = self.names.get(tenant, fingerprint)
+        self.tiers.block_bytes.setdefault(ns.name, ns.layout.block_bytes)
         return ns
-
-    def _tenant(self, name: str, tenant: Tenant | None = None) -> _TenantState:
-        state = self._tenants.get(name)
-        if state is None:
-            state = self._tenants[name] = _TenantState(tenant or Tenant(name))
-        elif tenant is not None and state.tenant != tenant:
-            state.tenant = tenant
-        return state
-
-    def _charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
-        state = self._tenant(tenant)
-        if tier is Tier.DRAM:
-            state.dram_bytes += nbytes
-        else:
-            state.ssd_bytes += nbytes
-
-    def _ssd_quota_ok(self, tenant: str, nbytes: int) -> bool:
-        state = self._tenant(tenant)
-        quota = state.tenant.ssd_quota_bytes
-        return not quota or state.ssd_bytes + nbytes <= quota
-
-    def _keys(self, ns: _Namespace, keys: bytes, key_width: int, unique: bool) -> list[bytes]:
-        width = ns.layout.key_width
-        if key_width != width:
-            raise InvalidArgument(f"key_width {key_width} does not match the layout's {width}")
-        if len(keys) % width:
-            raise InvalidArgument(f"keys length {len(keys)} is not a multiple of {width}")
-        n = len(keys) // width
-        if n > self.cfg.max_blocks_per_request:
-            raise InvalidArgument(
-                f"{n} keys exceed the limit of {self.cfg.max_blocks_per_request} per request"
-            )
-        out = list(map(keys.__getitem__, map(slice, range(0, len(keys), width),
-                                             range(width, len(keys) + width, width))))
-        if unique and len(set(out)) != n:
-            raise InvalidArgument("keys repeat within the chain")
-        return out
 
     # -- lookup, acquire, release -----------------------------------------------------------
 
@@ -270,7 +151,7 @@ class Cache:
     ) -> LookupResult:
         with self._lock:
             ns = self._ns(tenant, fingerprint)
-            chain = self._keys(ns, keys, key_width, unique=False)
+            chain = self.names.split_keys(ns, keys, key_width, unique=False)
             found = self.index.lookup(ns.name, chain)
             tiers: list[Tier] = found.tiers
             if Tier.HBM in tiers:  # the daemon serves DRAM copies of engine-resident blocks
@@ -306,7 +187,7 @@ class Cache:
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
             ns = self._ns(tenant, fingerprint)
-            chain = self._keys(ns, keys, key_width, unique=False)
+            chain = self.names.split_keys(ns, keys, key_width, unique=False)
             found = self.index.lookup(ns.name, chain, touch=False)
             for block in found.blocks:  # first, so promotions cannot evict the rest
                 self.index.pin(ns.name, block.key)
@@ -329,7 +210,7 @@ class Cache:
             offsets = [self.pool.offset(b.dram_slot or 0) for b in pinned]
             return AcquireResult(lease.id, offsets, sources, ttl)
 
-    def _promote(self, ns: _Namespace, block: Block) -> bool:
+    def _promote(self, ns: Namespace, block: Block) -> bool:
         if self.tiers.store is None:
             return False
         state = ns.tenant
@@ -367,7 +248,7 @@ class Cache:
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
             ns = self._ns(tenant, fingerprint)
-            chain = self._keys(ns, keys, key_width, unique=True)
+            chain = self.names.split_keys(ns, keys, key_width, unique=True)
             if parent:
                 if len(parent) != ns.layout.key_width:
                     raise InvalidArgument(
@@ -393,7 +274,7 @@ class Cache:
                 ns.pending[chain[i]] = lease.id
             return AllocateResult(lease.id, need, [self.pool.offset(s) for s in slots], ttl)
 
-    def _take_slots(self, state: _TenantState, n: int) -> list[int]:
+    def _take_slots(self, state: TenantState, n: int) -> list[int]:
         quota, slot_bytes = state.tenant.dram_quota_bytes, self.cfg.slot_bytes
         if quota and state.dram_bytes + n * slot_bytes > quota:
             over = -(-(state.dram_bytes + n * slot_bytes - quota) // slot_bytes)
@@ -455,7 +336,7 @@ class Cache:
             self._leases.pop(lease.id)
             self._end_write(lease)
 
-    def _give_back(self, state: _TenantState, slot: int) -> None:
+    def _give_back(self, state: TenantState, slot: int) -> None:
         self.pool.free(slot)
         state.dram_bytes -= self.cfg.slot_bytes
 
@@ -557,13 +438,13 @@ class Cache:
             ps = self.pool.stats()
             store = self.tiers.store
             ss = store.stats() if store is not None else None
-            state = self._tenants.get(tenant.name) if tenant else None
+            state = self.names.tenants.get(tenant.name) if tenant else None
             return CacheStats(
                 ps.bytes_reserved, ps.bytes_used, self.index.blocks(Tier.DRAM),
                 ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,
                 self.index.blocks(Tier.SSD),
                 self._leases.count(LeaseKind.READ), self._leases.count(LeaseKind.WRITE),
-                len(self._layouts), state.dram_bytes if state else 0,
+                len(self.names.layouts), state.dram_bytes if state else 0,
                 state.ssd_bytes if state else 0,
             )
 

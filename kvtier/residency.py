@@ -36,6 +36,7 @@ from kvtier.index import Block as IndexBlock
 from kvtier.index import Evicted, IndexStateError, PrefixIndex, Reason
 from kvtier.metrics import DaemonMetrics
 from kvtier.mover import Mover, MoverSpec, Submitted, WriteBack
+from kvtier.namespaces import namespace_layout, namespace_tenant
 from kvtier.rates import Link, RateBook
 from kvtier.ssd import PutResult, SsdSpec, SsdStore
 from kvtier.types import Tier
@@ -45,14 +46,6 @@ log = logging.getLogger(__name__)
 
 STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 """The SSD store's own layout tag; each block's namespace (tenant + layout) is in its key."""
-
-
-def namespace(tenant: str, fingerprint: bytes) -> str:
-    return f"{tenant}/{fingerprint.hex()}"
-
-
-def namespace_tenant(ns: str) -> str:
-    return ns.rpartition("/")[0]
 
 
 class Removed(NamedTuple):
@@ -213,8 +206,8 @@ class Tiers:
                     undo.append((w.tenant, w.key))
                     self._charge(namespace_tenant(w.tenant), Tier.SSD, -cost)
                     continue
-                self.events.emit(namespace_tenant(w.tenant), _fp(w.tenant), True, Tier.SSD,
-                                 [w.key], w.parent or b"")
+                self.events.emit(namespace_tenant(w.tenant), namespace_layout(w.tenant), True,
+                                 Tier.SSD, [w.key], w.parent or b"")
             if undo and self.store is not None:
                 self.store.delete_many(undo)
         self.metrics.ssd_bytes_written.inc(result.bytes_written)
@@ -283,7 +276,7 @@ class Tiers:
                 ssd_deletes.append((ns, e.key))
                 self._charge(namespace_tenant(ns), Tier.SSD, -self.ssd_bytes_of(ns))
             self.metrics.evictions.labels(e.tier.label, reason).inc()
-            self.events.emit(namespace_tenant(ns), _fp(ns), False, e.tier, [e.key])
+            self.events.emit(namespace_tenant(ns), namespace_layout(ns), False, e.tier, [e.key])
         if ssd_deletes and self.store is not None:
             self.store.delete_many(ssd_deletes)
 
@@ -299,10 +292,6 @@ class Tiers:
         if self.store is not None:
             self.store.close()
         self.pool.close()
-
-
-def _fp(ns: str) -> bytes:
-    return bytes.fromhex(ns.rpartition("/")[2])
 
 
 def _digest(text: str) -> str:

@@ -26,8 +26,10 @@ from kvtier import __version__ as _version
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.auth import Authenticator, Tenant, Unauthenticated
-from kvtier.cache import (
-    Cache,
+from kvtier.cache import Cache
+from kvtier.costmodel import CostModel
+from kvtier.dram import SegmentHandle
+from kvtier.namespaces import (
     CacheError,
     FailedPrecondition,
     InvalidArgument,
@@ -36,8 +38,6 @@ from kvtier.cache import (
     ResourceExhausted,
     Unavailable,
 )
-from kvtier.costmodel import CostModel
-from kvtier.dram import SegmentHandle
 from kvtier.types import Tier
 
 log = logging.getLogger(__name__)

@@ -11,15 +11,15 @@ import pytest
 
 from kvtier import config
 from kvtier.auth import Tenant
-from kvtier.cache import (
-    Cache,
+from kvtier.cache import Cache
+from kvtier.metrics import DaemonMetrics
+from kvtier.namespaces import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
 )
-from kvtier.metrics import DaemonMetrics
 from kvtier.types import Tier
 
 FP = b"cache-test-layout"
