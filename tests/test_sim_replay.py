@@ -186,6 +186,9 @@ def test_replay_leaves_a_consistent_real_index(sample):
     st = idx.stats()
     assert (st.dram_blocks, st.ssd_blocks) == (s.dram_blocks_end, s.ssd_blocks_end)
     assert st.pins == 0 and st.pinned_blocks == 0
+    # Every entry of the index is reachable from the trace's ids (the stranded recount sees all).
+    ids = {h for r in sample[:800] for h in r.hash_ids}
+    assert sum(idx.get(0, key_of(i)) is not None for i in ids) == len(idx) > 0
     assert idx.blocks(Tier.DRAM) == 3000
     with pytest.raises(ValueError, match="empty index"):
         replay(sample[:1], cfg, index=idx)
