@@ -30,7 +30,6 @@ from kvtier.cache import Cache
 from kvtier.costmodel import CostModel
 from kvtier.dram import SegmentHandle
 from kvtier.namespaces import (
-    CacheError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -95,9 +94,16 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    async def _fail(self, context: Ctx, exc: Exception) -> NoReturn:
-        code = next((c for t, c in _CODES.items() if isinstance(exc, t)), grpc.StatusCode.INTERNAL)
-        await context.abort(code, str(exc))
+    async def _fail(self, method: str, context: Ctx, exc: Exception, started: float) -> NoReturn:
+        """Records and answers a refusal (domain error) or an internal error (a bug: logged)."""
+        code = next((c for t, c in _CODES.items() if isinstance(exc, t)), None)
+        if code is None:
+            log.error("%s failed", method, exc_info=exc)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
+        else:
+            message = str(exc)
+        self._record(method, code, started)
+        await context.abort(code, message)
         raise AssertionError("unreachable")  # context.abort raises
 
     def _tenant(self, context: Ctx) -> Tenant:
@@ -264,14 +270,8 @@ class KvTierService(pb_grpc.KvTierServicer):
         started = time.perf_counter()
         try:
             result = await go(self._tenant(context))
-        except (CacheError, Unauthenticated) as exc:
-            code = next(c for t, c in _CODES.items() if isinstance(exc, t))
-            self._record(method, code, started)
-            await self._fail(context, exc)
-        except Exception as exc:  # a bug: log it, answer INTERNAL, keep serving
-            log.exception("%s failed", method)
-            self._record(method, grpc.StatusCode.INTERNAL, started)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
+        except Exception as exc:
+            await self._fail(method, context, exc, started)
         self._record(method, grpc.StatusCode.OK, started)
         return result
 
@@ -292,9 +292,8 @@ class KvTierService(pb_grpc.KvTierServicer):
                             index=i, offset=off, data=bytes(view[off : off + CHUNK_BYTES]),
                             count=len(vs) if i == 0 and off == 0 else 0,
                         )
-        except (CacheError, Unauthenticated) as exc:
-            self._record("ReadBlocks", _CODES[type(exc)], started)
-            await self._fail(context, exc)
+        except Exception as exc:
+            await self._fail("ReadBlocks", context, exc, started)
         self._record("ReadBlocks", grpc.StatusCode.OK, started)
 
     async def WriteBlocks(
@@ -304,9 +303,8 @@ class KvTierService(pb_grpc.KvTierServicer):
         try:
             tenant = self._tenant(context)
             reply = await self._write_blocks(tenant, request_iterator)
-        except (CacheError, Unauthenticated) as exc:
-            self._record("WriteBlocks", _CODES[type(exc)], started)
-            await self._fail(context, exc)
+        except Exception as exc:
+            await self._fail("WriteBlocks", context, exc, started)
         self._record("WriteBlocks", grpc.StatusCode.OK, started)
         return reply
 
@@ -362,8 +360,7 @@ class KvTierService(pb_grpc.KvTierServicer):
         try:
             tenant = self._tenant(context)
         except Unauthenticated as exc:
-            self._record("WatchEvents", grpc.StatusCode.UNAUTHENTICATED, started)
-            await self._fail(context, exc)
+            await self._fail("WatchEvents", context, exc, started)
         sub = self.cache.events.subscribe(tenant.name, request.since_sequence)
         try:
             while True:
