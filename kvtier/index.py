@@ -52,7 +52,7 @@ calls that may remove the entry.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -235,6 +235,12 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return self._entries
+
+    def iter_blocks(self) -> Iterator[Block]:
+        """Every entry, tenant by tenant, parents before children. O(entries): for audits,
+        statistics and snapshots, not for the request path; don't mutate while iterating."""
+        for m in self._maps.values():
+            yield from m.values()
 
     def capacity(self, tier: Tier) -> int | None:
         return self._cap[tier]

@@ -1,0 +1,358 @@
+"""Stateful property test of the prefix index against an independent model.
+
+Random interleavings of insert, lookup, pin, unpin, evict (with and without write-back), demote,
+promote, drop, remove and HBM reports over two tenants and two capacity-limited tiers. The model
+(plain dicts and sets) predicts every outcome, including which calls must raise; after every step
+the index is compared with it and the invariants are re-derived by brute force.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtier.index import (
+    EVICTION_COUNTERS,
+    BadSlot,
+    DuplicateBlock,
+    IndexStateError,
+    MissingParent,
+    NotEvictable,
+    PinnedBlock,
+    PrefixIndex,
+    Reason,
+    TierFull,
+    UnknownBlock,
+)
+from kvtier.types import Tier
+
+D, S, H = Tier.DRAM, Tier.SSD, Tier.HBM
+KEYS = [bytes([i]) * 4 for i in range(10)]
+TENANTS: list[int | str] = [0, "t"]
+DRAM_CAP, SSD_CAP = 5, 4
+
+
+@dataclass
+class Entry:
+    parent: bytes | None
+    tiers: set[Tier]
+    slot: int | None = None
+    pins: int = 0
+    replicas: set[str] = field(default_factory=set)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ix = PrefixIndex(dram_blocks=DRAM_CAP, ssd_blocks=SSD_CAP, admission_k=2)
+        self.m: dict[tuple[int | str, bytes], Entry] = {}
+        self.evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
+        self.ssd_writes = 0
+
+    # ------------------------------------------------------------ model helpers
+    def count(self, tier: Tier) -> int:
+        return sum(tier in e.tiers for e in self.m.values())
+
+    def children(self, tk: tuple[int | str, bytes]) -> int:
+        return sum(1 for (t, _), e in self.m.items() if t == tk[0] and e.parent == tk[1])
+
+    def evictable(self, tk: tuple[int | str, bytes], tier: Tier) -> bool:
+        e = self.m[tk]
+        if e.pins or tier not in e.tiers:
+            return False
+        if tier is D:
+            return S in e.tiers or self.children(tk) == 0
+        return D not in e.tiers and self.children(tk) == 0
+
+    def apply(self, tenant: int | str, ev_key: bytes, tier: Tier, reason: Reason,
+              slot: int | None) -> None:
+        tk = (tenant, ev_key)
+        e = self.m[tk]
+        if reason is Reason.WRITTEN:
+            assert D in e.tiers and S not in e.tiers and slot == e.slot
+            e.tiers.add(S)
+            self.ssd_writes += 1
+            return
+        assert not e.pins, "a pinned block was evicted"
+        assert tier in e.tiers
+        self.evictions[f"{tier.label}_{reason.value}"] += 1
+        if tier is D:
+            assert slot == e.slot
+            e.slot = None
+        if reason is Reason.WRITTEN_BACK:
+            assert S not in e.tiers and (e.parent is None or S in self.m[(tenant, e.parent)].tiers)
+            e.tiers.add(S)
+            self.ssd_writes += 1
+        e.tiers.discard(tier)
+        if reason is Reason.DROPPED:
+            assert not e.tiers and self.children(tk) == 0, "dropped a block with children"
+            del self.m[tk]
+        else:
+            assert e.tiers
+
+    def free_slot(self) -> int | None:
+        used = {e.slot for e in self.m.values()}
+        return next((s for s in range(DRAM_CAP) if s not in used), None)
+
+    # ------------------------------------------------------------ rules
+    @rule(data=st.data(), t=st.sampled_from(TENANTS), k=st.sampled_from(KEYS),
+          tier=st.sampled_from([D, D, S]), use_slot=st.booleans(), stray=st.integers(0, 9))
+    def insert(self, data: st.DataObject, t: int | str, k: bytes, tier: Tier,
+               use_slot: bool, stray: int) -> None:
+        # Mostly a parent that is cached (a real commit), sometimes any key (maybe missing).
+        mine = sorted(key for (tt, key) in self.m if tt == t)
+        pool = KEYS if stray == 0 else mine
+        p = data.draw(st.one_of(st.none(), st.sampled_from(pool)) if pool else st.none())
+        slot = self.free_slot() if use_slot and tier is D else None
+        want: type[Exception] | None = None
+        if (t, k) in self.m:
+            want = DuplicateBlock
+        elif p is not None and (t, p) not in self.m:
+            want = MissingParent
+        elif self.count(tier) >= (DRAM_CAP if tier is D else SSD_CAP):
+            want = TierFull
+        elif tier is S and p is not None and S not in self.m[(t, p)].tiers:
+            want = MissingParent
+        if want is not None:
+            with pytest.raises(want):
+                self.ix.insert(t, k, p, tier, dram_slot=slot)
+            return
+        self.ix.insert(t, k, p, tier, dram_slot=slot)
+        self.m[(t, k)] = Entry(p, {tier}, slot)
+        if tier is S:
+            self.ssd_writes += 1
+
+    @rule(data=st.data(), t=st.sampled_from(TENANTS), n=st.integers(1, 4),
+          use_slot=st.booleans())
+    def commit_chain(self, data: st.DataObject, t: int | str, n: int, use_slot: bool) -> None:
+        """Extend a cached chain (or start one) by up to n new DRAM blocks, like a Commit."""
+        mine = sorted(key for (tt, key) in self.m if tt == t)
+        p = data.draw(st.one_of(st.none(), st.sampled_from(mine)) if mine else st.none())
+        fresh = [k for k in KEYS if (t, k) not in self.m]
+        for k in data.draw(st.permutations(fresh))[:n]:
+            if self.count(D) >= DRAM_CAP:
+                with pytest.raises(TierFull):
+                    self.ix.insert(t, k, p, D)
+                return
+            slot = self.free_slot() if use_slot else None
+            self.ix.insert(t, k, p, D, dram_slot=slot)
+            self.m[(t, k)] = Entry(p, {D}, slot)
+            p = k
+
+    @rule(data=st.data())
+    def insert_with_taken_slot(self, data: st.DataObject) -> None:
+        taken = [e.slot for e in self.m.values() if e.slot is not None]
+        if not taken or self.count(D) >= DRAM_CAP:
+            return
+        slot = data.draw(st.sampled_from(taken))
+        free_key = next((k for k in KEYS if (0, k) not in self.m), None)
+        if free_key is not None:
+            with pytest.raises(BadSlot):
+                self.ix.insert(0, free_key, None, D, dram_slot=slot)
+
+    @rule(t=st.sampled_from(TENANTS), k=st.sampled_from(KEYS), extra=st.sampled_from(KEYS),
+          replica=st.sampled_from([None, "r1", "r2"]))
+    def lookup(self, t: int | str, k: bytes, extra: bytes, replica: str | None) -> None:
+        chain: list[bytes] = []
+        cur: bytes | None = k
+        while cur is not None and (t, cur) in self.m:
+            chain.append(cur)
+            cur = self.m[(t, cur)].parent
+        chain.reverse()
+        if (t, k) not in self.m:
+            chain = [k]  # not cached: no hit at all
+        keys = [*chain, extra]
+        got = self.ix.lookup(t, keys, replica=replica)
+        want = []
+        for i, key in enumerate(keys):
+            e = self.m.get((t, key))
+            if e is None or e.parent != (keys[i - 1] if i else None):
+                break
+            held = e.replicas if replica is None else e.replicas & {replica}
+            want.append(H if held else D if D in e.tiers else S)
+        assert got.tiers == want
+        assert [b.key for b in got.blocks] == keys[: len(want)]
+
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        if self.m:
+            tk = data.draw(st.sampled_from(sorted(self.m, key=repr)))
+            self.ix.pin(*tk)
+            self.m[tk].pins += 1
+
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        if self.m:
+            tk = data.draw(st.sampled_from(sorted(self.m, key=repr)))
+            if self.m[tk].pins:
+                self.ix.unpin(*tk)
+                self.m[tk].pins -= 1
+            else:
+                with pytest.raises(IndexStateError):
+                    self.ix.unpin(*tk)
+
+    @rule(tier=st.sampled_from([D, S]), n=st.integers(0, 4), write_back=st.booleans())
+    def evict(self, tier: Tier, n: int, write_back: bool) -> None:
+        out = self.ix.evict(tier, n, write_back=write_back)
+        main = 0
+        for ev in out:
+            if ev.tier is tier and ev.reason is not Reason.WRITTEN:
+                main += 1
+            self.apply(ev.tenant, ev.key, ev.tier, ev.reason, ev.dram_slot)
+        assert main <= n
+        if main < n:
+            assert not any(self.evictable(tk, tier) for tk in self.m), "stopped early"
+
+    @rule(data=st.data(), tier=st.sampled_from([D, S]))
+    def drop(self, data: st.DataObject, tier: Tier) -> None:
+        if not self.m:
+            return
+        tk = data.draw(st.sampled_from(sorted(self.m, key=repr)))
+        e = self.m[tk]
+        want: type[Exception] | None = None
+        if tier not in e.tiers:
+            want = UnknownBlock
+        elif e.pins:
+            want = PinnedBlock
+        elif self.children(tk) and (tier is S or S not in e.tiers):
+            want = NotEvictable
+        if want is not None:
+            with pytest.raises(want):
+                self.ix.drop(*tk, tier)
+            return
+        ev = self.ix.drop(*tk, tier)
+        self.apply(ev.tenant, ev.key, ev.tier, ev.reason, ev.dram_slot)
+
+    @rule(data=st.data(), any_block=st.booleans())
+    def demote(self, data: st.DataObject, any_block: bool) -> None:
+        pool = sorted((tk for tk, e in self.m.items() if any_block or D in e.tiers), key=repr)
+        if not pool:
+            return
+        tk = data.draw(st.sampled_from(pool))
+        e = self.m[tk]
+        parent_on_ssd = e.parent is None or S in self.m[(tk[0], e.parent)].tiers
+        want: type[Exception] | None = None
+        if D not in e.tiers:
+            want = UnknownBlock
+        elif e.pins:
+            want = PinnedBlock
+        elif S not in e.tiers and self.count(S) >= SSD_CAP:
+            want = TierFull
+        elif S not in e.tiers and not parent_on_ssd:
+            want = MissingParent
+        if want is not None:
+            with pytest.raises(want):
+                self.ix.demote(*tk)
+            return
+        ev = self.ix.demote(*tk)
+        self.apply(ev.tenant, ev.key, ev.tier, ev.reason, ev.dram_slot)
+
+    @rule(data=st.data(), tier=st.sampled_from([D, S]), use_slot=st.booleans())
+    def promote(self, data: st.DataObject, tier: Tier, use_slot: bool) -> None:
+        if not self.m:
+            return
+        tk = data.draw(st.sampled_from(sorted(self.m, key=repr)))
+        e = self.m[tk]
+        slot = self.free_slot() if use_slot and tier is D else None
+        want: type[Exception] | None = None
+        if tier in e.tiers:
+            want = DuplicateBlock
+        elif self.count(tier) >= (DRAM_CAP if tier is D else SSD_CAP):
+            want = TierFull
+        elif tier is S and e.parent is not None and S not in self.m[(tk[0], e.parent)].tiers:
+            want = MissingParent
+        if want is not None:
+            with pytest.raises(want):
+                self.ix.add_tier(*tk, tier, dram_slot=slot)
+            return
+        self.ix.add_tier(*tk, tier, dram_slot=slot)
+        e.tiers.add(tier)
+        if tier is D:
+            e.slot = slot
+        else:
+            self.ssd_writes += 1
+
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        if not self.m:
+            return
+        tk = data.draw(st.sampled_from(sorted(self.m, key=repr)))
+        e = self.m[tk]
+        if e.pins or self.children(tk):
+            with pytest.raises((PinnedBlock, NotEvictable)):
+                self.ix.remove(*tk)
+            return
+        self.ix.remove(*tk)
+        del self.m[tk]
+        self.evictions["removed"] += 1
+
+    @rule(data=st.data(), replica=st.sampled_from(["r1", "r2"]), add=st.booleans())
+    def hbm(self, data: st.DataObject, replica: str, add: bool) -> None:
+        t, k = data.draw(st.sampled_from(TENANTS)), data.draw(st.sampled_from(KEYS))
+        e = self.m.get((t, k))
+        if add:
+            assert self.ix.hbm_add(replica, t, k) == (e is not None)
+            if e is not None:
+                e.replicas.add(replica)
+        else:
+            assert self.ix.hbm_drop(replica, t, k) == (e is not None and replica in e.replicas)
+            if e is not None:
+                e.replicas.discard(replica)
+
+    @precondition(lambda self: len(self.m) > 0)
+    @rule(replica=st.sampled_from(["r1", "r2"]))
+    def replica_leaves(self, replica: str) -> None:
+        n = sum(replica in e.replicas for e in self.m.values())
+        assert self.ix.drop_replica(replica) == n
+        for e in self.m.values():
+            e.replicas.discard(replica)
+
+    # ------------------------------------------------------------ invariants
+    @invariant()
+    def matches_model_and_invariants_hold(self) -> None:
+        blocks = {(b.tenant, b.key): b for b in self.ix.iter_blocks()}
+        assert set(blocks) == set(self.m)
+        for tk, b in blocks.items():
+            e = self.m[tk]
+            assert b.parent_key == e.parent
+            assert {t for t in (D, S) if b.flags & (1 << t)} == e.tiers and e.tiers
+            assert (b.dram_slot, b.pins, b.children) == (e.slot, e.pins, self.children(tk))
+            # no stranded block: the parent is cached (same tenant) or this is a root
+            assert e.parent is None or (tk[0], e.parent) in blocks
+            # SSD is prefix-closed
+            if S in e.tiers and e.parent is not None:
+                assert S in self.m[(tk[0], e.parent)].tiers
+        slots = [e.slot for e in self.m.values() if e.slot is not None]
+        assert len(slots) == len(set(slots))
+        st_ = self.ix.stats()
+        assert st_.dram_blocks == self.count(D) <= DRAM_CAP
+        assert st_.ssd_blocks == self.count(S) <= SSD_CAP
+        assert st_.entries == len(self.m) == len(self.ix)
+        assert st_.pinned_blocks == sum(e.pins > 0 for e in self.m.values())
+        assert st_.pins == sum(e.pins for e in self.m.values())
+        assert st_.hbm_blocks == sum(bool(e.replicas) for e in self.m.values())
+        assert st_.evictions == self.evictions
+        assert st_.ssd_writes == self.ssd_writes
+        for tier, n in ((D, st_.evictable_dram), (S, st_.evictable_ssd)):
+            want = {tk for tk in self.m if self.evictable(tk, tier)}
+            got = {(b.tenant, b.key) for b in self.ix.victims(tier, 100)}
+            assert got == want and n == len(want)
+
+
+IndexMachine.TestCase.settings = settings(
+    max_examples=80, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestIndexMachine = IndexMachine.TestCase
+
+
+@pytest.mark.slow
+def test_index_machine_long() -> None:
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(IndexMachine, settings=settings(
+        max_examples=3000, stateful_step_count=80, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow]))
