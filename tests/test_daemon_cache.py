@@ -149,3 +149,28 @@ def test_ssd_write_back_promotion_and_restart(tmp_path: Path, clock: Clock) -> N
     assert c2.lookup(T, FP, keys(1, 4), 32).tiers == [Tier.SSD] * 4
     assert c2.stats(T).tenant_ssd_bytes == c2.stats().ssd_used_bytes
     c2.close()
+
+
+def test_corrupt_ssd_payload_is_a_miss_and_a_counter(tmp_path: Path, clock: Clock) -> None:
+    c = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    store(c, keys(1, 2), fill=0x5A)
+    assert c.flush(10) and c.stats().ssd_blocks == 2
+    c.close()
+    data = tmp_path / "data" / "ssd" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    second = raw.find(bytes([0x5A]) * BLOCK, raw.find(bytes([0x5A]) * BLOCK) + BLOCK)
+    assert second > 0
+    raw[second + 100] ^= 0x01  # one flipped bit in the second block's payload
+    data.write_bytes(bytes(raw))
+    c2 = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    try:
+        assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD, Tier.SSD]
+        got = c2.acquire(T, FP, keys(1, 2), 32, 0)
+        assert got.source_tiers == [Tier.SSD]  # the corrupt block is a miss, never served
+        assert bytes(c2.slot_view(got.offsets[0], BLOCK)) == bytes([0x5A]) * BLOCK
+        c2.release(T, got.lease_id)
+        assert c2.metrics.value("kvtier_checksum_failures_total") == 1
+        assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM]  # forgotten (a leaf)
+        assert c2.leaked_slots() == 0
+    finally:
+        c2.close()
