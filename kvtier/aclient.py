@@ -116,6 +116,14 @@ class AsyncClient:
     def uses_shm(self) -> bool:
         return self._segment is not None and self._segment.dram is not None
 
+    def register_cuda(self) -> bool:
+        """Page-locks the mapped segment for CUDA DMA (cupy); False without shm, cupy or a GPU.
+
+        Registration belongs to the current mapping: call again after a daemon restart.
+        """
+        seg = self._segment
+        return seg is not None and seg.dram is not None and seg.dram.register_cuda()
+
     async def close(self) -> None:
         if self._segment is not None and self._segment.dram is not None:
             self._segment.dram.close()

@@ -407,3 +407,14 @@ def test_tcp_with_tls(tmp_path: Path) -> None:
         assert exc.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     finally:
         d.stop()
+
+
+def test_register_cuda_is_a_clean_no_without_cupy(shared: DaemonProc) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy installed: covered by the GPU tests")
+    with Client(shared.socket, layout=LAYOUT) as kv:
+        assert kv.uses_shm and kv.register_cuda() is False
+    with Client(shared.socket, layout=LAYOUT, streaming=True) as kv:
+        assert kv.register_cuda() is False
