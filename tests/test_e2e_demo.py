@@ -1,0 +1,76 @@
+"""`kvtier demo`: starts a temporary daemon when none runs, reports TTFT and hits, and fails
+cleanly (one line, exit 2) without torch or with bad flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from tests.daemon_fixture import ROOT, DaemonProc
+
+pytest.importorskip("torch")
+
+
+def run_demo(args: list[str], env_extra: dict[str, str], code: str | None = None
+             ) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_extra}
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "kvtier", "demo"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=240)
+
+
+def test_demo_starts_a_temporary_daemon_and_reports(tmp_path: Path) -> None:
+    sock = tmp_path / "none" / "kvtier.sock"
+    proc = run_demo(["--model", "tiny", "--turns", "3", "--system-tokens", "64", "--json"],
+                    {"KVTIER_SOCKET": str(sock)})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["daemon"] == "temporary daemon"
+    turns = out["turns"]
+    assert [t["identical"] for t in turns] == [True] * 3
+    assert turns[0]["loaded_blocks"] == 0
+    # Turn 2's prompt = turn 1's prompt + reply + message; turn 1's prompt blocks are cached:
+    # (64 + 160) // 16 = 14 full blocks.
+    assert turns[1]["loaded_blocks"] == 14
+    assert 0 < out["block_hit_ratio"] < 1
+    assert not sock.exists()
+
+
+def test_demo_uses_a_running_daemon_and_prints_a_table(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d").start()
+    try:
+        proc = run_demo(["--model", "tiny", "--turns", "2", "--system-tokens", "32",
+                         "--socket", str(d.socket)], {})
+        assert proc.returncode == 0, proc.stderr
+        assert f"running daemon on {d.socket}" in proc.stdout
+        assert "outputs identical: True" in proc.stdout
+        assert "Traceback" not in proc.stderr
+    finally:
+        d.stop()
+
+
+def test_demo_without_torch_is_a_one_line_error() -> None:
+    code = ("import sys; sys.modules['torch'] = None; from kvtier.cli import main; "
+            "sys.exit(main(['demo'] + sys.argv[1:]))")
+    proc = run_demo([], {}, code=code)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("kvtier demo: error: the demo needs torch, an optional extra: "
+                                   "pip install 'kvtier[torch]'")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--turns", "0"], "--turns must be"), (["--model", "huge"], "unknown engine model"),
+     (["--system-tokens", "5"], "--system-tokens must be"),
+     (["--socket", "/nonexistent/kvtier.sock"], "no daemon answers")],
+)
+def test_demo_bad_flags_exit_2(args: list[str], message: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
