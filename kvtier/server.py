@@ -82,21 +82,25 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.cfg
         _claim_socket(cfg.socket)
-        cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.cache = cache = Cache(cfg, self.metrics)
-        try:
-            await self._start_server(cache)
-        except BaseException:
-            cache.close()
-            raise
-        self._reaper = asyncio.create_task(self._reap())
         addr = self.cfg.metrics_address()
         if addr is not None:
             try:
                 self.metrics_port = self.metrics.serve(*addr)
             except OSError as exc:
-                await self.stop()
                 raise UsageError(f"metrics address {cfg.metrics}: {exc}") from None
+        try:
+            cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.cache = cache = Cache(cfg, self.metrics)
+        except BaseException:
+            self.metrics.close()
+            raise
+        try:
+            await self._start_server(cache)
+        except BaseException:
+            cache.close()
+            self.metrics.close()
+            raise
+        self._reaper = asyncio.create_task(self._reap())
         log.info(
             "kvtier serving on unix:%s%s; metrics %s; DRAM pool %s (%d slots of %s); "
             "SSD tier %s under %s; %s",

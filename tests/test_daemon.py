@@ -418,3 +418,23 @@ def test_register_cuda_is_a_clean_no_without_cupy(shared: DaemonProc) -> None:
         assert kv.uses_shm and kv.register_cuda() is False
     with Client(shared.socket, layout=LAYOUT, streaming=True) as kv:
         assert kv.register_cuda() is False
+
+
+def test_busy_metrics_port_is_a_one_line_error(tmp_path: Path) -> None:
+    import socket as so
+
+    with so.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtier", "serve", "--socket", str(tmp_path / "s.sock"),
+             "--data-dir", str(tmp_path / "d"), "--dram-bytes", "16MiB",
+             "--metrics", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"kvtier serve: error: metrics address 127.0.0.1:{port}: [Errno 98] Address already in use"
+    ]
+    assert not (tmp_path / "s.sock").exists() and not (tmp_path / "d").exists()
