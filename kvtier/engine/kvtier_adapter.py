@@ -183,6 +183,9 @@ class KvtierEngine:
                                   streaming=o.streaming, timeout=o.timeout_s)
         except Exception as exc:  # unreachable, refused: run without kvtier for a while
             self._mark_down(exc)
+            return None
+        if self.engine.device.type == "cuda" and not self._client.register_cuda():
+            log.info("DRAM segment not registered with CUDA; copies use unregistered memory")
         return self._client
 
     def _mark_down(self, exc: BaseException) -> None:
