@@ -36,13 +36,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (one request per line)")
     src.add_argument("--workload", choices=WORKLOADS, help="built-in generated workload")
-    parser.add_argument("--requests", type=int, help="--workload size (4000)")
-    parser.add_argument("--seed", type=int, help="--workload seed (0)")
-    parser.add_argument("--dram", metavar="CAP", required=True, help="DRAM tier capacity")
-    parser.add_argument("--ssd", metavar="CAP", default="0", help="SSD tier capacity (0)")
+    parser.add_argument("--requests", type=int, metavar="N", help="--workload size (4000)")
+    parser.add_argument("--seed", type=int, metavar="N", help="--workload seed (0)")
+    parser.add_argument(
+        "--dram", metavar="CAP", required=True, help="DRAM capacity: blocks or a size"
+    )
+    parser.add_argument(
+        "--ssd", metavar="CAP", default="0", help="SSD capacity: blocks or a size (0)"
+    )
     parser.add_argument("--model", metavar="PRESET", help="model preset for byte capacities")
     parser.add_argument("--dtype", default="bf16", help="KV dtype with --model (bf16)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size with --model (1)")
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="N", help="tensor-parallel size with --model (1)"
+    )
     parser.add_argument("--block-bytes", metavar="SIZE", help="bytes of one 512-token block")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="lru", help="eviction (lru)")
     parser.add_argument(
@@ -54,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE.png", help="also plot hit ratio against capacity")
-    parser.add_argument("--sweep-points", type=int, default=8, help="capacities in --plot (8)")
+    parser.add_argument(
+        "--sweep-points", type=int, default=8, metavar="N", help="capacities in --plot (8)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
