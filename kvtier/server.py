@@ -13,12 +13,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
 from pathlib import Path
 
 import grpc
+import lmdb
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -82,6 +84,12 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.cfg
         _claim_socket(cfg.socket)
+        shm_free = shutil.disk_usage("/dev/shm").free
+        if cfg.dram_bytes > shm_free:
+            raise UsageError(
+                f"dram_bytes {format_bytes(cfg.dram_bytes)} exceeds the free shared memory in "
+                f"/dev/shm ({format_bytes(shm_free)})"
+            )
         addr = self.cfg.metrics_address()
         if addr is not None:
             try:
@@ -91,6 +99,9 @@ class Daemon:
         try:
             cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.cache = cache = Cache(cfg, self.metrics)
+        except (OSError, lmdb.Error) as exc:
+            self.metrics.close()
+            raise UsageError(f"cannot set up the storage tiers: {exc}") from None
         except BaseException:
             self.metrics.close()
             raise

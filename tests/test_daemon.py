@@ -438,3 +438,19 @@ def test_busy_metrics_port_is_a_one_line_error(tmp_path: Path) -> None:
         f"kvtier serve: error: metrics address 127.0.0.1:{port}: [Errno 98] Address already in use"
     ]
     assert not (tmp_path / "s.sock").exists() and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--data-dir", "/proc/no-such-dir/kvtier"], "cannot set up the storage tiers"),
+    (["--dram-bytes", "100TiB"], "exceeds the free shared memory"),
+])
+def test_impossible_storage_is_a_one_line_error(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    args = ["--socket", str(tmp_path / "s.sock"), "--data-dir", str(tmp_path / "d"),
+            "--metrics", "", *flags]
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "serve", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
