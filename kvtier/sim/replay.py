@@ -4,8 +4,9 @@ Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian k
 
   1. lookup: `index.lookup` returns the longest cached prefix and each block's best tier; those
      blocks are the request's hits (by tier), and the lookup counts an access on each.
-  2. lease: the hit blocks are pinned until the request ends, as the daemon's Acquire lease
-     would pin them, so nothing the request uses is evicted under it.
+  2. lease: the hit blocks are pinned until the request ends, so nothing the request uses is
+     evicted under it. (A simplification of the daemon, which holds the Acquire lease while the
+     engine loads and then its Allocate slots until Commit.)
   3. room: one `index.evict(DRAM, n, write_back=True)` makes room for the SSD hits and the missed
      blocks; the index demotes admitted victims (k-th access) to SSD, evicting SSD leaves for
      them, and drops the rest, leaf-first. All eviction for the request happens here, so the
