@@ -31,7 +31,7 @@ from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import replay
 from kvtier.sim.trace import Request, read_trace
 
-SAMPLE = Path("/work/shared/traces/synthetic_trace.jsonl")
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 RESULTS = Path(__file__).parent / "results" / "simulate.json"
 GOAL_S = 2.0
 CONFIGS = [

@@ -10,7 +10,7 @@ from kvtier.sim import workloads
 from kvtier.sim.ceilings import belady, flatten, infinite_hits, next_uses
 from kvtier.sim.trace import Request, read_trace
 
-SAMPLE = Path("/work/shared/traces/synthetic_trace.jsonl")
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 
 
 def independent_prefix_hits(reqs):

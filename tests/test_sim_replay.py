@@ -13,7 +13,7 @@ from kvtier.sim.replay import count_stranded, key_of, new_index, replay
 from kvtier.sim.trace import Request, read_trace
 from kvtier.types import Tier
 
-SAMPLE = Path("/work/shared/traces/synthetic_trace.jsonl")
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from kvtier.sim.trace import (
     write_trace,
 )
 
-SAMPLE = Path("/work/shared/traces/synthetic_trace.jsonl")
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 GOOD = '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}'
 
 
