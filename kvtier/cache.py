@@ -116,6 +116,7 @@ class Cache:
         self.events = events or EventLog()
         self.rates = RateBook()
         self.draining = False
+        self._closed = False
         self._lock = threading.RLock()
         self._leases = LeaseTable(clock)
         self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
@@ -478,8 +479,13 @@ class Cache:
         return self.tiers.flush(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment."""
+        """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment.
+
+        Idempotent."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             for lease in self._leases.pop_all():
                 if lease.kind is LeaseKind.READ:
                     self._end_read(lease)

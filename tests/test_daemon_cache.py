@@ -129,8 +129,20 @@ def test_rules(cache: Cache) -> None:
     assert cache.leaked_slots() == 0
 
 
-def test_ssd_write_back_promotion_and_restart(tmp_path: Path, clock: Clock) -> None:
+@pytest.fixture
+def closing() -> Iterator[list[Cache]]:
+    """Caches a test opens; closed (segment unlinked) even when the test fails."""
+    opened: list[Cache] = []
+    yield opened
+    for c in opened:
+        c.close()
+
+
+def test_ssd_write_back_promotion_and_restart(
+    tmp_path: Path, clock: Clock, closing: list[Cache]
+) -> None:
     c = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    closing.append(c)
     assert store(c, keys(1, 4), fill=3) == 4
     assert c.flush(10)
     assert c.stats().ssd_blocks == 4
@@ -145,14 +157,17 @@ def test_ssd_write_back_promotion_and_restart(tmp_path: Path, clock: Clock) -> N
     c.close()
     started = time.monotonic()
     c2 = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    closing.append(c2)
     assert time.monotonic() - started < 5
     assert c2.lookup(T, FP, keys(1, 4), 32).tiers == [Tier.SSD] * 4
     assert c2.stats(T).tenant_ssd_bytes == c2.stats().ssd_used_bytes
-    c2.close()
 
 
-def test_corrupt_ssd_payload_is_a_miss_and_a_counter(tmp_path: Path, clock: Clock) -> None:
+def test_corrupt_ssd_payload_is_a_miss_and_a_counter(
+    tmp_path: Path, clock: Clock, closing: list[Cache]
+) -> None:
     c = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    closing.append(c)
     store(c, keys(1, 2), fill=0x5A)
     assert c.flush(10) and c.stats().ssd_blocks == 2
     c.close()
@@ -163,14 +178,12 @@ def test_corrupt_ssd_payload_is_a_miss_and_a_counter(tmp_path: Path, clock: Cloc
     raw[second + 100] ^= 0x01  # one flipped bit in the second block's payload
     data.write_bytes(bytes(raw))
     c2 = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
-    try:
-        assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD, Tier.SSD]
-        got = c2.acquire(T, FP, keys(1, 2), 32, 0)
-        assert got.source_tiers == [Tier.SSD]  # the corrupt block is a miss, never served
-        assert bytes(c2.slot_view(got.offsets[0], BLOCK)) == bytes([0x5A]) * BLOCK
-        c2.release(T, got.lease_id)
-        assert c2.metrics.value("kvtier_checksum_failures_total") == 1
-        assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM]  # forgotten (a leaf)
-        assert c2.leaked_slots() == 0
-    finally:
-        c2.close()
+    closing.append(c2)
+    assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD, Tier.SSD]
+    got = c2.acquire(T, FP, keys(1, 2), 32, 0)
+    assert got.source_tiers == [Tier.SSD]  # the corrupt block is a miss, never served
+    assert bytes(c2.slot_view(got.offsets[0], BLOCK)) == bytes([0x5A]) * BLOCK
+    c2.release(T, got.lease_id)
+    assert c2.metrics.value("kvtier_checksum_failures_total") == 1
+    assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM]  # forgotten (a leaf)
+    assert c2.leaked_slots() == 0
