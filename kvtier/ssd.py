@@ -2,8 +2,9 @@
 
 Three sub-databases in one environment, always changed in the same transaction:
 
-    blocks  stored key -> 64-byte header (kvtier.blockfmt) + payload
-    meta    stored key -> size, access count, last access, stored-at, parent key   (the SSD index)
+    blocks  stored key -> payload (exactly the bytes given; no copy to prepend a header)
+    meta    stored key -> size, access count, last access, stored-at, parent key, and the
+            block's 64-byte header (kvtier.blockfmt)                           (the SSD index)
     info    b"format" / b"layout" / b"used" -> store format, layout digest, used bytes
 
 A stored key is `len(tenant) | tenant utf-8 | block key`, so tenants never share entries. Payload
@@ -51,7 +52,7 @@ from kvtier.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2
 Durability = Literal["sync", "nometasync", "nosync"]
 TenantKey = tuple[str, bytes]
 Evictor = Callable[[int], Sequence[TenantKey]]
@@ -289,9 +290,10 @@ class SsdStore:
                     refused.append(tk)
                     continue
                 header = blockfmt.encode_header(skey, self._layout, item.payload)
-                txn.put(skey, b"".join((header, item.payload)), db=self._blocks)
+                txn.put(skey, item.payload, db=self._blocks)
                 parent = item.parent or b""
-                txn.put(skey, _META.pack(size, 1, now, now, len(parent)) + parent, db=self._meta)
+                rec = _META.pack(size, 1, now, now, len(parent)) + parent + header
+                txn.put(skey, rec, db=self._meta)
                 used += size
                 entries += 1
                 written += size
@@ -389,13 +391,21 @@ class SsdStore:
         skeys = [stored_key(t, k) for t, k, _ in reads]
         results: list[int | None] = [None] * len(reads)
         rejected: list[tuple[bytes, blockfmt.Corruption]] = []
-        with self._env.begin(db=self._blocks, buffers=True) as txn:
-            values = [None if k in self._bad else txn.get(k) for k in skeys]
-            for i, (skey, value, (_, _, out)) in enumerate(zip(skeys, values, reads, strict=True)):
-                if value is None:
+        with self._env.begin(buffers=True) as txn:
+            for i, (skey, (_, _, out)) in enumerate(zip(skeys, reads, strict=True)):
+                if skey in self._bad:
                     continue
+                rec = txn.get(skey, db=self._meta)
+                if rec is None:
+                    continue
+                value = txn.get(skey, db=self._blocks)
                 try:
-                    results[i] = self._copy_verified(skey, value, np.frombuffer(out, np.uint8))
+                    if value is None or len(rec) < _META.size + blockfmt.HEADER_SIZE:
+                        raise blockfmt.BlockCorrupt(blockfmt.Corruption.SHORT)
+                    header = rec[len(rec) - blockfmt.HEADER_SIZE :]
+                    results[i] = self._copy_verified(
+                        skey, header, value, np.frombuffer(out, np.uint8)
+                    )
                 except blockfmt.BlockCorrupt as exc:
                     rejected.append((skey, exc.reason))
         for skey, reason in rejected:
@@ -405,13 +415,14 @@ class SsdStore:
         self.counters.misses += len(reads) - hits - len(rejected)
         return results
 
-    def _copy_verified(self, skey: bytes, value: memoryview, dst: np.ndarray) -> int | None:
-        total = len(value)
-        n = total - blockfmt.HEADER_SIZE
+    def _copy_verified(
+        self, skey: bytes, header: memoryview, payload: memoryview, dst: np.ndarray
+    ) -> int | None:
+        n = len(payload)
+        csum = blockfmt.check_header(skey, self._layout, header, blockfmt.HEADER_SIZE + n)
         if n > dst.nbytes:
             return None
-        csum = blockfmt.check_header(skey, self._layout, value, total)
-        np.copyto(dst[:n], np.frombuffer(value, dtype=np.uint8, offset=blockfmt.HEADER_SIZE))
+        np.copyto(dst[:n], np.frombuffer(payload, dtype=np.uint8))
         if blockfmt.payload_checksum(dst[:n].data) != csum:
             raise blockfmt.BlockCorrupt(blockfmt.Corruption.PAYLOAD_CHECKSUM)
         return n

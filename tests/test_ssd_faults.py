@@ -125,13 +125,14 @@ def stored_with_flips(path: str, seed: int) -> tuple[SsdSpec, dict[bytes, bytes]
         for i, (k, p) in enumerate(payloads.items()):
             if i % 4 == 3:
                 continue
-            value = blockfmt.encode_header(stored_key("t", k), layout, p) + p
-            off = raw.find(value)
-            assert off >= 0 and raw.find(value, off + 1) < 0
-            where = rng.randrange(64) if i % 2 else rng.randrange(64, len(value))
-            byte = bytearray(os.pread(fd, 1, off + where))
+            # the header lives in the block's index record, the payload in its own value
+            target = blockfmt.encode_header(stored_key("t", k), layout, p) if i % 2 else p
+            off = raw.find(target)
+            assert off >= 0 and raw.find(target, off + 1) < 0
+            where = off + rng.randrange(len(target))
+            byte = bytearray(os.pread(fd, 1, where))
             byte[0] ^= 1 << rng.randrange(8)
-            os.pwrite(fd, bytes(byte), off + where)
+            os.pwrite(fd, bytes(byte), where)
             flipped.add(k)
     finally:
         os.close(fd)
