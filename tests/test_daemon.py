@@ -206,8 +206,12 @@ def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
             d.proc.send_signal(15)
             time.sleep(0.3)
             assert d.proc.poll() is None  # waits for our lease
-            assert bytes(got.views[0])[:4] == payloads(2, 70)[0][:4]
-        assert d.proc.wait(10) == 0
+            assert not d._healthy()  # health says NOT_SERVING while draining
+            with pytest.raises(KvtierRpcError) as exc:
+                kv.store(chain(71, 1), payloads(1, 71))
+            assert exc.value.code is grpc.StatusCode.UNAVAILABLE  # no new leases
+            assert bytes(got.views[0]) == payloads(2, 70)[0]
+        assert d.proc.wait(10) == 0  # our Release went through; then it exits
     assert not d.socket.exists()
     assert not (Path("/dev/shm") / _segment_name(d)).exists()
     assert "stopped (0 lease(s) ended at shutdown)" in d.log()

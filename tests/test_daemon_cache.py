@@ -187,3 +187,26 @@ def test_corrupt_ssd_payload_is_a_miss_and_a_counter(
     assert c2.metrics.value("kvtier_checksum_failures_total") == 1
     assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM]  # forgotten (a leaf)
     assert c2.leaked_slots() == 0
+
+
+def test_events_report_stores_and_evictions_in_order(cache: Cache) -> None:
+    import asyncio
+
+    async def main() -> list[tuple[int, bool, Tier, int]]:
+        sub = cache.events.subscribe("t")
+        store(cache, keys(1, 6))
+        store(cache, keys(2, 4))  # evicts the last 2 blocks of chain 1 (8 slots)
+        await asyncio.sleep(0.05)
+        out = []
+        while not sub.queue.empty():
+            ev = sub.queue.get_nowait()
+            assert ev is not None
+            out.append((ev.sequence, ev.stored, ev.tier, len(ev.keys)))
+        cache.events.unsubscribe(sub)
+        return out
+
+    got = asyncio.run(main())
+    assert [(s, t, n) for _, s, t, n in got] == [
+        (True, Tier.DRAM, 6), (False, Tier.DRAM, 1), (False, Tier.DRAM, 1), (True, Tier.DRAM, 4),
+    ]
+    assert [seq for seq, *_ in got] == sorted(seq for seq, *_ in got)
