@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from kvtier.index import PrefixIndex
+from kvtier.index import Block, PrefixIndex
 from kvtier.sim.config import ReplayStats, TierConfig
 from kvtier.sim.trace import Request
 from kvtier.types import Tier
@@ -68,12 +68,10 @@ def replay(
     lookup, insert, promote = idx.lookup, idx.insert, idx.promote
     pin, unpin, evict, free = idx.pin, idx.unpin, idx.evict, idx.free
     hits_dram = hits_ssd = promotions = inserted = not_stored = refs = 0
-    seen: set[int] = set()
     t0 = time.perf_counter()
     for n, req in enumerate(requests, start=1):
         keys = [i.to_bytes(8, "big") for i in req.hash_ids]
         refs += len(keys)
-        seen.update(req.hash_ids)
         prefix = lookup(TENANT, keys)
         tiers = prefix.tiers
         h = len(tiers)
@@ -124,31 +122,26 @@ def replay(
         evicted_ssd=ev["ssd_dropped"] + ev["ssd_copy_dropped"],
         inserted=inserted,
         not_stored=not_stored,
-        stranded_blocks=count_stranded(idx, seen),
+        stranded_blocks=count_stranded(idx),
         dram_blocks_end=idx.blocks(dram),
         ssd_blocks_end=idx.blocks(ssd),
         seconds=seconds,
     )
 
 
-def count_stranded(idx: PrefixIndex, block_ids: set[int]) -> int:
-    """Cached blocks (among `block_ids`) whose parent is not cached in any tier.
+def count_stranded(idx: PrefixIndex) -> int:
+    """Cached blocks whose parent is not cached in any tier (DESIGN invariant 2 says none).
 
-    Walks the index's public view: each cached block must be stored somewhere, and its parent
-    must be the entry the index returns for the parent key, itself stored somewhere.
+    Walks every entry (`iter_blocks`): each must be stored in DRAM or on SSD, and its parent must
+    be the entry the index returns for the parent key, itself stored somewhere.
     """
-    stranded = 0
     get = idx.get
-    for i in block_ids:
-        b = get(TENANT, key_of(i))
-        if b is None:
-            continue
-        if not (b.in_dram or b.on_ssd):
-            stranded += 1
-            continue
+
+    def stored(b: Block) -> bool:
+        return b.in_dram or b.on_ssd
+
+    def parent_ok(b: Block) -> bool:
         p = b.parent
-        if p is None:
-            continue
-        if get(TENANT, p.key) is not p or not (p.in_dram or p.on_ssd):
-            stranded += 1
-    return stranded
+        return p is None or (get(b.tenant, p.key) is p and stored(p))
+
+    return sum(1 for b in idx.iter_blocks() if not (stored(b) and parent_ok(b)))
