@@ -104,6 +104,9 @@ class CacheStats(NamedTuple):
     tenant_ssd_bytes: int
 
 
+_NO_REPLICA = "-"  # never registered (real names contain the namespace): lookups without HBM
+
+
 class Cache:
     """Owns all block metadata and the tiers. See the module docstring for the rules."""
 
@@ -149,22 +152,23 @@ class Cache:
     def lookup(
         self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int,
         start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
+        replica: str = "",
     ) -> LookupResult:
+        """Longest cached prefix with each block's tier: HBM only for blocks `replica` reported
+        holding (ReportHbm), else DRAM or SSD — where the daemon would serve it from."""
         with self._lock:
             ns = self._ns(tenant, fingerprint)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
-            found = self.index.lookup(ns.name, chain)
+            who = f"{ns.name}#{replica}" if replica else _NO_REPLICA
+            found = self.index.lookup(ns.name, chain, replica=who)
             tiers: list[Tier] = found.tiers
-            if Tier.HBM in tiers:  # the daemon serves DRAM copies of engine-resident blocks
-                tiers = [Tier.DRAM if t is Tier.HBM else t for t in tiers]
             self.tiers.maybe_write_back(ns.name, found.blocks)
         m = self.metrics
         m.lookups.labels("hit" if tiers else "miss").inc()
-        in_dram = tiers.count(Tier.DRAM)
-        if in_dram:
-            m.blocks_hit.labels("dram").inc(in_dram)
-        if len(tiers) > in_dram:
-            m.blocks_hit.labels("ssd").inc(len(tiers) - in_dram)
+        for tier in (Tier.HBM, Tier.DRAM, Tier.SSD):
+            count = tiers.count(tier)
+            if count:
+                m.blocks_hit.labels(tier.label).inc(count)
         if len(chain) > len(tiers):
             m.blocks_missed.inc(len(chain) - len(tiers))
         the_plan = None
@@ -420,6 +424,24 @@ class Cache:
         return memoryview(self.pool.view(slot, nbytes))  # type: ignore[arg-type]
 
     # -- engines' reports -------------------------------------------------------------------
+
+    def report_hbm(
+        self, tenant: Tenant, fingerprint: bytes, replica: str, key_width: int, added: bytes,
+        removed: bytes, reset: bool,
+    ) -> int:
+        """A replica's GPU-pool holdings changed; returns how many added keys are cached."""
+        if not 0 < len(replica) <= 128:
+            raise InvalidArgument("replica must be a name of 1..128 characters")
+        with self._lock:
+            ns = self._ns(tenant, fingerprint)
+            add = self.names.split_keys(ns, added, key_width, unique=False)
+            drop = self.names.split_keys(ns, removed, key_width, unique=False)
+            name = f"{ns.name}#{replica}"  # replicas are per namespace: tenants never share them
+            if reset:
+                self.index.drop_replica(name)
+            for key in drop:
+                self.index.hbm_drop(name, ns.name, key)
+            return sum(self.index.hbm_add(name, ns.name, key) for key in add)
 
     def report_prefill(
         self, tenant: Tenant, fingerprint: bytes, tokens: int, seconds: float, context: int,

@@ -289,11 +289,11 @@ class Client:
     # -- API --------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], *, start_token: int = 0, prompt_tokens: int = 0,
-               plan: bool = False) -> Lookup:
+               plan: bool = False, replica: str = "") -> Lookup:
         reply = self._call(self._stub.Lookup, pb.LookupRequest(
             layout=self.layout.fingerprint, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, start_token=start_token,
-            prompt_tokens=prompt_tokens, want_plan=plan))
+            prompt_tokens=prompt_tokens, want_plan=plan, replica=replica))
         return lookup_result(reply)
 
     @contextlib.contextmanager
@@ -390,6 +390,16 @@ class Client:
                 lease_id=reply.lease_id, bytes=len(tx.slots) * reply.block_bytes,
                 seconds=time.perf_counter() - started))
             tx.committed = done.committed
+
+    def report_hbm(self, replica: str, added: Sequence[bytes] = (),
+                   removed: Sequence[bytes] = (), reset: bool = False) -> int:
+        """Tells the daemon which blocks `replica` now holds in its GPU pool; returns how many of
+        `added` are cached (the others are ignored). `reset` forgets earlier reports first."""
+        w = self.layout.key_width
+        reply = self._call(self._stub.ReportHbm, pb.ReportHbmRequest(
+            layout=self.layout.fingerprint, replica=replica, key_width=w,
+            added=pack_keys(added, w), removed=pack_keys(removed, w), reset=reset))
+        return int(reply.tracked)
 
     def report_prefill(self, tokens: int, seconds: float, context_tokens: int = 0) -> None:
         self._call(self._stub.ReportPrefill, pb.ReportPrefillRequest(

@@ -146,7 +146,7 @@ class KvTierService(pb_grpc.KvTierServicer):
         async def go(tenant: Tenant) -> pb.LookupResponse:
             res = self.cache.lookup(
                 tenant, request.layout, request.keys, request.key_width, request.start_token,
-                request.prompt_tokens, request.want_plan,
+                request.prompt_tokens, request.want_plan, request.replica,
             )
             reply = pb.LookupResponse(hit_blocks=len(res.tiers), tiers=tiers_to_pb(res.tiers))
             if res.plan is not None:
@@ -224,6 +224,18 @@ class KvTierService(pb_grpc.KvTierServicer):
             return pb.AbortResponse()
 
         return await self._unary("Abort", context, go)
+
+    async def ReportHbm(
+        self, request: pb.ReportHbmRequest, context: Ctx
+    ) -> pb.ReportHbmResponse:
+        async def go(tenant: Tenant) -> pb.ReportHbmResponse:
+            n = self.cache.report_hbm(
+                tenant, request.layout, request.replica, request.key_width, request.added,
+                request.removed, request.reset,
+            )
+            return pb.ReportHbmResponse(tracked=n)
+
+        return await self._unary("ReportHbm", context, go)
 
     async def ReportPrefill(
         self, request: pb.ReportPrefillRequest, context: Ctx

@@ -458,3 +458,19 @@ def test_impossible_storage_is_a_one_line_error(
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_replicas_report_hbm_holdings(shared: DaemonProc) -> None:
+    keys = chain(96, 4)
+    with Client(shared.socket, layout=LAYOUT) as kv:
+        kv.store(keys, payloads(4, 96))
+        assert kv.report_hbm("replica-a", added=keys[:2] + chain(97, 1)) == 2  # uncached: ignored
+        assert kv.lookup(keys, replica="replica-a").tiers[:3] == [Tier.HBM, Tier.HBM, Tier.DRAM]
+        assert Tier.HBM not in kv.lookup(keys, replica="replica-b").tiers
+        assert Tier.HBM not in kv.lookup(keys).tiers
+        kv.report_hbm("replica-a", removed=keys[1:2])
+        assert kv.lookup(keys, replica="replica-a").tiers[:2] == [Tier.HBM, Tier.DRAM]
+        kv.report_hbm("replica-a", reset=True)
+        assert Tier.HBM not in kv.lookup(keys, replica="replica-a").tiers
+        with kv.load(keys) as got:  # HBM-held blocks are still served from the daemon's copies
+            assert got.blocks == 4

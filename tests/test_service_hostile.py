@@ -14,6 +14,7 @@ import pytest
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client import Client, LayoutDecl
+from kvtier.types import Tier
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536
@@ -187,6 +188,12 @@ CASES: list[Case] = [
     ("read stream of an unknown layout", lambda e: list(e.stub.ReadBlocks(
         pb.ReadBlocksRequest(layout=b"never-registered", keys=keys(1, 1), key_width=32),
         metadata=ALICE)), Code.NOT_FOUND),
+    ("HBM report without a replica name", lambda e: e.stub.ReportHbm(
+        pb.ReportHbmRequest(layout=FP, key_width=32, added=keys(7, 1)), metadata=ALICE),
+     Code.INVALID_ARGUMENT),
+    ("HBM report with a huge replica name", lambda e: e.stub.ReportHbm(
+        pb.ReportHbmRequest(layout=FP, replica="r" * 129, key_width=32), metadata=ALICE),
+     Code.INVALID_ARGUMENT),
     ("message above the size limit", lambda e: e.stub.Lookup(
         pb.LookupRequest(layout=FP, keys=bytes(9 << 20), key_width=32), metadata=ALICE),
      Code.RESOURCE_EXHAUSTED),
@@ -227,6 +234,8 @@ def test_tenants_are_isolated(env: Env) -> None:
             assert [bytes(v) for v in got.views] == a_data  # never overwritten
         with bob.load(k) as got:
             assert [bytes(v) for v in got.views] == b_data
+        assert bob.report_hbm("r1", added=k) == 3  # bob's own copies of the same key bytes
+        assert Tier.HBM not in alice.lookup(k, replica="r1").tiers  # his replicas are his
         assert alice.stats().tenant_dram_quota_bytes == 512 * 1024
         assert bob.stats().tenant_dram_quota_bytes == 0
 

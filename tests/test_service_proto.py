@@ -52,6 +52,7 @@ def test_service_has_every_rpc_of_the_protocol() -> None:
     methods = {m.name for m in kvtier_pb2.DESCRIPTOR.services_by_name["KvTier"].methods}
     assert methods == {
         "RegisterLayout", "Lookup", "Acquire", "Release", "RenewLease", "Allocate", "Commit",
-        "Abort", "ReadBlocks", "WriteBlocks", "ReportPrefill", "Stats", "WatchEvents",
+        "Abort", "ReadBlocks", "WriteBlocks", "ReportHbm", "ReportPrefill", "Stats",
+        "WatchEvents",
     }
     assert hasattr(kvtier_pb2_grpc, "KvTierServicer")

@@ -91,20 +91,22 @@ class Plan(_message.Message):
     def __init__(self, fetch_blocks: _Optional[int] = ..., predicted_fetch_seconds: _Optional[float] = ..., predicted_recompute_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., promote_in_background: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("layout", "keys", "key_width", "start_token", "want_plan", "prompt_tokens")
+    __slots__ = ("layout", "keys", "key_width", "start_token", "want_plan", "prompt_tokens", "replica")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     WANT_PLAN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     layout: bytes
     keys: bytes
     key_width: int
     start_token: int
     want_plan: bool
     prompt_tokens: int
-    def __init__(self, layout: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., start_token: _Optional[int] = ..., want_plan: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    replica: str
+    def __init__(self, layout: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., start_token: _Optional[int] = ..., want_plan: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_blocks", "tiers", "plan")
@@ -279,6 +281,28 @@ class WriteBlocksResponse(_message.Message):
     stored: int
     skipped: int
     def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+
+class ReportHbmRequest(_message.Message):
+    __slots__ = ("layout", "replica", "key_width", "added", "removed", "reset")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    layout: bytes
+    replica: str
+    key_width: int
+    added: bytes
+    removed: bytes
+    reset: bool
+    def __init__(self, layout: _Optional[bytes] = ..., replica: _Optional[str] = ..., key_width: _Optional[int] = ..., added: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class ReportHbmResponse(_message.Message):
+    __slots__ = ("tracked",)
+    TRACKED_FIELD_NUMBER: _ClassVar[int]
+    tracked: int
+    def __init__(self, tracked: _Optional[int] = ...) -> None: ...
 
 class ReportPrefillRequest(_message.Message):
     __slots__ = ("layout", "tokens", "seconds", "context_tokens")

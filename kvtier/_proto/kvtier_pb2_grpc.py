@@ -84,6 +84,11 @@ class KvTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.WriteBlocksRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.WriteBlocksResponse.FromString,
                 _registered_method=True)
+        self.ReportHbm = channel.unary_unary(
+                '/kvtier.v1.KvTier/ReportHbm',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportHbmRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReportHbmResponse.FromString,
+                _registered_method=True)
         self.ReportPrefill = channel.unary_unary(
                 '/kvtier.v1.KvTier/ReportPrefill',
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportPrefillRequest.SerializeToString,
@@ -174,6 +179,14 @@ class KvTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportHbm(self, request, context):
+        """Engines report which cached blocks a replica now holds in (or dropped from) its GPU pool, so
+        Lookup can answer TIER_HBM for that replica and routers can prefer it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportPrefill(self, request, context):
         """Engines report realized prefill work (feeds the planner's prefill-rate estimate).
         """
@@ -247,6 +260,11 @@ def add_KvTierServicer_to_server(servicer, server):
                     servicer.WriteBlocks,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.WriteBlocksRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.WriteBlocksResponse.SerializeToString,
+            ),
+            'ReportHbm': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportHbm,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReportHbmRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportHbmResponse.SerializeToString,
             ),
             'ReportPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportPrefill,
@@ -534,6 +552,33 @@ class KvTier:
             '/kvtier.v1.KvTier/WriteBlocks',
             kvtier_dot_v1_dot_kvtier__pb2.WriteBlocksRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.WriteBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportHbm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/ReportHbm',
+            kvtier_dot_v1_dot_kvtier__pb2.ReportHbmRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ReportHbmResponse.FromString,
             options,
             channel_credentials,
             insecure,
