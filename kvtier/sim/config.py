@@ -38,6 +38,7 @@ class ReplayStats(NamedTuple):
     not_stored: missed blocks left out because every DRAM block was in use by the request.
     stranded_blocks: cached blocks whose parent is cached in no tier, counted on the index at the
     end (DESIGN invariant 2 says 0). dram_blocks_end / ssd_blocks_end: occupancy at the end.
+    seconds / cpu_seconds: wall and process CPU time of the replay loop.
     """
 
     requests: int
@@ -55,6 +56,7 @@ class ReplayStats(NamedTuple):
     dram_blocks_end: int
     ssd_blocks_end: int
     seconds: float
+    cpu_seconds: float
 
     @property
     def hits(self) -> int:

@@ -68,7 +68,7 @@ def replay(
     lookup, insert, promote = idx.lookup, idx.insert, idx.promote
     pin, unpin, evict, free = idx.pin, idx.unpin, idx.evict, idx.free
     hits_dram = hits_ssd = promotions = inserted = not_stored = refs = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for n, req in enumerate(requests, start=1):
         keys = [i.to_bytes(8, "big") for i in req.hash_ids]
         refs += len(keys)
@@ -105,7 +105,7 @@ def replay(
             unpin(TENANT, k)
         if progress is not None and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     if progress is not None and len(requests) % _PROGRESS_EVERY:
         progress(len(requests) % _PROGRESS_EVERY)
     st = idx.stats()
@@ -126,6 +126,7 @@ def replay(
         dram_blocks_end=idx.blocks(dram),
         ssd_blocks_end=idx.blocks(ssd),
         seconds=seconds,
+        cpu_seconds=cpu,
     )
 
 

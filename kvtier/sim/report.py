@@ -63,6 +63,7 @@ def to_json(r: SimReport) -> dict[str, Any]:
         "dram_blocks_end": s.dram_blocks_end,
         "ssd_blocks_end": s.ssd_blocks_end,
         "replay_seconds": s.seconds,
+        "replay_cpu_seconds": s.cpu_seconds,
     }
 
 
@@ -104,9 +105,11 @@ def format_table(r: SimReport) -> str:
         ("missed blocks stored / not stored", f"{s.inserted:,} / {s.not_stored:,}", ""),
         ("stranded blocks (checked on the index)", f"{s.stranded_blocks:,}", ""),
         (
-            "replay time",
+            "replay time (wall)",
             f"{s.seconds:.2f} s",
-            f"{refs / s.seconds / 1e3:,.0f}k refs/s" if s.seconds > 0 else "",
+            f"{s.cpu_seconds:.2f} s CPU, {refs / s.seconds / 1e3:,.0f}k refs/s"
+            if s.seconds > 0
+            else "",
         ),
     ]
     w0 = max(len(a) for a, _, _ in rows)
