@@ -70,22 +70,47 @@ _STORED = IN_DRAM | ON_SSD
 _QUEUED = Q_DRAM | Q_SSD
 
 
+_SLOT_SHIFT = 8
+_BITS = (1 << _SLOT_SHIFT) - 1
+_HITS_BITS = 16
+_HITS_MAX = (1 << _HITS_BITS) - 1
+
+
 @dataclass(slots=True, eq=False)
 class Block:
-    """One cached block. Fields are owned by the index (and its queue links by the policy)."""
+    """One cached block. Fields are owned by the index (and its queue links by the policy).
+
+    Packed to stay small (~110 bytes + key): `flags` holds the residency/queue bits in its low
+    byte and ``dram_slot + 1`` above; `stamp` holds the logical time of the last access above
+    16 bits and the access count (saturating at 65535) below; `hbm` is a bit mask of replicas.
+    """
 
     key: BlockKey
     tenant: Tenant
     parent: Block | None = field(repr=False)
     children: int = 0
     flags: int = 0
-    dram_slot: int | None = None
     hbm: int = 0
     pins: int = 0
-    hits: int = 0
-    last: int = 0
+    stamp: int = 0
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
+
+    @property
+    def dram_slot(self) -> int | None:
+        """The DRAM slot id, or None (not in DRAM, or in DRAM without a tracked slot)."""
+        slot = (self.flags >> _SLOT_SHIFT) - 1
+        return None if slot < 0 else slot
+
+    @property
+    def hits(self) -> int:
+        """Accesses so far: the commit, then one per lookup hit (saturates at 65535)."""
+        return self.stamp & _HITS_MAX
+
+    @property
+    def last(self) -> int:
+        """The index's logical clock at the last access."""
+        return self.stamp >> _HITS_BITS
 
     @property
     def in_dram(self) -> bool:
@@ -217,7 +242,7 @@ class PrefixIndex:
         self.policy = policy
         self.admission = KthAccess(admission_k)
         self.block_bytes = block_bytes
-        self._slots: list[Block | None] = [None] * dram_blocks if dram_blocks else []
+        self._slot_used = bytearray(dram_blocks or 0)
         self._maps: dict[Tenant, dict[BlockKey, Block]] = {}
         self._replicas: dict[str | int, int] = {}
         self._clock = 0
@@ -269,17 +294,44 @@ class PrefixIndex:
         eviction-queue position). O(len(prefix)).
         """
         blocks: list[Block] = []
-        tiers: list[Tier] = []
         m = self._maps.get(tenant)
         if m is None:
-            return Prefix(blocks, tiers)
+            return Prefix(blocks, [])
+        get, add = m.get, blocks.append
+        parent = None
+        for key in keys:
+            b = get(key)
+            if b is None or b.parent is not parent:
+                break
+            add(b)
+            parent = b
+        if replica is None:
+            mask = -1
+        else:
+            bit = self._replicas.get(replica)
+            mask = 0 if bit is None else 1 << bit
+        hbm, dram, ssd = Tier.HBM, Tier.DRAM, Tier.SSD
+        tiers = [hbm if b.hbm & mask else dram if b.flags & IN_DRAM else ssd for b in blocks]
+        if touch and blocks:
+            self._clock += 1
+            now = self._clock << _HITS_BITS
+            qd, qs = self._queue[dram], self._queue[ssd]
+            for b in blocks:
+                hits = (b.stamp & _HITS_MAX) + 1
+                b.stamp = now | (hits if hits < _HITS_MAX else _HITS_MAX)
+                f = b.flags
+                if f & Q_DRAM:
+                    qd.touch(b)
+                elif f & Q_SSD:
+                    qs.touch(b)
+        return Prefix(blocks, tiers)
         if replica is None:
             mask = -1
         else:
             bit = self._replicas.get(replica)
             mask = 0 if bit is None else 1 << bit
         self._clock += 1
-        now = self._clock
+        now = self._clock << _HITS_BITS
         hbm, dram, ssd = Tier.HBM, Tier.DRAM, Tier.SSD
         qd, qs = self._queue[dram], self._queue[ssd]
         parent = None
@@ -291,8 +343,8 @@ class PrefixIndex:
             tiers.append(hbm if b.hbm & mask else dram if f & IN_DRAM else ssd)
             blocks.append(b)
             if touch:
-                b.hits += 1
-                b.last = now
+                hits = (b.stamp & _HITS_MAX) + 1
+                b.stamp = now | (hits if hits < _HITS_MAX else _HITS_MAX)
                 if f & Q_DRAM:
                     qd.touch(b)
                 elif f & Q_SSD:
@@ -333,7 +385,7 @@ class PrefixIndex:
         if m is None:
             m = self._maps[tenant] = {}
         self._clock += 1
-        b = Block(key, tenant, p, hits=1, last=self._clock)
+        b = Block(key, tenant, p, stamp=self._clock << _HITS_BITS | 1)
         m[key] = b
         self._entries += 1
         if p is not None:
@@ -555,9 +607,12 @@ class PrefixIndex:
             return
         if tier is not Tier.DRAM:
             raise BadSlot("only DRAM copies have a slot")
-        if not isinstance(slot, int) or not 0 <= slot < len(self._slots):
-            raise BadSlot(f"DRAM slot {slot!r} is outside the pool (0..{len(self._slots) - 1})")
-        if self._slots[slot] is not None:
+        n = len(self._slot_used)
+        if n == 0:
+            raise BadSlot("DRAM slot ids need a bounded DRAM tier (dram_blocks)")
+        if not isinstance(slot, int) or not 0 <= slot < n:
+            raise BadSlot(f"DRAM slot {slot!r} is outside the pool (0..{n - 1})")
+        if self._slot_used[slot]:
             raise BadSlot(f"DRAM slot {slot} already holds another block")
 
     def _check_closure(self, parent: Block | None) -> None:
@@ -571,8 +626,8 @@ class PrefixIndex:
         if tier is Tier.SSD:
             self._ssd_writes += 1
         if slot is not None:
-            b.dram_slot = slot
-            self._slots[slot] = b
+            b.flags |= (slot + 1) << _SLOT_SHIFT
+            self._slot_used[slot] = 1
         self._requeue(b)
 
     def _drop(self, b: Block, tier: Tier, reason: Reason | None, count: bool = True) -> Evicted:
@@ -580,8 +635,8 @@ class PrefixIndex:
         if tier is Tier.DRAM:
             slot = b.dram_slot
             if slot is not None:
-                self._slots[slot] = None
-                b.dram_slot = None
+                self._slot_used[slot] = 0
+                b.flags &= _BITS
         b.flags &= ~(1 << tier)
         self._count[tier] -= 1
         if b.flags & _STORED:

@@ -350,9 +350,10 @@ TestIndexMachine = IndexMachine.TestCase
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_index_machine_long() -> None:
     from hypothesis.stateful import run_state_machine_as_test
 
     run_state_machine_as_test(IndexMachine, settings=settings(
-        max_examples=3000, stateful_step_count=80, deadline=None,
+        max_examples=2000, stateful_step_count=80, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
