@@ -104,6 +104,11 @@ class CacheStats(NamedTuple):
     tenant_ssd_bytes: int
 
 
+def _check_reported(nbytes: int, most: int) -> None:
+    if nbytes > most:
+        raise InvalidArgument(f"reported {nbytes} bytes copied; the lease covers {most}")
+
+
 _NO_REPLICA = "-"  # never registered (real names contain the namespace): lookups without HBM
 
 
@@ -229,6 +234,8 @@ class Cache:
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
             lease = self._own(tenant, lease_id, LeaseKind.READ)
+            r: _Read = lease.payload  # type: ignore[assignment]
+            _check_reported(nbytes, len(r.blocks) * r.ns.layout.block_bytes)
             self._leases.pop(lease.id)
             self._end_read(lease)
         if nbytes:
@@ -301,8 +308,9 @@ class Cache:
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
         with self._lock:
             lease = self._own(tenant, lease_id, LeaseKind.WRITE)
-            self._leases.pop(lease.id)
             w: _Write = lease.payload  # type: ignore[assignment]
+            _check_reported(nbytes, len(w.todo) * w.ns.layout.block_bytes)
+            self._leases.pop(lease.id)
             ns = w.ns
             runs: list[list[bytes]] = []
             run: list[bytes] = []

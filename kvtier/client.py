@@ -16,7 +16,9 @@ daemon no longer knows it, and re-attach the new segment generation. A lease doe
 restart: a `load`/`store` in progress fails with `KvtierUnavailable` and can be retried.
 
 Lifetimes: views from `load` are valid only inside its `with` block (afterwards the slot may be
-reused). Threading: one Client may be shared by threads for lookups/loads/stores; each call is
+reused), and only while the lease lives: a `with` block held longer than the lease TTL (daemon
+default 30 s; `lease_ttl_s=` asks for more, up to the daemon's maximum) loses its pins.
+Threading: one Client may be shared by threads for lookups/loads/stores; each call is
 independent. Errors: `KvtierRpcError` (with `.code`) for refused requests.
 """
 

@@ -171,6 +171,12 @@ CASES: list[Case] = [
     ("release reporting NaN seconds", lambda e: e.stub.Release(
         pb.ReleaseRequest(lease_id=e.alice_read, seconds=math.nan), metadata=ALICE),
      Code.INVALID_ARGUMENT),
+    ("release reporting more bytes than the lease holds", lambda e: e.stub.Release(
+        pb.ReleaseRequest(lease_id=e.alice_read, bytes=BLOCK + 1), metadata=ALICE),
+     Code.INVALID_ARGUMENT),
+    ("commit reporting more bytes than were allocated", lambda e: e.stub.Commit(
+        pb.CommitRequest(lease_id=e.alice_write, bytes=10 * BLOCK), metadata=ALICE),
+     Code.INVALID_ARGUMENT),
     ("prefill report of zero tokens", lambda e: e.stub.ReportPrefill(
         pb.ReportPrefillRequest(layout=FP, tokens=0, seconds=1.0), metadata=ALICE),
      Code.INVALID_ARGUMENT),
