@@ -13,7 +13,8 @@ user, `streaming=True`), the same calls use the ReadBlocks/WriteBlocks byte stre
 
 Restarts: calls wait for the daemon to come back (up to `timeout`), re-register the layout when the
 daemon no longer knows it, and re-attach the new segment generation. A lease does not survive a
-restart: a `load`/`store` in progress fails with `KvtierUnavailable` and can be retried.
+restart or its TTL: the `load`/`store_into` block that held it ends with `KvtierRpcError`
+(NOT_FOUND) from its Release/Commit — treat what was read as invalid, and retry.
 
 Lifetimes: views from `load` are valid only inside its `with` block (afterwards the slot may be
 reused), and only while the lease lives: a `with` block held longer than the lease TTL (daemon
