@@ -474,3 +474,19 @@ def test_replicas_report_hbm_holdings(shared: DaemonProc) -> None:
         assert Tier.HBM not in kv.lookup(keys, replica="replica-a").tiers
         with kv.load(keys) as got:  # HBM-held blocks are still served from the daemon's copies
             assert got.blocks == 4
+
+
+def test_a_load_that_outlives_its_lease_is_reported(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d", ["--lease-ttl-s", "1"]).start()
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            kv.store(chain(98, 1), payloads(1, 98))
+            with pytest.raises(KvtierRpcError) as exc, kv.load(chain(98, 1)) as got:
+                assert got.blocks == 1
+                time.sleep(1.8)  # the reaper ends the lease after 1 s
+            assert exc.value.code is grpc.StatusCode.NOT_FOUND
+            assert kv.stats().active_leases == 0
+            with kv.load(chain(98, 1)) as again:  # retrying works
+                assert again.blocks == 1
+    finally:
+        d.stop()
