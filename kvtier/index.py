@@ -454,6 +454,28 @@ class PrefixIndex:
         self._evictions["removed"] += 1
         return out
 
+    def remove_subtree(self, tenant: Tenant, key: BlockKey) -> list[Evicted]:
+        """Remove a block and every cached descendant (e.g. its only copy failed verification,
+        so the whole subtree can never hit again). Children before parents in the result.
+
+        O(entries of the tenant) — one pass, since entries iterate parents before children;
+        for rare events, never the request path. Raises PinnedBlock (nothing removed) if any
+        block of the subtree is pinned."""
+        top = self._need(tenant, key)
+        doomed = [top]
+        inside = {id(top)}
+        for b in self._maps[tenant].values():
+            if b.parent is not None and id(b.parent) in inside and id(b) not in inside:
+                inside.add(id(b))
+                doomed.append(b)
+        pinned = next((b for b in doomed if b.pins), None)
+        if pinned is not None:
+            raise PinnedBlock(f"block {pinned.key.hex()[:16]} of the subtree is pinned")
+        out: list[Evicted] = []
+        for b in reversed(doomed):
+            out.extend(self.remove(tenant, b.key))
+        return out
+
     # ---------------------------------------------------------------- leases
     def pin(self, tenant: Tenant, key: BlockKey) -> Block:
         """Take one lease: the block cannot leave any tier until the matching `unpin`."""

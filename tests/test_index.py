@@ -242,3 +242,23 @@ def test_policy_and_admission_validation() -> None:
         KthAccess(0)
     with pytest.raises(ValueError):
         PrefixIndex(dram_blocks=-1)
+
+
+def test_remove_subtree_cascades_and_respects_pins() -> None:
+    # a <- b <- c, b <- d, a <- e; x is another root. Removing b takes b, c, d (not a, e, x).
+    ix = PrefixIndex(dram_blocks=8)
+    chain(ix, [b"a", b"b", b"c"])
+    ix.insert(0, b"d", b"b", dram_slot=5)
+    ix.insert(0, b"e", b"a")
+    ix.insert(0, b"x", None)
+    ix.pin(0, b"d")
+    with pytest.raises(PinnedBlock):
+        ix.remove_subtree(0, b"b")
+    assert len(ix) == 6
+    ix.unpin(0, b"d")
+    out = ix.remove_subtree(0, b"b")
+    assert [e.key for e in out][-1] == b"b" and {e.key for e in out} == {b"b", b"c", b"d"}
+    assert [e.dram_slot for e in out if e.key == b"d"] == [5]
+    assert sorted(b.key for b in ix.iter_blocks()) == [b"a", b"e", b"x"]
+    assert ix.get(0, b"a") is not None and ix.get(0, b"a").children == 1  # type: ignore[union-attr]
+    assert ix.stats().evictions["removed"] == 3

@@ -290,6 +290,28 @@ class IndexMachine(RuleBasedStateMachine):
         del self.m[tk]
         self.evictions["removed"] += 1
 
+    @rule(data=st.data())
+    def remove_subtree(self, data: st.DataObject) -> None:
+        if not self.m:
+            return
+        top = data.draw(st.sampled_from(sorted(self.m, key=repr)))
+        sub = {top}
+        grew = True
+        while grew:
+            more = {tk for tk, e in self.m.items()
+                    if tk[0] == top[0] and (tk[0], e.parent) in sub} - sub
+            sub |= more
+            grew = bool(more)
+        if any(self.m[tk].pins for tk in sub):
+            with pytest.raises(PinnedBlock):
+                self.ix.remove_subtree(*top)
+            return
+        out = self.ix.remove_subtree(*top)
+        assert {(e.tenant, e.key) for e in out} == sub
+        for tk in sub:
+            del self.m[tk]
+        self.evictions["removed"] += len(sub)
+
     @rule(data=st.data(), replica=st.sampled_from(["r1", "r2"]), add=st.booleans())
     def hbm(self, data: st.DataObject, replica: str, add: bool) -> None:
         t, k = data.draw(st.sampled_from(TENANTS)), data.draw(st.sampled_from(KEYS))
