@@ -190,7 +190,6 @@ class DramPool:
         self._pins = [0] * self.slot_count
         self._pinned_slots = 0
         self._closed = False
-        self._cuda_ptr: int | None = None
         self.mlocked = False
         self.huge_pages = False
         self._fd = self._create_file()

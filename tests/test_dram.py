@@ -251,3 +251,18 @@ def test_client_exit_never_unlinks_the_segment(pool: DramPool) -> None:
     with DramClient.attach(pool.handle()) as c:
         assert bool((c.view(s) == 3).all())
     assert np.asarray(pool.view(s)).sum() == 3 * SLOT
+
+
+@pytest.mark.gpu
+def test_cuda_registered_mapping_feeds_the_gpu(pool: DramPool) -> None:
+    cupy = pytest.importorskip("cupy")
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("no CUDA device")
+    s = pool.alloc()
+    assert s is not None
+    pattern = np.random.default_rng(0).integers(0, 256, SLOT, dtype=np.uint8)
+    pool.write(s, pattern)
+    with DramClient.attach(pool.handle()) as c:
+        assert c.register_cuda()
+        on_gpu = cupy.asarray(c.view(s))
+        assert bool((cupy.asnumpy(on_gpu) == pattern).all())
