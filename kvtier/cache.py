@@ -53,7 +53,7 @@ from kvtier.namespaces import (
 )
 from kvtier.planner import Plan, Prefix, plan
 from kvtier.rates import Link, RateBook
-from kvtier.residency import Tiers
+from kvtier.residency import Promotion, Tiers
 from kvtier.types import Tier
 
 
@@ -205,10 +205,12 @@ class Cache:
             sources: list[Tier] = []
             for i, block in enumerate(found.blocks):
                 source = Tier.DRAM if block.in_dram else Tier.SSD
-                if not block.in_dram and not self._promote(ns, block):
+                got = Promotion.DONE if block.in_dram else self._promote(ns, block)
+                if got is not Promotion.DONE:
                     for rest in found.blocks[i:]:
                         self.index.unpin(ns.name, rest.key)
-                    self.tiers.drop_lost(ns.name, block)
+                    if got is Promotion.LOST:
+                        self.tiers.drop_lost(ns.name, block)
                     break
                 assert block.dram_slot is not None
                 self.pool.pin(block.dram_slot)
@@ -220,15 +222,15 @@ class Cache:
             offsets = [self.pool.offset(b.dram_slot or 0) for b in pinned]
             return AcquireResult(lease.id, offsets, sources, ttl)
 
-    def _promote(self, ns: Namespace, block: Block) -> bool:
+    def _promote(self, ns: Namespace, block: Block) -> Promotion:
         if self.tiers.store is None:
-            return False
+            return Promotion.LOST
         state = ns.tenant
         quota = state.tenant.dram_quota_bytes
         if quota and state.dram_bytes + self.cfg.slot_bytes > quota:
             self.tiers.evict_tenant_dram(state.tenant.name, 1)
             if state.dram_bytes + self.cfg.slot_bytes > quota:
-                return False
+                return Promotion.NO_ROOM
         return self.tiers.promote(ns.name, block)
 
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:

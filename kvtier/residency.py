@@ -22,6 +22,7 @@ the SSD store's write lock — the writer thread never holds the store lock whil
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -46,6 +47,12 @@ log = logging.getLogger(__name__)
 
 STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 """The SSD store's own layout tag; each block's namespace (tenant + layout) is in its key."""
+
+
+class Promotion(enum.Enum):
+    DONE = "done"
+    NO_ROOM = "no_room"  # every DRAM slot is pinned or in flight (or the tenant's quota is full)
+    LOST = "lost"  # the SSD payload is gone or failed verification (counted, never served)
 
 
 class Removed(NamedTuple):
@@ -213,12 +220,12 @@ class Tiers:
         self.metrics.ssd_bytes_written.inc(result.bytes_written)
         self.metrics.bytes_moved.labels("ssd", "demote").inc(result.bytes_written)
 
-    def promote(self, ns: str, block: IndexBlock) -> bool:
-        """Copies an SSD-only block into a new DRAM slot (caller holds room). False on a miss."""
+    def promote(self, ns: str, block: IndexBlock) -> Promotion:
+        """Copies an SSD-only block into a new DRAM slot (evicting for room)."""
         assert self.mover is not None and self.store is not None
         slots = self.take_slots(1)
         if not slots:
-            return False
+            return Promotion.NO_ROOM
         slot = slots[0]
         corrupt_before = self.store.counters.corrupt
         started = time.perf_counter()
@@ -227,12 +234,12 @@ class Tiers:
         if n is None:
             self.pool.free(slot)
             self.metrics.checksum_failures.inc(self.store.counters.corrupt - corrupt_before)
-            return False
+            return Promotion.LOST
         self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
         self._charge(namespace_tenant(ns), Tier.DRAM, self.slot_bytes)
         self.metrics.bytes_moved.labels("ssd", "promote").inc(n)
         self.rates.observe_transfer(Link.SSD_READ, n, seconds)
-        return True
+        return Promotion.DONE
 
     def drop_lost(self, ns: str, block: IndexBlock) -> None:
         """Forgets an SSD-only block whose payload failed to read, when it is an unpinned leaf.

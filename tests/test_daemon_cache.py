@@ -210,3 +210,22 @@ def test_events_report_stores_and_evictions_in_order(cache: Cache) -> None:
         (True, Tier.DRAM, 6), (False, Tier.DRAM, 1), (False, Tier.DRAM, 1), (True, Tier.DRAM, 4),
     ]
     assert [seq for seq, *_ in got] == sorted(seq for seq, *_ in got)
+
+
+def test_no_room_for_a_promotion_keeps_the_ssd_block(
+    tmp_path: Path, clock: Clock, closing: list[Cache]
+) -> None:
+    c = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    closing.append(c)
+    store(c, keys(1, 1), fill=1)  # a leaf: the old bug dropped exactly these
+    assert c.flush(10)
+    store(c, keys(2, 4), fill=2)  # chain 1 demoted to SSD only
+    assert c.flush(10)
+    held = c.acquire(T, FP, keys(2, 4), 32, 0)  # every slot pinned
+    assert c.acquire(T, FP, keys(1, 1), 32, 0).lease_id == ""  # no room: nothing acquired...
+    assert c.lookup(T, FP, keys(1, 1), 32).tiers == [Tier.SSD]  # ...and nothing forgotten
+    c.release(T, held.lease_id)
+    got = c.acquire(T, FP, keys(1, 1), 32, 0)
+    assert got.source_tiers == [Tier.SSD]
+    c.release(T, got.lease_id)
+    assert c.metrics.value("kvtier_checksum_failures_total") == 0 and c.leaked_slots() == 0
