@@ -253,10 +253,13 @@ class Tiers:
     # -- DRAM ---------------------------------------------------------------------------------
 
     def take_slots(self, n: int) -> list[int]:
-        """`n` free slots, evicting unpinned DRAM blocks (LRU) as needed; [] when impossible."""
+        """`n` free slots, evicting unpinned DRAM blocks (LRU) as needed; [] when impossible
+        (then nothing is evicted)."""
         slots = self.pool.alloc_many(n)
         if slots is None:
             short = n - self.pool.stats().slots_free
+            if len(self.index.victims(Tier.DRAM, short)) < short:
+                return []
             self._removed(self.index.evict(Tier.DRAM, short), "capacity")
             slots = self.pool.alloc_many(n)
         return slots or []

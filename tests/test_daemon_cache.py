@@ -229,3 +229,13 @@ def test_no_room_for_a_promotion_keeps_the_ssd_block(
     assert got.source_tiers == [Tier.SSD]
     c.release(T, got.lease_id)
     assert c.metrics.value("kvtier_checksum_failures_total") == 0 and c.leaked_slots() == 0
+
+
+def test_an_allocation_that_cannot_fit_evicts_nothing(cache: Cache) -> None:
+    store(cache, keys(1, 3))
+    held = cache.allocate(T, FP, keys(2, 4), 32, b"", 0)  # 7 of 8 slots held
+    with pytest.raises(ResourceExhausted):
+        cache.allocate(T, FP, keys(3, 5), 32, b"", 0)  # 1 free + 3 evictable < 5
+    assert cache.lookup(T, FP, keys(1, 3), 32).tiers == [Tier.DRAM] * 3  # nothing evicted
+    cache.abort(T, held.lease_id)
+    assert cache.leaked_slots() == 0
