@@ -51,165 +51,43 @@ calls that may remove the entry.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from kvtier.errors import KvtierError
+from kvtier.index_types import (
+    EVICTION_COUNTERS,
+    FLAG_BITS,
+    HITS_BITS,
+    HITS_MAX,
+    IN_DRAM,
+    ON_SSD,
+    Q_DRAM,
+    Q_SSD,
+    QUEUED,
+    SLOT_SHIFT,
+    STORED,
+    BadSlot,
+    Block,
+    DuplicateBlock,
+    Evicted,
+    IndexStateError,
+    IndexStats,
+    MissingParent,
+    NotEvictable,
+    PinnedBlock,
+    Prefix,
+    Reason,
+    Tenant,
+    TierFull,
+    UnknownBlock,
+)
 from kvtier.policies import EvictionQueue, KthAccess, make_queue
 from kvtier.types import BlockKey, Tier
 
-Tenant = int | str
-
-IN_DRAM = 1 << 1
-ON_SSD = 1 << 2
-Q_DRAM = 1 << 3
-Q_SSD = 1 << 4
-_STORED = IN_DRAM | ON_SSD
-_QUEUED = Q_DRAM | Q_SSD
-
-
-_SLOT_SHIFT = 8
-_BITS = (1 << _SLOT_SHIFT) - 1
-_HITS_BITS = 16
-_HITS_MAX = (1 << _HITS_BITS) - 1
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    """One cached block. Fields are owned by the index (and its queue links by the policy).
-
-    Packed to stay small (~110 bytes + key): `flags` holds the residency/queue bits in its low
-    byte and ``dram_slot + 1`` above; `stamp` holds the logical time of the last access above
-    16 bits and the access count (saturating at 65535) below; `hbm` is a bit mask of replicas.
-    """
-
-    key: BlockKey
-    tenant: Tenant
-    parent: Block | None = field(repr=False)
-    children: int = 0
-    flags: int = 0
-    hbm: int = 0
-    pins: int = 0
-    stamp: int = 0
-    prev: Block | None = field(default=None, repr=False)
-    next: Block | None = field(default=None, repr=False)
-
-    @property
-    def dram_slot(self) -> int | None:
-        """The DRAM slot id, or None (not in DRAM, or in DRAM without a tracked slot)."""
-        slot = (self.flags >> _SLOT_SHIFT) - 1
-        return None if slot < 0 else slot
-
-    @property
-    def hits(self) -> int:
-        """Accesses so far: the commit, then one per lookup hit (saturates at 65535)."""
-        return self.stamp & _HITS_MAX
-
-    @property
-    def last(self) -> int:
-        """The index's logical clock at the last access."""
-        return self.stamp >> _HITS_BITS
-
-    @property
-    def in_dram(self) -> bool:
-        return bool(self.flags & IN_DRAM)
-
-    @property
-    def on_ssd(self) -> bool:
-        return bool(self.flags & ON_SSD)
-
-    @property
-    def parent_key(self) -> BlockKey | None:
-        return None if self.parent is None else self.parent.key
-
-
-class IndexStateError(KvtierError):
-    """An index operation that does not apply to the current state; nothing was changed."""
-
-
-class UnknownBlock(IndexStateError):
-    pass
-
-
-class MissingParent(IndexStateError):
-    pass
-
-
-class DuplicateBlock(IndexStateError):
-    pass
-
-
-class PinnedBlock(IndexStateError):
-    pass
-
-
-class NotEvictable(IndexStateError):
-    """Dropping the block's last tier would strand its children."""
-
-
-class TierFull(IndexStateError):
-    pass
-
-
-class BadSlot(IndexStateError):
-    pass
-
-
-class Reason(enum.Enum):
-    DEMOTED = "demoted"
-    """DRAM copy dropped; the block stays on SSD with its children reachable."""
-    WRITTEN_BACK = "written_back"
-    """Like DEMOTED, but the SSD copy is new: the caller writes the bytes from `dram_slot` first."""
-    WRITTEN = "written"
-    """No eviction: an SSD copy was added (the block stays in DRAM at `dram_slot`, which is not
-    freed); the caller writes the bytes. Ancestors of a WRITTEN_BACK block, for prefix closure."""
-    COPY_DROPPED = "copy_dropped"
-    """SSD copy dropped; the block stays in DRAM."""
-    DROPPED = "dropped"
-    """The block left its last tier; the entry is gone."""
-
-
-EVICTION_COUNTERS = ("dram_demoted", "dram_written_back", "dram_dropped", "ssd_copy_dropped",
-                     "ssd_dropped", "removed")
-"""Keys of `IndexStats.evictions`: `<tier>_<reason>` of every eviction/drop, and `removed`."""
-
-
-class Evicted(NamedTuple):
-    """What one eviction/drop did to one block in `tier`. `dram_slot`: the DRAM slot freed (the
-    copy source for WRITTEN, which frees nothing); None if no slot is involved."""
-
-    tenant: Tenant
-    key: BlockKey
-    tier: Tier
-    reason: Reason
-    dram_slot: int | None
-
-
-class Prefix(NamedTuple):
-    """The longest cached prefix of a key chain: its blocks and each one's best tier."""
-
-    blocks: list[Block]
-    tiers: list[Tier]
-
-
-class IndexStats(NamedTuple):
-    entries: int
-    dram_blocks: int
-    ssd_blocks: int
-    hbm_blocks: int
-    pinned_blocks: int
-    pins: int
-    evictable_dram: int
-    evictable_ssd: int
-    dram_capacity: int | None
-    ssd_capacity: int | None
-    block_bytes: int | None
-    ssd_writes: int
-    """SSD copies added by any call (insert, add_tier, demote, write-back)."""
-    evictions: dict[str, int]
-    """`EVICTION_COUNTERS` -> count."""
+__all__ = [
+    "EVICTION_COUNTERS", "BadSlot", "Block", "DuplicateBlock", "Evicted", "IndexStateError",
+    "IndexStats", "MissingParent", "NotEvictable", "PinnedBlock", "Prefix", "PrefixIndex",
+    "Reason", "Tenant", "TierFull", "UnknownBlock",
+]
 
 
 class PrefixIndex:
@@ -314,11 +192,11 @@ class PrefixIndex:
         tiers = [hbm if b.hbm & mask else dram if b.flags & IN_DRAM else ssd for b in blocks]
         if touch and blocks:
             self._clock += 1
-            now = self._clock << _HITS_BITS
+            now = self._clock << HITS_BITS
             qd, qs = self._queue[dram], self._queue[ssd]
             for b in blocks:
-                hits = (b.stamp & _HITS_MAX) + 1
-                b.stamp = now | (hits if hits < _HITS_MAX else _HITS_MAX)
+                hits = (b.stamp & HITS_MAX) + 1
+                b.stamp = now | (hits if hits < HITS_MAX else HITS_MAX)
                 f = b.flags
                 if f & Q_DRAM:
                     qd.touch(b)
@@ -331,7 +209,7 @@ class PrefixIndex:
             bit = self._replicas.get(replica)
             mask = 0 if bit is None else 1 << bit
         self._clock += 1
-        now = self._clock << _HITS_BITS
+        now = self._clock << HITS_BITS
         hbm, dram, ssd = Tier.HBM, Tier.DRAM, Tier.SSD
         qd, qs = self._queue[dram], self._queue[ssd]
         parent = None
@@ -343,8 +221,8 @@ class PrefixIndex:
             tiers.append(hbm if b.hbm & mask else dram if f & IN_DRAM else ssd)
             blocks.append(b)
             if touch:
-                hits = (b.stamp & _HITS_MAX) + 1
-                b.stamp = now | (hits if hits < _HITS_MAX else _HITS_MAX)
+                hits = (b.stamp & HITS_MAX) + 1
+                b.stamp = now | (hits if hits < HITS_MAX else HITS_MAX)
                 if f & Q_DRAM:
                     qd.touch(b)
                 elif f & Q_SSD:
@@ -385,7 +263,7 @@ class PrefixIndex:
         if m is None:
             m = self._maps[tenant] = {}
         self._clock += 1
-        b = Block(key, tenant, p, stamp=self._clock << _HITS_BITS | 1)
+        b = Block(key, tenant, p, stamp=self._clock << HITS_BITS | 1)
         m[key] = b
         self._entries += 1
         if p is not None:
@@ -648,7 +526,7 @@ class PrefixIndex:
         if tier is Tier.SSD:
             self._ssd_writes += 1
         if slot is not None:
-            b.flags |= (slot + 1) << _SLOT_SHIFT
+            b.flags |= (slot + 1) << SLOT_SHIFT
             self._slot_used[slot] = 1
         self._requeue(b)
 
@@ -658,10 +536,10 @@ class PrefixIndex:
             slot = b.dram_slot
             if slot is not None:
                 self._slot_used[slot] = 0
-                b.flags &= _BITS
+                b.flags &= FLAG_BITS
         b.flags &= ~(1 << tier)
         self._count[tier] -= 1
-        if b.flags & _STORED:
+        if b.flags & STORED:
             if reason is None:
                 reason = Reason.DEMOTED if tier is Tier.DRAM else Reason.COPY_DROPPED
             self._requeue(b)
@@ -697,7 +575,7 @@ class PrefixIndex:
                     want = Q_DRAM
             elif f & ON_SSD and not b.children:
                 want = Q_SSD
-        if f & _QUEUED != want:
+        if f & QUEUED != want:
             self._set_queue(b, want)
 
     def _set_queue(self, b: Block, want: int) -> None:
@@ -705,7 +583,7 @@ class PrefixIndex:
             self._queue[Tier.DRAM].discard(b)
         elif b.flags & Q_SSD:
             self._queue[Tier.SSD].discard(b)
-        b.flags = (b.flags & ~_QUEUED) | want
+        b.flags = (b.flags & ~QUEUED) | want
         if want:
             q = self._queue[Tier.DRAM if want == Q_DRAM else Tier.SSD]
             head = q.first()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvtier.index import Block
+    from kvtier.index_types import Block
 
 PROTECTED = 1 << 7
 """Bit of `Block.flags` reserved for policies (set while a block is in SLRU's protected list)."""
