@@ -254,11 +254,12 @@ class Tiers:
 
     def take_slots(self, n: int) -> list[int]:
         """`n` free slots, evicting unpinned DRAM blocks (LRU) as needed; [] when impossible
-        (then nothing is evicted)."""
+        (when even every unpinned block would not make room, nothing is evicted)."""
         slots = self.pool.alloc_many(n)
         if slots is None:
-            short = n - self.pool.stats().slots_free
-            if len(self.index.victims(Tier.DRAM, short)) < short:
+            stats = self.pool.stats()
+            short = n - stats.slots_free
+            if self.index.blocks(Tier.DRAM) - stats.slots_pinned < short:
                 return []
             self._removed(self.index.evict(Tier.DRAM, short), "capacity")
             slots = self.pool.alloc_many(n)
