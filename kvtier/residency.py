@@ -242,13 +242,17 @@ class Tiers:
         return Promotion.DONE
 
     def drop_lost(self, ns: str, block: IndexBlock) -> None:
-        """Forgets an SSD-only block whose payload failed to read, when it is an unpinned leaf.
-
-        A lost block with cached children stays indexed (the index removes leaves only); its
-        reads keep failing fast (the store remembers the bad key) and Acquire stops before it.
-        """
-        if not block.in_dram and block.pins == 0 and block.children == 0:
-            self._removed(self.index.remove(ns, block.key), "checksum")
+        """Forgets an SSD-only block whose payload failed to read, with its whole subtree (no
+        descendant could ever hit again). If a descendant is pinned by a lease, the subtree
+        stays until a later Acquire meets the lost block again; reads of it fail fast (the store
+        remembers the bad key) and Acquire stops before it."""
+        if block.in_dram or block.pins:
+            return
+        try:
+            gone = self.index.remove_subtree(ns, block.key)
+        except IndexStateError:  # a pinned descendant
+            return
+        self._removed(gone, "checksum")
 
     # -- DRAM ---------------------------------------------------------------------------------
 
