@@ -203,32 +203,6 @@ class PrefixIndex:
                 elif f & Q_SSD:
                     qs.touch(b)
         return Prefix(blocks, tiers)
-        if replica is None:
-            mask = -1
-        else:
-            bit = self._replicas.get(replica)
-            mask = 0 if bit is None else 1 << bit
-        self._clock += 1
-        now = self._clock << HITS_BITS
-        hbm, dram, ssd = Tier.HBM, Tier.DRAM, Tier.SSD
-        qd, qs = self._queue[dram], self._queue[ssd]
-        parent = None
-        for key in keys:
-            b = m.get(key)
-            if b is None or b.parent is not parent:
-                break
-            f = b.flags
-            tiers.append(hbm if b.hbm & mask else dram if f & IN_DRAM else ssd)
-            blocks.append(b)
-            if touch:
-                hits = (b.stamp & HITS_MAX) + 1
-                b.stamp = now | (hits if hits < HITS_MAX else HITS_MAX)
-                if f & Q_DRAM:
-                    qd.touch(b)
-                elif f & Q_SSD:
-                    qs.touch(b)
-            parent = b
-        return Prefix(blocks, tiers)
 
     # ---------------------------------------------------------------- commit
     def insert(
@@ -306,8 +280,8 @@ class PrefixIndex:
         return self._drop(b, Tier.DRAM, Reason.WRITTEN_BACK if written else None)
 
     def drop(self, tenant: Tenant, key: BlockKey, tier: Tier) -> Evicted:
-        """Drop the copy in `tier`. Raises PinnedBlock, or NotEvictable when it is the block's
-        last tier and it has children."""
+        """Drop the copy in `tier`. Raises PinnedBlock; NotEvictable when the block has children
+        and the copy is its last, or is an SSD copy (a child may need it: SSD prefix closure)."""
         b = self._need(tenant, key)
         if tier is Tier.HBM or not b.flags & (1 << tier):
             raise UnknownBlock(f"block {key.hex()[:16]} is not in {tier.label}")
@@ -419,11 +393,11 @@ class PrefixIndex:
     # ---------------------------------------------------------------- eviction
     def victims(self, tier: Tier, n: int) -> list[Block]:
         """Up to `n` blocks that may leave `tier` now, coldest first; changes nothing. Each stays
-        evictable until a call touching that block (pin, insert of a child, lookup)."""
+        evictable until a call changes that block (pin, insert of a child, a drop)."""
         out: list[Block] = []
         if n <= 0:
             return out
-        for b in self._queue[tier]:
+        for b in self._queue_of(tier):
             out.append(b)
             if len(out) == n:
                 break
@@ -439,7 +413,7 @@ class PrefixIndex:
         callers (the simulator); the mover uses `victims` + `add_tier`/`demote`.
         """
         out: list[Evicted] = []
-        q = self._queue[tier]
+        q = self._queue_of(tier)
         done = 0
         while done < n:
             b = q.first()
@@ -492,6 +466,12 @@ class PrefixIndex:
         )
 
     # ---------------------------------------------------------------- internals
+    def _queue_of(self, tier: Tier) -> EvictionQueue:
+        q = self._queue.get(tier)
+        if q is None:
+            raise ValueError(f"{tier.label} is not managed by the index (HBM belongs to engines)")
+        return q
+
     def _need(self, tenant: Tenant, key: BlockKey) -> Block:
         b = self.get(tenant, key)
         if b is None:

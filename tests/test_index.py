@@ -235,6 +235,16 @@ def test_slru_protects_reused_blocks_from_one_shot_scan() -> None:
     assert run("slru") == [b"\x00", b"\x01", b"\x02"]
 
 
+def test_hbm_is_not_evicted_by_the_index() -> None:
+    ix = PrefixIndex()
+    with pytest.raises(ValueError, match="hbm"):
+        ix.evict(H, 1)
+    with pytest.raises(ValueError, match="hbm"):
+        ix.victims(H, 1)
+    with pytest.raises(ValueError):
+        ix.insert(0, b"a", None, H)
+
+
 def test_policy_and_admission_validation() -> None:
     with pytest.raises(ValueError, match="unknown eviction policy"):
         make_queue("fifo-ish")
