@@ -46,9 +46,13 @@ class Entry:
 
 
 class IndexMachine(RuleBasedStateMachine):
+    policy = "lru"
+    admission_k = 2
+
     def __init__(self) -> None:
         super().__init__()
-        self.ix = PrefixIndex(dram_blocks=DRAM_CAP, ssd_blocks=SSD_CAP, admission_k=2)
+        self.ix = PrefixIndex(dram_blocks=DRAM_CAP, ssd_blocks=SSD_CAP, policy=self.policy,
+                              admission_k=self.admission_k)
         self.m: dict[tuple[int | str, bytes], Entry] = {}
         self.evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
         self.ssd_writes = 0
@@ -365,17 +369,27 @@ class IndexMachine(RuleBasedStateMachine):
             assert got == want and n == len(want)
 
 
-IndexMachine.TestCase.settings = settings(
-    max_examples=80, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+class SlruMachine(IndexMachine):
+    """The same rules and invariants under the frequency-aware policy and write-everything."""
+
+    policy = "slru"
+    admission_k = 1
+
+
+_FAST = settings(max_examples=80, stateful_step_count=50, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+IndexMachine.TestCase.settings = _FAST
+SlruMachine.TestCase.settings = _FAST
 TestIndexMachine = IndexMachine.TestCase
+TestSlruMachine = SlruMachine.TestCase
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_index_machine_long() -> None:
+@pytest.mark.parametrize("machine", [IndexMachine, SlruMachine], ids=["lru", "slru"])
+def test_index_machine_long(machine: type[IndexMachine]) -> None:
     from hypothesis.stateful import run_state_machine_as_test
 
-    run_state_machine_as_test(IndexMachine, settings=settings(
+    run_state_machine_as_test(machine, settings=settings(
         max_examples=2000, stateful_step_count=80, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
