@@ -78,7 +78,7 @@ def encode_header(stored_key: bytes, layout: bytes, payload: bytes | memoryview)
         FORMAT_VERSION,
         0,
         layout,
-        len(payload),
+        memoryview(payload).nbytes,
         payload_checksum(payload),
         key_digest(stored_key),
         0,

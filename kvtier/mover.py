@@ -177,6 +177,9 @@ class Mover:
         """
         if self._closing:
             return Submitted.CLOSED
+        if not 0 < item.nbytes <= self.pool.slot_size:
+            size = self.pool.slot_size
+            raise ValueError(f"write-back of {item.nbytes} bytes from a {size}-byte slot")
         if self.admit is not None and not self.admit(item.tenant, item.key):
             self._c.not_admitted += 1
             return Submitted.NOT_ADMITTED

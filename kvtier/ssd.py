@@ -143,6 +143,13 @@ class _Counters:
     corrupt_by_reason: dict[str, int] = field(default_factory=dict)
 
 
+def _raw_bytes(payload: Any) -> memoryview:
+    view = memoryview(payload)
+    if not view.c_contiguous:
+        raise ValueError("an SSD payload must be a C-contiguous buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
 class SsdStore:
     """The LMDB block store. Open with `SsdStore(spec)`; `entries()` is the rebuilt index."""
 
@@ -223,11 +230,13 @@ class SsdStore:
         """Store a batch in one transaction. Never raises for a full store: it refuses instead.
 
         The evictor is called before the write lock is taken (no store lock held), so it may
-        take the daemon's index lock without a lock-order inversion.
+        take the daemon's index lock without a lock-order inversion. Payloads may be any
+        C-contiguous buffer (bytes, numpy arrays of any dtype); they are stored as raw bytes.
         """
         self._check_open()
+        items = [i._replace(payload=_raw_bytes(i.payload)) for i in items]
         skeys = [stored_key(i.tenant, i.key) for i in items]
-        sizes = [blockfmt.HEADER_SIZE + memoryview(i.payload).nbytes for i in items]
+        sizes = [blockfmt.HEADER_SIZE + i.payload.nbytes for i in items]
         need = sum(s for s, f in zip(sizes, self._fresh(skeys), strict=True) if f)
         victims: list[TenantKey] = []
         for attempt in range(2):

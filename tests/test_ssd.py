@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvtier.blockfmt import HEADER_SIZE
@@ -60,6 +61,17 @@ def test_payloads_are_immutable_and_tenants_separate(tmp_path: Path) -> None:
         r = s.put_many([PutItem("c", b"k", None, b"one"), PutItem("c", b"k", None, b"two")])
         assert r.bytes_written == 3 + HEADER_SIZE and s.get("c", b"k") == b"one"
         assert s.stats().used_bytes == 3 * HEADER_SIZE + 5 + 5 + 3
+
+
+def test_typed_and_multidimensional_payloads_are_stored_as_bytes(tmp_path: Path) -> None:
+    kv = np.arange(2 * 16 * 8, dtype=np.float16).reshape(2, 16, 8)  # 256 values, 512 bytes
+    with store(tmp_path) as s:
+        r = s.put_many([PutItem("t", b"k", None, kv)])
+        assert r.bytes_written == 512 + HEADER_SIZE
+        out = np.zeros_like(kv)
+        assert s.get_into("t", b"k", out) == 512 and np.array_equal(out, kv)
+        with pytest.raises(ValueError):
+            s.put_many([PutItem("t", b"j", None, kv[:, ::2])])
 
 
 def test_get_into_too_small_is_a_miss_not_a_deletion(tmp_path: Path) -> None:
