@@ -197,3 +197,19 @@ def test_restart_index_with_many_blocks(tmp_path: Path) -> None:
     assert len(entries) == n
     # 100k in < 5 s is the goal (bench.ssd); 20k here must take well under a fifth of it
     assert elapsed < 1.0
+
+
+@pytest.mark.slow
+def test_restart_with_100k_blocks_under_5_s(tmp_path: Path) -> None:
+    n = 100_000
+    with store(tmp_path, capacity=1 << 30) as s:
+        for b in range(0, n, 10_000):
+            s.put_many([
+                PutItem("t", b"k%08d" % i, b"k%08d" % (i - 1) if i else None, b"p" * 64)
+                for i in range(b, b + 10_000)
+            ])
+    t0 = time.perf_counter()
+    with store(tmp_path, capacity=1 << 30) as s:
+        entries = s.entries()
+    assert len(entries) == n and time.perf_counter() - t0 < 5.0
+    assert entries[1].parent == entries[0].key
