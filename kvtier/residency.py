@@ -92,7 +92,11 @@ class Tiers:
         self._queued: set[tuple[str, bytes]] = set()
         self.block_bytes: dict[str, int] = {}  # namespace -> payload bytes (from its layout)
         if ssd_blocks > 0:
-            self._open_ssd()
+            try:
+                self._open_ssd()
+            except BaseException:
+                self.close(0.0)  # never leave the segment behind
+                raise
 
     # -- SSD ----------------------------------------------------------------------------------
 

@@ -490,3 +490,19 @@ def test_a_load_that_outlives_its_lease_is_reported(tmp_path: Path) -> None:
                 assert again.blocks == 1
     finally:
         d.stop()
+
+
+def test_a_failed_start_leaves_no_segment_behind(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    (data / "ssd").mkdir(parents=True)
+    (data / "ssd" / "data.mdb").write_bytes(b"this is not an LMDB file" * 1000)
+    sock = tmp_path / "s.sock"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier", "serve", "--socket", str(sock), "--data-dir", str(data),
+         "--dram-bytes", "16MiB", "--metrics", ""],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "MDB_INVALID" in proc.stderr
+    segment = "kvtier-" + __import__("hashlib").sha256(str(sock).encode()).hexdigest()[:16]
+    assert not (Path("/dev/shm") / segment).exists()
