@@ -9,7 +9,7 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     dram_bytes             min(RAM / 8, free /dev/shm / 2, 4 GiB), rounded down to whole slots
     slot_bytes             2 MiB: one DRAM slot; a registered layout's block must fit in one
     data_dir               $KVTIER_DATA_DIR, else ~/.local/share/kvtier (the SSD tier lives here)
-    ssd_bytes              min(free disk under data_dir / 2, 64 GiB); 0 = no SSD tier
+    ssd_bytes              min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
     metrics                127.0.0.1:9464 ("" = off; port 0 = any free port)
     tokens_file            "" = one tenant "default" without authentication (see kvtier.auth)
     lease_ttl_s            30; a client may ask for up to max_lease_ttl_s (600)
@@ -137,7 +137,7 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "dram_bytes": dram,
         "slot_bytes": 2 * MiB,
         "data_dir": str(data_dir),
-        "ssd_bytes": min(_free_bytes(data_dir) // 2, 64 * GiB),
+        "ssd_bytes": min(_free_bytes(data_dir) // 4, 16 * GiB),
         "metrics": "127.0.0.1:9464",
         "tokens_file": "",
         "lease_ttl_s": 30.0,

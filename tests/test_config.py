@@ -21,7 +21,7 @@ def test_defaults_need_nothing_and_are_bounded(tmp_path: Path) -> None:
     assert cfg.socket == tmp_path / "xdg" / "kvtier" / "kvtier.sock"
     assert cfg.data_dir == tmp_path / ".local" / "share" / "kvtier"
     assert 0 < cfg.dram_bytes <= 4 * GiB and cfg.dram_bytes % cfg.slot_bytes == 0
-    assert 0 <= cfg.ssd_bytes <= 64 * GiB
+    assert 0 <= cfg.ssd_bytes <= 16 * GiB
     assert cfg.metrics == "127.0.0.1:9464" and cfg.tcp == "" and cfg.tokens_file == ""
 
 
