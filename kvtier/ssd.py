@@ -24,8 +24,10 @@ Reads verify everything (header checksum, format, layout digest, key digest, len
 checksum of the bytes actually served); a mismatch is a miss, a counter and the entry deleted.
 
 Capacity: `capacity_bytes` bounds the stored bytes (headers included); the LMDB map is sized
-with headroom. A put that would exceed it asks the `evictor` callback for victims (leaf-first from
-the prefix index); what still does not fit is refused. `lmdb.MapFullError` never escapes.
+with headroom and, with writemap (the default), reserved on disk at open (posix_fallocate): a
+full disk is a clean error at open, never a SIGBUS while writing through the map. A put that
+would exceed the capacity asks the `evictor` callback for victims (leaf-first from the prefix
+index); what still does not fit is refused. `lmdb.MapFullError` never escapes.
 
 Threading: one writer at a time — writes (`put_many`, `delete_many`, `flush_stats`) are
 serialized by an internal lock and are meant to come from the mover's writer thread; reads
@@ -143,6 +145,26 @@ class _Counters:
     corrupt_by_reason: dict[str, int] = field(default_factory=dict)
 
 
+def _preallocate(path: str, size: int) -> None:
+    """Reserve the whole map on disk before LMDB maps it writable.
+
+    With writemap, LMDB writes through a shared mapping of a sparse file; if the filesystem then
+    runs out of space the write faults with SIGBUS and kills the process. Allocating the blocks
+    up front turns a full disk into a clean error at open instead.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_blocks * 512 < size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot reserve {size} bytes for the SSD store at {path}: {exc.strerror} "
+            "(lower the SSD capacity or free disk space)"
+        ) from None
+    finally:
+        os.close(fd)
+
+
 def _raw_bytes(payload: Any) -> memoryview:
     view = memoryview(payload)
     if not view.c_contiguous:
@@ -159,18 +181,28 @@ class SsdStore:
         self.spec = spec
         self.evictor = evictor
         self._layout = blockfmt.layout_digest(spec.layout_fingerprint)
-        os.makedirs(spec.path, exist_ok=True)
-        self._env = lmdb.open(
-            spec.path,
-            map_size=spec.map_size(),
-            max_dbs=4,
-            max_readers=spec.max_readers,
-            sync=spec.durability != "nosync",
-            metasync=spec.durability == "sync",
-            writemap=spec.writemap,
-            readahead=True,
-            meminit=False,
-        )
+        os.makedirs(spec.path, mode=0o700, exist_ok=True)
+        try:
+            self._env = lmdb.open(
+                spec.path,
+                mode=0o600,
+                map_size=spec.map_size(),
+                max_dbs=4,
+                max_readers=spec.max_readers,
+                sync=spec.durability != "nosync",
+                metasync=spec.durability == "sync",
+                writemap=spec.writemap,
+                readahead=True,
+                meminit=False,
+            )
+        except lmdb.Error as exc:
+            raise UsageError(f"cannot open the SSD store: {exc}") from None
+        if spec.writemap:
+            try:
+                _preallocate(os.path.join(spec.path, "data.mdb"), spec.map_size())
+            except UsageError:
+                self._env.close()
+                raise
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
         self._info = self._env.open_db(b"info")

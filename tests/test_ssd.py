@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -213,3 +215,41 @@ def test_restart_with_100k_blocks_under_5_s(tmp_path: Path) -> None:
         entries = s.entries()
     assert len(entries) == n and time.perf_counter() - t0 < 5.0
     assert entries[1].parent == entries[0].key
+
+
+def test_map_is_reserved_on_disk_and_private(tmp_path: Path) -> None:
+    with store(tmp_path, capacity=8 << 20) as s:
+        data = tmp_path / "ssd" / "data.mdb"
+        assert os.stat(data).st_blocks * 512 >= s.spec.map_size()
+        assert os.stat(data).st_mode & 0o777 == 0o600
+
+
+NO_SPACE = r"""
+import os, resource, signal, sys
+from kvtier.errors import UsageError
+from kvtier.ssd import SsdSpec, SsdStore, _preallocate
+path = sys.argv[1]
+with SsdStore(SsdSpec(path, 8 << 20, b"fp")):
+    pass
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (160 << 20, 160 << 20))
+for attempt in (lambda: SsdStore(SsdSpec(path + "-big", 256 << 20, b"fp")),
+                lambda: _preallocate(os.path.join(path, "data.mdb"), 256 << 20)):
+    try:
+        attempt()
+    except UsageError as exc:
+        print("refused:", exc)
+"""
+
+
+def test_no_room_for_the_map_is_a_clean_error(tmp_path: Path) -> None:
+    """A disk that cannot hold the map (here: a 160 MiB file-size limit) fails at open with a
+    one-line reason, both where LMDB sizes the file and where the map is reserved."""
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_SPACE, str(tmp_path / "ssd")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and "Traceback" not in proc.stderr
+    assert lines[0].startswith("refused: cannot open the SSD store")
+    assert lines[1].startswith("refused: cannot reserve")
