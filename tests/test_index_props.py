@@ -31,9 +31,9 @@ from kvtier.index import (
 from kvtier.types import Tier
 
 D, S, H = Tier.DRAM, Tier.SSD, Tier.HBM
-KEYS = [bytes([i]) * 4 for i in range(10)]
+KEYS = [bytes([i]) * 4 for i in range(14)]
 TENANTS: list[int | str] = [0, "t"]
-DRAM_CAP, SSD_CAP = 5, 4
+DRAM_CAP, SSD_CAP = 8, 6
 
 
 @dataclass
@@ -393,3 +393,54 @@ def test_index_machine_long(machine: type[IndexMachine]) -> None:
     run_state_machine_as_test(machine, settings=settings(
         max_examples=2000, stateful_step_count=80, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
+
+
+def audit(ix: PrefixIndex) -> None:
+    """Brute-force invariants of a whole index from its public view."""
+    blocks = {(b.tenant, b.key): b for b in ix.iter_blocks()}
+    kids: dict[tuple[int | str, bytes], int] = dict.fromkeys(blocks, 0)
+    for (t, _), b in blocks.items():
+        assert b.in_dram or b.on_ssd
+        if b.parent is not None:
+            assert blocks.get((t, b.parent.key)) is b.parent, "stranded block"
+            kids[(t, b.parent.key)] += 1
+            if b.on_ssd:
+                assert b.parent.on_ssd, "SSD not prefix-closed"
+    assert all(blocks[tk].children == n for tk, n in kids.items())
+    st_ = ix.stats()
+    assert st_.dram_blocks == sum(b.in_dram for b in blocks.values()) <= (st_.dram_capacity or 1e18)
+    assert st_.ssd_blocks == sum(b.on_ssd for b in blocks.values()) <= (st_.ssd_capacity or 1e18)
+    assert st_.entries == len(blocks)
+
+
+@pytest.mark.parametrize(("policy", "k"), [("lru", 1), ("lru", 2), ("slru", 2)])
+def test_write_back_drain_keeps_invariants(policy: str, k: int) -> None:
+    """A random forest in DRAM, random lookups, then write-back evictions until DRAM is empty:
+    exercises chain write-back (ancestors WRITTEN), SSD room-making and leaf-first drops."""
+    import random
+
+    rng = random.Random(f"{policy}{k}")
+    seen: dict[Reason, int] = {}
+    for _ in range(30):
+        ix = PrefixIndex(dram_blocks=60, ssd_blocks=rng.choice([5, 15, 40]), policy=policy,
+                         admission_k=k)
+        keys: list[bytes] = []
+        for i in range(60):
+            key = i.to_bytes(2, "big")
+            parent = rng.choice([None, *keys[-8:]]) if keys else None
+            ix.insert(0, key, parent, D, dram_slot=i)
+            keys.append(key)
+        for _ in range(40):
+            b = ix.get(0, rng.choice(keys))
+            chain = []
+            while b is not None:
+                chain.append(b.key)
+                b = b.parent
+            ix.lookup(0, chain[::-1])
+        while ix.blocks(D):
+            for ev in ix.evict(D, rng.randint(1, 5), write_back=True):
+                seen[ev.reason] = seen.get(ev.reason, 0) + 1
+            audit(ix)
+        assert ix.stats().evictable_dram == 0
+    # every path was taken: chain write-back, free demotion, drops from both tiers
+    assert {Reason.WRITTEN, Reason.WRITTEN_BACK, Reason.DEMOTED, Reason.DROPPED} <= set(seen)
