@@ -151,6 +151,10 @@ class PrefixIndex:
     def blocks(self, tier: Tier) -> int:
         return self._hbm_blocks if tier is Tier.HBM else self._count[tier]
 
+    def bytes_in(self, tier: Tier) -> int | None:
+        """Bytes held in a managed tier: blocks x `block_bytes` (None without a block size)."""
+        return None if self.block_bytes is None else self._count[tier] * self.block_bytes
+
     def free(self, tier: Tier) -> int | None:
         """Blocks that fit into `tier` without evicting (None = unbounded)."""
         cap = self._cap[tier]

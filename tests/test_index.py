@@ -156,6 +156,15 @@ def test_write_back_evict_writes_chain_and_respects_admission() -> None:
     assert ix.lookup(0, [b"a", b"b"]).tiers == [D, S]
 
 
+def test_byte_accounting() -> None:
+    ix = PrefixIndex(dram_blocks=4, block_bytes=2 << 20)  # 2 MiB blocks (Llama-3-8B, 16 tokens)
+    chain(ix, [b"a", b"b", b"c"])
+    ix.add_tier(0, b"a", S)
+    assert ix.bytes_in(D) == 3 * (2 << 20) and ix.bytes_in(S) == 2 << 20
+    assert ix.free(D) == 1 and ix.free(S) is None
+    assert PrefixIndex().bytes_in(D) is None
+
+
 def test_write_back_without_ssd_room_drops() -> None:
     ix = PrefixIndex(ssd_blocks=1, admission_k=1)
     chain(ix, [b"a", b"b"])  # writing b needs 2 SSD blocks (a then b): only 1 -> drop
