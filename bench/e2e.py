@@ -177,7 +177,7 @@ def warm_up(replica: KvtierEngine, gen: torch.Generator, tokens: int) -> None:
 
 
 def run_kvtier(mode: str, engine: Engine, work: list[Workload], root: Path,
-               daemon_args: list[str], warm_tokens: int) -> list[dict[str, Any]]:
+               daemon_args: list[str], warm_tokens: int, results: Path) -> list[dict[str, Any]]:
     plan, ssd = mode.startswith("plan"), mode.endswith("ssd")
     daemon = LocalDaemon(root / mode, daemon_args).start()
     replica = KvtierEngine(engine, LinkOptions(socket=daemon.socket, use_plan=plan,
@@ -216,8 +216,8 @@ def run_kvtier(mode: str, engine: Engine, work: list[Workload], root: Path,
     finally:
         replica.close()
         daemon.stop()
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"e2e_daemon_{mode}.log").write_text(daemon.log())
+        results.mkdir(parents=True, exist_ok=True)
+        (results / f"e2e_daemon_{mode}.log").write_text(daemon.log())
     return out
 
 
@@ -337,6 +337,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--short", type=int, default=8, help="short prompts after a 1-block preamble")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="directory of e2e.json, the plot and daemon logs (default bench/results)")
     p.add_argument("--quick", action="store_true",
                    help="tiny model and workloads (a smoke run of a few seconds)")
     args = p.parse_args(argv)
@@ -376,24 +378,25 @@ def main(argv: list[str] | None = None) -> int:
             if mode != "recompute":
                 print(f"mode {mode} ...", file=sys.stderr)
                 records += run_kvtier(mode, engine, work, Path(tmp), daemon_args,
-                                      warm_tokens=4 * cfg.block_tokens * 8)
+                                      4 * cfg.block_tokens * 8, args.results)
     table = summarize(records)
     checks = planner_check(records, table)
     exact = all(r["exact"] for r in records)
     print_report(table, checks, n8k, prefill_8k, exact)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    png = RESULTS / "e2e_ttft.png"
+    args.results.mkdir(parents=True, exist_ok=True)
+    png = args.results / "e2e_ttft.png"
     result = {
         "bench": "e2e", "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(), "python": platform.python_version(),
-        "torch_threads": args.threads, "args": vars(args), "model": cfg.model_id(),
+        "torch_threads": args.threads, "model": cfg.model_id(),
+        "args": {**vars(args), "results": str(args.results)},
         "prefill_8k_tokens": n8k, "prefill_8k_s": prefill_8k, "summary": table, "planner": checks,
         "all_bit_exact": exact, "records": records,
         "wall_s": time.perf_counter() - started,
         "plot": str(png) if plot(records, png) else None,
     }
-    (RESULTS / "e2e.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {RESULTS / 'e2e.json'} in {result['wall_s']:.0f} s", file=sys.stderr)
+    (args.results / "e2e.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.results / 'e2e.json'} in {result['wall_s']:.0f} s", file=sys.stderr)
     return 0 if exact else 1
 
 

@@ -122,6 +122,12 @@ def test_multi_turn_chat_and_shared_system_prompt_dram_hits(kvd: DaemonProc) -> 
     # A prompt that is exactly cached blocks still computes its last block for the logits.
     out, _ = c.serve(system)
     assert out.loaded_blocks == 2 and out.computed_tokens == B
+    # A one-block prompt has nothing to look up but its block is stored for longer prompts.
+    one = rand_tokens(B, seed=30)
+    out, _ = c.serve(one)
+    assert (out.hit_blocks, out.stored_blocks) == (0, 1)
+    out, _ = c.serve(one + rand_tokens(3, seed=31))
+    assert out.loaded_blocks == 1
     c.close()
 
 
@@ -274,6 +280,7 @@ def test_daemon_killed_mid_request_recomputes_correctly(tmp_path: Path, stage: s
         started = time.perf_counter()
         out, _ = c.serve(system + rand_tokens(5, seed=103))
         assert out.hit_blocks == 0 and time.perf_counter() - started < 2.0
+        assert out.fallback.startswith("kvtier unavailable")
         c.close()
     finally:
         d.kill()

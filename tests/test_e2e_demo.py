@@ -74,3 +74,19 @@ def test_demo_bad_flags_exit_2(args: list[str], message: str,
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_bench_e2e_quick_run_is_bit_exact_and_complete(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.e2e", "--quick", "--results", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads((tmp_path / "e2e.json").read_text())
+    assert out["all_bit_exact"] is True
+    modes = {r["mode"] for r in out["records"]}
+    assert modes == {"recompute", "dram", "ssd", "plan-dram", "plan-ssd"}
+    ssd_follow = [r for r in out["records"] if r["mode"] == "ssd" and r["cls"] == "doc/follow"]
+    assert ssd_follow and all(r["ssd_blocks"] > 0 for r in ssd_follow)
+    assert "doc/follow" in out["summary"] and "planner" in out

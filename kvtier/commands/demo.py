@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", metavar="PATH",
                         help="daemon to use (default $KVTIER_SOCKET, else the runtime dir); "
                              "a temporary daemon is started when none answers on the default")
-    parser.add_argument("--token", metavar="TOKEN", help="bearer token of an existing daemon")
+    parser.add_argument("--token", metavar="TOKEN",
+                        help="bearer token of an existing daemon (else $KVTIER_TOKEN)")
     parser.add_argument("--model", default="demo", metavar="NAME",
                         help="reference model preset: tiny, demo (default) or bench")
     parser.add_argument("--turns", type=int, default=5, metavar="N",
@@ -94,7 +96,8 @@ def _converse(args: argparse.Namespace, socket: Path, which: str) -> int:
     total = args.system_tokens + args.turns * (USER_TOKENS + REPLY_TOKENS)
     baseline = Engine(cfg, num_blocks=total // cfg.block_tokens + 8)
     replica = KvtierEngine(Engine(cfg, num_blocks=total // cfg.block_tokens + 8),
-                           LinkOptions(socket=socket, token=args.token))
+                           LinkOptions(socket=socket,
+                                       token=args.token or os.environ.get("KVTIER_TOKEN")))
     gen = torch.Generator().manual_seed(7)
 
     def tokens(n: int) -> list[int]:

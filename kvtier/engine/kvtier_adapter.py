@@ -229,9 +229,11 @@ class KvtierEngine:
         blocks: list[int] = []
         tiers: tuple[Tier, ...] = ()
         t0 = time.perf_counter()
-        client = self.client() if usable else None
+        client = self.client() if keys else None
+        if client is None and keys:
+            fallback = f"kvtier unavailable: {self.last_error}"
         t1 = t2 = time.perf_counter()
-        if client is not None:
+        if client is not None and usable:
             try:
                 found = client.lookup(usable, prompt_tokens=len(prompt),
                                       plan=self.options.use_plan)
