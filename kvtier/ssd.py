@@ -24,10 +24,11 @@ Reads verify everything (header checksum, format, layout digest, key digest, len
 checksum of the bytes actually served); a mismatch is a miss, a counter and the entry deleted.
 
 Capacity: `capacity_bytes` bounds the stored bytes (headers included); the LMDB map is sized
-with headroom and, with writemap (the default), reserved on disk at open (posix_fallocate): a
-full disk is a clean error at open, never a SIGBUS while writing through the map. A put that
-would exceed the capacity asks the `evictor` callback for victims (leaf-first from the prefix
-index); what still does not fit is refused. `lmdb.MapFullError` never escapes.
+with headroom. Without writemap (the default) a full disk is an I/O error on commit, i.e. a
+refusal; with `writemap=True` (faster writes, slower cold reads) the map is reserved on disk at
+open (posix_fallocate), so a full disk is a clean error at open, never a SIGBUS in a write.
+A put that would exceed the capacity asks the `evictor` callback for victims (leaf-first from
+the prefix index); what still does not fit is refused. `lmdb.MapFullError` never escapes.
 
 Threading: one writer at a time — writes (`put_many`, `delete_many`, `flush_stats`) are
 serialized by an internal lock and are meant to come from the mover's writer thread; reads
@@ -85,7 +86,7 @@ class SsdSpec:
     capacity_bytes: int
     layout_fingerprint: bytes
     durability: Durability = "nometasync"
-    writemap: bool = True
+    writemap: bool = False
     map_headroom: float = 0.25
     max_readers: int = 126
 

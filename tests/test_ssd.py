@@ -217,11 +217,16 @@ def test_restart_with_100k_blocks_under_5_s(tmp_path: Path) -> None:
     assert entries[1].parent == entries[0].key
 
 
-def test_map_is_reserved_on_disk_and_private(tmp_path: Path) -> None:
-    with store(tmp_path, capacity=8 << 20) as s:
-        data = tmp_path / "ssd" / "data.mdb"
+def test_writemap_reserves_the_map_and_files_are_private(tmp_path: Path) -> None:
+    spec = SsdSpec(str(tmp_path / "wm"), 8 << 20, FP, writemap=True)
+    with SsdStore(spec) as s:
+        data = tmp_path / "wm" / "data.mdb"
         assert os.stat(data).st_blocks * 512 >= s.spec.map_size()
         assert os.stat(data).st_mode & 0o777 == 0o600
+        s.put_many(chain(3, 100_000))
+        assert s.get("t", b"key-0002") is not None
+    with store(tmp_path, capacity=1 << 30) as s:  # default: no writemap, nothing reserved
+        assert os.stat(tmp_path / "ssd" / "data.mdb").st_blocks * 512 < 1 << 20
 
 
 NO_SPACE = r"""
@@ -229,11 +234,11 @@ import os, resource, signal, sys
 from kvtier.errors import UsageError
 from kvtier.ssd import SsdSpec, SsdStore, _preallocate
 path = sys.argv[1]
-with SsdStore(SsdSpec(path, 8 << 20, b"fp")):
+with SsdStore(SsdSpec(path, 8 << 20, b"fp", writemap=True)):
     pass
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (160 << 20, 160 << 20))
-for attempt in (lambda: SsdStore(SsdSpec(path + "-big", 256 << 20, b"fp")),
+for attempt in (lambda: SsdStore(SsdSpec(path + "-big", 256 << 20, b"fp", writemap=True)),
                 lambda: _preallocate(os.path.join(path, "data.mdb"), 256 << 20)):
     try:
         attempt()

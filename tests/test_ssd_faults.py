@@ -130,12 +130,15 @@ def stored_with_flips(path: str, seed: int) -> tuple[SsdSpec, dict[bytes, bytes]
                 continue
             # the header lives in the block's index record, the payload in its own value
             target = blockfmt.encode_header(stored_key("t", k), layout, p) if i % 2 else p
-            off = raw.find(target)
-            assert off >= 0 and raw.find(target, off + 1) < 0
-            where = off + rng.randrange(len(target))
-            byte = bytearray(os.pread(fd, 1, where))
-            byte[0] ^= 1 << rng.randrange(8)
-            os.pwrite(fd, bytes(byte), where)
+            # copy-on-write can leave stale copies of a page in free space: flip the same bit
+            # in every copy, so the live one is surely hit
+            offsets = [m.start() for m in re.finditer(re.escape(target), raw)]
+            assert offsets
+            where, bit = rng.randrange(len(target)), 1 << rng.randrange(8)
+            for off in offsets:
+                byte = bytearray(os.pread(fd, 1, off + where))
+                byte[0] ^= bit
+                os.pwrite(fd, bytes(byte), off + where)
             flipped.add(k)
     finally:
         os.close(fd)
