@@ -35,9 +35,10 @@ def test_demo_starts_a_temporary_daemon_and_reports(tmp_path: Path) -> None:
     assert [t["identical"] for t in turns] == [True] * 3
     assert turns[0]["loaded_blocks"] == 0
     # Turn 2's prompt = turn 1's prompt + reply + message; turn 1's prompt blocks are cached:
-    # (64 + 160) // 16 = 14 full blocks.
-    assert turns[1]["loaded_blocks"] == 14
-    assert 0 < out["block_hit_ratio"] < 1
+    # (64 + 160) // 16 = 14 full blocks. The planner decides how many to fetch (timing-dependent
+    # for this tiny model: recomputing 14 blocks takes milliseconds).
+    assert turns[1]["hit_blocks"] == 14 and 0 <= turns[1]["loaded_blocks"] <= 14
+    assert 0 <= out["block_hit_ratio"] < 1
     assert not sock.exists()
 
 
