@@ -336,6 +336,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=3)
     p.add_argument("--short", type=int, default=8, help="short prompts after a 1-block preamble")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the engine runs (cuda: not yet run on a GPU)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--results", type=Path, default=RESULTS,
                    help="directory of e2e.json, the plot and daemon logs (default bench/results)")
@@ -345,6 +347,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.model, args.convs, args.turns, args.system = "tiny", 2, 2, 48
         args.docs, args.doc_tokens, args.questions, args.short = 1, 256, 2, 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device visible to torch")
     bad = set(args.modes.split(",")) - set(MODES)
     if bad or "recompute" not in args.modes.split(","):
         p.error(f"--modes: choose from {','.join(MODES)} and include recompute")
@@ -357,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = get_config(args.model)
     n8k = min(8192, cfg.max_positions)
     longest = max(n8k, args.doc_tokens + 96, args.system + args.turns * (192 + REPLY_TOKENS))
-    engine = Engine(cfg, num_blocks=longest // cfg.block_tokens + 64)
+    engine = Engine(cfg, num_blocks=longest // cfg.block_tokens + 64, device=args.device)
     started = time.perf_counter()
     seq = Sequence()
     prefill_8k = engine.prefill(seq, rand(torch.Generator().manual_seed(3), n8k,
