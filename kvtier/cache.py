@@ -61,6 +61,7 @@ from kvtier.types import Tier
 class _Read:
     ns: Namespace
     blocks: list[Block]
+    h2d_bytes_per_s: float  # the planner's DRAM-read estimate when granted (prediction error)
 
 
 @dataclass(slots=True)
@@ -117,12 +118,12 @@ class Cache:
 
     def __init__(
         self, cfg: Config, metrics: DaemonMetrics, events: EventLog | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, rates: RateBook | None = None,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.events = events or EventLog()
-        self.rates = RateBook()
+        self.rates = rates if rates is not None else RateBook()
         self.draining = False
         self._closed = False
         self._lock = threading.RLock()
@@ -133,6 +134,7 @@ class Cache:
         self.pool = self.tiers.pool
         self.index = self.tiers.index
         metrics.attach_pool(self.gauges)
+        metrics.attach_rates(self.rates)
 
     def register_layout(
         self, fingerprint: bytes, block_bytes: int, block_tokens: int, key_width: int,
@@ -186,15 +188,15 @@ class Cache:
             prefix = Prefix.uniform([int(t) for t in tiers], lay.block_tokens, lay.block_bytes,
                                     start_token)
             the_plan = plan(prefix, lay.cost, self.rates.snapshot(), suffix_tokens=suffix)
-            m.plan_decisions.labels("fetch").inc(the_plan.cut)
-            m.plan_decisions.labels("recompute").inc(len(tiers) - the_plan.cut)
-            m.predicted_seconds_saved.inc(max(0.0, the_plan.saved_s))
+            m.record_plan(the_plan)
         return LookupResult(tiers, the_plan)
 
     def acquire(
         self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, ttl_s: float,
     ) -> AcquireResult:
         ttl = self._new_lease_ttl(ttl_s)
+        h2d_bw, ssd_bw = self.rates.bandwidth(Link.DRAM_READ), self.rates.bandwidth(Link.SSD_READ)
+        promoted, promote_s = 0, 0.0
         with self._lock:
             ns = self._ns(tenant, fingerprint)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
@@ -205,7 +207,14 @@ class Cache:
             sources: list[Tier] = []
             for i, block in enumerate(found.blocks):
                 source = Tier.DRAM if block.in_dram else Tier.SSD
-                got = Promotion.DONE if block.in_dram else self._promote(ns, block)
+                if block.in_dram:
+                    got = Promotion.DONE
+                else:
+                    started = time.perf_counter()
+                    got = self._promote(ns, block)
+                    if got is Promotion.DONE:
+                        promoted += 1
+                        promote_s += time.perf_counter() - started
                 if got is not Promotion.DONE:
                     for rest in found.blocks[i:]:
                         self.index.unpin(ns.name, rest.key)
@@ -216,11 +225,15 @@ class Cache:
                 self.pool.pin(block.dram_slot)
                 pinned.append(block)
                 sources.append(source)
-            if not pinned:
-                return AcquireResult("", [], [], ttl)
-            lease = self._leases.grant(tenant.name, LeaseKind.READ, ttl, _Read(ns, pinned))
-            offsets = [self.pool.offset(b.dram_slot or 0) for b in pinned]
-            return AcquireResult(lease.id, offsets, sources, ttl)
+            lease_id, offsets = "", []
+            if pinned:
+                lease_id = self._leases.grant(tenant.name, LeaseKind.READ, ttl,
+                                              _Read(ns, pinned, h2d_bw)).id
+                offsets = [self.pool.offset(b.dram_slot or 0) for b in pinned]
+        if promoted:
+            self.metrics.observe_fetch(
+                Link.SSD_READ, promote_s, promoted * ns.layout.block_bytes / ssd_bw)
+        return AcquireResult(lease_id, offsets, sources, ttl)
 
     def _promote(self, ns: Namespace, block: Block) -> Promotion:
         if self.tiers.store is None:
@@ -244,6 +257,8 @@ class Cache:
             self.metrics.bytes_moved.labels("dram", "to_client").inc(nbytes)
         if seconds > 0:
             self.metrics.copy_seconds.labels("to_client").observe(seconds)
+        if nbytes and seconds > 0:
+            self.metrics.observe_fetch(Link.DRAM_READ, seconds, nbytes / r.h2d_bytes_per_s)
             self.rates.observe_transfer(Link.DRAM_READ, nbytes, seconds)
 
     def renew(self, tenant: Tenant, lease_id: str, ttl_s: float) -> float:

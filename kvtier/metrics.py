@@ -5,8 +5,14 @@ labels are bounded (tier ∈ hbm/dram/ssd, method ∈ the RPC names, code ∈ gR
 direction/reason/result/action ∈ small fixed sets below) — never a key, tenant token or request id.
 
 Counters and histograms are updated by the cache and the service as things happen; pool gauges
-(capacity, usage, blocks, active leases, wear budget) are read from a snapshot callable at scrape
-time, so they can never drift from the truth.
+(capacity, usage, blocks, active leases, wear budget) and the planner's rate estimates
+(`kvtier_rate_*`, from the `RateBook`) are read at scrape time, so they can never drift from the
+truth.
+
+Planner metrics: `kvtier_plan_decisions_total{action}` counts looked-up blocks by what the plan
+does with them (`PLAN_ACTIONS`), `kvtier_plans_total{reason}` plans by `planner.Reason`, and
+`kvtier_plan_fetch_time_ratio{link}` is the prediction error as realized / predicted time of
+the fetch part a lease actually did (1.0 = exact; see `observe_fetch`).
 
 Thread-safe (prometheus-client's primitives are).
 """
@@ -17,11 +23,19 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvtier.planner import Plan, Reason
+from kvtier.rates import Link, RateBook
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write")
+PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "recompute", "use_hbm")
+"""Per looked-up block: fetch it from DRAM / from SSD, recompute it, or use the replica's own
+GPU copy (an HBM block inside the cut costs nothing)."""
+FETCH_LINKS = (Link.DRAM_READ, Link.SSD_READ)
+RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, 10.0)
 
 
 class PoolGauges(NamedTuple):
@@ -65,6 +79,45 @@ class _PoolCollector(Collector):
         )
 
 
+class _RateCollector(Collector):
+    """The planner's current estimates: the windowed median of samples, else the seed
+    (calibration or defaults); `*_samples` says which (0 = seed)."""
+
+    def __init__(self, book: RateBook) -> None:
+        self._book = book
+
+    def collect(self) -> Iterator[Metric]:
+        book = self._book
+        snap = book.export()
+        labels = ["tier", "direction"]
+        bw = GaugeMetricFamily("kvtier_rate_bandwidth_bytes_per_second",
+                               "Planner's bandwidth estimate per tier and direction", labels=labels)
+        lat = GaugeMetricFamily("kvtier_rate_latency_seconds",
+                                "Planner's fixed per-request latency estimate", labels=labels)
+        n = GaugeMetricFamily("kvtier_rate_samples",
+                              "Bandwidth samples in the estimate's window (0: seeded value)",
+                              labels=labels)
+        for link in Link:
+            tier_dir = [link.tier, link.direction]
+            bw.add_metric(tier_dir, snap[f"{link}_bytes_per_s"])
+            lat.add_metric(tier_dir, snap[f"{link}_latency_seconds"])
+            n.add_metric(tier_dir, book.samples(link))
+        yield from (bw, lat, n)
+        yield GaugeMetricFamily("kvtier_rate_prefill_flops_per_second",
+                                "Planner's achieved prefill FLOP-rate estimate (one GPU)",
+                                value=snap["prefill_flops_per_s"])
+        yield GaugeMetricFamily("kvtier_rate_prefill_samples",
+                                "Prefill samples in the estimate's window (0: seeded value)",
+                                value=book.samples(None))
+        yield CounterMetricFamily(
+            "kvtier_rate_samples_rejected",
+            "Rate samples refused as impossible (non-positive, NaN, too high)",
+            value=snap["rejected_total"])
+        yield CounterMetricFamily(
+            "kvtier_rate_samples_skipped",
+            "Whole-request samples too short to say anything about bandwidth",
+            value=snap["skipped_total"])
+
 class DaemonMetrics:
     """All of one daemon's metrics. `attach_pool()` once the cache exists; `serve()` for HTTP."""
 
@@ -103,11 +156,23 @@ class DaemonMetrics:
             "kvtier_leases_expired", "Leases reclaimed after their TTL", ["kind"], registry=r
         )
         self.plan_decisions = Counter(
-            "kvtier_plan_decisions", "Planned blocks by action", ["action"], registry=r
+            "kvtier_plan_decisions", "Looked-up blocks by planned action", ["action"], registry=r
         )
+        for action in PLAN_ACTIONS:
+            self.plan_decisions.labels(action)
+        self.plans = Counter("kvtier_plans", "Plans by reason", ["reason"], registry=r)
+        for reason in Reason:
+            self.plans.labels(reason.value)
         self.predicted_seconds_saved = Counter(
-            "kvtier_predicted_prefill_seconds_saved", "Planner's predicted recompute time avoided",
+            "kvtier_predicted_prefill_seconds_saved",
+            "Planner's predicted prefill seconds saved against recomputing everything",
             registry=r,
+        )
+        self.fetch_time_ratio = Histogram(
+            "kvtier_plan_fetch_time_ratio",
+            "Realized / predicted time of a lease's fetch (ssd_read: promotions in Acquire; "
+            "dram_read: the client's copy reported on Release)", ["link"], registry=r,
+            buckets=RATIO_BUCKETS,
         )
         self.rpcs = Counter(
             "kvtier_rpcs", "RPCs by method and status", ["method", "code"], registry=r
@@ -128,6 +193,30 @@ class DaemonMetrics:
 
     def attach_pool(self, snapshot: Callable[[], PoolGauges]) -> None:
         self.registry.register(_PoolCollector(snapshot))
+
+    def attach_rates(self, book: RateBook) -> None:
+        self.registry.register(_RateCollector(book))
+
+    def record_plan(self, plan: Plan) -> None:
+        """Counts one Lookup's plan: its blocks by action, its reason, the seconds it saves."""
+        hbm, dram, ssd = plan.blocks_by_tier
+        for action, count in (("use_hbm", hbm), ("fetch_dram", dram), ("fetch_ssd", ssd),
+                              ("recompute", plan.recompute_blocks)):
+            if count:
+                self.plan_decisions.labels(action).inc(count)
+        self.plans.labels(plan.reason.value).inc()
+        self.predicted_seconds_saved.inc(max(0.0, plan.saved_s))
+
+    def observe_fetch(self, link: Link, realized_s: float, predicted_s: float) -> None:
+        """One fetch's prediction error, as realized / predicted seconds of the same work: the
+        bytes moved over `link` divided by the link's bandwidth estimate when the lease was
+        granted — transfer time only, no per-request latency, like the realized time.
+
+        A ratio rather than a difference, so fetches of 1 block and of 1,000 share the buckets.
+        Ignored unless both are finite and > 0."""
+        if link not in FETCH_LINKS or not (0 < realized_s < 1e6 and 0 < predicted_s < 1e6):
+            return
+        self.fetch_time_ratio.labels(link.value).observe(realized_s / predicted_s)
 
     def serve(self, host: str, port: int) -> int:
         """Starts /metrics on a daemon thread; returns the bound port (useful when port is 0)."""

@@ -1,6 +1,12 @@
 """Runs the daemon: gRPC on a Unix socket (mode 0600; optional TCP with TLS), health, reflection,
 /metrics, the lease reaper, and a draining shutdown on SIGTERM/SIGINT.
 
+Planner rates: the `RateBook` is seeded from `<data_dir>/calibration.json` (`kvtier calibrate`)
+when present, else from the built-in defaults; a calibration file that cannot be read or parsed is
+logged as a one-line warning and ignored (defaults) — the daemon still starts, since the moving
+estimates replace any seed as samples arrive and a cache that refuses to start over a stale
+measurement takes the serving path down with it. The start log line says which seeded the rates.
+
 Shutdown order (SIGTERM): health goes NOT_SERVING and new Acquire/Allocate calls get UNAVAILABLE;
 Release/Commit/Abort keep working until every lease has ended or `grace_s` has passed; then the
 server stops, leftover leases are ended (pins dropped, allocations aborted), the write-back queue is
@@ -30,9 +36,11 @@ from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.auth import Authenticator
 from kvtier.cache import Cache
+from kvtier.calibrate import calibration_path, load_calibration_if_present
 from kvtier.config import Config
 from kvtier.errors import UsageError
 from kvtier.metrics import DaemonMetrics
+from kvtier.rates import RateBook
 from kvtier.service import MAX_MESSAGE_BYTES, KvTierService
 from kvtier.units import format_bytes
 
@@ -55,6 +63,23 @@ def _claim_socket(path: Path) -> None:
     finally:
         probe.close()
     raise UsageError(f"another daemon is listening on {path}")
+
+
+def load_rates(data_dir: Path) -> tuple[RateBook, str]:
+    """The planner's RateBook seeded from the data dir's calibration, and where its seeds came
+    from (for the start log line). An unreadable or malformed file: a warning and defaults."""
+    path = calibration_path(data_dir)
+    try:
+        cal = load_calibration_if_present(data_dir)
+        book = RateBook.from_calibration(cal)
+    except (UsageError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        log.warning("ignoring the calibration file (planner uses default rates): %s", reason)
+        return RateBook(), f"defaults (calibration {path} unreadable)"
+    if cal is None:
+        return book, "defaults (no calibration; run `kvtier calibrate`)"
+    created = cal.details.get("created_utc") or "undated"
+    return book, f"calibration {path} ({created})"
 
 
 def _tls_credentials(cfg: Config) -> grpc.ServerCredentials:
@@ -98,7 +123,8 @@ class Daemon:
                 raise UsageError(f"metrics address {cfg.metrics}: {exc}") from None
         try:
             cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.cache = cache = Cache(cfg, self.metrics)
+            rates, rates_from = load_rates(cfg.data_dir)
+            self.cache = cache = Cache(cfg, self.metrics, rates=rates)
         except (OSError, lmdb.Error) as exc:
             self.metrics.close()
             raise UsageError(f"cannot set up the storage tiers: {exc}") from None
@@ -114,11 +140,11 @@ class Daemon:
         self._reaper = asyncio.create_task(self._reap())
         log.info(
             "kvtier serving on unix:%s%s; metrics %s; DRAM pool %s (%d slots of %s); "
-            "SSD tier %s under %s; %s",
+            "SSD tier %s under %s; planner rates from %s; %s",
             cfg.socket, f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else "",
             f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off",
             format_bytes(cfg.dram_bytes), cfg.slots, format_bytes(cfg.slot_bytes),
-            format_bytes(cfg.ssd_bytes) if cfg.ssd_bytes else "off", cfg.data_dir,
+            format_bytes(cfg.ssd_bytes) if cfg.ssd_bytes else "off", cfg.data_dir, rates_from,
             "tenants: " + ", ".join(t.name for t in self.auth.tenants())
             + (" (token auth)" if self.auth.required else " (no auth)"),
         )

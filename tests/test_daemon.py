@@ -320,7 +320,7 @@ def test_lookup_returns_the_planners_cut(shared: DaemonProc) -> None:
         assert res.fetch_blocks == 8 and res.plan.predicted_recompute_seconds > 0
         kv.report_prefill(tokens=2048, seconds=0.5, context_tokens=0)
         assert kv.lookup(keys).plan is None  # no plan unless asked
-    assert 'kvtier_plan_decisions_total{action="fetch"}' in shared.metrics_text()
+    assert 'kvtier_plan_decisions_total{action="fetch_dram"} 8.0' in shared.metrics_text()
 
 
 def test_renew_extends_a_lease(tmp_path: Path) -> None:
