@@ -80,14 +80,21 @@ from kvtier.index_types import (
     TierFull,
     UnknownBlock,
 )
-from kvtier.policies import EvictionQueue, KthAccess, make_queue
+from kvtier.policies import AdmissionHistory, EvictionQueue, KthAccess, make_queue
 from kvtier.types import BlockKey, Tier
 
 __all__ = [
-    "EVICTION_COUNTERS", "BadSlot", "Block", "DuplicateBlock", "Evicted", "IndexStateError",
-    "IndexStats", "MissingParent", "NotEvictable", "PinnedBlock", "Prefix", "PrefixIndex",
-    "Reason", "Tenant", "TierFull", "UnknownBlock",
+    "ADMISSION_HISTORY_PER_BLOCK", "EVICTION_COUNTERS", "BadSlot", "Block", "DuplicateBlock",
+    "Evicted", "IndexStateError", "IndexStats", "MissingParent", "NotEvictable", "PinnedBlock",
+    "Prefix", "PrefixIndex", "Reason", "Tenant", "TierFull", "UnknownBlock",
 ]
+
+
+ADMISSION_HISTORY_PER_BLOCK = 1
+"""Default admission-history words per block of total capacity (DRAM + SSD); see `PrefixIndex`."""
+
+_DEMOTED, _WRITTEN_BACK, _COPY_DROPPED, _DROPPED = (
+    Reason.DEMOTED, Reason.WRITTEN_BACK, Reason.COPY_DROPPED, Reason.DROPPED)
 
 
 class PrefixIndex:
@@ -96,7 +103,10 @@ class PrefixIndex:
     `dram_blocks`/`ssd_blocks`: tier capacities in blocks (None = unbounded). DRAM slot ids, when
     used, are validated against ``range(dram_blocks)`` and must be unique. `block_bytes`: the
     fixed size of one block, for byte accounting. `policy`: a `kvtier.policies.POLICIES` name.
-    `admission_k`: SSD admission on the k-th access.
+    `admission_k`: SSD admission on the k-th access. `admission_history`: words of the
+    `kvtier.policies.AdmissionHistory` that keeps the access counts of dropped blocks (4 bytes
+    each; 0 = off, a reinserted block starts again at 1); None = `ADMISSION_HISTORY_PER_BLOCK` x
+    (dram_blocks + ssd_blocks) when both are bounded and ssd_blocks > 0, else 0.
     """
 
     def __init__(
@@ -107,18 +117,23 @@ class PrefixIndex:
         block_bytes: int | None = None,
         policy: str = "lru",
         admission_k: int = 2,
+        admission_history: int | None = None,
     ) -> None:
         for name, cap in (("dram_blocks", dram_blocks), ("ssd_blocks", ssd_blocks)):
             if cap is not None and cap < 0:
                 raise ValueError(f"{name} must be >= 0, got {cap}")
         self._cap = {Tier.DRAM: dram_blocks, Tier.SSD: ssd_blocks}
         self._count = {Tier.DRAM: 0, Tier.SSD: 0}
-        self._queue: dict[Tier, EvictionQueue] = {
-            Tier.DRAM: make_queue(policy),
-            Tier.SSD: make_queue(policy),
-        }
+        self._qd = make_queue(policy)
+        self._qs = make_queue(policy)
+        self._queue: dict[Tier, EvictionQueue] = {Tier.DRAM: self._qd, Tier.SSD: self._qs}
         self.policy = policy
         self.admission = KthAccess(admission_k)
+        if admission_history is None:
+            admission_history = (
+                ADMISSION_HISTORY_PER_BLOCK * (dram_blocks + ssd_blocks)
+                if dram_blocks is not None and ssd_blocks else 0)
+        self.history = AdmissionHistory(admission_history)
         self.block_bytes = block_bytes
         self._slot_used = bytearray(dram_blocks or 0)
         self._maps: dict[Tenant, dict[BlockKey, Block]] = {}
@@ -197,7 +212,7 @@ class PrefixIndex:
         if touch and blocks:
             self._clock += 1
             now = self._clock << HITS_BITS
-            qd, qs = self._queue[dram], self._queue[ssd]
+            qd, qs = self._qd, self._qs
             for b in blocks:
                 hits = (b.stamp & HITS_MAX) + 1
                 b.stamp = now | (hits if hits < HITS_MAX else HITS_MAX)
@@ -241,7 +256,8 @@ class PrefixIndex:
         if m is None:
             m = self._maps[tenant] = {}
         self._clock += 1
-        b = Block(key, tenant, p, stamp=self._clock << HITS_BITS | 1)
+        hits = 1 + self.history.recall(tenant, key) if self.history.entries else 1
+        b = Block(key, tenant, p, stamp=self._clock << HITS_BITS | hits)
         m[key] = b
         self._entries += 1
         if p is not None:
@@ -281,7 +297,9 @@ class PrefixIndex:
             self._check_room(Tier.SSD, None)
             self._check_closure(b.parent)
             self._add(b, Tier.SSD, None)
-        return self._drop(b, Tier.DRAM, Reason.WRITTEN_BACK if written else None)
+        out: list[Evicted] = []
+        self._drop(b, Tier.DRAM, out, written_back=written)
+        return out[0]
 
     def drop(self, tenant: Tenant, key: BlockKey, tier: Tier) -> Evicted:
         """Drop the copy in `tier`. Raises PinnedBlock; NotEvictable when the block has children
@@ -293,7 +311,9 @@ class PrefixIndex:
             raise PinnedBlock(f"block {key.hex()[:16]} is pinned")
         if b.children and (tier is Tier.SSD or not b.flags & ON_SSD):
             raise NotEvictable(f"block {key.hex()[:16]} has {b.children} cached children")
-        return self._drop(b, tier, None)
+        out: list[Evicted] = []
+        self._drop(b, tier, out)
+        return out[0]
 
     def remove(self, tenant: Tenant, key: BlockKey) -> list[Evicted]:
         """Remove a leaf block from every tier (e.g. its SSD copy failed verification)."""
@@ -302,11 +322,10 @@ class PrefixIndex:
             raise PinnedBlock(f"block {key.hex()[:16]} is pinned")
         if b.children:
             raise NotEvictable(f"block {key.hex()[:16]} has {b.children} cached children")
-        out = []
+        out: list[Evicted] = []
         if b.flags & ON_SSD and b.flags & IN_DRAM:
-            out.append(self._drop(b, Tier.SSD, None, count=False))
-        last = Tier.DRAM if b.flags & IN_DRAM else Tier.SSD
-        out.append(self._drop(b, last, None, count=False))
+            self._drop(b, Tier.SSD, out, count=False)
+        self._drop(b, Tier.DRAM if b.flags & IN_DRAM else Tier.SSD, out, count=False)
         self._evictions["removed"] += 1
         return out
 
@@ -417,34 +436,47 @@ class PrefixIndex:
         callers (the simulator); the mover uses `victims` + `add_tier`/`demote`.
         """
         out: list[Evicted] = []
-        q = self._queue_of(tier)
+        self._evict(self._queue_of(tier), tier, n, write_back, out)
+        return out
+
+    def evict_count(self, tier: Tier, n: int, *, write_back: bool = False) -> int:
+        """`evict` for callers that only need the counters (`stats`): the same changes, but
+        returns only how many blocks left `tier` as victims, building no `Evicted` records."""
+        return self._evict(self._queue_of(tier), tier, n, write_back, None)
+
+    def _evict(self, q: EvictionQueue, tier: Tier, n: int, write_back: bool,
+               out: list[Evicted] | None) -> int:
         done = 0
+        write_back = write_back and tier is Tier.DRAM
+        admits = self.admission.admits
         while done < n:
             b = q.first()
             if b is None:
                 break
             done += 1
-            if (write_back and tier is Tier.DRAM and not b.flags & ON_SSD
-                    and self.admission.admits(b) and self._write_chain(b, out)):
-                out.append(self._drop(b, Tier.DRAM, Reason.WRITTEN_BACK))
+            if (write_back and not b.flags & ON_SSD and admits(b)
+                    and self._write_chain(b, out)):
+                self._drop(b, tier, out, written_back=True)
             else:
-                out.append(self._drop(b, tier, None))
-        return out
+                self._drop(b, tier, out)
+        return done
 
-    def _write_chain(self, b: Block, out: list[Evicted]) -> bool:
+    def _write_chain(self, b: Block, out: list[Evicted] | None) -> bool:
         chain = [b]
         p = b.parent
         while p is not None and not p.flags & ON_SSD:
             chain.append(p)
             p = p.parent
-        free = self.free(Tier.SSD)
-        if free is not None and free < len(chain):
-            if free + len(self._queue[Tier.SSD]) < len(chain):
-                return False
-            out.extend(self.evict(Tier.SSD, len(chain) - free))
+        cap = self._cap[Tier.SSD]
+        if cap is not None:
+            free = cap - self._count[Tier.SSD]
+            if free < len(chain):
+                if free + len(self._qs) < len(chain):
+                    return False
+                self._evict(self._qs, Tier.SSD, len(chain) - free, False, out)
         for c in reversed(chain):
             self._add(c, Tier.SSD, None)
-            if c is not b:
+            if c is not b and out is not None:
                 out.append(Evicted(c.tenant, c.key, Tier.SSD, Reason.WRITTEN, c.dram_slot))
         return True
 
@@ -467,6 +499,9 @@ class PrefixIndex:
             block_bytes=self.block_bytes,
             ssd_writes=self._ssd_writes,
             evictions=dict(self._evictions),
+            history_size=self.history.size,
+            history_entries=self.history.entries,
+            history_recalled=self.history.recalled,
         )
 
     # ---------------------------------------------------------------- internals
@@ -514,29 +549,42 @@ class PrefixIndex:
             self._slot_used[slot] = 1
         self._requeue(b)
 
-    def _drop(self, b: Block, tier: Tier, reason: Reason | None, count: bool = True) -> Evicted:
+    def _drop(self, b: Block, tier: Tier, out: list[Evicted] | None, *,
+              written_back: bool = False, count: bool = True) -> None:
+        """Drop `b`'s copy in `tier`; appends what happened to `out` unless it is None."""
+        f = b.flags
         slot = None
         if tier is Tier.DRAM:
-            slot = b.dram_slot
-            if slot is not None:
+            s = f >> SLOT_SHIFT
+            if s:
+                slot = s - 1
                 self._slot_used[slot] = 0
-                b.flags &= FLAG_BITS
-        b.flags &= ~(1 << tier)
+                f &= FLAG_BITS
+            f &= ~IN_DRAM
+        else:
+            f &= ~ON_SSD
+        b.flags = f
         self._count[tier] -= 1
-        if b.flags & STORED:
-            if reason is None:
-                reason = Reason.DEMOTED if tier is Tier.DRAM else Reason.COPY_DROPPED
+        if f & STORED:
+            if tier is Tier.SSD:
+                reason, name = _COPY_DROPPED, "ssd_copy_dropped"
+            elif written_back:
+                reason, name = _WRITTEN_BACK, "dram_written_back"
+            else:
+                reason, name = _DEMOTED, "dram_demoted"
             self._requeue(b)
         else:
-            reason = Reason.DROPPED
+            reason = _DROPPED
+            name = "dram_dropped" if tier is Tier.DRAM else "ssd_dropped"
             self._unlink(b)
         if count:
-            self._evictions[f"{tier.label}_{reason.value}"] += 1
-        return Evicted(b.tenant, b.key, tier, reason, slot)
+            self._evictions[name] += 1
+        if out is not None:
+            out.append(Evicted(b.tenant, b.key, tier, reason, slot))
 
     def _unlink(self, b: Block) -> None:
-        """Remove an entry that left its last tier (a leaf)."""
-        self._set_queue(b, 0)
+        """Remove an entry that left its last tier (a leaf); its access count goes to history."""
+        self._requeue(b)
         if b.hbm:
             self._hbm_blocks -= 1
         m = self._maps[b.tenant]
@@ -544,6 +592,7 @@ class PrefixIndex:
         if not m:
             del self._maps[b.tenant]
         self._entries -= 1
+        self.history.remember(b.tenant, b.key, b.stamp & HITS_MAX)
         p = b.parent
         if p is not None:
             p.children -= 1
@@ -551,6 +600,7 @@ class PrefixIndex:
                 self._requeue(p)
 
     def _requeue(self, b: Block) -> None:
+        """Put `b` in the queue its state calls for (none, DRAM's or SSD's); O(1)."""
         f = b.flags
         want = 0
         if not b.pins:
@@ -559,16 +609,15 @@ class PrefixIndex:
                     want = Q_DRAM
             elif f & ON_SSD and not b.children:
                 want = Q_SSD
-        if f & QUEUED != want:
-            self._set_queue(b, want)
-
-    def _set_queue(self, b: Block, want: int) -> None:
-        if b.flags & Q_DRAM:
-            self._queue[Tier.DRAM].discard(b)
-        elif b.flags & Q_SSD:
-            self._queue[Tier.SSD].discard(b)
-        b.flags = (b.flags & ~QUEUED) | want
+        have = f & QUEUED
+        if have == want:
+            return
+        if have == Q_DRAM:
+            self._qd.discard(b)
+        elif have:
+            self._qs.discard(b)
+        b.flags = b.flags & ~QUEUED | want
         if want:
-            q = self._queue[Tier.DRAM if want == Q_DRAM else Tier.SSD]
+            q = self._qd if want == Q_DRAM else self._qs
             head = q.first()
-            q.push(b, cold=head is not None and b.last <= head.last)
+            q.push(b, head is not None and b.stamp >> HITS_BITS <= head.stamp >> HITS_BITS)

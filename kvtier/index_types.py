@@ -163,3 +163,9 @@ class IndexStats(NamedTuple):
     """SSD copies added by any call (insert, add_tier, demote, write-back)."""
     evictions: dict[str, int]
     """`EVICTION_COUNTERS` -> count."""
+    history_size: int = 0
+    """Words of the admission history (`kvtier.policies.AdmissionHistory`; 0 = off)."""
+    history_entries: int = 0
+    """Dropped blocks whose access count the history holds now."""
+    history_recalled: int = 0
+    """Reinserted blocks that got their count back from the history (since the index began)."""

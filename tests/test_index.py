@@ -281,3 +281,68 @@ def test_remove_subtree_cascades_and_respects_pins() -> None:
     assert sorted(b.key for b in ix.iter_blocks()) == [b"a", b"e", b"x"]
     assert ix.get(0, b"a") is not None and ix.get(0, b"a").children == 1  # type: ignore[union-attr]
     assert ix.stats().evictions["removed"] == 3
+
+
+# ---------------------------------------------------------------- admission history
+
+
+def test_dropped_block_comes_back_with_its_count() -> None:
+    ix = PrefixIndex(dram_blocks=4, ssd_blocks=4)
+    ix.insert(0, b"a", None)
+    ix.lookup(0, [b"a"])
+    ix.lookup(0, [b"a"])
+    assert ix.get(0, b"a").hits == 3  # commit + 2 lookup hits
+    ix.drop(0, b"a", D)
+    assert ix.stats().history_entries == 1
+    ix.insert(0, b"a", None)
+    # 3 remembered + this commit
+    assert ix.get(0, b"a").hits == 4
+    st = ix.stats()
+    assert (st.history_entries, st.history_recalled) == (0, 1)
+    ix.insert(1, b"b", None)
+    ix.drop(1, b"b", D)
+    ix.insert(0, b"b", None)  # same key, other tenant: not its history
+    assert ix.get(0, b"b").hits == 1
+
+
+def test_history_lets_a_block_reused_beyond_dram_reach_k2() -> None:
+    """DRAM of 1 block, k=2: `a` is evicted after its commit (1 access: dropped, not admitted);
+    committed again it counts 2 and its next eviction writes it back. Without history it would
+    restart at 1 and be dropped again."""
+    for history, want in ((None, Reason.WRITTEN_BACK), (0, Reason.DROPPED)):
+        ix = PrefixIndex(dram_blocks=1, ssd_blocks=1, admission_k=2, admission_history=history)
+        ix.insert(0, b"a", None)
+        assert [e.reason for e in ix.evict(D, 1, write_back=True)] == [Reason.DROPPED]
+        ix.insert(0, b"a", None)
+        assert [e.reason for e in ix.evict(D, 1, write_back=True)] == [want]
+
+
+def test_history_is_bounded_and_sized_from_capacity() -> None:
+    assert PrefixIndex(dram_blocks=10, ssd_blocks=30).history.size == 40  # 1 word per block
+    assert PrefixIndex(dram_blocks=10).history.size == 0  # no SSD: nothing to admit
+    assert PrefixIndex().history.size == 0  # unbounded tiers: no default size
+    ix = PrefixIndex(dram_blocks=200, ssd_blocks=0, admission_history=8)
+    assert ix.history.nbytes() == 32  # 4 bytes a word, allocated once
+    keys = [i.to_bytes(4, "big") for i in range(200)]
+    for k in keys:
+        ix.insert(0, k, None)
+    ix.evict_count(D, 200)
+    st = ix.stats()
+    assert st.history_size == 8 and 0 < st.history_entries <= 8
+    assert st.history_entries == ix.history.occupied()
+    with pytest.raises(ValueError, match="admission history"):
+        PrefixIndex(admission_history=-1)
+
+
+def test_evict_count_matches_evict() -> None:
+    def build() -> PrefixIndex:
+        ix = PrefixIndex(dram_blocks=6, ssd_blocks=3, admission_k=1)
+        chain(ix, [b"a", b"b", b"c"])
+        chain(ix, [b"x", b"y", b"z"])
+        return ix
+
+    one, two = build(), build()
+    out = one.evict(D, 4, write_back=True)
+    n = two.evict_count(D, 4, write_back=True)
+    assert n == sum(e.tier is D for e in out) == 4
+    assert one.stats() == two.stats()

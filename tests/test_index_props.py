@@ -2,7 +2,9 @@
 
 Random interleavings of insert, lookup, pin, unpin, evict (with and without write-back), demote,
 promote, drop, remove and HBM reports over two tenants and two capacity-limited tiers. The model
-(plain dicts and sets) predicts every outcome, including which calls must raise; after every step
+(plain dicts and sets) predicts every outcome, including which calls must raise, and every block's
+access count, with the admission history (counts of dropped blocks kept in a direct-mapped table
+and given back on reinsertion) modelled as a dict word -> (tenant, key, count); after every step
 the index is compared with it and the invariants are re-derived by brute force.
 """
 
@@ -43,19 +45,45 @@ class Entry:
     slot: int | None = None
     pins: int = 0
     replicas: set[str] = field(default_factory=set)
+    hits: int = 1
 
 
 class IndexMachine(RuleBasedStateMachine):
     policy = "lru"
     admission_k = 2
+    history: int | None = None  # the default: DRAM_CAP + SSD_CAP words
 
     def __init__(self) -> None:
         super().__init__()
         self.ix = PrefixIndex(dram_blocks=DRAM_CAP, ssd_blocks=SSD_CAP, policy=self.policy,
-                              admission_k=self.admission_k)
+                              admission_k=self.admission_k, admission_history=self.history)
         self.m: dict[tuple[int | str, bytes], Entry] = {}
         self.evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
         self.ssd_writes = 0
+        self.ghost: dict[int, tuple[tuple[int | str, bytes], int]] = {}
+        self.recalled = 0
+        h = self.ix.history
+        where = {h.slot(t, k) for t in TENANTS for k in KEYS} if h.size else set()
+        # distinct (word, tag) per key, so the dict model is exact (no tag collision)
+        assert not h.size or len(where) == len(TENANTS) * len(KEYS)
+
+    def forget(self, tk: tuple[int | str, bytes]) -> None:
+        """The entry left the cache: its count goes to its history word (overwriting)."""
+        e = self.m.pop(tk)
+        if self.ix.history.size:
+            self.ghost[self.ix.history.slot(*tk)[0]] = (tk, min(e.hits, 255))
+
+    def new_entry(self, tk: tuple[int | str, bytes], parent: bytes | None, tier: Tier,
+                  slot: int | None) -> None:
+        hits = 1
+        if self.ix.history.size:
+            word = self.ix.history.slot(*tk)[0]
+            old = self.ghost.get(word)
+            if old is not None and old[0] == tk:
+                del self.ghost[word]
+                hits += old[1]
+                self.recalled += 1
+        self.m[tk] = Entry(parent, {tier}, slot, hits=hits)
 
     # ------------------------------------------------------------ model helpers
     def count(self, tier: Tier) -> int:
@@ -94,7 +122,7 @@ class IndexMachine(RuleBasedStateMachine):
         e.tiers.discard(tier)
         if reason is Reason.DROPPED:
             assert not e.tiers and self.children(tk) == 0, "dropped a block with children"
-            del self.m[tk]
+            self.forget(tk)
         else:
             assert e.tiers
 
@@ -126,7 +154,7 @@ class IndexMachine(RuleBasedStateMachine):
                 self.ix.insert(t, k, p, tier, dram_slot=slot)
             return
         self.ix.insert(t, k, p, tier, dram_slot=slot)
-        self.m[(t, k)] = Entry(p, {tier}, slot)
+        self.new_entry((t, k), p, tier, slot)
         if tier is S:
             self.ssd_writes += 1
 
@@ -144,7 +172,7 @@ class IndexMachine(RuleBasedStateMachine):
                 return
             slot = self.free_slot() if use_slot else None
             self.ix.insert(t, k, p, D, dram_slot=slot)
-            self.m[(t, k)] = Entry(p, {D}, slot)
+            self.new_entry((t, k), p, D, slot)
             p = k
 
     @rule(data=st.data())
@@ -180,6 +208,8 @@ class IndexMachine(RuleBasedStateMachine):
             want.append(H if held else D if D in e.tiers else S)
         assert got.tiers == want
         assert [b.key for b in got.blocks] == keys[: len(want)]
+        for key in keys[: len(want)]:
+            self.m[(t, key)].hits += 1
 
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
@@ -291,7 +321,7 @@ class IndexMachine(RuleBasedStateMachine):
                 self.ix.remove(*tk)
             return
         self.ix.remove(*tk)
-        del self.m[tk]
+        self.forget(tk)
         self.evictions["removed"] += 1
 
     @rule(data=st.data())
@@ -312,8 +342,10 @@ class IndexMachine(RuleBasedStateMachine):
             return
         out = self.ix.remove_subtree(*top)
         assert {(e.tenant, e.key) for e in out} == sub
-        for tk in sub:
-            del self.m[tk]
+        for ev in out:
+            if ev.reason is Reason.DROPPED:
+                self.forget((ev.tenant, ev.key))
+        assert not sub & set(self.m)
         self.evictions["removed"] += len(sub)
 
     @rule(data=st.data(), replica=st.sampled_from(["r1", "r2"]), add=st.booleans())
@@ -347,6 +379,7 @@ class IndexMachine(RuleBasedStateMachine):
             assert b.parent_key == e.parent
             assert {t for t in (D, S) if b.flags & (1 << t)} == e.tiers and e.tiers
             assert (b.dram_slot, b.pins, b.children) == (e.slot, e.pins, self.children(tk))
+            assert b.hits == e.hits, "access count (kept across a drop by the history)"
             # no stranded block: the parent is cached (same tenant) or this is a root
             assert e.parent is None or (tk[0], e.parent) in blocks
             # SSD is prefix-closed
@@ -363,6 +396,13 @@ class IndexMachine(RuleBasedStateMachine):
         assert st_.hbm_blocks == sum(bool(e.replicas) for e in self.m.values())
         assert st_.evictions == self.evictions
         assert st_.ssd_writes == self.ssd_writes
+        # history: bounded, only dropped keys, counters equal a recount
+        assert st_.history_size == self.ix.history.size == (
+            DRAM_CAP + SSD_CAP if self.history is None else self.history)
+        assert st_.history_entries == len(self.ghost) == self.ix.history.occupied()
+        assert st_.history_entries <= st_.history_size
+        assert st_.history_recalled == self.recalled
+        assert not {tk for tk, _ in self.ghost.values()} & set(self.m)
         for tier, n in ((D, st_.evictable_dram), (S, st_.evictable_ssd)):
             want = {tk for tk in self.m if self.evictable(tk, tier)}
             got = {(b.tenant, b.key) for b in self.ix.victims(tier, 100)}
@@ -370,23 +410,34 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 class SlruMachine(IndexMachine):
-    """The same rules and invariants under the frequency-aware policy and write-everything."""
+    """The same rules and invariants under the frequency-aware policy and write-everything,
+    without admission history (a dropped block comes back with a count of 1)."""
 
     policy = "slru"
     admission_k = 1
+    history = 0
+
+
+class SmallHistoryMachine(IndexMachine):
+    """A 3-word history: most drops overwrite another block's count."""
+
+    history = 3
 
 
 _FAST = settings(max_examples=80, stateful_step_count=50, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow])
 IndexMachine.TestCase.settings = _FAST
 SlruMachine.TestCase.settings = _FAST
+SmallHistoryMachine.TestCase.settings = _FAST
 TestIndexMachine = IndexMachine.TestCase
 TestSlruMachine = SlruMachine.TestCase
+TestSmallHistoryMachine = SmallHistoryMachine.TestCase
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("machine", [IndexMachine, SlruMachine], ids=["lru", "slru"])
+@pytest.mark.parametrize("machine", [IndexMachine, SlruMachine, SmallHistoryMachine],
+                         ids=["lru", "slru", "history3"])
 def test_index_machine_long(machine: type[IndexMachine]) -> None:
     from hypothesis.stateful import run_state_machine_as_test
 

@@ -8,18 +8,22 @@ from typing import NamedTuple
 
 @dataclass(frozen=True)
 class TierConfig:
-    """Capacities in trace blocks, the index's eviction policy and the SSD admission threshold."""
+    """Capacities in trace blocks, the index's eviction policy, the SSD admission threshold and
+    the admission history's size in words (None = the index's default; 0 = no history)."""
 
     dram_blocks: int
     ssd_blocks: int = 0
     policy: str = "lru"
     ssd_admit_k: int = 2
+    admission_history: int | None = None
 
     def __post_init__(self) -> None:
         if self.dram_blocks < 0 or self.ssd_blocks < 0:
             raise ValueError("capacities must be >= 0 blocks")
         if self.ssd_admit_k < 1:
             raise ValueError(f"SSD admission k must be >= 1, got {self.ssd_admit_k}")
+        if self.admission_history is not None and self.admission_history < 0:
+            raise ValueError(f"admission history must be >= 0, got {self.admission_history}")
 
     @property
     def total_blocks(self) -> int:

@@ -50,6 +50,7 @@ def new_index(config: TierConfig) -> PrefixIndex:
         ssd_blocks=config.ssd_blocks,
         policy=config.policy,
         admission_k=config.ssd_admit_k,
+        admission_history=config.admission_history,
     )
 
 
@@ -66,7 +67,7 @@ def replay(
         raise ValueError("replay needs an empty index")
     dram, ssd = Tier.DRAM, Tier.SSD
     lookup, insert, promote = idx.lookup, idx.insert, idx.promote
-    pin, unpin, evict, free = idx.pin, idx.unpin, idx.evict, idx.free
+    pin, unpin, evict, free = idx.pin, idx.unpin, idx.evict_count, idx.free
     hits_dram = hits_ssd = promotions = inserted = not_stored = refs = 0
     t0, c0 = time.perf_counter(), time.process_time()
     for n, req in enumerate(requests, start=1):
