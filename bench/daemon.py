@@ -11,7 +11,11 @@ reports, with baselines measured in the same run:
 - store+load GB/s of 2 MiB blocks in batches of 64 through shared memory (allocate, copy in,
   commit; acquire, copy out, release) against `numpy.copyto` of the same bytes between the same
   kind of buffers (goal >= 0.7x), and the same through the streaming byte path (ratio reported).
-Writes bench/results/daemon.json.
+- SSD promotion interference (`--only promotion` runs just this): Lookup p50/p99 of a cached
+  16-block chain while another process Acquires chains of 8 x 2 MiB SSD-only blocks in a loop
+  (each Acquire promotes them: LMDB read + verify into DRAM slots), against the same Lookups with
+  the daemon idle; plus that Acquire's latency.
+Writes bench/results/daemon.json (bench/results/daemon_promotion.json with `--only promotion`).
 """
 
 from __future__ import annotations
@@ -38,14 +42,16 @@ SMALL = LayoutDecl(b"bench-lookup-layout", 4096, 16)
 BIG = LayoutDecl(b"bench-copy-layout-2m", 2 * MiB, 16)
 
 
-def start_daemon(work: Path, slot: str, dram: str) -> tuple[subprocess.Popen[bytes], Path]:
+def start_daemon(
+    work: Path, slot: str, dram: str, *extra: str
+) -> tuple[subprocess.Popen[bytes], Path]:
     work.mkdir(parents=True, exist_ok=True)
     sock = work / "kvtier.sock"
     log = open(work / "daemon.log", "wb")  # noqa: SIM115 (the child owns it)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier", "serve", "--socket", str(sock), "--data-dir",
          str(work / "data"), "--dram-bytes", dram, "--slot-bytes", slot, "--ssd-bytes", "0",
-         "--metrics", "", "--max-blocks-per-request", "4096", "--log-level", "warning"],
+         "--metrics", "", "--max-blocks-per-request", "4096", "--log-level", "warning", *extra],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     log.close()
@@ -147,10 +153,106 @@ def copy_bandwidth(sock: Path, streaming: bool, rounds: int) -> dict[str, Any]:
             "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
+PROMO_CHAINS, PROMO_BLOCKS = 8, 8  # 8 chains of 8 x 2 MiB = 128 MiB against 96 MiB of DRAM
+
+
+def _promoter(sock: str, stop_after: float, q: Any) -> None:
+    """Acquires the SSD chains round-robin: with <= 32 free slots for 64 blocks, every Acquire
+    promotes."""
+    times = []
+    with Client(sock, layout=BIG) as kv:
+        stop = time.perf_counter() + stop_after
+        c = 0
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            with kv.load(keys_for(3000 + c % PROMO_CHAINS, PROMO_BLOCKS)) as got:
+                assert got.blocks == PROMO_BLOCKS
+            times.append(time.perf_counter() - t0)
+            c += 1
+    q.put(times)
+
+
+def _lookups(kv: Client, keys: list[bytes], seconds: float) -> list[float]:
+    samples = []
+    stop = time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        t0 = time.perf_counter()
+        assert kv.lookup(keys).hit_blocks == len(keys)
+        samples.append(time.perf_counter() - t0)
+        time.sleep(0.001)
+    return sorted(samples)
+
+
+def promotion_interference(sock: Path, seconds: float) -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    block = rng.integers(0, 256, BIG.block_bytes, dtype=np.uint8)
+    with Client(sock, layout=BIG) as kv:
+        deadline = time.monotonic() + 120
+        for c in range(PROMO_CHAINS):
+            kv.store(keys_for(3000 + c, PROMO_BLOCKS), [block] * PROMO_BLOCKS)
+            kv.lookup(keys_for(3000 + c, PROMO_BLOCKS))
+            while kv.stats().tiers[1].blocks < (c + 1) * PROMO_BLOCKS:  # written back to SSD
+                if time.monotonic() > deadline:  # (queued blocks stay pinned in DRAM)
+                    raise SystemExit("write-backs did not finish")
+                time.sleep(0.05)
+    small = keys_for(16, 16)  # 16 slots of 2 MiB: 32 slots are left for 64 SSD blocks
+    with Client(sock, layout=SMALL) as kv:
+        kv.store(small, [bytes(4096)] * 16)
+        for _ in range(20):
+            kv.lookup(small)
+        idle = _lookups(kv, small, seconds)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_promoter, args=(str(sock), seconds + 2.0, q))
+        p.start()
+        time.sleep(1.5)  # the promoter is connected and running
+        busy = _lookups(kv, small, seconds)
+        acq = sorted(q.get(timeout=seconds + 120))
+        p.join()
+
+    def pct(xs: list[float], f: float) -> float:
+        return 1e3 * xs[min(len(xs) - 1, int(len(xs) * f))]
+
+    return {"idle_p50_ms": pct(idle, 0.5), "idle_p99_ms": pct(idle, 0.99),
+            "busy_p50_ms": pct(busy, 0.5), "busy_p99_ms": pct(busy, 0.99),
+            "p50_ratio": pct(busy, 0.5) / pct(idle, 0.5),
+            "p99_ratio": pct(busy, 0.99) / pct(idle, 0.99),
+            "lookups_idle": len(idle), "lookups_busy": len(busy),
+            "acquire_p50_ms": pct(acq, 0.5), "acquire_p99_ms": pct(acq, 0.99),
+            "acquires": len(acq), "blocks_per_acquire": PROMO_BLOCKS}
+
+
+def run_promotion(quick: bool) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        proc, sock = start_daemon(Path(tmp) / "promo", "2MiB", "96MiB", "--ssd-bytes", "1GiB",
+                                  "--ssd-admit-after", "1",
+                                  "--ssd-write-bytes-per-day", "1TiB")
+        try:
+            r = promotion_interference(sock, 3.0 if quick else 10.0)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print(f"Lookup (16 blocks) while another client Acquires {PROMO_BLOCKS} x 2 MiB SSD-only "
+          "blocks in a loop")
+    print(f"{'':>8}{'p50 ms':>10}{'p99 ms':>10}{'n':>8}")
+    print(f"{'idle':>8}{r['idle_p50_ms']:>10.3f}{r['idle_p99_ms']:>10.3f}{r['lookups_idle']:>8}")
+    print(f"{'busy':>8}{r['busy_p50_ms']:>10.3f}{r['busy_p99_ms']:>10.3f}{r['lookups_busy']:>8}")
+    print(f"{'ratio':>8}{r['p50_ratio']:>10.2f}{r['p99_ratio']:>10.2f}")
+    print(f"Acquire with promotion: p50 {r['acquire_p50_ms']:.2f} ms, p99 "
+          f"{r['acquire_p99_ms']:.2f} ms ({r['acquires']} acquires)")
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "daemon_promotion.json").write_text(json.dumps({**r, "quick": quick}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--only", choices=["promotion"], help="run one part only")
     args = ap.parse_args(argv)
+    if args.only == "promotion":
+        return run_promotion(args.quick)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         proc, sock = start_daemon(Path(tmp) / "small", "4KiB", "64MiB")
         try:

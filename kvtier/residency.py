@@ -10,19 +10,24 @@
 - SSD room is made *before* a write-back is queued, by index SSD eviction + store deletes, so the
   store never refuses for capacity; the index bounds SSD blocks at ssd_bytes / (slot + header);
 - promotion copies a verified SSD payload into a fresh slot; a failed verification is a miss,
-  a counter, and the block's removal.
+  a counter, and the block's removal. It runs in three steps so the read can leave the event
+  loop and the cache lock: `claim` a slot (lock held; the tenant is charged now, so concurrent
+  claims see each other), `read_claimed` (no cache lock, any thread; one LMDB read transaction
+  for the batch), then `settle` (the slot becomes the block's DRAM copy) or `unclaim` (lock held).
+  Until then the slot belongs to the claimant (`claimed` counts them) and the block must stay
+  pinned in the index by the caller.
 
 Index "tenants" are namespaces: `"<tenant>/<layout fingerprint hex>"`, the same string keys the
 SSD store, so after a restart the stored blocks come back under the right tenant and layout.
 
 Threading: every method is called with the cache lock held, except `on_written`, which the mover
-calls on its writer thread and which takes the cache lock itself. Lock order: cache lock, then
+calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must
+be called without it. Lock order: cache lock, then
 the SSD store's write lock — the writer thread never holds the store lock while taking ours.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -47,12 +52,6 @@ log = logging.getLogger(__name__)
 
 STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 """The SSD store's own layout tag; each block's namespace (tenant + layout) is in its key."""
-
-
-class Promotion(enum.Enum):
-    DONE = "done"
-    NO_ROOM = "no_room"  # every DRAM slot is pinned or in flight (or the tenant's quota is full)
-    LOST = "lost"  # the SSD payload is gone or failed verification (counted, never served)
 
 
 class Removed(NamedTuple):
@@ -90,6 +89,8 @@ class Tiers:
         self.mover: Mover | None = None
         self.budget: WriteBudget | None = None
         self._queued: set[tuple[str, bytes]] = set()
+        self._read_lock = threading.Lock()  # one promotion batch at a time (exact corrupt counts)
+        self.claimed = 0  # slots claimed for promotions not yet settled or unclaimed
         self.block_bytes: dict[str, int] = {}  # namespace -> payload bytes (from its layout)
         if ssd_blocks > 0:
             try:
@@ -224,26 +225,51 @@ class Tiers:
         self.metrics.ssd_bytes_written.inc(result.bytes_written)
         self.metrics.bytes_moved.labels("ssd", "demote").inc(result.bytes_written)
 
-    def promote(self, ns: str, block: IndexBlock) -> Promotion:
-        """Copies an SSD-only block into a new DRAM slot (evicting for room)."""
-        assert self.mover is not None and self.store is not None
+    def claim(self, ns: str) -> int | None:
+        """A slot to promote one of `ns`'s SSD blocks into (evicting for room), charged to its
+        tenant; None when there is no room (or no SSD tier)."""
+        if self.store is None:
+            return None
         slots = self.take_slots(1)
         if not slots:
-            return Promotion.NO_ROOM
-        slot = slots[0]
-        corrupt_before = self.store.counters.corrupt
-        started = time.perf_counter()
-        n = self.mover.promote(ns, block.key, slot)
-        seconds = time.perf_counter() - started
-        if n is None:
-            self.pool.free(slot)
-            self.metrics.checksum_failures.inc(self.store.counters.corrupt - corrupt_before)
-            return Promotion.LOST
-        self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
+            return None
         self._charge(namespace_tenant(ns), Tier.DRAM, self.slot_bytes)
-        self.metrics.bytes_moved.labels("ssd", "promote").inc(n)
-        self.rates.observe_transfer(Link.SSD_READ, n, seconds)
-        return Promotion.DONE
+        self.claimed += 1
+        return slots[0]
+
+    def unclaim(self, ns: str, slot: int) -> None:
+        """Gives a claimed slot back (the read failed, or the block is no longer wanted)."""
+        self.pool.free(slot)
+        self._charge(namespace_tenant(ns), Tier.DRAM, -self.slot_bytes)
+        self.claimed -= 1
+
+    def settle(self, ns: str, block: IndexBlock, slot: int, nbytes: int) -> None:
+        """The claimed slot holds the block's verified payload: it is the block's DRAM copy."""
+        self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
+        self.claimed -= 1
+        self.metrics.bytes_moved.labels("ssd", "promote").inc(nbytes)
+
+    def read_claimed(self, reads: list[tuple[str, bytes, int]]) -> tuple[list[int | None], float]:
+        """Reads and verifies SSD payloads into claimed slots, (namespace, key, slot) each: the
+        payload bytes per read (None: gone or corrupt — counted) and the seconds the batch took.
+        Call WITHOUT the cache lock, from any thread; batches are serialized among callers."""
+        assert self.mover is not None and self.store is not None
+        with self._read_lock:
+            corrupt_before = self.store.counters.corrupt
+            started = time.perf_counter()
+            try:
+                got = self.mover.promote_many(reads)
+            except Exception:  # an I/O error is a miss for every block of the batch
+                log.exception("SSD promotion read failed")
+                got = [None] * len(reads)
+            seconds = time.perf_counter() - started
+            corrupt = self.store.counters.corrupt - corrupt_before
+        if corrupt:
+            self.metrics.checksum_failures.inc(corrupt)
+        nbytes = sum(n for n in got if n)
+        if nbytes:
+            self.rates.observe_transfer(Link.SSD_READ, nbytes, seconds)
+        return got, seconds
 
     def drop_lost(self, ns: str, block: IndexBlock) -> None:
         """Forgets an SSD-only block whose payload failed to read, with its whole subtree (no

@@ -8,7 +8,9 @@ the cache, and maps domain errors to gRPC status codes:
     FailedPrecondition → FAILED_PRECONDITION   Unauthenticated → UNAUTHENTICATED
 
 A refused request changes nothing. Every call is counted and timed per method in the metrics.
-Handlers run on the server's event loop; cache calls are short and synchronous.
+Handlers run on the server's event loop; cache calls are short and synchronous, except Acquire's
+SSD promotions, which read on a worker thread (`Cache.acquire_async`). ReadBlocks (the remote
+path) still promotes on the loop.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
         async def go(tenant: Tenant) -> pb.AcquireResponse:
-            res = self.cache.acquire(
+            res = await self.cache.acquire_async(
                 tenant, request.layout, request.keys, request.key_width,
                 request.lease_ttl_ms / 1000,
             )

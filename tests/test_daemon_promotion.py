@@ -1,0 +1,90 @@
+"""SSD promotion off the cache lock (in-process, real shm pool and LMDB): an Acquire claims its
+slots, reads without the lock, then settles. Meanwhile the cache serves others, pinned blocks and
+claimed slots stay put, a second Acquire of the same blocks waits for the first, and a cancelled
+async Acquire still ends cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.cache import Cache
+from kvtier.namespaces import ResourceExhausted
+from kvtier.types import Tier
+from tests.test_daemon_cache import BLOCK, FP, Clock, T, keys, make, store
+
+
+@pytest.fixture
+def ssd_cache(tmp_path: Path) -> Iterator[tuple[Cache, Clock]]:
+    clock = Clock()
+    c = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
+    store(c, keys(1, 2), fill=0x11)
+    assert c.flush(10)
+    store(c, keys(2, 4), fill=0x22)  # the pool is full: chain 1 keeps only its SSD copies
+    assert c.flush(10)
+    assert c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD] * 2
+    yield c, clock
+    c.close()
+
+
+def test_claimed_slots_and_pinned_blocks_survive_pressure_during_the_read(
+    ssd_cache: tuple[Cache, Clock],
+) -> None:
+    c, _ = ssd_cache
+    a = c._acquire_begin(T, FP, keys(1, 2), 32, 0)  # step 1: 2 slots claimed (chain 2 evicted)
+    assert sorted(a.claimed) == [0, 1] and not a.waits
+    assert c.leaked_slots() == 0  # claimed slots are accounted for
+    # the lock is free: other requests are served while the read has not happened yet
+    assert c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD] * 2
+    w = c.allocate(T, FP, keys(3, 2), 32, b"", 0)  # takes the 2 remaining slots
+    with pytest.raises(ResourceExhausted):
+        c.allocate(T, FP, keys(4, 1), 32, b"", 0)  # claimed slots are never handed out
+    got = c._acquire_finish(a)  # steps 2 and 3
+    assert got.source_tiers == [Tier.SSD] * 2
+    assert all(bytes(c.slot_view(o, BLOCK)) == bytes([0x11]) * BLOCK for o in got.offsets)
+    c.abort(T, w.lease_id)
+    c.release(T, got.lease_id)
+    assert c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+    assert c.leaked_slots() == 0 and c.tiers.claimed == 0
+
+
+def test_a_second_acquire_waits_for_the_first_promotion(ssd_cache: tuple[Cache, Clock]) -> None:
+    c, _ = ssd_cache
+    first = c._acquire_begin(T, FP, keys(1, 2), 32, 0)
+    second = c._acquire_begin(T, FP, keys(1, 2), 32, 0)
+    assert sorted(second.waits) == [0, 1] and not second.claimed  # no second claim, no race
+    out: list[object] = []
+    waiter = threading.Thread(target=lambda: out.append(c._acquire_finish(second)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # blocked until the first Acquire settles
+    a = c._acquire_finish(first)
+    waiter.join(10)
+    b = out[0]
+    assert b.offsets == a.offsets and b.source_tiers == [Tier.SSD] * 2  # type: ignore[attr-defined]
+    c.release(T, a.lease_id)
+    c.release(T, b.lease_id)  # type: ignore[attr-defined]
+    assert c.leaked_slots() == 0 and c.active_leases() == 0
+
+
+def test_a_cancelled_async_acquire_still_finishes_and_its_lease_expires(
+    ssd_cache: tuple[Cache, Clock],
+) -> None:
+    c, clock = ssd_cache
+
+    async def main() -> None:
+        task = asyncio.create_task(c.acquire_async(T, FP, keys(1, 2), 32, 1.0))
+        await asyncio.sleep(0)  # step 1 ran, the read is on a worker thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())  # waits for the default executor: the worker has finished
+    assert c.active_leases() == 1 and c.tiers.claimed == 0
+    clock.now += 2.0
+    assert c.expire() == 1
+    assert c.leaked_slots() == 0 and c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
