@@ -61,6 +61,7 @@ def test_bad_trace_line_exits_2_with_line_number(tmp_path, bad, needle):
         (["--dram", "ten"], "cannot read"),
         (["--dram", "-3"], "negative"),
         (["--dram", "10", "--ssd-admit-k", "0"], "--ssd-admit-k"),
+        (["--dram", "10", "--admission-history", "-1"], "--admission-history"),
         (["--dram", "10", "--plot", "out.txt"], ".png"),
         (["--dram", "10", "--plot", "/no/such/dir/x.png"], "does not exist"),
         (["--dram", "10", "--requests", "0"], "--requests"),
@@ -98,6 +99,23 @@ def test_json_on_sample_trace_has_the_promised_keys_and_values():
     assert doc["stranded_blocks"] == 0
     assert doc["block_refs"] == 121_877 and doc["requests"] == 3993
     assert p.stderr == ""  # not a TTY: no progress bar
+
+
+def test_admission_history_flag_changes_admission():
+    if not SAMPLE.exists():
+        pytest.skip("sample trace not present")
+    docs = {}
+    for n in ("0", "20000"):
+        p = simulate("--trace", str(SAMPLE), "--dram", "4000", "--ssd", "16000", "--json",
+                     "--admission-history", n)
+        assert p.returncode == 0, p.stderr
+        docs[n] = json.loads(p.stdout)
+    off, on = docs["0"], docs["20000"]
+    assert off["admission_history"] == {"words": 0, "recalled": 0}
+    assert on["admission_history"]["words"] == 20_000 and on["admission_history"]["recalled"] > 0
+    # blocks reused beyond DRAM now reach the 2nd access: more SSD writes, more SSD hits
+    assert on["ssd_blocks_written"] > off["ssd_blocks_written"]
+    assert on["hit_ratio_by_tier"]["ssd"] > off["hit_ratio_by_tier"]["ssd"]
 
 
 def test_byte_capacities_with_a_model_preset():

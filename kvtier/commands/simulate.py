@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="admit to SSD on the K-th access (2)",
     )
+    parser.add_argument(
+        "--admission-history",
+        type=int,
+        metavar="N",
+        help="remember the access counts of N dropped blocks (4 bytes each; 0 = off; default: "
+        "one per block of DRAM + SSD capacity when SSD > 0; kept fixed across a --plot sweep)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE.png", help="also plot hit ratio against capacity")
     parser.add_argument(
@@ -96,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     ssd = parse_capacity(args.ssd, block_bytes, "--ssd")
     if args.ssd_admit_k < 1:
         raise UsageError(f"--ssd-admit-k must be >= 1, got {args.ssd_admit_k}")
-    config = TierConfig(dram, ssd, args.policy, args.ssd_admit_k)
+    if args.admission_history is not None and args.admission_history < 0:
+        raise UsageError(f"--admission-history must be >= 0, got {args.admission_history}")
+    config = TierConfig(dram, ssd, args.policy, args.ssd_admit_k, args.admission_history)
     if args.plot:
         from kvtier.sim.sweep import check_plot_target
 

@@ -43,6 +43,8 @@ class ReplayStats(NamedTuple):
     stranded_blocks: cached blocks whose parent is cached in no tier, counted on the index at the
     end (DESIGN invariant 2 says 0). dram_blocks_end / ssd_blocks_end: occupancy at the end.
     seconds / cpu_seconds: wall and process CPU time of the replay loop.
+    history_size: words of the index's admission history (0 = off); history_recalled: missed
+    blocks committed again that got their earlier access count back from it.
     """
 
     requests: int
@@ -61,6 +63,8 @@ class ReplayStats(NamedTuple):
     ssd_blocks_end: int
     seconds: float
     cpu_seconds: float
+    history_size: int = 0
+    history_recalled: int = 0
 
     @property
     def hits(self) -> int:

@@ -7,8 +7,9 @@ Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian k
   2. lease: the hit blocks are pinned until the request ends, so nothing the request uses is
      evicted under it. (A simplification of the daemon, which holds the Acquire lease while the
      engine loads and then its Allocate slots until Commit.)
-  3. room: one `index.evict(DRAM, n, write_back=True)` makes room for the SSD hits and the missed
-     blocks; the index demotes admitted victims (k-th access) to SSD, evicting SSD leaves for
+  3. room: one `index.evict_count(DRAM, n, write_back=True)` makes room for the SSD hits and the
+     missed blocks; the index demotes admitted victims (k-th access, counting accesses before an
+     earlier drop while its admission history remembers them) to SSD, evicting SSD leaves for
      them, and drops the rest, leaf-first. All eviction for the request happens here, so the
      blocks committed next cannot be evicted before the request ends either.
   4. promote: SSD-only hits are copied into DRAM (`index.promote`; the SSD copy stays).
@@ -128,6 +129,8 @@ def replay(
         ssd_blocks_end=idx.blocks(ssd),
         seconds=seconds,
         cpu_seconds=cpu,
+        history_size=st.history_size,
+        history_recalled=st.history_recalled,
     )
 
 

@@ -45,6 +45,7 @@ def to_json(r: SimReport) -> dict[str, Any]:
         },
         "policy": c.policy,
         "ssd_admit_k": c.ssd_admit_k,
+        "admission_history": {"words": s.history_size, "recalled": s.history_recalled},
         "hits": s.hits,
         "hit_ratio": s.hit_ratio,
         "hit_ratio_by_tier": {"dram": _ratio(s.hits_dram, refs), "ssd": _ratio(s.hits_ssd, refs)},
@@ -80,7 +81,7 @@ def format_table(r: SimReport) -> str:
         f"{r.source}: {s.requests:,} requests, {refs:,} block refs (512 tokens each), "
         f"{r.distinct_blocks:,} distinct blocks",
         f"tiers: DRAM {_cap(c.dram_blocks, bb)}, SSD {_cap(c.ssd_blocks, bb)}; policy {c.policy}; "
-        f"SSD admission on access {c.ssd_admit_k}",
+        f"SSD admission on access {c.ssd_admit_k} (history {s.history_size:,} words)",
         "",
     ]
     rows: list[tuple[str, str, str]] = [
@@ -102,6 +103,7 @@ def format_table(r: SimReport) -> str:
         ),
         ("dropped from DRAM (not admitted)", f"{s.dropped_dram:,}", ""),
         ("evicted from SSD", f"{s.evicted_ssd:,}", ""),
+        ("committed again with a remembered count", f"{s.history_recalled:,}", ""),
         ("missed blocks stored / not stored", f"{s.inserted:,} / {s.not_stored:,}", ""),
         ("stranded blocks (checked on the index)", f"{s.stranded_blocks:,}", ""),
         (
