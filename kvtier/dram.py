@@ -170,6 +170,31 @@ def _read_header(mapping: _Mapping) -> tuple[bytes, int, int, int, int, int, int
     return _HDR.unpack_from(mapping.mm, 0)  # type: ignore[return-value,unused-ignore]
 
 
+class SegmentHeader(NamedTuple):
+    version: int
+    state: int  # STATE_LIVE or STATE_CLOSED
+    generation: int
+
+
+def peek_header(path: str) -> SegmentHeader | None:
+    """The header of the segment file at `path` without mapping it; None when the file is
+    missing, unreadable or not a kvtier pool (no magic)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, _HDR.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) < _HDR.size:
+        return None
+    magic, version, state, gen, *_ = _HDR.unpack(raw)
+    return SegmentHeader(version, state, gen) if magic == MAGIC else None
+
+
 class DramPool:
     """The daemon's side: owns the segment, allocates slots, tracks pins, unlinks on close."""
 
@@ -429,7 +454,7 @@ class DramClient:
         ):
             self._map.close()
             raise StaleSegment(f"{path} is not the pool of generation {handle.generation}")
-        self._cuda_ptr: int | None = None
+        self._cuda: Any = None  # kvtier.gpu.hostmem.Registration once registered
 
     @classmethod
     def attach(cls, handle: SegmentHandle, writable: bool = True) -> DramClient:
@@ -448,31 +473,46 @@ class DramClient:
         o = h.data_offset + slot * h.slot_stride
         return self._map.buf[o : o + (h.slot_size if nbytes is None else nbytes)]
 
+    @property
+    def buffer(self) -> U8Array:
+        """The whole mapped segment as one uint8 array (header included); slot i starts at
+        `handle.data_offset + i * handle.slot_stride`. Valid until `close()`."""
+        return self._map.buf
+
     def register_cuda(self) -> bool:
-        """Page-lock the mapping for CUDA DMA (cupy hostRegister). False without cupy or a GPU."""
+        """Pin the whole mapping and map it into the device address space (cudaHostRegister
+        Portable|Mapped, via `kvtier.gpu.hostmem.register`), so DMA and kernels reach every slot.
+        Idempotent; False (logged) without cupy, a GPU, or when the driver refuses."""
+        if self._cuda is not None:
+            return True
         try:
-            import cupy
+            import cupy  # noqa: F401
         except ImportError:
             log.info("cupy not installed; DRAM pool not registered with CUDA")
             return False
+        from kvtier.gpu import hostmem
+
         try:
-            ptr = _address(self._map.buf)
-            cupy.cuda.runtime.hostRegister(ptr, self.handle.size, 0)
+            self._cuda = hostmem.register(self._map.buf)
         except Exception as exc:  # any CUDA error: no device, no driver, registration refused
             log.warning("CUDA host registration of the DRAM pool failed: %s", exc)
             return False
-        self._cuda_ptr = ptr
         return True
 
-    def close(self) -> None:
-        if self._cuda_ptr is not None:
-            try:
-                import cupy
+    @property
+    def cuda_registration(self) -> Any:
+        """The `kvtier.gpu.hostmem.Registration` from `register_cuda`, or None."""
+        return self._cuda
 
-                cupy.cuda.runtime.hostUnregister(self._cuda_ptr)
+    def close(self) -> None:
+        if self._cuda is not None:
+            from kvtier.gpu import hostmem
+
+            try:
+                hostmem.unregister(self._cuda)
             except Exception as exc:
                 log.warning("CUDA host unregistration failed: %s", exc)
-            self._cuda_ptr = None
+            self._cuda = None
         self._map.close()
 
     def __enter__(self) -> DramClient:

@@ -11,6 +11,10 @@ Shutdown order (SIGTERM): health goes NOT_SERVING and new Acquire/Allocate calls
 Release/Commit/Abort keep working until every lease has ended or `grace_s` has passed; then the
 server stops, leftover leases are ended (pins dropped, allocations aborted), the write-back queue is
 flushed and the storage tiers are closed cleanly, and the socket is removed.
+
+Shared memory: the DRAM segment's owner is recorded beside the socket (`kvtier.segment_owner`),
+so a daemon that died without unlinking its segment (SIGKILL, OOM) has it reclaimed by the next
+daemon started on the same socket — and a live daemon's segment is never touched.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvtier import segment_owner
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.auth import Authenticator
@@ -109,6 +114,9 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.cfg
         _claim_socket(cfg.socket)
+        reclaimed = segment_owner.reclaim(self.segment_record)
+        if reclaimed:
+            log.warning("%s", reclaimed)
         shm_free = shutil.disk_usage("/dev/shm").free
         if cfg.dram_bytes > shm_free:
             raise UsageError(
@@ -132,9 +140,12 @@ class Daemon:
             self.metrics.close()
             raise
         try:
+            pool = cache.pool
+            segment_owner.write_record(self.segment_record, segment_owner.this_process(
+                pool.spec.shm_dir, pool.spec.name, pool.generation))
             await self._start_server(cache)
         except BaseException:
-            cache.close()
+            self._close_cache(cache)
             self.metrics.close()
             raise
         self._reaper = asyncio.create_task(self._reap())
@@ -148,6 +159,15 @@ class Daemon:
             "tenants: " + ", ".join(t.name for t in self.auth.tenants())
             + (" (token auth)" if self.auth.required else " (no auth)"),
         )
+
+    @property
+    def segment_record(self) -> Path:
+        return segment_owner.record_path(self.cfg.socket)
+
+    def _close_cache(self, cache: Cache) -> None:
+        """Closes the tiers (the segment is unlinked), then drops the segment's owner record."""
+        cache.close()
+        segment_owner.remove_record(self.segment_record, cache.pool.generation)
 
     async def _start_server(self, cache: Cache) -> None:
         cfg = self.cfg
@@ -214,7 +234,7 @@ class Daemon:
                 await self._reaper
         if cache is not None:
             left = cache.active_leases()
-            cache.close()
+            self._close_cache(cache)
             log.info("kvtier stopped (%d lease(s) ended at shutdown)", left)
         self.metrics.close()
         with contextlib.suppress(FileNotFoundError):

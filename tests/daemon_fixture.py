@@ -6,6 +6,7 @@
         with Client(daemon.socket, layout=...) as kv: ...
 
 `DaemonProc.start()` waits until gRPC health reports SERVING; the log goes to `log_path`.
+`kill()` (SIGKILL) also unlinks the dead daemon's shared-memory segment, which it could not.
 Small pools by default (16 MiB DRAM of 64 KiB slots) so tests are fast.
 """
 
@@ -23,6 +24,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier import segment_owner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,15 +87,24 @@ class DaemonProc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise
+        self._reclaim_segment()  # a no-op after a clean exit (the daemon removed its record)
+        return code
+
+    def _reclaim_segment(self) -> None:
+        assert self.proc is not None
+        segment_owner.reclaim(segment_owner.record_path(self.socket), self.proc.pid)
 
     def kill(self) -> None:
+        """SIGKILL; then unlinks the segment the dead daemon could not (it is RAM in /dev/shm)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.proc is not None:
+            self._reclaim_segment()
 
     def metrics_text(self) -> str:
         import urllib.request
@@ -107,5 +119,5 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
     try:
         yield d
     finally:
-        if d.proc is not None and d.proc.poll() is None:
-            d.stop()
+        if d.proc is not None:
+            d.stop()  # also reclaims the segment of a daemon that died during the test

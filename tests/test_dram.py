@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import types
 import uuid
 from collections.abc import Iterator
 
@@ -149,6 +150,62 @@ def test_register_cuda_without_gpu_is_skipped(pool: DramPool) -> None:
             assert c.register_cuda() is False
 
 
+class _FakeRuntime:
+    """Stands in for cupy.cuda.runtime: records host registrations like the driver would."""
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.registered: dict[int, tuple[int, int]] = {}  # host ptr -> (bytes, flags)
+
+    def hostRegister(self, ptr: int, nbytes: int, flags: int) -> None:
+        if self.refuse:
+            raise self.CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        self.registered[ptr] = (nbytes, flags)
+
+    def hostUnregister(self, ptr: int) -> None:
+        del self.registered[ptr]
+
+    def pointerGetAttributes(self, ptr: int) -> object:
+        if ptr not in self.registered:
+            raise self.CUDARuntimeError("not registered")
+        return types.SimpleNamespace(devicePointer=ptr + (1 << 40))
+
+
+def _fake_cupy(monkeypatch: pytest.MonkeyPatch, runtime: _FakeRuntime) -> None:
+    cupy, cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
+    cuda.runtime = runtime  # type: ignore[attr-defined]
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    for name, mod in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.runtime", runtime)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_register_cuda_maps_the_whole_segment_for_kernels(
+    pool: DramPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt = _FakeRuntime()
+    _fake_cupy(monkeypatch, rt)
+    with DramClient.attach(pool.handle()) as c:
+        assert c.register_cuda() and c.register_cuda()  # idempotent: registered once
+        ptr = c.buffer.ctypes.data
+        # Portable (1) | Mapped (2): kernels need a device address for the host pages.
+        assert rt.registered == {ptr: (pool.size, 3)}
+        assert c.cuda_registration.device_ptr == ptr + (1 << 40)
+    assert rt.registered == {}  # unregistered before unmapping
+
+
+def test_register_cuda_refused_is_a_clean_false(
+    pool: DramPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt = _FakeRuntime(refuse=True)
+    _fake_cupy(monkeypatch, rt)
+    with DramClient.attach(pool.handle()) as c:
+        assert c.register_cuda() is False and c.cuda_registration is None
+    assert rt.registered == {}
+
+
 def test_close_unlinks_and_marks_closed(pool: DramPool) -> None:
     client = DramClient.attach(pool.handle())
     s = pool.alloc()
@@ -264,5 +321,6 @@ def test_cuda_registered_mapping_feeds_the_gpu(pool: DramPool) -> None:
     pool.write(s, pattern)
     with DramClient.attach(pool.handle()) as c:
         assert c.register_cuda()
+        assert c.cuda_registration.device_ptr  # mapped: kernels can address the slots
         on_gpu = cupy.asarray(c.view(s))
         assert bool((cupy.asnumpy(on_gpu) == pattern).all())
