@@ -8,8 +8,12 @@ chains of 1,024 blocks.
 
 - Memory: `tracemalloc` traced bytes after building the index (key bytes included — the index
   keeps them alive), divided by N; two residencies: all in DRAM with a slot id each (the daemon's
-  worst case) and all on SSD. Goal <= 300 bytes/block. Baseline: a plain ``dict`` key -> parent
-  key holding the same keys.
+  worst case) and all on SSD. Goal <= 300 bytes/block. The index is built with DRAM and SSD
+  capacities of N blocks each, so its default admission history (`kvtier.policies.
+  AdmissionHistory`, one 4-byte word per block of capacity) has 2N words = 8 B per cached block;
+  the DRAM build is also measured without history (``admission_history=0``), and the difference
+  is reported as the history's share. Baseline: a plain ``dict`` key -> parent key holding the
+  same keys.
 - Throughput (no tracemalloc), index full at N blocks in DRAM: inserts (building it), lookups of
   random L-block chains (full hits) and of 1,024-block chains, a miss, pin+unpin, and the
   steady state at capacity (evict L, insert a new L-chain). Baseline: the same walks over the
@@ -54,8 +58,9 @@ def make_chains(n: int, chain: int, seed: int = 0) -> list[list[bytes]]:
     return out
 
 
-def build(chains: list[list[bytes]], n: int, tier: Tier, slots: bool) -> PrefixIndex:
-    ix = PrefixIndex(dram_blocks=n, ssd_blocks=n)
+def build(chains: list[list[bytes]], n: int, tier: Tier, slots: bool,
+          history: int | None = None) -> PrefixIndex:
+    ix = PrefixIndex(dram_blocks=n, ssd_blocks=n, admission_history=history)
     slot = 0
     for keys in chains:
         parent = None
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     mem = {
         "index_dram_slots": traced_bytes_per_block(
             n, chain, lambda c: build(c, n, Tier.DRAM, True)),
+        "index_dram_slots_no_history": traced_bytes_per_block(
+            n, chain, lambda c: build(c, n, Tier.DRAM, True, history=0)),
         "index_ssd": traced_bytes_per_block(
             n, chain, lambda c: build(c, n, Tier.SSD, False)),
         "dict_baseline": traced_bytes_per_block(n, chain, build_dict),
@@ -197,10 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     assert len(ix) == n and ix.stats().dram_blocks == n
 
+    history_words = ix.history.size
+    mem["history_share"] = mem["index_dram_slots"] - mem["index_dram_slots_no_history"]
     rows = [
         ("memory, DRAM + slot id", f"{mem['index_dram_slots']:.0f} B/block",
          f"{mem['dict_baseline']:.0f} B/block (dict)",
          f"{mem['index_dram_slots'] / mem['dict_baseline']:.2f}x"),
+        ("  of which history", f"{mem['history_share']:.1f} B/block "
+         f"({history_words:,} words x 4 B)", "", ""),
+        ("memory, no history", f"{mem['index_dram_slots_no_history']:.0f} B/block", "", ""),
         ("memory, SSD only", f"{mem['index_ssd']:.0f} B/block", "", ""),
         ("insert", f"{res['insert_blocks_per_s'] / 1e3:.0f} K blocks/s",
          f"{res['dict_insert_blocks_per_s'] / 1e3:.0f} K blocks/s",
@@ -226,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.platform(), "python": platform.python_version(),
         "command": "python -m bench.index " + " ".join(argv or []),
-        "blocks": n, "chain": chain, "repeats": reps,
+        "blocks": n, "chain": chain, "repeats": reps, "history_words": history_words,
         "memory_bytes_per_block": mem, "memory_goal_met": goal, **res}, indent=2))
     print(f"wrote {RESULTS}")
     return 0

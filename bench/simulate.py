@@ -39,9 +39,11 @@ CONFIGS = [
     TierConfig(4_400),  # ~10%
     TierConfig(22_000),  # ~50%
     TierConfig(50_000),  # everything fits
-    TierConfig(4_000, 16_000),
+    TierConfig(4_000, 16_000),  # k=2 with the default admission history (20,000 words)
+    TierConfig(4_000, 16_000, admission_history=0),  # k=2, counts restart at a drop
     TierConfig(4_000, 16_000, ssd_admit_k=1),
     TierConfig(2_000, 40_000),
+    TierConfig(2_000, 40_000, admission_history=0),
     TierConfig(4_400, 0, "slru"),
     TierConfig(4_000, 16_000, "slru"),
     TierConfig(100),  # requests longer than DRAM: the not-stored path
@@ -77,8 +79,8 @@ def dict_lru_hits(reqs: Sequence[Request], capacity: int) -> int:
     return hits
 
 
-def _label(c: TierConfig) -> str:
-    return f"dram={c.dram_blocks} ssd={c.ssd_blocks} {c.policy} k={c.ssd_admit_k}"
+def _label(c: TierConfig, history: int) -> str:
+    return f"dram={c.dram_blocks} ssd={c.ssd_blocks} {c.policy} k={c.ssd_admit_k} h={history}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,20 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     print(f"{args.trace}: {len(reqs):,} requests, {n:,} block refs; rounds={args.rounds}")
     print(f"baseline (infinite-cache count): cpu {base_cpu * 1e3:.0f} ms, hit {inf / n:.4f}")
-    head = f"{'configuration':<32} {'cpu s':>5} {'wall s':>6} {'dictLRU':>7} {'x':>5} {'hit':>6}"
-    print(head + f" {'dLRUhit':>7} {'MIN':>6} {'MIN s':>5}  goal<{GOAL_S:g}s")
+    head = f"{'configuration':<40} {'cpu s':>5} {'wall s':>6} {'dictLRU':>7} {'x':>5} {'hit':>6}"
+    print(head + f" {'dLRUhit':>7} {'MIN':>6} {'MIN s':>5} {'SSD wr':>6}  goal<{GOAL_S:g}s")
     for cfg in CONFIGS:
         cpu, wall, stats = _measure(lambda c=cfg: replay(reqs, c), args.rounds)
         b_cpu, _, best = _measure(lambda c=cfg: belady(reqs, c.total_blocks, nxt).prefix_hits, 1)
         d_cpu, _, d_hits = _measure(lambda c=cfg: dict_lru_hits(reqs, c.total_blocks), 1)
         ok = cpu < GOAL_S
+        label = _label(cfg, stats.history_size)
         rows.append(
             {
-                "config": _label(cfg),
+                "config": label,
                 "dram_blocks": cfg.dram_blocks,
                 "ssd_blocks": cfg.ssd_blocks,
                 "policy": cfg.policy,
                 "ssd_admit_k": cfg.ssd_admit_k,
+                "admission_history": stats.history_size,
+                "history_recalled": stats.history_recalled,
+                "ssd_blocks_written": stats.ssd_blocks_written,
                 "replay_cpu_s": cpu,
                 "replay_wall_s": wall,
                 "dict_lru_cpu_s": d_cpu,
@@ -123,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(
-            f"{_label(cfg):<32} {cpu:5.2f} {wall:6.2f} {d_cpu:7.2f} {cpu / d_cpu:5.1f} "
-            f"{stats.hit_ratio:6.4f} {d_hits / n:7.4f} {best / n:6.4f} {b_cpu:5.2f}  "
+            f"{label:<40} {cpu:5.2f} {wall:6.2f} {d_cpu:7.2f} {cpu / d_cpu:5.1f} "
+            f"{stats.hit_ratio:6.4f} {d_hits / n:7.4f} {best / n:6.4f} {b_cpu:5.2f} "
+            f"{stats.ssd_blocks_written:6}  "
             f"{'ok' if ok else 'MISSED'}"
         )
     worst = max(r["replay_cpu_s"] for r in rows)
