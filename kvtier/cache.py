@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvtier.acquire import Acquirer, AcquireResult, Acquiring, ReadLease
 from kvtier.auth import Tenant
 from kvtier.config import Config
 from kvtier.costmodel import CostModel
@@ -59,13 +60,6 @@ from kvtier.types import Tier
 
 
 @dataclass(slots=True)
-class _Read:
-    ns: Namespace
-    blocks: list[Block]
-    h2d_bytes_per_s: float  # the planner's DRAM-read estimate when granted (prediction error)
-
-
-@dataclass(slots=True)
 class _Write:
     ns: Namespace
     keys: list[bytes]
@@ -73,37 +67,9 @@ class _Write:
     todo: list[tuple[int, int]]  # (index in keys, slot)
 
 
-@dataclass(slots=True)
-class _Acquiring:
-    """An Acquire between its steps (see `Cache.acquire`). Positions index `blocks`."""
-
-    tenant: Tenant
-    ns: Namespace
-    ttl: float
-    blocks: list[Block]  # the prefix, each pinned in the index
-    claimed: dict[int, int]  # position -> slot claimed to promote that SSD-only block into
-    waits: dict[int, threading.Event]  # position -> the promoting Acquire's `done`
-    done: threading.Event  # set once this Acquire's promotions are settled
-    h2d_bytes_per_s: float  # the rates when it began (prediction error)
-    ssd_bytes_per_s: float
-    got: list[int | None] | None = None  # per claimed slot, in order: payload bytes or None
-    read_s: float = 0.0
-
-    @property
-    def io(self) -> bool:
-        return bool(self.claimed or self.waits)
-
-
 class LookupResult(NamedTuple):
     tiers: list[Tier]
     plan: Plan | None
-
-
-class AcquireResult(NamedTuple):
-    lease_id: str  # "" when nothing was acquired
-    offsets: list[int]
-    source_tiers: list[Tier]
-    ttl_s: float
 
 
 class AllocateResult(NamedTuple):
@@ -132,9 +98,6 @@ def _check_reported(nbytes: int, most: int) -> None:
         raise InvalidArgument(f"reported {nbytes} bytes copied; the lease covers {most}")
 
 
-PROMOTION_WAIT_S = 30.0
-"""How long an Acquire waits for another Acquire's promotion of the same block before ending its
-prefix there."""
 _NO_REPLICA = "-"  # never registered (real names contain the namespace): lookups without HBM
 
 
@@ -152,15 +115,14 @@ class Cache:
         self.draining = False
         self._closed = False
         self._lock = threading.RLock()
-        self._settled = threading.Condition(self._lock)  # an Acquire with promotions finished
-        self._in_flight = 0  # Acquires between `_acquire_begin` and `_acquire_end` with I/O
-        self._promoting: dict[tuple[str, bytes], threading.Event] = {}
         self._leases = LeaseTable(clock)
         self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
         self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
                            self.names.ssd_quota_ok)
         self.pool = self.tiers.pool
         self.index = self.tiers.index
+        self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
+                                 self._claim)
         metrics.attach_pool(self.gauges)
         metrics.attach_rates(self.rates)
 
@@ -223,9 +185,10 @@ class Cache:
         self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, ttl_s: float,
     ) -> AcquireResult:
         """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
-        slots (on this thread); stops before a block that cannot be promoted."""
-        a = self._acquire_begin(tenant, fingerprint, keys, key_width, ttl_s)
-        return self._acquire_finish(a) if a.io else self._acquire_end(a)
+        slots (on this thread); stops before a block that cannot be promoted. See
+        `kvtier.acquire`."""
+        a = self.acquire_begin(tenant, fingerprint, keys, key_width, ttl_s)
+        return self.acquirer.finish(a) if a.io else self.acquirer.end(a)
 
     async def acquire_async(
         self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, ttl_s: float,
@@ -233,45 +196,20 @@ class Cache:
         """`acquire` for the event loop: SSD reads (and waits for other Acquires' promotions of
         the same blocks) run on a worker thread, without the cache lock. The worker finishes the
         Acquire even if the caller is cancelled; its lease then expires after the TTL."""
-        a = self._acquire_begin(tenant, fingerprint, keys, key_width, ttl_s)
+        a = self.acquire_begin(tenant, fingerprint, keys, key_width, ttl_s)
         if not a.io:
-            return self._acquire_end(a)
-        return await asyncio.to_thread(self._acquire_finish, a)
+            return self.acquirer.end(a)
+        return await asyncio.to_thread(self.acquirer.finish, a)
 
-    def _acquire_begin(
+    def acquire_begin(
         self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, ttl_s: float,
-    ) -> _Acquiring:
-        """Step 1 (lock): pin the prefix in the index, claim a slot per SSD-only block (or note
-        the Acquire already promoting it). Blocks from the first that gets no slot on are let go.
-        """
+    ) -> Acquiring:
+        """Validates the request and runs the Acquire's first step (`Acquirer.begin`)."""
         ttl = self._new_lease_ttl(ttl_s)
-        rates = self.rates
         with self._lock:
             ns = self._ns(tenant, fingerprint)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
-            blocks = list(self.index.lookup(ns.name, chain, touch=False).blocks)
-            for block in blocks:  # first, so promotions cannot evict the rest
-                self.index.pin(ns.name, block.key)
-            a = _Acquiring(tenant, ns, ttl, blocks, {}, {}, threading.Event(),
-                           rates.bandwidth(Link.DRAM_READ), rates.bandwidth(Link.SSD_READ))
-            for i, block in enumerate(blocks):
-                if block.in_dram:
-                    continue
-                other = self._promoting.get((ns.name, block.key))
-                if other is not None:
-                    a.waits[i] = other
-                    continue
-                slot = self._claim(ns)
-                if slot is None:  # no room: nothing is forgotten, the prefix ends here
-                    for rest in blocks[i:]:
-                        self.index.unpin(ns.name, rest.key)
-                    del blocks[i:]
-                    break
-                a.claimed[i] = slot
-                self._promoting[(ns.name, block.key)] = a.done
-            if a.io:
-                self._in_flight += 1
-        return a
+            return self.acquirer.begin(tenant, ns, chain, ttl)
 
     def _claim(self, ns: Namespace) -> int | None:
         state = ns.tenant
@@ -282,71 +220,10 @@ class Cache:
                 return None
         return self.tiers.claim(ns.name)
 
-    def _acquire_finish(self, a: _Acquiring) -> AcquireResult:
-        """Step 2 (no lock, any thread): read the claimed blocks, wait for other promoters."""
-        try:
-            if a.claimed:
-                name = a.ns.name
-                a.got, a.read_s = self.tiers.read_claimed(
-                    [(name, a.blocks[i].key, slot) for i, slot in a.claimed.items()])
-            for done in a.waits.values():
-                done.wait(PROMOTION_WAIT_S)
-        finally:
-            result = self._acquire_end(a)
-        return result
-
-    def _acquire_end(self, a: _Acquiring) -> AcquireResult:
-        """Step 3 (lock): settle promotions, cut the prefix before the first block not in DRAM,
-        grant the lease. Always runs once per `_acquire_begin` (it returns what was claimed)."""
-        ns, name = a.ns, a.ns.name
-        got = dict(zip(a.claimed, a.got or [None] * len(a.claimed), strict=True))
-        pinned: list[Block] = []
-        sources: list[Tier] = []
-        stop, lost, promoted = len(a.blocks), None, 0
-        with self._lock:
-            try:
-                for i, block in enumerate(a.blocks):
-                    n = got.get(i)
-                    if i in a.claimed:
-                        del self._promoting[(name, block.key)]
-                        if n is not None and i < stop:
-                            self.tiers.settle(name, block, a.claimed[i], n)
-                            promoted += 1
-                        else:
-                            self.tiers.unclaim(name, a.claimed[i])
-                            if n is None and i < stop:
-                                lost = block
-                            stop = min(stop, i)
-                    elif i in a.waits and not block.in_dram:
-                        stop = min(stop, i)  # the other promoter failed or is late
-                    if i >= stop:
-                        self.index.unpin(name, block.key)
-                        continue
-                    assert block.dram_slot is not None
-                    self.pool.pin(block.dram_slot)
-                    pinned.append(block)
-                    sources.append(Tier.SSD if i in a.claimed or i in a.waits else Tier.DRAM)
-                if lost is not None:
-                    self.tiers.drop_lost(name, lost)
-                lease_id, offsets = "", []
-                if pinned:
-                    lease_id = self._leases.grant(a.tenant.name, LeaseKind.READ, a.ttl,
-                                                  _Read(ns, pinned, a.h2d_bytes_per_s)).id
-                    offsets = [self.pool.offset(b.dram_slot or 0) for b in pinned]
-            finally:
-                a.done.set()
-                if a.io:
-                    self._in_flight -= 1
-                    self._settled.notify_all()
-        if promoted:
-            self.metrics.observe_fetch(
-                Link.SSD_READ, a.read_s, promoted * ns.layout.block_bytes / a.ssd_bytes_per_s)
-        return AcquireResult(lease_id, offsets, sources, a.ttl)
-
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
             lease = self._own(tenant, lease_id, LeaseKind.READ)
-            r: _Read = lease.payload  # type: ignore[assignment]
+            r: ReadLease = lease.payload  # type: ignore[assignment]
             _check_reported(nbytes, len(r.blocks) * r.ns.layout.block_bytes)
             self._leases.pop(lease.id)
             self._end_read(lease)
@@ -496,7 +373,7 @@ class Cache:
         return lease
 
     def _end_read(self, lease: Lease) -> None:
-        r: _Read = lease.payload  # type: ignore[assignment]
+        r: ReadLease = lease.payload  # type: ignore[assignment]
         for block in r.blocks:
             assert block.dram_slot is not None
             self.pool.unpin(block.dram_slot)
@@ -631,9 +508,7 @@ class Cache:
             if self._closed:
                 return
             self._closed = True
-            deadline = time.monotonic() + timeout
-            while self._in_flight and (left := deadline - time.monotonic()) > 0:
-                self._settled.wait(left)  # promotions finish before the store closes
+            self.acquirer.wait_idle(timeout)  # promotions finish before the store closes
             for lease in self._leases.pop_all():
                 if lease.kind is LeaseKind.READ:
                     self._end_read(lease)

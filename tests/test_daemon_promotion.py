@@ -35,7 +35,7 @@ def test_claimed_slots_and_pinned_blocks_survive_pressure_during_the_read(
     ssd_cache: tuple[Cache, Clock],
 ) -> None:
     c, _ = ssd_cache
-    a = c._acquire_begin(T, FP, keys(1, 2), 32, 0)  # step 1: 2 slots claimed (chain 2 evicted)
+    a = c.acquire_begin(T, FP, keys(1, 2), 32, 0)  # step 1: 2 slots claimed (chain 2 evicted)
     assert sorted(a.claimed) == [0, 1] and not a.waits
     assert c.leaked_slots() == 0  # claimed slots are accounted for
     # the lock is free: other requests are served while the read has not happened yet
@@ -43,7 +43,7 @@ def test_claimed_slots_and_pinned_blocks_survive_pressure_during_the_read(
     w = c.allocate(T, FP, keys(3, 2), 32, b"", 0)  # takes the 2 remaining slots
     with pytest.raises(ResourceExhausted):
         c.allocate(T, FP, keys(4, 1), 32, b"", 0)  # claimed slots are never handed out
-    got = c._acquire_finish(a)  # steps 2 and 3
+    got = c.acquirer.finish(a)  # steps 2 and 3
     assert got.source_tiers == [Tier.SSD] * 2
     assert all(bytes(c.slot_view(o, BLOCK)) == bytes([0x11]) * BLOCK for o in got.offsets)
     c.abort(T, w.lease_id)
@@ -54,15 +54,15 @@ def test_claimed_slots_and_pinned_blocks_survive_pressure_during_the_read(
 
 def test_a_second_acquire_waits_for_the_first_promotion(ssd_cache: tuple[Cache, Clock]) -> None:
     c, _ = ssd_cache
-    first = c._acquire_begin(T, FP, keys(1, 2), 32, 0)
-    second = c._acquire_begin(T, FP, keys(1, 2), 32, 0)
+    first = c.acquire_begin(T, FP, keys(1, 2), 32, 0)
+    second = c.acquire_begin(T, FP, keys(1, 2), 32, 0)
     assert sorted(second.waits) == [0, 1] and not second.claimed  # no second claim, no race
     out: list[object] = []
-    waiter = threading.Thread(target=lambda: out.append(c._acquire_finish(second)))
+    waiter = threading.Thread(target=lambda: out.append(c.acquirer.finish(second)))
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive()  # blocked until the first Acquire settles
-    a = c._acquire_finish(first)
+    a = c.acquirer.finish(first)
     waiter.join(10)
     b = out[0]
     assert b.offsets == a.offsets and b.source_tiers == [Tier.SSD] * 2  # type: ignore[attr-defined]
