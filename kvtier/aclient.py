@@ -31,7 +31,6 @@ from kvtier.client import (
     LayoutDecl,
     Loaded,
     Lookup,
-    MappedSegment,
     Stored,
     StoreTx,
     check_blocks,
@@ -41,10 +40,9 @@ from kvtier.client import (
     pack_keys,
     register_request,
     rpc_error,
-    segment_handle,
     write_chunks,
 )
-from kvtier.dram import DramClient, StaleSegment
+from kvtier.client_shm import MappedSegment, SlotBuffer, adopt
 
 T = TypeVar("T")
 
@@ -98,31 +96,22 @@ class AsyncClient:
         self._adopt(reply.segment)
 
     def _adopt(self, info: pb.SegmentInfo) -> MappedSegment:
-        seg = self._segment
-        if seg is not None and (seg.info.name, seg.info.generation) == (
-                info.name, info.generation):
-            return seg
-        if seg is not None and seg.dram is not None:
-            seg.dram.close()
-        seg = self._segment = MappedSegment(info)
-        if not self.force_streaming:
-            try:
-                seg.dram = DramClient.attach(segment_handle(info))
-            except (OSError, StaleSegment):
-                seg.failed = True
-        return seg
+        self._segment = adopt(self._segment, info, self.force_streaming)
+        return self._segment
 
     @property
     def uses_shm(self) -> bool:
         return self._segment is not None and self._segment.dram is not None
 
     def register_cuda(self) -> bool:
-        """Page-locks the mapped segment for CUDA DMA (cupy); False without shm, cupy or a GPU.
-
-        Registration belongs to the current mapping: call again after a daemon restart.
-        """
+        """As `Client.register_cuda` (Portable|Mapped: kernels reach every slot)."""
         seg = self._segment
         return seg is not None and seg.dram is not None and seg.dram.register_cuda()
+
+    def slot_buffer(self) -> SlotBuffer | None:
+        """As `Client.slot_buffer`: the mapped segment's slots, rows = `Loaded.slots`."""
+        seg = self._segment
+        return seg.buffer() if seg is not None else None
 
     async def close(self) -> None:
         if self._segment is not None and self._segment.dram is not None:
@@ -163,7 +152,8 @@ class AsyncClient:
             v.flags.writeable = False
         started = time.perf_counter()
         try:
-            yield Loaded(reply.count, views, [TIER_FROM_PB[t] for t in reply.source_tiers])
+            yield Loaded(reply.count, views, [TIER_FROM_PB[t] for t in reply.source_tiers],
+                         tuple(map(seg.slot, reply.offsets)))
         finally:
             if reply.lease_id:
                 await self._raw(self._stub.Release, pb.ReleaseRequest(
@@ -220,7 +210,8 @@ class AsyncClient:
             await self._raw(self._stub.Abort, pb.AbortRequest(lease_id=reply.lease_id))
             raise KvtierUnavailable(grpc.StatusCode.UNAVAILABLE, "shared segment not mappable")
         tx = StoreTx([(i, seg.view(o, reply.block_bytes))
-                      for i, o in zip(reply.indices, reply.offsets, strict=True)])
+                      for i, o in zip(reply.indices, reply.offsets, strict=True)],
+                     list(map(seg.slot, reply.offsets)))
         started = time.perf_counter()
         try:
             yield tx

@@ -29,7 +29,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -39,8 +39,9 @@ import numpy.typing as npt
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.client_shm import MappedSegment, adopt
+from kvtier.client_shm import SlotBuffer as SlotBuffer
 from kvtier.config import runtime_dir
-from kvtier.dram import DramClient, SegmentHandle, StaleSegment
 from kvtier.errors import KvtierError
 from kvtier.types import Tier
 
@@ -101,11 +102,16 @@ class Lookup(NamedTuple):
 
 
 class Loaded(NamedTuple):
-    """Blocks keys[0:blocks]: read-only views (shm) or copies (streaming)."""
+    """Blocks keys[0:blocks]: read-only views (shm) or copies (streaming).
+
+    `slots[i]` is the pool slot behind `views[i]` (a row of `Client.slot_buffer()`), for engines
+    that copy with their own kernels; empty on the streaming path.
+    """
 
     blocks: int
     views: list[U8]
     tiers: list[Tier]
+    slots: tuple[int, ...] = ()
 
 
 class Stored(NamedTuple):
@@ -115,26 +121,16 @@ class Stored(NamedTuple):
 
 @dataclass(slots=True)
 class StoreTx:
-    """What `store_into` yields: (index in keys, writable slot view) for each key to write.
+    """What `store_into` yields: (index in keys, writable slot view) for each key to write, and
+    in `slot_ids[j]` the pool slot behind `slots[j]`'s view (a row of `Client.slot_buffer()`).
 
     `committed` is set after the `with` block commits (blocks whose parent vanished meanwhile
     are dropped by the daemon and not counted).
     """
 
     slots: list[tuple[int, U8]]
+    slot_ids: list[int] = field(default_factory=list)
     committed: int = 0
-
-
-@dataclass(slots=True)
-class MappedSegment:
-    info: pb.SegmentInfo
-    dram: DramClient | None = None
-    failed: bool = False
-
-    def view(self, offset: int, nbytes: int) -> U8:
-        assert self.dram is not None
-        slot = (offset - self.info.data_offset) // self.info.slot_stride
-        return self.dram.view(slot, nbytes)
 
 
 def default_socket() -> Path:
@@ -146,12 +142,6 @@ def pack_keys(keys: Sequence[bytes], width: int) -> bytes:
         if len(k) != width:
             raise ValueError(f"key of {len(k)} bytes; this layout's keys have {width}")
     return b"".join(keys)
-
-
-def segment_handle(info: pb.SegmentInfo) -> SegmentHandle:
-    return SegmentHandle(info.name, info.size, info.generation, info.slot_bytes,
-                         info.slot_stride, info.slot_count, info.data_offset,
-                         info.shm_dir or "/dev/shm")
 
 
 def register_request(layout: LayoutDecl) -> pb.RegisterLayoutRequest:
@@ -250,32 +240,28 @@ class Client:
         self._adopt(reply.segment)
 
     def _adopt(self, info: pb.SegmentInfo) -> MappedSegment:
-        seg = self._segment
-        same = seg is not None and (seg.info.name, seg.info.generation) == (
-            info.name, info.generation)
-        if seg is not None and same:
-            return seg
-        if seg is not None and seg.dram is not None:
-            seg.dram.close()
-        seg = self._segment = MappedSegment(info)
-        if not self.force_streaming:
-            try:
-                seg.dram = DramClient.attach(segment_handle(info))
-            except (OSError, StaleSegment):
-                seg.failed = True
-        return seg
+        self._segment = adopt(self._segment, info, self.force_streaming)
+        return self._segment
 
     @property
     def uses_shm(self) -> bool:
         return self._segment is not None and self._segment.dram is not None
 
     def register_cuda(self) -> bool:
-        """Page-locks the mapped segment for CUDA DMA (cupy); False without shm, cupy or a GPU.
+        """Pins the mapped segment and maps it into the device address space (cudaHostRegister
+        Portable|Mapped), so DMA and kernels reach every slot; False without shm, cupy or a GPU.
 
         Registration belongs to the current mapping: call again after a daemon restart.
         """
         seg = self._segment
         return seg is not None and seg.dram is not None and seg.dram.register_cuda()
+
+    def slot_buffer(self) -> SlotBuffer | None:
+        """The mapped segment as a `SlotBuffer` (None on the streaming path). It stays valid
+        memory while referenced; after a daemon restart the client maps the new pool, and a
+        later call returns its buffer (compare `generation`)."""
+        seg = self._segment
+        return seg.buffer() if seg is not None else None
 
     def close(self) -> None:
         if self._segment is not None and self._segment.dram is not None:
@@ -319,7 +305,8 @@ class Client:
             v.flags.writeable = False
         started = time.perf_counter()
         try:
-            yield Loaded(reply.count, views, [TIER_FROM_PB[t] for t in reply.source_tiers])
+            yield Loaded(reply.count, views, [TIER_FROM_PB[t] for t in reply.source_tiers],
+                         tuple(map(seg.slot, reply.offsets)))
         finally:
             if reply.lease_id:
                 self._raw(self._stub.Release, pb.ReleaseRequest(
@@ -379,7 +366,8 @@ class Client:
             self._raw(self._stub.Abort, pb.AbortRequest(lease_id=reply.lease_id))
             raise KvtierUnavailable(grpc.StatusCode.UNAVAILABLE, "shared segment not mappable")
         tx = StoreTx([(i, seg.view(o, reply.block_bytes)) for i, o in
-                      zip(reply.indices, reply.offsets, strict=True)])
+                      zip(reply.indices, reply.offsets, strict=True)],
+                     list(map(seg.slot, reply.offsets)))
         started = time.perf_counter()
         try:
             yield tx

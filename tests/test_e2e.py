@@ -148,8 +148,8 @@ def window_spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     seen: list[bool] = []
     real = kvtier_adapter.slot_window
 
-    def spy(views: Any, nbytes: int) -> Any:
-        got = real(views, nbytes)
+    def spy(buffer: Any, slots: Any) -> Any:
+        got = real(buffer, slots)
         seen.append(got is not None)
         return got
 
@@ -355,16 +355,19 @@ def test_daemon_killed_mid_request_recomputes_correctly(tmp_path: Path, stage: s
         d.kill()
 
 
-def test_slot_window_addresses_views_in_place() -> None:
+def test_slot_window_addresses_slots_in_place() -> None:
     import numpy as np
 
-    seg = np.zeros(10 * 4096, dtype=np.uint8)
-    views = [seg[4096 * s: 4096 * s + 1000] for s in (7, 2, 4)]
-    win = slot_window(views, 1000)
+    from kvtier.client import SlotBuffer
+
+    seg = np.zeros(4096 + 10 * 8192, dtype=np.uint8)
+    buf = SlotBuffer(seg, data_offset=4096, slot_count=10, slot_bytes=5000, slot_stride=8192,
+                     generation=1)
+    win = slot_window(buf, [7, 2, 4])
     assert win is not None
     arr, rows = win
-    # offsets 2, 4 and 7 slots of 4096 B: gcd of deltas (0, 2, 5)·4096 is 4096 -> rows 5, 0, 2.
-    assert rows == [5, 0, 2] and arr.shape == (6, 1000) and arr.strides == (4096, 1)
+    # slots 2..7 -> 6 rows of 5000 B every 8192 B; slot 7 is row 5, slot 2 row 0, slot 4 row 2.
+    assert rows == [5, 0, 2] and arr.shape == (6, 5000) and arr.strides == (8192, 1)
     arr[5, :3] = 9
-    assert views[0][:3].tolist() == [9, 9, 9]
-    assert slot_window([np.zeros(1000, dtype=np.uint8), views[0]], 1000) is None
+    assert seg[4096 + 7 * 8192 : 4096 + 7 * 8192 + 4].tolist() == [9, 9, 9, 0]
+    assert slot_window(None, [1]) is None and slot_window(buf, []) is None

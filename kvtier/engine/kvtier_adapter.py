@@ -24,15 +24,15 @@ timeout, a block the daemon could not verify (it reports fewer blocks), a failed
 pool blocks taken and recomputes; steps 5-6 are best effort. The result says why (`fallback`).
 After an unreachable daemon the replica runs without kvtier for `retry_after_s`, then reconnects.
 
-Slots: the client hands out per-block uint8 views. When they are slices of one mapping (the DRAM
-segment) the transfer engine addresses them in place through a strided window over that mapping;
-otherwise (the streaming path) they go through a staging array. Threading: one thread per replica.
+Slots: with the DRAM segment mapped, `Client.slot_buffer()` is the [slots, slot_bytes] array over
+the mapping and `Loaded.slots` / `StoreTx.slot_ids` name the rows, so the transfer engine copies
+in place (`slot_window`); on the streaming path the per-block views go through a staging array.
+Threading: one thread per replica.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +45,7 @@ import numpy.typing as npt
 import torch
 
 from kvtier import transfer
-from kvtier.client import Client, KvtierRpcError, LayoutDecl, ModelCost
+from kvtier.client import Client, KvtierRpcError, LayoutDecl, ModelCost, SlotBuffer
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.kvpool import PoolExhausted
 from kvtier.engine.runner import Engine
@@ -119,26 +119,14 @@ class ServeResult(NamedTuple):
         return len(self.loaded_tiers)
 
 
-def slot_window(views: Sequence[U8], nbytes: int) -> tuple[U8, list[int]] | None:
-    """A [rows, nbytes] strided slot array over the one array all `views` slice, and each view's
-    row in it; None when the views do not share one base array at a common stride."""
-    base = views[0].base
-    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != np.uint8:
+def slot_window(buffer: SlotBuffer | None, slots: Sequence[int]) -> tuple[U8, list[int]] | None:
+    """The rows of the client's slot buffer from the lowest to the highest of `slots`, as one
+    [rows, slot_bytes] array over the mapping (no copy), and each slot's row in it; None without
+    a buffer (the streaming path) or slots."""
+    if buffer is None or not slots:
         return None
-    if any(v.base is not base or v.nbytes != nbytes for v in views):
-        return None
-    base_ptr = base.ctypes.data
-    offsets = [v.ctypes.data - base_ptr for v in views]
-    low = min(offsets)
-    deltas = [o - low for o in offsets]
-    stride = math.gcd(*deltas) or nbytes
-    if stride < nbytes:
-        return None
-    rows = max(deltas) // stride + 1
-    window = np.lib.stride_tricks.as_strided(base[low:], shape=(rows, nbytes),
-                                             strides=(stride, 1),
-                                             writeable=bool(base.flags.writeable))
-    return window, [d // stride for d in deltas]
+    low = min(slots)
+    return buffer.array()[low : max(slots) + 1], [s - low for s in slots]
 
 
 def unreachable(exc: BaseException) -> bool:
@@ -282,7 +270,9 @@ class KvtierEngine:
                 self._stage("acquired")
                 n = got.blocks
                 if n:
-                    ok = self._copy(transfer.Direction.LOAD, got.views[:n], blocks[:n])
+                    buf = client.slot_buffer() if got.slots else None
+                    ok = self._copy(transfer.Direction.LOAD, buf, got.slots[:n], got.views[:n],
+                                    blocks[:n])
                     n = int(np.argmin(ok)) if not ok.all() else n
                 tiers = tuple(got.tiers[:n])
         except BaseException:
@@ -291,11 +281,13 @@ class KvtierEngine:
         self.engine.pool.free(blocks[n:])
         return blocks[:n], tiers
 
-    def _copy(self, direction: transfer.Direction, views: Sequence[U8], blocks: Sequence[int]
+    def _copy(self, direction: transfer.Direction, buffer: SlotBuffer | None,
+              slots: Sequence[int], views: Sequence[U8], blocks: Sequence[int]
               ) -> npt.NDArray[np.bool_]:
-        """Copy between slot views and pool blocks through the transfer engine; ok per pair."""
+        """Copy between slots and pool blocks through the transfer engine; ok per pair. In place
+        through the client's slot buffer when there is one, else through `views` and staging."""
         nbytes = self.decl.block_bytes
-        window = slot_window(views, nbytes)
+        window = slot_window(buffer, slots)
         if window is not None:
             return self._transfer(direction, window[0], window[1], blocks)
         if direction is transfer.Direction.LOAD:
@@ -348,8 +340,8 @@ class KvtierEngine:
         with client.store_into(new_keys, parent) as tx:
             if tx.slots:
                 idx = [i for i, _ in tx.slots]
-                ok = self._copy(transfer.Direction.STORE, [v for _, v in tx.slots],
-                                [blocks[i] for i in idx])
+                ok = self._copy(transfer.Direction.STORE, client.slot_buffer(), tx.slot_ids,
+                                [v for _, v in tx.slots], [blocks[i] for i in idx])
                 if not ok.all():
                     raise _StoreCopyFailed(f"{int((~ok).sum())} block(s) failed to copy")
         return tx.committed

@@ -1,0 +1,87 @@
+"""A client's mapping of the daemon's DRAM segment (shared by `kvtier.client` and
+`kvtier.aclient`): attach/re-attach by the daemon's `SegmentInfo`, slot numbers from offsets, and
+the `SlotBuffer` zero-copy engines copy through.
+
+Lifetime: a `MappedSegment` belongs to one pool generation; a reply naming another generation
+(the daemon restarted) replaces it (`adopt`) and the old mapping is closed — its memory stays
+valid while arrays over it are referenced (the unmap waits for them), but it no longer is the
+daemon's pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier.dram import DramClient, SegmentHandle, StaleSegment
+from kvtier.transfer import slot_array
+
+U8 = npt.NDArray[np.uint8]
+
+
+class SlotBuffer(NamedTuple):
+    """The mapped DRAM segment for zero-copy engines: slot i is the `slot_bytes` bytes at
+    `segment[data_offset + i * slot_stride:]`. `array()` is the [slot_count, slot_bytes] view
+    (`kvtier.transfer.slot_array`) a `TransferEngine` takes; rows are `Loaded.slots` /
+    `StoreTx.slot_ids`. No copy: it shares memory with the mapping. `generation` names the
+    daemon's pool; indices from a call answered by another generation do not apply to it.
+    """
+
+    segment: U8
+    data_offset: int
+    slot_count: int
+    slot_bytes: int
+    slot_stride: int
+    generation: int
+
+    def array(self) -> U8:
+        return slot_array(self.segment, self.data_offset, self.slot_count, self.slot_bytes,
+                          self.slot_stride)
+
+
+@dataclass(slots=True)
+class MappedSegment:
+    info: pb.SegmentInfo
+    dram: DramClient | None = None
+    failed: bool = False
+
+    def slot(self, offset: int) -> int:
+        return (offset - self.info.data_offset) // self.info.slot_stride
+
+    def view(self, offset: int, nbytes: int) -> U8:
+        assert self.dram is not None
+        return self.dram.view(self.slot(offset), nbytes)
+
+    def buffer(self) -> SlotBuffer | None:
+        if self.dram is None:
+            return None
+        i = self.info
+        return SlotBuffer(self.dram.buffer, i.data_offset, i.slot_count, i.slot_bytes,
+                          i.slot_stride, i.generation)
+
+
+def segment_handle(info: pb.SegmentInfo) -> SegmentHandle:
+    return SegmentHandle(info.name, info.size, info.generation, info.slot_bytes,
+                         info.slot_stride, info.slot_count, info.data_offset,
+                         info.shm_dir or "/dev/shm")
+
+
+def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool) -> MappedSegment:
+    """`current` if it maps the pool `info` names, else a new mapping of it (the old one closed);
+    with `streaming`, or when the segment cannot be mapped, one without `dram`."""
+    if current is not None and (current.info.name, current.info.generation) == (
+            info.name, info.generation):
+        return current
+    if current is not None and current.dram is not None:
+        current.dram.close()
+    seg = MappedSegment(info)
+    if not streaming:
+        try:
+            seg.dram = DramClient.attach(segment_handle(info))
+        except (OSError, StaleSegment):
+            seg.failed = True
+    return seg
