@@ -1,169 +1,98 @@
-"""SSD tier: a crash-safe, capacity-bounded block store on LMDB.
+"""SSD tier: a crash-safe, capacity-bounded block store indexed by LMDB.
 
-Three sub-databases in one environment, always changed in the same transaction:
+Sub-databases of one LMDB environment, always changed in the same transaction:
 
-    blocks  stored key -> payload (exactly the bytes given; no copy to prepend a header)
-    meta    stored key -> size, access count, last access, stored-at, parent key, and the
-            block's 64-byte header (kvtier.blockfmt)                           (the SSD index)
-    info    b"format" / b"layout" / b"used" -> store format, layout digest, used bytes
+    meta    stored key -> size, access count, last access, stored-at, payload slot, parent key,
+            and the block's 64-byte header (kvtier.blockfmt)                   (the SSD index)
+    blocks  stored key -> payload (payload mode "lmdb" only)
+    info    b"format" / b"layout" / b"mode" / b"used" -> store format, layout digest,
+            payload mode and slot size, used bytes
 
-A stored key is `len(tenant) | tenant utf-8 | block key`, so tenants never share entries. Payload
-bytes live inside LMDB values (overflow pages): measured against the targets in
-docs/ARCHITECTURE.md "## Storage tiers", this met them without segment files of our own.
+A stored key is `len(tenant) | tenant utf-8 | block key`, so tenants never share entries.
 
-Crash safety: a batch of puts is one LMDB transaction; LMDB's copy-on-write B-tree makes it
-visible all at once at commit or not at all, so a crash (SIGKILL, power loss) never leaves a
-partially written block readable. Durability modes (`SsdSpec.durability`):
+Where payloads live (`SsdSpec.payload`, measured in docs/ARCHITECTURE.md "## Storage tiers"):
+    "slots"  a preallocated file of fixed-size slots (`kvtier.ssd_slots`), written with pwritev
+             and read with preadv; LMDB holds only the index. The default whenever the spec
+             names a `slot_size` (the daemon's blocks are one DRAM slot each).
+    "lmdb"   inside LMDB values (overflow pages); any payload size.
+
+Crash safety. "lmdb": a batch of puts is one LMDB transaction, visible whole at commit or not at
+all. "slots": a batch's payloads are written into slots no committed entry references, the slot
+file is fdatasynced, and only then is the transaction that references them (slot, length,
+checksum in the header) committed; a crash before the commit leaves the slots unreferenced, and
+the free set is rebuilt from the index at open. A delete commits first and frees its slots after
+(through a reader quarantine, see `kvtier.ssd_slots`). Either way a crash (SIGKILL, power loss)
+never leaves a partially written block readable. Durability modes (`SsdSpec.durability`):
     "sync"        fsync data and meta page at each commit: a commit that returned survives a crash.
     "nometasync"  (default) data fsynced, meta page not: a power loss can undo the last committed
                   transaction (never corrupt); a process crash loses nothing committed.
     "nosync"      no fsync; the OS flushes. A process crash loses nothing committed; a power loss
-                  may lose recent transactions (ext4/xfs keep the store consistent).
+                  may lose recent transactions (the headers' checksums catch a payload lost then).
 
 Reads verify everything (header checksum, format, layout digest, key digest, length, payload
 checksum of the bytes actually served); a mismatch is a miss, a counter and the entry deleted.
 
-Capacity: `capacity_bytes` bounds the stored bytes (headers included); the LMDB map is sized
-with headroom. Without writemap (the default) a full disk is an I/O error on commit, i.e. a
-refusal; with `writemap=True` (faster writes, slower cold reads) the map is reserved on disk at
-open (posix_fallocate), so a full disk is a clean error at open, never a SIGBUS in a write.
-A put that would exceed the capacity asks the `evictor` callback for victims (leaf-first from
-the prefix index); what still does not fit is refused. `lmdb.MapFullError` never escapes.
+Capacity: `capacity_bytes` bounds the stored bytes (headers included); in slots mode also the
+slot count. The slot file (and with `writemap=True` the LMDB map) is reserved on disk at open,
+so a full disk is a clean error at open, never a SIGBUS or ENOSPC in a write. A put that would
+exceed the capacity asks the `evictor` callback for victims (leaf-first from the prefix index);
+what still does not fit is refused. `lmdb.MapFullError` never escapes.
+
+Format: `STORE_FORMAT` 3 (a slot number in every index record). A store of another format, layout
+or payload mode (an older kvtier, a changed slot size) is discarded at open with one warning: its
+files are deleted and recreated empty — it is a cache, and nothing in it could be served.
 
 Threading: one writer at a time — writes (`put_many`, `delete_many`, `flush_stats`) are
 serialized by an internal lock and are meant to come from the mover's writer thread; reads
-(`get_into`, `get`, `contains`) run concurrently from any thread and never block on writers.
-The `evictor` runs on the writing thread with no store lock held.
+(`get_into`, `get_many_into`, `get`, `contains`) run concurrently from any thread and never
+block on writers. The `evictor` runs on the writing thread with no store lock held.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import lmdb
-import numpy as np
 
 from kvtier import blockfmt
 from kvtier.errors import UsageError
+from kvtier.ssd_open import U64 as _U64
+from kvtier.ssd_open import discard, open_env, stale_reason
+from kvtier.ssd_open import preallocate as _preallocate
+from kvtier.ssd_read import META as _META
+from kvtier.ssd_read import Rejected, read_lmdb, read_slots, record
+from kvtier.ssd_slots import SlotFile
+from kvtier.ssd_types import (
+    HEADER_SIZE,
+    Counters,
+    Durability,
+    Evictor,
+    PayloadMode,
+    PutItem,
+    PutResult,
+    SsdEntry,
+    SsdSpec,
+    SsdStats,
+    TenantKey,
+    split_key,
+    stored_key,
+)
+
+__all__ = [
+    "STORE_FORMAT", "Durability", "Evictor", "PayloadMode", "PutItem", "PutResult", "SsdEntry",
+    "SsdSpec", "SsdStats", "SsdStore", "TenantKey", "split_key", "stored_key",
+]
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = 2
-Durability = Literal["sync", "nometasync", "nosync"]
-TenantKey = tuple[str, bytes]
-Evictor = Callable[[int], Sequence[TenantKey]]
-"""Given bytes to free, return victims (tenant, key) to delete, leaf-first. Runs on the writer."""
-
-_META = struct.Struct("<QQddB")
-_U64 = struct.Struct("<Q")
-_PAGE = 4096
-
-
-def stored_key(tenant: str, key: bytes) -> bytes:
-    t = tenant.encode()
-    if len(t) > 255:
-        raise UsageError("tenant name longer than 255 bytes")
-    if not 1 <= len(key) <= 200:
-        raise UsageError(f"block key must be 1..200 bytes, got {len(key)}")
-    return bytes((len(t),)) + t + key
-
-
-def split_key(skey: bytes) -> TenantKey:
-    n = skey[0]
-    return skey[1 : 1 + n].decode(), skey[1 + n :]
-
-
-@dataclass(frozen=True)
-class SsdSpec:
-    path: str
-    capacity_bytes: int
-    layout_fingerprint: bytes
-    durability: Durability = "nometasync"
-    writemap: bool = False
-    map_headroom: float = 0.25
-    max_readers: int = 126
-
-    def map_size(self) -> int:
-        raw = int(self.capacity_bytes * (1 + self.map_headroom)) + (64 << 20)
-        return (raw + _PAGE - 1) // _PAGE * _PAGE
-
-
-class SsdEntry(NamedTuple):
-    """One row of the persistent SSD index (read at start without touching payloads)."""
-
-    tenant: str
-    key: bytes
-    parent: bytes | None
-    size: int  # stored bytes, header included
-    access_count: int
-    last_access: float
-    stored_at: float
-
-
-class PutItem(NamedTuple):
-    tenant: str
-    key: bytes
-    parent: bytes | None
-    payload: Any  # any buffer
-
-
-class PutResult(NamedTuple):
-    stored: list[TenantKey]  # now on SSD (newly written, or already there: payloads are immutable)
-    refused: list[TenantKey]  # did not fit (capacity or map full) or I/O failed
-    evicted: list[TenantKey]  # deleted to make room; the caller drops their SSD residency
-    bytes_written: int
-
-
-class SsdStats(NamedTuple):
-    entries: int
-    used_bytes: int
-    capacity_bytes: int
-    bytes_written_total: int
-    hits_total: int
-    misses_total: int
-    corrupt_total: int
-    refused_total: int
-    map_full_total: int
-    evicted_total: int
-
-
-@dataclass(slots=True)
-class _Counters:
-    bytes_written: int = 0
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0
-    refused: int = 0
-    map_full: int = 0
-    evicted: int = 0
-    corrupt_by_reason: dict[str, int] = field(default_factory=dict)
-
-
-def _preallocate(path: str, size: int) -> None:
-    """Reserve the whole map on disk before LMDB maps it writable.
-
-    With writemap, LMDB writes through a shared mapping of a sparse file; if the filesystem then
-    runs out of space the write faults with SIGBUS and kills the process. Allocating the blocks
-    up front turns a full disk into a clean error at open instead.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        if os.fstat(fd).st_blocks * 512 < size:
-            os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        raise UsageError(
-            f"cannot reserve {size} bytes for the SSD store at {path}: {exc.strerror} "
-            "(lower the SSD capacity or free disk space)"
-        ) from None
-    finally:
-        os.close(fd)
+STORE_FORMAT = 3
+SLOT_FILE = "slots.dat"
+assert HEADER_SIZE == blockfmt.HEADER_SIZE
 
 
 def _raw_bytes(payload: Any) -> memoryview:
@@ -174,36 +103,39 @@ def _raw_bytes(payload: Any) -> memoryview:
 
 
 class SsdStore:
-    """The LMDB block store. Open with `SsdStore(spec)`; `entries()` is the rebuilt index."""
+    """The block store. Open with `SsdStore(spec)`; `entries()` is the rebuilt index."""
 
     def __init__(self, spec: SsdSpec, evictor: Evictor | None = None) -> None:
         if spec.capacity_bytes <= 0:
             raise UsageError("SSD capacity must be positive")
+        self.mode = spec.mode()
+        if self.mode == "slots" and spec.slot_count() < 1:
+            raise UsageError(f"SSD capacity {spec.capacity_bytes} holds no block of "
+                             f"{spec.slot_size} bytes (slot size must be positive and fit)")
         self.spec = spec
         self.evictor = evictor
         self._layout = blockfmt.layout_digest(spec.layout_fingerprint)
+        mode_tag = b"slots:%d" % spec.slot_size if self.mode == "slots" else b"lmdb"
+        self._identity = {b"format": _U64.pack(STORE_FORMAT), b"layout": self._layout,
+                          b"mode": mode_tag}
         os.makedirs(spec.path, mode=0o700, exist_ok=True)
+        self._env = open_env(spec)
+        stale = stale_reason(self._env, self._identity, STORE_FORMAT)
+        if stale:
+            log.warning("SSD store %s: %s; discarding it and starting empty", spec.path, stale)
+            self._env.close()
+            discard(spec.path)
+            self._env = open_env(spec)
+        self._slots: SlotFile | None = None
         try:
-            self._env = lmdb.open(
-                spec.path,
-                mode=0o600,
-                map_size=spec.map_size(),
-                max_dbs=4,
-                max_readers=spec.max_readers,
-                sync=spec.durability != "nosync",
-                metasync=spec.durability == "sync",
-                writemap=spec.writemap,
-                readahead=True,
-                meminit=False,
-            )
-        except lmdb.Error as exc:
-            raise UsageError(f"cannot open the SSD store: {exc}") from None
-        if spec.writemap:
-            try:
+            if spec.writemap:
                 _preallocate(os.path.join(spec.path, "data.mdb"), spec.map_size())
-            except UsageError:
-                self._env.close()
-                raise
+            if self.mode == "slots":
+                self._slots = SlotFile(os.path.join(spec.path, SLOT_FILE), spec.slot_size,
+                                       spec.slot_count())
+        except UsageError:
+            self._env.close()
+            raise
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")
         self._info = self._env.open_db(b"info")
@@ -211,27 +143,37 @@ class SsdStore:
         self._pending_access: dict[bytes, tuple[int, float]] = {}
         self._alock = threading.Lock()
         self._bad: set[bytes] = set()
-        self.counters = _Counters()
+        self.counters = Counters()
         self._closed = False
         self._used, self._entries = self._open_info()
 
-
     def _open_info(self) -> tuple[int, int]:
         with self._env.begin(write=True) as txn:
-            layout = txn.get(b"layout", db=self._info)
-            fmt = txn.get(b"format", db=self._info)
-            if layout != self._layout or fmt != _U64.pack(STORE_FORMAT):
-                n = txn.stat(self._meta)["entries"]
-                if n:
-                    log.warning("SSD store %s holds %d blocks of another layout or format; "
-                                "dropping them", self.spec.path, n)
-                txn.drop(self._blocks, delete=False)
-                txn.drop(self._meta, delete=False)
-                txn.put(b"layout", self._layout, db=self._info)
-                txn.put(b"format", _U64.pack(STORE_FORMAT), db=self._info)
+            if txn.get(b"format", db=self._info) is None:
+                for k, v in self._identity.items():
+                    txn.put(k, v, db=self._info)
                 txn.put(b"used", _U64.pack(0), db=self._info)
             used = _U64.unpack(txn.get(b"used", db=self._info) or _U64.pack(0))[0]
+            if self._slots is not None:
+                used -= self._claim_slots(txn)
+                txn.put(b"used", _U64.pack(used), db=self._info)
             return used, txn.stat(self._meta)["entries"]
+
+    def _claim_slots(self, txn: Any) -> int:
+        """Rebuild the free set from the index; drop entries naming a bad or shared slot."""
+        assert self._slots is not None
+        mark = self._slots.mark_used
+        doomed: list[tuple[bytes, int]] = []
+        for skey, rec in txn.cursor(db=self._meta).iternext(keys=True, values=True):
+            size, *_, slot = _META.unpack_from(rec)
+            if not mark(slot):
+                doomed.append((skey, size))
+        for skey, _ in doomed:
+            txn.delete(skey, db=self._meta)
+        if doomed:
+            log.warning("SSD store %s: %d entries named a slot out of range or already used; "
+                        "dropped", self.spec.path, len(doomed))
+        return sum(size for _, size in doomed)
 
     # -- the persistent index --------------------------------------------------------------
 
@@ -242,7 +184,7 @@ class SsdStore:
         hsize = _META.size
         with self._env.begin(db=self._meta) as txn:
             for skey, rec in txn.cursor().iternext(keys=True, values=True):
-                size, count, last, stored_at, plen = unpack(rec)
+                size, count, last, stored_at, plen, _slot = unpack(rec)
                 n = skey[0]
                 out.append(SsdEntry(
                     skey[1 : 1 + n].decode(), skey[1 + n :], rec[hsize : hsize + plen] or None,
@@ -260,45 +202,62 @@ class SsdStore:
     # -- writes (one writer) ---------------------------------------------------------------
 
     def put_many(self, items: Sequence[PutItem]) -> PutResult:
-        """Store a batch in one transaction. Never raises for a full store: it refuses instead.
+        """Store a batch (one index transaction). Never raises for a full store: it refuses.
 
         The evictor is called before the write lock is taken (no store lock held), so it may
         take the daemon's index lock without a lock-order inversion. Payloads may be any
         C-contiguous buffer (bytes, numpy arrays of any dtype); they are stored as raw bytes.
+        In slots mode a payload larger than the slot size is refused.
         """
         self._check_open()
         items = [i._replace(payload=_raw_bytes(i.payload)) for i in items]
         skeys = [stored_key(i.tenant, i.key) for i in items]
-        sizes = [blockfmt.HEADER_SIZE + i.payload.nbytes for i in items]
-        need = sum(s for s, f in zip(sizes, self._fresh(skeys), strict=True) if f)
+        sizes = [HEADER_SIZE + i.payload.nbytes for i in items]
+        fresh = self._fresh(skeys)
+        need = sum(s for s, f in zip(sizes, fresh, strict=True) if f)
         victims: list[TenantKey] = []
+        evicted: list[TenantKey] = []  # slots mode: deleted (committed) before the puts
         for attempt in range(2):
             # a retry after MapFullError asks for room for the batch twice over
             over = self._used + need * (1 + attempt) - self.spec.capacity_bytes
+            if self._slots is not None:
+                short = sum(fresh) * (1 + attempt) - self._slots.free_count()
+                over = max(over, short * (self.spec.slot_size + HEADER_SIZE))
             if over > 0 and self.evictor is not None:
                 victims.extend(self.evictor(over))
             with self._wlock:
                 self._check_open()
                 try:
-                    return self._put_locked(items, skeys, sizes, victims)
+                    if self._slots is None:
+                        return self._put_lmdb(items, skeys, sizes, victims)
+                    batch = set(skeys)
+                    evicted += self._delete_locked(
+                        [k for k in map(stored_key, *zip(*victims, strict=True)) if k not in batch]
+                        if victims else [])
+                    self.counters.evicted += len(evicted)
+                    victims = []
+                    r = self._put_slots(items, skeys, sizes)
+                    return r._replace(evicted=evicted)
                 except lmdb.MapFullError:
                     self.counters.map_full += 1
                     log.warning("SSD map full with %d of %d bytes used (attempt %d)",
                                 self._used, self.spec.capacity_bytes, attempt + 1)
-                except lmdb.Error as exc:
+                except (lmdb.Error, OSError) as exc:
+                    self.counters.io_errors += 1
                     log.error("SSD write failed: %s", exc)
                     break
         refused = [(i.tenant, i.key) for i in items]
         self.counters.refused += len(refused)
-        return PutResult([], refused, [], 0)
+        return PutResult([], refused, evicted, 0)
 
-    def _put_locked(
+    def _put_lmdb(
         self,
         items: Sequence[PutItem],
         skeys: list[bytes],
         sizes: list[int],
         victims: list[TenantKey],
     ) -> PutResult:
+        """Payload mode "lmdb": victims, payloads and index rows in one transaction."""
         cap = self.spec.capacity_bytes
         fresh = self._fresh(skeys)
         stored: list[TenantKey] = []
@@ -333,9 +292,7 @@ class SsdStore:
                     continue
                 header = blockfmt.encode_header(skey, self._layout, item.payload)
                 txn.put(skey, item.payload, db=self._blocks)
-                parent = item.parent or b""
-                rec = _META.pack(size, 1, now, now, len(parent)) + parent + header
-                txn.put(skey, rec, db=self._meta)
+                txn.put(skey, record(size, now, -1, item.parent, header), db=self._meta)
                 used += size
                 entries += 1
                 written += size
@@ -347,6 +304,51 @@ class SsdStore:
             txn.abort()
             raise
         self._used, self._entries = used, entries
+        return self._done(skeys, stored, refused, evicted, written)
+
+    def _put_slots(
+        self, items: Sequence[PutItem], skeys: list[bytes], sizes: list[int]
+    ) -> PutResult:
+        """Payload mode "slots": write free slots, sync them, then commit the rows naming them."""
+        assert self._slots is not None
+        slots = self._slots
+        fresh = self._fresh(skeys)
+        used = self._used
+        todo: list[int] = []
+        cap = self.spec.capacity_bytes
+        for i, (item, size, is_new) in enumerate(zip(items, sizes, fresh, strict=True)):
+            if is_new and item.payload.nbytes <= slots.slot_size and used + size <= cap:
+                todo.append(i)
+                used += size
+        got = slots.allocate(len(todo))
+        todo = todo[: len(got)]
+        placed = dict(zip(todo, got, strict=True))
+        now = time.time()
+        try:
+            payloads = [items[i].payload for i in todo]
+            headers = [blockfmt.encode_header(skeys[i], self._layout, p)
+                       for i, p in zip(todo, payloads, strict=True)]
+            slots.write(got, payloads)
+            if self.spec.durability != "nosync":
+                slots.sync()
+            with self._env.begin(write=True) as txn:
+                for i, header in zip(todo, headers, strict=True):
+                    rec = record(sizes[i], now, placed[i], items[i].parent, header)
+                    txn.put(skeys[i], rec, db=self._meta)
+                self._flush_access(txn)
+                used = self._used + sum(sizes[i] for i in todo)
+                txn.put(b"used", _U64.pack(used), db=self._info)
+        except BaseException:
+            slots.release(got)
+            raise
+        self._used, self._entries = used, self._entries + len(todo)
+        keys = [(it.tenant, it.key) for it in items]
+        stored = [tk for i, tk in enumerate(keys) if i in placed or not fresh[i]]
+        refused = [tk for i, tk in enumerate(keys) if fresh[i] and i not in placed]
+        return self._done(skeys, stored, refused, [], sum(sizes[i] for i in todo))
+
+    def _done(self, skeys: list[bytes], stored: list[TenantKey], refused: list[TenantKey],
+              evicted: list[TenantKey], written: int) -> PutResult:
         self._bad.difference_update(skeys)
         c = self.counters
         c.bytes_written += written
@@ -371,8 +373,8 @@ class SsdStore:
             rec = txn.get(skey, db=self._meta)
             if rec is None:
                 continue
-            size, old, _last, stored_at, plen = _META.unpack_from(rec)
-            head = _META.pack(size, old + count, last, stored_at, plen)
+            size, old, _last, stored_at, plen, slot = _META.unpack_from(rec)
+            head = _META.pack(size, old + count, last, stored_at, plen, slot)
             txn.put(skey, head + bytes(rec[_META.size :]), db=self._meta)
 
     def delete_many(self, keys: Iterable[TenantKey]) -> list[TenantKey]:
@@ -382,23 +384,32 @@ class SsdStore:
             return self._delete_locked([stored_key(t, k) for t, k in keys])
 
     def _delete_locked(self, skeys: list[bytes]) -> list[TenantKey]:
+        """Commit the removals, then (slots mode) hand their slots to the reader quarantine."""
         removed: list[TenantKey] = []
+        freed: list[int] = []
+        if not skeys:
+            return removed
         try:
             with self._env.begin(write=True) as txn:
                 used, entries = self._used, self._entries
                 for skey in skeys:
                     rec = txn.get(skey, db=self._meta)
-                    txn.delete(skey, db=self._blocks)
+                    if self._slots is None:
+                        txn.delete(skey, db=self._blocks)
                     if rec is not None:
                         txn.delete(skey, db=self._meta)
-                        used -= _META.unpack_from(rec)[0]
+                        size, *_, slot = _META.unpack_from(rec)
+                        used -= size
                         entries -= 1
+                        freed.append(slot)
                         removed.append(split_key(skey))
                 txn.put(b"used", _U64.pack(used), db=self._info)
         except lmdb.Error as exc:
             log.error("SSD delete failed: %s", exc)
             return []
         self._used, self._entries = used, entries
+        if self._slots is not None:
+            self._slots.retire(freed)
         return removed
 
     def flush_stats(self) -> None:
@@ -425,49 +436,33 @@ class SsdStore:
     def get_many_into(self, reads: Sequence[tuple[str, bytes, Any]]) -> list[int | None]:
         """`get_into` for a batch in one read transaction.
 
-        py-lmdb pre-faults each value's pages (GIL released) before returning its zero-copy
-        view; with the kernel's mmap read-ahead that is the cold-read path (measured in
-        docs/ARCHITECTURE.md "## Storage tiers"). The payload is checksummed after the copy, in
-        `out`: the bytes served are the bytes verified.
+        Slots mode: the headers come from one LMDB snapshot, then the payloads are read with
+        preadv straight into the callers' buffers (adjacent slots in one call, the kernel told
+        about all runs first). "lmdb" mode: py-lmdb pre-faults each value's pages before its
+        zero-copy view is copied out. Either way the payload is checksummed in `out` after the
+        copy: the bytes served are the bytes verified.
         """
         skeys = [stored_key(t, k) for t, k, _ in reads]
+        outs = [out for _, _, out in reads]
         results: list[int | None] = [None] * len(reads)
-        rejected: list[tuple[bytes, blockfmt.Corruption]] = []
-        with self._env.begin(buffers=True) as txn:
-            for i, (skey, (_, _, out)) in enumerate(zip(skeys, reads, strict=True)):
-                if skey in self._bad:
-                    continue
-                rec = txn.get(skey, db=self._meta)
-                if rec is None:
-                    continue
-                value = txn.get(skey, db=self._blocks)
-                try:
-                    if value is None or len(rec) < _META.size + blockfmt.HEADER_SIZE:
-                        raise blockfmt.BlockCorrupt(blockfmt.Corruption.SHORT)
-                    header = rec[len(rec) - blockfmt.HEADER_SIZE :]
-                    results[i] = self._copy_verified(
-                        skey, header, value, np.frombuffer(out, np.uint8)
-                    )
-                except blockfmt.BlockCorrupt as exc:
-                    rejected.append((skey, exc.reason))
+        rejected: Rejected = []
+        if self._slots is None:
+            read_lmdb(self._env, self._meta, self._blocks, self._layout, self._bad, skeys, outs,
+                      results, rejected)
+        else:
+            try:
+                with self._slots.reading():
+                    read_slots(self._env, self._meta, self._slots, self._layout, self._bad,
+                               skeys, outs, results, rejected)
+            except OSError as exc:
+                self.counters.io_errors += 1
+                log.error("SSD payload read failed (%d blocks missed): %s", len(reads), exc)
         for skey, reason in rejected:
             self._reject(skey, reason)
         hits = sum(r is not None for r in results)
         self.counters.hits += hits
         self.counters.misses += len(reads) - hits - len(rejected)
         return results
-
-    def _copy_verified(
-        self, skey: bytes, header: memoryview, payload: memoryview, dst: np.ndarray
-    ) -> int | None:
-        n = len(payload)
-        csum = blockfmt.check_header(skey, self._layout, header, blockfmt.HEADER_SIZE + n)
-        if n > dst.nbytes:
-            return None
-        np.copyto(dst[:n], np.frombuffer(payload, dtype=np.uint8))
-        if blockfmt.payload_checksum(dst[:n].data) != csum:
-            raise blockfmt.BlockCorrupt(blockfmt.Corruption.PAYLOAD_CHECKSUM)
-        return n
 
     def get(self, tenant: str, key: bytes) -> bytes | None:
         """A verified payload as bytes (a copy), or None."""
@@ -477,7 +472,7 @@ class SsdStore:
         if rec is None:
             self.counters.misses += 1
             return None
-        buf = bytearray(_META.unpack_from(rec)[0] - blockfmt.HEADER_SIZE)
+        buf = bytearray(max(0, _META.unpack_from(rec)[0] - HEADER_SIZE))
         n = self.get_into(tenant, key, buf)
         return None if n is None else bytes(buf[:n])
 
@@ -508,6 +503,10 @@ class SsdStore:
             c.misses, c.corrupt, c.refused, c.map_full, c.evicted,
         )
 
+    def free_slots(self) -> int | None:
+        """Slots free for new blocks now (slots mode; None in "lmdb" mode)."""
+        return None if self._slots is None else self._slots.free_count()
+
     def __len__(self) -> int:
         return self._entries
 
@@ -523,6 +522,8 @@ class SsdStore:
                 return
             self._closed = True
             self._env.close()
+            if self._slots is not None:
+                self._slots.close()
 
     def __enter__(self) -> SsdStore:
         return self

@@ -1,4 +1,5 @@
-"""LMDB SSD store: round trips, tenancy, the persistent index, capacity, map-full handling."""
+"""SSD store in both payload modes: round trips, tenancy, the persistent index, capacity, map-full
+handling (slot-file specifics are in test_ssd_slots.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,18 @@ from kvtier.ssd import PutItem, SsdSpec, SsdStore
 FP = b"layout-fingerprint-A"
 
 
-def store(tmp: Path, capacity: int = 64 << 20, **kw: object) -> SsdStore:
-    return SsdStore(SsdSpec(str(tmp / "ssd"), capacity, FP), **kw)  # type: ignore[arg-type]
+MODES = pytest.mark.parametrize("mode", ["lmdb", "slots"])
+
+
+def store(
+    tmp: Path, capacity: int = 64 << 20, mode: str = "lmdb", slot: int = 0, **kw: object
+) -> SsdStore:
+    """A store in payload mode `mode`; in "slots" mode every payload must fit `slot` bytes."""
+    if mode == "slots":
+        spec = SsdSpec(str(tmp / "ssd"), capacity, FP, payload="slots", slot_size=slot)
+    else:
+        spec = SsdSpec(str(tmp / "ssd"), capacity, FP, payload="lmdb")
+    return SsdStore(spec, **kw)  # type: ignore[arg-type]
 
 
 def chain(n: int, size: int, tenant: str = "t", tag: bytes = b"") -> list[PutItem]:
@@ -32,16 +43,17 @@ def chain(n: int, size: int, tenant: str = "t", tag: bytes = b"") -> list[PutIte
     ]
 
 
-def test_round_trip_and_reopen(tmp_path: Path) -> None:
+@MODES
+def test_round_trip_and_reopen(tmp_path: Path, mode: str) -> None:
     items = chain(10, 100_000)
-    with store(tmp_path) as s:
+    with store(tmp_path, mode=mode, slot=100_000) as s:
         r = s.put_many(items)
         assert len(r.stored) == 10 and not r.refused and r.bytes_written == 10 * (100_000 + 64)
         for it in items:
             assert s.get("t", it.key) == it.payload
         assert s.get("t", b"absent") is None
         s.record_access("t", items[3].key, now=1234.5)
-    with store(tmp_path) as s:
+    with store(tmp_path, mode=mode, slot=100_000) as s:
         assert len(s) == 10 and s.stats().used_bytes == 10 * (100_000 + HEADER_SIZE)
         rows = {e.key: e for e in s.entries()}
         assert rows[items[0].key].parent is None
@@ -52,8 +64,9 @@ def test_round_trip_and_reopen(tmp_path: Path) -> None:
             assert s.get("t", it.key) == it.payload
 
 
-def test_payloads_are_immutable_and_tenants_separate(tmp_path: Path) -> None:
-    with store(tmp_path) as s:
+@MODES
+def test_payloads_are_immutable_and_tenants_separate(tmp_path: Path, mode: str) -> None:
+    with store(tmp_path, 1 << 20, mode, slot=64) as s:
         s.put_many([PutItem("a", b"k", None, b"first")])
         r = s.put_many([PutItem("a", b"k", None, b"second"), PutItem("b", b"k", None, b"other")])
         assert r.stored == [("a", b"k"), ("b", b"k")]
@@ -65,9 +78,10 @@ def test_payloads_are_immutable_and_tenants_separate(tmp_path: Path) -> None:
         assert s.stats().used_bytes == 3 * HEADER_SIZE + 5 + 5 + 3
 
 
-def test_typed_and_multidimensional_payloads_are_stored_as_bytes(tmp_path: Path) -> None:
+@MODES
+def test_typed_and_multidimensional_payloads_are_stored_as_bytes(tmp_path: Path, mode: str) -> None:
     kv = np.arange(2 * 16 * 8, dtype=np.float16).reshape(2, 16, 8)  # 256 values, 512 bytes
-    with store(tmp_path) as s:
+    with store(tmp_path, 1 << 20, mode, slot=512) as s:
         r = s.put_many([PutItem("t", b"k", None, kv)])
         assert r.bytes_written == 512 + HEADER_SIZE
         out = np.zeros_like(kv)
@@ -76,8 +90,9 @@ def test_typed_and_multidimensional_payloads_are_stored_as_bytes(tmp_path: Path)
             s.put_many([PutItem("t", b"j", None, kv[:, ::2])])
 
 
-def test_get_into_too_small_is_a_miss_not_a_deletion(tmp_path: Path) -> None:
-    with store(tmp_path) as s:
+@MODES
+def test_get_into_too_small_is_a_miss_not_a_deletion(tmp_path: Path, mode: str) -> None:
+    with store(tmp_path, 1 << 20, mode, slot=100) as s:
         s.put_many([PutItem("t", b"k", None, b"x" * 100)])
         assert s.get_into("t", b"k", bytearray(99)) is None
         buf = bytearray(200)
@@ -102,9 +117,11 @@ def test_layout_change_drops_unservable_blocks(tmp_path: Path) -> None:
         assert len(s) == 0 and s.entries() == [] and s.stats().used_bytes == 0
 
 
-def test_full_store_refuses_cleanly_without_evictor(tmp_path: Path) -> None:
+@MODES
+def test_full_store_refuses_cleanly_without_evictor(tmp_path: Path, mode: str) -> None:
     # capacity 1 MiB holds 15 blocks of 64 KiB + 64 B header (15 * 65600 = 984000 <= 1048576)
-    with store(tmp_path, capacity=1 << 20) as s:
+    # slots mode: 1048576 // 65600 = 15 slots of 64 KiB as well
+    with store(tmp_path, capacity=1 << 20, mode=mode, slot=64 << 10) as s:
         items = chain(20, 64 << 10)
         r = s.put_many(items)
         assert len(r.stored) == 15 and len(r.refused) == 5
@@ -131,9 +148,10 @@ class OldestFirst:
         return out
 
 
-def test_full_store_evicts_through_callback(tmp_path: Path) -> None:
+@MODES
+def test_full_store_evicts_through_callback(tmp_path: Path, mode: str) -> None:
     ev = OldestFirst([], [])
-    with store(tmp_path, capacity=1 << 20, evictor=ev) as s:
+    with store(tmp_path, capacity=1 << 20, mode=mode, slot=64 << 10, evictor=ev) as s:
         for round_ in range(4):
             items = chain(10, 64 << 10, tag=b"r%d" % round_)
             r = s.put_many(items)
@@ -162,8 +180,9 @@ def test_map_full_never_escapes(tmp_path: Path) -> None:
         assert len(s) == 1 and len(s.entries()) == 1
 
 
-def test_readers_run_while_the_writer_commits(tmp_path: Path) -> None:
-    with store(tmp_path, capacity=256 << 20) as s:
+@MODES
+def test_readers_run_while_the_writer_commits(tmp_path: Path, mode: str) -> None:
+    with store(tmp_path, capacity=32 << 20, mode=mode, slot=256 << 10) as s:
         first = chain(8, 256 << 10, tag=b"base")
         s.put_many(first)
         stop = threading.Event()
@@ -187,13 +206,15 @@ def test_readers_run_while_the_writer_commits(tmp_path: Path) -> None:
         assert errors == [] and len(s) == 88
 
 
-def test_restart_index_with_many_blocks(tmp_path: Path) -> None:
+@MODES
+def test_restart_index_with_many_blocks(tmp_path: Path, mode: str) -> None:
     n = 20_000
-    with store(tmp_path) as s:
+    cap = n * (16 + HEADER_SIZE)  # slots mode: exactly n slots
+    with store(tmp_path, cap, mode, slot=16) as s:
         for b in range(0, n, 5000):
             s.put_many([PutItem("t", b"k%08d" % i, None, b"p" * 16) for i in range(b, b + 5000)])
     t0 = time.perf_counter()
-    with store(tmp_path) as s:
+    with store(tmp_path, cap, mode, slot=16) as s:
         entries = s.entries()
     elapsed = time.perf_counter() - t0
     assert len(entries) == n
@@ -202,16 +223,18 @@ def test_restart_index_with_many_blocks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_restart_with_100k_blocks_under_5_s(tmp_path: Path) -> None:
+@MODES
+def test_restart_with_100k_blocks_under_5_s(tmp_path: Path, mode: str) -> None:
     n = 100_000
-    with store(tmp_path, capacity=1 << 30) as s:
+    cap = n * (64 + HEADER_SIZE)  # slots mode: exactly n slots
+    with store(tmp_path, cap, mode, slot=64) as s:
         for b in range(0, n, 10_000):
             s.put_many([
                 PutItem("t", b"k%08d" % i, b"k%08d" % (i - 1) if i else None, b"p" * 64)
                 for i in range(b, b + 10_000)
             ])
     t0 = time.perf_counter()
-    with store(tmp_path, capacity=1 << 30) as s:
+    with store(tmp_path, cap, mode, slot=64) as s:
         entries = s.entries()
     assert len(entries) == n and time.perf_counter() - t0 < 5.0
     assert entries[1].parent == entries[0].key

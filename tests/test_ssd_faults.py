@@ -6,6 +6,7 @@ import os
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -35,8 +36,8 @@ WRITER = f"""
 import sys
 import numpy as np
 from kvtier.ssd import PutItem, SsdSpec, SsdStore
-path, start = sys.argv[1], int(sys.argv[2])
-s = SsdStore(SsdSpec(path, 1 << 30, {FP!r}))
+path, start, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = SsdStore(SsdSpec(path, 1 << 30, {FP!r}, payload=mode, slot_size={BLOCK}))
 print("ready", flush=True)
 rng = np.random.default_rng
 b = start
@@ -53,9 +54,15 @@ while True:
 """
 
 
-def check_store(path: str) -> tuple[set[int], int]:
-    """Every batch is all-or-nothing, every block verifies, and the index matches the store."""
-    with SsdStore(SsdSpec(path, 1 << 30, FP)) as s:
+MODES = pytest.mark.parametrize("mode", ["lmdb", "slots"])
+
+
+def check_store(path: str, mode: str) -> tuple[set[int], int]:
+    """Every batch is all-or-nothing, every block verifies, and the index matches the store
+    (lmdb mode: the same keys in `meta` and `blocks`; slots mode: every entry names its own
+    slot, and the free set is the rest)."""
+    spec = SsdSpec(path, 1 << 30, FP, payload=mode, slot_size=BLOCK)  # type: ignore[arg-type]
+    with SsdStore(spec) as s:
         entries = s.entries()
         keys = {e.key for e in entries}
         assert s.stats().used_bytes == sum(e.size for e in entries)
@@ -68,15 +75,24 @@ def check_store(path: str) -> tuple[set[int], int]:
             b, i = int(k[1:7]), int(k[8:10])
             assert s.get_into("t", k, buf) == BLOCK and buf == payload(b, i)
         assert s.stats().corrupt_total == 0
+        if mode == "slots":
+            assert s.free_slots() == spec.slot_count() - len(keys), "slots leaked or shared"
     env = lmdb.open(path, max_dbs=4, readonly=True, lock=False)
     with env.begin() as txn:
         blocks = {split_key(k)[1] for k, _ in txn.cursor(db=env.open_db(b"blocks", txn=txn))}
+        slots = [struct.unpack_from("<q", v, 33)[0]
+                 for _, v in txn.cursor(db=env.open_db(b"meta", txn=txn))]
     env.close()
-    assert blocks == keys, "persistent index and stored blocks disagree"
+    if mode == "lmdb":
+        assert blocks == keys, "persistent index and stored blocks disagree"
+    else:
+        assert not blocks and len(set(slots)) == len(keys)
+        assert all(0 <= x < spec.slot_count() for x in slots)
     return set(batches), len(keys)
 
 
-def test_sigkill_during_batched_puts(tmp_path: Path) -> None:
+@MODES
+def test_sigkill_during_batched_puts(tmp_path: Path, mode: str) -> None:
     path = str(tmp_path / "ssd")
     rng = random.Random(4)
     committed: set[int] = set()
@@ -84,7 +100,7 @@ def test_sigkill_during_batched_puts(tmp_path: Path) -> None:
     in_flight_kills = 0
     for _ in range(12):
         proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, path, str(start)],
+            [sys.executable, "-c", WRITER, path, str(start), mode],
             stdout=subprocess.PIPE, text=True,
         )
         assert proc.stdout is not None
@@ -99,7 +115,7 @@ def test_sigkill_during_batched_puts(tmp_path: Path) -> None:
         begun = {int(n) for what, n in lines if what == "begin"}
         in_flight_kills += bool(begun - reported)
         committed |= reported
-        present, _ = check_store(path)
+        present, _ = check_store(path, mode)
         assert committed <= present, "a reported commit was lost"
         # at most the one batch in flight when killed may be present without being reported
         assert len(present - committed) <= 1, (sorted(present - committed), sorted(reported))
@@ -109,45 +125,53 @@ def test_sigkill_during_batched_puts(tmp_path: Path) -> None:
     assert in_flight_kills >= 3, f"only {in_flight_kills} of 12 kills landed inside put_many"
 
 
-def stored_with_flips(path: str, seed: int) -> tuple[SsdSpec, dict[bytes, bytes], set[bytes]]:
-    """80 blocks of mixed sizes; one random bit flipped in the file in 60 of them (half in the
+def stored_with_flips(
+    path: str, seed: int, mode: str
+) -> tuple[SsdSpec, dict[bytes, bytes], set[bytes]]:
+    """80 blocks of mixed sizes; one random bit flipped on disk in 60 of them (half in the
     header, half in the payload); 20 stay intact as a control group."""
-    spec = SsdSpec(path, 32 << 20, FP)
+    # slots mode: 33554432 // 300064 = 111 slots of 300000 bytes, room for all 80
+    spec = SsdSpec(path, 32 << 20, FP, payload=mode, slot_size=300_000)  # type: ignore[arg-type]
     rng = random.Random(seed)
     sizes = [rng.choice([100, 3000, 70_000, 300_000]) for _ in range(80)]
     payloads = {b"k%03d" % i: os.urandom(n) for i, n in enumerate(sizes)}
     with SsdStore(spec) as s:
         s.put_many([PutItem("t", k, None, p) for k, p in payloads.items()])
-    data_file = os.path.join(path, "data.mdb")
-    with open(data_file, "rb") as f:
-        raw = f.read()
+    # headers live in the index records (data.mdb); payloads in their own LMDB values or in
+    # slots.dat
+    files = [os.path.join(path, f) for f in ("data.mdb", "slots.dat")]
+    files = [f for f in files if os.path.exists(f)]
+    assert len(files) == (2 if mode == "slots" else 1)
+    raws = {f: open(f, "rb").read() for f in files}  # noqa: SIM115
     layout = blockfmt.layout_digest(FP)
     flipped: set[bytes] = set()
-    fd = os.open(data_file, os.O_RDWR)
-    try:
-        for i, (k, p) in enumerate(payloads.items()):
-            if i % 4 == 3:
-                continue
-            # the header lives in the block's index record, the payload in its own value
-            target = blockfmt.encode_header(stored_key("t", k), layout, p) if i % 2 else p
+    for i, (k, p) in enumerate(payloads.items()):
+        if i % 4 == 3:
+            continue
+        target = blockfmt.encode_header(stored_key("t", k), layout, p) if i % 2 else p
+        where, bit = rng.randrange(len(target)), 1 << rng.randrange(8)
+        hits = 0
+        for f, raw in raws.items():
             # copy-on-write can leave stale copies of a page in free space: flip the same bit
             # in every copy, so the live one is surely hit
-            offsets = [m.start() for m in re.finditer(re.escape(target), raw)]
-            assert offsets
-            where, bit = rng.randrange(len(target)), 1 << rng.randrange(8)
-            for off in offsets:
-                byte = bytearray(os.pread(fd, 1, off + where))
-                byte[0] ^= bit
-                os.pwrite(fd, bytes(byte), off + where)
-            flipped.add(k)
-    finally:
-        os.close(fd)
+            fd = os.open(f, os.O_RDWR)
+            try:
+                for m in re.finditer(re.escape(target), raw):
+                    byte = bytearray(os.pread(fd, 1, m.start() + where))
+                    byte[0] ^= bit
+                    os.pwrite(fd, bytes(byte), m.start() + where)
+                    hits += 1
+            finally:
+                os.close(fd)
+        assert hits
+        flipped.add(k)
     assert len(flipped) == 60
     return spec, payloads, flipped
 
 
-def test_flipped_bits_are_always_detected_and_never_served(tmp_path: Path) -> None:
-    spec, payloads, flipped = stored_with_flips(str(tmp_path / "ssd"), seed=7)
+@MODES
+def test_flipped_bits_are_always_detected_and_never_served(tmp_path: Path, mode: str) -> None:
+    spec, payloads, flipped = stored_with_flips(str(tmp_path / "ssd"), 7, mode)
     with SsdStore(spec) as s:
         for k, p in payloads.items():
             got = s.get("t", k)
@@ -163,8 +187,9 @@ def test_flipped_bits_are_always_detected_and_never_served(tmp_path: Path) -> No
         assert {e.key for e in s.entries()} == set(payloads) - flipped
 
 
-def test_flipped_bits_in_a_batch_read(tmp_path: Path) -> None:
-    spec, payloads, flipped = stored_with_flips(str(tmp_path / "ssd"), seed=8)
+@MODES
+def test_flipped_bits_in_a_batch_read(tmp_path: Path, mode: str) -> None:
+    spec, payloads, flipped = stored_with_flips(str(tmp_path / "ssd"), 8, mode)
     with SsdStore(spec) as s:
         bufs = [bytearray(len(p)) for p in payloads.values()]
         got = s.get_many_into([("t", k, b) for k, b in zip(payloads, bufs, strict=True)])
@@ -179,8 +204,9 @@ def test_flipped_bits_in_a_batch_read(tmp_path: Path) -> None:
         assert {e.key for e in s.entries()} == set(payloads) - flipped
 
 
+@MODES
 @pytest.mark.parametrize("with_evictor", [False, True])
-def test_fill_far_beyond_capacity(tmp_path: Path, with_evictor: bool) -> None:
+def test_fill_far_beyond_capacity(tmp_path: Path, with_evictor: bool, mode: str) -> None:
     path = str(tmp_path / "ssd")
     order: list[tuple[str, bytes]] = []
 
@@ -194,7 +220,9 @@ def test_fill_far_beyond_capacity(tmp_path: Path, with_evictor: bool) -> None:
     rng = random.Random(3)
     kept: dict[bytes, bytes] = {}
     cap = 4 << 20
-    with SsdStore(SsdSpec(path, cap, FP), evictor=evict if with_evictor else None) as s:
+    # slots mode: 4194304 // 200064 = 20 slots of 200000 bytes
+    spec = SsdSpec(path, cap, FP, payload=mode, slot_size=200_000)  # type: ignore[arg-type]
+    with SsdStore(spec, evictor=evict if with_evictor else None) as s:
         for b in range(60):  # ~60 * 8 * 100 KB = 48 MB offered to a 4 MiB store
             items = [
                 PutItem("t", b"f%03d-%d" % (b, i), None, os.urandom(rng.randrange(1, 200_000 - 64)))
