@@ -168,16 +168,14 @@ class SlruQueue(EvictionQueue):
 
     def push(self, b: Block, cold: bool = False) -> None:
         if b.stamp & HITS_MAX < 2:
-            if cold:
-                self._probation.appendleft(b)
-            else:
-                self._probation.append(b)
-            return  # protected's share can only shrink
-        b.flags |= PROTECTED
-        if cold:
-            self._protected.appendleft(b)
+            seg = self._probation
         else:
-            self._protected.append(b)
+            b.flags |= PROTECTED
+            seg = self._protected
+        if cold:
+            seg.appendleft(b)
+        else:
+            seg.append(b)
         self._rebalance()
 
     def discard(self, b: Block) -> None:
