@@ -16,8 +16,25 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     grace_s                10: on SIGTERM, leases may finish for this long
     max_blocks_per_request 4096
     ssd_admit_after        2: write a DRAM evictee to SSD from its k-th access on
-    ssd_write_bytes_per_day 0 = no write budget beyond the mover's own default
+    ssd_dwpd               1.0: SSD writes per day, in units of ssd_bytes (see below)
+    ssd_write_bytes_per_day 0 = ssd_bytes * ssd_dwpd: the long-run SSD write rate (token bucket)
+    ssd_write_burst_bytes  0 = min(a day's budget, max(a quarter day's, 4 write-back queues)):
+                           what may be written at once before the rate applies
+    writeback_queue_bytes  0 = min(dram_bytes / 4, 1 GiB): DRAM pinned by queued write-backs
     log_level              info (debug, info, warning, error)
+
+Write-back sizing. A write-back pins its DRAM slot until written; `writeback_queue_bytes` bounds
+those slots, and a write-back that finds the queue full is dropped and counted (the load path
+never waits). The default, a quarter of the pool up to 1 GiB, holds a long document at once
+(8K tokens of an 8B model at 128 KiB/token is 1 GiB) without pinning most of the pool. The wear
+budget is a token bucket: `ssd_write_bytes_per_day` refills it, `ssd_write_burst_bytes` is its
+size. Default rate 1 DWPD *of the cache's cap*: a cache holding C bytes of a drive uses C bytes of
+writes a day, its proportional share of a drive rated 1 DWPD (read-intensive datacenter NVMe);
+since the default cap is at most a quarter of the free disk, that is <= 0.25 writes per day of
+the whole drive, under the ~0.3 DWPD of consumer TLC drives (600 TBW per TB over 5 years). The
+burst lets a few long documents through at once (defaults: 4 GiB on a 16 GiB cache); it never
+exceeds one day's budget, so no 24 h window writes more than two days' budget and the long-run
+average stays the rate.
 
 The TOML file is `--config PATH`, else $KVTIER_CONFIG, else ~/.config/kvtier/kvtier.toml when it
 exists; its keys are the setting names (top level, or under a `[serve]` table). Sizes accept
@@ -37,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from kvtier.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 from kvtier.errors import UsageError
 
 GiB = 1 << 30
@@ -73,7 +91,10 @@ class Config:
     grace_s: float
     max_blocks_per_request: int
     ssd_admit_after: int
+    ssd_dwpd: float
     ssd_write_bytes_per_day: int
+    ssd_write_burst_bytes: int
+    writeback_queue_bytes: int
     log_level: str
 
     @property
@@ -101,6 +122,13 @@ def parse_bytes(value: object, name: str = "size") -> int:
         if m and (m.group(2) or "").lower() in _SUFFIX:
             return int(float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()])
     raise UsageError(f"{name}: expected a size like 4GiB or 512MB, got {value!r}")
+
+
+def default_burst(bytes_per_day: int, queue_bytes: int, slot_bytes: int) -> int:
+    """The wear bucket's size when not configured: a quarter day of budget, at least four full
+    write-back queues, at most one day of budget, and never less than 16 slots (one block with
+    its header must always fit)."""
+    return max(min(bytes_per_day, max(bytes_per_day // 4, 4 * queue_bytes)), 16 * slot_bytes)
 
 
 def runtime_dir(env: Mapping[str, str]) -> Path:
@@ -145,15 +173,19 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "grace_s": 10.0,
         "max_blocks_per_request": 4096,
         "ssd_admit_after": 2,
+        "ssd_dwpd": 1.0,
         "ssd_write_bytes_per_day": 0,
+        "ssd_write_burst_bytes": 0,
+        "writeback_queue_bytes": 0,
         "log_level": "info",
     }
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-_SIZES = {"dram_bytes", "slot_bytes", "ssd_bytes", "ssd_write_bytes_per_day"}
+_SIZES = {"dram_bytes", "slot_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
+          "ssd_write_burst_bytes", "writeback_queue_bytes"}
 _INTS = {"max_blocks_per_request", "ssd_admit_after"}
-_FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s"}
+_FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s", "ssd_dwpd"}
 
 
 def _coerce(name: str, value: object, origin: str) -> object:
@@ -244,6 +276,17 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         raise bad("max_blocks_per_request", "must be in [1, 1048576]")
     if i("ssd_admit_after") < 1:
         raise bad("ssd_admit_after", "must be >= 1")
+    if not 0 < f("ssd_dwpd") <= 100:
+        raise bad("ssd_dwpd", f"must be in (0, 100] drive writes per day, got {v['ssd_dwpd']}")
+    queue = i("writeback_queue_bytes") or max(slot, min(dram // 4, GiB) // slot * slot)
+    if not slot <= queue <= dram:
+        raise bad("writeback_queue_bytes", f"must hold one slot ({slot} bytes) and fit the DRAM "
+                  f"pool ({dram} bytes), got {queue}")
+    per_day = i("ssd_write_bytes_per_day") or int(i("ssd_bytes") * f("ssd_dwpd"))
+    burst = i("ssd_write_burst_bytes") or default_burst(per_day, queue, slot)
+    if burst < slot + BLOCK_HEADER_BYTES:
+        raise bad("ssd_write_burst_bytes", f"must hold one block ({slot} + "
+                  f"{BLOCK_HEADER_BYTES} header bytes), got {burst}")
     if str(v["log_level"]).lower() not in _LOG_LEVELS:
         raise bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
     for name in ("metrics", "tcp"):
@@ -276,6 +319,9 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         grace_s=f("grace_s"),
         max_blocks_per_request=i("max_blocks_per_request"),
         ssd_admit_after=i("ssd_admit_after"),
-        ssd_write_bytes_per_day=i("ssd_write_bytes_per_day"),
+        ssd_dwpd=f("ssd_dwpd"),
+        ssd_write_bytes_per_day=per_day,
+        ssd_write_burst_bytes=burst,
+        writeback_queue_bytes=queue,
         log_level=str(v["log_level"]).lower(),
     )

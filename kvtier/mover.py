@@ -10,7 +10,8 @@ Write-back (asynchronous):
                                                                           and updates residency
 
 `submit` never blocks: a write-back that is not admitted (fewer than k accesses), over the wear
-budget, or finds the queue full is dropped and counted; the caller then frees the slot itself.
+budget, or finds the queue full (`MoverSpec.queue_bytes` of slots already held) is dropped and
+counted; the caller then frees the slot itself (or retries it later).
 
 Promotion (synchronous, on the caller's thread): `promote(tenant, key, slot)` copies a verified
 SSD payload into a DRAM slot the caller allocated and has not published yet.
@@ -111,13 +112,17 @@ def index_evictor(
 
 @dataclass(frozen=True)
 class MoverSpec:
-    queue_blocks: int = 256
+    """`queue_bytes` bounds the DRAM the mover holds pinned: every write-back queued or being
+    written counts one slot (`pool.slot_size`) until its batch is written. The daemon's default
+    is min(DRAM / 4, 1 GiB) (`Config.writeback_queue_bytes`)."""
+
+    queue_bytes: int = 1 << 30
     batch_blocks: int = 64
     linger_s: float = 0.002
 
 
 class MoverStats(NamedTuple):
-    queue_depth: int
+    queue_depth: int  # blocks waiting for the writer
     queued_total: int
     dropped_queue_full_total: int
     dropped_not_admitted_total: int
@@ -128,6 +133,7 @@ class MoverStats(NamedTuple):
     promoted_blocks_total: int
     promoted_bytes_total: int
     promote_misses_total: int
+    held_bytes: int  # slot bytes pinned by queued or in-flight write-backs (<= queue_bytes)
 
 
 @dataclass(slots=True)
@@ -160,7 +166,11 @@ class Mover:
         self.spec = spec
         self.admit = admit
         self.on_written = on_written
+        if spec.queue_bytes < pool.slot_size:
+            raise ValueError(f"write-back queue of {spec.queue_bytes} bytes cannot hold one "
+                             f"{pool.slot_size}-byte slot")
         self._queue: collections.deque[WriteBack] = collections.deque()
+        self._held = 0  # slot bytes of write-backs queued or being written
         self._cv = threading.Condition()
         self._busy = False
         self._closing = False
@@ -189,7 +199,7 @@ class Mover:
         with self._cv:
             if self._closing:
                 return Submitted.CLOSED
-            if len(self._queue) >= self.spec.queue_blocks:
+            if self._held + self.pool.slot_size > self.spec.queue_bytes:
                 self._c.full += 1
                 return Submitted.QUEUE_FULL
             if not self.budget.try_spend(cost):
@@ -197,6 +207,7 @@ class Mover:
                 return Submitted.OVER_BUDGET
             self.pool.pin(item.slot)
             self._queue.append(item)
+            self._held += self.pool.slot_size
             self._c.queued += 1
             self._cv.notify()
         return Submitted.QUEUED
@@ -221,6 +232,7 @@ class Mover:
             finally:
                 with self._cv:
                     self._busy = False
+                    self._held -= len(batch) * self.pool.slot_size
                     self._cv.notify_all()
 
     def _write(self, batch: list[WriteBack]) -> None:
@@ -290,6 +302,7 @@ class Mover:
             self._closing = True
             left = list(self._queue)
             self._queue.clear()
+            self._held -= len(left) * self.pool.slot_size
             self._cv.notify_all()
         self._thread.join(timeout=max(timeout, 1.0))
         if left:
@@ -308,4 +321,5 @@ class Mover:
         return MoverStats(
             len(self._queue), c.queued, c.full, c.not_admitted, c.budget, c.written_blocks,
             c.written_bytes, c.refused, c.promoted, c.promoted_bytes, c.promote_misses,
+            self._held,
         )

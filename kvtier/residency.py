@@ -107,9 +107,9 @@ class Tiers:
             path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
             layout_fingerprint=STORE_FINGERPRINT,
         ))
-        per_day = cfg.ssd_write_bytes_per_day or cfg.ssd_bytes  # default: 1 cache-write per day
-        self.budget = WriteBudget(per_day, burst_bytes=max(per_day // 24, 16 * cfg.slot_bytes))
-        self.mover = Mover(self.pool, self.store, self.budget, MoverSpec(),
+        self.budget = WriteBudget(cfg.ssd_write_bytes_per_day, cfg.ssd_write_burst_bytes)
+        self.mover = Mover(self.pool, self.store, self.budget,
+                           MoverSpec(queue_bytes=cfg.writeback_queue_bytes),
                            on_written=self.on_written)
         self._rebuild()
 

@@ -149,13 +149,18 @@ class Daemon:
             self.metrics.close()
             raise
         self._reaper = asyncio.create_task(self._reap())
+        ssd = "off"
+        if cfg.ssd_bytes:
+            ssd = (f"{format_bytes(cfg.ssd_bytes)} under {cfg.data_dir} (write-back queue "
+                   f"{format_bytes(cfg.writeback_queue_bytes)}, SSD writes "
+                   f"{format_bytes(cfg.ssd_write_bytes_per_day)}/day (burst "
+                   f"{format_bytes(cfg.ssd_write_burst_bytes)}))")
         log.info(
             "kvtier serving on unix:%s%s; metrics %s; DRAM pool %s (%d slots of %s); "
-            "SSD tier %s under %s; planner rates from %s; %s",
+            "SSD tier %s; planner rates from %s; %s",
             cfg.socket, f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else "",
             f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off",
-            format_bytes(cfg.dram_bytes), cfg.slots, format_bytes(cfg.slot_bytes),
-            format_bytes(cfg.ssd_bytes) if cfg.ssd_bytes else "off", cfg.data_dir, rates_from,
+            format_bytes(cfg.dram_bytes), cfg.slots, format_bytes(cfg.slot_bytes), ssd, rates_from,
             "tenants: " + ", ".join(t.name for t in self.auth.tenants())
             + (" (token auth)" if self.auth.required else " (no auth)"),
         )

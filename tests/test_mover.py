@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,16 +110,27 @@ def test_slot_under_write_back_cannot_be_freed(pool: DramPool, store: SsdStore) 
 
 def test_full_queue_drops_without_blocking(pool: DramPool, store: SsdStore) -> None:
     gate = threading.Event()
-    mover = Mover(
-        pool, store, WriteBudget.unlimited(), MoverSpec(queue_blocks=4, batch_blocks=1),
-        on_written=lambda b, r: gate.wait(10),
-    )
+
+    def stuck(batch: list[WriteBack], result: PutResult) -> None:
+        gate.wait(10)
+
+    mover = Mover(pool, store, WriteBudget.unlimited(),
+                  MoverSpec(queue_bytes=4 * SLOT + 100, batch_blocks=1), on_written=stuck)
+    started = time.perf_counter()
     results = [mover.submit(w) for w, _ in fill(pool, 12)]
-    # the writer holds at most one batch (1 block) while 4 wait in the queue
-    assert results.count(Submitted.QUEUE_FULL) >= 12 - 5
-    assert mover.stats().dropped_queue_full_total == results.count(Submitted.QUEUE_FULL)
+    assert time.perf_counter() - started < 1.0  # the writer is stuck; submit does not wait
+    # 4 slots fit the bound, whether queued or in the (stuck) writer's batch: the rest drop.
+    assert results == [Submitted.QUEUED] * 4 + [Submitted.QUEUE_FULL] * 8
+    s = mover.stats()
+    assert (s.dropped_queue_full_total, s.held_bytes) == (8, 4 * SLOT)
     gate.set()
     mover.close(5.0)
+    assert mover.stats().held_bytes == 0 and pool.stats().slots_pinned == 0
+
+
+def test_queue_bound_must_hold_a_slot(pool: DramPool, store: SsdStore) -> None:
+    with pytest.raises(ValueError, match="cannot hold one"):
+        Mover(pool, store, WriteBudget.unlimited(), MoverSpec(queue_bytes=SLOT - 1))
 
 
 def test_budget_and_admission_gate_writes(pool: DramPool, store: SsdStore) -> None:

@@ -22,7 +22,10 @@ _FLAGS = (
     ("--grace-s", "SIGTERM drain period in seconds"),
     ("--max-blocks-per-request", "largest key chain per request"),
     ("--ssd-admit-after", "write a block to SSD from its k-th access"),
-    ("--ssd-write-bytes-per-day", "SSD write budget, e.g. 500GiB"),
+    ("--ssd-dwpd", "SSD writes per day in units of --ssd-bytes (default 1.0)"),
+    ("--ssd-write-bytes-per-day", "SSD write budget, e.g. 500GiB (default ssd-bytes x dwpd)"),
+    ("--ssd-write-burst-bytes", "SSD writes allowed at once before the daily rate applies"),
+    ("--writeback-queue-bytes", "DRAM held by queued write-backs (default min(DRAM/4, 1GiB))"),
     ("--log-level", "debug, info, warning or error"),
 )
 
