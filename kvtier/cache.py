@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -404,12 +404,12 @@ class Cache:
 
     # -- streaming byte path ----------------------------------------------------------------
 
-    @contextmanager
-    def reading(
+    @asynccontextmanager
+    async def reading(
         self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int,
-    ) -> Iterator[list[memoryview]]:
-        """Acquire + views of the pinned blocks + release (the ReadBlocks path)."""
-        got = self.acquire(tenant, fingerprint, keys, key_width, 0.0)
+    ) -> AsyncIterator[list[memoryview]]:
+        """Acquire (`acquire_async`) + views of the pinned blocks + release (ReadBlocks)."""
+        got = await self.acquire_async(tenant, fingerprint, keys, key_width, 0.0)
         block_bytes = self.layout(fingerprint).block_bytes
         try:
             yield [self.slot_view(o, block_bytes) for o in got.offsets]

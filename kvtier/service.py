@@ -8,9 +8,8 @@ the cache, and maps domain errors to gRPC status codes:
     FailedPrecondition → FAILED_PRECONDITION   Unauthenticated → UNAUTHENTICATED
 
 A refused request changes nothing. Every call is counted and timed per method in the metrics.
-Handlers run on the server's event loop; cache calls are short and synchronous, except Acquire's
-SSD promotions, which read on a worker thread (`Cache.acquire_async`). ReadBlocks (the remote
-path) still promotes on the loop.
+Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
+promotions (Acquire, ReadBlocks), whose reads run on a worker thread (`Cache.acquire_async`).
 """
 
 from __future__ import annotations
@@ -297,7 +296,9 @@ class KvTierService(pb_grpc.KvTierServicer):
         started = time.perf_counter()
         try:
             tenant = self._tenant(context)
-            with self.cache.reading(tenant, request.layout, request.keys, request.key_width) as vs:
+            async with self.cache.reading(
+                tenant, request.layout, request.keys, request.key_width
+            ) as vs:
                 if not vs:
                     yield pb.BlockChunk(index=0, offset=0, data=b"", count=0)
                 for i, view in enumerate(vs):

@@ -358,12 +358,12 @@ def test_reflection_lists_the_services(shared: DaemonProc) -> None:
 def test_client_falls_back_to_streaming_when_the_segment_cannot_be_mapped(
     shared: DaemonProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvtier.client
+    import kvtier.client_shm
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError("not allowed to map the segment")
 
-    monkeypatch.setattr(kvtier.client.DramClient, "attach", refuse)
+    monkeypatch.setattr(kvtier.client_shm.DramClient, "attach", refuse)
     keys, data = chain(85, 3), payloads(3, 85)
     with Client(shared.socket, layout=LAYOUT) as kv:
         assert not kv.uses_shm
