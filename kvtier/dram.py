@@ -43,6 +43,7 @@ import re
 import secrets
 import struct
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -195,8 +196,22 @@ def peek_header(path: str) -> SegmentHeader | None:
     return SegmentHeader(version, state, gen) if magic == MAGIC else None
 
 
+def _unlink_forgotten(path: str, generation: int, creator: int) -> None:
+    """Unlinks a pool nobody closed (garbage-collected, or open at interpreter exit), in the
+    process that created it only (a forked child must not unlink its parent's pool)."""
+    header = peek_header(path)
+    if os.getpid() == creator and header is not None and header.generation == generation:
+        log.warning("shared-memory segment %s was never closed; unlinking it", path)
+        os.unlink(path)
+
+
 class DramPool:
-    """The daemon's side: owns the segment, allocates slots, tracks pins, unlinks on close."""
+    """The daemon's side: owns the segment, allocates slots, tracks pins, unlinks on close.
+
+    A pool that is garbage-collected, or still open when the interpreter exits, unlinks its file
+    as well; only a killed process leaves its segment behind (`kvtier.segment_owner` reclaims
+    those at the next daemon start).
+    """
 
     def __init__(self, spec: DramSpec) -> None:
         spec.validate()
@@ -229,6 +244,8 @@ class DramPool:
             self._map.mm, 0, MAGIC, VERSION, STATE_LIVE, self.generation, self.slot_size,
             self.slot_stride, self.slot_count, self.data_offset,
         )
+        self._finalizer = weakref.finalize(
+            self, _unlink_forgotten, self.path, self.generation, os.getpid())
         if spec.huge_pages:
             self.huge_pages = self._advise_huge()
         if spec.mlock:
@@ -411,6 +428,7 @@ class DramPool:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         struct.pack_into("<I", self._map.mm, _STATE_OFFSET, STATE_CLOSED)
         try:
             os.unlink(self.path)

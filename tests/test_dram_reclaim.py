@@ -116,3 +116,39 @@ def test_remove_record_keeps_a_successors(tmp_path: Path, pool: DramPool) -> Non
     assert path.exists()
     so.remove_record(path, pool.generation)
     assert not path.exists()
+
+
+def test_a_pool_never_closed_is_unlinked_at_exit_but_not_after_a_kill() -> None:
+    script = (
+        "import sys, uuid\n"
+        "from kvtier.dram import DramPool, DramSpec\n"
+        "p = DramPool.create(DramSpec(f'kvt-test-{uuid.uuid4().hex[:12]}', 4096, 4))\n"
+        "print(p.path, flush=True)\n"
+        "if sys.argv[1] == 'hang':\n"
+        "    sys.stdin.read()\n"
+    )
+    ended = subprocess.run([sys.executable, "-c", script, "exit"], capture_output=True,
+                           text=True, timeout=60, cwd=Path(__file__).parents[1])
+    path = ended.stdout.strip()
+    assert ended.returncode == 0 and path.startswith("/dev/shm/kvt-test-")
+    assert not os.path.exists(path) and "was never closed; unlinking it" in ended.stderr
+    killed = subprocess.Popen([sys.executable, "-c", script, "hang"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    assert killed.stdout is not None
+    path = killed.stdout.readline().strip()
+    killed.kill()
+    killed.wait()
+    try:
+        assert os.path.exists(path)  # nothing runs in a SIGKILLed process: the owner record's job
+    finally:
+        os.unlink(path)
+
+
+def test_a_garbage_collected_pool_is_unlinked() -> None:
+    import gc
+
+    p = DramPool.create(DramSpec(f"kvt-test-{uuid.uuid4().hex[:12]}", 4096, 4))
+    path = p.path
+    del p
+    gc.collect()
+    assert not os.path.exists(path)
