@@ -38,7 +38,9 @@ class Clock:
 def make(tmp: Path, clock: Clock, slots: int = 8, ssd: str = "0", **kw: str) -> Cache:
     cfg = config.load({
         "socket": str(tmp / "s.sock"), "data_dir": str(tmp / "data"), "slot_bytes": "4KiB",
-        "dram_bytes": str(slots * BLOCK), "ssd_bytes": ssd, "metrics": "", **kw,
+        "dram_bytes": str(slots * BLOCK), "ssd_bytes": ssd, "metrics": "",
+        "writeback_queue_bytes": str(slots * BLOCK),  # tiny pools: the default quarter is 1 slot
+        **kw,
     }, {"HOME": str(tmp)})
     cache = Cache(cfg, DaemonMetrics(), clock=clock)
     cache.register_layout(FP, BLOCK, 16, 32, None)

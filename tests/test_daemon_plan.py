@@ -30,6 +30,7 @@ def make(tmp: Path, rates: RateBook, slots: int = 8, ssd: str = "0") -> Cache:
         "socket": str(tmp / "s.sock"), "data_dir": str(tmp / "data"), "slot_bytes": "4KiB",
         "dram_bytes": str(slots * BLOCK), "ssd_bytes": ssd, "metrics": "",
         "ssd_admit_after": "1",
+        "writeback_queue_bytes": str(slots * BLOCK),  # tiny pools: the default quarter is 1 slot
     }, {"HOME": str(tmp)})
     cache = Cache(cfg, DaemonMetrics(), rates=rates)
     cache.register_layout(FP, BLOCK, TOKENS, 32, COST)
