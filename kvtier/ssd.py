@@ -148,32 +148,38 @@ class SsdStore:
         self._used, self._entries = self._open_info()
 
     def _open_info(self) -> tuple[int, int]:
-        with self._env.begin(write=True) as txn:
-            if txn.get(b"format", db=self._info) is None:
+        """Used bytes and entry count; in slots mode also the free set, rebuilt from the index
+        (a read transaction; a write one only for a new store or entries naming a bad slot)."""
+        with self._env.begin(buffers=True) as txn:
+            new = txn.get(b"format", db=self._info) is None
+            used = _U64.unpack(txn.get(b"used", db=self._info) or _U64.pack(0))[0]
+            entries = txn.stat(self._meta)["entries"]
+            doomed = self._claim_slots(txn) if self._slots is not None else []
+        if new or doomed:
+            with self._env.begin(write=True) as txn:
                 for k, v in self._identity.items():
                     txn.put(k, v, db=self._info)
-                txn.put(b"used", _U64.pack(0), db=self._info)
-            used = _U64.unpack(txn.get(b"used", db=self._info) or _U64.pack(0))[0]
-            if self._slots is not None:
-                used -= self._claim_slots(txn)
+                for skey, size in doomed:
+                    txn.delete(skey, db=self._meta)
+                    used -= size
+                    entries -= 1
                 txn.put(b"used", _U64.pack(used), db=self._info)
-            return used, txn.stat(self._meta)["entries"]
+        return used, entries
 
-    def _claim_slots(self, txn: Any) -> int:
-        """Rebuild the free set from the index; drop entries naming a bad or shared slot."""
+    def _claim_slots(self, txn: Any) -> list[tuple[bytes, int]]:
+        """Mark every slot named by the index used; entries naming a bad or shared slot."""
         assert self._slots is not None
         mark = self._slots.mark_used
+        unpack = _META.unpack_from
         doomed: list[tuple[bytes, int]] = []
         for skey, rec in txn.cursor(db=self._meta).iternext(keys=True, values=True):
-            size, *_, slot = _META.unpack_from(rec)
+            size, _, _, _, _, slot = unpack(rec)
             if not mark(slot):
-                doomed.append((skey, size))
-        for skey, _ in doomed:
-            txn.delete(skey, db=self._meta)
+                doomed.append((bytes(skey), size))
         if doomed:
             log.warning("SSD store %s: %d entries named a slot out of range or already used; "
                         "dropped", self.spec.path, len(doomed))
-        return sum(size for _, size in doomed)
+        return doomed
 
     # -- the persistent index --------------------------------------------------------------
 

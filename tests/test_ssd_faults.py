@@ -156,11 +156,13 @@ def stored_with_flips(
             # in every copy, so the live one is surely hit
             fd = os.open(f, os.O_RDWR)
             try:
-                for m in re.finditer(re.escape(target), raw):
-                    byte = bytearray(os.pread(fd, 1, m.start() + where))
+                at = raw.find(target)
+                while at >= 0:
+                    byte = bytearray(os.pread(fd, 1, at + where))
                     byte[0] ^= bit
-                    os.pwrite(fd, bytes(byte), m.start() + where)
+                    os.pwrite(fd, bytes(byte), at + where)
                     hits += 1
+                    at = raw.find(target, at + 1)
             finally:
                 os.close(fd)
         assert hits

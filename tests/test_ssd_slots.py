@@ -61,7 +61,7 @@ def test_a_retired_slot_waits_for_readers_that_may_see_it(tmp_path: Path) -> Non
         with f.reading():
             f.retire([0])
             with f.reading():  # a reader that started after the delete cannot see slot 0 ...
-                assert f.allocate(1) == []  # ... but the first one still may
+                assert f.allocate(1, wait_s=0.05) == []  # ... but the first one still may
             assert f.quarantined() == 1
         assert f.allocate(1) == [0] and f.quarantined() == 0
     finally:
@@ -204,3 +204,24 @@ def test_changing_the_payload_mode_discards_the_store(
         assert len(s) == 0
     assert "payload mode slots:8192, configured lmdb" in caplog.text
     assert not (tmp_path / "ssd" / SLOT_FILE).exists()
+
+
+def test_entries_naming_one_slot_twice_are_dropped_at_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = items(2)
+    with SsdStore(spec(tmp_path)) as s:
+        s.put_many(first)
+    env = lmdb.open(str(tmp_path / "ssd"), max_dbs=4)
+    with env.begin(write=True) as txn:  # a damaged index: k0001 claims k0000's slot
+        meta = env.open_db(b"meta", txn=txn)
+        slot_of_first = txn.get(b"\x01tk0000", db=meta)[33:41]  # META: <QQddB then slot
+        rec = bytearray(txn.get(b"\x01tk0001", db=meta))
+        rec[33:41] = slot_of_first
+        txn.put(b"\x01tk0001", bytes(rec), db=meta)
+    env.close()
+    with caplog.at_level(logging.WARNING, "kvtier.ssd"), SsdStore(spec(tmp_path)) as s:
+        assert len(s) == 1 and s.free_slots() == 31
+        assert s.get("t", b"k0000") == first[0].payload and s.get("t", b"k0001") is None
+        assert s.stats().used_bytes == SLOT + HEADER_SIZE
+    assert "1 entries named a slot out of range or already used" in caplog.text
