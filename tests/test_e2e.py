@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvtier._proto import kvtier_pb2 as pb  # noqa: E402
 from kvtier.engine import Engine, Sequence, get_config  # noqa: E402
 from kvtier.engine.kvtier_adapter import (  # noqa: E402
     KvtierEngine,
@@ -109,7 +110,7 @@ def metric_sum(text: str, name: str, label: str) -> float:
 def ssd_blocks(replica: KvtierEngine) -> int:
     client = replica.client()
     assert client is not None
-    return int(next(t.blocks for t in client.stats().tiers if t.tier == 2))
+    return int(next(t.blocks for t in client.stats().tiers if t.tier == pb.TIER_SSD))
 
 
 def test_multi_turn_chat_and_shared_system_prompt_dram_hits(kvd: DaemonProc) -> None:
