@@ -17,7 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier.dram import DramClient, SegmentHandle, StaleSegment
+from kvtier.dram import SegmentHandle, StaleSegment
+from kvtier.dram_client import DramClient
 from kvtier.transfer import slot_array
 
 U8 = npt.NDArray[np.uint8]

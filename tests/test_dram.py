@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from kvtier.dram import (
-    DramClient,
     DramError,
     DramPool,
     DramSpec,
@@ -23,6 +22,7 @@ from kvtier.dram import (
     SlotPinned,
     StaleSegment,
 )
+from kvtier.dram_client import DramClient
 from kvtier.errors import UsageError
 
 SLOT = 64 * 1024 + 100  # not a page multiple: stride rounds up to 69632 (17 pages)
@@ -221,7 +221,8 @@ def test_close_unlinks_and_marks_closed(pool: DramPool) -> None:
 CHILD = r"""
 import json, sys
 import numpy as np
-from kvtier.dram import DramClient, SegmentHandle
+from kvtier.dram import SegmentHandle
+from kvtier.dram_client import DramClient
 h = SegmentHandle(*json.loads(sys.argv[1]))
 slot = int(sys.argv[2])
 c = DramClient.attach(h)

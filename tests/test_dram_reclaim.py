@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvtier import segment_owner as so
-from kvtier.dram import STATE_LIVE, DramClient, DramPool, DramSpec, peek_header
+from kvtier.dram import STATE_LIVE, DramPool, DramSpec, peek_header
+from kvtier.dram_client import DramClient
 from kvtier.errors import UsageError
 
 
