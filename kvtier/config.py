@@ -265,6 +265,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     dram = i("dram_bytes")
     if dram < slot:
         raise bad("dram_bytes", f"must hold at least one slot of {slot} bytes, got {dram}")
+    dram -= dram % slot
     for name in ("lease_ttl_s", "max_lease_ttl_s"):
         if not 0 < f(name) <= 86400:
             raise bad(name, f"must be in (0, 86400] seconds, got {v[name]}")
@@ -308,7 +309,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         tcp=str(v["tcp"]),
         tls_cert=str(v["tls_cert"]),
         tls_key=str(v["tls_key"]),
-        dram_bytes=dram - dram % slot,
+        dram_bytes=dram,
         slot_bytes=slot,
         data_dir=Path(str(v["data_dir"])).expanduser(),
         ssd_bytes=i("ssd_bytes"),
