@@ -41,7 +41,12 @@ queue's coldest block, else to the hot end; so a chain used together drains tail
 order is exact LRU whenever entering blocks are older than all or newer than all.
 
 Access statistics: `hits` counts accesses (the commit is the first, each lookup hit adds one);
-`last` is the index's logical clock at the last access (one tick per public call).
+`last` is the index's logical clock at the last access (one tick per public call). Admission
+history: when an entry leaves its last tier (eviction, drop, remove), its `hits` go to a
+fixed-size `kvtier.policies.AdmissionHistory`; an insert of the same (tenant, key) while the
+history still remembers it starts at that count + 1, so a block reused at a distance larger than
+DRAM can still reach the k-th access that admits it to SSD. The history holds no key and never
+grows (4 bytes a word, one word per block of DRAM + SSD capacity by default).
 
 Exceptions are `IndexStateError` subclasses; a call that raises has changed nothing.
 Threading: not thread-safe; the owner serialises calls (the daemon holds one lock around it).
