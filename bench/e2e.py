@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from kvtier._proto import kvtier_pb2 as pb
 from kvtier.engine import Engine, Sequence, get_config
 from kvtier.engine.kvtier_adapter import KvtierEngine, LinkOptions
 from kvtier.engine.local_daemon import LocalDaemon
@@ -134,7 +135,7 @@ def settle_on_ssd(replica: KvtierEngine, prompts: list[list[int]], timeout: floa
     """Look the prompts up again until the SSD tier stops growing; returns its block count.
 
     The daemon queues write-backs when a block is looked up (its k-th access), into a bounded
-    queue (256 blocks): one 8K-token document is 512 blocks, so one pass does not queue them all.
+    queue: re-looking-up until the SSD block count stops moving makes sure every block landed.
     """
     client = replica.client()
     if client is None:
@@ -144,7 +145,7 @@ def settle_on_ssd(replica: KvtierEngine, prompts: list[list[int]], timeout: floa
         for p in prompts:
             client.lookup(replica.keys(p))
         time.sleep(0.3)
-        now = int(next(t.blocks for t in client.stats().tiers if t.tier == 2))
+        now = int(next(t.blocks for t in client.stats().tiers if t.tier == pb.TIER_SSD))
         still = still + 1 if now == last else 0
         last = now
     return last

@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtier import segment_owner
+
 
 def daemon_alive(socket: Path, timeout: float = 1.0) -> bool:
     """True when a daemon answers gRPC health checks with SERVING on `socket`."""
@@ -81,6 +83,8 @@ class LocalDaemon:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+            # A SIGKILLed daemon cannot unlink its shared-memory segment: do it for it.
+            segment_owner.reclaim(segment_owner.record_path(self.socket), self.proc.pid)
 
     def restart(self) -> LocalDaemon:
         self.stop()
