@@ -1,7 +1,7 @@
 """The stored block format: a fixed 64-byte header describing every SSD payload. Pure, no I/O.
 
-(`kvtier.ssd` keeps the header in the block's index record, the payload in its own value; `verify`
-also checks a header immediately followed by its payload in one buffer.)
+(`kvtier.ssd` keeps the header in the block's index record and the payload in a slot file or an
+LMDB value; `verify` also checks a header immediately followed by its payload in one buffer.)
 
     offset  size  field
     0       4     magic b"KVB1"
