@@ -65,8 +65,9 @@ def read_slots(
     skeys: Sequence[bytes], outs: Sequence[Any], results: list[int | None], rejected: Rejected,
 ) -> None:
     """Payloads in the slot file: headers from one LMDB snapshot, then preadv of every slot
-    straight into its buffer (adjacent slots in one call). Call inside `slots.reading()`.
-    Raises OSError on an I/O error (no result set then)."""
+    straight into its buffer, in file order, each checksummed as soon as it is in (while the
+    kernel reads ahead). Call inside `slots.reading()`. Raises OSError on an I/O error (the
+    reads verified before it keep their results)."""
     plan: list[tuple[int, int, np.ndarray, int]] = []  # read index, slot, destination, checksum
     with env.begin(buffers=True, db=meta_db) as txn:
         for i, (skey, out) in enumerate(zip(skeys, outs, strict=True)):
@@ -89,9 +90,12 @@ def read_slots(
             dst = np.frombuffer(out, np.uint8)
             if n <= dst.nbytes:
                 plan.append((i, slot, dst[:n], csum))
-    slots.read_into([(slot, dst.data) for _, slot, dst, _ in plan])
-    for i, _, dst, csum in plan:
+
+    def verify(j: int) -> None:
+        i, _, dst, csum = plan[j]
         if blockfmt.payload_checksum(dst.data) != csum:
             rejected.append((skeys[i], Corruption.PAYLOAD_CHECKSUM))
         else:
             results[i] = dst.nbytes
+
+    slots.read_into([(slot, dst.data) for _, slot, dst, _ in plan], verify)

@@ -197,24 +197,29 @@ class SlotFile:
                     if self._quarantine:
                         self._ready.notify_all()
 
-    def read_into(self, reads: Sequence[tuple[int, memoryview]]) -> None:
+    def read_into(
+        self, reads: Sequence[tuple[int, memoryview]], done: Callable[[int], None] | None = None
+    ) -> None:
         """pread slot payloads into the given buffers in file order (call inside `reading()`).
 
         One call per slot, in ascending order, so a run of adjacent slots is a sequential read
         that the kernel's read-ahead pipelines (measured on dev-2c: steadier than one preadv per
-        run). A batch of several runs tells the kernel about all of them first
-        (POSIX_FADV_WILLNEED), so scattered reads overlap on the device. Raises OSError on an
-        I/O error or a file shorter than expected.
+        run); `done(i)` runs as soon as `reads[i]` is in its buffer (e.g. to checksum it while
+        read-ahead fetches the next). A batch of several runs tells the kernel about all of them
+        first (POSIX_FADV_WILLNEED), so scattered reads overlap on the device. Raises OSError on
+        an I/O error or a file shorter than expected.
         """
-        runs = list(self._runs(sorted(reads, key=lambda p: p[0])))
+        order = sorted(range(len(reads)), key=lambda i: reads[i][0])
+        runs = list(self._runs([reads[i] for i in order]))
         if len(runs) > 1:
             for off, bufs in runs:
                 os.posix_fadvise(self._fd, off, sum(b.nbytes for b in bufs),
                                  os.POSIX_FADV_WILLNEED)
-        for off, bufs in runs:
-            for buf in bufs:
-                _preadv_all(self._fd, [buf], off)
-                off += buf.nbytes
+        for i in order:
+            slot, buf = reads[i]
+            _preadv_all(self._fd, [buf], slot * self.stride)
+            if done is not None:
+                done(i)
 
     def _runs(
         self, pairs: Sequence[tuple[int, memoryview]]
