@@ -38,8 +38,8 @@ from kvtier.client import Client, LayoutDecl
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
-SMALL = LayoutDecl(b"bench-lookup-layout", 4096, 16)
-BIG = LayoutDecl(b"bench-copy-layout-2m", 2 * MiB, 16)
+SMALL = LayoutDecl(b"bench-lookup-layout", 4096, 16, model_id="bench-model")
+BIG = LayoutDecl(b"bench-copy-layout-2m", 2 * MiB, 16, model_id="bench-model")
 
 
 def start_daemon(

@@ -34,6 +34,7 @@ from kvtier.client import (
     Stored,
     StoreTx,
     check_blocks,
+    check_registered,
     default_socket,
     is_unknown_layout,
     lookup_result,
@@ -92,6 +93,7 @@ class AsyncClient:
 
     async def _register(self) -> None:
         reply = await self._raw(self._stub.RegisterLayout, register_request(self.layout))
+        check_registered(self.layout, reply)
         self.tenant = reply.tenant
         self._adopt(reply.segment)
 
@@ -128,7 +130,7 @@ class AsyncClient:
     async def lookup(self, keys: Sequence[bytes], *, start_token: int = 0,
                      prompt_tokens: int = 0, plan: bool = False, replica: str = "") -> Lookup:
         reply = await self._call(self._stub.Lookup, pb.LookupRequest(
-            layout=self.layout.fingerprint, keys=pack_keys(keys, self.layout.key_width),
+            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, start_token=start_token,
             prompt_tokens=prompt_tokens, want_plan=plan, replica=replica))
         return lookup_result(reply)
@@ -140,7 +142,7 @@ class AsyncClient:
             yield await self._read_stream(packed)
             return
         reply = await self._call(self._stub.Acquire, pb.AcquireRequest(
-            layout=self.layout.fingerprint, keys=packed, key_width=self.layout.key_width,
+            layout=self.layout.layout_id, keys=packed, key_width=self.layout.key_width,
             lease_ttl_ms=self.lease_ttl_ms))
         seg = self._adopt(reply.segment)
         if reply.count and seg.dram is None:
@@ -161,7 +163,7 @@ class AsyncClient:
                     seconds=time.perf_counter() - started))
 
     async def _read_stream(self, packed: bytes) -> Loaded:
-        req = pb.ReadBlocksRequest(layout=self.layout.fingerprint, keys=packed,
+        req = pb.ReadBlocksRequest(layout=self.layout.layout_id, keys=packed,
                                    key_width=self.layout.key_width)
         for attempt in (0, 1):
             try:
@@ -203,7 +205,7 @@ class AsyncClient:
     async def store_into(self, keys: Sequence[bytes], parent: bytes = b""
                          ) -> AsyncIterator[StoreTx]:
         reply = await self._call(self._stub.Allocate, pb.AllocateRequest(
-            layout=self.layout.fingerprint, keys=pack_keys(keys, self.layout.key_width),
+            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, parent_key=parent, lease_ttl_ms=self.lease_ttl_ms))
         seg = self._adopt(reply.segment)
         if reply.lease_id and seg.dram is None:
@@ -232,13 +234,13 @@ class AsyncClient:
         `added` are cached (the others are ignored). `reset` forgets earlier reports first."""
         w = self.layout.key_width
         reply = await self._call(self._stub.ReportHbm, pb.ReportHbmRequest(
-            layout=self.layout.fingerprint, replica=replica, key_width=w,
+            layout=self.layout.layout_id, replica=replica, key_width=w,
             added=pack_keys(added, w), removed=pack_keys(removed, w), reset=reset))
         return int(reply.tracked)
 
     async def report_prefill(self, tokens: int, seconds: float, context_tokens: int = 0) -> None:
         await self._call(self._stub.ReportPrefill, pb.ReportPrefillRequest(
-            layout=self.layout.fingerprint, tokens=tokens, seconds=seconds,
+            layout=self.layout.layout_id, tokens=tokens, seconds=seconds,
             context_tokens=context_tokens))
 
     async def stats(self) -> pb.StatsResponse:

@@ -1,8 +1,9 @@
 """The daemon's domain logic: layouts, namespaces, blocks, leases, quotas and eviction. No gRPC.
 
-Every block lives in a namespace (tenant, layout fingerprint): the same key bytes in two
-namespaces are two blocks, so a tenant can neither see nor overwrite another's blocks whatever
-keys it sends. A block is in DRAM (a slot of the shared pool), on SSD, or both.
+Every block lives in a namespace (tenant, layout id = H(model id, layout fingerprint)): the same
+key bytes in two namespaces are two blocks, so neither a tenant nor a model (of the same layout)
+can see or overwrite another's blocks whatever keys it sends. A block is in DRAM (a slot of the
+shared pool), on SSD, or both.
 
     Allocate ─▶ WRITE lease (slots, not yet visible) ─▶ Commit ─▶ block in DRAM ─▶ (write-back) SSD
                                                   └──▶ Abort / TTL ─▶ slots freed
@@ -67,6 +68,11 @@ class _Write:
     todo: list[tuple[int, int]]  # (index in keys, slot)
 
 
+class Registered(NamedTuple):
+    layout_id: bytes  # what data requests name (see `kvtier.namespaces.layout_id`)
+    segment: SegmentHandle
+
+
 class LookupResult(NamedTuple):
     tiers: list[Tier]
     plan: Plan | None
@@ -127,34 +133,36 @@ class Cache:
         metrics.attach_rates(self.rates)
 
     def register_layout(
-        self, fingerprint: bytes, block_bytes: int, block_tokens: int, key_width: int,
-        cost: CostModel | None,
-    ) -> SegmentHandle:
-        """Declares a layout (idempotent); returns the segment clients map. See `Namespaces`."""
+        self, model_id: str, fingerprint: bytes, block_bytes: int, block_tokens: int,
+        key_width: int, cost: CostModel | None,
+    ) -> Registered:
+        """Declares a model's layout (idempotent); returns its layout id (what data requests
+        name) and the segment clients map. See `Namespaces`."""
         with self._lock:
-            self.names.register(fingerprint, block_bytes, block_tokens, key_width, cost)
-        return self.pool.handle()
+            info = self.names.register(model_id, fingerprint, block_bytes, block_tokens,
+                                       key_width, cost)
+        return Registered(info.id, self.pool.handle())
 
-    def layout(self, fingerprint: bytes) -> LayoutInfo:
+    def layout(self, layout_id: bytes) -> LayoutInfo:
         with self._lock:
-            return self.names.layout(fingerprint)
+            return self.names.layout(layout_id)
 
-    def _ns(self, tenant: Tenant, fingerprint: bytes) -> Namespace:
-        ns = self.names.get(tenant, fingerprint)
+    def _ns(self, tenant: Tenant, layout_id: bytes) -> Namespace:
+        ns = self.names.get(tenant, layout_id)
         self.tiers.block_bytes.setdefault(ns.name, ns.layout.block_bytes)
         return ns
 
     # -- lookup, acquire, release -----------------------------------------------------------
 
     def lookup(
-        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int,
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
         start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
         replica: str = "",
     ) -> LookupResult:
         """Longest cached prefix with each block's tier: HBM only for blocks `replica` reported
         holding (ReportHbm), else DRAM or SSD — where the daemon would serve it from."""
         with self._lock:
-            ns = self._ns(tenant, fingerprint)
+            ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
             who = f"{ns.name}#{replica}" if replica else _NO_REPLICA
             found = self.index.lookup(ns.name, chain, replica=who)
@@ -182,32 +190,32 @@ class Cache:
         return LookupResult(tiers, the_plan)
 
     def acquire(
-        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, ttl_s: float,
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
     ) -> AcquireResult:
         """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
         slots (on this thread); stops before a block that cannot be promoted. See
         `kvtier.acquire`."""
-        a = self.acquire_begin(tenant, fingerprint, keys, key_width, ttl_s)
+        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s)
         return self.acquirer.finish(a) if a.io else self.acquirer.end(a)
 
     async def acquire_async(
-        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, ttl_s: float,
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
     ) -> AcquireResult:
         """`acquire` for the event loop: SSD reads (and waits for other Acquires' promotions of
         the same blocks) run on a worker thread, without the cache lock. The worker finishes the
         Acquire even if the caller is cancelled; its lease then expires after the TTL."""
-        a = self.acquire_begin(tenant, fingerprint, keys, key_width, ttl_s)
+        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s)
         if not a.io:
             return self.acquirer.end(a)
         return await asyncio.to_thread(self.acquirer.finish, a)
 
     def acquire_begin(
-        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, ttl_s: float,
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
     ) -> Acquiring:
         """Validates the request and runs the Acquire's first step (`Acquirer.begin`)."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
-            ns = self._ns(tenant, fingerprint)
+            ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
             return self.acquirer.begin(tenant, ns, chain, ttl)
 
@@ -245,12 +253,12 @@ class Cache:
     # -- allocate, commit, abort ------------------------------------------------------------
 
     def allocate(
-        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int, parent: bytes,
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
         ttl_s: float,
     ) -> AllocateResult:
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
-            ns = self._ns(tenant, fingerprint)
+            ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
             if parent:
                 if len(parent) != ns.layout.key_width:
@@ -324,7 +332,7 @@ class Cache:
             if run:
                 runs.append(run)
             for r in runs:  # under the lock: before any SSD event of the same blocks
-                self.events.emit(tenant.name, ns.layout.fingerprint, True, Tier.DRAM, r[1:], r[0],
+                self.events.emit(tenant.name, ns.layout.id, True, Tier.DRAM, r[1:], r[0],
                                  ns.layout.block_tokens)
             self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
         if nbytes:
@@ -406,11 +414,11 @@ class Cache:
 
     @asynccontextmanager
     async def reading(
-        self, tenant: Tenant, fingerprint: bytes, keys: bytes, key_width: int,
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
     ) -> AsyncIterator[list[memoryview]]:
         """Acquire (`acquire_async`) + views of the pinned blocks + release (ReadBlocks)."""
-        got = await self.acquire_async(tenant, fingerprint, keys, key_width, 0.0)
-        block_bytes = self.layout(fingerprint).block_bytes
+        got = await self.acquire_async(tenant, layout_id, keys, key_width, 0.0)
+        block_bytes = self.layout(layout_id).block_bytes
         try:
             yield [self.slot_view(o, block_bytes) for o in got.offsets]
         finally:
@@ -425,14 +433,14 @@ class Cache:
     # -- engines' reports -------------------------------------------------------------------
 
     def report_hbm(
-        self, tenant: Tenant, fingerprint: bytes, replica: str, key_width: int, added: bytes,
+        self, tenant: Tenant, layout_id: bytes, replica: str, key_width: int, added: bytes,
         removed: bytes, reset: bool,
     ) -> int:
         """A replica's GPU-pool holdings changed; returns how many added keys are cached."""
         if not 0 < len(replica) <= 128:
             raise InvalidArgument("replica must be a name of 1..128 characters")
         with self._lock:
-            ns = self._ns(tenant, fingerprint)
+            ns = self._ns(tenant, layout_id)
             add = self.names.split_keys(ns, added, key_width, unique=False)
             drop = self.names.split_keys(ns, removed, key_width, unique=False)
             name = f"{ns.name}#{replica}"  # replicas are per namespace: tenants never share them
@@ -443,10 +451,10 @@ class Cache:
             return sum(self.index.hbm_add(name, ns.name, key) for key in add)
 
     def report_prefill(
-        self, tenant: Tenant, fingerprint: bytes, tokens: int, seconds: float, context: int,
+        self, tenant: Tenant, layout_id: bytes, tokens: int, seconds: float, context: int,
     ) -> bool:
         """An engine's realized prefill; False when the layout has no cost model or it is noise."""
-        info = self.layout(fingerprint)
+        info = self.layout(layout_id)
         if tokens <= 0 or not 0 < seconds < 1e6:
             raise InvalidArgument("tokens and seconds must be positive (seconds finite)")
         if info.cost is None:

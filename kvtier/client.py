@@ -1,7 +1,8 @@
 """Synchronous client of the kvtier daemon (the asyncio twin is `kvtier.aclient`).
 
     from kvtier.client import Client, LayoutDecl
-    layout = LayoutDecl(fingerprint=b"my-model-tp0-v1", block_bytes=4096, block_tokens=16)
+    layout = LayoutDecl(fingerprint=b"my-layout-tp0-v1", block_bytes=4096, block_tokens=16,
+                        model_id="my-org/my-model@rev1")  # or LayoutDecl.from_layout(kvl, id)
     with Client(layout=layout) as kv:                      # default socket, as `kvtier serve`
         kv.store(keys, blocks)                             # allocate + write + commit
         with kv.load(keys) as got:                         # acquire + zero-copy views + release
@@ -43,6 +44,7 @@ from kvtier.client_shm import MappedSegment, adopt
 from kvtier.client_shm import SlotBuffer as SlotBuffer
 from kvtier.config import runtime_dir
 from kvtier.errors import KvtierError
+from kvtier.namespaces import InvalidArgument, check_model_id, layout_id
 from kvtier.types import Tier
 
 MAX_MESSAGE_BYTES = 8 << 20
@@ -78,20 +80,38 @@ class ModelCost:
 
 @dataclass(frozen=True, slots=True)
 class LayoutDecl:
-    """What the daemon must know about the blocks: declared once per connection."""
+    """What the daemon must know about the blocks: declared once per connection.
+
+    `model_id` (required, keyword-only; 1..256 UTF-8 bytes of printable text) names the weights
+    whose KV the blocks hold, e.g. "org/name@revision" or `kvtier.engine.config` `model_id()`.
+    The daemon keeps each (model id, layout fingerprint) apart — as `layout_id`, the id every
+    request names — so a fine-tune never loads its base model's KV (or another fine-tune's) even
+    with equal keys. There is deliberately no default: a shared default would merge models again.
+    """
 
     fingerprint: bytes
     block_bytes: int
     block_tokens: int
     key_width: int = 32
     model: ModelCost | None = None
+    model_id: str = field(kw_only=True)
+    layout_id: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            check_model_id(self.model_id)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
+        if not isinstance(self.fingerprint, bytes) or not self.fingerprint:
+            raise ValueError("fingerprint must be non-empty bytes")
+        object.__setattr__(self, "layout_id", layout_id(self.model_id, self.fingerprint))
 
     @classmethod
-    def from_layout(cls, layout: Any, key_width: int = 32, model: ModelCost | None = None
-                    ) -> LayoutDecl:
-        """From a `kvtier.layout.KVLayout`."""
+    def from_layout(cls, layout: Any, model_id: str, *, key_width: int = 32,
+                    model: ModelCost | None = None) -> LayoutDecl:
+        """From a `kvtier.layout.KVLayout` and the id of the model whose KV it holds."""
         return cls(layout.fingerprint(), layout.block_bytes(), layout.block_tokens, key_width,
-                   model)
+                   model, model_id=model_id)
 
 
 class Lookup(NamedTuple):
@@ -146,12 +166,22 @@ def pack_keys(keys: Sequence[bytes], width: int) -> bytes:
 
 def register_request(layout: LayoutDecl) -> pb.RegisterLayoutRequest:
     req = pb.RegisterLayoutRequest(layout=layout.fingerprint, block_bytes=layout.block_bytes,
-                                   block_tokens=layout.block_tokens, key_width=layout.key_width)
+                                   block_tokens=layout.block_tokens, key_width=layout.key_width,
+                                   model_id=layout.model_id)
     if layout.model is not None:
         m = layout.model
         req.model.CopyFrom(pb.ModelCost(active_params=m.active_params, num_layers=m.num_layers,
                                         attn_dim=m.attn_dim, sliding_window=m.sliding_window))
     return req
+
+
+def check_registered(layout: LayoutDecl, reply: pb.RegisterLayoutResponse) -> None:
+    """The daemon must confirm the layout id this client names its requests by."""
+    if reply.layout_id != layout.layout_id:
+        raise KvtierRpcError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "the daemon did not confirm this layout's id for model "
+            f"{layout.model_id!r} (a daemon without model namespaces? upgrade it)")
 
 
 def lookup_result(reply: pb.LookupResponse) -> Lookup:
@@ -175,7 +205,7 @@ def is_unknown_layout(exc: KvtierRpcError) -> bool:
 def write_chunks(layout: LayoutDecl, keys: bytes, parent: bytes, blocks: Sequence[Any]
                  ) -> Iterator[pb.WriteBlocksRequest]:
     yield pb.WriteBlocksRequest(header=pb.WriteHeader(
-        layout=layout.fingerprint, keys=keys, key_width=layout.key_width, parent_key=parent))
+        layout=layout.layout_id, keys=keys, key_width=layout.key_width, parent_key=parent))
     for i, block in enumerate(blocks):
         data = memoryview(block).cast("B")
         for off in range(0, len(data), CHUNK_BYTES):
@@ -236,6 +266,7 @@ class Client:
 
     def _register(self) -> None:
         reply = self._raw(self._stub.RegisterLayout, register_request(self.layout))
+        check_registered(self.layout, reply)
         self.tenant = reply.tenant
         self._adopt(reply.segment)
 
@@ -280,7 +311,7 @@ class Client:
     def lookup(self, keys: Sequence[bytes], *, start_token: int = 0, prompt_tokens: int = 0,
                plan: bool = False, replica: str = "") -> Lookup:
         reply = self._call(self._stub.Lookup, pb.LookupRequest(
-            layout=self.layout.fingerprint, keys=pack_keys(keys, self.layout.key_width),
+            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, start_token=start_token,
             prompt_tokens=prompt_tokens, want_plan=plan, replica=replica))
         return lookup_result(reply)
@@ -293,7 +324,7 @@ class Client:
             yield self._read_stream(packed)
             return
         reply = self._call(self._stub.Acquire, pb.AcquireRequest(
-            layout=self.layout.fingerprint, keys=packed, key_width=self.layout.key_width,
+            layout=self.layout.layout_id, keys=packed, key_width=self.layout.key_width,
             lease_ttl_ms=self.lease_ttl_ms))
         seg = self._adopt(reply.segment)
         if reply.count and seg.dram is None:  # the new segment cannot be mapped: give back
@@ -314,7 +345,7 @@ class Client:
                     seconds=time.perf_counter() - started))
 
     def _read_stream(self, packed: bytes) -> Loaded:
-        req = pb.ReadBlocksRequest(layout=self.layout.fingerprint, keys=packed,
+        req = pb.ReadBlocksRequest(layout=self.layout.layout_id, keys=packed,
                                    key_width=self.layout.key_width)
 
         def read() -> Loaded:
@@ -359,7 +390,7 @@ class Client:
         Commits on normal exit, aborts if the block raises. Shared-memory only.
         """
         reply = self._call(self._stub.Allocate, pb.AllocateRequest(
-            layout=self.layout.fingerprint, keys=pack_keys(keys, self.layout.key_width),
+            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, parent_key=parent, lease_ttl_ms=self.lease_ttl_ms))
         seg = self._adopt(reply.segment)
         if reply.lease_id and seg.dram is None:
@@ -388,13 +419,13 @@ class Client:
         `added` are cached (the others are ignored). `reset` forgets earlier reports first."""
         w = self.layout.key_width
         reply = self._call(self._stub.ReportHbm, pb.ReportHbmRequest(
-            layout=self.layout.fingerprint, replica=replica, key_width=w,
+            layout=self.layout.layout_id, replica=replica, key_width=w,
             added=pack_keys(added, w), removed=pack_keys(removed, w), reset=reset))
         return int(reply.tracked)
 
     def report_prefill(self, tokens: int, seconds: float, context_tokens: int = 0) -> None:
         self._call(self._stub.ReportPrefill, pb.ReportPrefillRequest(
-            layout=self.layout.fingerprint, tokens=tokens, seconds=seconds,
+            layout=self.layout.layout_id, tokens=tokens, seconds=seconds,
             context_tokens=context_tokens))
 
     def stats(self) -> pb.StatsResponse:

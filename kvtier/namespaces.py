@@ -1,8 +1,15 @@
 """Layouts, tenants and namespaces of one daemon, and the domain errors. Pure bookkeeping.
 
-A namespace is (tenant, layout fingerprint), named `"<tenant>/<fingerprint hex>"` — the string
-that keys blocks in the prefix index and in the SSD store. Requests are validated here against
-their layout (key width, counts) before anything changes.
+A registered layout is (model id, layout fingerprint); its *layout id* is
+`kvtier.hashing.root_seed(model_id, fingerprint)` (32 bytes: SHA-256 over canonical CBOR of
+`("kvtier-root/v1", model_id, fingerprint)`), the id every data request names. Two models with the
+same layout fingerprint (two fine-tunes of one base) therefore get two layout ids, and their
+blocks never mix even when their keys are equal (vLLM-compatible keys carry no model of their
+own). A namespace is (tenant, layout id), named `"<tenant>/ns2:<layout id hex>"` — the string
+that keys blocks in the prefix index and in the SSD store. The `ns2:` tag tells it apart from the
+old `"<tenant>/<fingerprint hex>"` form (no model id), whose stored blocks are never served: the
+SSD rebuild drops them (`namespace_layout_id` returns None for them).
+Requests are validated here against their layout (key width, counts) before anything changes.
 
 Not thread-safe: the cache calls it under its lock.
 """
@@ -14,22 +21,56 @@ from dataclasses import dataclass, field
 from kvtier.auth import Tenant
 from kvtier.costmodel import CostModel
 from kvtier.errors import KvtierError
+from kvtier.hashing import root_seed
 from kvtier.types import Tier
 
 KEY_WIDTHS = (16, 32)
 FINGERPRINT_BYTES = (8, 64)
+MODEL_ID_BYTES = 256  # longest model id (UTF-8)
+LAYOUT_ID_BYTES = 32
+_NS_TAG = "ns2:"
 
 
-def namespace(tenant: str, fingerprint: bytes) -> str:
-    return f"{tenant}/{fingerprint.hex()}"
+def check_model_id(model_id: str) -> None:
+    """Raises InvalidArgument unless `model_id` is 1..256 UTF-8 bytes of printable text."""
+    if not isinstance(model_id, str) or not model_id:
+        raise InvalidArgument("model_id is required: the model whose KV the blocks hold")
+    if len(model_id.encode()) > MODEL_ID_BYTES:
+        raise InvalidArgument(f"model_id must be at most {MODEL_ID_BYTES} bytes (UTF-8)")
+    if not model_id.isprintable():
+        raise InvalidArgument("model_id must be printable text (no control characters)")
+
+
+def layout_id(model_id: str, fingerprint: bytes) -> bytes:
+    """The 32-byte id of (model id, layout fingerprint): `root_seed` in sha256_cbor mode."""
+    return root_seed(model_id, fingerprint, "sha256_cbor")
+
+
+def namespace(tenant: str, lid: bytes) -> str:
+    return f"{tenant}/{_NS_TAG}{lid.hex()}"
 
 
 def namespace_tenant(ns: str) -> str:
     return ns.rpartition("/")[0]
 
 
+def namespace_layout_id(ns: str) -> bytes | None:
+    """The layout id of a namespace string; None for any other form (e.g. pre-model-id)."""
+    tail = ns.rpartition("/")[2]
+    if not tail.startswith(_NS_TAG) or len(tail) != len(_NS_TAG) + 2 * LAYOUT_ID_BYTES:
+        return None
+    try:
+        return bytes.fromhex(tail[len(_NS_TAG):])
+    except ValueError:
+        return None
+
+
 def namespace_layout(ns: str) -> bytes:
-    return bytes.fromhex(ns.rpartition("/")[2])
+    """The layout id of a namespace made by `namespace` (events name layouts by it)."""
+    lid = namespace_layout_id(ns)
+    if lid is None:
+        raise ValueError(f"not a kvtier namespace: {ns!r}")
+    return lid
 
 
 class CacheError(KvtierError):
@@ -62,6 +103,8 @@ class Unavailable(CacheError):
 
 @dataclass(frozen=True, slots=True)
 class LayoutInfo:
+    id: bytes  # layout_id(model_id, fingerprint): what data requests name
+    model_id: str
     fingerprint: bytes
     block_bytes: int
     block_tokens: int
@@ -85,7 +128,7 @@ class Namespace:
 
 
 class Namespaces:
-    """Registered layouts, known tenants (with their usage) and namespaces."""
+    """Registered layouts (by layout id), known tenants (with their usage) and namespaces."""
 
     def __init__(self, slot_bytes: int, max_blocks_per_request: int) -> None:
         self.slot_bytes = slot_bytes
@@ -95,9 +138,10 @@ class Namespaces:
         self._namespaces: dict[tuple[str, bytes], Namespace] = {}
 
     def register(
-        self, fingerprint: bytes, block_bytes: int, block_tokens: int, key_width: int,
-        cost: CostModel | None,
+        self, model_id: str, fingerprint: bytes, block_bytes: int, block_tokens: int,
+        key_width: int, cost: CostModel | None,
     ) -> LayoutInfo:
+        check_model_id(model_id)
         if not FINGERPRINT_BYTES[0] <= len(fingerprint) <= FINGERPRINT_BYTES[1]:
             raise InvalidArgument(
                 f"layout fingerprint must be {FINGERPRINT_BYTES[0]}..{FINGERPRINT_BYTES[1]} "
@@ -112,36 +156,36 @@ class Namespaces:
             )
         if not 0 < block_tokens <= 1 << 20:
             raise InvalidArgument(f"block_tokens must be in 1..{1 << 20}, got {block_tokens}")
-        info = LayoutInfo(fingerprint, block_bytes, block_tokens, key_width, cost)
-        old = self.layouts.get(fingerprint)
+        lid = layout_id(model_id, fingerprint)
+        info = LayoutInfo(lid, model_id, fingerprint, block_bytes, block_tokens, key_width, cost)
+        old = self.layouts.get(lid)
         shape = (block_bytes, block_tokens, key_width)
         if old is not None and (old.block_bytes, old.block_tokens, old.key_width) != shape:
             raise FailedPrecondition(
-                f"layout {fingerprint.hex()[:16]} is already registered with "
-                f"block_bytes={old.block_bytes} block_tokens={old.block_tokens} "
+                f"layout {fingerprint.hex()[:16]} of model {model_id!r} is already registered "
+                f"with block_bytes={old.block_bytes} block_tokens={old.block_tokens} "
                 f"key_width={old.key_width}"
             )
         if old is not None and (cost is None or old.cost == cost):
             return old
-        self.layouts[fingerprint] = info
+        self.layouts[lid] = info
         for ns in self._namespaces.values():
-            if ns.layout.fingerprint == fingerprint:
+            if ns.layout.id == lid:
                 ns.layout = info
         return info
 
-    def layout(self, fingerprint: bytes) -> LayoutInfo:
-        info = self.layouts.get(fingerprint)
+    def layout(self, lid: bytes) -> LayoutInfo:
+        info = self.layouts.get(lid)
         if info is None:
-            raise NotFound(f"unknown layout {fingerprint.hex()[:16]}: call RegisterLayout first")
+            raise NotFound(f"unknown layout {lid.hex()[:16]}: call RegisterLayout first")
         return info
 
-    def get(self, tenant: Tenant, fingerprint: bytes) -> Namespace:
-        ns = self._namespaces.get((tenant.name, fingerprint))
+    def get(self, tenant: Tenant, lid: bytes) -> Namespace:
+        ns = self._namespaces.get((tenant.name, lid))
         if ns is None:
-            layout = self.layout(fingerprint)
-            ns = Namespace(namespace(tenant.name, fingerprint), self.tenant(tenant.name, tenant),
-                           layout)
-            self._namespaces[(tenant.name, fingerprint)] = ns
+            layout = self.layout(lid)
+            ns = Namespace(namespace(tenant.name, lid), self.tenant(tenant.name, tenant), layout)
+            self._namespaces[(tenant.name, lid)] = ns
         return ns
 
     def tenant(self, name: str, tenant: Tenant | None = None) -> TenantState:

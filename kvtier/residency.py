@@ -17,8 +17,11 @@
   Until then the slot belongs to the claimant (`claimed` counts them) and the block must stay
   pinned in the index by the caller.
 
-Index "tenants" are namespaces: `"<tenant>/<layout fingerprint hex>"`, the same string keys the
-SSD store, so after a restart the stored blocks come back under the right tenant and layout.
+Index "tenants" are namespaces: `"<tenant>/ns2:<layout id hex>"` (layout id = H(model id, layout
+fingerprint), `kvtier.namespaces`), the same string keys the SSD store, so after a restart the
+stored blocks come back under the right tenant, model and layout. Blocks stored under any other
+namespace form — the pre-model-id `"<tenant>/<fingerprint hex>"` — cannot be attributed to a model:
+the rebuild deletes them (one warning line with the count) and never serves them.
 
 Threading: every method is called with the cache lock held, except `on_written`, which the mover
 calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must
@@ -42,7 +45,7 @@ from kvtier.index import Block as IndexBlock
 from kvtier.index import Evicted, IndexStateError, PrefixIndex, Reason
 from kvtier.metrics import DaemonMetrics
 from kvtier.mover import Mover, MoverSpec, Submitted, WriteBack
-from kvtier.namespaces import namespace_layout, namespace_tenant
+from kvtier.namespaces import namespace_layout, namespace_layout_id, namespace_tenant
 from kvtier.rates import Link, RateBook
 from kvtier.ssd import PutResult, SsdSpec, SsdStore
 from kvtier.types import Tier
@@ -51,7 +54,7 @@ from kvtier.wear import WriteBudget
 log = logging.getLogger(__name__)
 
 STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
-"""The SSD store's own layout tag; each block's namespace (tenant + layout) is in its key."""
+"""The SSD store's own layout tag; each block's namespace (tenant + layout id) is in its key."""
 
 
 class Removed(NamedTuple):
@@ -119,9 +122,18 @@ class Tiers:
         started = time.monotonic()
         entries = self.store.entries()
         by_ns: dict[str, dict[bytes, bytes | None]] = {}
+        foreign: list[tuple[str, bytes]] = []
         for e in entries:
+            if namespace_layout_id(e.tenant) is None:
+                foreign.append((e.tenant, e.key))
+                continue
             by_ns.setdefault(e.tenant, {})[e.key] = e.parent
             self.block_bytes.setdefault(e.tenant, e.size - blockfmt.HEADER_SIZE)
+        if foreign:
+            log.warning("SSD tier: dropping %d stored blocks of %d namespaces without a model id "
+                        "(stored before namespaces carried one; never served)", len(foreign),
+                        len({ns for ns, _ in foreign}))
+            self.store.delete_many(foreign)
         doomed: list[tuple[str, bytes]] = []
         for ns, parents in by_ns.items():
             kids: dict[bytes, list[bytes]] = {}
@@ -144,7 +156,7 @@ class Tiers:
             log.warning("SSD tier: dropping %d stored blocks without a cached parent or room",
                         len(doomed))
             self.store.delete_many(doomed)
-        log.info("SSD tier: %d blocks indexed in %.2f s", len(entries) - len(doomed),
+        log.info("SSD tier: %d blocks indexed in %.2f s", len(entries) - len(doomed) - len(foreign),
                  time.monotonic() - started)
 
     def ssd_bytes_of(self, ns: str) -> int:

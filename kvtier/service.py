@@ -131,11 +131,12 @@ class KvTierService(pb_grpc.KvTierServicer):
                 cost = CostModel.dense(
                     "client", m.active_params, m.num_layers, m.attn_dim, m.sliding_window,
                 )
-            handle = self.cache.register_layout(
-                request.layout, request.block_bytes, request.block_tokens, request.key_width, cost
+            reg = self.cache.register_layout(
+                request.model_id, request.layout, request.block_bytes, request.block_tokens,
+                request.key_width, cost,
             )
             return pb.RegisterLayoutResponse(
-                segment=segment_info(handle),
+                segment=segment_info(reg.segment), layout_id=reg.layout_id,
                 max_blocks_per_request=self.cache.cfg.max_blocks_per_request,
                 default_lease_ttl_ms=int(self.cache.cfg.lease_ttl_s * 1000),
                 tenant=tenant.name,

@@ -13,7 +13,7 @@ from kvtier.types import Tier
 from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
 
 BLOCK = 65536
-LAYOUT = LayoutDecl(b"async-layout-0001", BLOCK, 16)
+LAYOUT = LayoutDecl(b"async-layout-0001", BLOCK, 16, model_id="async-model")
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -14,7 +14,7 @@ from kvtier.client import Client, LayoutDecl
 from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
 
 BLOCK = 40_000  # smaller than the fixture's 64 KiB slot: rows are wider than blocks
-LAYOUT = LayoutDecl(b"slots-layout-0001", BLOCK, 16)
+LAYOUT = LayoutDecl(b"slots-layout-0001", BLOCK, 16, model_id="slots-model")
 SLOT = 64 * 1024
 
 

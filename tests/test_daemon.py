@@ -21,7 +21,8 @@ from kvtier.types import Tier
 from tests.daemon_fixture import ROOT, DaemonProc
 
 BLOCK = 65536
-LAYOUT = LayoutDecl(fingerprint=b"test-layout-fp-01", block_bytes=BLOCK, block_tokens=16)
+LAYOUT = LayoutDecl(fingerprint=b"test-layout-fp-01", block_bytes=BLOCK, block_tokens=16,
+                    model_id="test-model-01")
 
 
 def chain(tag: int, n: int) -> list[bytes]:
@@ -148,7 +149,7 @@ def test_client_sigkilled_mid_lease_loses_its_leases(tmp_path: Path) -> None:
             import os, signal, sys
             sys.path.insert(0, {str(ROOT)!r})
             from kvtier.client import Client, LayoutDecl
-            lay = LayoutDecl({LAYOUT.fingerprint!r}, {BLOCK}, 16)
+            lay = LayoutDecl({LAYOUT.fingerprint!r}, {BLOCK}, 16, model_id={LAYOUT.model_id!r})
             kv = Client({str(d.socket)!r}, layout=lay)
             keys = [bytes([1, i]) + bytes(30) for i in range(4)]
             kv.store(keys, [bytes({BLOCK})] * 4)
@@ -308,7 +309,8 @@ def test_lookup_returns_the_planners_cut(shared: DaemonProc) -> None:
     from kvtier.client import ModelCost
 
     # Llama-3-8B-like cost: 8e9 active parameters, 32 layers, 4096-wide attention.
-    lay = LayoutDecl(b"test-layout-planned", BLOCK, 16, model=ModelCost(8.0e9, 32, 4096))
+    lay = LayoutDecl(b"test-layout-planned", BLOCK, 16, model=ModelCost(8.0e9, 32, 4096),
+                     model_id="test-model-planned")
     keys = chain(90, 8)
     with Client(shared.socket, layout=lay) as kv:
         kv.store(keys, payloads(8, 90))
@@ -333,7 +335,7 @@ def test_renew_extends_a_lease(tmp_path: Path) -> None:
                 f"unix:{d.socket}") as ch:
             kv.store(chain(95, 1), payloads(1, 95))
             stub = pb_grpc.KvTierStub(ch)  # type: ignore[no-untyped-call]
-            got = stub.Acquire(pb.AcquireRequest(layout=LAYOUT.fingerprint, keys=chain(95, 1)[0],
+            got = stub.Acquire(pb.AcquireRequest(layout=LAYOUT.layout_id, keys=chain(95, 1)[0],
                                                  key_width=32))
             for _ in range(4):  # 2 s in all, twice the TTL, kept alive by renewals
                 time.sleep(0.5)

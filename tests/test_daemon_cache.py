@@ -19,10 +19,13 @@ from kvtier.namespaces import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    layout_id,
 )
 from kvtier.types import Tier
 
-FP = b"cache-test-layout"
+FINGERPRINT = b"cache-test-layout"
+MODEL = "cache-test-model"
+LID = layout_id(MODEL, FINGERPRINT)  # what data calls name
 BLOCK = 4096
 T = Tenant("t")
 
@@ -43,7 +46,7 @@ def make(tmp: Path, clock: Clock, slots: int = 8, ssd: str = "0", **kw: str) -> 
         **kw,
     }, {"HOME": str(tmp)})
     cache = Cache(cfg, DaemonMetrics(), clock=clock)
-    cache.register_layout(FP, BLOCK, 16, 32, None)
+    cache.register_layout(MODEL, FINGERPRINT, BLOCK, 16, 32, None)
     return cache
 
 
@@ -64,7 +67,7 @@ def keys(tag: int, n: int) -> bytes:
 
 
 def store(c: Cache, k: bytes, parent: bytes = b"", fill: int = 7) -> int:
-    a = c.allocate(T, FP, k, 32, parent, 0)
+    a = c.allocate(T, LID, k, 32, parent, 0)
     for off in a.offsets:
         c.slot_view(off, BLOCK)[:] = bytes([fill]) * BLOCK
     return c.commit(T, a.lease_id, len(a.offsets) * BLOCK) if a.lease_id else 0
@@ -73,15 +76,15 @@ def store(c: Cache, k: bytes, parent: bytes = b"", fill: int = 7) -> int:
 def test_pressure_evicts_leaves_first_and_never_strands(cache: Cache) -> None:
     assert store(cache, keys(1, 6)) == 6
     assert store(cache, keys(2, 4)) == 4  # 10 > 8 slots: evicts 2 blocks of chain 1 from its end
-    hit1 = len(cache.lookup(T, FP, keys(1, 6), 32).tiers)
+    hit1 = len(cache.lookup(T, LID, keys(1, 6), 32).tiers)
     assert hit1 == 4  # 6 - 2 leaves; the surviving blocks are still a prefix
-    assert len(cache.lookup(T, FP, keys(2, 4), 32).tiers) == 4
+    assert len(cache.lookup(T, LID, keys(2, 4), 32).tiers) == 4
     assert cache.leaked_slots() == 0
 
 
 def test_pinned_blocks_are_never_evicted(cache: Cache) -> None:
     store(cache, keys(1, 8))
-    got = cache.acquire(T, FP, keys(1, 8), 32, 0)
+    got = cache.acquire(T, LID, keys(1, 8), 32, 0)
     with pytest.raises(ResourceExhausted):
         store(cache, keys(2, 1))
     cache.release(T, got.lease_id)
@@ -91,8 +94,8 @@ def test_pinned_blocks_are_never_evicted(cache: Cache) -> None:
 
 def test_expired_leases_are_undone(cache: Cache, clock: Clock) -> None:
     store(cache, keys(1, 2))
-    read = cache.acquire(T, FP, keys(1, 2), 32, 5)
-    write = cache.allocate(T, FP, keys(3, 3), 32, b"", 10)
+    read = cache.acquire(T, LID, keys(1, 2), 32, 5)
+    write = cache.allocate(T, LID, keys(3, 3), 32, b"", 10)
     assert cache.active_leases() == 2 and cache.pool.stats().slots_used == 5
     clock.now += 5
     assert cache.expire() == 1  # the read lease
@@ -109,9 +112,9 @@ def test_expired_leases_are_undone(cache: Cache, clock: Clock) -> None:
 def test_commit_drops_blocks_whose_parent_vanished(cache: Cache) -> None:
     store(cache, keys(1, 1))
     parent = keys(1, 1)
-    a = cache.allocate(T, FP, keys(2, 2), 32, parent, 0)
+    a = cache.allocate(T, LID, keys(2, 2), 32, parent, 0)
     store(cache, keys(3, 6))  # 5 free + the unpinned parent (a leaf), evicted
-    assert cache.lookup(T, FP, parent, 32).tiers == []
+    assert cache.lookup(T, LID, parent, 32).tiers == []
     assert cache.commit(T, a.lease_id) == 0  # its children could never be hit
     assert cache.leaked_slots() == 0
 
@@ -120,13 +123,13 @@ def test_rules(cache: Cache) -> None:
     with pytest.raises(NotFound):
         cache.lookup(T, b"other-layout-xx", keys(1, 1), 32)
     with pytest.raises(InvalidArgument):
-        cache.allocate(T, FP, keys(1, 1) * 2, 32, b"", 0)
+        cache.allocate(T, LID, keys(1, 1) * 2, 32, b"", 0)
     with pytest.raises(FailedPrecondition):
-        cache.allocate(T, FP, keys(1, 1), 32, keys(9, 1), 0)
-    a = cache.allocate(T, FP, keys(1, 1), 32, b"", 0)
+        cache.allocate(T, LID, keys(1, 1), 32, keys(9, 1), 0)
+    a = cache.allocate(T, LID, keys(1, 1), 32, b"", 0)
     with pytest.raises(PermissionDenied):
         cache.abort(Tenant("intruder"), a.lease_id)
-    assert cache.allocate(T, FP, keys(1, 1), 32, b"", 0).lease_id == ""  # pending: not twice
+    assert cache.allocate(T, LID, keys(1, 1), 32, b"", 0).lease_id == ""  # pending: not twice
     cache.abort(T, a.lease_id)
     assert cache.leaked_slots() == 0
 
@@ -150,8 +153,8 @@ def test_ssd_write_back_promotion_and_restart(
     assert c.stats().ssd_blocks == 4
     store(c, keys(2, 4))  # DRAM full: chain 1 is demoted (it has SSD copies)
     assert c.flush(10)  # chain 2's write-backs pin its slots until written
-    assert c.lookup(T, FP, keys(1, 4), 32).tiers == [Tier.SSD] * 4
-    got = c.acquire(T, FP, keys(1, 4), 32, 0)
+    assert c.lookup(T, LID, keys(1, 4), 32).tiers == [Tier.SSD] * 4
+    got = c.acquire(T, LID, keys(1, 4), 32, 0)
     assert got.source_tiers == [Tier.SSD] * 4
     assert all(bytes(c.slot_view(o, BLOCK)) == bytes([3]) * BLOCK for o in got.offsets)
     c.release(T, got.lease_id)
@@ -161,7 +164,7 @@ def test_ssd_write_back_promotion_and_restart(
     c2 = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
     closing.append(c2)
     assert time.monotonic() - started < 5
-    assert c2.lookup(T, FP, keys(1, 4), 32).tiers == [Tier.SSD] * 4
+    assert c2.lookup(T, LID, keys(1, 4), 32).tiers == [Tier.SSD] * 4
     assert c2.stats(T).tenant_ssd_bytes == c2.stats().ssd_used_bytes
 
 
@@ -183,15 +186,15 @@ def test_corrupt_ssd_payload_is_a_miss_and_a_counter(
     data.write_bytes(bytes(raw))
     c2 = make(tmp_path, clock, slots=4, ssd="1MiB", ssd_admit_after="1")
     closing.append(c2)
-    assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD, Tier.SSD]
-    got = c2.acquire(T, FP, keys(1, 2), 32, 0)
+    assert c2.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.SSD, Tier.SSD]
+    got = c2.acquire(T, LID, keys(1, 2), 32, 0)
     assert got.source_tiers == [Tier.SSD] * bad  # the corrupt block is a miss, never served
     if bad:
         assert bytes(c2.slot_view(got.offsets[0], BLOCK)) == bytes([0x5A]) * BLOCK
         c2.release(T, got.lease_id)
     assert c2.metrics.value("kvtier_checksum_failures_total") == 1
     # the lost block is forgotten with its subtree (the first block takes the second along)
-    assert c2.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM] * bad
+    assert c2.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * bad
     assert c2.stats().ssd_blocks == bad
     assert c2.leaked_slots() == 0
 
@@ -228,11 +231,11 @@ def test_no_room_for_a_promotion_keeps_the_ssd_block(
     assert c.flush(10)
     store(c, keys(2, 4), fill=2)  # chain 1 demoted to SSD only
     assert c.flush(10)
-    held = c.acquire(T, FP, keys(2, 4), 32, 0)  # every slot pinned
-    assert c.acquire(T, FP, keys(1, 1), 32, 0).lease_id == ""  # no room: nothing acquired...
-    assert c.lookup(T, FP, keys(1, 1), 32).tiers == [Tier.SSD]  # ...and nothing forgotten
+    held = c.acquire(T, LID, keys(2, 4), 32, 0)  # every slot pinned
+    assert c.acquire(T, LID, keys(1, 1), 32, 0).lease_id == ""  # no room: nothing acquired...
+    assert c.lookup(T, LID, keys(1, 1), 32).tiers == [Tier.SSD]  # ...and nothing forgotten
     c.release(T, held.lease_id)
-    got = c.acquire(T, FP, keys(1, 1), 32, 0)
+    got = c.acquire(T, LID, keys(1, 1), 32, 0)
     assert got.source_tiers == [Tier.SSD]
     c.release(T, got.lease_id)
     assert c.metrics.value("kvtier_checksum_failures_total") == 0 and c.leaked_slots() == 0
@@ -240,9 +243,9 @@ def test_no_room_for_a_promotion_keeps_the_ssd_block(
 
 def test_an_allocation_that_cannot_fit_evicts_nothing(cache: Cache) -> None:
     store(cache, keys(1, 3))
-    held = cache.allocate(T, FP, keys(2, 4), 32, b"", 0)  # 7 of 8 slots held
+    held = cache.allocate(T, LID, keys(2, 4), 32, b"", 0)  # 7 of 8 slots held
     with pytest.raises(ResourceExhausted):
-        cache.allocate(T, FP, keys(3, 5), 32, b"", 0)  # 1 free + 3 evictable < 5
-    assert cache.lookup(T, FP, keys(1, 3), 32).tiers == [Tier.DRAM] * 3  # nothing evicted
+        cache.allocate(T, LID, keys(3, 5), 32, b"", 0)  # 1 free + 3 evictable < 5
+    assert cache.lookup(T, LID, keys(1, 3), 32).tiers == [Tier.DRAM] * 3  # nothing evicted
     cache.abort(T, held.lease_id)
     assert cache.leaked_slots() == 0

@@ -14,11 +14,14 @@ from kvtier.auth import Tenant
 from kvtier.cache import Cache
 from kvtier.costmodel import CostModel
 from kvtier.metrics import DaemonMetrics
+from kvtier.namespaces import layout_id
 from kvtier.planner import Reason
 from kvtier.rates import Link, LinkRate, RateBook
 from kvtier.types import Tier
 
-FP = b"plan-test-layout"
+FINGERPRINT = b"plan-test-layout"
+MODEL = "plan-test-model"
+LID = layout_id(MODEL, FINGERPRINT)  # what data calls name
 BLOCK = 4096
 TOKENS = 16
 T = Tenant("t")
@@ -33,7 +36,7 @@ def make(tmp: Path, rates: RateBook, slots: int = 8, ssd: str = "0") -> Cache:
         "writeback_queue_bytes": str(slots * BLOCK),  # tiny pools: the default quarter is 1 slot
     }, {"HOME": str(tmp)})
     cache = Cache(cfg, DaemonMetrics(), rates=rates)
-    cache.register_layout(FP, BLOCK, TOKENS, 32, COST)
+    cache.register_layout(MODEL, FINGERPRINT, BLOCK, TOKENS, 32, COST)
     return cache
 
 
@@ -50,7 +53,7 @@ def keys(tag: int, n: int) -> bytes:
 
 
 def store(c: Cache, k: bytes) -> None:
-    a = c.allocate(T, FP, k, 32, b"", 0)
+    a = c.allocate(T, LID, k, 32, b"", 0)
     for off in a.offsets:
         c.slot_view(off, BLOCK)[:] = bytes([9]) * BLOCK
     c.commit(T, a.lease_id)
@@ -69,8 +72,8 @@ def test_release_observes_realized_over_predicted_copy_time(
     c = make(tmp_path, RateBook({Link.DRAM_READ: LinkRate(1e9, 200e-6)}))
     closing.append(c)
     store(c, keys(1, 2))
-    first = c.acquire(T, FP, keys(1, 2), 32, 0)
-    second = c.acquire(T, FP, keys(1, 2), 32, 0)  # also predicted at 1 GB/s
+    first = c.acquire(T, LID, keys(1, 2), 32, 0)
+    second = c.acquire(T, LID, keys(1, 2), 32, 0)  # also predicted at 1 GB/s
     # predicted copy of 2 x 4096 B at 1e9 B/s = 8.192 us (no latency: Release times the copy
     # alone); the client reports 16.384 us -> ratio 2.0, and the DRAM-read estimate becomes
     # 8192 / 16.384e-6 = 5e8 B/s.
@@ -86,7 +89,7 @@ def test_release_observes_realized_over_predicted_copy_time(
     assert ratio(c, "dram_read") == (2, pytest.approx(3.0))
     # a new lease is predicted at the learned rate: the median of {5e8, 1e9} = 7.5e8 B/s, so a
     # half-block copy (2048 B) predicted at 2048 / 7.5e8 = 2.7307 us, realized 5.4613 us -> 2.0
-    third = c.acquire(T, FP, keys(1, 2), 32, 0)
+    third = c.acquire(T, LID, keys(1, 2), 32, 0)
     c.release(T, third.lease_id, 2048, 2 * 2048 / 7.5e8)
     assert ratio(c, "dram_read") == (3, pytest.approx(5.0))
 
@@ -96,7 +99,7 @@ def test_release_without_timing_observes_nothing(tmp_path: Path, closing: list[C
     closing.append(c)
     store(c, keys(1, 1))
     for nbytes, seconds in ((BLOCK, 0.0), (0, 1e-3)):
-        got = c.acquire(T, FP, keys(1, 1), 32, 0)
+        got = c.acquire(T, LID, keys(1, 1), 32, 0)
         c.release(T, got.lease_id, nbytes, seconds)
     assert ratio(c, "dram_read") == (0, 0)
     assert c.rates.samples(Link.DRAM_READ) == 0 and c.rates.export()["rejected_total"] == 0
@@ -111,15 +114,15 @@ def test_plan_decisions_are_counted_by_action(tmp_path: Path, closing: list[Cach
     assert c.flush(10)
     store(c, keys(2, 4))  # the pool is full: chain 1 drops to its SSD copies
     assert c.flush(10)
-    assert c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD] * 2
-    res = c.lookup(T, FP, keys(2, 2), 32, want_plan=True)
+    assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.SSD] * 2
+    res = c.lookup(T, LID, keys(2, 2), 32, want_plan=True)
     assert res.plan is not None and res.plan.cut == 2 and res.plan.reason is Reason.FETCH_ALL
     v = c.metrics.value
     assert v("kvtier_plan_decisions_total", action="fetch_dram") == 2
     assert v("kvtier_plans_total", reason="fetch_all") == 1
     saved = res.plan.saved_s
     assert saved > 0 and v("kvtier_predicted_prefill_seconds_saved_total") == pytest.approx(saved)
-    slow = c.lookup(T, FP, keys(1, 2), 32, want_plan=True)
+    slow = c.lookup(T, LID, keys(1, 2), 32, want_plan=True)
     assert slow.plan is not None and slow.plan.cut == 0
     assert slow.plan.reason is Reason.SSD_SLOWER_THAN_RECOMPUTE
     assert slow.plan.promote_in_background == (0, 1)
@@ -138,9 +141,9 @@ def test_promotions_are_timed_into_the_rates_and_the_error_histogram(
     assert c.flush(10)
     store(c, keys(2, 4))
     assert c.flush(10)
-    assert c.lookup(T, FP, keys(1, 3), 32).tiers == [Tier.SSD] * 3
+    assert c.lookup(T, LID, keys(1, 3), 32).tiers == [Tier.SSD] * 3
     assert c.rates.samples(Link.SSD_READ) == 0
-    got = c.acquire(T, FP, keys(1, 3), 32, 0)
+    got = c.acquire(T, LID, keys(1, 3), 32, 0)
     assert got.source_tiers == [Tier.SSD] * 3
     assert c.rates.samples(Link.SSD_READ) == 1  # one timed LMDB read + verify of the batch
     count, total = ratio(c, "ssd_read")

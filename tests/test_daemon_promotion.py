@@ -15,7 +15,7 @@ import pytest
 from kvtier.cache import Cache
 from kvtier.namespaces import ResourceExhausted
 from kvtier.types import Tier
-from tests.test_daemon_cache import BLOCK, FP, Clock, T, keys, make, store
+from tests.test_daemon_cache import BLOCK, LID, Clock, T, keys, make, store
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def ssd_cache(tmp_path: Path) -> Iterator[tuple[Cache, Clock]]:
     assert c.flush(10)
     store(c, keys(2, 4), fill=0x22)  # the pool is full: chain 1 keeps only its SSD copies
     assert c.flush(10)
-    assert c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD] * 2
+    assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.SSD] * 2
     yield c, clock
     c.close()
 
@@ -35,27 +35,27 @@ def test_claimed_slots_and_pinned_blocks_survive_pressure_during_the_read(
     ssd_cache: tuple[Cache, Clock],
 ) -> None:
     c, _ = ssd_cache
-    a = c.acquire_begin(T, FP, keys(1, 2), 32, 0)  # step 1: 2 slots claimed (chain 2 evicted)
+    a = c.acquire_begin(T, LID, keys(1, 2), 32, 0)  # step 1: 2 slots claimed (chain 2 evicted)
     assert sorted(a.claimed) == [0, 1] and not a.waits
     assert c.leaked_slots() == 0  # claimed slots are accounted for
     # the lock is free: other requests are served while the read has not happened yet
-    assert c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.SSD] * 2
-    w = c.allocate(T, FP, keys(3, 2), 32, b"", 0)  # takes the 2 remaining slots
+    assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.SSD] * 2
+    w = c.allocate(T, LID, keys(3, 2), 32, b"", 0)  # takes the 2 remaining slots
     with pytest.raises(ResourceExhausted):
-        c.allocate(T, FP, keys(4, 1), 32, b"", 0)  # claimed slots are never handed out
+        c.allocate(T, LID, keys(4, 1), 32, b"", 0)  # claimed slots are never handed out
     got = c.acquirer.finish(a)  # steps 2 and 3
     assert got.source_tiers == [Tier.SSD] * 2
     assert all(bytes(c.slot_view(o, BLOCK)) == bytes([0x11]) * BLOCK for o in got.offsets)
     c.abort(T, w.lease_id)
     c.release(T, got.lease_id)
-    assert c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+    assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
     assert c.leaked_slots() == 0 and c.tiers.claimed == 0
 
 
 def test_a_second_acquire_waits_for_the_first_promotion(ssd_cache: tuple[Cache, Clock]) -> None:
     c, _ = ssd_cache
-    first = c.acquire_begin(T, FP, keys(1, 2), 32, 0)
-    second = c.acquire_begin(T, FP, keys(1, 2), 32, 0)
+    first = c.acquire_begin(T, LID, keys(1, 2), 32, 0)
+    second = c.acquire_begin(T, LID, keys(1, 2), 32, 0)
     assert sorted(second.waits) == [0, 1] and not second.claimed  # no second claim, no race
     out: list[object] = []
     waiter = threading.Thread(target=lambda: out.append(c.acquirer.finish(second)))
@@ -77,7 +77,7 @@ def test_a_cancelled_async_acquire_still_finishes_and_its_lease_expires(
     c, clock = ssd_cache
 
     async def main() -> None:
-        task = asyncio.create_task(c.acquire_async(T, FP, keys(1, 2), 32, 1.0))
+        task = asyncio.create_task(c.acquire_async(T, LID, keys(1, 2), 32, 1.0))
         await asyncio.sleep(0)  # step 1 ran, the read is on a worker thread
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -87,4 +87,4 @@ def test_a_cancelled_async_acquire_still_finishes_and_its_lease_expires(
     assert c.active_leases() == 1 and c.tiers.claimed == 0
     clock.now += 2.0
     assert c.expire() == 1
-    assert c.leaked_slots() == 0 and c.lookup(T, FP, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+    assert c.leaked_slots() == 0 and c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2

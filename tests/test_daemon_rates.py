@@ -22,7 +22,8 @@ BLOCK = 65536
 TOKENS = 16
 MODEL = ModelCost(8.0e9, 32, 4096)  # Llama-3-8B-like
 COST = CostModel.dense("client", 8.0e9, 32, 4096, 0)  # what the daemon builds from MODEL
-LAYOUT = LayoutDecl(b"rates-test-layout", BLOCK, TOKENS, model=MODEL)
+LAYOUT = LayoutDecl(b"rates-test-layout", BLOCK, TOKENS, model=MODEL,
+                    model_id="rates-test-model")
 
 
 def chain(n: int) -> list[bytes]:

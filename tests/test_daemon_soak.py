@@ -18,7 +18,7 @@ from kvtier.client import Client, KvtierRpcError, LayoutDecl
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 16384
-LAYOUT = LayoutDecl(b"soak-layout-00001", BLOCK, 16)
+LAYOUT = LayoutDecl(b"soak-layout-00001", BLOCK, 16, model_id="soak-model")
 CLIENTS = 32
 SECONDS = 30.0
 

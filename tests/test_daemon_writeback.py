@@ -15,7 +15,7 @@ from tests.daemon_fixture import DaemonProc
 
 SLOT = 16 << 10
 BLOCKS = 512
-LAYOUT = LayoutDecl(b"writeback-layout-01", SLOT, 16)
+LAYOUT = LayoutDecl(b"writeback-layout-01", SLOT, 16, model_id="writeback-model")
 # 64 MiB DRAM = 4096 slots; 64 MiB SSD cap, 1 DWPD -> 64 MiB/day. Defaults: queue min(64 MiB/4,
 # 1 GiB) = 16 MiB = 1024 slots; burst min(64 MiB, max(16 MiB, 4 * 16 MiB)) = 64 MiB. The document
 # is 512 * (16 KiB + 64 B header) = 8.03 MiB of SSD writes.

@@ -19,7 +19,9 @@ from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536
 FP = b"hostile-layout-01"
-LAYOUT = LayoutDecl(FP, BLOCK, 16)
+MODEL = "hostile/model-a"
+LAYOUT = LayoutDecl(FP, BLOCK, 16, model_id=MODEL)
+LID = LAYOUT.layout_id  # what data requests name: H(model id, fingerprint)
 ALICE = (("authorization", "Bearer alice-secret-token"),)
 BOB = (("authorization", "Bearer bob-secret-token-2"),)
 Code = grpc.StatusCode
@@ -38,25 +40,26 @@ class Env:
         self.d = d
         self.channel = grpc.insecure_channel(f"unix:{d.socket}")
         self.stub = pb_grpc.KvTierStub(self.channel)  # type: ignore[no-untyped-call]
-        reg = pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32)
-        self.stub.RegisterLayout(reg, metadata=ALICE)
+        reg = pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32,
+                                       model_id=MODEL)
+        assert self.stub.RegisterLayout(reg, metadata=ALICE).layout_id == LID
         self.bob_store(keys(9, 1))
         self.bob_read = self.stub.Acquire(
-            pb.AcquireRequest(layout=FP, keys=keys(9, 1), key_width=32), metadata=BOB).lease_id
+            pb.AcquireRequest(layout=LID, keys=keys(9, 1), key_width=32), metadata=BOB).lease_id
         self.bob_write = self.stub.Allocate(
-            pb.AllocateRequest(layout=FP, keys=keys(8, 1), key_width=32), metadata=BOB).lease_id
+            pb.AllocateRequest(layout=LID, keys=keys(8, 1), key_width=32), metadata=BOB).lease_id
         self.alice_store(keys(7, 1))
         self.alice_read = self.stub.Acquire(
-            pb.AcquireRequest(layout=FP, keys=keys(7, 1), key_width=32), metadata=ALICE).lease_id
+            pb.AcquireRequest(layout=LID, keys=keys(7, 1), key_width=32), metadata=ALICE).lease_id
         self.alice_write = self.stub.Allocate(
-            pb.AllocateRequest(layout=FP, keys=keys(6, 1), key_width=32), metadata=ALICE).lease_id
+            pb.AllocateRequest(layout=LID, keys=keys(6, 1), key_width=32), metadata=ALICE).lease_id
 
     def bob_store(self, k: bytes) -> None:
-        a = self.stub.Allocate(pb.AllocateRequest(layout=FP, keys=k, key_width=32), metadata=BOB)
+        a = self.stub.Allocate(pb.AllocateRequest(layout=LID, keys=k, key_width=32), metadata=BOB)
         self.stub.Commit(pb.CommitRequest(lease_id=a.lease_id), metadata=BOB)
 
     def alice_store(self, k: bytes) -> None:
-        a = self.stub.Allocate(pb.AllocateRequest(layout=FP, keys=k, key_width=32),
+        a = self.stub.Allocate(pb.AllocateRequest(layout=LID, keys=k, key_width=32),
                                metadata=ALICE)
         self.stub.Commit(pb.CommitRequest(lease_id=a.lease_id), metadata=ALICE)
 
@@ -90,7 +93,7 @@ def _chunks(*items: pb.WriteBlocksRequest) -> Iterator[pb.WriteBlocksRequest]:
 
 
 def _header(k: bytes) -> pb.WriteBlocksRequest:
-    return pb.WriteBlocksRequest(header=pb.WriteHeader(layout=FP, keys=k, key_width=32))
+    return pb.WriteBlocksRequest(header=pb.WriteHeader(layout=LID, keys=k, key_width=32))
 
 
 def _chunk(index: int, offset: int, data: bytes) -> pb.WriteBlocksRequest:
@@ -99,9 +102,9 @@ def _chunk(index: int, offset: int, data: bytes) -> pb.WriteBlocksRequest:
 
 Case = tuple[str, Callable[[Env], Any], Code]
 CASES: list[Case] = [
-    ("no token", lambda e: e.stub.Lookup(pb.LookupRequest(layout=FP)), Code.UNAUTHENTICATED),
+    ("no token", lambda e: e.stub.Lookup(pb.LookupRequest(layout=LID)), Code.UNAUTHENTICATED),
     ("wrong token", lambda e: e.stub.Lookup(
-        pb.LookupRequest(layout=FP), metadata=(("authorization", "Bearer nope-nope-nope"),)),
+        pb.LookupRequest(layout=LID), metadata=(("authorization", "Bearer nope-nope-nope"),)),
      Code.UNAUTHENTICATED),
     ("not a bearer token", lambda e: e.stub.Stats(
         pb.StatsRequest(), metadata=(("authorization", "Basic YWxpY2U="),)),
@@ -110,48 +113,69 @@ CASES: list[Case] = [
         pb.LookupRequest(layout=b"never-registered", keys=keys(1, 1), key_width=32),
         metadata=ALICE), Code.NOT_FOUND),
     ("fingerprint too short", lambda e: e.stub.RegisterLayout(pb.RegisterLayoutRequest(
-        layout=b"abc", block_bytes=BLOCK, block_tokens=16, key_width=32), metadata=ALICE),
+        layout=b"abc", block_bytes=BLOCK, block_tokens=16, key_width=32, model_id=MODEL),
+        metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("key width 20", lambda e: e.stub.RegisterLayout(pb.RegisterLayoutRequest(
-        layout=b"layout-width-20", block_bytes=BLOCK, block_tokens=16, key_width=20),
+        layout=b"layout-width-20", block_bytes=BLOCK, block_tokens=16, key_width=20,
+        model_id=MODEL),
         metadata=ALICE), Code.INVALID_ARGUMENT),
     ("zero block bytes", lambda e: e.stub.RegisterLayout(pb.RegisterLayoutRequest(
-        layout=b"layout-zero-bytes", block_bytes=0, block_tokens=16, key_width=32),
+        layout=b"layout-zero-bytes", block_bytes=0, block_tokens=16, key_width=32,
+        model_id=MODEL),
         metadata=ALICE), Code.INVALID_ARGUMENT),
     ("block larger than a slot", lambda e: e.stub.RegisterLayout(pb.RegisterLayoutRequest(
-        layout=b"layout-too-large", block_bytes=BLOCK + 1, block_tokens=16, key_width=32),
+        layout=b"layout-too-large", block_bytes=BLOCK + 1, block_tokens=16, key_width=32,
+        model_id=MODEL),
         metadata=ALICE), Code.INVALID_ARGUMENT),
     ("layout re-registered with another shape", lambda e: e.stub.RegisterLayout(
-        pb.RegisterLayoutRequest(layout=FP, block_bytes=4096, block_tokens=16, key_width=32),
+        pb.RegisterLayoutRequest(layout=FP, block_bytes=4096, block_tokens=16, key_width=32,
+                                 model_id=MODEL),
         metadata=ALICE), Code.FAILED_PRECONDITION),
+    ("layout without a model id", lambda e: e.stub.RegisterLayout(pb.RegisterLayoutRequest(
+        layout=b"layout-no-model", block_bytes=4096, block_tokens=16, key_width=32),
+        metadata=ALICE), Code.INVALID_ARGUMENT),
+    ("model id longer than 256 bytes", lambda e: e.stub.RegisterLayout(pb.RegisterLayoutRequest(
+        layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32, model_id="m" * 257),
+        metadata=ALICE), Code.INVALID_ARGUMENT),
+    ("model id of 129 two-byte characters", lambda e: e.stub.RegisterLayout(
+        pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32,
+                                 model_id="é" * 129), metadata=ALICE), Code.INVALID_ARGUMENT),
+    ("model id with a control character", lambda e: e.stub.RegisterLayout(
+        pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32,
+                                 model_id="model\x00a"), metadata=ALICE), Code.INVALID_ARGUMENT),
+    ("data request naming the bare fingerprint", lambda e: e.stub.Lookup(
+        pb.LookupRequest(layout=FP, keys=keys(7, 1), key_width=32), metadata=ALICE),
+     Code.NOT_FOUND),
     ("negative model parameters", lambda e: e.stub.RegisterLayout(pb.RegisterLayoutRequest(
         layout=b"layout-bad-model", block_bytes=4096, block_tokens=16, key_width=32,
+        model_id=MODEL,
         model=pb.ModelCost(active_params=-1, num_layers=2, attn_dim=8)), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("keys not a multiple of the width", lambda e: e.stub.Lookup(
-        pb.LookupRequest(layout=FP, keys=bytes(33), key_width=32), metadata=ALICE),
+        pb.LookupRequest(layout=LID, keys=bytes(33), key_width=32), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("key width differs from the layout", lambda e: e.stub.Lookup(
-        pb.LookupRequest(layout=FP, keys=bytes(32), key_width=16), metadata=ALICE),
+        pb.LookupRequest(layout=LID, keys=bytes(32), key_width=16), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("too many keys", lambda e: e.stub.Lookup(
-        pb.LookupRequest(layout=FP, keys=bytes(32 * 513), key_width=32), metadata=ALICE),
+        pb.LookupRequest(layout=LID, keys=bytes(32 * 513), key_width=32), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("duplicate keys in a chain", lambda e: e.stub.Allocate(pb.AllocateRequest(
-        layout=FP, keys=key(1, 0) * 2, key_width=32), metadata=ALICE), Code.INVALID_ARGUMENT),
+        layout=LID, keys=key(1, 0) * 2, key_width=32), metadata=ALICE), Code.INVALID_ARGUMENT),
     ("parent not cached", lambda e: e.stub.Allocate(pb.AllocateRequest(
-        layout=FP, keys=keys(1, 1), key_width=32, parent_key=key(2, 0)), metadata=ALICE),
+        layout=LID, keys=keys(1, 1), key_width=32, parent_key=key(2, 0)), metadata=ALICE),
      Code.FAILED_PRECONDITION),
     ("parent of the wrong width", lambda e: e.stub.Allocate(pb.AllocateRequest(
-        layout=FP, keys=keys(1, 1), key_width=32, parent_key=b"short"), metadata=ALICE),
+        layout=LID, keys=keys(1, 1), key_width=32, parent_key=b"short"), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("lease TTL beyond the maximum", lambda e: e.stub.Allocate(pb.AllocateRequest(
-        layout=FP, keys=keys(1, 1), key_width=32, lease_ttl_ms=3_600_000), metadata=ALICE),
+        layout=LID, keys=keys(1, 1), key_width=32, lease_ttl_ms=3_600_000), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("beyond the tenant's DRAM quota", lambda e: e.stub.Allocate(pb.AllocateRequest(
-        layout=FP, keys=keys(3, 9), key_width=32), metadata=ALICE), Code.RESOURCE_EXHAUSTED),
+        layout=LID, keys=keys(3, 9), key_width=32), metadata=ALICE), Code.RESOURCE_EXHAUSTED),
     ("beyond the DRAM pool", lambda e: e.stub.Allocate(pb.AllocateRequest(
-        layout=FP, keys=keys(4, 300), key_width=32), metadata=BOB), Code.RESOURCE_EXHAUSTED),
+        layout=LID, keys=keys(4, 300), key_width=32), metadata=BOB), Code.RESOURCE_EXHAUSTED),
     ("commit of an unknown lease", lambda e: e.stub.Commit(
         pb.CommitRequest(lease_id="0" * 32), metadata=ALICE), Code.NOT_FOUND),
     ("commit without a lease id", lambda e: e.stub.Commit(
@@ -178,7 +202,7 @@ CASES: list[Case] = [
         pb.CommitRequest(lease_id=e.alice_write, bytes=10 * BLOCK), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("prefill report of zero tokens", lambda e: e.stub.ReportPrefill(
-        pb.ReportPrefillRequest(layout=FP, tokens=0, seconds=1.0), metadata=ALICE),
+        pb.ReportPrefillRequest(layout=LID, tokens=0, seconds=1.0), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("write stream without a header", lambda e: e.stub.WriteBlocks(
         _chunks(_chunk(0, 0, b"x")), metadata=ALICE), Code.INVALID_ARGUMENT),
@@ -195,13 +219,13 @@ CASES: list[Case] = [
         pb.ReadBlocksRequest(layout=b"never-registered", keys=keys(1, 1), key_width=32),
         metadata=ALICE)), Code.NOT_FOUND),
     ("HBM report without a replica name", lambda e: e.stub.ReportHbm(
-        pb.ReportHbmRequest(layout=FP, key_width=32, added=keys(7, 1)), metadata=ALICE),
+        pb.ReportHbmRequest(layout=LID, key_width=32, added=keys(7, 1)), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("HBM report with a huge replica name", lambda e: e.stub.ReportHbm(
-        pb.ReportHbmRequest(layout=FP, replica="r" * 129, key_width=32), metadata=ALICE),
+        pb.ReportHbmRequest(layout=LID, replica="r" * 129, key_width=32), metadata=ALICE),
      Code.INVALID_ARGUMENT),
     ("message above the size limit", lambda e: e.stub.Lookup(
-        pb.LookupRequest(layout=FP, keys=bytes(9 << 20), key_width=32), metadata=ALICE),
+        pb.LookupRequest(layout=LID, keys=bytes(9 << 20), key_width=32), metadata=ALICE),
      Code.RESOURCE_EXHAUSTED),
 ]
 

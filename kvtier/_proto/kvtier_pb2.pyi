@@ -51,30 +51,34 @@ class ModelCost(_message.Message):
     def __init__(self, active_params: _Optional[float] = ..., num_layers: _Optional[int] = ..., attn_dim: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class RegisterLayoutRequest(_message.Message):
-    __slots__ = ("layout", "block_bytes", "block_tokens", "key_width", "model")
+    __slots__ = ("layout", "block_bytes", "block_tokens", "key_width", "model", "model_id")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     layout: bytes
     block_bytes: int
     block_tokens: int
     key_width: int
     model: ModelCost
-    def __init__(self, layout: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., key_width: _Optional[int] = ..., model: _Optional[_Union[ModelCost, _Mapping]] = ...) -> None: ...
+    model_id: str
+    def __init__(self, layout: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., key_width: _Optional[int] = ..., model: _Optional[_Union[ModelCost, _Mapping]] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class RegisterLayoutResponse(_message.Message):
-    __slots__ = ("segment", "max_blocks_per_request", "default_lease_ttl_ms", "tenant")
+    __slots__ = ("segment", "max_blocks_per_request", "default_lease_ttl_ms", "tenant", "layout_id")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     segment: SegmentInfo
     max_blocks_per_request: int
     default_lease_ttl_ms: int
     tenant: str
-    def __init__(self, segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_ms: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    layout_id: bytes
+    def __init__(self, segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., layout_id: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("fetch_blocks", "predicted_fetch_seconds", "predicted_recompute_seconds", "reason", "promote_in_background")

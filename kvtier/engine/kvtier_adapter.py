@@ -64,10 +64,12 @@ def engine_layout(config: ModelConfig) -> KVLayout:
 
 
 def layout_decl(config: ModelConfig) -> LayoutDecl:
-    """The layout as declared to the daemon, with the cost parameters its planner needs."""
+    """The layout as declared to the daemon for this model's weights (`config.model_id()`, the
+    same id `key_scheme` seeds keys with), with the cost parameters its planner needs."""
     cost = ModelCost(active_params=float(config.matmul_params()), num_layers=config.layers,
                      attn_dim=config.heads * config.head_dim)
-    return LayoutDecl.from_layout(engine_layout(config), key_width=32, model=cost)
+    return LayoutDecl.from_layout(engine_layout(config), config.model_id(), key_width=32,
+                                  model=cost)
 
 
 def key_scheme(config: ModelConfig) -> KeyScheme:

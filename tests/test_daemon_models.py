@@ -1,0 +1,128 @@
+"""Models that share a KV layout never share blocks (real daemon, real SSD store, real restart).
+
+vLLM-compatible keys (`KeyScheme.vllm`) carry no model: a base model and its fine-tune, both
+with one layout fingerprint, produce equal keys for equal token blocks. The daemon keeps them
+apart by the model id each client registers its layout with (layout id = H(model id,
+fingerprint)), in DRAM, on SSD and across restarts; blocks stored before namespaces carried a
+model id are dropped at start, never served.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier.client import Client, LayoutDecl
+from kvtier.hashing import root_seed
+from kvtier.residency import STORE_FINGERPRINT
+from kvtier.ssd import PutItem, SsdSpec, SsdStore
+from kvtier.types import Tier
+from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
+
+BLOCK = 65536
+FP = b"shared-layout-fp-0001"  # one layout fingerprint, two models
+BASE = LayoutDecl(FP, BLOCK, 16, model_id="org/base-7b@r1")
+TUNE = LayoutDecl(FP, BLOCK, 16, model_id="org/base-7b-chat-ft@r1")
+KEYS = [i.to_bytes(4, "big") + bytes(28) for i in range(4)]  # one chain, equal for both models
+BASE_DATA = [bytes([0x11, i]) * (BLOCK // 2) for i in range(len(KEYS))]
+TUNE_DATA = [bytes([0x22, i]) * (BLOCK // 2) for i in range(len(KEYS))]
+
+
+def ssd_blocks(kv: Client) -> int:
+    return int(next(t.blocks for t in kv.stats().tiers if t.tier == pb.TIER_SSD))
+
+
+def wait_ssd_blocks(kv: Client, want: int, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while ssd_blocks(kv) < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ssd_blocks(kv)
+
+
+def loaded(kv: Client) -> list[bytes]:
+    with kv.load(KEYS) as got:
+        return [bytes(v) for v in got.views]
+
+
+def test_layout_ids_differ_by_model_and_match_root_seed() -> None:
+    assert BASE.fingerprint == TUNE.fingerprint
+    assert BASE.layout_id == root_seed("org/base-7b@r1", FP, "sha256_cbor")
+    assert BASE.layout_id != TUNE.layout_id
+
+
+@pytest.mark.parametrize("model_id", ["", "m" * 257, "é" * 129, "line\nbreak"])
+def test_layout_decl_refuses_a_bad_model_id(model_id: str) -> None:
+    with pytest.raises(ValueError, match="model_id"):
+        LayoutDecl(FP, BLOCK, 16, model_id=model_id)
+
+
+def test_layout_decl_requires_a_model_id() -> None:
+    with pytest.raises(TypeError, match="model_id"):
+        LayoutDecl(FP, BLOCK, 16)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["shm", "streaming"])
+def test_models_of_one_layout_never_see_read_or_overwrite_each_other(
+    daemon: DaemonProc, streaming: bool,  # noqa: F811
+) -> None:
+    with Client(daemon.socket, layout=BASE, streaming=streaming) as base, \
+            Client(daemon.socket, layout=TUNE, streaming=streaming) as tune, \
+            Client(daemon.socket, layout=BASE, streaming=streaming) as base2:
+        assert base.store(KEYS, BASE_DATA).stored == len(KEYS)
+        assert base2.lookup(KEYS).hit_blocks == len(KEYS)  # same model: the keys do hit
+        assert tune.lookup(KEYS).hit_blocks == 0  # same layout, same keys, other model: none
+        with tune.load(KEYS) as got:
+            assert got.blocks == 0
+        assert tune.store(KEYS, TUNE_DATA) == (len(KEYS), 0)  # its own blocks, not "skipped"
+        assert loaded(base) == BASE_DATA  # never overwritten
+        assert loaded(base2) == BASE_DATA
+        assert loaded(tune) == TUNE_DATA
+        assert tune.report_hbm("gpu0", added=KEYS) == len(KEYS)
+        assert Tier.HBM not in base.lookup(KEYS, replica="gpu0").tiers
+        assert base.stats().layouts == 2
+
+
+def test_restart_keeps_each_models_blocks_and_drops_pre_model_id_blocks(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d").start()
+    try:
+        with Client(d.socket, layout=BASE) as base, Client(d.socket, layout=TUNE) as tune:
+            for kv, data in ((base, BASE_DATA), (tune, TUNE_DATA)):
+                assert kv.store(KEYS, data).stored == len(KEYS)  # access 1
+                assert kv.lookup(KEYS).hit_blocks == len(KEYS)  # access 2: admitted to SSD
+            assert wait_ssd_blocks(base, 2 * len(KEYS)) == 2 * len(KEYS)
+    finally:
+        assert d.stop() == 0
+
+    # What a daemon before model-id namespaces stored: "<tenant>/<fingerprint hex>".
+    legacy_ns = f"default/{FP.hex()}"
+    legacy = [b"\xee" + k[1:] for k in KEYS]
+    store = SsdStore(SsdSpec(path=str(d.data_dir / "ssd"), capacity_bytes=64 << 20,
+                             layout_fingerprint=STORE_FINGERPRINT))
+    put = store.put_many([PutItem(legacy_ns, k, legacy[i - 1] if i else None, bytes(BLOCK))
+                          for i, k in enumerate(legacy)])
+    assert len(put.stored) == len(legacy)
+    store.close()
+
+    d.start()
+    try:
+        with Client(d.socket, layout=TUNE) as tune, Client(d.socket, layout=BASE) as base, \
+                Client(d.socket, layout=LayoutDecl(FP, BLOCK, 16, model_id="other")) as other:
+            assert base.lookup(KEYS).tiers == [Tier.SSD] * len(KEYS)
+            assert loaded(base) == BASE_DATA
+            assert loaded(tune) == TUNE_DATA
+            assert other.lookup(KEYS).hit_blocks == 0
+            assert all(kv.lookup(legacy).hit_blocks == 0 for kv in (base, tune, other))
+            assert ssd_blocks(base) == 2 * len(KEYS)  # the legacy blocks are gone
+        assert "dropping 4 stored blocks of 1 namespaces without a model id" in d.log()
+    finally:
+        assert d.stop() == 0
+    store = SsdStore(SsdSpec(path=str(d.data_dir / "ssd"), capacity_bytes=64 << 20,
+                             layout_fingerprint=STORE_FINGERPRINT))
+    try:
+        names = {e.tenant for e in store.entries()}
+    finally:
+        store.close()
+    assert legacy_ns not in names and len(names) == 2
