@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client import Client, LayoutDecl
 from kvtier.hashing import root_seed
 from kvtier.residency import STORE_FINGERPRINT
@@ -83,6 +85,22 @@ def test_models_of_one_layout_never_see_read_or_overwrite_each_other(
         assert tune.report_hbm("gpu0", added=KEYS) == len(KEYS)
         assert Tier.HBM not in base.lookup(KEYS, replica="gpu0").tiers
         assert base.stats().layouts == 2
+
+
+def test_events_name_the_layout_id_of_each_model(daemon: DaemonProc) -> None:  # noqa: F811
+    with Client(daemon.socket, layout=BASE) as base, Client(daemon.socket, layout=TUNE) as tune:
+        base.store([bytes(32)], [bytes(BLOCK)])  # event 1: replay starts after it
+        base.store(KEYS, BASE_DATA)
+        tune.store(KEYS, TUNE_DATA)
+    layouts: set[bytes] = set()
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
+        stub = pb_grpc.KvTierStub(ch)  # type: ignore[no-untyped-call]
+        stream = stub.WatchEvents(pb.WatchEventsRequest(since_sequence=1), timeout=1.0)
+        with pytest.raises(grpc.RpcError):  # DEADLINE_EXCEEDED ends the open stream
+            for ev in stream:
+                if ev.HasField("stored") and KEYS[-1] in ev.stored.block_hashes:
+                    layouts.add(ev.stored.layout)
+    assert layouts == {BASE.layout_id, TUNE.layout_id}  # watchers can tell the models apart
 
 
 def test_restart_keeps_each_models_blocks_and_drops_pre_model_id_blocks(tmp_path: Path) -> None:

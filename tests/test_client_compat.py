@@ -1,0 +1,61 @@
+"""The client refuses a daemon that does not confirm its layout id (a daemon from before model-id
+namespaces would file blocks of every model with this layout together). One gRPC server in this
+process plays that old daemon: it answers RegisterLayout without a layout id."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.client import Client, KvtierRpcError, LayoutDecl
+
+LAYOUT = LayoutDecl(b"compat-layout-01", 4096, 16, model_id="compat-model")
+
+
+class OldDaemon(pb_grpc.KvTierServicer):
+    def __init__(self, layout_id: bytes) -> None:
+        self.layout_id = layout_id
+
+    def RegisterLayout(self, request: pb.RegisterLayoutRequest, context: Any
+                       ) -> pb.RegisterLayoutResponse:
+        return pb.RegisterLayoutResponse(tenant="default", layout_id=self.layout_id,
+                                         max_blocks_per_request=512)
+
+
+def serve(sock: Path, layout_id: bytes) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_KvTierServicer_to_server(OldDaemon(layout_id), server)  # type: ignore[no-untyped-call]
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    return server
+
+
+@pytest.mark.parametrize("layout_id", [b"", LayoutDecl(b"compat-layout-01", 4096, 16,
+                                                       model_id="other-model").layout_id],
+                         ids=["no layout id", "another model's id"])
+def test_client_refuses_a_daemon_that_does_not_confirm_the_layout_id(
+    tmp_path: Path, layout_id: bytes
+) -> None:
+    server = serve(tmp_path / "old.sock", layout_id)
+    try:
+        with pytest.raises(KvtierRpcError) as exc:
+            Client(tmp_path / "old.sock", layout=LAYOUT, streaming=True, timeout=5.0)
+        assert exc.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert "compat-model" in str(exc.value)
+    finally:
+        server.stop(None)
+
+
+def test_client_accepts_the_confirmed_layout_id(tmp_path: Path) -> None:
+    server = serve(tmp_path / "new.sock", LAYOUT.layout_id)
+    try:
+        with Client(tmp_path / "new.sock", layout=LAYOUT, streaming=True, timeout=5.0) as kv:
+            assert kv.tenant == "default"
+    finally:
+        server.stop(None)
