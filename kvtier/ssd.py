@@ -12,8 +12,8 @@ A stored key is `len(tenant) | tenant utf-8 | block key`, so tenants never share
 
 Where payloads live (`SsdSpec.payload`, measured in docs/ARCHITECTURE.md "## Storage tiers"):
     "slots"  a preallocated file of fixed-size slots (`kvtier.ssd_slots`), written with pwritev
-             and read with preadv; LMDB holds only the index. The default whenever the spec
-             names a `slot_size` (the daemon's blocks are one DRAM slot each).
+             and read with pread; LMDB holds only the index. The default whenever the spec
+             names a `slot_size` (payloads up to that size; larger ones are refused).
     "lmdb"   inside LMDB values (overflow pages); any payload size.
 
 Crash safety. "lmdb": a batch of puts is one LMDB transaction, visible whole at commit or not at
