@@ -40,11 +40,13 @@ import numpy.typing as npt
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.client_decl import LayoutDecl as LayoutDecl
+from kvtier.client_decl import ModelCost as ModelCost
+from kvtier.client_decl import register_request as register_request
 from kvtier.client_shm import MappedSegment, adopt
 from kvtier.client_shm import SlotBuffer as SlotBuffer
 from kvtier.config import runtime_dir
 from kvtier.errors import KvtierError
-from kvtier.namespaces import InvalidArgument, check_model_id, layout_id
 from kvtier.types import Tier
 
 MAX_MESSAGE_BYTES = 8 << 20
@@ -66,52 +68,6 @@ class KvtierRpcError(KvtierError):
 
 class KvtierUnavailable(KvtierRpcError):
     """The daemon is not reachable (or restarted during a lease)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelCost:
-    """Optional cost parameters so Lookup can return a fetch-vs-recompute plan."""
-
-    active_params: float
-    num_layers: int
-    attn_dim: int
-    sliding_window: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class LayoutDecl:
-    """What the daemon must know about the blocks: declared once per connection.
-
-    `model_id` (required, keyword-only; 1..256 UTF-8 bytes of printable text) names the weights
-    whose KV the blocks hold, e.g. "org/name@revision" or `kvtier.engine.config` `model_id()`.
-    The daemon keeps each (model id, layout fingerprint) apart — as `layout_id`, the id every
-    request names — so a fine-tune never loads its base model's KV (or another fine-tune's) even
-    with equal keys. There is deliberately no default: a shared default would merge models again.
-    """
-
-    fingerprint: bytes
-    block_bytes: int
-    block_tokens: int
-    key_width: int = 32
-    model: ModelCost | None = None
-    model_id: str = field(kw_only=True)
-    layout_id: bytes = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        try:
-            check_model_id(self.model_id)
-        except InvalidArgument as exc:
-            raise ValueError(str(exc)) from None
-        if not isinstance(self.fingerprint, bytes) or not self.fingerprint:
-            raise ValueError("fingerprint must be non-empty bytes")
-        object.__setattr__(self, "layout_id", layout_id(self.model_id, self.fingerprint))
-
-    @classmethod
-    def from_layout(cls, layout: Any, model_id: str, *, key_width: int = 32,
-                    model: ModelCost | None = None) -> LayoutDecl:
-        """From a `kvtier.layout.KVLayout` and the id of the model whose KV it holds."""
-        return cls(layout.fingerprint(), layout.block_bytes(), layout.block_tokens, key_width,
-                   model, model_id=model_id)
 
 
 class Lookup(NamedTuple):
@@ -162,17 +118,6 @@ def pack_keys(keys: Sequence[bytes], width: int) -> bytes:
         if len(k) != width:
             raise ValueError(f"key of {len(k)} bytes; this layout's keys have {width}")
     return b"".join(keys)
-
-
-def register_request(layout: LayoutDecl) -> pb.RegisterLayoutRequest:
-    req = pb.RegisterLayoutRequest(layout=layout.fingerprint, block_bytes=layout.block_bytes,
-                                   block_tokens=layout.block_tokens, key_width=layout.key_width,
-                                   model_id=layout.model_id)
-    if layout.model is not None:
-        m = layout.model
-        req.model.CopyFrom(pb.ModelCost(active_params=m.active_params, num_layers=m.num_layers,
-                                        attn_dim=m.attn_dim, sliding_window=m.sliding_window))
-    return req
 
 
 def check_registered(layout: LayoutDecl, reply: pb.RegisterLayoutResponse) -> None:
