@@ -215,8 +215,10 @@ def test_entries_naming_one_slot_twice_are_dropped_at_open(
     env = lmdb.open(str(tmp_path / "ssd"), max_dbs=4)
     with env.begin(write=True) as txn:  # a damaged index: k0001 claims k0000's slot
         meta = env.open_db(b"meta", txn=txn)
-        slot_of_first = txn.get(b"\x01tk0000", db=meta)[33:41]  # META: <QQddB then slot
-        rec = bytearray(txn.get(b"\x01tk0001", db=meta))
+        first_rec, second_rec = txn.get(b"\x01tk0000", db=meta), txn.get(b"\x01tk0001", db=meta)
+        assert first_rec is not None and second_rec is not None
+        slot_of_first = first_rec[33:41]  # META: <QQddB then the slot
+        rec = bytearray(second_rec)
         rec[33:41] = slot_of_first
         txn.put(b"\x01tk0001", bytes(rec), db=meta)
     env.close()
@@ -225,3 +227,22 @@ def test_entries_naming_one_slot_twice_are_dropped_at_open(
         assert s.get("t", b"k0000") == first[0].payload and s.get("t", b"k0001") is None
         assert s.stats().used_bytes == SLOT + HEADER_SIZE
     assert "1 entries named a slot out of range or already used" in caplog.text
+
+
+def test_a_failed_payload_write_is_a_refusal_and_returns_the_slots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with SsdStore(spec(tmp_path)) as s:
+        assert s._slots is not None
+
+        def disk_full(*_: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(s._slots, "write", disk_full)
+        r = s.put_many(items(4))
+        assert r.stored == [] and len(r.refused) == 4 and s.stats().refused_total == 4
+        assert s.free_slots() == 32 and len(s) == 0 and s.counters.io_errors == 1
+        monkeypatch.undo()
+        batch = items(4, tag=b"ok")
+        assert len(s.put_many(batch).stored) == 4
+        assert all(s.get("t", it.key) == it.payload for it in batch)
