@@ -258,6 +258,7 @@ def _pwritev_all(fd: int, bufs: list[memoryview], off: int) -> None:
 
 
 def _preadv_all(fd: int, bufs: list[memoryview], off: int) -> None:
+    bufs = [b for b in bufs if b.nbytes]
     while bufs:
         n = os.preadv(fd, bufs, off)
         if n == 0:

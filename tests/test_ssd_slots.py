@@ -68,11 +68,13 @@ def test_a_retired_slot_waits_for_readers_that_may_see_it(tmp_path: Path) -> Non
         f.close()
 
 
-def test_payload_larger_than_a_slot_is_refused(tmp_path: Path) -> None:
+def test_payload_larger_than_a_slot_is_refused_and_an_empty_one_is_stored(tmp_path: Path) -> None:
     with SsdStore(spec(tmp_path)) as s:
         r = s.put_many([*items(2), PutItem("t", b"big", None, b"x" * (SLOT + 1))])
         assert len(r.stored) == 2 and r.refused == [("t", b"big")]
         assert s.free_slots() == 30 and s.stats().refused_total == 1
+        assert s.put_many([PutItem("t", b"empty", None, b"")]).stored == [("t", b"empty")]
+        assert s.get("t", b"empty") == b"" and s.get_into("t", b"empty", bytearray(1)) == 0
 
 
 def test_free_set_is_rebuilt_from_the_index_at_restart(tmp_path: Path) -> None:
