@@ -1,7 +1,7 @@
 """The prefix index's vocabulary: the `Block` node, its packed bits, results and errors.
 
-Kept apart from `kvtier.index` (which re-exports all of it) so the index module holds only the
-`PrefixIndex` logic. See `kvtier.index` for the contract.
+Kept apart from the index's logic (`kvtier.index`, `kvtier.index_state`, `kvtier.index_evict`,
+`kvtier.index_hbm`); `kvtier.index` re-exports all of it. See `kvtier.index` for the contract.
 """
 
 from __future__ import annotations
