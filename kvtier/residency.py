@@ -108,7 +108,7 @@ class Tiers:
         cfg = self.cfg
         self.store = SsdStore(SsdSpec(
             path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
-            layout_fingerprint=STORE_FINGERPRINT,
+            layout_fingerprint=STORE_FINGERPRINT, slot_size=cfg.slot_bytes,
         ))
         self.budget = WriteBudget(cfg.ssd_write_bytes_per_day, cfg.ssd_write_burst_bytes)
         self.mover = Mover(self.pool, self.store, self.budget,

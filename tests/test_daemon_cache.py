@@ -177,10 +177,12 @@ def test_corrupt_ssd_payload_is_a_miss_and_a_counter(
     store(c, keys(1, 2), fill=0x5A)
     assert c.flush(10) and c.stats().ssd_blocks == 2
     c.close()
-    data = tmp_path / "data" / "ssd" / "data.mdb"
+    # payloads live in the slot file (or in LMDB values): flip a bit wherever they are
+    block = bytes([0x5A]) * BLOCK
+    (data,) = [f for f in (tmp_path / "data" / "ssd").iterdir() if block in f.read_bytes()]
     raw = bytearray(data.read_bytes())
-    first = raw.find(bytes([0x5A]) * BLOCK)
-    second = raw.find(bytes([0x5A]) * BLOCK, first + BLOCK)
+    first = raw.find(block)
+    second = raw.find(block, first + BLOCK)
     assert 0 <= first < second
     raw[(first, second)[bad] + 100] ^= 0x01  # one flipped bit in one block's payload
     data.write_bytes(bytes(raw))

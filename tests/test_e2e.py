@@ -309,7 +309,9 @@ def test_corrupted_ssd_block_is_detected_and_recomputed(tmp_path: Path) -> None:
         c.replica.engine.release(out.seq)
         wait_for(lambda: ssd_blocks(c.replica) >= 5)
         assert d.stop() == 0
-        (data_file,) = d.data_dir.rglob("data.mdb")
+        # the payload lives in the SSD slot file (or an LMDB value): find it wherever it is
+        (data_file,) = [f for f in d.data_dir.rglob("*") if f.is_file()
+                        and victim in f.read_bytes()]
         raw = data_file.read_bytes()
         off = raw.find(victim)
         assert off >= 0 and raw.find(victim, off + 1) < 0
