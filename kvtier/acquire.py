@@ -20,8 +20,10 @@ stays 0); a block is read by one Acquire at a time; `end` runs exactly once per 
 `finish` raises or its caller is cancelled too — and `wait_idle` lets shutdown wait for it before
 the store closes.
 
-Threading: `begin` and `end` take the cache lock (begin is called with it held); `finish` must be
-called without it, from any thread.
+A READ lease ends (Release, TTL, shutdown) with `release`, which unpins its blocks.
+
+Threading: `begin` and `end` take the cache lock (begin and release are called with it held);
+`finish` must be called without it, from any thread.
 """
 
 from __future__ import annotations
@@ -192,6 +194,15 @@ class Acquirer:
             self._metrics.observe_fetch(
                 Link.SSD_READ, a.read_s, promoted * ns.layout.block_bytes / a.ssd_bytes_per_s)
         return AcquireResult(lease_id, offsets, sources, a.ttl)
+
+    def release(self, r: ReadLease) -> None:
+        """Unpins a READ lease's blocks (Release, expiry, shutdown; its lease left the table).
+        The caller holds the cache lock."""
+        pool, index = self.tiers.pool, self.tiers.index
+        for block in r.blocks:
+            assert block.dram_slot is not None
+            pool.unpin(block.dram_slot)
+            index.unpin(r.ns.name, block.key)
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no Acquire is between `begin` and `end` with I/O; False on timeout.

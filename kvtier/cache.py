@@ -21,6 +21,10 @@ Invariants kept:
 - every slot is owned by exactly one of: the free list, a WRITE lease, a cached block — leases
   that end (released, committed, aborted, expired) give back what they held exactly once.
 
+`Cache` is the facade that takes the lock, validates requests against namespaces and owns the
+lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.acquire` (the
+load path), `kvtier.allocate` (the store path), `kvtier.residency` (the tiers) and
+`kvtier.cache_stats` (what it reports).
 """
 
 from __future__ import annotations
@@ -30,16 +34,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvtier.acquire import Acquirer, AcquireResult, Acquiring, ReadLease
+from kvtier.allocate import AllocateResult as AllocateResult
+from kvtier.allocate import Allocator, WriteLease, quota_room
 from kvtier.auth import Tenant
+from kvtier.cache_stats import CacheStats as CacheStats
+from kvtier.cache_stats import cache_stats, pool_gauges
 from kvtier.config import Config
 from kvtier.costmodel import CostModel
 from kvtier.dram import SegmentHandle
 from kvtier.events import EventLog
-from kvtier.index import Block, DuplicateBlock, MissingParent
 from kvtier.leases import Lease, LeaseKind, LeaseTable
 from kvtier.metrics import DaemonMetrics, PoolGauges
 from kvtier.namespaces import (
@@ -50,22 +56,12 @@ from kvtier.namespaces import (
     Namespaces,
     NotFound,
     PermissionDenied,
-    ResourceExhausted,
-    TenantState,
     Unavailable,
 )
 from kvtier.planner import Plan, Prefix, plan
 from kvtier.rates import Link, RateBook
 from kvtier.residency import Tiers
 from kvtier.types import Tier
-
-
-@dataclass(slots=True)
-class _Write:
-    ns: Namespace
-    keys: list[bytes]
-    parent: bytes
-    todo: list[tuple[int, int]]  # (index in keys, slot)
 
 
 class Registered(NamedTuple):
@@ -76,27 +72,6 @@ class Registered(NamedTuple):
 class LookupResult(NamedTuple):
     tiers: list[Tier]
     plan: Plan | None
-
-
-class AllocateResult(NamedTuple):
-    lease_id: str  # "" when every key was already cached
-    indices: list[int]
-    offsets: list[int]
-    ttl_s: float
-
-
-class CacheStats(NamedTuple):
-    dram_capacity_bytes: int
-    dram_used_bytes: int
-    dram_blocks: int
-    ssd_capacity_bytes: int
-    ssd_used_bytes: int
-    ssd_blocks: int
-    read_leases: int
-    write_leases: int
-    layouts: int
-    tenant_dram_bytes: int
-    tenant_ssd_bytes: int
 
 
 def _check_reported(nbytes: int, most: int) -> None:
@@ -129,6 +104,7 @@ class Cache:
         self.index = self.tiers.index
         self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
                                  self._claim)
+        self.allocator = Allocator(self.tiers, self._leases, self.events)
         metrics.attach_pool(self.gauges)
         metrics.attach_rates(self.rates)
 
@@ -220,13 +196,7 @@ class Cache:
             return self.acquirer.begin(tenant, ns, chain, ttl)
 
     def _claim(self, ns: Namespace) -> int | None:
-        state = ns.tenant
-        quota = state.tenant.dram_quota_bytes
-        if quota and state.dram_bytes + self.cfg.slot_bytes > quota:
-            self.tiers.evict_tenant_dram(state.tenant.name, 1)
-            if state.dram_bytes + self.cfg.slot_bytes > quota:
-                return None
-        return self.tiers.claim(ns.name)
+        return self.tiers.claim(ns.name) if quota_room(self.tiers, ns.tenant, 1) else None
 
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
@@ -234,7 +204,7 @@ class Cache:
             r: ReadLease = lease.payload  # type: ignore[assignment]
             _check_reported(nbytes, len(r.blocks) * r.ns.layout.block_bytes)
             self._leases.pop(lease.id)
-            self._end_read(lease)
+            self.acquirer.release(r)
         if nbytes:
             self.metrics.bytes_moved.labels("dram", "to_client").inc(nbytes)
         if seconds > 0:
@@ -256,101 +226,34 @@ class Cache:
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
         ttl_s: float,
     ) -> AllocateResult:
+        """Slots for the keys not cached or being written, under a WRITE lease. See
+        `kvtier.allocate`."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
-            if parent:
-                if len(parent) != ns.layout.key_width:
-                    raise InvalidArgument(
-                        f"parent_key has {len(parent)} bytes, the layout's keys have "
-                        f"{ns.layout.key_width}"
-                    )
-                if self.index.get(ns.name, parent) is None and parent not in ns.pending:
-                    raise FailedPrecondition(
-                        "parent_key is not cached: blocks after it could never be hit"
-                    )
-                if parent in chain:
-                    raise InvalidArgument("parent_key repeats inside the chain")
-            need = [i for i, k in enumerate(chain)
-                    if self.index.get(ns.name, k) is None and k not in ns.pending]
-            if not need:
-                return AllocateResult("", [], [], ttl)
-            slots = self._take_slots(ns.tenant, len(need))
-            lease = self._leases.grant(
-                tenant.name, LeaseKind.WRITE, ttl,
-                _Write(ns, chain, parent, list(zip(need, slots, strict=True))),
-            )
-            for i in need:
-                ns.pending[chain[i]] = lease.id
-            return AllocateResult(lease.id, need, [self.pool.offset(s) for s in slots], ttl)
-
-    def _take_slots(self, state: TenantState, n: int) -> list[int]:
-        quota, slot_bytes = state.tenant.dram_quota_bytes, self.cfg.slot_bytes
-        if quota and state.dram_bytes + n * slot_bytes > quota:
-            over = -(-(state.dram_bytes + n * slot_bytes - quota) // slot_bytes)
-            self.tiers.evict_tenant_dram(state.tenant.name, over)
-            if state.dram_bytes + n * slot_bytes > quota:
-                raise ResourceExhausted(
-                    f"tenant {state.tenant.name!r} DRAM quota of {quota} bytes: {n} more blocks "
-                    f"do not fit (it holds {state.dram_bytes}, pinned or being written)"
-                )
-        slots = self.tiers.take_slots(n)
-        if not slots:
-            raise ResourceExhausted(
-                f"DRAM pool full: {n} slots wanted, {self.pool.stats().slots_free} free, the rest "
-                "pinned by leases or being written"
-            )
-        state.dram_bytes += n * slot_bytes
-        return slots
+            return self.allocator.allocate(tenant, ns, chain, parent, ttl)
 
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
+        """Makes the lease's filled slots cached blocks; returns how many were inserted."""
         with self._lock:
             lease = self._own(tenant, lease_id, LeaseKind.WRITE)
-            w: _Write = lease.payload  # type: ignore[assignment]
+            w: WriteLease = lease.payload  # type: ignore[assignment]
             _check_reported(nbytes, len(w.todo) * w.ns.layout.block_bytes)
             self._leases.pop(lease.id)
-            ns = w.ns
-            runs: list[list[bytes]] = []
-            run: list[bytes] = []
-            inserted: list[Block] = []
-            for index, slot in w.todo:
-                key = w.keys[index]
-                del ns.pending[key]
-                parent = w.keys[index - 1] if index else w.parent
-                try:
-                    inserted.append(self.index.insert(
-                        ns.name, key, parent or None, Tier.DRAM, dram_slot=slot))
-                except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
-                    self._give_back(ns.tenant, slot)
-                    continue
-                if run and run[-1] != parent:
-                    runs.append(run)
-                    run = []
-                run = run or [parent]
-                run.append(key)
-            if run:
-                runs.append(run)
-            for r in runs:  # under the lock: before any SSD event of the same blocks
-                self.events.emit(tenant.name, ns.layout.id, True, Tier.DRAM, r[1:], r[0],
-                                 ns.layout.block_tokens)
-            self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
+            inserted = self.allocator.commit(tenant, w)
         if nbytes:
             self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
         if seconds > 0:
             self.metrics.copy_seconds.labels("from_client").observe(seconds)
             self.rates.observe_transfer(Link.DRAM_WRITE, nbytes, seconds)
-        return sum(len(r) - 1 for r in runs)
+        return inserted
 
     def abort(self, tenant: Tenant, lease_id: str) -> None:
         with self._lock:
             lease = self._own(tenant, lease_id, LeaseKind.WRITE)
             self._leases.pop(lease.id)
-            self._end_write(lease)
-
-    def _give_back(self, state: TenantState, slot: int) -> None:
-        self.pool.free(slot)
-        state.dram_bytes -= self.cfg.slot_bytes
+            self._end(lease)
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -380,28 +283,19 @@ class Cache:
             raise FailedPrecondition(f"lease {lease_id[:12]} is a {lease.kind.value} lease")
         return lease
 
-    def _end_read(self, lease: Lease) -> None:
-        r: ReadLease = lease.payload  # type: ignore[assignment]
-        for block in r.blocks:
-            assert block.dram_slot is not None
-            self.pool.unpin(block.dram_slot)
-            self.index.unpin(r.ns.name, block.key)
-
-    def _end_write(self, lease: Lease) -> None:
-        w: _Write = lease.payload  # type: ignore[assignment]
-        for index, slot in w.todo:
-            w.ns.pending.pop(w.keys[index], None)
-            self._give_back(w.ns.tenant, slot)
+    def _end(self, lease: Lease) -> None:
+        """Undoes what a lease held once it left the table (unpin, or free unfilled slots)."""
+        if lease.kind is LeaseKind.READ:
+            self.acquirer.release(lease.payload)  # type: ignore[arg-type]
+        else:
+            self.allocator.end(lease.payload)  # type: ignore[arg-type]
 
     def expire(self) -> int:
         """Ends every lease past its TTL (unpin / abort). Returns how many ended."""
         with self._lock:
             gone = self._leases.expired()
             for lease in gone:
-                if lease.kind is LeaseKind.READ:
-                    self._end_read(lease)
-                else:
-                    self._end_write(lease)
+                self._end(lease)
         for lease in gone:
             self.metrics.leases_expired.labels(lease.kind.value).inc()
         return len(gone)
@@ -465,43 +359,17 @@ class Cache:
 
     def stats(self, tenant: Tenant | None = None) -> CacheStats:
         with self._lock:
-            ps = self.pool.stats()
-            store = self.tiers.store
-            ss = store.stats() if store is not None else None
-            state = self.names.tenants.get(tenant.name) if tenant else None
-            return CacheStats(
-                ps.bytes_reserved, ps.bytes_used, self.index.blocks(Tier.DRAM),
-                ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,
-                self.index.blocks(Tier.SSD),
-                self._leases.count(LeaseKind.READ), self._leases.count(LeaseKind.WRITE),
-                len(self.names.layouts), state.dram_bytes if state else 0,
-                state.ssd_bytes if state else 0,
-            )
+            return cache_stats(self.tiers, self._leases, self.names, tenant)
 
     def gauges(self) -> PoolGauges:
-        s = self.stats()
-        budget = self.tiers.budget
-        used_ratio = 0.0
-        if budget is not None:
-            b = budget.stats()
-            used_ratio = 1.0 - b.available_bytes / b.burst_bytes if b.burst_bytes else 0.0
-        mover = self.tiers.mover
-        return PoolGauges(
-            {"dram": s.dram_capacity_bytes, "ssd": s.ssd_capacity_bytes},
-            {"dram": s.dram_used_bytes, "ssd": s.ssd_used_bytes},
-            {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
-            {"read": s.read_leases, "write": s.write_leases},
-            used_ratio, mover.stats().queue_depth if mover else 0,
-        )
+        return pool_gauges(self.stats(), self.tiers)
 
     def leaked_slots(self) -> int:
         """Slots neither free nor held by a DRAM block, a WRITE lease or a promotion in flight
         (must always be 0)."""
         with self._lock:
-            writes = [lease.payload for lease in self._leases if lease.kind is LeaseKind.WRITE]
-            held = self.index.blocks(Tier.DRAM) + self.tiers.claimed + sum(
-                len(w.todo) for w in writes if isinstance(w, _Write)
-            )
+            held = (self.index.blocks(Tier.DRAM) + self.tiers.claimed
+                    + self.allocator.slots_held())
             return self.pool.stats().slots_used - held
 
     def flush(self, timeout: float) -> bool:
@@ -518,9 +386,6 @@ class Cache:
             self._closed = True
             self.acquirer.wait_idle(timeout)  # promotions finish before the store closes
             for lease in self._leases.pop_all():
-                if lease.kind is LeaseKind.READ:
-                    self._end_read(lease)
-                else:
-                    self._end_write(lease)
+                self._end(lease)
         self.tiers.close(timeout)
         self.events.close()
