@@ -42,6 +42,11 @@ Format: `STORE_FORMAT` 3 (a slot number in every index record). A store of anoth
 or payload mode (an older kvtier, a changed slot size) is discarded at open with one warning: its
 files are deleted and recreated empty — it is a cache, and nothing in it could be served.
 
+Modules: this one is the store's policy (eviction before a put, retries, counters, rejected keys)
+and its API; `ssd_open` opens the files and rebuilds the totals and free set, `ssd_write` runs the
+write transactions (a put per payload mode, deletes, access counts), `ssd_read` the verified reads
+per payload mode, `ssd_slots` the slot file, `ssd_types` the spec and result types.
+
 Threading: one writer at a time — writes (`put_many`, `delete_many`, `flush_stats`) are
 serialized by an internal lock and are meant to come from the mover's writer thread; reads
 (`get_into`, `get_many_into`, `get`, `contains`) run concurrently from any thread and never
@@ -51,7 +56,6 @@ block on writers. The `evictor` runs on the writing thread with no store lock he
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -61,11 +65,10 @@ import lmdb
 
 from kvtier import blockfmt
 from kvtier.errors import UsageError
-from kvtier.ssd_open import U64 as _U64
-from kvtier.ssd_open import discard, open_env, stale_reason
-from kvtier.ssd_open import preallocate as _preallocate
+from kvtier.ssd_open import SLOT_FILE, STORE_FORMAT, open_files
+from kvtier.ssd_open import preallocate as _preallocate  # noqa: F401 (tests import it here)
 from kvtier.ssd_read import META as _META
-from kvtier.ssd_read import Rejected, read_lmdb, read_slots, record
+from kvtier.ssd_read import Rejected, read_lmdb, read_slots
 from kvtier.ssd_slots import SlotFile
 from kvtier.ssd_types import (
     HEADER_SIZE,
@@ -82,16 +85,15 @@ from kvtier.ssd_types import (
     split_key,
     stored_key,
 )
+from kvtier.ssd_write import Batch, PendingAccess, delete, fresh, put_lmdb, put_slots
 
 __all__ = [
-    "STORE_FORMAT", "Durability", "Evictor", "PayloadMode", "PutItem", "PutResult", "SsdEntry",
-    "SsdSpec", "SsdStats", "SsdStore", "TenantKey", "split_key", "stored_key",
+    "SLOT_FILE", "STORE_FORMAT", "Durability", "Evictor", "PayloadMode", "PutItem", "PutResult",
+    "SsdEntry", "SsdSpec", "SsdStats", "SsdStore", "TenantKey", "split_key", "stored_key",
 ]
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = 3
-SLOT_FILE = "slots.dat"
 assert HEADER_SIZE == blockfmt.HEADER_SIZE
 
 
@@ -114,72 +116,13 @@ class SsdStore:
                              f"{spec.slot_size} bytes (slot size must be positive and fit)")
         self.spec = spec
         self.evictor = evictor
-        self._layout = blockfmt.layout_digest(spec.layout_fingerprint)
-        mode_tag = b"slots:%d" % spec.slot_size if self.mode == "slots" else b"lmdb"
-        self._identity = {b"format": _U64.pack(STORE_FORMAT), b"layout": self._layout,
-                          b"mode": mode_tag}
-        os.makedirs(spec.path, mode=0o700, exist_ok=True)
-        self._env = open_env(spec)
-        stale = stale_reason(self._env, self._identity, STORE_FORMAT)
-        if stale:
-            log.warning("SSD store %s: %s; discarding it and starting empty", spec.path, stale)
-            self._env.close()
-            discard(spec.path)
-            self._env = open_env(spec)
-        self._slots: SlotFile | None = None
-        try:
-            if spec.writemap:
-                _preallocate(os.path.join(spec.path, "data.mdb"), spec.map_size())
-            if self.mode == "slots":
-                self._slots = SlotFile(os.path.join(spec.path, SLOT_FILE), spec.slot_size,
-                                       spec.slot_count())
-        except UsageError:
-            self._env.close()
-            raise
-        self._blocks = self._env.open_db(b"blocks")
-        self._meta = self._env.open_db(b"meta")
-        self._info = self._env.open_db(b"info")
+        self._files = open_files(spec)
+        self._slots: SlotFile | None = self._files.slots
         self._wlock = threading.Lock()
-        self._pending_access: dict[bytes, tuple[int, float]] = {}
-        self._alock = threading.Lock()
+        self._access = PendingAccess()
         self._bad: set[bytes] = set()
         self.counters = Counters()
         self._closed = False
-        self._used, self._entries = self._open_info()
-
-    def _open_info(self) -> tuple[int, int]:
-        """Used bytes and entry count; in slots mode also the free set, rebuilt from the index
-        (a read transaction; a write one only for a new store or entries naming a bad slot)."""
-        with self._env.begin(buffers=True) as txn:
-            new = txn.get(b"format", db=self._info) is None
-            used = _U64.unpack(txn.get(b"used", db=self._info) or _U64.pack(0))[0]
-            entries = txn.stat(self._meta)["entries"]
-            doomed = self._claim_slots(txn) if self._slots is not None else []
-        if new or doomed:
-            with self._env.begin(write=True) as txn:
-                for k, v in self._identity.items():
-                    txn.put(k, v, db=self._info)
-                for skey, size in doomed:
-                    txn.delete(skey, db=self._meta)
-                    used -= size
-                    entries -= 1
-                txn.put(b"used", _U64.pack(used), db=self._info)
-        return used, entries
-
-    def _claim_slots(self, txn: Any) -> list[tuple[bytes, int]]:
-        """Mark every slot named by the index used; entries naming a bad or shared slot."""
-        assert self._slots is not None
-        mark = self._slots.mark_used
-        unpack = _META.unpack_from
-        doomed: list[tuple[bytes, int]] = []
-        for skey, rec in txn.cursor(db=self._meta).iternext(keys=True, values=True):
-            size, _, _, _, _, slot = unpack(rec)
-            if not mark(slot):
-                doomed.append((bytes(skey), size))
-        if doomed:
-            log.warning("SSD store %s: %d entries named a slot out of range or already used; "
-                        "dropped", self.spec.path, len(doomed))
-        return doomed
 
     # -- the persistent index --------------------------------------------------------------
 
@@ -188,22 +131,17 @@ class SsdStore:
         out: list[SsdEntry] = []
         unpack = _META.unpack_from
         hsize = _META.size
-        with self._env.begin(db=self._meta) as txn:
+        with self._files.env.begin(db=self._files.meta) as txn:
             for skey, rec in txn.cursor().iternext(keys=True, values=True):
                 size, count, last, stored_at, plen, _slot = unpack(rec)
-                n = skey[0]
-                out.append(SsdEntry(
-                    skey[1 : 1 + n].decode(), skey[1 + n :], rec[hsize : hsize + plen] or None,
-                    size, count, last, stored_at,
-                ))
+                tenant, key = split_key(skey)
+                out.append(SsdEntry(tenant, key, rec[hsize : hsize + plen] or None, size, count,
+                                    last, stored_at))
         return out
 
     def record_access(self, tenant: str, key: bytes, now: float | None = None) -> None:
         """Count an access; persisted with the next write transaction (lost if the daemon dies)."""
-        skey = stored_key(tenant, key)
-        with self._alock:
-            count, _ = self._pending_access.get(skey, (0, 0.0))
-            self._pending_access[skey] = (count + 1, time.time() if now is None else now)
+        self._access.record(stored_key(tenant, key), time.time() if now is None else now)
 
     # -- writes (one writer) ---------------------------------------------------------------
 
@@ -216,18 +154,19 @@ class SsdStore:
         In slots mode a payload larger than the slot size is refused.
         """
         self._check_open()
+        f = self._files
         items = [i._replace(payload=_raw_bytes(i.payload)) for i in items]
         skeys = [stored_key(i.tenant, i.key) for i in items]
-        sizes = [HEADER_SIZE + i.payload.nbytes for i in items]
-        fresh = self._fresh(skeys)
-        need = sum(s for s, f in zip(sizes, fresh, strict=True) if f)
+        batch = Batch(items, skeys, [HEADER_SIZE + i.payload.nbytes for i in items])
+        is_fresh = fresh(f, skeys)
+        need = sum(s for s, new in zip(batch.sizes, is_fresh, strict=True) if new)
         victims: list[TenantKey] = []
         evicted: list[TenantKey] = []  # slots mode: deleted (committed) before the puts
         for attempt in range(2):
             # a retry after MapFullError asks for room for the batch twice over
-            over = self._used + need * (1 + attempt) - self.spec.capacity_bytes
+            over = f.used + need * (1 + attempt) - self.spec.capacity_bytes
             if self._slots is not None:
-                short = sum(fresh) * (1 + attempt) - self._slots.free_count()
+                short = sum(is_fresh) * (1 + attempt) - self._slots.free_count()
                 over = max(over, short * (self.spec.slot_size + HEADER_SIZE))
             if over > 0 and self.evictor is not None:
                 victims.extend(self.evictor(over))
@@ -235,19 +174,20 @@ class SsdStore:
                 self._check_open()
                 try:
                     if self._slots is None:
-                        return self._put_lmdb(items, skeys, sizes, victims)
-                    batch = set(skeys)
-                    evicted += self._delete_locked(
-                        [k for k in map(stored_key, *zip(*victims, strict=True)) if k not in batch]
-                        if victims else [])
+                        return self._done(skeys, put_lmdb(f, self.spec, batch, victims,
+                                                          self._access))
+                    in_batch = set(skeys)
+                    evicted += delete(
+                        f, [k for k in map(stored_key, *zip(*victims, strict=True))
+                            if k not in in_batch] if victims else [])
                     self.counters.evicted += len(evicted)
                     victims = []
-                    r = self._put_slots(items, skeys, sizes)
+                    r = self._done(skeys, put_slots(f, self.spec, batch, self._access))
                     return r._replace(evicted=evicted)
                 except lmdb.MapFullError:
                     self.counters.map_full += 1
                     log.warning("SSD map full with %d of %d bytes used (attempt %d)",
-                                self._used, self.spec.capacity_bytes, attempt + 1)
+                                f.used, self.spec.capacity_bytes, attempt + 1)
                 except (lmdb.Error, OSError) as exc:
                     self.counters.io_errors += 1
                     log.error("SSD write failed: %s", exc)
@@ -256,176 +196,28 @@ class SsdStore:
         self.counters.refused += len(refused)
         return PutResult([], refused, evicted, 0)
 
-    def _put_lmdb(
-        self,
-        items: Sequence[PutItem],
-        skeys: list[bytes],
-        sizes: list[int],
-        victims: list[TenantKey],
-    ) -> PutResult:
-        """Payload mode "lmdb": victims, payloads and index rows in one transaction."""
-        cap = self.spec.capacity_bytes
-        fresh = self._fresh(skeys)
-        stored: list[TenantKey] = []
-        refused: list[TenantKey] = []
-        evicted: list[TenantKey] = []
-        written = 0
-        now = time.time()
-        txn = self._env.begin(write=True)
-        try:
-            used = self._used
-            entries = self._entries
-            batch = set(skeys)
-            for tenant, key in victims:
-                vkey = stored_key(tenant, key)
-                if vkey in batch:
-                    continue
-                rec = txn.get(vkey, db=self._meta)
-                if rec is None:
-                    continue
-                txn.delete(vkey, db=self._blocks)
-                txn.delete(vkey, db=self._meta)
-                used -= _META.unpack_from(rec)[0]
-                entries -= 1
-                evicted.append((tenant, key))
-            for item, skey, size, is_new in zip(items, skeys, sizes, fresh, strict=True):
-                tk = (item.tenant, item.key)
-                if not is_new:
-                    stored.append(tk)
-                    continue
-                if used + size > cap:
-                    refused.append(tk)
-                    continue
-                header = blockfmt.encode_header(skey, self._layout, item.payload)
-                txn.put(skey, item.payload, db=self._blocks)
-                txn.put(skey, record(size, now, -1, item.parent, header), db=self._meta)
-                used += size
-                entries += 1
-                written += size
-                stored.append(tk)
-            self._flush_access(txn)
-            txn.put(b"used", _U64.pack(used), db=self._info)
-            txn.commit()
-        except BaseException:
-            txn.abort()
-            raise
-        self._used, self._entries = used, entries
-        return self._done(skeys, stored, refused, evicted, written)
-
-    def _put_slots(
-        self, items: Sequence[PutItem], skeys: list[bytes], sizes: list[int]
-    ) -> PutResult:
-        """Payload mode "slots": write free slots, sync them, then commit the rows naming them."""
-        assert self._slots is not None
-        slots = self._slots
-        fresh = self._fresh(skeys)
-        used = self._used
-        todo: list[int] = []
-        cap = self.spec.capacity_bytes
-        for i, (item, size, is_new) in enumerate(zip(items, sizes, fresh, strict=True)):
-            if is_new and item.payload.nbytes <= slots.slot_size and used + size <= cap:
-                todo.append(i)
-                used += size
-        got = slots.allocate(len(todo))
-        todo = todo[: len(got)]
-        placed = dict(zip(todo, got, strict=True))
-        now = time.time()
-        try:
-            payloads = [items[i].payload for i in todo]
-            headers = [blockfmt.encode_header(skeys[i], self._layout, p)
-                       for i, p in zip(todo, payloads, strict=True)]
-            slots.write(got, payloads)
-            if self.spec.durability != "nosync":
-                slots.sync()
-            with self._env.begin(write=True) as txn:
-                for i, header in zip(todo, headers, strict=True):
-                    rec = record(sizes[i], now, placed[i], items[i].parent, header)
-                    txn.put(skeys[i], rec, db=self._meta)
-                self._flush_access(txn)
-                used = self._used + sum(sizes[i] for i in todo)
-                txn.put(b"used", _U64.pack(used), db=self._info)
-        except BaseException:
-            slots.release(got)
-            raise
-        self._used, self._entries = used, self._entries + len(todo)
-        keys = [(it.tenant, it.key) for it in items]
-        stored = [tk for i, tk in enumerate(keys) if i in placed or not fresh[i]]
-        refused = [tk for i, tk in enumerate(keys) if fresh[i] and i not in placed]
-        return self._done(skeys, stored, refused, [], sum(sizes[i] for i in todo))
-
-    def _done(self, skeys: list[bytes], stored: list[TenantKey], refused: list[TenantKey],
-              evicted: list[TenantKey], written: int) -> PutResult:
+    def _done(self, skeys: list[bytes], r: PutResult) -> PutResult:
         self._bad.difference_update(skeys)
         c = self.counters
-        c.bytes_written += written
-        c.refused += len(refused)
-        c.evicted += len(evicted)
-        return PutResult(stored, refused, evicted, written)
-
-    def _fresh(self, skeys: list[bytes]) -> list[bool]:
-        """Which keys are not stored yet (a key repeated within the batch counts once)."""
-        seen: set[bytes] = set()
-        fresh: list[bool] = []
-        with self._env.begin(db=self._meta) as rtxn:
-            for k in skeys:
-                fresh.append(k not in seen and rtxn.get(k) is None)
-                seen.add(k)
-        return fresh
-
-    def _flush_access(self, txn: Any) -> None:
-        with self._alock:
-            pending, self._pending_access = self._pending_access, {}
-        for skey, (count, last) in pending.items():
-            rec = txn.get(skey, db=self._meta)
-            if rec is None:
-                continue
-            size, old, _last, stored_at, plen, slot = _META.unpack_from(rec)
-            head = _META.pack(size, old + count, last, stored_at, plen, slot)
-            txn.put(skey, head + bytes(rec[_META.size :]), db=self._meta)
+        c.bytes_written += r.bytes_written
+        c.refused += len(r.refused)
+        c.evicted += len(r.evicted)
+        return r
 
     def delete_many(self, keys: Iterable[TenantKey]) -> list[TenantKey]:
         """Delete blocks in one transaction; returns those that were stored."""
         with self._wlock:
             self._check_open()
-            return self._delete_locked([stored_key(t, k) for t, k in keys])
-
-    def _delete_locked(self, skeys: list[bytes]) -> list[TenantKey]:
-        """Commit the removals, then (slots mode) hand their slots to the reader quarantine."""
-        removed: list[TenantKey] = []
-        freed: list[int] = []
-        if not skeys:
-            return removed
-        try:
-            with self._env.begin(write=True) as txn:
-                used, entries = self._used, self._entries
-                for skey in skeys:
-                    rec = txn.get(skey, db=self._meta)
-                    if self._slots is None:
-                        txn.delete(skey, db=self._blocks)
-                    if rec is not None:
-                        txn.delete(skey, db=self._meta)
-                        size, *_, slot = _META.unpack_from(rec)
-                        used -= size
-                        entries -= 1
-                        freed.append(slot)
-                        removed.append(split_key(skey))
-                txn.put(b"used", _U64.pack(used), db=self._info)
-        except lmdb.Error as exc:
-            log.error("SSD delete failed: %s", exc)
-            return []
-        self._used, self._entries = used, entries
-        if self._slots is not None:
-            self._slots.retire(freed)
-        return removed
+            return delete(self._files, [stored_key(t, k) for t, k in keys])
 
     def flush_stats(self) -> None:
         """Persist pending access counts now (the mover calls this when idle and at close)."""
         with self._wlock:
-            if self._closed or not self._pending_access:
+            if self._closed or not self._access:
                 return
             try:
-                with self._env.begin(write=True) as txn:
-                    self._flush_access(txn)
+                with self._files.env.begin(write=True) as txn:
+                    self._access.flush(txn, self._files.meta)
             except lmdb.Error as exc:
                 log.warning("SSD access stats not persisted: %s", exc)
 
@@ -448,18 +240,19 @@ class SsdStore:
         zero-copy view is copied out. Either way the payload is checksummed in `out` after the
         copy: the bytes served are the bytes verified.
         """
+        f = self._files
         skeys = [stored_key(t, k) for t, k, _ in reads]
         outs = [out for _, _, out in reads]
         results: list[int | None] = [None] * len(reads)
         rejected: Rejected = []
         if self._slots is None:
-            read_lmdb(self._env, self._meta, self._blocks, self._layout, self._bad, skeys, outs,
-                      results, rejected)
+            read_lmdb(f.env, f.meta, f.blocks, f.layout, self._bad, skeys, outs, results,
+                      rejected)
         else:
             try:
                 with self._slots.reading():
-                    read_slots(self._env, self._meta, self._slots, self._layout, self._bad,
-                               skeys, outs, results, rejected)
+                    read_slots(f.env, f.meta, self._slots, f.layout, self._bad, skeys, outs,
+                               results, rejected)
             except OSError as exc:
                 self.counters.io_errors += 1
                 log.error("SSD payload read failed (%d blocks missed): %s", len(reads), exc)
@@ -473,7 +266,7 @@ class SsdStore:
     def get(self, tenant: str, key: bytes) -> bytes | None:
         """A verified payload as bytes (a copy), or None."""
         skey = stored_key(tenant, key)
-        with self._env.begin(db=self._meta) as txn:
+        with self._files.env.begin(db=self._files.meta) as txn:
             rec = txn.get(skey)
         if rec is None:
             self.counters.misses += 1
@@ -486,7 +279,7 @@ class SsdStore:
         skey = stored_key(tenant, key)
         if skey in self._bad:
             return False
-        with self._env.begin(db=self._meta) as txn:
+        with self._files.env.begin(db=self._files.meta) as txn:
             return txn.get(skey) is not None
 
     def _reject(self, skey: bytes, reason: blockfmt.Corruption) -> None:
@@ -498,15 +291,15 @@ class SsdStore:
         log.warning("SSD block rejected (%s); deleting it", reason.value)
         with self._wlock:
             if not self._closed:
-                self._delete_locked([skey])
+                delete(self._files, [skey])
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def stats(self) -> SsdStats:
-        c = self.counters
+        c, f = self.counters, self._files
         return SsdStats(
-            self._entries, self._used, self.spec.capacity_bytes, c.bytes_written, c.hits,
-            c.misses, c.corrupt, c.refused, c.map_full, c.evicted,
+            f.entries, f.used, self.spec.capacity_bytes, c.bytes_written, c.hits, c.misses,
+            c.corrupt, c.refused, c.map_full, c.evicted,
         )
 
     def free_slots(self) -> int | None:
@@ -514,7 +307,7 @@ class SsdStore:
         return None if self._slots is None else self._slots.free_count()
 
     def __len__(self) -> int:
-        return self._entries
+        return self._files.entries
 
     def _check_open(self) -> None:
         if self._closed:
@@ -527,7 +320,7 @@ class SsdStore:
             if self._closed:
                 return
             self._closed = True
-            self._env.close()
+            self._files.env.close()
             if self._slots is not None:
                 self._slots.close()
 
