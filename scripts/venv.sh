@@ -1,5 +1,6 @@
 # Sourced by bin/kvtier and bin/test: makes .venv (python3 only) and installs what a profile needs.
 #   ensure_venv run   -> the package and its runtime dependencies
+#   ensure_venv demo  -> + CPU torch 2.13.0 (the reference engine of `kvtier demo`)
 #   ensure_venv test  -> + dev tools, CPU torch 2.13.0, vLLM 0.33.0 (--no-deps) and its import needs
 # Re-installs only when pyproject.toml or requirements/ change (stamp file in .venv).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,6 +28,9 @@ ensure_venv() {
         "${pip[@]}" -e "$ROOT[dev]"
         "${pip[@]}" -r "$ROOT/requirements/vllm.txt"
         "${pip[@]}" --no-deps "vllm==0.33.0"
+    elif [ "$profile" = demo ]; then
+        "${pip[@]}" "torch==2.13.0"
+        "${pip[@]}" -e "$ROOT[torch]"
     else
         "${pip[@]}" -e "$ROOT"
     fi
