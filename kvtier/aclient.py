@@ -43,12 +43,12 @@ from kvtier.client import (
     rpc_error,
     write_chunks,
 )
-from kvtier.client_shm import MappedSegment, SlotBuffer, adopt
+from kvtier.client_shm import MappedSegment, SegmentHolder
 
 T = TypeVar("T")
 
 
-class AsyncClient:
+class AsyncClient(SegmentHolder):
     """Create with `await AsyncClient.connect(...)` (registers the layout, maps the segment)."""
 
     def __init__(
@@ -97,28 +97,8 @@ class AsyncClient:
         self.tenant = reply.tenant
         self._adopt(reply.segment)
 
-    def _adopt(self, info: pb.SegmentInfo) -> MappedSegment:
-        self._segment = adopt(self._segment, info, self.force_streaming)
-        return self._segment
-
-    @property
-    def uses_shm(self) -> bool:
-        return self._segment is not None and self._segment.dram is not None
-
-    def register_cuda(self) -> bool:
-        """As `Client.register_cuda` (Portable|Mapped: kernels reach every slot)."""
-        seg = self._segment
-        return seg is not None and seg.dram is not None and seg.dram.register_cuda()
-
-    def slot_buffer(self) -> SlotBuffer | None:
-        """As `Client.slot_buffer`: the mapped segment's slots, rows = `Loaded.slots`."""
-        seg = self._segment
-        return seg.buffer() if seg is not None else None
-
     async def close(self) -> None:
-        if self._segment is not None and self._segment.dram is not None:
-            self._segment.dram.close()
-        self._segment = None
+        self._close_segment()
         await self._channel.close(None)
 
     async def __aenter__(self) -> AsyncClient:

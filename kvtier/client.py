@@ -43,7 +43,7 @@ from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client_decl import LayoutDecl as LayoutDecl
 from kvtier.client_decl import ModelCost as ModelCost
 from kvtier.client_decl import register_request as register_request
-from kvtier.client_shm import MappedSegment, adopt
+from kvtier.client_shm import MappedSegment, SegmentHolder
 from kvtier.client_shm import SlotBuffer as SlotBuffer
 from kvtier.config import runtime_dir
 from kvtier.errors import KvtierError
@@ -167,7 +167,7 @@ def check_blocks(layout: LayoutDecl, keys: Sequence[bytes], blocks: Sequence[Any
                              f"{layout.block_bytes}")
 
 
-class Client:
+class Client(SegmentHolder):
     """A connection to one daemon for one layout. Use as a context manager or call `close()`."""
 
     def __init__(
@@ -215,34 +215,8 @@ class Client:
         self.tenant = reply.tenant
         self._adopt(reply.segment)
 
-    def _adopt(self, info: pb.SegmentInfo) -> MappedSegment:
-        self._segment = adopt(self._segment, info, self.force_streaming)
-        return self._segment
-
-    @property
-    def uses_shm(self) -> bool:
-        return self._segment is not None and self._segment.dram is not None
-
-    def register_cuda(self) -> bool:
-        """Pins the mapped segment and maps it into the device address space (cudaHostRegister
-        Portable|Mapped), so DMA and kernels reach every slot; False without shm, cupy or a GPU.
-
-        Registration belongs to the current mapping: call again after a daemon restart.
-        """
-        seg = self._segment
-        return seg is not None and seg.dram is not None and seg.dram.register_cuda()
-
-    def slot_buffer(self) -> SlotBuffer | None:
-        """The mapped segment as a `SlotBuffer` (None on the streaming path). It stays valid
-        memory while referenced; after a daemon restart the client maps the new pool, and a
-        later call returns its buffer (compare `generation`)."""
-        seg = self._segment
-        return seg.buffer() if seg is not None else None
-
     def close(self) -> None:
-        if self._segment is not None and self._segment.dram is not None:
-            self._segment.dram.close()
-        self._segment = None
+        self._close_segment()
         self._channel.close()
 
     def __enter__(self) -> Client:

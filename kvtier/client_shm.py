@@ -86,3 +86,40 @@ def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool) 
         except (OSError, StaleSegment):
             seg.failed = True
     return seg
+
+
+class SegmentHolder:
+    """The segment state both clients share: the current mapping (None until registered or on
+    the streaming path) and what a caller may ask of it. Not thread-safe, like the clients."""
+
+    force_streaming: bool
+    _segment: MappedSegment | None
+
+    def _adopt(self, info: pb.SegmentInfo) -> MappedSegment:
+        self._segment = adopt(self._segment, info, self.force_streaming)
+        return self._segment
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._segment is not None and self._segment.dram is not None
+
+    def register_cuda(self) -> bool:
+        """Pins the mapped segment and maps it into the device address space (cudaHostRegister
+        Portable|Mapped), so DMA and kernels reach every slot; False without shm, cupy or a GPU.
+
+        Registration belongs to the current mapping: call again after a daemon restart.
+        """
+        seg = self._segment
+        return seg is not None and seg.dram is not None and seg.dram.register_cuda()
+
+    def slot_buffer(self) -> SlotBuffer | None:
+        """The mapped segment as a `SlotBuffer` (None on the streaming path); rows are
+        `Loaded.slots`. It stays valid memory while referenced; after a daemon restart the client
+        maps the new pool, and a later call returns its buffer (compare `generation`)."""
+        seg = self._segment
+        return seg.buffer() if seg is not None else None
+
+    def _close_segment(self) -> None:
+        if self._segment is not None and self._segment.dram is not None:
+            self._segment.dram.close()
+        self._segment = None
