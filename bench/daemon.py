@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.client import Client, LayoutDecl
+from kvtier.client.sync_client import Client, LayoutDecl
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20

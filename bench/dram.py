@@ -1,4 +1,5 @@
-"""DRAM tier benchmark: put/get of 2 MiB blocks in batches of 64 through `kvtier.dram.DramPool`.
+"""DRAM tier benchmark: put/get of 2 MiB blocks in batches of 64 through
+`kvtier.tiers.dram.DramPool`.
 
     python -m bench.dram [--total-mib 1024] [--rounds 5]
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.dram import DramPool, DramSpec
+from kvtier.tiers.dram import DramPool, DramSpec
 
 BLOCK = 2 << 20
 BATCH = 64

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.transfer_cpu import copy_loop, reference_copy
-from kvtier.transfer_plan import Direction, PoolGeometry, PoolKind
+from kvtier.gpu.cpu import copy_loop, reference_copy
+from kvtier.gpu.plan import Direction, PoolGeometry, PoolKind
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KIB, MIB = 1 << 10, 1 << 20
@@ -119,7 +119,7 @@ def gpu_check() -> dict[str, Any]:
     import cupy
 
     from kvtier.gpu.backend import CudaBackend
-    from kvtier.transfer import KVPool, TransferEngine, TransferJob, slot_geometry
+    from kvtier.gpu.transfer import KVPool, TransferEngine, TransferJob, slot_geometry
 
     cases = [("layered aligned", PoolKind.LAYERED, 8, (16, 2, 64), 0),
              ("contiguous aligned", PoolKind.CONTIGUOUS, 1, (4, 2, 2, 16, 64), 0),

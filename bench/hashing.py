@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvtier.hashing import KeyScheme
+from kvtier.core.keys import KeyScheme
 
 RESULTS = Path(__file__).parent / "results" / "hashing.json"
 

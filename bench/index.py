@@ -9,7 +9,7 @@ chains of 1,024 blocks.
 - Memory: `tracemalloc` traced bytes after building the index (key bytes included — the index
   keeps them alive), divided by N; two residencies: all in DRAM with a slot id each (the daemon's
   worst case) and all on SSD. Goal <= 300 bytes/block. The index is built with DRAM and SSD
-  capacities of N blocks each, so its default admission history (`kvtier.policies.
+  capacities of N blocks each, so its default admission history (`kvtier.index.policies.
   AdmissionHistory`, one 4-byte word per block of capacity) has 2N words = 8 B per cached block;
   the DRAM build is also measured without history (``admission_history=0``), and the difference
   is reported as the history's share. Baseline: a plain ``dict`` key -> parent key holding the
@@ -37,8 +37,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvtier.index import PrefixIndex
-from kvtier.types import Tier
+from kvtier.core.types import Tier
+from kvtier.index.prefix import PrefixIndex
 
 RESULTS = Path(__file__).parent / "results" / "index.json"
 LONG, N_LONG = 1024, 16

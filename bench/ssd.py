@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.ssd import PutItem, SsdSpec, SsdStore
+from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore
 
 BLOCK = 2 << 20
 BATCH = 64

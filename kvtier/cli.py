@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
 
 # name -> module; a module that does not exist yet is simply not offered.
 COMMANDS: dict[str, str] = {

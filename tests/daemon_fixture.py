@@ -25,7 +25,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier import segment_owner
+from kvtier.tiers import segment_owner
 
 ROOT = Path(__file__).resolve().parents[1]
 

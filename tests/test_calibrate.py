@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from kvtier.calibrate import (
+from kvtier.cli import main
+from kvtier.core.errors import UsageError
+from kvtier.daemon.calibrate import (
     CONTROL_RTT_S,
     Calibration,
     calibration_path,
@@ -17,9 +19,7 @@ from kvtier.calibrate import (
     run_calibration,
     save_calibration,
 )
-from kvtier.cli import main
-from kvtier.errors import UsageError
-from kvtier.rates import Link, LinkRate, RateBook
+from kvtier.daemon.rates import Link, LinkRate, RateBook
 
 
 def _cli(*args, env=None):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvtier.calibrate import measure_copy, measure_prefill
-from kvtier.rates import Link
+from kvtier.daemon.calibrate import measure_copy, measure_prefill
+from kvtier.daemon.rates import Link
 
 pytestmark = pytest.mark.gpu
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from kvtier.aclient import AsyncClient
-from kvtier.client import KvtierRpcError, LayoutDecl
-from kvtier.types import Tier
+from kvtier.client.async_client import AsyncClient
+from kvtier.client.sync_client import KvtierRpcError, LayoutDecl
+from kvtier.core.types import Tier
 from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
 
 BLOCK = 65536

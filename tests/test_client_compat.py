@@ -13,7 +13,7 @@ import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.client import Client, KvtierRpcError, LayoutDecl
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
 
 LAYOUT = LayoutDecl(b"compat-layout-01", 4096, 16, model_id="compat-model")
 

@@ -9,8 +9,8 @@ import os
 
 import numpy as np
 
-from kvtier.aclient import AsyncClient
-from kvtier.client import Client, LayoutDecl
+from kvtier.client.async_client import AsyncClient
+from kvtier.client.sync_client import Client, LayoutDecl
 from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
 
 BLOCK = 40_000  # smaller than the fixture's 64 KiB slot: rows are wider than blocks

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import config
-from kvtier.auth import Authenticator, Unauthenticated
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
+from kvtier.daemon import config
+from kvtier.daemon.auth import Authenticator, Unauthenticated
 
 GiB = 1 << 30
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import config
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
+from kvtier.daemon import config
 
 GiB, MiB = 1 << 30, 1 << 20
 

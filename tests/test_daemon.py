@@ -17,8 +17,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvtier.client import Client, KvtierRpcError, LayoutDecl
-from kvtier.types import Tier
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
+from kvtier.core.types import Tier
 from tests.daemon_fixture import ROOT, DaemonProc
 
 BLOCK = 65536
@@ -149,7 +149,7 @@ def test_client_sigkilled_mid_lease_loses_its_leases(tmp_path: Path) -> None:
         script = textwrap.dedent(f"""
             import os, signal, sys
             sys.path.insert(0, {str(ROOT)!r})
-            from kvtier.client import Client, LayoutDecl
+            from kvtier.client.sync_client import Client, LayoutDecl
             lay = LayoutDecl({LAYOUT.fingerprint!r}, {BLOCK}, 16, model_id={LAYOUT.model_id!r})
             kv = Client({str(d.socket)!r}, layout=lay)
             keys = [bytes([1, i]) + bytes(30) for i in range(4)]
@@ -310,7 +310,7 @@ def test_tcp_listener_serves_remote_style_clients(tmp_path: Path) -> None:
 
 
 def test_lookup_returns_the_planners_cut(shared: DaemonProc) -> None:
-    from kvtier.client import ModelCost
+    from kvtier.client.sync_client import ModelCost
 
     # Llama-3-8B-like cost: 8e9 active parameters, 32 layers, 4096-wide attention.
     lay = LayoutDecl(b"test-layout-planned", BLOCK, 16, model=ModelCost(8.0e9, 32, 4096),
@@ -364,12 +364,12 @@ def test_reflection_lists_the_services(shared: DaemonProc) -> None:
 def test_client_falls_back_to_streaming_when_the_segment_cannot_be_mapped(
     shared: DaemonProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvtier.client_shm
+    import kvtier.client.shm
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError("not allowed to map the segment")
 
-    monkeypatch.setattr(kvtier.client_shm.DramClient, "attach", refuse)
+    monkeypatch.setattr(kvtier.client.shm.DramClient, "attach", refuse)
     keys, data = chain(85, 3), payloads(3, 85)
     with Client(shared.socket, layout=LAYOUT) as kv:
         assert not kv.uses_shm

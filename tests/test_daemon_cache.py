@@ -1,5 +1,5 @@
-"""`kvtier.cache.Cache` in-process (real shm pool, real LMDB, injected lease clock): the domain
-rules without gRPC — eviction under pressure, expiry, no leaked slots, SSD round trip."""
+"""`kvtier.daemon.cache.Cache` in-process (real shm pool, real LMDB, injected lease clock): the
+domain rules without gRPC — eviction under pressure, expiry, no leaked slots, SSD round trip."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import config
-from kvtier.auth import Tenant
-from kvtier.cache import Cache
-from kvtier.metrics import DaemonMetrics
-from kvtier.namespaces import (
+from kvtier.core.types import Tier
+from kvtier.daemon import config
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.cache import Cache
+from kvtier.daemon.metrics import DaemonMetrics
+from kvtier.daemon.namespaces import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -21,7 +22,6 @@ from kvtier.namespaces import (
     ResourceExhausted,
     layout_id,
 )
-from kvtier.types import Tier
 
 FINGERPRINT = b"cache-test-layout"
 MODEL = "cache-test-model"

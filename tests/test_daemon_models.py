@@ -17,11 +17,11 @@ import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.client import Client, LayoutDecl
-from kvtier.hashing import root_seed
-from kvtier.residency import STORE_FINGERPRINT
-from kvtier.ssd import PutItem, SsdSpec, SsdStore
-from kvtier.types import Tier
+from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier.core.keys import root_seed
+from kvtier.core.types import Tier
+from kvtier.daemon.residency import STORE_FINGERPRINT
+from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore
 from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
 
 BLOCK = 65536

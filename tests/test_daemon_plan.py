@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import config
-from kvtier.auth import Tenant
-from kvtier.cache import Cache
-from kvtier.costmodel import CostModel
-from kvtier.metrics import DaemonMetrics
-from kvtier.namespaces import layout_id
-from kvtier.planner import Reason
-from kvtier.rates import Link, LinkRate, RateBook
-from kvtier.types import Tier
+from kvtier.core.costmodel import CostModel
+from kvtier.core.planner import Reason
+from kvtier.core.types import Tier
+from kvtier.daemon import config
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.cache import Cache
+from kvtier.daemon.metrics import DaemonMetrics
+from kvtier.daemon.namespaces import layout_id
+from kvtier.daemon.rates import Link, LinkRate, RateBook
 
 FINGERPRINT = b"plan-test-layout"
 MODEL = "plan-test-model"

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.calibrate import CONTROL_RTT_S, Calibration, calibration_path, save_calibration
-from kvtier.client import Client, KvtierRpcError, LayoutDecl, ModelCost
-from kvtier.costmodel import CostModel
-from kvtier.rates import DEFAULT_LINKS, DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
+from kvtier.core.costmodel import CostModel
+from kvtier.daemon.calibrate import CONTROL_RTT_S, Calibration, calibration_path, save_calibration
+from kvtier.daemon.rates import DEFAULT_LINKS, DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import segment_owner as so
-from kvtier.dram import STATE_LIVE, peek_header
+from kvtier.tiers import segment_owner as so
+from kvtier.tiers.dram import STATE_LIVE, peek_header
 from tests.daemon_fixture import DaemonProc
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvtier.client import Client, KvtierRpcError, LayoutDecl
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 16384

@@ -10,7 +10,7 @@ import re
 import time
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier.client import Client, LayoutDecl
+from kvtier.client.sync_client import Client, LayoutDecl
 from tests.daemon_fixture import DaemonProc
 
 SLOT = 16 << 10

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvtier.dram import (
+from kvtier.client.mapping import DramClient
+from kvtier.core.errors import UsageError
+from kvtier.tiers.dram import (
     DramError,
     DramPool,
     DramSpec,
@@ -22,8 +24,6 @@ from kvtier.dram import (
     SlotPinned,
     StaleSegment,
 )
-from kvtier.dram_client import DramClient
-from kvtier.errors import UsageError
 
 SLOT = 64 * 1024 + 100  # not a page multiple: stride rounds up to 69632 (17 pages)
 
@@ -221,8 +221,8 @@ def test_close_unlinks_and_marks_closed(pool: DramPool) -> None:
 CHILD = r"""
 import json, sys
 import numpy as np
-from kvtier.dram import SegmentHandle
-from kvtier.dram_client import DramClient
+from kvtier.tiers.dram import SegmentHandle
+from kvtier.client.mapping import DramClient
 h = SegmentHandle(*json.loads(sys.argv[1]))
 slot = int(sys.argv[2])
 c = DramClient.attach(h)

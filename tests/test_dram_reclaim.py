@@ -1,4 +1,4 @@
-"""Segment owner records (kvtier.segment_owner): a dead daemon's segment is unlinked, a live
+"""Segment owner records (kvtier.tiers.segment_owner): a dead daemon's segment is unlinked, a live
 one's never, and only files that are really the recorded kvtier pool are touched. Real /dev/shm
 files and real (dead and live) processes."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import segment_owner as so
-from kvtier.dram import STATE_LIVE, DramPool, DramSpec, peek_header
-from kvtier.dram_client import DramClient
-from kvtier.errors import UsageError
+from kvtier.client.mapping import DramClient
+from kvtier.core.errors import UsageError
+from kvtier.tiers import segment_owner as so
+from kvtier.tiers.dram import STATE_LIVE, DramPool, DramSpec, peek_header
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_remove_record_keeps_a_successors(tmp_path: Path, pool: DramPool) -> Non
 def test_a_pool_never_closed_is_unlinked_at_exit_but_not_after_a_kill() -> None:
     script = (
         "import sys, uuid\n"
-        "from kvtier.dram import DramPool, DramSpec\n"
+        "from kvtier.tiers.dram import DramPool, DramSpec\n"
         "p = DramPool.create(DramSpec(f'kvt-test-{uuid.uuid4().hex[:12]}', 4096, 4))\n"
         "print(p.path, flush=True)\n"
         "if sys.argv[1] == 'hang':\n"

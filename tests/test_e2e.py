@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier._proto import kvtier_pb2 as pb  # noqa: E402
+from kvtier.core.types import Tier  # noqa: E402
 from kvtier.engine import Engine, Sequence, get_config  # noqa: E402
 from kvtier.engine.kvtier_adapter import (  # noqa: E402
     KvtierEngine,
@@ -26,7 +27,6 @@ from kvtier.engine.kvtier_adapter import (  # noqa: E402
     ServeResult,
     slot_window,
 )
-from kvtier.types import Tier  # noqa: E402
 from tests.daemon_fixture import ROOT, DaemonProc  # noqa: E402
 
 CFG = get_config("tiny")
@@ -292,7 +292,7 @@ def test_two_engine_processes_share_one_daemon(kvd: DaemonProc, tmp_path: Path) 
 
 
 def block_payload(engine: Engine, block: int) -> bytes:
-    """A pool block in the slot layout [K_0 | V_0 | K_1 | V_1 ...] (see kvtier.transfer)."""
+    """A pool block in the slot layout [K_0 | V_0 | K_1 | V_1 ...] (see kvtier.gpu.transfer)."""
     parts = []
     for k, v in zip(engine.pool.k, engine.pool.v, strict=True):
         parts += [k[block].numpy().tobytes(), v[block].numpy().tobytes()]
@@ -361,7 +361,7 @@ def test_daemon_killed_mid_request_recomputes_correctly(tmp_path: Path, stage: s
 def test_slot_window_addresses_slots_in_place() -> None:
     import numpy as np
 
-    from kvtier.client import SlotBuffer
+    from kvtier.client.sync_client import SlotBuffer
 
     seg = np.zeros(4096 + 10 * 8192, dtype=np.uint8)
     buf = SlotBuffer(seg, data_offset=4096, slot_count=10, slot_bytes=5000, slot_stride=8192,

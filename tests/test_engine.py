@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
+from kvtier.core.errors import UsageError  # noqa: E402
 from kvtier.engine import (  # noqa: E402
     Engine,
     KVPool,
@@ -21,7 +22,6 @@ from kvtier.engine import (  # noqa: E402
     Transformer,
     get_config,
 )
-from kvtier.errors import UsageError  # noqa: E402
 
 TINY = get_config("tiny")
 B = TINY.block_tokens

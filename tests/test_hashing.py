@@ -1,4 +1,4 @@
-"""Block keys (kvtier.hashing): hand-built CBOR vectors, chaining, extras, namespaces."""
+"""Block keys (kvtier.core.keys): hand-built CBOR vectors, chaining, extras, namespaces."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import xxhash
 
-from kvtier.hashing import (
+from kvtier.core.keys import (
     KEY_BYTES,
     VLLM_SHA256,
     Extras,
@@ -102,7 +102,7 @@ def test_namespaced_scheme_separates_models_and_layouts() -> None:
 
 
 def test_keys_are_stable_across_processes() -> None:
-    code = ("from kvtier.hashing import KeyScheme as K;"
+    code = ("from kvtier.core.keys import KeyScheme as K;"
             "print(K.namespaced('m', b'fp', 'xxh3_128').block_keys(list(range(40)), 16)[1].hex())")
     outs = set()
     for seed in ("1", "2"):

@@ -1,4 +1,4 @@
-"""Byte-compatibility of kvtier.hashing with vLLM 0.33's own block hashing (real vLLM code).
+"""Byte-compatibility of kvtier.core.keys with vLLM 0.33's own block hashing (real vLLM code).
 
 Skips cleanly where vLLM is not importable; it is installed in the dev venv and in CI.
 """
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.hashing import Extras, KeyScheme, MMItem
+from kvtier.core.keys import Extras, KeyScheme, MMItem
 
 kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils")
 vhash = pytest.importorskip("vllm.utils.hashing")

@@ -1,10 +1,12 @@
-"""Hand-worked cases for the prefix index (kvtier.index) and its policies."""
+"""Hand-worked cases for the prefix index (kvtier.index.prefix) and its policies."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.index import (
+from kvtier.core.types import Tier
+from kvtier.index.policies import KthAccess, make_queue
+from kvtier.index.prefix import (
     BadSlot,
     DuplicateBlock,
     IndexStateError,
@@ -16,8 +18,6 @@ from kvtier.index import (
     TierFull,
     UnknownBlock,
 )
-from kvtier.policies import KthAccess, make_queue
-from kvtier.types import Tier
 
 D, S, H = Tier.DRAM, Tier.SSD, Tier.HBM
 

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.index import (
+from kvtier.core.types import Tier
+from kvtier.index.prefix import (
     EVICTION_COUNTERS,
     BadSlot,
     DuplicateBlock,
@@ -30,7 +31,6 @@ from kvtier.index import (
     TierFull,
     UnknownBlock,
 )
-from kvtier.types import Tier
 
 D, S, H = Tier.DRAM, Tier.SSD, Tier.HBM
 KEYS = [bytes([i]) * 4 for i in range(14)]

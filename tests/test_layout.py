@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.errors import UsageError
-from kvtier.layout import DType, KVLayout, LayerSpec, alternating
-from kvtier.presets import get_preset
+from kvtier.core.errors import UsageError
+from kvtier.core.layout import DType, KVLayout, LayerSpec, alternating
+from kvtier.core.presets import get_preset
 
 LLAMA8 = get_preset("Llama-3-8B")
 
@@ -128,7 +128,7 @@ def test_fingerprint_golden_and_length():
 
 def test_fingerprint_stable_across_processes():
     code = (
-        "from kvtier.presets import get_preset;"
+        "from kvtier.core.presets import get_preset;"
         "print(get_preset('Llama-3-8B').layout().fingerprint().hex())"
     )
     for seed in ("0", "12345"):

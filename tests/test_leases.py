@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.leases import LeaseKind, LeaseTable
+from kvtier.daemon.leases import LeaseKind, LeaseTable
 
 
 class Clock:

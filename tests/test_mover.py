@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.blockfmt import HEADER_SIZE
-from kvtier.dram import DramPool, DramSpec, SlotPinned
-from kvtier.index import PrefixIndex
-from kvtier.mover import (
+from kvtier.core.types import Tier
+from kvtier.index.prefix import PrefixIndex
+from kvtier.tiers.blockfmt import HEADER_SIZE
+from kvtier.tiers.dram import DramPool, DramSpec, SlotPinned
+from kvtier.tiers.mover import (
     AccessCounter,
     Mover,
     MoverSpec,
@@ -23,9 +24,8 @@ from kvtier.mover import (
     WriteBack,
     index_evictor,
 )
-from kvtier.ssd import PutResult, SsdSpec, SsdStore
-from kvtier.types import Tier
-from kvtier.wear import WriteBudget
+from kvtier.tiers.ssd.store import PutResult, SsdSpec, SsdStore
+from kvtier.tiers.wear import WriteBudget
 
 SLOT = 32 << 10
 FP = b"mover-layout"

@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.costmodel import AttnGroup, CostModel, causal_pairs_upto
-from kvtier.planner import BlockInfo, PlanRates, Prefix, Reason, plan
-from kvtier.presets import get_preset
-from kvtier.types import Tier
+from kvtier.core.costmodel import AttnGroup, CostModel, causal_pairs_upto
+from kvtier.core.planner import BlockInfo, PlanRates, Prefix, Reason, plan
+from kvtier.core.presets import get_preset
+from kvtier.core.types import Tier
 
 D, S, H = Tier.DRAM, Tier.SSD, Tier.HBM
 

@@ -12,10 +12,10 @@ import itertools
 import numpy as np
 import pytest
 
-from kvtier.costmodel import CostModel
-from kvtier.planner import PlanRates, Prefix, plan
-from kvtier.presets import get_preset, list_presets
-from kvtier.types import Tier
+from kvtier.core.costmodel import CostModel
+from kvtier.core.planner import PlanRates, Prefix, plan
+from kvtier.core.presets import get_preset, list_presets
+from kvtier.core.types import Tier
 
 
 def _token_flops(cm: CostModel, start: int, end: int) -> np.ndarray:

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from kvtier.errors import UsageError
-from kvtier.hfconfig import read_hf_config, spec_from_config
-from kvtier.layout import AttentionKind
-from kvtier.presets import get_preset, list_presets
+from kvtier.core.errors import UsageError
+from kvtier.core.hfconfig import read_hf_config, spec_from_config
+from kvtier.core.layout import AttentionKind
+from kvtier.core.presets import get_preset, list_presets
 
 _GPT_OSS_TYPES = ["sliding_attention", "full_attention"]
 

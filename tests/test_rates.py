@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from kvtier.costmodel import CostModel
-from kvtier.planner import PlanRates
-from kvtier.rates import DEFAULT_LINKS, DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate, RateBook
+from kvtier.core.costmodel import CostModel
+from kvtier.core.planner import PlanRates
+from kvtier.daemon.rates import DEFAULT_LINKS, DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate, RateBook
 
 
 def test_defaults_come_from_design_physics():

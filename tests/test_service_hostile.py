@@ -13,8 +13,8 @@ import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.client import Client, LayoutDecl
-from kvtier.types import Tier
+from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier.core.types import Tier
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536

@@ -4,11 +4,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.core.types import Tier
 from kvtier.sim.ceilings import belady, flatten, infinite_hits
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import new_index, replay
 from kvtier.sim.trace import ChainChecker, Request
-from kvtier.types import Tier
 
 
 @st.composite

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.index import PrefixIndex
+from kvtier.core.types import Tier
+from kvtier.index.prefix import PrefixIndex
 from kvtier.sim import workloads
 from kvtier.sim.ceilings import belady, flatten, infinite_hits
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import count_stranded, key_of, new_index, replay
 from kvtier.sim.trace import Request, read_trace
-from kvtier.types import Tier
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
 from kvtier.sim import workloads
 from kvtier.sim.trace import (
     ChainChecker,

@@ -1,13 +1,13 @@
-"""Capacity math (kvtier.sizing): worked examples, vLLM's window accounting, rounding laws."""
+"""Capacity math (kvtier.core.sizing): worked examples, vLLM's window accounting, rounding laws."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.errors import UsageError
-from kvtier.layout import KVLayout, LayerSpec, alternating
-from kvtier.presets import get_preset
-from kvtier.sizing import (
+from kvtier.core.errors import UsageError
+from kvtier.core.layout import KVLayout, LayerSpec, alternating
+from kvtier.core.presets import get_preset
+from kvtier.core.sizing import (
     GpuPool,
     Workload,
     cdiv,

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kvtier.cli import build_parser, main
-from kvtier.presets import list_presets
+from kvtier.core.presets import list_presets
 
 REQUIRED_KEYS = {
     "kv_bytes_per_token",

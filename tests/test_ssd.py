@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.blockfmt import HEADER_SIZE
-from kvtier.errors import UsageError
-from kvtier.ssd import PutItem, SsdSpec, SsdStore
+from kvtier.core.errors import UsageError
+from kvtier.tiers.blockfmt import HEADER_SIZE
+from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore
 
 FP = b"layout-fingerprint-A"
 
@@ -254,8 +254,8 @@ def test_writemap_reserves_the_map_and_files_are_private(tmp_path: Path) -> None
 
 NO_SPACE = r"""
 import os, resource, signal, sys
-from kvtier.errors import UsageError
-from kvtier.ssd import SsdSpec, SsdStore, _preallocate
+from kvtier.core.errors import UsageError
+from kvtier.tiers.ssd.store import SsdSpec, SsdStore, _preallocate
 path = sys.argv[1]
 with SsdStore(SsdSpec(path, 8 << 20, b"fp", writemap=True)):
     pass

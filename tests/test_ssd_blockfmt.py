@@ -8,8 +8,8 @@ import struct
 import pytest
 import xxhash
 
-from kvtier import blockfmt
-from kvtier.blockfmt import HEADER_SIZE, BlockCorrupt, Corruption
+from kvtier.tiers import blockfmt
+from kvtier.tiers.blockfmt import HEADER_SIZE, BlockCorrupt, Corruption
 
 LAYOUT = blockfmt.layout_digest(b"layout-a")
 KEY = b"\x01t" + b"k" * 32

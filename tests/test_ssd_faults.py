@@ -16,8 +16,8 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvtier import blockfmt
-from kvtier.ssd import PutItem, SsdSpec, SsdStore, split_key, stored_key
+from kvtier.tiers import blockfmt
+from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore, split_key, stored_key
 
 FP = b"fault-layout"
 PER_BATCH = 32
@@ -35,7 +35,7 @@ def key(batch: int, i: int) -> bytes:
 WRITER = f"""
 import sys
 import numpy as np
-from kvtier.ssd import PutItem, SsdSpec, SsdStore
+from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore
 path, start, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 s = SsdStore(SsdSpec(path, 1 << 30, {FP!r}, payload=mode, slot_size={BLOCK}))
 print("ready", flush=True)

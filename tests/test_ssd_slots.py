@@ -12,10 +12,10 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvtier.blockfmt import HEADER_SIZE
-from kvtier.errors import UsageError
-from kvtier.ssd import SLOT_FILE, STORE_FORMAT, PutItem, SsdSpec, SsdStore
-from kvtier.ssd_slots import SlotFile
+from kvtier.core.errors import UsageError
+from kvtier.tiers.blockfmt import HEADER_SIZE
+from kvtier.tiers.ssd.slots import SlotFile
+from kvtier.tiers.ssd.store import SLOT_FILE, STORE_FORMAT, PutItem, SsdSpec, SsdStore
 
 FP = b"slots-layout"
 SLOT = 8192
@@ -147,8 +147,8 @@ def test_a_failed_commit_returns_the_slots(tmp_path: Path) -> None:
 
 NO_SPACE = r"""
 import resource, signal, sys
-from kvtier.errors import UsageError
-from kvtier.ssd import SsdSpec, SsdStore
+from kvtier.core.errors import UsageError
+from kvtier.tiers.ssd.store import SsdSpec, SsdStore
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
 try:
@@ -183,7 +183,7 @@ def test_an_old_format_store_is_discarded_with_one_warning(
         txn.put(b"format", (2).to_bytes(8, "little"), db=env.open_db(b"info", txn=txn))
         txn.put(b"\x01tk", b"x" * (8 << 20), db=env.open_db(b"blocks", txn=txn))
     env.close()
-    with caplog.at_level(logging.WARNING, "kvtier.ssd"), SsdStore(spec(tmp_path)) as s:
+    with caplog.at_level(logging.WARNING, "kvtier.tiers.ssd.store"), SsdStore(spec(tmp_path)) as s:
         assert len(s) == 0 and s.entries() == []
         assert len(s.put_many(items(2)).stored) == 2
     assert [r.getMessage() for r in caplog.records] == [
@@ -192,7 +192,7 @@ def test_an_old_format_store_is_discarded_with_one_warning(
     ]
     assert os.path.getsize(path / "data.mdb") < 8 << 20  # the old payloads' space is returned
     caplog.clear()
-    with caplog.at_level(logging.WARNING, "kvtier.ssd"), SsdStore(spec(tmp_path)) as s:
+    with caplog.at_level(logging.WARNING, "kvtier.tiers.ssd.store"), SsdStore(spec(tmp_path)) as s:
         assert len(s) == 2 and not caplog.records  # this format: kept
 
 
@@ -202,7 +202,7 @@ def test_changing_the_payload_mode_discards_the_store(
     with SsdStore(spec(tmp_path)) as s:
         s.put_many(items(3))
     lmdb_spec = SsdSpec(str(tmp_path / "ssd"), 1 << 20, FP, payload="lmdb")
-    with caplog.at_level(logging.WARNING, "kvtier.ssd"), SsdStore(lmdb_spec) as s:
+    with caplog.at_level(logging.WARNING, "kvtier.tiers.ssd.store"), SsdStore(lmdb_spec) as s:
         assert len(s) == 0
     assert "payload mode slots:8192, configured lmdb" in caplog.text
     assert not (tmp_path / "ssd" / SLOT_FILE).exists()
@@ -224,7 +224,7 @@ def test_entries_naming_one_slot_twice_are_dropped_at_open(
         rec[33:41] = slot_of_first
         txn.put(b"\x01tk0001", bytes(rec), db=meta)
     env.close()
-    with caplog.at_level(logging.WARNING, "kvtier.ssd"), SsdStore(spec(tmp_path)) as s:
+    with caplog.at_level(logging.WARNING, "kvtier.tiers.ssd.store"), SsdStore(spec(tmp_path)) as s:
         assert len(s) == 1 and s.free_slots() == 31
         assert s.get("t", b"k0000") == first[0].payload and s.get("t", b"k0001") is None
         assert s.stats().used_bytes == SLOT + HEADER_SIZE

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.transfer import KVPool, TransferEngine, TransferJob
-from kvtier.transfer_cpu import CpuBackend
-from kvtier.transfer_plan import Direction, IntArray
+from kvtier.gpu.cpu import CpuBackend
+from kvtier.gpu.plan import Direction, IntArray
+from kvtier.gpu.transfer import KVPool, TransferEngine, TransferJob
 
 L, NB, T, H, D = 3, 13, 4, 2, 8  # odd block count on purpose
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8]
@@ -252,7 +252,7 @@ def test_failed_wait_fails_every_pair_and_writes_nothing() -> None:
 
 
 def test_slot_payload_matches_kvlayout_block_bytes() -> None:
-    from kvtier.presets import get_preset
+    from kvtier.core.presets import get_preset
 
     for tp, heads in ((1, 8), (8, 1)):
         layout = get_preset("Llama-3-8B").layout(block_tokens=16, tp_size=tp)
@@ -265,7 +265,7 @@ def test_slot_payload_matches_kvlayout_block_bytes() -> None:
 
 
 def test_slot_array_over_a_segment_and_read_only_slots() -> None:
-    from kvtier.transfer import slot_array
+    from kvtier.gpu.transfer import slot_array
 
     seg = np.zeros(4096 + 3 * 512, dtype=np.uint8)
     rows = slot_array(seg, data_offset=4096, num_slots=3, slot_bytes=256, slot_stride=512)

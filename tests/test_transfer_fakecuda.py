@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from kvtier.gpu import kernels
-from kvtier.transfer import KVPool, TransferEngine, TransferJob, slot_geometry
-from kvtier.transfer_cpu import reference_copy
-from kvtier.transfer_plan import Calibration, CalibrationRow, Direction
+from kvtier.gpu.cpu import reference_copy
+from kvtier.gpu.plan import Calibration, CalibrationRow, Direction
+from kvtier.gpu.transfer import KVPool, TransferEngine, TransferJob, slot_geometry
 
 KERNEL_PARAMS = ["slots", "slot_stride", "bases", "block_stride", "chunk_bytes", "n_chunks",
                  "pairs", "n_pairs", "tile_bytes"]
@@ -299,7 +299,7 @@ def test_bench_gpu_sections_run_on_fake_cuda(fake: FakeRuntime, tmp_path: Any,
                                              monkeypatch: Any) -> None:
     import bench.gpu_transfer as bench
     from kvtier.gpu.measure import calibrate_pool
-    from kvtier.transfer_plan import PoolGeometry, PoolKind
+    from kvtier.gpu.plan import PoolGeometry, PoolKind
 
     assert bench._gpu_device() == "FakeGPU (host memory)"
     check = bench.gpu_check()

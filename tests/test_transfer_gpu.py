@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kvtier.gpu import available
-from kvtier.transfer import KVPool, TransferEngine, TransferJob, slot_geometry
-from kvtier.transfer_cpu import reference_copy
-from kvtier.transfer_plan import Direction, PoolKind
+from kvtier.gpu.cpu import reference_copy
+from kvtier.gpu.plan import Direction, PoolKind
+from kvtier.gpu.transfer import KVPool, TransferEngine, TransferJob, slot_geometry
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(), reason="needs CuPy + CUDA")]
 
@@ -111,7 +111,7 @@ def test_torch_bf16_pool_and_stream_ordering() -> None:
 def test_host_registration_and_calibration() -> None:
     from kvtier.gpu import hostmem
     from kvtier.gpu.measure import calibrate_pool
-    from kvtier.transfer_plan import PoolGeometry
+    from kvtier.gpu.plan import PoolGeometry
 
     slots = _host_slots(2, 1 << 20, seed=5)
     reg = hostmem.register(slots)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.transfer_cpu import execute_ops, flat_span, reference_copy
-from kvtier.transfer_plan import (
+from kvtier.gpu.cpu import execute_ops, flat_span, reference_copy
+from kvtier.gpu.plan import (
     Calibration,
     CalibrationRow,
     Direction,

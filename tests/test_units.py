@@ -1,7 +1,7 @@
 import pytest
 
-from kvtier.errors import UsageError
-from kvtier.units import format_bytes, format_decimal, parse_size
+from kvtier.core.errors import UsageError
+from kvtier.core.units import format_bytes, format_decimal, parse_size
 
 
 @pytest.mark.parametrize(

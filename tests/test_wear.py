@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.errors import UsageError
-from kvtier.wear import Endurance, TokenBucket, WriteBudget
+from kvtier.core.errors import UsageError
+from kvtier.tiers.wear import Endurance, TokenBucket, WriteBudget
 
 TB = 10**12
 

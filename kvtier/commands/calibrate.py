@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
 
 HELP = "Measure DRAM<->GPU copy, SSD read and prefill FLOP rates; save them for the planner."
 
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _data_dir(args: argparse.Namespace) -> Path:
     if args.data_dir:
         return Path(args.data_dir).expanduser()
-    from kvtier.config import load
+    from kvtier.daemon.config import load
 
     return load(config_path=args.config).data_dir
 
@@ -59,7 +59,7 @@ def _table(doc: dict[str, Any], saved: Path | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.calibrate import calibration_path, run_calibration, save_calibration
+    from kvtier.daemon.calibrate import calibration_path, run_calibration, save_calibration
 
     data_dir = _data_dir(args)
     if data_dir.exists() and not data_dir.is_dir():

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
 
 HELP = "serve a short conversation on a reference model, printing TTFT with and without kvtier"
 REPLY_TOKENS = 24
@@ -54,7 +54,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from kvtier.client import default_socket
+    from kvtier.client.sync_client import default_socket
     from kvtier.engine.config import get_config
     from kvtier.engine.local_daemon import LocalDaemon, daemon_alive
 

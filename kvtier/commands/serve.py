@@ -1,4 +1,5 @@
-"""`kvtier serve`: run the daemon (no configuration needed; see kvtier.config for every setting)."""
+"""`kvtier serve`: run the daemon (no configuration needed; see kvtier.daemon.config for every
+setting)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ _FLAGS = (
     ("--data-dir", "directory of the SSD tier"),
     ("--ssd-bytes", "SSD tier cap, e.g. 64GiB (0 = no SSD tier)"),
     ("--metrics", "HOST:PORT of /metrics ('' = off, port 0 = any)"),
-    ("--tokens-file", "TOML file of tenants and tokens (see kvtier.auth)"),
+    ("--tokens-file", "TOML file of tenants and tokens (see kvtier.daemon.auth)"),
     ("--lease-ttl-s", "default lease TTL in seconds"),
     ("--max-lease-ttl-s", "largest lease TTL a client may ask for"),
     ("--grace-s", "SIGTERM drain period in seconds"),
@@ -43,8 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier import config
-
+    from kvtier.daemon import config
     flags = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
              for flag, _ in _FLAGS}
     cfg = config.load(flags, config_path=args.config)
@@ -52,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
         for field in cfg.__dataclass_fields__:
             print(f"{field} = {getattr(cfg, field)!s}")
         return 0
-    from kvtier.server import serve
+    from kvtier.daemon.server import serve
 
     return serve(cfg)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
 
 if TYPE_CHECKING:
     from kvtier.sim.trace import Request
@@ -28,7 +28,7 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvtier.policies import POLICIES
+    from kvtier.index.policies import POLICIES
     from kvtier.sim.workloads import WORKLOADS
 
     parser.epilog = _EPILOG

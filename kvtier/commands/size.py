@@ -1,8 +1,8 @@
 """`kvtier size`: KV bytes, GPU pool pages, workload fit and host-tier capacity for a model.
 
 Flags are read as text and validated here, so every bad value is one `UsageError` line (exit 2).
-The arithmetic lives in `kvtier.layout` and `kvtier.sizing`; this module builds the inputs and
-renders the answer as a table (`size_report.render`) or (`--json`) one JSON object.
+The arithmetic lives in `kvtier.core.layout` and `kvtier.core.sizing`; this module builds the
+inputs and renders the answer as a table (`size_report.render`) or (`--json`) one JSON object.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from kvtier.commands.size_report import render
-from kvtier.errors import UsageError
-from kvtier.layout import DType, KVLayout, LayerSpec, alternating
-from kvtier.presets import ModelSpec, get_preset, list_presets
-from kvtier.sizing import (
+from kvtier.core.errors import UsageError
+from kvtier.core.layout import DType, KVLayout, LayerSpec, alternating
+from kvtier.core.presets import ModelSpec, get_preset, list_presets
+from kvtier.core.sizing import (
     GpuPool,
     Workload,
     group_pages,
@@ -27,7 +27,7 @@ from kvtier.sizing import (
     plan_workload,
     tier_capacity,
 )
-from kvtier.units import Size, parse_size
+from kvtier.core.units import Size, parse_size
 
 HELP = "KV bytes per token/block, GPU pool pages, workload fit and host-tier capacity"
 
@@ -230,7 +230,7 @@ def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
     if a.preset is not None:
         spec, source = get_preset(a.preset), f"preset {a.preset}"
     elif a.hf_config is not None:
-        from kvtier.hfconfig import read_hf_config
+        from kvtier.core.hfconfig import read_hf_config
 
         spec, source = read_hf_config(a.hf_config), f"HF config {a.hf_config}"
     elif shape:

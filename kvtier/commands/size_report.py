@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.units import format_bytes
+from kvtier.core.units import format_bytes
 
 
 def _b(n: int) -> str:

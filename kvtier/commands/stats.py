@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier._proto import kvtier_pb2 as pb
     from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-    from kvtier.client import default_socket
-    from kvtier.errors import UsageError
-    from kvtier.units import format_bytes
+    from kvtier.client.sync_client import default_socket
+    from kvtier.core.errors import UsageError
+    from kvtier.core.units import format_bytes
 
     socket = args.socket or str(default_socket())
     token = args.token or os.environ.get("KVTIER_TOKEN")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, replace
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -7,7 +7,7 @@
 
 Per request:
 
-1. keys of the prompt's full blocks (`kvtier.hashing`, namespaced by the weights' model id and the
+1. keys of the prompt's full blocks (`kvtier.core.keys`, namespaced by the weights' model id and the
    layout fingerprint); at most (len(prompt) - 1) // B of them are usable, so that at least one
    position is computed and produces the logits;
 2. `Lookup` with the plan: fetch keys[0:cut], recompute the rest (without a plan: the whole hit);
@@ -44,15 +44,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier import transfer
-from kvtier.client import Client, KvtierRpcError, LayoutDecl, ModelCost, SlotBuffer
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost, SlotBuffer
+from kvtier.core.keys import KeyScheme
+from kvtier.core.layout import DType, KVLayout
+from kvtier.core.types import Tier
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.kvpool import PoolExhausted
 from kvtier.engine.runner import Engine
 from kvtier.engine.runner import Sequence as Seq
-from kvtier.hashing import KeyScheme
-from kvtier.layout import DType, KVLayout
-from kvtier.types import Tier
+from kvtier.gpu import transfer
 
 log = logging.getLogger(__name__)
 U8 = npt.NDArray[np.uint8]

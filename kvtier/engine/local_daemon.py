@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier import segment_owner
+from kvtier.tiers import segment_owner
 
 
 def daemon_alive(socket: Path, timeout: float = 1.0) -> bool:

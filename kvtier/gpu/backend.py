@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.gpu import dma, hostmem, kernels
-from kvtier.transfer import array_info
-from kvtier.transfer_cpu import Outcome
-from kvtier.transfer_plan import (
+from kvtier.gpu.cpu import Outcome
+from kvtier.gpu.plan import (
     Calibration,
     Direction,
     IntArray,
@@ -41,6 +40,7 @@ from kvtier.transfer_plan import (
     pairs_of_ops,
     sort_pairs,
 )
+from kvtier.gpu.transfer import array_info
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Batched DMA: enqueue a plan of (2-D) cudaMemcpyAsync calls (kvtier.transfer_plan.copy_ops).
+"""Batched DMA: enqueue a plan of (2-D) cudaMemcpyAsync calls (kvtier.gpu.plan.copy_ops).
 
 Addresses are unified (cudaMemcpyDefault), so host slots must be pinned (registered) memory and
 the copies run on the copy engines without a kernel. One Python call per op: merging runs first
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.transfer_plan import Copy, Direction
+from kvtier.gpu.plan import Copy, Direction
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault
 

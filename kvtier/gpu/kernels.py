@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.transfer_plan import Direction, PoolGeometry, SlotGeometry
+from kvtier.gpu.plan import Direction, PoolGeometry, SlotGeometry
 
 SOURCE = "kv_blocks.cu"
 THREADS = 256

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.gpu import dma, hostmem, kernels
-from kvtier.transfer_plan import (
+from kvtier.gpu.plan import (
     Calibration,
     CalibrationRow,
     Direction,

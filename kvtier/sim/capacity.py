@@ -1,19 +1,19 @@
 """Tier capacities as users write them: a block count, or bytes with a block size.
 
 `1000` or `1000blocks` is 1000 blocks; anything with a byte unit (`64GiB`, `500GB`, `2097152B`)
-is bytes (parsed by `kvtier.units.parse_size`) and needs the bytes of one trace block, which
-`trace_block_bytes` derives from a model preset (`kvtier.presets`) or takes as given. A trace block
-is `TRACE_BLOCK_TOKENS` (512) tokens; its bytes are those of all TP ranks of one replica, which is
-what one node's cache holds for it (tp = 1: bytes_per_token x 512).
+is bytes (parsed by `kvtier.core.units.parse_size`) and needs the bytes of one trace block, which
+`trace_block_bytes` derives from a model preset (`kvtier.core.presets`) or takes as given. A trace
+block is `TRACE_BLOCK_TOKENS` (512) tokens; its bytes are those of all TP ranks of one replica,
+which is what one node's cache holds for it (tp = 1: bytes_per_token x 512).
 """
 
 from __future__ import annotations
 
 import re
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
+from kvtier.core.units import parse_size
 from kvtier.sim.trace import TRACE_BLOCK_TOKENS
-from kvtier.units import parse_size
 
 _BLOCKS = re.compile(r"^\s*([0-9]+)\s*(?:blocks?)?\s*$", re.IGNORECASE)
 
@@ -47,8 +47,8 @@ def trace_block_bytes(
         return n
     if model is None:
         return None
-    from kvtier.layout import DType
-    from kvtier.presets import get_preset
+    from kvtier.core.layout import DType
+    from kvtier.core.presets import get_preset
 
     if tp_size < 1:
         raise UsageError(f"--tp must be >= 1, got {tp_size}")

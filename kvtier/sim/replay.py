@@ -1,4 +1,4 @@
-"""Replay a trace through the real `kvtier.index.PrefixIndex`, tier by tier.
+"""Replay a trace through the real `kvtier.index.prefix.PrefixIndex`, tier by tier.
 
 Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian key of block i):
 
@@ -31,10 +31,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from kvtier.index import Block, PrefixIndex
+from kvtier.core.types import Tier
+from kvtier.index.prefix import Block, PrefixIndex
 from kvtier.sim.config import ReplayStats, TierConfig
 from kvtier.sim.trace import Request
-from kvtier.types import Tier
 
 TENANT = 0
 _PROGRESS_EVERY = 256

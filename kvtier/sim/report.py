@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from kvtier.core.units import format_bytes
 from kvtier.sim.config import ReplayStats, TierConfig
-from kvtier.units import format_bytes
 
 
 class SimReport(NamedTuple):

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
 from kvtier.sim.ceilings import belady, flatten, next_uses
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import replay

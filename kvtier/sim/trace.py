@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvtier.errors import UsageError
+from kvtier.core.errors import UsageError
 
 TRACE_BLOCK_TOKENS = 512
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")

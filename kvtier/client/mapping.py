@@ -1,0 +1,122 @@
+"""A process's mapping of the daemon's DRAM slot pool (`kvtier.tiers.dram`): attach by name, size
+and generation, zero-copy slot views, optional CUDA registration. See `kvtier.tiers.dram` for the
+segment layout and the trust boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from typing import Any
+
+from kvtier.tiers.dram import (
+    MAGIC,
+    STATE_LIVE,
+    STATE_OFFSET,
+    VERSION,
+    DramError,
+    SegmentHandle,
+    SegmentMapping,
+    StaleSegment,
+    U8Array,
+    read_mapped_header,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DramClient:
+    """A process's read/write mapping of the daemon's pool. It never allocates nor unlinks.
+
+    Slots are addressed by the offsets/slot numbers the daemon hands out under leases; reading a
+    slot outside a lease, or writing one the daemon did not allocate to this client, races with
+    the daemon and is the caller's bug.
+    """
+
+    def __init__(self, handle: SegmentHandle, writable: bool = True) -> None:
+        self.handle = handle
+        path = os.path.join(handle.shm_dir, handle.name)
+        try:
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise StaleSegment(f"no shared-memory segment {path}") from None
+        try:
+            if os.fstat(fd).st_size != handle.size:
+                raise StaleSegment(f"{path} has size {os.fstat(fd).st_size}, not {handle.size}")
+            self._map = SegmentMapping(fd, handle.size, writable)
+        finally:
+            os.close(fd)
+        magic, version, state, gen, ssize, stride, count, doff = read_mapped_header(self._map)
+        expect = (MAGIC, VERSION, STATE_LIVE, handle.generation)
+        if (magic, version, state, gen) != expect or (ssize, stride, count, doff) != (
+            handle.slot_size, handle.slot_stride, handle.slot_count, handle.data_offset,
+        ):
+            self._map.close()
+            raise StaleSegment(f"{path} is not the pool of generation {handle.generation}")
+        self._cuda: Any = None  # kvtier.gpu.hostmem.Registration once registered
+
+    @classmethod
+    def attach(cls, handle: SegmentHandle, writable: bool = True) -> DramClient:
+        return cls(handle, writable)
+
+    def is_live(self) -> bool:
+        """False once the daemon closed this pool (the mapping itself stays valid)."""
+        state, = struct.unpack_from("<I", self._map.mm, STATE_OFFSET)
+        gen, = struct.unpack_from("<Q", self._map.mm, 16)
+        return bool(state == STATE_LIVE and gen == self.handle.generation)
+
+    def view(self, slot: int, nbytes: int | None = None) -> U8Array:
+        h = self.handle
+        if not 0 <= slot < h.slot_count:
+            raise DramError(f"slot {slot} out of range")
+        o = h.data_offset + slot * h.slot_stride
+        return self._map.buf[o : o + (h.slot_size if nbytes is None else nbytes)]
+
+    @property
+    def buffer(self) -> U8Array:
+        """The whole mapped segment as one uint8 array (header included); slot i starts at
+        `handle.data_offset + i * handle.slot_stride`. Valid until `close()`."""
+        return self._map.buf
+
+    def register_cuda(self) -> bool:
+        """Pin the whole mapping and map it into the device address space (cudaHostRegister
+        Portable|Mapped, via `kvtier.gpu.hostmem.register`), so DMA and kernels reach every slot.
+        Idempotent; False (logged) without cupy, a GPU, or when the driver refuses."""
+        if self._cuda is not None:
+            return True
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            log.info("cupy not installed; DRAM pool not registered with CUDA")
+            return False
+        from kvtier.gpu import hostmem
+
+        try:
+            self._cuda = hostmem.register(self._map.buf)
+        except Exception as exc:  # any CUDA error: no device, no driver, registration refused
+            log.warning("CUDA host registration of the DRAM pool failed: %s", exc)
+            return False
+        return True
+
+    @property
+    def cuda_registration(self) -> Any:
+        """The `kvtier.gpu.hostmem.Registration` from `register_cuda`, or None."""
+        return self._cuda
+
+    def close(self) -> None:
+        if self._cuda is not None:
+            from kvtier.gpu import hostmem
+
+            try:
+                hostmem.unregister(self._cuda)
+            except Exception as exc:
+                log.warning("CUDA host unregistration failed: %s", exc)
+            self._cuda = None
+        self._map.close()
+
+    def __enter__(self) -> DramClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

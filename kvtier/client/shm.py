@@ -1,0 +1,125 @@
+"""A client's mapping of the daemon's DRAM segment (shared by `kvtier.client.sync_client` and
+`kvtier.client.async_client`): attach/re-attach by the daemon's `SegmentInfo`, slot numbers from
+offsets, and the `SlotBuffer` zero-copy engines copy through.
+
+Lifetime: a `MappedSegment` belongs to one pool generation; a reply naming another generation
+(the daemon restarted) replaces it (`adopt`) and the old mapping is closed — its memory stays
+valid while arrays over it are referenced (the unmap waits for them), but it no longer is the
+daemon's pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier.client.mapping import DramClient
+from kvtier.gpu.transfer import slot_array
+from kvtier.tiers.dram import SegmentHandle, StaleSegment
+
+U8 = npt.NDArray[np.uint8]
+
+
+class SlotBuffer(NamedTuple):
+    """The mapped DRAM segment for zero-copy engines: slot i is the `slot_bytes` bytes at
+    `segment[data_offset + i * slot_stride:]`. `array()` is the [slot_count, slot_bytes] view
+    (`kvtier.gpu.transfer.slot_array`) a `TransferEngine` takes; rows are `Loaded.slots` /
+    `StoreTx.slot_ids`. No copy: it shares memory with the mapping. `generation` names the
+    daemon's pool; indices from a call answered by another generation do not apply to it.
+    """
+
+    segment: U8
+    data_offset: int
+    slot_count: int
+    slot_bytes: int
+    slot_stride: int
+    generation: int
+
+    def array(self) -> U8:
+        return slot_array(self.segment, self.data_offset, self.slot_count, self.slot_bytes,
+                          self.slot_stride)
+
+
+@dataclass(slots=True)
+class MappedSegment:
+    info: pb.SegmentInfo
+    dram: DramClient | None = None
+    failed: bool = False
+
+    def slot(self, offset: int) -> int:
+        return (offset - self.info.data_offset) // self.info.slot_stride
+
+    def view(self, offset: int, nbytes: int) -> U8:
+        assert self.dram is not None
+        return self.dram.view(self.slot(offset), nbytes)
+
+    def buffer(self) -> SlotBuffer | None:
+        if self.dram is None:
+            return None
+        i = self.info
+        return SlotBuffer(self.dram.buffer, i.data_offset, i.slot_count, i.slot_bytes,
+                          i.slot_stride, i.generation)
+
+
+def segment_handle(info: pb.SegmentInfo) -> SegmentHandle:
+    return SegmentHandle(info.name, info.size, info.generation, info.slot_bytes,
+                         info.slot_stride, info.slot_count, info.data_offset,
+                         info.shm_dir or "/dev/shm")
+
+
+def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool) -> MappedSegment:
+    """`current` if it maps the pool `info` names, else a new mapping of it (the old one closed);
+    with `streaming`, or when the segment cannot be mapped, one without `dram`."""
+    if current is not None and (current.info.name, current.info.generation) == (
+            info.name, info.generation):
+        return current
+    if current is not None and current.dram is not None:
+        current.dram.close()
+    seg = MappedSegment(info)
+    if not streaming:
+        try:
+            seg.dram = DramClient.attach(segment_handle(info))
+        except (OSError, StaleSegment):
+            seg.failed = True
+    return seg
+
+
+class SegmentHolder:
+    """The segment state both clients share: the current mapping (None until registered or on
+    the streaming path) and what a caller may ask of it. Not thread-safe, like the clients."""
+
+    force_streaming: bool
+    _segment: MappedSegment | None
+
+    def _adopt(self, info: pb.SegmentInfo) -> MappedSegment:
+        self._segment = adopt(self._segment, info, self.force_streaming)
+        return self._segment
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._segment is not None and self._segment.dram is not None
+
+    def register_cuda(self) -> bool:
+        """Pins the mapped segment and maps it into the device address space (cudaHostRegister
+        Portable|Mapped), so DMA and kernels reach every slot; False without shm, cupy or a GPU.
+
+        Registration belongs to the current mapping: call again after a daemon restart.
+        """
+        seg = self._segment
+        return seg is not None and seg.dram is not None and seg.dram.register_cuda()
+
+    def slot_buffer(self) -> SlotBuffer | None:
+        """The mapped segment as a `SlotBuffer` (None on the streaming path); rows are
+        `Loaded.slots`. It stays valid memory while referenced; after a daemon restart the client
+        maps the new pool, and a later call returns its buffer (compare `generation`)."""
+        seg = self._segment
+        return seg.buffer() if seg is not None else None
+
+    def _close_segment(self) -> None:
+        if self._segment is not None and self._segment.dram is not None:
+            self._segment.dram.close()
+        self._segment = None

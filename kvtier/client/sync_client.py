@@ -1,0 +1,402 @@
+"""Synchronous client of the kvtier daemon (the asyncio twin is `kvtier.client.async_client`).
+
+    from kvtier.client.sync_client import Client, LayoutDecl
+    layout = LayoutDecl(fingerprint=b"my-layout-tp0-v1", block_bytes=4096, block_tokens=16,
+                        model_id="my-org/my-model@rev1")  # or LayoutDecl.from_layout(kvl, id)
+    with Client(layout=layout) as kv:                      # default socket, as `kvtier serve`
+        kv.store(keys, blocks)                             # allocate + write + commit
+        with kv.load(keys) as got:                         # acquire + zero-copy views + release
+            for view in got.views: ...
+
+Data path: a local client maps the daemon's shared DRAM segment and copies blocks in place, so
+payloads never cross the socket. When the segment cannot be mapped (another machine, another
+user, `streaming=True`), the same calls use the ReadBlocks/WriteBlocks byte streams instead.
+
+Restarts: calls wait for the daemon to come back (up to `timeout`), re-register the layout when the
+daemon no longer knows it, and re-attach the new segment generation. A lease does not survive a
+restart or its TTL: the `load`/`store_into` block that held it ends with `KvtierRpcError`
+(NOT_FOUND) from its Release/Commit — treat what was read as invalid, and retry.
+
+Lifetimes: views from `load` are valid only inside its `with` block (afterwards the slot may be
+reused), and only while the lease lives: a `with` block held longer than the lease TTL (daemon
+default 30 s; `lease_ttl_s=` asks for more, up to the daemon's maximum) loses its pins.
+Threading: one Client may be shared by threads for lookups/loads/stores; each call is
+independent. Errors: `KvtierRpcError` (with `.code`) for refused requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.client.decl import LayoutDecl as LayoutDecl
+from kvtier.client.decl import ModelCost as ModelCost
+from kvtier.client.decl import register_request as register_request
+from kvtier.client.shm import MappedSegment, SegmentHolder
+from kvtier.client.shm import SlotBuffer as SlotBuffer
+from kvtier.core.errors import KvtierError
+from kvtier.core.types import Tier
+from kvtier.daemon.config import runtime_dir
+
+MAX_MESSAGE_BYTES = 8 << 20
+CHUNK_BYTES = 4 << 20
+TIER_FROM_PB = {pb.TIER_HBM: Tier.HBM, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
+_TIER_BY_PB = [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.SSD]  # TIER_NONE never appears in a reply
+T = TypeVar("T")
+U8 = npt.NDArray[np.uint8]
+
+
+class KvtierRpcError(KvtierError):
+    """The daemon refused a call; `code` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class KvtierUnavailable(KvtierRpcError):
+    """The daemon is not reachable (or restarted during a lease)."""
+
+
+class Lookup(NamedTuple):
+    hit_blocks: int
+    tiers: list[Tier]
+    fetch_blocks: int  # the plan's cut (== hit_blocks without a plan)
+    plan: pb.Plan | None
+
+
+class Loaded(NamedTuple):
+    """Blocks keys[0:blocks]: read-only views (shm) or copies (streaming).
+
+    `slots[i]` is the pool slot behind `views[i]` (a row of `Client.slot_buffer()`), for engines
+    that copy with their own kernels; empty on the streaming path.
+    """
+
+    blocks: int
+    views: list[U8]
+    tiers: list[Tier]
+    slots: tuple[int, ...] = ()
+
+
+class Stored(NamedTuple):
+    stored: int
+    skipped: int
+
+
+@dataclass(slots=True)
+class StoreTx:
+    """What `store_into` yields: (index in keys, writable slot view) for each key to write, and
+    in `slot_ids[j]` the pool slot behind `slots[j]`'s view (a row of `Client.slot_buffer()`).
+
+    `committed` is set after the `with` block commits (blocks whose parent vanished meanwhile
+    are dropped by the daemon and not counted).
+    """
+
+    slots: list[tuple[int, U8]]
+    slot_ids: list[int] = field(default_factory=list)
+    committed: int = 0
+
+
+def default_socket() -> Path:
+    return Path(os.environ.get("KVTIER_SOCKET") or runtime_dir(os.environ) / "kvtier.sock")
+
+
+def pack_keys(keys: Sequence[bytes], width: int) -> bytes:
+    for k in keys:
+        if len(k) != width:
+            raise ValueError(f"key of {len(k)} bytes; this layout's keys have {width}")
+    return b"".join(keys)
+
+
+def check_registered(layout: LayoutDecl, reply: pb.RegisterLayoutResponse) -> None:
+    """The daemon must confirm the layout id this client names its requests by."""
+    if reply.layout_id != layout.layout_id:
+        raise KvtierRpcError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "the daemon did not confirm this layout's id for model "
+            f"{layout.model_id!r} (a daemon without model namespaces? upgrade it)")
+
+
+def lookup_result(reply: pb.LookupResponse) -> Lookup:
+    tiers = list(map(_TIER_BY_PB.__getitem__, reply.tiers))
+    has_plan = reply.HasField("plan")
+    cut = reply.plan.fetch_blocks if has_plan else reply.hit_blocks
+    return Lookup(reply.hit_blocks, tiers, cut, reply.plan if has_plan else None)
+
+
+def rpc_error(exc: grpc.RpcError) -> KvtierRpcError:
+    code: grpc.StatusCode = exc.code()
+    details: str = exc.details() or ""
+    cls = KvtierUnavailable if code is grpc.StatusCode.UNAVAILABLE else KvtierRpcError
+    return cls(code, details)
+
+
+def is_unknown_layout(exc: KvtierRpcError) -> bool:
+    return exc.code is grpc.StatusCode.NOT_FOUND and "unknown layout" in exc.details
+
+
+def write_chunks(layout: LayoutDecl, keys: bytes, parent: bytes, blocks: Sequence[Any]
+                 ) -> Iterator[pb.WriteBlocksRequest]:
+    yield pb.WriteBlocksRequest(header=pb.WriteHeader(
+        layout=layout.layout_id, keys=keys, key_width=layout.key_width, parent_key=parent))
+    for i, block in enumerate(blocks):
+        data = memoryview(block).cast("B")
+        for off in range(0, len(data), CHUNK_BYTES):
+            yield pb.WriteBlocksRequest(chunk=pb.BlockChunk(
+                index=i, offset=off, data=bytes(data[off : off + CHUNK_BYTES])))
+
+
+def check_blocks(layout: LayoutDecl, keys: Sequence[bytes], blocks: Sequence[Any]) -> None:
+    if len(keys) != len(blocks):
+        raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+    for b in blocks:
+        if memoryview(b).nbytes != layout.block_bytes:
+            raise ValueError(f"a block has {memoryview(b).nbytes} bytes, the layout "
+                             f"{layout.block_bytes}")
+
+
+class Client(SegmentHolder):
+    """A connection to one daemon for one layout. Use as a context manager or call `close()`."""
+
+    def __init__(
+        self, socket: str | Path | None = None, *, layout: LayoutDecl, target: str | None = None,
+        token: str | None = None, streaming: bool = False, lease_ttl_s: float = 0.0,
+        timeout: float = 30.0, credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.layout = layout
+        self.target = target or f"unix:{Path(socket) if socket else default_socket()}"
+        self.force_streaming = streaming
+        self.lease_ttl_ms = int(lease_ttl_s * 1000)
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        self._channel = (grpc.secure_channel(self.target, credentials, options=opts)
+                         if credentials else grpc.insecure_channel(self.target, options=opts))
+        self._stub = pb_grpc.KvTierStub(self._channel)  # type: ignore[no-untyped-call]
+        self._segment: MappedSegment | None = None
+        self.tenant = ""
+        self._register()
+
+    # -- connection -------------------------------------------------------------------------
+
+    def _raw(self, method: Callable[..., T], request: Any) -> T:
+        try:
+            return method(request, timeout=self.timeout, metadata=self._metadata,
+                          wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
+    def _call(self, method: Callable[..., T], request: Any) -> T:
+        """One RPC; after a restart (unknown layout) re-registers and retries once."""
+        try:
+            return self._raw(method, request)
+        except KvtierRpcError as exc:
+            if not is_unknown_layout(exc):
+                raise
+            self._register()
+            return self._raw(method, request)
+
+    def _register(self) -> None:
+        reply = self._raw(self._stub.RegisterLayout, register_request(self.layout))
+        check_registered(self.layout, reply)
+        self.tenant = reply.tenant
+        self._adopt(reply.segment)
+
+    def close(self) -> None:
+        self._close_segment()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- API --------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], *, start_token: int = 0, prompt_tokens: int = 0,
+               plan: bool = False, replica: str = "") -> Lookup:
+        reply = self._call(self._stub.Lookup, pb.LookupRequest(
+            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
+            key_width=self.layout.key_width, start_token=start_token,
+            prompt_tokens=prompt_tokens, want_plan=plan, replica=replica))
+        return lookup_result(reply)
+
+    @contextlib.contextmanager
+    def load(self, keys: Sequence[bytes]) -> Iterator[Loaded]:
+        """Pins the cached prefix of `keys` and yields views of it; releases on exit."""
+        packed = pack_keys(keys, self.layout.key_width)
+        if not self.uses_shm:
+            yield self._read_stream(packed)
+            return
+        reply = self._call(self._stub.Acquire, pb.AcquireRequest(
+            layout=self.layout.layout_id, keys=packed, key_width=self.layout.key_width,
+            lease_ttl_ms=self.lease_ttl_ms))
+        seg = self._adopt(reply.segment)
+        if reply.count and seg.dram is None:  # the new segment cannot be mapped: give back
+            self._raw(self._stub.Release, pb.ReleaseRequest(lease_id=reply.lease_id))
+            yield self._read_stream(packed)
+            return
+        views = [seg.view(o, reply.block_bytes) for o in reply.offsets]
+        for v in views:
+            v.flags.writeable = False
+        started = time.perf_counter()
+        try:
+            yield Loaded(reply.count, views, [TIER_FROM_PB[t] for t in reply.source_tiers],
+                         tuple(map(seg.slot, reply.offsets)))
+        finally:
+            if reply.lease_id:
+                self._raw(self._stub.Release, pb.ReleaseRequest(
+                    lease_id=reply.lease_id, bytes=reply.count * reply.block_bytes,
+                    seconds=time.perf_counter() - started))
+
+    def _read_stream(self, packed: bytes) -> Loaded:
+        req = pb.ReadBlocksRequest(layout=self.layout.layout_id, keys=packed,
+                                   key_width=self.layout.key_width)
+
+        def read() -> Loaded:
+            stream = self._stub.ReadBlocks(req, timeout=self.timeout, metadata=self._metadata,
+                                           wait_for_ready=True)
+            return assemble(stream, self.layout.block_bytes)
+
+        try:
+            return read()
+        except grpc.RpcError as exc:
+            err = rpc_error(exc)
+            if not is_unknown_layout(err):
+                raise err from None
+        self._register()
+        try:
+            return read()
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
+    def store(self, keys: Sequence[bytes], blocks: Sequence[Any], parent: bytes = b"") -> Stored:
+        """Stores blocks (buffers of block_bytes each) under keys (a chain after `parent`)."""
+        check_blocks(self.layout, keys, blocks)
+        packed = pack_keys(keys, self.layout.key_width)
+        if not self.uses_shm:
+            try:
+                reply = self._stub.WriteBlocks(
+                    write_chunks(self.layout, packed, parent, blocks), timeout=self.timeout,
+                    metadata=self._metadata, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                raise rpc_error(exc) from None
+            return Stored(reply.stored, reply.skipped)
+        with self.store_into(keys, parent) as tx:
+            for index, view in tx.slots:
+                np.copyto(view, np.frombuffer(blocks[index], dtype=np.uint8))
+        return Stored(tx.committed, len(keys) - len(tx.slots))
+
+    @contextlib.contextmanager
+    def store_into(self, keys: Sequence[bytes], parent: bytes = b""
+                   ) -> Iterator[StoreTx]:
+        """Allocates slots for the keys not cached; yields (index in keys, writable view) pairs.
+
+        Commits on normal exit, aborts if the block raises. Shared-memory only.
+        """
+        reply = self._call(self._stub.Allocate, pb.AllocateRequest(
+            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
+            key_width=self.layout.key_width, parent_key=parent, lease_ttl_ms=self.lease_ttl_ms))
+        seg = self._adopt(reply.segment)
+        if reply.lease_id and seg.dram is None:
+            self._raw(self._stub.Abort, pb.AbortRequest(lease_id=reply.lease_id))
+            raise KvtierUnavailable(grpc.StatusCode.UNAVAILABLE, "shared segment not mappable")
+        tx = StoreTx([(i, seg.view(o, reply.block_bytes)) for i, o in
+                      zip(reply.indices, reply.offsets, strict=True)],
+                     list(map(seg.slot, reply.offsets)))
+        started = time.perf_counter()
+        try:
+            yield tx
+        except BaseException:
+            if reply.lease_id:
+                with contextlib.suppress(KvtierRpcError):
+                    self._raw(self._stub.Abort, pb.AbortRequest(lease_id=reply.lease_id))
+            raise
+        if reply.lease_id:
+            done = self._raw(self._stub.Commit, pb.CommitRequest(
+                lease_id=reply.lease_id, bytes=len(tx.slots) * reply.block_bytes,
+                seconds=time.perf_counter() - started))
+            tx.committed = done.committed
+
+    def report_hbm(self, replica: str, added: Sequence[bytes] = (),
+                   removed: Sequence[bytes] = (), reset: bool = False) -> int:
+        """Tells the daemon which blocks `replica` now holds in its GPU pool; returns how many of
+        `added` are cached (the others are ignored). `reset` forgets earlier reports first."""
+        w = self.layout.key_width
+        reply = self._call(self._stub.ReportHbm, pb.ReportHbmRequest(
+            layout=self.layout.layout_id, replica=replica, key_width=w,
+            added=pack_keys(added, w), removed=pack_keys(removed, w), reset=reset))
+        return int(reply.tracked)
+
+    def report_prefill(self, tokens: int, seconds: float, context_tokens: int = 0) -> None:
+        self._call(self._stub.ReportPrefill, pb.ReportPrefillRequest(
+            layout=self.layout.layout_id, tokens=tokens, seconds=seconds,
+            context_tokens=context_tokens))
+
+    def stats(self) -> pb.StatsResponse:
+        reply: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
+        return reply
+
+    def watch(self, since: int = 0) -> Iterator[pb.KvEvent]:
+        """This tenant's block events (blocks until the stream ends or the client closes)."""
+        try:
+            yield from self._stub.WatchEvents(pb.WatchEventsRequest(since_sequence=since),
+                                              metadata=self._metadata, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise rpc_error(exc) from None
+
+
+def assemble(stream: Any, block_bytes: int) -> Loaded:
+    """Rebuilds blocks from ReadBlocks chunks (checks order and sizes)."""
+    asm = Assembler(block_bytes)
+    for chunk in stream:
+        if not asm.add(chunk):
+            break
+    return asm.result()
+
+
+class Assembler:
+    """Rebuilds blocks from ReadBlocks chunks into preallocated arrays (checks order, sizes)."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.blocks: list[U8] = []
+        self.filled: list[int] = []
+        self.count = -1
+
+    def add(self, chunk: pb.BlockChunk) -> bool:
+        """Takes one chunk; False when the stream says nothing is cached."""
+        if self.count < 0:
+            if chunk.index or chunk.offset:
+                raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "ReadBlocks stream without start")
+            self.count = chunk.count
+            self.blocks = [np.empty(self.block_bytes, np.uint8) for _ in range(self.count)]
+            self.filled = [0] * self.count
+            if not self.count:
+                return False
+        i, n = chunk.index, len(chunk.data)
+        if i >= self.count or self.filled[i] != chunk.offset or chunk.offset + n > self.block_bytes:
+            raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "out-of-order ReadBlocks chunk")
+        self.blocks[i][chunk.offset : chunk.offset + n] = np.frombuffer(chunk.data, np.uint8)
+        self.filled[i] += n
+        return True
+
+    def result(self) -> Loaded:
+        if any(f != self.block_bytes for f in self.filled):
+            raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "truncated ReadBlocks stream")
+        count = max(self.count, 0)
+        return Loaded(count, self.blocks, [Tier.DRAM] * count)

@@ -1,0 +1,219 @@
+"""Capacity math for a paged KV pool and the host tiers. Pure: no I/O, no printing.
+
+Engine behaviour modelled: vLLM v1's KV cache manager (as in vLLM 0.33,
+`vllm/v1/core/kv_cache_planning.py` and `single_type_kv_cache_manager.py`):
+
+- Layers are bucketed by cache kind (full, MLA, each distinct sliding window, recurrent). Every
+  bucket is cut into groups of `group_size` layers, padded at the end: group_size is the smallest
+  bucket's layer count, or the largest's when max < 1.5 x min (vLLM's heuristic). A model with a
+  single kind has one group of all its layers.
+- One page holds `block_tokens` tokens of one group, so all groups share one page size:
+  page_bytes = block_tokens x group_size x (per-layer token bytes; the largest if kinds differ).
+  For a single-kind model a page is exactly one kvtier block (`KVLayout.block_bytes()`).
+- Pages per sequence of n tokens, rounded per sequence and per group (never on a sum):
+      full / MLA group      ceil(n / B)
+      sliding group (W)     min(ceil(n / B), ceil((W - 1 + f) / B) + 1)
+      recurrent group       1 (its state, padded to a page)
+  where f is the number of tokens in flight in the step (the prefill chunk at admission, 1 in
+  decode). vLLM frees window blocks that fall wholly out of the window before each step
+  allocates; "+1" because the window need not start at a block boundary. So a window caps only
+  its own layers; full layers of the same model keep growing.
+- The pool: usable = device x utilization - weights - reserved; pool pages = floor(usable / page).
+Host tiers hold whole kvtier blocks (every attention layer of `block_tokens` tokens, one rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvtier.core.errors import UsageError
+from kvtier.core.layout import AttentionKind, KVLayout, LayerSpec
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVGroup(NamedTuple):
+    """One vLLM KV-cache group: `layers` real layers of one kind, padded to `group_size`."""
+
+    spec: LayerSpec
+    layers: int
+    group_size: int
+
+
+def kv_groups(layout: KVLayout) -> list[KVGroup]:
+    """Split the layout's layers into vLLM-style KV cache groups (see module docstring)."""
+    buckets = layout.kinds()
+    counts = list(buckets.values())
+    small, large = min(counts), max(counts)
+    size = large if large < small * 1.5 else small
+    out: list[KVGroup] = []
+    for spec, count in buckets.items():
+        full_groups, rest = divmod(count, size)
+        out.extend(KVGroup(spec, size, size) for _ in range(full_groups))
+        if rest:
+            out.append(KVGroup(spec, rest, size))
+    return out
+
+
+def page_bytes(layout: KVLayout) -> int:
+    """Bytes of one pool page on this rank (one group's layers x block_tokens tokens)."""
+    groups = kv_groups(layout)
+    size = groups[0].group_size
+    per_layer = max(layout.layer_token_bytes(g.spec) for g in groups)
+    attention = layout.block_tokens * size * per_layer
+    state = max(layout.layer_state_bytes(g.spec) * size for g in groups)
+    return max(attention, state)
+
+
+def group_pages(layout: KVLayout, spec: LayerSpec, tokens: int, in_flight: int) -> int:
+    """Pages one group of kind `spec` holds for a sequence of `tokens` tokens."""
+    b = layout.block_tokens
+    if spec.kind is AttentionKind.RECURRENT:
+        return 1
+    need = cdiv(tokens, b)
+    if spec.kind is AttentionKind.SLIDING:
+        return min(need, cdiv(spec.window - 1 + in_flight, b) + 1)
+    return need
+
+
+def sequence_pages(layout: KVLayout, tokens: int, in_flight: int = 1) -> int:
+    """Pool pages one sequence of `tokens` tokens holds, `in_flight` of them in this step."""
+    if tokens < 0 or in_flight < 1:
+        raise UsageError("token counts must be >= 0 and tokens in flight >= 1")
+    return sum(group_pages(layout, g.spec, tokens, in_flight) for g in kv_groups(layout))
+
+
+def pages_needed(layout: KVLayout, lengths: Iterable[int], in_flight: int = 1) -> int:
+    """Pages for a batch of sequences: each sequence rounded up on its own, then summed."""
+    return sum(sequence_pages(layout, n, in_flight) for n in lengths)
+
+
+def blocks_for_tokens(tokens: int, block_tokens: int) -> int:
+    """Blocks holding `tokens` tokens of one sequence: ceil(tokens / block_tokens)."""
+    return cdiv(tokens, block_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPool:
+    """The engine's memory budget on one rank. Sizes in bytes; 0 < utilization <= 1."""
+
+    device_bytes: int
+    utilization: float
+    weights_bytes: int
+    reserved_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.utilization <= 1:
+            raise UsageError(f"utilization must be in (0, 1], got {self.utilization}")
+        for name in ("device_bytes", "weights_bytes", "reserved_bytes"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must be >= 0")
+
+    @property
+    def budget_bytes(self) -> int:
+        """device x utilization, rounded down to a byte."""
+        return int(self.device_bytes * self.utilization)
+
+    @property
+    def usable_bytes(self) -> int:
+        """budget - weights - reserved; negative when the model does not fit at all."""
+        return self.budget_bytes - self.weights_bytes - self.reserved_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """`concurrency` identical requests: a prompt, then up to `max_output` generated tokens.
+
+    `prefill_chunk` is tokens scheduled per prefill step (vLLM max_num_batched_tokens); 0 means
+    the whole prompt in one step. `concurrency_cap` is the scheduler's limit (max_num_seqs).
+    """
+
+    concurrency: int
+    prompt_tokens: int
+    max_output_tokens: int
+    prefill_chunk: int = 0
+    concurrency_cap: int = 0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.prompt_tokens < 1:
+            raise UsageError("concurrency and prompt tokens must be >= 1")
+        if min(self.max_output_tokens, self.prefill_chunk, self.concurrency_cap) < 0:
+            raise UsageError("max output tokens, prefill chunk and concurrency cap must be >= 0")
+
+    @property
+    def admission_in_flight(self) -> int:
+        chunk = self.prefill_chunk or self.prompt_tokens
+        return max(1, min(chunk, self.prompt_tokens))
+
+
+class WorkloadPlan(NamedTuple):
+    admission_pages_per_seq: int
+    full_pages_per_seq: int
+    admission_pages: int
+    full_growth_pages: int
+    admission_fits: bool
+    full_growth_fits: bool
+    concurrency_ceiling: int
+    pages_left_at_cap: int
+    full_pages_if_summed: int
+
+
+def plan_workload(layout: KVLayout, pool_pages: int, load: Workload) -> WorkloadPlan:
+    """Pages the workload needs at admission and at full length, and what the pool allows.
+
+    Admission: every sequence holds its prompt, with the prefill chunk in flight (window
+    layers hold up to W - 1 + chunk tokens then). Full growth: prompt + max output tokens in
+    decode (one token in flight). The concurrency ceiling is how many full-length sequences
+    fit, floor(pool / full pages per sequence); a window layer's extra during one sequence's
+    prefill is transient and bounded by the engine's per-step token budget, so it is reported
+    (admission) but not charged to every sequence. Pages left at the cap may be negative (a
+    shortfall). `full_pages_if_summed` is what rounding the summed tokens (wrongly) would claim.
+    """
+    full_len = load.prompt_tokens + load.max_output_tokens
+    adm = sequence_pages(layout, load.prompt_tokens, load.admission_in_flight)
+    full = sequence_pages(layout, full_len, 1)
+    cap = load.concurrency_cap or load.concurrency
+    ceiling = pool_pages // full if full else 0
+    summed = 0
+    for g in kv_groups(layout):
+        if g.spec.kind in (AttentionKind.FULL, AttentionKind.MLA):
+            summed += group_pages(layout, g.spec, full_len * load.concurrency, 1)
+        else:
+            summed += group_pages(layout, g.spec, full_len, 1) * load.concurrency
+    return WorkloadPlan(
+        admission_pages_per_seq=adm,
+        full_pages_per_seq=full,
+        admission_pages=adm * load.concurrency,
+        full_growth_pages=full * load.concurrency,
+        admission_fits=adm * load.concurrency <= pool_pages,
+        full_growth_fits=full * load.concurrency <= pool_pages,
+        concurrency_ceiling=ceiling,
+        pages_left_at_cap=pool_pages - cap * full,
+        full_pages_if_summed=summed,
+    )
+
+
+class TierCapacity(NamedTuple):
+    """What a host tier of `capacity_bytes` holds in kvtier blocks.
+
+    `blocks`: blocks of one rank's layout (block_bytes each). `tokens`: tokens whose KV for the
+    whole TP group fits (every rank's share, replicas included), in whole blocks.
+    """
+
+    capacity_bytes: int
+    blocks: int
+    tokens: int
+
+
+def tier_capacity(layout: KVLayout, capacity_bytes: int) -> TierCapacity:
+    if capacity_bytes < 0:
+        raise UsageError("tier size must be >= 0")
+    block = layout.block_bytes()
+    if block == 0:
+        return TierCapacity(capacity_bytes, 0, 0)
+    group_blocks = capacity_bytes // layout.block_bytes_total()
+    return TierCapacity(capacity_bytes, capacity_bytes // block, group_blocks * layout.block_tokens)

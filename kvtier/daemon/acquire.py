@@ -1,0 +1,216 @@
+"""Acquire: pin a cached prefix under a READ lease, promoting SSD-only blocks into DRAM first.
+
+Three steps, so that the SSD read leaves the cache lock (and, via `Cache.acquire_async`, the
+event loop):
+
+    begin   (cache lock)  pin every block of the prefix in the index; per SSD-only block claim a
+                          DRAM slot (`Tiers.claim`: evicts for room, charges the tenant) and
+                          register the promotion — or, if another Acquire is promoting that
+                          block, note its `done` event; the prefix ends before a block that gets
+                          no slot (nothing is forgotten)
+    finish  (no lock)     read + verify the claimed blocks in one LMDB read transaction
+                          (`Tiers.read_claimed`), then wait for the other Acquires noted
+    end     (cache lock)  each good slot becomes its block's DRAM copy; the prefix is cut before
+                          the first block not in DRAM (a lost payload: the block is forgotten
+                          with its subtree); the rest is unpinned, the lease granted
+
+Invariants: a pinned block is never evicted (the index refuses); a claimed slot belongs to its
+Acquire until `end` settles or frees it (`Tiers.claimed` counts them, so `Cache.leaked_slots`
+stays 0); a block is read by one Acquire at a time; `end` runs exactly once per `begin` — when
+`finish` raises or its caller is cancelled too — and `wait_idle` lets shutdown wait for it before
+the store closes.
+
+A READ lease ends (Release, TTL, shutdown) with `release`, which unpins its blocks.
+
+Threading: `begin` and `end` take the cache lock (begin and release are called with it held);
+`finish` must be called without it, from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvtier.core.types import Tier
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.metrics import DaemonMetrics
+from kvtier.daemon.namespaces import Namespace
+from kvtier.daemon.rates import Link, RateBook
+from kvtier.daemon.residency import Tiers
+from kvtier.index.prefix import Block
+
+_Claim = Callable[[Namespace], int | None]
+
+PROMOTION_WAIT_S = 30.0
+"""How long an Acquire waits for another Acquire's promotion of the same block before ending its
+prefix there."""
+
+
+@dataclass(slots=True)
+class ReadLease:
+    """A READ lease's payload: the pinned blocks (index pin + pool pin)."""
+
+    ns: Namespace
+    blocks: list[Block]
+    h2d_bytes_per_s: float  # the planner's DRAM-read estimate when granted (prediction error)
+
+
+class AcquireResult(NamedTuple):
+    lease_id: str  # "" when nothing was acquired
+    offsets: list[int]
+    source_tiers: list[Tier]
+    ttl_s: float
+
+
+@dataclass(slots=True)
+class Acquiring:
+    """An Acquire between `begin` and `end`. Positions index `blocks`."""
+
+    tenant: Tenant
+    ns: Namespace
+    ttl: float
+    blocks: list[Block]  # the prefix, each pinned in the index
+    claimed: dict[int, int]  # position -> slot claimed to promote that SSD-only block into
+    waits: dict[int, threading.Event]  # position -> the promoting Acquire's `done`
+    done: threading.Event  # set once this Acquire's promotions are settled
+    h2d_bytes_per_s: float  # the rates when it began (prediction error)
+    ssd_bytes_per_s: float
+    got: list[int | None] | None = None  # per claimed slot, in order: payload bytes or None
+    read_s: float = 0.0
+
+    @property
+    def io(self) -> bool:
+        """Whether `finish` has anything to do (else `end` may follow `begin` directly)."""
+        return bool(self.claimed or self.waits)
+
+
+class Acquirer:
+    """The Acquire steps over the cache's tiers and lease table (see the module docstring)."""
+
+    def __init__(
+        self, lock: threading.RLock, tiers: Tiers, leases: LeaseTable, metrics: DaemonMetrics,
+        rates: RateBook, claim: _Claim,
+    ) -> None:
+        self._lock = lock
+        self.tiers = tiers
+        self._leases = leases
+        self._metrics = metrics
+        self._rates = rates
+        self._claim = claim  # (namespace) -> slot | None: tenant quota, then `Tiers.claim`
+        self._settled = threading.Condition(lock)
+        self._in_flight = 0  # Acquires with I/O between begin and end
+        self._promoting: dict[tuple[str, bytes], threading.Event] = {}
+
+    def begin(self, tenant: Tenant, ns: Namespace, chain: list[bytes], ttl: float) -> Acquiring:
+        """Step 1; the caller holds the cache lock."""
+        index = self.tiers.index
+        blocks = list(index.lookup(ns.name, chain, touch=False).blocks)
+        for block in blocks:  # first, so promotions cannot evict the rest
+            index.pin(ns.name, block.key)
+        a = Acquiring(tenant, ns, ttl, blocks, {}, {}, threading.Event(),
+                      self._rates.bandwidth(Link.DRAM_READ), self._rates.bandwidth(Link.SSD_READ))
+        for i, block in enumerate(blocks):
+            if block.in_dram:
+                continue
+            other = self._promoting.get((ns.name, block.key))
+            if other is not None:
+                a.waits[i] = other
+                continue
+            slot = self._claim(ns)
+            if slot is None:  # no room: nothing is forgotten, the prefix ends here
+                for rest in blocks[i:]:
+                    index.unpin(ns.name, rest.key)
+                del blocks[i:]
+                break
+            a.claimed[i] = slot
+            self._promoting[(ns.name, block.key)] = a.done
+        if a.io:
+            self._in_flight += 1
+        return a
+
+    def finish(self, a: Acquiring) -> AcquireResult:
+        """Steps 2 and 3: read the claimed blocks, wait for other promoters, then `end`.
+        Call without the cache lock."""
+        try:
+            if a.claimed:
+                name = a.ns.name
+                a.got, a.read_s = self.tiers.read_claimed(
+                    [(name, a.blocks[i].key, slot) for i, slot in a.claimed.items()])
+            for done in a.waits.values():
+                done.wait(PROMOTION_WAIT_S)
+        finally:
+            result = self.end(a)
+        return result
+
+    def end(self, a: Acquiring) -> AcquireResult:
+        """Step 3 (takes the lock): settle promotions, cut the prefix before the first block not
+        in DRAM, grant the lease."""
+        ns, name = a.ns, a.ns.name
+        tiers, pool = self.tiers, self.tiers.pool
+        got = dict(zip(a.claimed, a.got or [None] * len(a.claimed), strict=True))
+        pinned: list[Block] = []
+        sources: list[Tier] = []
+        stop, lost, promoted = len(a.blocks), None, 0
+        with self._lock:
+            try:
+                for i, block in enumerate(a.blocks):
+                    n = got.get(i)
+                    if i in a.claimed:
+                        del self._promoting[(name, block.key)]
+                        if n is not None and i < stop:
+                            tiers.settle(name, block, a.claimed[i], n)
+                            promoted += 1
+                        else:
+                            tiers.unclaim(name, a.claimed[i])
+                            if n is None and i < stop:
+                                lost = block
+                            stop = min(stop, i)
+                    elif i in a.waits and not block.in_dram:
+                        stop = min(stop, i)  # the other promoter failed or is late
+                    if i >= stop:
+                        tiers.index.unpin(name, block.key)
+                        continue
+                    assert block.dram_slot is not None
+                    pool.pin(block.dram_slot)
+                    pinned.append(block)
+                    sources.append(Tier.SSD if i in a.claimed or i in a.waits else Tier.DRAM)
+                if lost is not None:
+                    tiers.drop_lost(name, lost)
+                lease_id, offsets = "", []
+                if pinned:
+                    lease_id = self._leases.grant(a.tenant.name, LeaseKind.READ, a.ttl,
+                                                  ReadLease(ns, pinned, a.h2d_bytes_per_s)).id
+                    offsets = [pool.offset(b.dram_slot or 0) for b in pinned]
+            finally:
+                a.done.set()
+                if a.io:
+                    self._in_flight -= 1
+                    self._settled.notify_all()
+        if promoted:
+            self._metrics.observe_fetch(
+                Link.SSD_READ, a.read_s, promoted * ns.layout.block_bytes / a.ssd_bytes_per_s)
+        return AcquireResult(lease_id, offsets, sources, a.ttl)
+
+    def release(self, r: ReadLease) -> None:
+        """Unpins a READ lease's blocks (Release, expiry, shutdown; its lease left the table).
+        The caller holds the cache lock."""
+        pool, index = self.tiers.pool, self.tiers.index
+        for block in r.blocks:
+            assert block.dram_slot is not None
+            pool.unpin(block.dram_slot)
+            index.unpin(r.ns.name, block.key)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no Acquire is between `begin` and `end` with I/O; False on timeout.
+        Call with the cache lock held (it is released while waiting)."""
+        deadline = time.monotonic() + timeout
+        while self._in_flight:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._settled.wait(left)
+        return True

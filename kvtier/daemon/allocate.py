@@ -1,0 +1,163 @@
+"""The store path: Allocate slots under a WRITE lease, then Commit the blocks or Abort.
+
+    allocate  keys not cached and not being written get fresh slots (tenant DRAM quota first:
+              its own unpinned blocks are evicted for room, else RESOURCE_EXHAUSTED); the keys
+              become `pending` in their namespace, so a second Allocate skips them
+    commit    inserts the blocks in chain order as DRAM blocks; one whose parent vanished
+              meanwhile (or that appeared meanwhile) is dropped and its slot freed, so no block
+              is ever stranded; BlockStored events per run of consecutive blocks
+    end       (Abort, expiry, shutdown) frees every slot of the lease, exactly once
+
+Every slot of a WRITE lease is charged to its tenant from `allocate` until `commit` makes it a
+block's (still charged) or `end` frees it. The lease table, ownership checks and TTLs are the
+cache's (`kvtier.daemon.cache`); this module only sees leases it was handed.
+
+Threading: every function is called with the cache lock held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvtier.core.types import Tier
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.events import EventLog
+from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.namespaces import (
+    FailedPrecondition,
+    InvalidArgument,
+    Namespace,
+    ResourceExhausted,
+    TenantState,
+)
+from kvtier.daemon.residency import Tiers
+from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
+
+
+@dataclass(slots=True)
+class WriteLease:
+    """A WRITE lease's payload: the chain and the slots being filled."""
+
+    ns: Namespace
+    keys: list[bytes]
+    parent: bytes
+    todo: list[tuple[int, int]]  # (index in keys, slot)
+
+
+class AllocateResult(NamedTuple):
+    lease_id: str  # "" when every key was already cached
+    indices: list[int]
+    offsets: list[int]
+    ttl_s: float
+
+
+def quota_room(tiers: Tiers, state: TenantState, n: int) -> bool:
+    """Whether `n` more slots fit the tenant's DRAM quota, after evicting its own unpinned DRAM
+    blocks for them if needed."""
+    quota, more = state.tenant.dram_quota_bytes, n * tiers.slot_bytes
+    if not quota or state.dram_bytes + more <= quota:
+        return True
+    over = state.dram_bytes + more - quota
+    tiers.evict_tenant_dram(state.tenant.name, -(-over // tiers.slot_bytes))
+    return state.dram_bytes + more <= quota
+
+
+class Allocator:
+    """Allocate / Commit / Abort over the cache's tiers and lease table (module docstring)."""
+
+    def __init__(self, tiers: Tiers, leases: LeaseTable, events: EventLog) -> None:
+        self.tiers = tiers
+        self._leases = leases
+        self._events = events
+
+    def allocate(
+        self, tenant: Tenant, ns: Namespace, chain: list[bytes], parent: bytes, ttl: float,
+    ) -> AllocateResult:
+        """Grants a WRITE lease on fresh slots for the keys of `chain` not cached or pending."""
+        index = self.tiers.index
+        if parent:
+            if len(parent) != ns.layout.key_width:
+                raise InvalidArgument(
+                    f"parent_key has {len(parent)} bytes, the layout's keys have "
+                    f"{ns.layout.key_width}"
+                )
+            if index.get(ns.name, parent) is None and parent not in ns.pending:
+                raise FailedPrecondition(
+                    "parent_key is not cached: blocks after it could never be hit"
+                )
+            if parent in chain:
+                raise InvalidArgument("parent_key repeats inside the chain")
+        need = [i for i, k in enumerate(chain)
+                if index.get(ns.name, k) is None and k not in ns.pending]
+        if not need:
+            return AllocateResult("", [], [], ttl)
+        slots = self._take_slots(ns.tenant, len(need))
+        lease = self._leases.grant(
+            tenant.name, LeaseKind.WRITE, ttl,
+            WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))),
+        )
+        for i in need:
+            ns.pending[chain[i]] = lease.id
+        pool = self.tiers.pool
+        return AllocateResult(lease.id, need, [pool.offset(s) for s in slots], ttl)
+
+    def _take_slots(self, state: TenantState, n: int) -> list[int]:
+        if not quota_room(self.tiers, state, n):
+            raise ResourceExhausted(
+                f"tenant {state.tenant.name!r} DRAM quota of {state.tenant.dram_quota_bytes} "
+                f"bytes: {n} more blocks do not fit (it holds {state.dram_bytes}, pinned or "
+                "being written)"
+            )
+        slots = self.tiers.take_slots(n)
+        if not slots:
+            raise ResourceExhausted(
+                f"DRAM pool full: {n} slots wanted, {self.tiers.pool.stats().slots_free} free, "
+                "the rest pinned by leases or being written"
+            )
+        state.dram_bytes += n * self.tiers.slot_bytes
+        return slots
+
+    def commit(self, tenant: Tenant, w: WriteLease) -> int:
+        """Inserts the lease's blocks (its lease already left the table); returns how many."""
+        ns, index = w.ns, self.tiers.index
+        runs: list[list[bytes]] = []  # [parent, key, key, ...] per run of consecutive blocks
+        run: list[bytes] = []
+        inserted: list[Block] = []
+        for i, slot in w.todo:
+            key = w.keys[i]
+            del ns.pending[key]
+            parent = w.keys[i - 1] if i else w.parent
+            try:
+                inserted.append(index.insert(ns.name, key, parent or None, Tier.DRAM,
+                                             dram_slot=slot))
+            except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
+                self._give_back(ns.tenant, slot)
+                continue
+            if run and run[-1] != parent:
+                runs.append(run)
+                run = []
+            run = run or [parent]
+            run.append(key)
+        if run:
+            runs.append(run)
+        for r in runs:  # under the lock: before any SSD event of the same blocks
+            self._events.emit(tenant.name, ns.layout.id, True, Tier.DRAM, r[1:], r[0],
+                              ns.layout.block_tokens)
+        self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
+        return len(inserted)
+
+    def end(self, w: WriteLease) -> None:
+        """Frees the slots of a lease that ends without Commit (its lease left the table)."""
+        for i, slot in w.todo:
+            w.ns.pending.pop(w.keys[i], None)
+            self._give_back(w.ns.tenant, slot)
+
+    def slots_held(self) -> int:
+        """Slots held by live WRITE leases."""
+        return sum(len(lease.payload.todo) for lease in self._leases
+                   if isinstance(lease.payload, WriteLease))
+
+    def _give_back(self, state: TenantState, slot: int) -> None:
+        self.tiers.pool.free(slot)
+        state.dram_bytes -= self.tiers.slot_bytes

@@ -1,0 +1,391 @@
+"""The daemon's domain logic: layouts, namespaces, blocks, leases, quotas and eviction. No gRPC.
+
+Every block lives in a namespace (tenant, layout id = H(model id, layout fingerprint)): the same
+key bytes in two namespaces are two blocks, so neither a tenant nor a model (of the same layout)
+can see or overwrite another's blocks whatever keys it sends. A block is in DRAM (a slot of the
+shared pool), on SSD, or both.
+
+    Allocate ─▶ WRITE lease (slots, not yet visible) ─▶ Commit ─▶ block in DRAM ─▶ (write-back) SSD
+                                                  └──▶ Abort / TTL ─▶ slots freed
+    Lookup ─▶ Acquire ─▶ READ lease (blocks pinned; SSD blocks promoted to DRAM) ─▶ Release / TTL
+
+Rules enforced here (each raises a `CacheError` subclass and changes nothing):
+- the layout must be registered; key width, counts and sizes must match it;
+- a lease can only be used by the tenant that holds it, and only for its kind;
+- DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks (LRU) or refuses.
+
+Invariants kept:
+- a pinned block is never evicted, moved or rewritten (its slot is also pinned in the DramPool);
+- no stranded blocks: a block leaves its last tier only when it has no cached children
+  (leaf-first), and a block is committed only if its parent is still cached;
+- every slot is owned by exactly one of: the free list, a WRITE lease, a cached block — leases
+  that end (released, committed, aborted, expired) give back what they held exactly once.
+
+`Cache` is the facade that takes the lock, validates requests against namespaces and owns the
+lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.daemon.acquire`
+(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers)
+and `kvtier.daemon.cache_stats` (what it reports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import NamedTuple
+
+from kvtier.core.costmodel import CostModel
+from kvtier.core.planner import Plan, Prefix, plan
+from kvtier.core.types import Tier
+from kvtier.daemon.acquire import Acquirer, AcquireResult, Acquiring, ReadLease
+from kvtier.daemon.allocate import AllocateResult as AllocateResult
+from kvtier.daemon.allocate import Allocator, WriteLease, quota_room
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.cache_stats import CacheStats as CacheStats
+from kvtier.daemon.cache_stats import cache_stats, pool_gauges
+from kvtier.daemon.config import Config
+from kvtier.daemon.events import EventLog
+from kvtier.daemon.leases import Lease, LeaseKind, LeaseTable
+from kvtier.daemon.metrics import DaemonMetrics, PoolGauges
+from kvtier.daemon.namespaces import (
+    FailedPrecondition,
+    InvalidArgument,
+    LayoutInfo,
+    Namespace,
+    Namespaces,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from kvtier.daemon.rates import Link, RateBook
+from kvtier.daemon.residency import Tiers
+from kvtier.tiers.dram import SegmentHandle
+
+
+class Registered(NamedTuple):
+    layout_id: bytes  # what data requests name (see `kvtier.daemon.namespaces.layout_id`)
+    segment: SegmentHandle
+
+
+class LookupResult(NamedTuple):
+    tiers: list[Tier]
+    plan: Plan | None
+
+
+def _check_reported(nbytes: int, most: int) -> None:
+    if nbytes > most:
+        raise InvalidArgument(f"reported {nbytes} bytes copied; the lease covers {most}")
+
+
+_NO_REPLICA = "-"  # never registered (real names contain the namespace): lookups without HBM
+
+
+class Cache:
+    """Owns all block metadata and the tiers. See the module docstring for the rules."""
+
+    def __init__(
+        self, cfg: Config, metrics: DaemonMetrics, events: EventLog | None = None,
+        clock: Callable[[], float] = time.monotonic, rates: RateBook | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.events = events or EventLog()
+        self.rates = rates if rates is not None else RateBook()
+        self.draining = False
+        self._closed = False
+        self._lock = threading.RLock()
+        self._leases = LeaseTable(clock)
+        self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
+        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
+                           self.names.ssd_quota_ok)
+        self.pool = self.tiers.pool
+        self.index = self.tiers.index
+        self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
+                                 self._claim)
+        self.allocator = Allocator(self.tiers, self._leases, self.events)
+        metrics.attach_pool(self.gauges)
+        metrics.attach_rates(self.rates)
+
+    def register_layout(
+        self, model_id: str, fingerprint: bytes, block_bytes: int, block_tokens: int,
+        key_width: int, cost: CostModel | None,
+    ) -> Registered:
+        """Declares a model's layout (idempotent); returns its layout id (what data requests
+        name) and the segment clients map. See `Namespaces`."""
+        with self._lock:
+            info = self.names.register(model_id, fingerprint, block_bytes, block_tokens,
+                                       key_width, cost)
+        return Registered(info.id, self.pool.handle())
+
+    def layout(self, layout_id: bytes) -> LayoutInfo:
+        with self._lock:
+            return self.names.layout(layout_id)
+
+    def _ns(self, tenant: Tenant, layout_id: bytes) -> Namespace:
+        ns = self.names.get(tenant, layout_id)
+        self.tiers.block_bytes.setdefault(ns.name, ns.layout.block_bytes)
+        return ns
+
+    # -- lookup, acquire, release -----------------------------------------------------------
+
+    def lookup(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
+        start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
+        replica: str = "",
+    ) -> LookupResult:
+        """Longest cached prefix with each block's tier: HBM only for blocks `replica` reported
+        holding (ReportHbm), else DRAM or SSD — where the daemon would serve it from."""
+        with self._lock:
+            ns = self._ns(tenant, layout_id)
+            chain = self.names.split_keys(ns, keys, key_width, unique=False)
+            who = f"{ns.name}#{replica}" if replica else _NO_REPLICA
+            found = self.index.lookup(ns.name, chain, replica=who)
+            tiers: list[Tier] = found.tiers
+            self.tiers.maybe_write_back(ns.name, found.blocks)
+        m = self.metrics
+        m.lookups.labels("hit" if tiers else "miss").inc()
+        for tier in (Tier.HBM, Tier.DRAM, Tier.SSD):
+            count = tiers.count(tier)
+            if count:
+                m.blocks_hit.labels(tier.label).inc(count)
+        if len(chain) > len(tiers):
+            m.blocks_missed.inc(len(chain) - len(tiers))
+        the_plan = None
+        lay = ns.layout
+        if want_plan and lay.cost is not None:
+            cached_end = start_token + len(tiers) * lay.block_tokens
+            suffix = max(0, prompt_tokens - cached_end) if prompt_tokens else (
+                (len(chain) - len(tiers)) * lay.block_tokens
+            )
+            prefix = Prefix.uniform([int(t) for t in tiers], lay.block_tokens, lay.block_bytes,
+                                    start_token)
+            the_plan = plan(prefix, lay.cost, self.rates.snapshot(), suffix_tokens=suffix)
+            m.record_plan(the_plan)
+        return LookupResult(tiers, the_plan)
+
+    def acquire(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+    ) -> AcquireResult:
+        """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
+        slots (on this thread); stops before a block that cannot be promoted. See
+        `kvtier.daemon.acquire`."""
+        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s)
+        return self.acquirer.finish(a) if a.io else self.acquirer.end(a)
+
+    async def acquire_async(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+    ) -> AcquireResult:
+        """`acquire` for the event loop: SSD reads (and waits for other Acquires' promotions of
+        the same blocks) run on a worker thread, without the cache lock. The worker finishes the
+        Acquire even if the caller is cancelled; its lease then expires after the TTL."""
+        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s)
+        if not a.io:
+            return self.acquirer.end(a)
+        return await asyncio.to_thread(self.acquirer.finish, a)
+
+    def acquire_begin(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+    ) -> Acquiring:
+        """Validates the request and runs the Acquire's first step (`Acquirer.begin`)."""
+        ttl = self._new_lease_ttl(ttl_s)
+        with self._lock:
+            ns = self._ns(tenant, layout_id)
+            chain = self.names.split_keys(ns, keys, key_width, unique=False)
+            return self.acquirer.begin(tenant, ns, chain, ttl)
+
+    def _claim(self, ns: Namespace) -> int | None:
+        return self.tiers.claim(ns.name) if quota_room(self.tiers, ns.tenant, 1) else None
+
+    def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            lease = self._own(tenant, lease_id, LeaseKind.READ)
+            r: ReadLease = lease.payload  # type: ignore[assignment]
+            _check_reported(nbytes, len(r.blocks) * r.ns.layout.block_bytes)
+            self._leases.pop(lease.id)
+            self.acquirer.release(r)
+        if nbytes:
+            self.metrics.bytes_moved.labels("dram", "to_client").inc(nbytes)
+        if seconds > 0:
+            self.metrics.copy_seconds.labels("to_client").observe(seconds)
+        if nbytes and seconds > 0:
+            self.metrics.observe_fetch(Link.DRAM_READ, seconds, nbytes / r.h2d_bytes_per_s)
+            self.rates.observe_transfer(Link.DRAM_READ, nbytes, seconds)
+
+    def renew(self, tenant: Tenant, lease_id: str, ttl_s: float) -> float:
+        ttl = self._ttl(ttl_s)
+        with self._lock:
+            lease = self._own(tenant, lease_id, None)
+            self._leases.renew(lease.id, ttl)
+        return ttl
+
+    # -- allocate, commit, abort ------------------------------------------------------------
+
+    def allocate(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
+        ttl_s: float,
+    ) -> AllocateResult:
+        """Slots for the keys not cached or being written, under a WRITE lease. See
+        `kvtier.daemon.allocate`."""
+        ttl = self._new_lease_ttl(ttl_s)
+        with self._lock:
+            ns = self._ns(tenant, layout_id)
+            chain = self.names.split_keys(ns, keys, key_width, unique=True)
+            return self.allocator.allocate(tenant, ns, chain, parent, ttl)
+
+    def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
+        """Makes the lease's filled slots cached blocks; returns how many were inserted."""
+        with self._lock:
+            lease = self._own(tenant, lease_id, LeaseKind.WRITE)
+            w: WriteLease = lease.payload  # type: ignore[assignment]
+            _check_reported(nbytes, len(w.todo) * w.ns.layout.block_bytes)
+            self._leases.pop(lease.id)
+            inserted = self.allocator.commit(tenant, w)
+        if nbytes:
+            self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
+        if seconds > 0:
+            self.metrics.copy_seconds.labels("from_client").observe(seconds)
+            self.rates.observe_transfer(Link.DRAM_WRITE, nbytes, seconds)
+        return inserted
+
+    def abort(self, tenant: Tenant, lease_id: str) -> None:
+        with self._lock:
+            lease = self._own(tenant, lease_id, LeaseKind.WRITE)
+            self._leases.pop(lease.id)
+            self._end(lease)
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def _new_lease_ttl(self, ttl_s: float) -> float:
+        if self.draining:
+            raise Unavailable("the daemon is shutting down; no new leases")
+        return self._ttl(ttl_s)
+
+    def _ttl(self, ttl_s: float) -> float:
+        if not ttl_s >= 0:
+            raise InvalidArgument(f"lease TTL must be >= 0, got {ttl_s}")
+        if ttl_s > self.cfg.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"lease TTL {ttl_s:g} s exceeds the maximum {self.cfg.max_lease_ttl_s:g} s"
+            )
+        return ttl_s or self.cfg.lease_ttl_s
+
+    def _own(self, tenant: Tenant, lease_id: str, kind: LeaseKind | None) -> Lease:
+        if not lease_id:
+            raise InvalidArgument("lease_id is empty")
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotFound(f"no live lease {lease_id[:12]!r} (released, committed or expired)")
+        if lease.tenant != tenant.name:
+            raise PermissionDenied("the lease belongs to another tenant")
+        if kind is not None and lease.kind is not kind:
+            raise FailedPrecondition(f"lease {lease_id[:12]} is a {lease.kind.value} lease")
+        return lease
+
+    def _end(self, lease: Lease) -> None:
+        """Undoes what a lease held once it left the table (unpin, or free unfilled slots)."""
+        if lease.kind is LeaseKind.READ:
+            self.acquirer.release(lease.payload)  # type: ignore[arg-type]
+        else:
+            self.allocator.end(lease.payload)  # type: ignore[arg-type]
+
+    def expire(self) -> int:
+        """Ends every lease past its TTL (unpin / abort). Returns how many ended."""
+        with self._lock:
+            gone = self._leases.expired()
+            for lease in gone:
+                self._end(lease)
+        for lease in gone:
+            self.metrics.leases_expired.labels(lease.kind.value).inc()
+        return len(gone)
+
+    def active_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    # -- streaming byte path ----------------------------------------------------------------
+
+    @asynccontextmanager
+    async def reading(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
+    ) -> AsyncIterator[list[memoryview]]:
+        """Acquire (`acquire_async`) + views of the pinned blocks + release (ReadBlocks)."""
+        got = await self.acquire_async(tenant, layout_id, keys, key_width, 0.0)
+        block_bytes = self.layout(layout_id).block_bytes
+        try:
+            yield [self.slot_view(o, block_bytes) for o in got.offsets]
+        finally:
+            if got.lease_id:
+                self.release(tenant, got.lease_id, len(got.offsets) * block_bytes)
+
+    def slot_view(self, offset: int, nbytes: int) -> memoryview:
+        """View of a slot the caller holds under a lease (READ: read it; WRITE: fill it)."""
+        slot = (offset - self.pool.data_offset) // self.pool.slot_stride
+        return memoryview(self.pool.view(slot, nbytes))  # type: ignore[arg-type]
+
+    # -- engines' reports -------------------------------------------------------------------
+
+    def report_hbm(
+        self, tenant: Tenant, layout_id: bytes, replica: str, key_width: int, added: bytes,
+        removed: bytes, reset: bool,
+    ) -> int:
+        """A replica's GPU-pool holdings changed; returns how many added keys are cached."""
+        if not 0 < len(replica) <= 128:
+            raise InvalidArgument("replica must be a name of 1..128 characters")
+        with self._lock:
+            ns = self._ns(tenant, layout_id)
+            add = self.names.split_keys(ns, added, key_width, unique=False)
+            drop = self.names.split_keys(ns, removed, key_width, unique=False)
+            name = f"{ns.name}#{replica}"  # replicas are per namespace: tenants never share them
+            if reset:
+                self.index.drop_replica(name)
+            for key in drop:
+                self.index.hbm_drop(name, ns.name, key)
+            return sum(self.index.hbm_add(name, ns.name, key) for key in add)
+
+    def report_prefill(
+        self, tenant: Tenant, layout_id: bytes, tokens: int, seconds: float, context: int,
+    ) -> bool:
+        """An engine's realized prefill; False when the layout has no cost model or it is noise."""
+        info = self.layout(layout_id)
+        if tokens <= 0 or not 0 < seconds < 1e6:
+            raise InvalidArgument("tokens and seconds must be positive (seconds finite)")
+        if info.cost is None:
+            return False
+        return self.rates.observe_prefill_tokens(info.cost, context, tokens, seconds)
+
+    # -- reporting and shutdown -------------------------------------------------------------
+
+    def stats(self, tenant: Tenant | None = None) -> CacheStats:
+        with self._lock:
+            return cache_stats(self.tiers, self._leases, self.names, tenant)
+
+    def gauges(self) -> PoolGauges:
+        return pool_gauges(self.stats(), self.tiers)
+
+    def leaked_slots(self) -> int:
+        """Slots neither free nor held by a DRAM block, a WRITE lease or a promotion in flight
+        (must always be 0)."""
+        with self._lock:
+            held = (self.index.blocks(Tier.DRAM) + self.tiers.claimed
+                    + self.allocator.slots_held())
+            return self.pool.stats().slots_used - held
+
+    def flush(self, timeout: float) -> bool:
+        """Waits for queued SSD write-backs (tests, drain)."""
+        return self.tiers.flush(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment.
+
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.acquirer.wait_idle(timeout)  # promotions finish before the store closes
+            for lease in self._leases.pop_all():
+                self._end(lease)
+        self.tiers.close(timeout)
+        self.events.close()

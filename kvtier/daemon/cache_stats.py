@@ -1,0 +1,62 @@
+"""What the cache reports: `CacheStats` (the Stats RPC, `kvtier stats`) and the pool gauges the
+metrics registry reads at scrape time. Read-only over the cache's parts.
+
+Threading: `cache_stats` is called with the cache lock held; `pool_gauges` reads the write budget
+and mover, which lock themselves.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvtier.core.types import Tier
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.metrics import PoolGauges
+from kvtier.daemon.namespaces import Namespaces
+from kvtier.daemon.residency import Tiers
+
+
+class CacheStats(NamedTuple):
+    dram_capacity_bytes: int
+    dram_used_bytes: int
+    dram_blocks: int
+    ssd_capacity_bytes: int
+    ssd_used_bytes: int
+    ssd_blocks: int
+    read_leases: int
+    write_leases: int
+    layouts: int
+    tenant_dram_bytes: int  # of the tenant asked about (0 without one)
+    tenant_ssd_bytes: int
+
+
+def cache_stats(
+    tiers: Tiers, leases: LeaseTable, names: Namespaces, tenant: Tenant | None,
+) -> CacheStats:
+    ps = tiers.pool.stats()
+    ss = tiers.store.stats() if tiers.store is not None else None
+    state = names.tenants.get(tenant.name) if tenant else None
+    return CacheStats(
+        ps.bytes_reserved, ps.bytes_used, tiers.index.blocks(Tier.DRAM),
+        ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,
+        tiers.index.blocks(Tier.SSD),
+        leases.count(LeaseKind.READ), leases.count(LeaseKind.WRITE),
+        len(names.layouts), state.dram_bytes if state else 0,
+        state.ssd_bytes if state else 0,
+    )
+
+
+def pool_gauges(s: CacheStats, tiers: Tiers) -> PoolGauges:
+    used_ratio = 0.0
+    if tiers.budget is not None:
+        b = tiers.budget.stats()
+        used_ratio = 1.0 - b.available_bytes / b.burst_bytes if b.burst_bytes else 0.0
+    mover = tiers.mover
+    return PoolGauges(
+        {"dram": s.dram_capacity_bytes, "ssd": s.ssd_capacity_bytes},
+        {"dram": s.dram_used_bytes, "ssd": s.ssd_used_bytes},
+        {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
+        {"read": s.read_leases, "write": s.write_leases},
+        used_ratio, mover.stats().queue_depth if mover else 0,
+    )

@@ -1,0 +1,328 @@
+"""Daemon configuration: embedded defaults < TOML file < environment (KVTIER_*) < flags.
+
+Every setting has a default that works on any machine, so `kvtier serve` needs no configuration.
+Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYTES, ...).
+
+    socket                 $XDG_RUNTIME_DIR/kvtier/kvtier.sock, else /tmp/kvtier-$UID/kvtier.sock
+    tcp                    "" (off); "HOST:PORT" listens on TCP as well
+    tls_cert, tls_key      PEM paths; required for TCP beyond loopback
+    dram_bytes             min(RAM / 8, free /dev/shm / 2, 4 GiB), rounded down to whole slots
+    slot_bytes             2 MiB: one DRAM slot; a registered layout's block must fit in one
+    data_dir               $KVTIER_DATA_DIR, else ~/.local/share/kvtier (the SSD tier lives here)
+    ssd_bytes              min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
+    metrics                127.0.0.1:9464 ("" = off; port 0 = any free port)
+    tokens_file            "" = one tenant "default" without authentication (see kvtier.daemon.auth)
+    lease_ttl_s            30; a client may ask for up to max_lease_ttl_s (600)
+    grace_s                10: on SIGTERM, leases may finish for this long
+    max_blocks_per_request 4096
+    ssd_admit_after        2: write a DRAM evictee to SSD from its k-th access on
+    ssd_dwpd               1.0: SSD writes per day, in units of ssd_bytes (see below)
+    ssd_write_bytes_per_day 0 = ssd_bytes * ssd_dwpd: the long-run SSD write rate (token bucket)
+    ssd_write_burst_bytes  0 = min(a day's budget, max(a quarter day's, 4 write-back queues)):
+                           what may be written at once before the rate applies
+    writeback_queue_bytes  0 = min(dram_bytes / 4, 1 GiB): DRAM pinned by queued write-backs
+    log_level              info (debug, info, warning, error)
+
+Write-back sizing. A write-back pins its DRAM slot until written; `writeback_queue_bytes` bounds
+those slots, and a write-back that finds the queue full is dropped and counted (the load path
+never waits). The default, a quarter of the pool up to 1 GiB, holds a long document at once
+(8K tokens of an 8B model at 128 KiB/token is 1 GiB) without pinning most of the pool. The wear
+budget is a token bucket: `ssd_write_bytes_per_day` refills it, `ssd_write_burst_bytes` is its
+size. Default rate 1 DWPD *of the cache's cap*: a cache holding C bytes of a drive uses C bytes of
+writes a day, its proportional share of a drive rated 1 DWPD (read-intensive datacenter NVMe);
+since the default cap is at most a quarter of the free disk, that is <= 0.25 writes per day of
+the whole drive, under the ~0.3 DWPD of consumer TLC drives (600 TBW per TB over 5 years). The
+burst lets a few long documents through at once (defaults: 4 GiB on a 16 GiB cache); it never
+exceeds one day's budget, so no 24 h window writes more than two days' budget and the long-run
+average stays the rate.
+
+The TOML file is `--config PATH`, else $KVTIER_CONFIG, else ~/.config/kvtier/kvtier.toml when it
+exists; its keys are the setting names (top level, or under a `[serve]` table). Sizes accept
+integers or strings with a binary/decimal suffix ("4GiB", "512MB"). Any bad value raises
+`UsageError` naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from kvtier.core.errors import UsageError
+from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SUFFIX = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1 << 10, "kib": 1 << 10,
+    "m": 10**6, "mb": 10**6, "mi": MiB, "mib": MiB,
+    "g": 10**9, "gb": 10**9, "gi": GiB, "gib": GiB,
+    "t": 10**12, "tb": 10**12, "ti": 1 << 40, "tib": 1 << 40,
+    "p": 10**15, "pb": 10**15, "pi": 1 << 50, "pib": 1 << 50,
+}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A validated daemon configuration. Build it with `load()`."""
+
+    socket: Path
+    tcp: str
+    tls_cert: str
+    tls_key: str
+    dram_bytes: int
+    slot_bytes: int
+    data_dir: Path
+    ssd_bytes: int
+    metrics: str
+    tokens_file: str
+    lease_ttl_s: float
+    max_lease_ttl_s: float
+    grace_s: float
+    max_blocks_per_request: int
+    ssd_admit_after: int
+    ssd_dwpd: float
+    ssd_write_bytes_per_day: int
+    ssd_write_burst_bytes: int
+    writeback_queue_bytes: int
+    log_level: str
+
+    @property
+    def slots(self) -> int:
+        return self.dram_bytes // self.slot_bytes
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the /metrics endpoint, or None when disabled."""
+        if not self.metrics:
+            return None
+        host, _, port = self.metrics.rpartition(":")
+        return host or "127.0.0.1", int(port)
+
+
+def parse_bytes(value: object, name: str = "size") -> int:
+    """An int or a size string ("4GiB", "512 MB", "1.5g") → bytes. Raises UsageError."""
+    if isinstance(value, bool):
+        raise UsageError(f"{name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise UsageError(f"{name}: must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and (m.group(2) or "").lower() in _SUFFIX:
+            return int(float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()])
+    raise UsageError(f"{name}: expected a size like 4GiB or 512MB, got {value!r}")
+
+
+def default_burst(bytes_per_day: int, queue_bytes: int, slot_bytes: int) -> int:
+    """The wear bucket's size when not configured: a quarter day of budget, at least four full
+    write-back queues, at most one day of budget, and never less than 16 slots (one block with
+    its header must always fit)."""
+    return max(min(bytes_per_day, max(bytes_per_day // 4, 4 * queue_bytes)), 16 * slot_bytes)
+
+
+def runtime_dir(env: Mapping[str, str]) -> Path:
+    xdg = env.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "kvtier"
+    return Path(f"/tmp/kvtier-{os.getuid()}")
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _free_bytes(path: Path) -> int:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """The embedded defaults, sized for this machine."""
+    data_dir = Path(env["KVTIER_DATA_DIR"]) if env.get("KVTIER_DATA_DIR") else (
+        Path(env.get("HOME", str(Path.home()))) / ".local" / "share" / "kvtier"
+    )
+    shm = Path("/dev/shm")
+    shm_free = shutil.disk_usage(shm).free if shm.exists() else _ram_bytes()
+    dram = min(_ram_bytes() // 8, shm_free // 2, 4 * GiB)
+    return {
+        "socket": str(runtime_dir(env) / "kvtier.sock"),
+        "tcp": "",
+        "tls_cert": "",
+        "tls_key": "",
+        "dram_bytes": dram,
+        "slot_bytes": 2 * MiB,
+        "data_dir": str(data_dir),
+        "ssd_bytes": min(_free_bytes(data_dir) // 4, 16 * GiB),
+        "metrics": "127.0.0.1:9464",
+        "tokens_file": "",
+        "lease_ttl_s": 30.0,
+        "max_lease_ttl_s": 600.0,
+        "grace_s": 10.0,
+        "max_blocks_per_request": 4096,
+        "ssd_admit_after": 2,
+        "ssd_dwpd": 1.0,
+        "ssd_write_bytes_per_day": 0,
+        "ssd_write_burst_bytes": 0,
+        "writeback_queue_bytes": 0,
+        "log_level": "info",
+    }
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_SIZES = {"dram_bytes", "slot_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
+          "ssd_write_burst_bytes", "writeback_queue_bytes"}
+_INTS = {"max_blocks_per_request", "ssd_admit_after"}
+_FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s", "ssd_dwpd"}
+
+
+def _coerce(name: str, value: object, origin: str) -> object:
+    where = f"{name} (from {origin})"
+    if name in _SIZES:
+        return parse_bytes(value, where)
+    if name in _INTS or name in _FLOATS:
+        if isinstance(value, int | float | str) and not isinstance(value, bool):
+            try:
+                return int(value) if name in _INTS else float(value)
+            except ValueError:
+                pass
+        raise UsageError(f"{where}: expected a number, got {value!r}")
+    if not isinstance(value, str):
+        raise UsageError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"config file {path}: {exc}") from None
+    section = data.get("serve", data)
+    if not isinstance(section, dict):
+        raise UsageError(f"config file {path}: [serve] must be a table")
+    return {k: v for k, v in section.items() if k != "serve"}
+
+
+def load(
+    flags: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_path: str | None = None,
+) -> Config:
+    """Merges defaults < TOML < env < flags (flags whose value is None are unset) and validates."""
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    merged: dict[str, object] = dict(defaults(env))
+    origin = dict.fromkeys(merged, "defaults")
+    path = config_path or env.get("KVTIER_CONFIG")
+    if not path:
+        home_cfg = Path(env.get("HOME", str(Path.home()))) / ".config" / "kvtier" / "kvtier.toml"
+        path = str(home_cfg) if home_cfg.exists() else None
+    layers: list[tuple[str, Mapping[str, object]]] = []
+    if path:
+        layers.append((f"config file {path}", _read_toml(Path(path))))
+    layers.append(("environment", {
+        k: env[f"KVTIER_{k.upper()}"] for k in _FIELDS if f"KVTIER_{k.upper()}" in env
+    }))
+    layers.append(("flags", flags))
+    for where, layer in layers:
+        for key, value in layer.items():
+            if key not in _FIELDS:
+                raise UsageError(f"unknown setting {key!r} in {where}")
+            merged[key] = _coerce(key, value, where)
+            origin[key] = where
+    return _validate(merged, origin)
+
+
+def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
+    def bad(name: str, why: str) -> UsageError:
+        return UsageError(f"{name} (from {origin[name]}): {why}")
+
+    def i(name: str) -> int:
+        return int(cast(int, v[name]))
+
+    def f(name: str) -> float:
+        return float(cast(float, v[name]))
+
+    slot = i("slot_bytes")
+    if slot < 4096 or slot % 4096:
+        raise bad("slot_bytes", f"must be a positive multiple of 4096, got {slot}")
+    dram = i("dram_bytes")
+    if dram < slot:
+        raise bad("dram_bytes", f"must hold at least one slot of {slot} bytes, got {dram}")
+    dram -= dram % slot
+    for name in ("lease_ttl_s", "max_lease_ttl_s"):
+        if not 0 < f(name) <= 86400:
+            raise bad(name, f"must be in (0, 86400] seconds, got {v[name]}")
+    if f("lease_ttl_s") > f("max_lease_ttl_s"):
+        raise bad("lease_ttl_s", "must not exceed max_lease_ttl_s")
+    if f("grace_s") < 0:
+        raise bad("grace_s", "must be >= 0")
+    if not 1 <= i("max_blocks_per_request") <= 1 << 20:
+        raise bad("max_blocks_per_request", "must be in [1, 1048576]")
+    if i("ssd_admit_after") < 1:
+        raise bad("ssd_admit_after", "must be >= 1")
+    if not 0 < f("ssd_dwpd") <= 100:
+        raise bad("ssd_dwpd", f"must be in (0, 100] drive writes per day, got {v['ssd_dwpd']}")
+    queue = i("writeback_queue_bytes") or max(slot, min(dram // 4, GiB) // slot * slot)
+    if not slot <= queue <= dram:
+        raise bad("writeback_queue_bytes", f"must hold one slot ({slot} bytes) and fit the DRAM "
+                  f"pool ({dram} bytes), got {queue}")
+    per_day = i("ssd_write_bytes_per_day") or int(i("ssd_bytes") * f("ssd_dwpd"))
+    burst = i("ssd_write_burst_bytes") or default_burst(per_day, queue, slot)
+    if burst < slot + BLOCK_HEADER_BYTES:
+        raise bad("ssd_write_burst_bytes", f"must hold one block ({slot} + "
+                  f"{BLOCK_HEADER_BYTES} header bytes), got {burst}")
+    if str(v["log_level"]).lower() not in _LOG_LEVELS:
+        raise bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
+    for name in ("metrics", "tcp"):
+        text = str(v[name])
+        if text:
+            _, sep, port = text.rpartition(":")
+            if not sep or not port.isdigit() or int(port) > 65535:
+                raise bad(name, f"expected HOST:PORT, got {text!r}")
+    tcp_host = str(v["tcp"]).rpartition(":")[0]
+    loopback = tcp_host in ("127.0.0.1", "localhost", "::1", "[::1]")
+    if v["tcp"] and not loopback and not (v["tls_cert"] and v["tls_key"]):
+        raise bad("tcp", "listening beyond loopback needs tls_cert and tls_key")
+    if bool(v["tls_cert"]) != bool(v["tls_key"]):
+        raise bad("tls_cert", "tls_cert and tls_key go together")
+    if not str(v["socket"]):
+        raise bad("socket", "must not be empty")
+    return Config(
+        socket=Path(str(v["socket"])).expanduser(),
+        tcp=str(v["tcp"]),
+        tls_cert=str(v["tls_cert"]),
+        tls_key=str(v["tls_key"]),
+        dram_bytes=dram,
+        slot_bytes=slot,
+        data_dir=Path(str(v["data_dir"])).expanduser(),
+        ssd_bytes=i("ssd_bytes"),
+        metrics=str(v["metrics"]),
+        tokens_file=str(v["tokens_file"]),
+        lease_ttl_s=f("lease_ttl_s"),
+        max_lease_ttl_s=f("max_lease_ttl_s"),
+        grace_s=f("grace_s"),
+        max_blocks_per_request=i("max_blocks_per_request"),
+        ssd_admit_after=i("ssd_admit_after"),
+        ssd_dwpd=f("ssd_dwpd"),
+        ssd_write_bytes_per_day=per_day,
+        ssd_write_burst_bytes=burst,
+        writeback_queue_bytes=queue,
+        log_level=str(v["log_level"]).lower(),
+    )

@@ -1,0 +1,106 @@
+"""Block events (stored / removed, per tier) with sequence numbers, for WatchEvents subscribers.
+
+`EventLog.emit` is called by the cache from any thread; it appends to a bounded ring (for replay
+after a reconnect, `since`) and wakes subscribers. A subscriber is an asyncio queue bound to its
+event loop; a subscriber that falls `max_queue` events behind is dropped (its stream ends with a
+gap it can detect from the sequence numbers) rather than slowing the cache down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvtier.core.types import Tier
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    sequence: int
+    timestamp: float
+    tenant: str
+    layout: bytes
+    stored: bool  # False = removed
+    tier: Tier
+    keys: tuple[bytes, ...]
+    parent: bytes  # stored only; b"" = no parent
+    block_tokens: int
+
+
+class Subscription:
+    """One WatchEvents stream's queue. `None` in the queue ends the stream."""
+
+    def __init__(self, tenant: str, loop: asyncio.AbstractEventLoop, max_queue: int) -> None:
+        self.tenant = tenant
+        self.loop = loop
+        self.queue: asyncio.Queue[BlockEvent | None] = asyncio.Queue()
+        self.max_queue = max_queue
+        self.dropped = False
+
+
+class EventLog:
+    """Thread-safe producer side; subscribers consume on their own event loops."""
+
+    def __init__(self, keep: int = 10_000, max_queue: int = 10_000) -> None:
+        self._lock = threading.Lock()
+        self._ring: deque[BlockEvent] = deque(maxlen=keep)
+        self._subs: list[Subscription] = []
+        self._seq = 0
+        self._max_queue = max_queue
+
+    @property
+    def sequence(self) -> int:
+        return self._seq
+
+    def emit(
+        self, tenant: str, layout: bytes, stored: bool, tier: Tier, keys: list[bytes],
+        parent: bytes = b"", block_tokens: int = 0,
+    ) -> None:
+        if not keys:
+            return
+        with self._lock:
+            self._seq += 1
+            event = BlockEvent(
+                self._seq, time.time(), tenant, layout, stored, tier, tuple(keys), parent,
+                block_tokens,
+            )
+            self._ring.append(event)
+            subs = [s for s in self._subs if s.tenant == tenant]
+        for sub in subs:
+            self._deliver(sub, event)
+
+    def _deliver(self, sub: Subscription, event: BlockEvent | None) -> None:
+        if sub.dropped:
+            return
+        if event is not None and sub.queue.qsize() >= sub.max_queue:
+            sub.dropped = True
+            event = None
+        try:
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, event)
+        except RuntimeError:  # the subscriber's loop is closed
+            sub.dropped = True
+
+    def subscribe(self, tenant: str, since: int = 0) -> Subscription:
+        """A queue of this tenant's events after `since` (buffered ones first), on this loop."""
+        sub = Subscription(tenant, asyncio.get_running_loop(), self._max_queue)
+        with self._lock:
+            backlog = [e for e in self._ring if e.tenant == tenant and e.sequence > since]
+            self._subs.append(sub)
+        for event in backlog if since else ():
+            sub.queue.put_nowait(event)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def close(self) -> None:
+        """Ends every subscriber's stream."""
+        with self._lock:
+            subs, self._subs = self._subs, []
+        for sub in subs:
+            self._deliver(sub, None)

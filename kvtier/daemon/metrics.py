@@ -1,0 +1,232 @@
+"""Prometheus metrics of one daemon, on a dedicated registry (never the process-global one).
+
+Names follow DESIGN: `kvtier_*`, base units (`_bytes`, `_seconds`), counters end in `_total`, and
+labels are bounded (tier ∈ hbm/dram/ssd, method ∈ the RPC names, code ∈ gRPC status names,
+direction/reason/result/action ∈ small fixed sets below) — never a key, tenant token or request id.
+
+Counters and histograms are updated by the cache and the service as things happen; pool gauges
+(capacity, usage, blocks, active leases, wear budget) and the planner's rate estimates
+(`kvtier_rate_*`, from the `RateBook`) are read at scrape time, so they can never drift from the
+truth.
+
+Planner metrics: `kvtier_plan_decisions_total{action}` counts looked-up blocks by what the plan
+does with them (`PLAN_ACTIONS`), `kvtier_plans_total{reason}` plans by `planner.Reason`, and
+`kvtier_plan_fetch_time_ratio{link}` is the prediction error as realized / predicted time of
+the fetch part a lease actually did (1.0 = exact; see `observe_fetch`).
+
+Thread-safe (prometheus-client's primitives are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.core.planner import Plan, Reason
+from kvtier.daemon.rates import Link, RateBook
+
+DIRECTIONS = ("to_client", "from_client", "promote", "demote")
+EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write")
+PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "recompute", "use_hbm")
+"""Per looked-up block: fetch it from DRAM / from SSD, recompute it, or use the replica's own
+GPU copy (an HBM block inside the cut costs nothing)."""
+FETCH_LINKS = (Link.DRAM_READ, Link.SSD_READ)
+RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, 10.0)
+
+
+class PoolGauges(NamedTuple):
+    """What the scrape-time collector reads (supplied by the cache)."""
+
+    capacity_bytes: dict[str, int]  # tier label -> bytes
+    used_bytes: dict[str, int]
+    blocks: dict[str, int]
+    leases: dict[str, int]  # lease kind -> count
+    ssd_wear_budget_used_ratio: float
+    writeback_queue_depth: int
+
+
+class _PoolCollector(Collector):
+    def __init__(self, snapshot: Callable[[], PoolGauges]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        cap = GaugeMetricFamily("kvtier_pool_capacity_bytes", "Tier capacity", labels=["tier"])
+        used = GaugeMetricFamily("kvtier_pool_used_bytes", "Bytes held in a tier", labels=["tier"])
+        blocks = GaugeMetricFamily("kvtier_pool_blocks", "Blocks held in a tier", labels=["tier"])
+        for tier, value in snap.capacity_bytes.items():
+            cap.add_metric([tier], value)
+        for tier, value in snap.used_bytes.items():
+            used.add_metric([tier], value)
+        for tier, value in snap.blocks.items():
+            blocks.add_metric([tier], value)
+        leases = GaugeMetricFamily("kvtier_active_leases", "Live leases", labels=["kind"])
+        for kind, value in snap.leases.items():
+            leases.add_metric([kind], value)
+        yield from (cap, used, blocks, leases)
+        yield GaugeMetricFamily(
+            "kvtier_ssd_wear_budget_used_ratio",
+            "Fraction of today's SSD write budget spent",
+            value=snap.ssd_wear_budget_used_ratio,
+        )
+        yield GaugeMetricFamily(
+            "kvtier_writeback_queue_depth", "Blocks waiting to be written to SSD",
+            value=snap.writeback_queue_depth,
+        )
+
+
+class _RateCollector(Collector):
+    """The planner's current estimates: the windowed median of samples, else the seed
+    (calibration or defaults); `*_samples` says which (0 = seed)."""
+
+    def __init__(self, book: RateBook) -> None:
+        self._book = book
+
+    def collect(self) -> Iterator[Metric]:
+        book = self._book
+        snap = book.export()
+        labels = ["tier", "direction"]
+        bw = GaugeMetricFamily("kvtier_rate_bandwidth_bytes_per_second",
+                               "Planner's bandwidth estimate per tier and direction", labels=labels)
+        lat = GaugeMetricFamily("kvtier_rate_latency_seconds",
+                                "Planner's fixed per-request latency estimate", labels=labels)
+        n = GaugeMetricFamily("kvtier_rate_samples",
+                              "Bandwidth samples in the estimate's window (0: seeded value)",
+                              labels=labels)
+        for link in Link:
+            tier_dir = [link.tier, link.direction]
+            bw.add_metric(tier_dir, snap[f"{link}_bytes_per_s"])
+            lat.add_metric(tier_dir, snap[f"{link}_latency_seconds"])
+            n.add_metric(tier_dir, book.samples(link))
+        yield from (bw, lat, n)
+        yield GaugeMetricFamily("kvtier_rate_prefill_flops_per_second",
+                                "Planner's achieved prefill FLOP-rate estimate (one GPU)",
+                                value=snap["prefill_flops_per_s"])
+        yield GaugeMetricFamily("kvtier_rate_prefill_samples",
+                                "Prefill samples in the estimate's window (0: seeded value)",
+                                value=book.samples(None))
+        yield CounterMetricFamily(
+            "kvtier_rate_samples_rejected",
+            "Rate samples refused as impossible (non-positive, NaN, too high)",
+            value=snap["rejected_total"])
+        yield CounterMetricFamily(
+            "kvtier_rate_samples_skipped",
+            "Whole-request samples too short to say anything about bandwidth",
+            value=snap["skipped_total"])
+
+class DaemonMetrics:
+    """All of one daemon's metrics. `attach_pool()` once the cache exists; `serve()` for HTTP."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.lookups = Counter(
+            "kvtier_lookups", "Lookups by outcome (hit = at least one block)", ["result"],
+            registry=r,
+        )
+        self.blocks_hit = Counter(
+            "kvtier_blocks_hit", "Looked-up blocks found, by tier", ["tier"], registry=r
+        )
+        self.blocks_missed = Counter(
+            "kvtier_blocks_missed", "Looked-up blocks not found", registry=r
+        )
+        self.bytes_moved = Counter(
+            "kvtier_bytes_moved", "Payload bytes moved, by tier and direction",
+            ["tier", "direction"], registry=r,
+        )
+        self.evictions = Counter(
+            "kvtier_evictions", "Blocks dropped from a tier, by reason", ["tier", "reason"],
+            registry=r,
+        )
+        self.ssd_bytes_written = Counter(
+            "kvtier_ssd_bytes_written", "Bytes written to the SSD tier", registry=r
+        )
+        self.writeback_dropped = Counter(
+            "kvtier_writeback_dropped", "Write-backs dropped (queue full or over budget)",
+            registry=r,
+        )
+        self.checksum_failures = Counter(
+            "kvtier_checksum_failures", "SSD blocks that failed verification (never served)",
+            registry=r,
+        )
+        self.leases_expired = Counter(
+            "kvtier_leases_expired", "Leases reclaimed after their TTL", ["kind"], registry=r
+        )
+        self.plan_decisions = Counter(
+            "kvtier_plan_decisions", "Looked-up blocks by planned action", ["action"], registry=r
+        )
+        for action in PLAN_ACTIONS:
+            self.plan_decisions.labels(action)
+        self.plans = Counter("kvtier_plans", "Plans by reason", ["reason"], registry=r)
+        for reason in Reason:
+            self.plans.labels(reason.value)
+        self.predicted_seconds_saved = Counter(
+            "kvtier_predicted_prefill_seconds_saved",
+            "Planner's predicted prefill seconds saved against recomputing everything",
+            registry=r,
+        )
+        self.fetch_time_ratio = Histogram(
+            "kvtier_plan_fetch_time_ratio",
+            "Realized / predicted time of a lease's fetch (ssd_read: promotions in Acquire; "
+            "dram_read: the client's copy reported on Release)", ["link"], registry=r,
+            buckets=RATIO_BUCKETS,
+        )
+        self.rpcs = Counter(
+            "kvtier_rpcs", "RPCs by method and status", ["method", "code"], registry=r
+        )
+        self.rpc_seconds = Histogram(
+            "kvtier_rpc_duration_seconds", "RPC handling time", ["method"], registry=r,
+            buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5),
+        )
+        self.copy_seconds = Histogram(
+            "kvtier_client_copy_seconds", "Client-reported copy time per lease", ["direction"],
+            registry=r, buckets=(1e-4, 1e-3, 5e-3, 2e-2, 0.1, 0.5, 2.0),
+        )
+        self._http: object | None = None
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (0 when it was never set), e.g. for the Stats RPC."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def attach_pool(self, snapshot: Callable[[], PoolGauges]) -> None:
+        self.registry.register(_PoolCollector(snapshot))
+
+    def attach_rates(self, book: RateBook) -> None:
+        self.registry.register(_RateCollector(book))
+
+    def record_plan(self, plan: Plan) -> None:
+        """Counts one Lookup's plan: its blocks by action, its reason, the seconds it saves."""
+        hbm, dram, ssd = plan.blocks_by_tier
+        for action, count in (("use_hbm", hbm), ("fetch_dram", dram), ("fetch_ssd", ssd),
+                              ("recompute", plan.recompute_blocks)):
+            if count:
+                self.plan_decisions.labels(action).inc(count)
+        self.plans.labels(plan.reason.value).inc()
+        self.predicted_seconds_saved.inc(max(0.0, plan.saved_s))
+
+    def observe_fetch(self, link: Link, realized_s: float, predicted_s: float) -> None:
+        """One fetch's prediction error, as realized / predicted seconds of the same work: the
+        bytes moved over `link` divided by the link's bandwidth estimate when the lease was
+        granted — transfer time only, no per-request latency, like the realized time.
+
+        A ratio rather than a difference, so fetches of 1 block and of 1,000 share the buckets.
+        Ignored unless both are finite and > 0."""
+        if link not in FETCH_LINKS or not (0 < realized_s < 1e6 and 0 < predicted_s < 1e6):
+            return
+        self.fetch_time_ratio.labels(link.value).observe(realized_s / predicted_s)
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts /metrics on a daemon thread; returns the bound port (useful when port is 0)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def close(self) -> None:
+        server = self._http
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+            self._http = None

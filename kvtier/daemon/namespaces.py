@@ -1,0 +1,226 @@
+"""Layouts, tenants and namespaces of one daemon, and the domain errors. Pure bookkeeping.
+
+A registered layout is (model id, layout fingerprint); its *layout id* is
+`kvtier.core.keys.root_seed(model_id, fingerprint)` (32 bytes: SHA-256 over canonical CBOR of
+`("kvtier-root/v1", model_id, fingerprint)`), the id every data request names. Two models with the
+same layout fingerprint (two fine-tunes of one base) therefore get two layout ids, and their
+blocks never mix even when their keys are equal (vLLM-compatible keys carry no model of their
+own). A namespace is (tenant, layout id), named `"<tenant>/ns2:<layout id hex>"` — the string
+that keys blocks in the prefix index and in the SSD store. The `ns2:` tag tells it apart from the
+old `"<tenant>/<fingerprint hex>"` form (no model id), whose stored blocks are never served: the
+SSD rebuild drops them (`namespace_layout_id` returns None for them).
+Requests are validated here against their layout (key width, counts) before anything changes.
+
+Not thread-safe: the cache calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.core.costmodel import CostModel
+from kvtier.core.errors import KvtierError
+from kvtier.core.keys import root_seed
+from kvtier.core.types import Tier
+from kvtier.daemon.auth import Tenant
+
+KEY_WIDTHS = (16, 32)
+FINGERPRINT_BYTES = (8, 64)
+MODEL_ID_BYTES = 256  # longest model id (UTF-8)
+LAYOUT_ID_BYTES = 32
+_NS_TAG = "ns2:"
+
+
+def check_model_id(model_id: str) -> None:
+    """Raises InvalidArgument unless `model_id` is 1..256 UTF-8 bytes of printable text."""
+    if not isinstance(model_id, str) or not model_id:
+        raise InvalidArgument("model_id is required: the model whose KV the blocks hold")
+    if len(model_id.encode()) > MODEL_ID_BYTES:
+        raise InvalidArgument(f"model_id must be at most {MODEL_ID_BYTES} bytes (UTF-8)")
+    if not model_id.isprintable():
+        raise InvalidArgument("model_id must be printable text (no control characters)")
+
+
+def layout_id(model_id: str, fingerprint: bytes) -> bytes:
+    """The 32-byte id of (model id, layout fingerprint): `root_seed` in sha256_cbor mode."""
+    return root_seed(model_id, fingerprint, "sha256_cbor")
+
+
+def namespace(tenant: str, lid: bytes) -> str:
+    return f"{tenant}/{_NS_TAG}{lid.hex()}"
+
+
+def namespace_tenant(ns: str) -> str:
+    return ns.rpartition("/")[0]
+
+
+def namespace_layout_id(ns: str) -> bytes | None:
+    """The layout id of a namespace string; None for any other form (e.g. pre-model-id)."""
+    tail = ns.rpartition("/")[2]
+    if not tail.startswith(_NS_TAG) or len(tail) != len(_NS_TAG) + 2 * LAYOUT_ID_BYTES:
+        return None
+    try:
+        return bytes.fromhex(tail[len(_NS_TAG):])
+    except ValueError:
+        return None
+
+
+def namespace_layout(ns: str) -> bytes:
+    """The layout id of a namespace made by `namespace` (events name layouts by it)."""
+    lid = namespace_layout_id(ns)
+    if lid is None:
+        raise ValueError(f"not a kvtier namespace: {ns!r}")
+    return lid
+
+
+class CacheError(KvtierError):
+    """A request the cache refuses; the service maps the subclass to a gRPC status."""
+
+
+class InvalidArgument(CacheError):
+    pass
+
+
+class NotFound(CacheError):
+    pass
+
+
+class PermissionDenied(CacheError):
+    pass
+
+
+class ResourceExhausted(CacheError):
+    pass
+
+
+class FailedPrecondition(CacheError):
+    pass
+
+
+class Unavailable(CacheError):
+    """The daemon is draining: no new leases."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutInfo:
+    id: bytes  # layout_id(model_id, fingerprint): what data requests name
+    model_id: str
+    fingerprint: bytes
+    block_bytes: int
+    block_tokens: int
+    key_width: int
+    cost: CostModel | None
+
+
+@dataclass(slots=True)
+class TenantState:
+    tenant: Tenant
+    dram_bytes: int = 0
+    ssd_bytes: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Namespace:
+    name: str  # the index/SSD namespace string
+    tenant: TenantState
+    layout: LayoutInfo
+    pending: dict[bytes, str] = field(default_factory=dict)  # key -> WRITE lease id
+
+
+class Namespaces:
+    """Registered layouts (by layout id), known tenants (with their usage) and namespaces."""
+
+    def __init__(self, slot_bytes: int, max_blocks_per_request: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.max_blocks = max_blocks_per_request
+        self.layouts: dict[bytes, LayoutInfo] = {}
+        self.tenants: dict[str, TenantState] = {}
+        self._namespaces: dict[tuple[str, bytes], Namespace] = {}
+
+    def register(
+        self, model_id: str, fingerprint: bytes, block_bytes: int, block_tokens: int,
+        key_width: int, cost: CostModel | None,
+    ) -> LayoutInfo:
+        check_model_id(model_id)
+        if not FINGERPRINT_BYTES[0] <= len(fingerprint) <= FINGERPRINT_BYTES[1]:
+            raise InvalidArgument(
+                f"layout fingerprint must be {FINGERPRINT_BYTES[0]}..{FINGERPRINT_BYTES[1]} "
+                f"bytes, got {len(fingerprint)}"
+            )
+        if key_width not in KEY_WIDTHS:
+            raise InvalidArgument(f"key_width must be 16 or 32, got {key_width}")
+        if not 0 < block_bytes <= self.slot_bytes:
+            raise InvalidArgument(
+                f"block_bytes must be in 1..{self.slot_bytes} (the daemon's slot size), "
+                f"got {block_bytes}"
+            )
+        if not 0 < block_tokens <= 1 << 20:
+            raise InvalidArgument(f"block_tokens must be in 1..{1 << 20}, got {block_tokens}")
+        lid = layout_id(model_id, fingerprint)
+        info = LayoutInfo(lid, model_id, fingerprint, block_bytes, block_tokens, key_width, cost)
+        old = self.layouts.get(lid)
+        shape = (block_bytes, block_tokens, key_width)
+        if old is not None and (old.block_bytes, old.block_tokens, old.key_width) != shape:
+            raise FailedPrecondition(
+                f"layout {fingerprint.hex()[:16]} of model {model_id!r} is already registered "
+                f"with block_bytes={old.block_bytes} block_tokens={old.block_tokens} "
+                f"key_width={old.key_width}"
+            )
+        if old is not None and (cost is None or old.cost == cost):
+            return old
+        self.layouts[lid] = info
+        for ns in self._namespaces.values():
+            if ns.layout.id == lid:
+                ns.layout = info
+        return info
+
+    def layout(self, lid: bytes) -> LayoutInfo:
+        info = self.layouts.get(lid)
+        if info is None:
+            raise NotFound(f"unknown layout {lid.hex()[:16]}: call RegisterLayout first")
+        return info
+
+    def get(self, tenant: Tenant, lid: bytes) -> Namespace:
+        ns = self._namespaces.get((tenant.name, lid))
+        if ns is None:
+            layout = self.layout(lid)
+            ns = Namespace(namespace(tenant.name, lid), self.tenant(tenant.name, tenant), layout)
+            self._namespaces[(tenant.name, lid)] = ns
+        return ns
+
+    def tenant(self, name: str, tenant: Tenant | None = None) -> TenantState:
+        """The usage record of a tenant (created on first sight; quotas from `tenant`)."""
+        state = self.tenants.get(name)
+        if state is None:
+            state = self.tenants[name] = TenantState(tenant or Tenant(name))
+        elif tenant is not None and state.tenant != tenant:
+            state.tenant = tenant
+        return state
+
+    def charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
+        state = self.tenant(tenant)
+        if tier is Tier.DRAM:
+            state.dram_bytes += nbytes
+        else:
+            state.ssd_bytes += nbytes
+
+    def ssd_quota_ok(self, tenant: str, nbytes: int) -> bool:
+        state = self.tenant(tenant)
+        quota = state.tenant.ssd_quota_bytes
+        return not quota or state.ssd_bytes + nbytes <= quota
+
+    def split_keys(self, ns: Namespace, keys: bytes, key_width: int, unique: bool) -> list[bytes]:
+        """The packed chain as a list of keys, validated against the layout and the limits."""
+        width = ns.layout.key_width
+        if key_width != width:
+            raise InvalidArgument(f"key_width {key_width} does not match the layout's {width}")
+        if len(keys) % width:
+            raise InvalidArgument(f"keys length {len(keys)} is not a multiple of {width}")
+        n = len(keys) // width
+        if n > self.max_blocks:
+            raise InvalidArgument(f"{n} keys exceed the limit of {self.max_blocks} per request")
+        out = list(map(keys.__getitem__, map(slice, range(0, len(keys), width),
+                                             range(width, len(keys) + width, width))))
+        if unique and len(set(out)) != n:
+            raise InvalidArgument("keys repeat within the chain")
+        return out

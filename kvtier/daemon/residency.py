@@ -1,0 +1,357 @@
+"""Where blocks live: the prefix index (B1) over the DRAM slot pool and the SSD store + mover (E).
+
+`Tiers` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
+`ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing:
+
+- index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot;
+- DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists);
+- write-back (mover) starts when a DRAM-only block is admitted (k-th access, index rule) and its
+  parent is on SSD or queued, so SSD stays prefix-closed; the block is pinned while queued;
+- SSD room is made *before* a write-back is queued, by index SSD eviction + store deletes, so the
+  store never refuses for capacity; the index bounds SSD blocks at ssd_bytes / (slot + header);
+- promotion copies a verified SSD payload into a fresh slot; a failed verification is a miss,
+  a counter, and the block's removal. It runs in three steps so the read can leave the event
+  loop and the cache lock: `claim` a slot (lock held; the tenant is charged now, so concurrent
+  claims see each other), `read_claimed` (no cache lock, any thread; one LMDB read transaction
+  for the batch), then `settle` (the slot becomes the block's DRAM copy) or `unclaim` (lock held).
+  Until then the slot belongs to the claimant (`claimed` counts them) and the block must stay
+  pinned in the index by the caller.
+
+Index "tenants" are namespaces: `"<tenant>/ns2:<layout id hex>"` (layout id = H(model id, layout
+fingerprint), `kvtier.daemon.namespaces`), the same string keys the SSD store, so after a restart
+the stored blocks come back under the right tenant, model and layout. Blocks stored under any other
+namespace form — the pre-model-id `"<tenant>/<fingerprint hex>"` — cannot be attributed to a model:
+the rebuild deletes them (one warning line with the count) and never serves them.
+
+Threading: every method is called with the cache lock held, except `on_written`, which the mover
+calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must
+be called without it. Lock order: cache lock, then
+the SSD store's write lock — the writer thread never holds the store lock while taking ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kvtier.core.types import Tier
+from kvtier.daemon.config import Config
+from kvtier.daemon.events import EventLog
+from kvtier.daemon.metrics import DaemonMetrics
+from kvtier.daemon.namespaces import namespace_layout, namespace_layout_id, namespace_tenant
+from kvtier.daemon.rates import Link, RateBook
+from kvtier.index.prefix import Block as IndexBlock
+from kvtier.index.prefix import Evicted, IndexStateError, PrefixIndex, Reason
+from kvtier.tiers import blockfmt
+from kvtier.tiers.dram import DramPool, DramSpec
+from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
+from kvtier.tiers.ssd.store import PutResult, SsdSpec, SsdStore
+from kvtier.tiers.wear import WriteBudget
+
+log = logging.getLogger(__name__)
+
+STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
+"""The SSD store's own layout tag; each block's namespace (tenant + layout id) is in its key."""
+
+
+class Removed(NamedTuple):
+    """A DRAM/SSD copy that went away (for events and tenant accounting)."""
+
+    ns: str
+    key: bytes
+    tier: Tier
+
+
+class Tiers:
+    def __init__(
+        self, cfg: Config, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
+        lock: threading.RLock, charge: Callable[[str, Tier, int], None],
+        ssd_quota_ok: Callable[[str, int], bool],
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.events = events
+        self.rates = rates
+        self._lock = lock
+        self._charge = charge  # (tenant, tier, +-bytes): the cache's per-tenant accounting
+        self._ssd_quota_ok = ssd_quota_ok  # (tenant, more bytes) -> within its SSD quota?
+        self.slot_bytes = cfg.slot_bytes
+        self.pool = DramPool.create(DramSpec(
+            name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
+            slot_count=cfg.slots, replace_stale=True,
+        ))
+        self.ssd_block_bytes = cfg.slot_bytes + blockfmt.HEADER_SIZE
+        ssd_blocks = cfg.ssd_bytes // self.ssd_block_bytes
+        self.index = PrefixIndex(
+            dram_blocks=cfg.slots, ssd_blocks=ssd_blocks, admission_k=cfg.ssd_admit_after
+        )
+        self.store: SsdStore | None = None
+        self.mover: Mover | None = None
+        self.budget: WriteBudget | None = None
+        self._queued: set[tuple[str, bytes]] = set()
+        self._read_lock = threading.Lock()  # one promotion batch at a time (exact corrupt counts)
+        self.claimed = 0  # slots claimed for promotions not yet settled or unclaimed
+        self.block_bytes: dict[str, int] = {}  # namespace -> payload bytes (from its layout)
+        if ssd_blocks > 0:
+            try:
+                self._open_ssd()
+            except BaseException:
+                self.close(0.0)  # never leave the segment behind
+                raise
+
+    # -- SSD ----------------------------------------------------------------------------------
+
+    def _open_ssd(self) -> None:
+        cfg = self.cfg
+        self.store = SsdStore(SsdSpec(
+            path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
+            layout_fingerprint=STORE_FINGERPRINT, slot_size=cfg.slot_bytes,
+        ))
+        self.budget = WriteBudget(cfg.ssd_write_bytes_per_day, cfg.ssd_write_burst_bytes)
+        self.mover = Mover(self.pool, self.store, self.budget,
+                           MoverSpec(queue_bytes=cfg.writeback_queue_bytes),
+                           on_written=self.on_written)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Re-enters every stored block into the index (parents first); drops stranded ones."""
+        assert self.store is not None
+        started = time.monotonic()
+        entries = self.store.entries()
+        by_ns: dict[str, dict[bytes, bytes | None]] = {}
+        foreign: list[tuple[str, bytes]] = []
+        for e in entries:
+            if namespace_layout_id(e.tenant) is None:
+                foreign.append((e.tenant, e.key))
+                continue
+            by_ns.setdefault(e.tenant, {})[e.key] = e.parent
+            self.block_bytes.setdefault(e.tenant, e.size - blockfmt.HEADER_SIZE)
+        if foreign:
+            log.warning("SSD tier: dropping %d stored blocks of %d namespaces without a model id "
+                        "(stored before namespaces carried one; never served)", len(foreign),
+                        len({ns for ns, _ in foreign}))
+            self.store.delete_many(foreign)
+        doomed: list[tuple[str, bytes]] = []
+        for ns, parents in by_ns.items():
+            kids: dict[bytes, list[bytes]] = {}
+            stack: list[bytes] = []
+            for key, parent in parents.items():
+                if not parent:
+                    stack.append(key)
+                elif parent in parents:
+                    kids.setdefault(parent, []).append(key)
+            while stack:
+                key = stack.pop()
+                try:
+                    self.index.insert(ns, key, parents[key] or None, Tier.SSD)
+                except IndexStateError:
+                    continue  # over capacity (the config shrank): it and its subtree go
+                self._charge(namespace_tenant(ns), Tier.SSD, self.ssd_bytes_of(ns))
+                stack.extend(kids.get(key, ()))
+            doomed.extend((ns, k) for k in parents if self.index.get(ns, k) is None)
+        if doomed:
+            log.warning("SSD tier: dropping %d stored blocks without a cached parent or room",
+                        len(doomed))
+            self.store.delete_many(doomed)
+        log.info("SSD tier: %d blocks indexed in %.2f s", len(entries) - len(doomed) - len(foreign),
+                 time.monotonic() - started)
+
+    def ssd_bytes_of(self, ns: str) -> int:
+        """Stored bytes of one block of this namespace (payload + header)."""
+        return self.block_bytes.get(ns, self.slot_bytes) + blockfmt.HEADER_SIZE
+
+    def maybe_write_back(self, ns: str, blocks: list[IndexBlock]) -> None:
+        """Queues write-backs for admitted DRAM-only blocks of a looked-up chain (root first)."""
+        mover = self.mover
+        if mover is None:
+            return
+        for b in blocks:
+            if b.on_ssd or (ns, b.key) in self._queued:
+                continue
+            parent = b.parent
+            if parent is not None and not parent.on_ssd and (ns, parent.key) not in self._queued:
+                return
+            if not self.index.admits(b) or b.dram_slot is None:
+                return
+            if not self._make_ssd_room(1 + len(self._queued)):
+                self.metrics.writeback_dropped.inc()
+                return
+            tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
+            if not self._ssd_quota_ok(tenant, cost):
+                self.metrics.writeback_dropped.inc()
+                return
+            nbytes = self.block_bytes.get(ns, self.slot_bytes)
+            self.index.pin(ns, b.key)
+            got = mover.submit(WriteBack(ns, b.key, b.parent_key, b.dram_slot, nbytes))
+            if got is Submitted.QUEUED:
+                self._queued.add((ns, b.key))
+                self._charge(tenant, Tier.SSD, cost)  # reserved now, returned if refused
+                continue
+            self.index.unpin(ns, b.key)
+            if got is Submitted.ALREADY_STORED:
+                try:
+                    self.index.add_tier(ns, b.key, Tier.SSD)
+                    self._charge(tenant, Tier.SSD, cost)
+                    continue
+                except IndexStateError:
+                    return
+            self.metrics.writeback_dropped.inc()
+            return
+
+    def _make_ssd_room(self, need: int) -> bool:
+        free = self.index.free(Tier.SSD)
+        if free is None or free >= need:
+            return True
+        gone = self.index.evict(Tier.SSD, need - free)
+        self._removed(gone, "capacity")
+        return (self.index.free(Tier.SSD) or 0) >= need
+
+    def on_written(self, batch: list[WriteBack], result: PutResult) -> None:
+        """Mover callback (writer thread): record SSD copies, unpin, account."""
+        stored = set(result.stored)
+        undo: list[tuple[str, bytes]] = []
+        with self._lock:
+            for w in batch:
+                self._queued.discard((w.tenant, w.key))
+                if self.index.get(w.tenant, w.key) is None:  # cannot happen: it was pinned
+                    continue
+                self.index.unpin(w.tenant, w.key)
+                cost = self.ssd_bytes_of(w.tenant)
+                if (w.tenant, w.key) not in stored:
+                    self.metrics.writeback_dropped.inc()
+                    self._charge(namespace_tenant(w.tenant), Tier.SSD, -cost)
+                    continue
+                try:
+                    self.index.add_tier(w.tenant, w.key, Tier.SSD)
+                except IndexStateError:  # parent's copy was refused: keep SSD prefix-closed
+                    undo.append((w.tenant, w.key))
+                    self._charge(namespace_tenant(w.tenant), Tier.SSD, -cost)
+                    continue
+                self.events.emit(namespace_tenant(w.tenant), namespace_layout(w.tenant), True,
+                                 Tier.SSD, [w.key], w.parent or b"")
+            if undo and self.store is not None:
+                self.store.delete_many(undo)
+        self.metrics.ssd_bytes_written.inc(result.bytes_written)
+        self.metrics.bytes_moved.labels("ssd", "demote").inc(result.bytes_written)
+
+    def claim(self, ns: str) -> int | None:
+        """A slot to promote one of `ns`'s SSD blocks into (evicting for room), charged to its
+        tenant; None when there is no room (or no SSD tier)."""
+        if self.store is None:
+            return None
+        slots = self.take_slots(1)
+        if not slots:
+            return None
+        self._charge(namespace_tenant(ns), Tier.DRAM, self.slot_bytes)
+        self.claimed += 1
+        return slots[0]
+
+    def unclaim(self, ns: str, slot: int) -> None:
+        """Gives a claimed slot back (the read failed, or the block is no longer wanted)."""
+        self.pool.free(slot)
+        self._charge(namespace_tenant(ns), Tier.DRAM, -self.slot_bytes)
+        self.claimed -= 1
+
+    def settle(self, ns: str, block: IndexBlock, slot: int, nbytes: int) -> None:
+        """The claimed slot holds the block's verified payload: it is the block's DRAM copy."""
+        self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
+        self.claimed -= 1
+        self.metrics.bytes_moved.labels("ssd", "promote").inc(nbytes)
+
+    def read_claimed(self, reads: list[tuple[str, bytes, int]]) -> tuple[list[int | None], float]:
+        """Reads and verifies SSD payloads into claimed slots, (namespace, key, slot) each: the
+        payload bytes per read (None: gone or corrupt — counted) and the seconds the batch took.
+        Call WITHOUT the cache lock, from any thread; batches are serialized among callers."""
+        assert self.mover is not None and self.store is not None
+        with self._read_lock:
+            corrupt_before = self.store.counters.corrupt
+            started = time.perf_counter()
+            try:
+                got = self.mover.promote_many(reads)
+            except Exception:  # an I/O error is a miss for every block of the batch
+                log.exception("SSD promotion read failed")
+                got = [None] * len(reads)
+            seconds = time.perf_counter() - started
+            corrupt = self.store.counters.corrupt - corrupt_before
+        if corrupt:
+            self.metrics.checksum_failures.inc(corrupt)
+        nbytes = sum(n for n in got if n)
+        if nbytes:
+            self.rates.observe_transfer(Link.SSD_READ, nbytes, seconds)
+        return got, seconds
+
+    def drop_lost(self, ns: str, block: IndexBlock) -> None:
+        """Forgets an SSD-only block whose payload failed to read, with its whole subtree (no
+        descendant could ever hit again). If a descendant is pinned by a lease, the subtree
+        stays until a later Acquire meets the lost block again; reads of it fail fast (the store
+        remembers the bad key) and Acquire stops before it."""
+        if block.in_dram or block.pins:
+            return
+        try:
+            gone = self.index.remove_subtree(ns, block.key)
+        except IndexStateError:  # a pinned descendant
+            return
+        self._removed(gone, "checksum")
+
+    # -- DRAM ---------------------------------------------------------------------------------
+
+    def take_slots(self, n: int) -> list[int]:
+        """`n` free slots, evicting unpinned DRAM blocks (LRU) as needed; [] when impossible
+        (when even every unpinned block would not make room, nothing is evicted)."""
+        slots = self.pool.alloc_many(n)
+        if slots is None:
+            stats = self.pool.stats()
+            short = n - stats.slots_free
+            if self.index.blocks(Tier.DRAM) - stats.slots_pinned < short:
+                return []
+            self._removed(self.index.evict(Tier.DRAM, short), "capacity")
+            slots = self.pool.alloc_many(n)
+        return slots or []
+
+    def evict_tenant_dram(self, tenant: str, n: int) -> int:
+        """Evicts up to `n` of one tenant's DRAM blocks (quota); O(evictable blocks)."""
+        prefix = tenant + "/"
+        mine = [b for b in self.index.victims(Tier.DRAM, 1 << 30)
+                if isinstance(b.tenant, str) and b.tenant.startswith(prefix)][:n]
+        for b in mine:
+            self._removed([self.index.drop(b.tenant, b.key, Tier.DRAM)], "quota")
+        return len(mine)
+
+    def _removed(self, gone: list[Evicted], reason: str) -> None:
+        ssd_deletes: list[tuple[str, bytes]] = []
+        for e in gone:
+            ns = str(e.tenant)
+            if e.reason is Reason.WRITTEN:
+                continue
+            if e.tier is Tier.DRAM and e.dram_slot is not None:
+                self.pool.free(e.dram_slot)
+                self._charge(namespace_tenant(ns), Tier.DRAM, -self.slot_bytes)
+            if e.tier is Tier.SSD:
+                ssd_deletes.append((ns, e.key))
+                self._charge(namespace_tenant(ns), Tier.SSD, -self.ssd_bytes_of(ns))
+            self.metrics.evictions.labels(e.tier.label, reason).inc()
+            self.events.emit(namespace_tenant(ns), namespace_layout(ns), False, e.tier, [e.key])
+        if ssd_deletes and self.store is not None:
+            self.store.delete_many(ssd_deletes)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def flush(self, timeout: float) -> bool:
+        return self.mover.flush(timeout) if self.mover is not None else True
+
+    def close(self, timeout: float) -> None:
+        """Flushes the write-back queue, closes LMDB, unlinks the segment. Call without the lock."""
+        if self.mover is not None:
+            self.mover.close(timeout)
+        if self.store is not None:
+            self.store.close()
+        self.pool.close()
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

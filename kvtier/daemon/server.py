@@ -1,0 +1,268 @@
+"""Runs the daemon: gRPC on a Unix socket (mode 0600; optional TCP with TLS), health, reflection,
+/metrics, the lease reaper, and a draining shutdown on SIGTERM/SIGINT.
+
+Planner rates: the `RateBook` is seeded from `<data_dir>/calibration.json` (`kvtier calibrate`)
+when present, else from the built-in defaults; a calibration file that cannot be read or parsed is
+logged as a one-line warning and ignored (defaults) — the daemon still starts, since the moving
+estimates replace any seed as samples arrive and a cache that refuses to start over a stale
+measurement takes the serving path down with it. The start log line says which seeded the rates.
+
+Shutdown order (SIGTERM): health goes NOT_SERVING and new Acquire/Allocate calls get UNAVAILABLE;
+Release/Commit/Abort keep working until every lease has ended or `grace_s` has passed; then the
+server stops, leftover leases are ended (pins dropped, allocations aborted), the write-back queue is
+flushed and the storage tiers are closed cleanly, and the socket is removed.
+
+Shared memory: the DRAM segment's owner is recorded beside the socket
+(`kvtier.tiers.segment_owner`), so a daemon that died without unlinking its segment (SIGKILL, OOM)
+has it reclaimed by the next daemon started on the same socket — and a live daemon's segment is
+never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+
+import grpc
+import lmdb
+import prometheus_client
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.core.errors import UsageError
+from kvtier.core.units import format_bytes
+from kvtier.daemon.auth import Authenticator
+from kvtier.daemon.cache import Cache
+from kvtier.daemon.calibrate import calibration_path, load_calibration_if_present
+from kvtier.daemon.config import Config
+from kvtier.daemon.metrics import DaemonMetrics
+from kvtier.daemon.rates import RateBook
+from kvtier.daemon.service import MAX_MESSAGE_BYTES, KvTierService
+from kvtier.tiers import segment_owner
+
+log = logging.getLogger("kvtier.daemon.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvTier"].full_name
+REAP_INTERVAL_S = 0.25
+
+
+def _claim_socket(path: Path) -> None:
+    """Creates the socket's directory (0700) and removes a stale socket; refuses a live one."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not path.exists() and not path.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: a crashed daemon's leftover
+        return
+    finally:
+        probe.close()
+    raise UsageError(f"another daemon is listening on {path}")
+
+
+def load_rates(data_dir: Path) -> tuple[RateBook, str]:
+    """The planner's RateBook seeded from the data dir's calibration, and where its seeds came
+    from (for the start log line). An unreadable or malformed file: a warning and defaults."""
+    path = calibration_path(data_dir)
+    try:
+        cal = load_calibration_if_present(data_dir)
+        book = RateBook.from_calibration(cal)
+    except (UsageError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        log.warning("ignoring the calibration file (planner uses default rates): %s", reason)
+        return RateBook(), f"defaults (calibration {path} unreadable)"
+    if cal is None:
+        return book, "defaults (no calibration; run `kvtier calibrate`)"
+    created = cal.details.get("created_utc") or "undated"
+    return book, f"calibration {path} ({created})"
+
+
+def _tls_credentials(cfg: Config) -> grpc.ServerCredentials:
+    try:
+        key = Path(cfg.tls_key).read_bytes()
+        cert = Path(cfg.tls_cert).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"TLS key/certificate: {exc}") from None
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+class Daemon:
+    """One running daemon. `start()`, then `wait()`; `stop()` drains (also on SIGTERM)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.auth = Authenticator.from_file(cfg.tokens_file)
+        self.metrics = DaemonMetrics()
+        self.cache: Cache | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = HealthServicer()
+        self.metrics_port: int | None = None
+        self._stopping = asyncio.Event()
+        self._done = asyncio.Event()
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        _claim_socket(cfg.socket)
+        reclaimed = segment_owner.reclaim(self.segment_record)
+        if reclaimed:
+            log.warning("%s", reclaimed)
+        shm_free = shutil.disk_usage("/dev/shm").free
+        if cfg.dram_bytes > shm_free:
+            raise UsageError(
+                f"dram_bytes {format_bytes(cfg.dram_bytes)} exceeds the free shared memory in "
+                f"/dev/shm ({format_bytes(shm_free)})"
+            )
+        addr = self.cfg.metrics_address()
+        if addr is not None:
+            try:
+                self.metrics_port = self.metrics.serve(*addr)
+            except OSError as exc:
+                raise UsageError(f"metrics address {cfg.metrics}: {exc}") from None
+        try:
+            cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            rates, rates_from = load_rates(cfg.data_dir)
+            self.cache = cache = Cache(cfg, self.metrics, rates=rates)
+        except (OSError, lmdb.Error) as exc:
+            self.metrics.close()
+            raise UsageError(f"cannot set up the storage tiers: {exc}") from None
+        except BaseException:
+            self.metrics.close()
+            raise
+        try:
+            pool = cache.pool
+            segment_owner.write_record(self.segment_record, segment_owner.this_process(
+                pool.spec.shm_dir, pool.spec.name, pool.generation))
+            await self._start_server(cache)
+        except BaseException:
+            self._close_cache(cache)
+            self.metrics.close()
+            raise
+        self._reaper = asyncio.create_task(self._reap())
+        ssd = "off"
+        if cfg.ssd_bytes:
+            ssd = (f"{format_bytes(cfg.ssd_bytes)} under {cfg.data_dir} (write-back queue "
+                   f"{format_bytes(cfg.writeback_queue_bytes)}, SSD writes "
+                   f"{format_bytes(cfg.ssd_write_bytes_per_day)}/day (burst "
+                   f"{format_bytes(cfg.ssd_write_burst_bytes)}))")
+        log.info(
+            "kvtier serving on unix:%s%s; metrics %s; DRAM pool %s (%d slots of %s); "
+            "SSD tier %s; planner rates from %s; %s",
+            cfg.socket, f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else "",
+            f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off",
+            format_bytes(cfg.dram_bytes), cfg.slots, format_bytes(cfg.slot_bytes), ssd, rates_from,
+            "tenants: " + ", ".join(t.name for t in self.auth.tenants())
+            + (" (token auth)" if self.auth.required else " (no auth)"),
+        )
+
+    @property
+    def segment_record(self) -> Path:
+        return segment_owner.record_path(self.cfg.socket)
+
+    def _close_cache(self, cache: Cache) -> None:
+        """Closes the tiers (the segment is unlinked), then drops the segment's owner record."""
+        cache.close()
+        segment_owner.remove_record(self.segment_record, cache.pool.generation)
+
+    async def _start_server(self, cache: Cache) -> None:
+        cfg = self.cfg
+        server = self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ])
+        pb_grpc.add_KvTierServicer_to_server(  # type: ignore[no-untyped-call]
+            KvTierService(cache, self.auth), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        old_umask = os.umask(0o177)  # the socket file is created 0600
+        try:
+            server.add_insecure_port(f"unix:{cfg.socket}")
+        finally:
+            os.umask(old_umask)
+        if cfg.tcp:
+            if cfg.tls_cert:
+                bound = server.add_secure_port(cfg.tcp, _tls_credentials(cfg))
+            else:
+                bound = server.add_insecure_port(cfg.tcp)
+            if not bound:
+                raise UsageError(f"cannot listen on tcp {cfg.tcp}")
+        await server.start()
+        os.chmod(cfg.socket, 0o600)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _reap(self) -> None:
+        assert self.cache is not None
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            self.cache.expire()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+
+    async def stop(self) -> None:
+        """Drains and shuts down; safe to call more than once (later calls wait for the first)."""
+        if self._stopping.is_set():
+            await self._done.wait()
+            return
+        self._stopping.set()
+        cache = self.cache
+        log.info("kvtier draining (grace %.1f s)", self.cfg.grace_s)
+        await self.health.enter_graceful_shutdown()
+        if cache is not None:
+            cache.draining = True
+            deadline = time.monotonic() + self.cfg.grace_s
+            while cache.active_leases() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                cache.expire()
+        if self.server is not None:
+            await self.server.stop(1.0)
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        if cache is not None:
+            left = cache.active_leases()
+            self._close_cache(cache)
+            log.info("kvtier stopped (%d lease(s) ended at shutdown)", left)
+        self.metrics.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.cfg.socket.unlink()
+        self._done.set()
+
+    async def wait(self) -> None:
+        await self._done.wait()
+
+
+async def run(cfg: Config) -> None:
+    daemon = Daemon(cfg)
+    await daemon.start()
+    daemon.install_signal_handlers()
+    await daemon.wait()
+
+
+def serve(cfg: Config) -> int:
+    """Blocking entry point of `kvtier serve`; returns the exit code."""
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(run(cfg))
+    return 0

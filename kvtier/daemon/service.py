@@ -1,0 +1,401 @@
+"""The gRPC servicer: a thin translation between kvtier.v1 messages and `kvtier.daemon.cache.Cache`.
+
+Each handler authenticates the caller (`kvtier.daemon.auth`), validates the message's own fields,
+calls the cache, and maps domain errors to gRPC status codes:
+
+    InvalidArgument → INVALID_ARGUMENT     NotFound → NOT_FOUND
+    PermissionDenied → PERMISSION_DENIED   ResourceExhausted → RESOURCE_EXHAUSTED
+    FailedPrecondition → FAILED_PRECONDITION   Unauthenticated → UNAUTHENTICATED
+
+A refused request changes nothing. Every call is counted and timed per method in the metrics.
+Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
+promotions (Acquire, ReadBlocks), whose reads run on a worker thread (`Cache.acquire_async`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import grpc
+
+from kvtier import __version__ as _version
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.core.costmodel import CostModel
+from kvtier.core.types import Tier
+from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
+from kvtier.daemon.cache import Cache
+from kvtier.daemon.namespaces import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvtier.tiers.dram import SegmentHandle
+
+log = logging.getLogger(__name__)
+CHUNK_BYTES = 4 << 20
+MAX_MESSAGE_BYTES = 8 << 20
+
+_CODES: dict[type[Exception], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+_TIER_TO_PB = {Tier.HBM: pb.TIER_HBM, Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD}
+
+_RESULTS = ("hit", "miss")
+_TIERS = ("dram", "ssd")
+R = TypeVar("R")
+if TYPE_CHECKING:
+    Ctx = grpc.aio.ServicerContext[Any, Any]
+else:
+    Ctx = grpc.aio.ServicerContext
+
+
+_PLUS_ONE = bytes(min(i + 1, 255) for i in range(256))
+
+
+def tiers_to_pb(tiers: list[Tier]) -> list[Any]:
+    """kvtier.core.types.Tier → kvtier.v1.Tier (TIER_NONE = 0 shifts every value by one), in C."""
+    return list(bytes(tiers).translate(_PLUS_ONE))
+
+
+def segment_info(h: SegmentHandle) -> pb.SegmentInfo:
+    return pb.SegmentInfo(
+        name=h.name, size=h.size, generation=h.generation, slot_bytes=h.slot_size,
+        slot_stride=h.slot_stride, slot_count=h.slot_count, data_offset=h.data_offset,
+        shm_dir=h.shm_dir,
+    )
+
+
+def _seconds(value: float, name: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")
+    return value
+
+
+class KvTierService(pb_grpc.KvTierServicer):
+    def __init__(self, cache: Cache, auth: Authenticator, started_at: float | None = None) -> None:
+        self.cache = cache
+        self.auth = auth
+        self.metrics = cache.metrics
+        self.started_at = started_at or time.time()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    async def _fail(self, method: str, context: Ctx, exc: Exception, started: float) -> NoReturn:
+        """Records and answers a refusal (domain error) or an internal error (a bug: logged)."""
+        code = next((c for t, c in _CODES.items() if isinstance(exc, t)), None)
+        if code is None:
+            log.error("%s failed", method, exc_info=exc)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
+        else:
+            message = str(exc)
+        self._record(method, code, started)
+        await context.abort(code, message)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def _tenant(self, context: Ctx) -> Tenant:
+        return self.auth.authenticate(context.invocation_metadata())
+
+    def _record(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        self.metrics.rpcs.labels(method, code.name).inc()
+        self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+
+    # -- unary RPCs -------------------------------------------------------------------------
+
+    async def RegisterLayout(
+        self, request: pb.RegisterLayoutRequest, context: Ctx
+    ) -> pb.RegisterLayoutResponse:
+        async def go(tenant: Tenant) -> pb.RegisterLayoutResponse:
+            cost = None
+            if request.HasField("model"):
+                m = request.model
+                if not (math.isfinite(m.active_params) and m.active_params > 0
+                        and m.num_layers > 0 and m.attn_dim > 0):
+                    raise InvalidArgument(
+                        "model: active_params, num_layers and attn_dim must be positive"
+                    )
+                cost = CostModel.dense(
+                    "client", m.active_params, m.num_layers, m.attn_dim, m.sliding_window,
+                )
+            reg = self.cache.register_layout(
+                request.model_id, request.layout, request.block_bytes, request.block_tokens,
+                request.key_width, cost,
+            )
+            return pb.RegisterLayoutResponse(
+                segment=segment_info(reg.segment), layout_id=reg.layout_id,
+                max_blocks_per_request=self.cache.cfg.max_blocks_per_request,
+                default_lease_ttl_ms=int(self.cache.cfg.lease_ttl_s * 1000),
+                tenant=tenant.name,
+            )
+
+        return await self._unary("RegisterLayout", context, go)
+
+    async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
+        async def go(tenant: Tenant) -> pb.LookupResponse:
+            res = self.cache.lookup(
+                tenant, request.layout, request.keys, request.key_width, request.start_token,
+                request.prompt_tokens, request.want_plan, request.replica,
+            )
+            reply = pb.LookupResponse(hit_blocks=len(res.tiers), tiers=tiers_to_pb(res.tiers))
+            if res.plan is not None:
+                p = res.plan
+                reply.plan.CopyFrom(pb.Plan(
+                    fetch_blocks=p.cut, predicted_fetch_seconds=p.fetch_s,
+                    predicted_recompute_seconds=p.recompute_avoided_s, reason=str(p.reason),
+                    promote_in_background=bool(p.promote_in_background),
+                ))
+            return reply
+
+        return await self._unary("Lookup", context, go)
+
+    async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
+        async def go(tenant: Tenant) -> pb.AcquireResponse:
+            res = await self.cache.acquire_async(
+                tenant, request.layout, request.keys, request.key_width,
+                request.lease_ttl_ms / 1000,
+            )
+            info = self.cache.layout(request.layout)
+            return pb.AcquireResponse(
+                lease_id=res.lease_id, count=len(res.offsets), offsets=res.offsets,
+                block_bytes=info.block_bytes, segment=segment_info(self.cache.pool.handle()),
+                source_tiers=tiers_to_pb(res.source_tiers),
+                lease_ttl_ms=int(res.ttl_s * 1000),
+            )
+
+        return await self._unary("Acquire", context, go)
+
+    async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
+        async def go(tenant: Tenant) -> pb.ReleaseResponse:
+            self.cache.release(
+                tenant, request.lease_id, request.bytes, _seconds(request.seconds, "seconds")
+            )
+            return pb.ReleaseResponse()
+
+        return await self._unary("Release", context, go)
+
+    async def RenewLease(
+        self, request: pb.RenewLeaseRequest, context: Ctx
+    ) -> pb.RenewLeaseResponse:
+        async def go(tenant: Tenant) -> pb.RenewLeaseResponse:
+            ttl = self.cache.renew(tenant, request.lease_id, request.lease_ttl_ms / 1000)
+            return pb.RenewLeaseResponse(lease_ttl_ms=int(ttl * 1000))
+
+        return await self._unary("RenewLease", context, go)
+
+    async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
+        async def go(tenant: Tenant) -> pb.AllocateResponse:
+            res = self.cache.allocate(
+                tenant, request.layout, request.keys, request.key_width, request.parent_key,
+                request.lease_ttl_ms / 1000,
+            )
+            info = self.cache.layout(request.layout)
+            return pb.AllocateResponse(
+                lease_id=res.lease_id, indices=res.indices, offsets=res.offsets,
+                block_bytes=info.block_bytes, segment=segment_info(self.cache.pool.handle()),
+                lease_ttl_ms=int(res.ttl_s * 1000),
+            )
+
+        return await self._unary("Allocate", context, go)
+
+    async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
+        async def go(tenant: Tenant) -> pb.CommitResponse:
+            n = self.cache.commit(
+                tenant, request.lease_id, request.bytes, _seconds(request.seconds, "seconds")
+            )
+            return pb.CommitResponse(committed=n)
+
+        return await self._unary("Commit", context, go)
+
+    async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
+        async def go(tenant: Tenant) -> pb.AbortResponse:
+            self.cache.abort(tenant, request.lease_id)
+            return pb.AbortResponse()
+
+        return await self._unary("Abort", context, go)
+
+    async def ReportHbm(
+        self, request: pb.ReportHbmRequest, context: Ctx
+    ) -> pb.ReportHbmResponse:
+        async def go(tenant: Tenant) -> pb.ReportHbmResponse:
+            n = self.cache.report_hbm(
+                tenant, request.layout, request.replica, request.key_width, request.added,
+                request.removed, request.reset,
+            )
+            return pb.ReportHbmResponse(tracked=n)
+
+        return await self._unary("ReportHbm", context, go)
+
+    async def ReportPrefill(
+        self, request: pb.ReportPrefillRequest, context: Ctx
+    ) -> pb.ReportPrefillResponse:
+        async def go(tenant: Tenant) -> pb.ReportPrefillResponse:
+            self.cache.report_prefill(
+                tenant, request.layout, request.tokens, request.seconds, request.context_tokens
+            )
+            return pb.ReportPrefillResponse()
+
+        return await self._unary("ReportPrefill", context, go)
+
+    async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
+        async def go(tenant: Tenant) -> pb.StatsResponse:
+            s = self.cache.stats(tenant)
+            value = self.metrics.value
+            return pb.StatsResponse(
+                tiers=[
+                    pb.TierStats(tier=pb.TIER_DRAM, capacity_bytes=s.dram_capacity_bytes,
+                                 used_bytes=s.dram_used_bytes, blocks=s.dram_blocks),
+                    pb.TierStats(tier=pb.TIER_SSD, capacity_bytes=s.ssd_capacity_bytes,
+                                 used_bytes=s.ssd_used_bytes, blocks=s.ssd_blocks),
+                ],
+                active_leases=s.read_leases + s.write_leases,
+                lookups=int(sum(value("kvtier_lookups_total", result=r) for r in _RESULTS)),
+                blocks_hit=int(sum(value("kvtier_blocks_hit_total", tier=t) for t in _TIERS)),
+                blocks_missed=int(value("kvtier_blocks_missed_total")),
+                tenant_dram_bytes=s.tenant_dram_bytes, tenant_ssd_bytes=s.tenant_ssd_bytes,
+                tenant_dram_quota_bytes=tenant.dram_quota_bytes,
+                tenant_ssd_quota_bytes=tenant.ssd_quota_bytes,
+                segment=segment_info(self.cache.pool.handle()),
+                uptime_seconds=time.time() - self.started_at,
+                layouts=s.layouts,
+                writeback_dropped=int(value("kvtier_writeback_dropped_total")),
+                checksum_failures=int(value("kvtier_checksum_failures_total")),
+                version=_version,
+            )
+
+        return await self._unary("Stats", context, go)
+
+    async def _unary(
+        self, method: str, context: Ctx, go: Callable[[Tenant], Awaitable[R]]
+    ) -> R:
+        started = time.perf_counter()
+        try:
+            result = await go(self._tenant(context))
+        except Exception as exc:
+            await self._fail(method, context, exc, started)
+        self._record(method, grpc.StatusCode.OK, started)
+        return result
+
+    # -- streams ----------------------------------------------------------------------------
+
+    async def ReadBlocks(
+        self, request: pb.ReadBlocksRequest, context: Ctx
+    ) -> AsyncIterator[pb.BlockChunk]:
+        started = time.perf_counter()
+        try:
+            tenant = self._tenant(context)
+            async with self.cache.reading(
+                tenant, request.layout, request.keys, request.key_width
+            ) as vs:
+                if not vs:
+                    yield pb.BlockChunk(index=0, offset=0, data=b"", count=0)
+                for i, view in enumerate(vs):
+                    for off in range(0, len(view), CHUNK_BYTES):
+                        yield pb.BlockChunk(
+                            index=i, offset=off, data=bytes(view[off : off + CHUNK_BYTES]),
+                            count=len(vs) if i == 0 and off == 0 else 0,
+                        )
+        except Exception as exc:
+            await self._fail("ReadBlocks", context, exc, started)
+        self._record("ReadBlocks", grpc.StatusCode.OK, started)
+
+    async def WriteBlocks(
+        self, request_iterator: AsyncIterator[pb.WriteBlocksRequest], context: Ctx
+    ) -> pb.WriteBlocksResponse:
+        started = time.perf_counter()
+        try:
+            tenant = self._tenant(context)
+            reply = await self._write_blocks(tenant, request_iterator)
+        except Exception as exc:
+            await self._fail("WriteBlocks", context, exc, started)
+        self._record("WriteBlocks", grpc.StatusCode.OK, started)
+        return reply
+
+    async def _write_blocks(
+        self, tenant: Tenant, requests: AsyncIterator[pb.WriteBlocksRequest]
+    ) -> pb.WriteBlocksResponse:
+        first = await anext(aiter(requests), None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("the first WriteBlocks message must be a header")
+        h = first.header
+        info = self.cache.layout(h.layout)
+        alloc = self.cache.allocate(tenant, h.layout, h.keys, h.key_width, h.parent_key, 0.0)
+        n_keys = len(h.keys) // info.key_width
+        slot_of = dict(zip(alloc.indices, alloc.offsets, strict=True))
+        done, committed = 0, False
+        try:
+            index, filled = 0, 0
+            async for msg in requests:
+                if not msg.HasField("chunk"):
+                    raise InvalidArgument("only the first WriteBlocks message may be a header")
+                c = msg.chunk
+                if filled == info.block_bytes:
+                    index, filled = index + 1, 0
+                if c.index != index or c.offset != filled:
+                    raise InvalidArgument(
+                        f"expected bytes of block {index} at offset {filled}, got block "
+                        f"{c.index} at offset {c.offset}"
+                    )
+                if index >= n_keys or filled + len(c.data) > info.block_bytes or not c.data:
+                    raise InvalidArgument(
+                        f"chunk overruns the {n_keys} blocks of {info.block_bytes} bytes"
+                    )
+                if index in slot_of:
+                    view = self.cache.slot_view(slot_of[index], info.block_bytes)
+                    view[filled : filled + len(c.data)] = c.data
+                filled += len(c.data)
+            got = index + (1 if filled == info.block_bytes else 0)
+            if got != n_keys:
+                raise InvalidArgument(f"received {got} complete blocks of {n_keys}")
+            if alloc.lease_id:
+                done = self.cache.commit(tenant, alloc.lease_id, len(slot_of) * info.block_bytes)
+            committed = True
+        finally:
+            if alloc.lease_id and not committed:
+                with contextlib.suppress(NotFound):  # expired meanwhile
+                    self.cache.abort(tenant, alloc.lease_id)
+        return pb.WriteBlocksResponse(stored=done, skipped=n_keys - len(alloc.indices))
+
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: Ctx
+    ) -> AsyncIterator[pb.KvEvent]:
+        started = time.perf_counter()
+        try:
+            tenant = self._tenant(context)
+        except Unauthenticated as exc:
+            await self._fail("WatchEvents", context, exc, started)
+        sub = self.cache.events.subscribe(tenant.name, request.since_sequence)
+        try:
+            while True:
+                event = await sub.queue.get()
+                if event is None:
+                    break
+                msg = pb.KvEvent(sequence=event.sequence, timestamp=event.timestamp)
+                medium = _TIER_TO_PB[event.tier]
+                if event.stored:
+                    msg.stored.CopyFrom(pb.BlockStored(
+                        block_hashes=event.keys, parent_block_hash=event.parent,
+                        block_size=event.block_tokens, medium=medium, layout=event.layout,
+                    ))
+                else:
+                    msg.removed.CopyFrom(pb.BlockRemoved(
+                        block_hashes=event.keys, medium=medium, layout=event.layout,
+                    ))
+                yield msg
+        finally:
+            self.cache.events.unsubscribe(sub)
+            self._record("WatchEvents", grpc.StatusCode.OK, started)
+

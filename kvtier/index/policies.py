@@ -1,0 +1,315 @@
+"""Eviction orders and SSD admission for the prefix index: small strategies, O(1) per operation.
+
+An eviction queue holds the blocks of one tier that may be evicted *now* (the index decides
+membership; see `kvtier.index.prefix`). The queue only orders them. Blocks are linked intrusively
+through their own `prev`/`next` slots (vLLM free-block-queue style), so push, discard and touch are
+O(1) and a block is in at most one queue at a time.
+
+    coldest ─▶ b ⇄ b ⇄ b ⇄ b ◀─ hottest          (iteration order = eviction order)
+
+Policies:
+
+- ``lru`` (default): one list; a touch moves the block to the hot end.
+- ``slru``: segmented LRU, frequency-aware. A block accessed fewer than two times sits in the
+  *probation* list, one accessed again moves to the *protected* list; protected holds at most
+  `protected_fraction` of the queue (its coldest overflow falls back to probation's hot end).
+  Victims come from probation first, so one-shot blocks (a long document read once) cannot flush
+  blocks that are reused (a shared system prompt).
+
+SSD admission: `KthAccess(k)` admits a block to SSD once it has been accessed k times (the commit
+counts as the first access, each lookup hit as one more); k = 2 keeps one-shot prefixes off the
+drive, k = 1 writes everything back. `AdmissionHistory` remembers the counts of recently dropped
+blocks ("ghost" entries), so a block reused at a distance larger than DRAM still reaches k.
+
+Threading: none of this is thread-safe; the index's owner serialises calls.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from xxhash import xxh3_64_intdigest
+
+from kvtier.index.types import HITS_MAX
+
+if TYPE_CHECKING:
+    from kvtier.index.types import Block, Tenant
+
+PROTECTED = 1 << 7
+"""Bit of `Block.flags` reserved for policies (set while a block is in SLRU's protected list)."""
+
+
+class BlockList:
+    """Intrusive doubly linked list over `Block.prev`/`Block.next`; `None` ends the list."""
+
+    __slots__ = ("head", "size", "tail")
+
+    def __init__(self) -> None:
+        self.head: Block | None = None
+        self.tail: Block | None = None
+        self.size = 0
+
+    def append(self, b: Block) -> None:
+        tail = self.tail
+        b.prev = tail
+        b.next = None
+        if tail is None:
+            self.head = b
+        else:
+            tail.next = b
+        self.tail = b
+        self.size += 1
+
+    def appendleft(self, b: Block) -> None:
+        head = self.head
+        b.next = head
+        b.prev = None
+        if head is None:
+            self.tail = b
+        else:
+            head.prev = b
+        self.head = b
+        self.size += 1
+
+    def unlink(self, b: Block) -> None:
+        p, n = b.prev, b.next
+        if p is None:
+            self.head = n
+        else:
+            p.next = n
+        if n is None:
+            self.tail = p
+        else:
+            n.prev = p
+        b.prev = b.next = None
+        self.size -= 1
+
+    def move_to_end(self, b: Block) -> None:
+        if self.tail is not b:
+            self.unlink(b)
+            self.append(b)
+
+    def __iter__(self) -> Iterator[Block]:
+        b = self.head
+        while b is not None:
+            nxt = b.next
+            yield b
+            b = nxt
+
+
+class EvictionQueue:
+    """Order over the evictable blocks of one tier. Subclasses are the policies.
+
+    Contract: `push` only blocks not in any queue, `discard`/`touch` only blocks in this queue;
+    `touch` is called after the index has updated the block's `hits`/`last`. Iteration is coldest
+    first and tolerates discarding the block just yielded, nothing else.
+    """
+
+    __slots__ = ()
+    name = ""
+
+    def push(self, b: Block, cold: bool = False) -> None:
+        """Add an evictable block; `cold` places it at the eviction end instead of the hot end."""
+        raise NotImplementedError
+
+    def discard(self, b: Block) -> None:
+        raise NotImplementedError
+
+    def touch(self, b: Block) -> None:
+        raise NotImplementedError
+
+    def first(self) -> Block | None:
+        """The next victim, or None when nothing is evictable."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Block]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+class LruQueue(BlockList, EvictionQueue):
+    """One list (the queue *is* the list: one call level less on the index's hot path)."""
+
+    __slots__ = ()
+    name = "lru"
+
+    def push(self, b: Block, cold: bool = False) -> None:
+        if cold:
+            self.appendleft(b)
+        else:
+            self.append(b)
+
+    discard = BlockList.unlink
+    touch = BlockList.move_to_end
+
+    def first(self) -> Block | None:
+        return self.head
+
+    __iter__ = BlockList.__iter__
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class SlruQueue(EvictionQueue):
+    __slots__ = ("_fraction", "_probation", "_protected")
+    name = "slru"
+
+    def __init__(self, protected_fraction: float = 0.8) -> None:
+        if not 0.0 < protected_fraction < 1.0:
+            raise ValueError(f"protected_fraction must be in (0, 1), got {protected_fraction}")
+        self._fraction = protected_fraction
+        self._probation = BlockList()
+        self._protected = BlockList()
+
+    def push(self, b: Block, cold: bool = False) -> None:
+        if b.stamp & HITS_MAX < 2:
+            seg = self._probation
+        else:
+            b.flags |= PROTECTED
+            seg = self._protected
+        if cold:
+            seg.appendleft(b)
+        else:
+            seg.append(b)
+        self._rebalance()
+
+    def discard(self, b: Block) -> None:
+        if b.flags & PROTECTED:
+            b.flags &= ~PROTECTED
+            self._protected.unlink(b)
+        else:
+            self._probation.unlink(b)
+
+    def touch(self, b: Block) -> None:
+        if b.flags & PROTECTED:
+            self._protected.move_to_end(b)
+        elif b.stamp & HITS_MAX >= 2:
+            self._probation.unlink(b)
+            b.flags |= PROTECTED
+            self._protected.append(b)
+            self._rebalance()
+        else:
+            self._probation.move_to_end(b)
+
+    def _rebalance(self) -> None:
+        protected, probation = self._protected, self._probation
+        limit = max(1, int(self._fraction * (protected.size + probation.size)))
+        while protected.size > limit and protected.head is not None:
+            b = protected.head
+            protected.unlink(b)
+            b.flags &= ~PROTECTED
+            probation.append(b)
+
+    def first(self) -> Block | None:
+        return self._probation.head or self._protected.head
+
+    def __iter__(self) -> Iterator[Block]:
+        yield from self._probation
+        yield from self._protected
+
+    def __len__(self) -> int:
+        return self._probation.size + self._protected.size
+
+
+POLICIES: dict[str, Callable[[], EvictionQueue]] = {"lru": LruQueue, "slru": SlruQueue}
+"""Policy name -> factory of one tier's queue."""
+
+
+def make_queue(policy: str) -> EvictionQueue:
+    try:
+        return POLICIES[policy]()
+    except KeyError:
+        known = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown eviction policy {policy!r} (known: {known})") from None
+
+
+class KthAccess:
+    """SSD admission: write a block back only once it has been accessed `k` times."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int = 2) -> None:
+        if k < 1:
+            raise ValueError(f"admission k must be >= 1, got {k}")
+        self.k = k
+
+    def admits(self, b: Block) -> bool:
+        return b.stamp & HITS_MAX >= self.k
+
+
+_MASK64 = (1 << 64) - 1
+_COUNT_MAX = 255
+
+
+class AdmissionHistory:
+    """Access counts of recently dropped blocks ("ghost" entries), for k-th-access admission.
+
+    A direct-mapped table of `size` 32-bit words (4 bytes each, allocated once; size 0 = off).
+    `remember` stores a dropped (tenant, key) in word ``h % size`` as ``tag << 8 | min(hits,
+    255)`` (h = XXH3-64 of the key seeded by the tenant, tag = its top 24 bits), overwriting what
+    was there; `recall` of a key whose tag matches returns the count and clears the word. So memory
+    is fixed, every operation is O(1) and keeps no key alive; a dropped block is remembered until
+    a later drop lands on its word: after m more drops with probability (1 - 1/size)^m ~
+    exp(-m/size). A tag collision (2^-24 per recall that finds a word occupied by another key)
+    restores a wrong count: it can change an admission decision, never the index's invariants.
+    Deterministic across processes and runs (no `hash()`).
+
+    Counters: `entries` = occupied words; `recalled` = counts given back so far.
+    """
+
+    __slots__ = ("_words", "entries", "recalled", "size")
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"admission history size must be >= 0, got {size}")
+        self.size = size
+        self._words = array("I", bytes(4 * size))
+        self.entries = 0
+        self.recalled = 0
+
+    def slot(self, tenant: Tenant, key: bytes) -> tuple[int, int]:
+        """(word index, tag) of a key; for tests and audits."""
+        h = _fingerprint(tenant, key)
+        return h % self.size, h >> 40
+
+    def remember(self, tenant: Tenant, key: bytes, hits: int) -> None:
+        """A block left the cache after `hits` accesses (>= 1)."""
+        if not self.size:
+            return
+        h = _fingerprint(tenant, key)
+        i = h % self.size
+        words = self._words
+        if not words[i]:
+            self.entries += 1
+        words[i] = (h >> 40) << 8 | (hits if hits < _COUNT_MAX else _COUNT_MAX)
+
+    def recall(self, tenant: Tenant, key: bytes) -> int:
+        """The remembered access count of a dropped key, forgetting it; 0 if not remembered."""
+        if not self.entries:
+            return 0
+        h = _fingerprint(tenant, key)
+        i = h % self.size
+        w = self._words[i]
+        if w and w >> 8 == h >> 40:
+            self._words[i] = 0
+            self.entries -= 1
+            self.recalled += 1
+            return w & _COUNT_MAX
+        return 0
+
+    def nbytes(self) -> int:
+        return self._words.itemsize * self.size
+
+    def occupied(self) -> int:
+        """Recount of `entries` (O(size), for tests)."""
+        return self.size - self._words.count(0)
+
+
+def _fingerprint(tenant: Tenant, key: bytes) -> int:
+    seed = tenant if isinstance(tenant, int) else xxh3_64_intdigest(tenant.encode())
+    return xxh3_64_intdigest(key, seed & _MASK64)

@@ -1,0 +1,299 @@
+"""The prefix index: which blocks are cached, in which tiers, who pins them, what to evict next.
+
+Pure bookkeeping — no I/O, no tensors, no protobuf, no threads. Entries are keyed by
+``(tenant, key)``: the tenant is a small int or str chosen by the server after authentication, the
+key the block key of `kvtier.core.keys` (opaque bytes here). One `Block` per entry.
+
+Residency. An entry exists exactly while the daemon *stores* the block: in a DRAM slot, on SSD,
+or both (promotion keeps the SSD copy, so a later DRAM eviction of that block is a free demotion).
+HBM is the engines' memory: replicas report what they hold (`hbm_add`/`hbm_drop`) and the index
+keeps that as a per-replica bit mask on stored entries, for lookups and statistics; it never
+evicts HBM, and HBM never keeps an entry alive.
+
+Invariants (checked by tests/test_index_props.py after every step):
+
+1. No stranded block: every entry's parent is an entry of the same tenant (or it is a root).
+   A chain can only hit from its first block, so a block under a missing parent is dead weight.
+   Hence a block leaves its *last* tier only as a leaf (``children == 0``), and the block that
+   leaves DRAM while it has an SSD copy (demotion) keeps its children reachable.
+2. SSD is prefix-closed: a block gets an SSD copy only if it is a root or its parent is on SSD.
+   So the SSD tier alone always serves whole prefixes and, after a daemon crash (DRAM lost), holds
+   no stranded block; and a DRAM-only block only has DRAM-only descendants, so DRAM always has a
+   leaf or a demotable block to evict unless everything is pinned.
+3. A pinned block (``pins > 0``) is never evicted, dropped, demoted or removed.
+4. ``blocks(tier) <= capacity(tier)``; an insert/promotion into a full tier raises `TierFull`
+   and changes nothing — the caller evicts first.
+5. Counters (`stats`) equal a recount at every step.
+
+Eviction structure: one queue per managed tier holds exactly the blocks that may leave it now, so
+a victim is a queue's cold end, never a scan (`kvtier.index.state`); `kvtier.index.evict` picks
+and evicts victims, with write-back at eviction.
+
+Access statistics: `hits` counts accesses (the commit is the first, each lookup hit adds one);
+`last` is the index's logical clock at the last access (one tick per insert and per touching
+lookup that hits). Admission
+history: when an entry leaves its last tier (eviction, drop, remove), its `hits` go to a
+fixed-size `kvtier.index.policies.AdmissionHistory`; an insert of the same (tenant, key) while the
+history still remembers it starts at that count + 1, so a block reused at a distance larger than
+DRAM can still reach the k-th access that admits it to SSD. The history holds no key and never
+grows (4 bytes a word, one word per block of DRAM + SSD capacity by default).
+
+Exceptions are `IndexStateError` subclasses; a call that raises has changed nothing.
+Threading: not thread-safe; the owner serialises calls (the daemon holds one lock around it).
+Block objects returned are live views: read them, never write them, and don't keep them across
+calls that may remove the entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.core.types import BlockKey, Tier
+from kvtier.index.evict import Eviction
+from kvtier.index.hbm import HbmReports
+from kvtier.index.state import ADMISSION_HISTORY_PER_BLOCK, short
+from kvtier.index.types import (
+    EVICTION_COUNTERS,
+    HITS_BITS,
+    HITS_MAX,
+    IN_DRAM,
+    ON_SSD,
+    Q_DRAM,
+    Q_SSD,
+    BadSlot,
+    Block,
+    DuplicateBlock,
+    Evicted,
+    IndexStateError,
+    IndexStats,
+    MissingParent,
+    NotEvictable,
+    PinnedBlock,
+    Prefix,
+    Reason,
+    Tenant,
+    TierFull,
+    UnknownBlock,
+)
+
+__all__ = [
+    "ADMISSION_HISTORY_PER_BLOCK", "EVICTION_COUNTERS", "BadSlot", "Block", "DuplicateBlock",
+    "Evicted", "IndexStateError", "IndexStats", "MissingParent", "NotEvictable", "PinnedBlock",
+    "Prefix", "PrefixIndex", "Reason", "Tenant", "TierFull", "UnknownBlock",
+]
+
+# Module constants: an enum member lookup (`Tier.SSD`) costs ~0.1 us on Python 3.11.
+_HBM, _DRAM, _SSD = Tier.HBM, Tier.DRAM, Tier.SSD
+
+
+class PrefixIndex(Eviction, HbmReports):
+    """Prefix index over DRAM and SSD with HBM annotations (contract in the module docstring).
+
+    `dram_blocks`/`ssd_blocks`: tier capacities in blocks (None = unbounded). DRAM slot ids, when
+    used, are validated against ``range(dram_blocks)`` and must be unique. `block_bytes`: the
+    fixed size of one block, for byte accounting. `policy`: a `kvtier.index.policies.POLICIES` name.
+    `admission_k`: SSD admission on the k-th access. `admission_history`: words of the
+    `kvtier.index.policies.AdmissionHistory` that keeps the access counts of dropped blocks (4 bytes
+    each; 0 = off, a reinserted block starts again at 1); None = `ADMISSION_HISTORY_PER_BLOCK` x
+    (dram_blocks + ssd_blocks) when both are bounded and ssd_blocks > 0, else 0.
+
+    Queries, `stats` and the constructor: `kvtier.index.state.IndexState`; `victims`, `evict`,
+    `evict_count`, `admits`: `kvtier.index.evict`; `hbm_add`, `hbm_drop`, `drop_replica`:
+    `kvtier.index.hbm`. Here: lookup, commit, residency changes and leases.
+    """
+
+    # ---------------------------------------------------------------- lookup
+    def lookup(
+        self,
+        tenant: Tenant,
+        keys: Sequence[BlockKey],
+        *,
+        replica: str | int | None = None,
+        touch: bool = True,
+    ) -> Prefix:
+        """Longest cached prefix of the chain `keys` (keys[0] a root, each next key's parent the
+        previous one; the walk stops at the first key not cached *as that chain's next block*).
+
+        Best tier per block: HBM if `replica` holds it (any replica when `replica` is None),
+        else DRAM, else SSD. With `touch`, each hit block counts an access (hits, last, and its
+        eviction-queue position). O(len(prefix)).
+        """
+        blocks: list[Block] = []
+        m = self._maps.get(tenant)
+        if m is None:
+            return Prefix(blocks, [])
+        get, add = m.get, blocks.append
+        parent = None
+        for key in keys:
+            b = get(key)
+            if b is None or b.parent is not parent:
+                break
+            add(b)
+            parent = b
+        if replica is None:
+            mask = -1
+        else:
+            bit = self._replicas.get(replica)
+            mask = 0 if bit is None else 1 << bit
+        hbm, dram, ssd = _HBM, _DRAM, _SSD
+        tiers = [hbm if b.hbm & mask else dram if b.flags & IN_DRAM else ssd for b in blocks]
+        if touch and blocks:
+            self._clock += 1
+            now = self._clock << HITS_BITS
+            qd, qs = self._qd, self._qs
+            for b in blocks:
+                hits = (b.stamp & HITS_MAX) + 1
+                b.stamp = now | (hits if hits < HITS_MAX else HITS_MAX)
+                f = b.flags
+                if f & Q_DRAM:
+                    qd.touch(b)
+                elif f & Q_SSD:
+                    qs.touch(b)
+        return Prefix(blocks, tiers)
+
+    # ---------------------------------------------------------------- commit
+    def insert(
+        self,
+        tenant: Tenant,
+        key: BlockKey,
+        parent: BlockKey | None,
+        tier: Tier = _DRAM,
+        *,
+        dram_slot: int | None = None,
+    ) -> Block:
+        """Record a committed block stored in `tier` (DRAM or SSD) under `parent` (None = root).
+
+        Raises DuplicateBlock if (tenant, key) is cached (one payload per key: the caller frees
+        its copy), MissingParent if `parent` is not cached, TierFull, BadSlot.
+        """
+        if not isinstance(key, bytes) or not key:
+            raise TypeError("a block key is non-empty bytes")
+        if tier is _HBM:
+            raise ValueError("HBM residency is reported with hbm_add, not inserted")
+        m = self._maps.get(tenant)
+        if m is not None and key in m:
+            raise DuplicateBlock(f"block {short(key)} of tenant {tenant!r} is already cached")
+        p = None
+        if parent is not None:
+            p = None if m is None else m.get(parent)
+            if p is None:
+                raise MissingParent(f"parent {short(parent)} is not cached; insert it first")
+        self._check_room(tier, dram_slot)
+        if tier is _SSD:
+            self._check_closure(p)
+        if m is None:
+            m = self._maps[tenant] = {}
+        self._clock += 1
+        hits = 1 + self.history.recall(tenant, key) if self.history.entries else 1
+        b = Block(key, tenant, p, stamp=self._clock << HITS_BITS | hits)
+        m[key] = b
+        self._entries += 1
+        if p is not None:
+            p.children += 1
+            self._requeue(p)
+        self._add(b, tier, dram_slot)
+        return b
+
+    def add_tier(self, tenant: Tenant, key: BlockKey, tier: Tier, *,
+                 dram_slot: int | None = None) -> Block:
+        """A copy of a cached block now also lives in `tier`: promotion SSD -> DRAM (with its
+        slot), or a completed write-back DRAM -> SSD. Raises if already there, TierFull, BadSlot.
+        """
+        b = self._need(tenant, key)
+        if tier is _HBM:
+            raise ValueError("HBM residency is reported with hbm_add")
+        if b.flags & (1 << tier):
+            raise DuplicateBlock(f"block {short(key)} is already in {tier.label}")
+        self._check_room(tier, dram_slot)
+        if tier is _SSD:
+            self._check_closure(b.parent)
+        self._add(b, tier, dram_slot)
+        return b
+
+    promote = add_tier
+
+    def demote(self, tenant: Tenant, key: BlockKey) -> Evicted:
+        """DRAM -> SSD bookkeeping once the bytes are on SSD: adds the SSD copy if missing and
+        drops the DRAM copy; children stay reachable. Raises PinnedBlock, TierFull."""
+        b = self._need(tenant, key)
+        if not b.flags & IN_DRAM:
+            raise UnknownBlock(f"block {short(key)} is not in dram")
+        self._check_unpinned(b)
+        written = not b.flags & ON_SSD
+        if written:
+            self._check_room(_SSD, None)
+            self._check_closure(b.parent)
+            self._add(b, _SSD, None)
+        out: list[Evicted] = []
+        self._drop(b, _DRAM, out, written_back=written)
+        return out[0]
+
+    def drop(self, tenant: Tenant, key: BlockKey, tier: Tier) -> Evicted:
+        """Drop the copy in `tier`. Raises PinnedBlock; NotEvictable when the block has children
+        and the copy is its last, or is an SSD copy (a child may need it: SSD prefix closure)."""
+        b = self._need(tenant, key)
+        if tier is _HBM or not b.flags & (1 << tier):
+            raise UnknownBlock(f"block {short(key)} is not in {tier.label}")
+        self._check_unpinned(b)
+        if b.children and (tier is _SSD or not b.flags & ON_SSD):
+            raise NotEvictable(f"block {short(key)} has {b.children} cached children")
+        out: list[Evicted] = []
+        self._drop(b, tier, out)
+        return out[0]
+
+    def remove(self, tenant: Tenant, key: BlockKey) -> list[Evicted]:
+        """Remove a leaf block from every tier (e.g. its SSD copy failed verification)."""
+        b = self._need(tenant, key)
+        self._check_unpinned(b)
+        if b.children:
+            raise NotEvictable(f"block {short(key)} has {b.children} cached children")
+        out: list[Evicted] = []
+        for tier in (_SSD, _DRAM):
+            if b.flags & (1 << tier):
+                self._drop(b, tier, out, count=False)
+        self._evictions["removed"] += 1
+        return out
+
+    def remove_subtree(self, tenant: Tenant, key: BlockKey) -> list[Evicted]:
+        """Remove a block and every cached descendant (e.g. its only copy failed verification,
+        so the whole subtree can never hit again). Children before parents in the result.
+
+        O(entries of the tenant) — one pass, since entries iterate parents before children;
+        for rare events, never the request path. Raises PinnedBlock (nothing removed) if any
+        block of the subtree is pinned."""
+        top = self._need(tenant, key)
+        doomed = [top]
+        inside = {top}
+        for b in self._maps[tenant].values():
+            if b.parent in inside:
+                inside.add(b)
+                doomed.append(b)
+        pinned = next((b for b in doomed if b.pins), None)
+        if pinned is not None:
+            raise PinnedBlock(f"block {short(pinned.key)} of the subtree is pinned")
+        out: list[Evicted] = []
+        for b in reversed(doomed):
+            out.extend(self.remove(tenant, b.key))
+        return out
+
+    # ---------------------------------------------------------------- leases
+    def pin(self, tenant: Tenant, key: BlockKey) -> Block:
+        """Take one lease: the block cannot leave any tier until the matching `unpin`."""
+        b = self._need(tenant, key)
+        b.pins += 1
+        self._pins += 1
+        if b.pins == 1:
+            self._pinned += 1
+            self._requeue(b)
+        return b
+
+    def unpin(self, tenant: Tenant, key: BlockKey) -> Block:
+        b = self._need(tenant, key)
+        if not b.pins:
+            raise IndexStateError(f"block {short(key)} is not pinned")
+        b.pins -= 1
+        self._pins -= 1
+        if not b.pins:
+            self._pinned -= 1
+            self._requeue(b)
+        return b

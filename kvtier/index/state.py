@@ -1,0 +1,289 @@
+"""The prefix index's state: its entry table, per-tier residency, and eviction-queue membership.
+
+`IndexState` owns every field of `kvtier.index.prefix.PrefixIndex` and the primitives that change
+them together — a copy added to or dropped from a tier (`_add`/`_drop`), an entry leaving its last
+tier (`_unlink`), and queue membership (`_requeue`) — so counts, DRAM slots, queues and the
+admission history never disagree. The public operations built on them live in `kvtier.index.prefix`
+(lookup, commit, leases, residency changes), `kvtier.index.evict` (victims, eviction, write-back)
+and `kvtier.index.hbm` (replica reports); the contract is in `kvtier.index.prefix`.
+
+Eviction structure. Each managed tier has one eviction queue (a `kvtier.index.policies` strategy
+over intrusive links in the blocks) holding exactly the blocks that may leave that tier now:
+
+    DRAM queue: unpinned, in DRAM, and (on SSD too  -> eviction = demotion, children stay
+                                         or a leaf   -> eviction drops its last tier)
+    SSD queue:  unpinned, on SSD only, and a leaf    -> eviction drops its last tier
+
+A block is in at most one queue (an SSD copy of a DRAM-resident block is not reclaimed by SSD
+eviction; the block's DRAM eviction turns it into an SSD-only block first). Membership is
+re-derived in O(1) whenever pins, residency or the child count change, so choosing a victim is
+popping the queue's cold end — never a scan. A block entering a queue (unpinned, its last child
+gone, an SSD copy added, demoted) goes to the cold end if it was last used no later than the
+queue's coldest block, else to the hot end; so a chain used together drains tail-first, and the
+order is exact LRU whenever entering blocks are older than all or newer than all.
+
+Threading: none; the owner serialises calls (see `kvtier.index.prefix`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvtier.core.types import BlockKey, Tier
+from kvtier.index.policies import AdmissionHistory, EvictionQueue, KthAccess, make_queue
+from kvtier.index.types import (
+    EVICTION_COUNTERS,
+    FLAG_BITS,
+    HITS_BITS,
+    HITS_MAX,
+    IN_DRAM,
+    ON_SSD,
+    Q_DRAM,
+    Q_SSD,
+    QUEUED,
+    SLOT_SHIFT,
+    STORED,
+    BadSlot,
+    Block,
+    Evicted,
+    IndexStats,
+    MissingParent,
+    PinnedBlock,
+    Reason,
+    Tenant,
+    TierFull,
+    UnknownBlock,
+)
+
+ADMISSION_HISTORY_PER_BLOCK = 1
+"""Default admission-history words per block of total capacity (DRAM + SSD); see `PrefixIndex`."""
+
+# Module constants: an enum member lookup (`Tier.SSD`) costs ~0.1 us on Python 3.11.
+_HBM, _DRAM, _SSD = Tier.HBM, Tier.DRAM, Tier.SSD
+_DEMOTED, _WRITTEN_BACK, _COPY_DROPPED, _DROPPED = (
+    Reason.DEMOTED, Reason.WRITTEN_BACK, Reason.COPY_DROPPED, Reason.DROPPED)
+
+
+def short(key: BlockKey) -> str:
+    """A key as shown in error messages: its first 8 bytes in hex."""
+    return key.hex()[:16]
+
+
+class IndexState:
+    """The fields of a prefix index and the primitives that keep them consistent.
+
+    Constructor arguments are documented on `kvtier.index.prefix.PrefixIndex`. Subclasses add
+    operations; they change residency, pins and children only through `_add`, `_drop`,
+    `_unlink` and `_requeue` (plus the pin/child counters followed by `_requeue`).
+    """
+
+    def __init__(
+        self,
+        *,
+        dram_blocks: int | None = None,
+        ssd_blocks: int | None = None,
+        block_bytes: int | None = None,
+        policy: str = "lru",
+        admission_k: int = 2,
+        admission_history: int | None = None,
+    ) -> None:
+        for name, cap in (("dram_blocks", dram_blocks), ("ssd_blocks", ssd_blocks)):
+            if cap is not None and cap < 0:
+                raise ValueError(f"{name} must be >= 0, got {cap}")
+        self._cap = {_DRAM: dram_blocks, _SSD: ssd_blocks}
+        self._count = {_DRAM: 0, _SSD: 0}
+        self._qd = make_queue(policy)
+        self._qs = make_queue(policy)
+        self.policy = policy
+        self.admission = KthAccess(admission_k)
+        if admission_history is None:
+            admission_history = (
+                ADMISSION_HISTORY_PER_BLOCK * (dram_blocks + ssd_blocks)
+                if dram_blocks is not None and ssd_blocks else 0)
+        self.history = AdmissionHistory(admission_history)
+        self.block_bytes = block_bytes
+        self._slot_used = bytearray(dram_blocks or 0)
+        self._maps: dict[Tenant, dict[BlockKey, Block]] = {}
+        self._replicas: dict[str | int, int] = {}
+        self._clock = 0
+        self._entries = 0
+        self._hbm_blocks = 0
+        self._pinned = 0
+        self._pins = 0
+        self._ssd_writes = 0
+        self._evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
+
+    # ---------------------------------------------------------------- queries
+    def get(self, tenant: Tenant, key: BlockKey) -> Block | None:
+        m = self._maps.get(tenant)
+        return None if m is None else m.get(key)
+
+    def __len__(self) -> int:
+        return self._entries
+
+    def iter_blocks(self) -> Iterator[Block]:
+        """Every entry, tenant by tenant, parents before children. O(entries): for audits,
+        statistics and snapshots, not for the request path; don't mutate while iterating."""
+        for m in self._maps.values():
+            yield from m.values()
+
+    def capacity(self, tier: Tier) -> int | None:
+        return self._cap[tier]
+
+    def blocks(self, tier: Tier) -> int:
+        return self._hbm_blocks if tier is _HBM else self._count[tier]
+
+    def bytes_in(self, tier: Tier) -> int | None:
+        """Bytes held in a managed tier: blocks x `block_bytes` (None without a block size)."""
+        return None if self.block_bytes is None else self._count[tier] * self.block_bytes
+
+    def free(self, tier: Tier) -> int | None:
+        """Blocks that fit into `tier` without evicting (None = unbounded)."""
+        cap = self._cap[tier]
+        return None if cap is None else cap - self._count[tier]
+
+    def stats(self) -> IndexStats:
+        return IndexStats(
+            entries=self._entries,
+            dram_blocks=self._count[_DRAM],
+            ssd_blocks=self._count[_SSD],
+            hbm_blocks=self._hbm_blocks,
+            pinned_blocks=self._pinned,
+            pins=self._pins,
+            evictable_dram=len(self._qd),
+            evictable_ssd=len(self._qs),
+            dram_capacity=self._cap[_DRAM],
+            ssd_capacity=self._cap[_SSD],
+            block_bytes=self.block_bytes,
+            ssd_writes=self._ssd_writes,
+            evictions=dict(self._evictions),
+            history_size=self.history.size,
+            history_entries=self.history.entries,
+            history_recalled=self.history.recalled,
+        )
+
+    # ---------------------------------------------------------------- checks
+    def _need(self, tenant: Tenant, key: BlockKey) -> Block:
+        b = self.get(tenant, key)
+        if b is None:
+            shown = short(key) if isinstance(key, bytes) else repr(key)
+            raise UnknownBlock(f"block {shown} of tenant {tenant!r} is not cached")
+        return b
+
+    def _queue_of(self, tier: Tier) -> EvictionQueue:
+        if tier is _DRAM:
+            return self._qd
+        if tier is _SSD:
+            return self._qs
+        raise ValueError(f"{tier.label} is not managed by the index (HBM belongs to engines)")
+
+    def _check_room(self, tier: Tier, slot: int | None) -> None:
+        cap = self._cap[tier]
+        if cap is not None and self._count[tier] >= cap:
+            raise TierFull(f"{tier.label} is full ({cap} blocks); evict first")
+        if slot is None:
+            return
+        if tier is not _DRAM:
+            raise BadSlot("only DRAM copies have a slot")
+        n = len(self._slot_used)
+        if n == 0:
+            raise BadSlot("DRAM slot ids need a bounded DRAM tier (dram_blocks)")
+        if not isinstance(slot, int) or not 0 <= slot < n:
+            raise BadSlot(f"DRAM slot {slot!r} is outside the pool (0..{n - 1})")
+        if self._slot_used[slot]:
+            raise BadSlot(f"DRAM slot {slot} already holds another block")
+
+    @staticmethod
+    def _check_unpinned(b: Block) -> None:
+        if b.pins:
+            raise PinnedBlock(f"block {short(b.key)} is pinned")
+
+    @staticmethod
+    def _check_closure(parent: Block | None) -> None:
+        if parent is not None and not parent.flags & ON_SSD:
+            raise MissingParent(
+                f"parent {short(parent.key)} is not on SSD; SSD holds whole prefixes")
+
+    # ---------------------------------------------------------------- mutations
+    def _add(self, b: Block, tier: Tier, slot: int | None) -> None:
+        b.flags |= 1 << tier
+        self._count[tier] += 1
+        if tier is _SSD:
+            self._ssd_writes += 1
+        if slot is not None:
+            b.flags |= (slot + 1) << SLOT_SHIFT
+            self._slot_used[slot] = 1
+        self._requeue(b)
+
+    def _drop(self, b: Block, tier: Tier, out: list[Evicted] | None, *,
+              written_back: bool = False, count: bool = True) -> None:
+        """Drop `b`'s copy in `tier`; appends what happened to `out` unless it is None."""
+        f = b.flags
+        slot = None
+        if tier is _DRAM:
+            s = f >> SLOT_SHIFT
+            if s:
+                slot = s - 1
+                self._slot_used[slot] = 0
+                f &= FLAG_BITS
+            f &= ~IN_DRAM
+        else:
+            f &= ~ON_SSD
+        b.flags = f
+        self._count[tier] -= 1
+        if f & STORED:
+            if tier is _SSD:
+                reason, name = _COPY_DROPPED, "ssd_copy_dropped"
+            elif written_back:
+                reason, name = _WRITTEN_BACK, "dram_written_back"
+            else:
+                reason, name = _DEMOTED, "dram_demoted"
+            self._requeue(b)
+        else:
+            reason = _DROPPED
+            name = "dram_dropped" if tier is _DRAM else "ssd_dropped"
+            self._unlink(b)
+        if count:
+            self._evictions[name] += 1
+        if out is not None:
+            out.append(Evicted(b.tenant, b.key, tier, reason, slot))
+
+    def _unlink(self, b: Block) -> None:
+        """Remove an entry that left its last tier (a leaf); its access count goes to history."""
+        self._requeue(b)
+        if b.hbm:
+            self._hbm_blocks -= 1
+        m = self._maps[b.tenant]
+        del m[b.key]
+        if not m:
+            del self._maps[b.tenant]
+        self._entries -= 1
+        self.history.remember(b.tenant, b.key, b.stamp & HITS_MAX)
+        p = b.parent
+        if p is not None:
+            p.children -= 1
+            if not p.children:
+                self._requeue(p)
+
+    def _requeue(self, b: Block) -> None:
+        """Put `b` in the queue its state calls for (none, DRAM's or SSD's); O(1)."""
+        f = b.flags
+        want = 0
+        if not b.pins:
+            if f & IN_DRAM:
+                if f & ON_SSD or not b.children:
+                    want = Q_DRAM
+            elif f & ON_SSD and not b.children:
+                want = Q_SSD
+        have = f & QUEUED
+        if have == want:
+            return
+        if have == Q_DRAM:
+            self._qd.discard(b)
+        elif have:
+            self._qs.discard(b)
+        b.flags = b.flags & ~QUEUED | want
+        if want:
+            q = self._qd if want == Q_DRAM else self._qs
+            head = q.first()
+            q.push(b, head is not None and b.stamp >> HITS_BITS <= head.stamp >> HITS_BITS)

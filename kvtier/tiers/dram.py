@@ -1,0 +1,445 @@
+"""DRAM tier: fixed-size block slots in a POSIX shared-memory segment (the daemon's side; clients
+map it with `kvtier.client.mapping.DramClient`).
+
+The daemon creates the segment (`DramPool.create`) as a file under /dev/shm opened with
+O_CREAT|O_EXCL and mode 0600 (or 0660 with a configured group), sizes it with ftruncate and maps
+it. Local clients map the same file (`DramClient.attach`) by name, size and generation and read
+or write slots in place: block bytes never pass through a socket. `multiprocessing.shared_memory`
+is not used: its resource tracker can unlink a segment when an attaching process exits.
+
+Segment layout (all little-endian):
+
+    0                 HEADER_BYTES (4096)                 data_offset + i*slot_stride
+    | header | pad   | slot 0 | slot 1 | ... | slot n-1 |
+      magic b"KVTDRAM\\0", version, state (1 live, 2 closed), generation (random u64),
+      slot_size, slot_stride (slot_size rounded up to 4 KiB), slot_count, data_offset
+
+A client checks magic, version, generation and geometry at attach and can re-check `is_live()`
+later: a daemon that closes marks the header closed before unlinking, and a recreated segment has
+a new generation, so a stale client never mistakes a new pool for its old one.
+
+Trust boundary: whoever can open the file can read and write every slot of every tenant. Only the
+daemon's user (mode 0600), or members of the configured group (0660), may map it; tenancy between
+processes that map the pool is not enforced — such processes must be trusted equally. Remote or
+untrusted clients use the daemon's Read/WriteBlocks byte stream instead.
+
+Lease rule (invariant 3): a slot with a nonzero pin count is never freed nor rewritten through
+the pool: `free` and `write` refuse it (`SlotPinned`). The daemon pins a slot for each lease that
+lets a client read it and unpins at release/expiry; the mover pins slots it is writing back.
+
+Threading: `DramPool` metadata operations take an internal lock and may be called from any
+thread. Slot bytes are not locked: the pin rule is what keeps readers and writers apart.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import grp
+import logging
+import mmap
+import os
+import re
+import secrets
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.core.errors import KvtierError, UsageError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVTDRAM\0"
+VERSION = 1
+HEADER_BYTES = 4096
+SLOT_ALIGN = 4096
+HUGE_PAGE = 2 << 20
+STATE_LIVE = 1
+STATE_CLOSED = 2
+_HDR = struct.Struct("<8sIIQQQQQ")
+STATE_OFFSET = 12
+
+U8Array = npt.NDArray[np.uint8]
+
+
+class DramError(KvtierError):
+    """A DRAM pool operation broke the pool's rules (a bug in the caller, not bad user input)."""
+
+
+class SlotPinned(DramError):
+    """The slot is leased (pinned); it cannot be freed or rewritten now."""
+
+
+class StaleSegment(KvtierError):
+    """The segment at this name is not the one the client was told about (recreated or closed)."""
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class DramSpec:
+    """How the daemon creates its pool."""
+
+    name: str
+    slot_size: int
+    slot_count: int
+    group: str | None = None
+    mlock: bool = False
+    huge_pages: bool = False
+    replace_stale: bool = False
+    shm_dir: str = "/dev/shm"
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise UsageError(f"invalid shared-memory name {self.name!r}")
+        if self.slot_size <= 0 or self.slot_count <= 0:
+            raise UsageError("DRAM pool needs slot_size > 0 and slot_count > 0")
+
+
+class SegmentHandle(NamedTuple):
+    """What a client needs to attach: sent by the daemon (e.g. in a gRPC reply)."""
+
+    name: str
+    size: int
+    generation: int
+    slot_size: int
+    slot_stride: int
+    slot_count: int
+    data_offset: int
+    shm_dir: str = "/dev/shm"
+
+
+class DramStats(NamedTuple):
+    slot_size: int
+    slot_count: int
+    slots_used: int
+    slots_free: int
+    slots_pinned: int
+    bytes_reserved: int  # slot_count * slot_size: the pool's block capacity
+    bytes_used: int  # allocated slots * slot_size
+    bytes_free: int  # free slots * slot_size
+    segment_bytes: int  # the mapped file, header and alignment padding included
+    mlocked: bool
+    huge_pages: bool
+
+
+def _thp_shmem_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    found = re.search(r"\[(\w+)\]", text)
+    return found.group(1) if found else "unknown"
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+def _address(buf: U8Array) -> int:
+    return int(buf.ctypes.data)
+
+
+class SegmentMapping:
+    """An mmap of the segment plus one numpy view of it; slot views are slices of that view."""
+
+    def __init__(self, fd: int, size: int, writable: bool = True) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        self.buf: U8Array = np.frombuffer(self.mm, dtype=np.uint8)
+        if not writable:
+            self.buf.flags.writeable = False
+        self.size = size
+
+    def close(self) -> None:
+        del self.buf
+        try:
+            self.mm.close()
+        except BufferError:
+            log.debug("DRAM segment still viewed by callers; unmapped when their views go")
+
+
+def read_mapped_header(mapping: SegmentMapping) -> tuple[bytes, int, int, int, int, int, int, int]:
+    return _HDR.unpack_from(mapping.mm, 0)  # type: ignore[return-value,unused-ignore]
+
+
+class SegmentHeader(NamedTuple):
+    version: int
+    state: int  # STATE_LIVE or STATE_CLOSED
+    generation: int
+
+
+def peek_header(path: str) -> SegmentHeader | None:
+    """The header of the segment file at `path` without mapping it; None when the file is
+    missing, unreadable or not a kvtier pool (no magic)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, _HDR.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) < _HDR.size:
+        return None
+    magic, version, state, gen, *_ = _HDR.unpack(raw)
+    return SegmentHeader(version, state, gen) if magic == MAGIC else None
+
+
+def _unlink_forgotten(path: str, generation: int, creator: int) -> None:
+    """Unlinks a pool nobody closed (garbage-collected, or open at interpreter exit), in the
+    process that created it only (a forked child must not unlink its parent's pool)."""
+    header = peek_header(path)
+    if os.getpid() == creator and header is not None and header.generation == generation:
+        log.warning("shared-memory segment %s was never closed; unlinking it", path)
+        os.unlink(path)
+
+
+class DramPool:
+    """The daemon's side: owns the segment, allocates slots, tracks pins, unlinks on close.
+
+    A pool that is garbage-collected, or still open when the interpreter exits, unlinks its file
+    as well; only a killed process leaves its segment behind (`kvtier.tiers.segment_owner` reclaims
+    those at the next daemon start).
+    """
+
+    def __init__(self, spec: DramSpec) -> None:
+        spec.validate()
+        self.spec = spec
+        self.slot_size = spec.slot_size
+        self.slot_stride = _round_up(spec.slot_size, SLOT_ALIGN)
+        self.slot_count = spec.slot_count
+        self.data_offset = HUGE_PAGE if spec.huge_pages else HEADER_BYTES
+        size = self.data_offset + self.slot_stride * self.slot_count
+        self.size = _round_up(size, HUGE_PAGE) if spec.huge_pages else size
+        self.generation = secrets.randbits(63) | 1
+        self.path = os.path.join(spec.shm_dir, spec.name)
+        self._lock = threading.Lock()
+        self._free = list(range(self.slot_count - 1, -1, -1))
+        self._allocated = bytearray(self.slot_count)
+        self._pins = [0] * self.slot_count
+        self._pinned_slots = 0
+        self._closed = False
+        self.mlocked = False
+        self.huge_pages = False
+        self._fd = self._create_file()
+        try:
+            os.ftruncate(self._fd, self.size)
+            self._map = SegmentMapping(self._fd, self.size)
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(self.path)
+            raise
+        _HDR.pack_into(
+            self._map.mm, 0, MAGIC, VERSION, STATE_LIVE, self.generation, self.slot_size,
+            self.slot_stride, self.slot_count, self.data_offset,
+        )
+        self._finalizer = weakref.finalize(
+            self, _unlink_forgotten, self.path, self.generation, os.getpid())
+        if spec.huge_pages:
+            self.huge_pages = self._advise_huge()
+        if spec.mlock:
+            self.mlocked = self._mlock()
+
+    @classmethod
+    def create(cls, spec: DramSpec) -> DramPool:
+        return cls(spec)
+
+    def _create_file(self) -> int:
+        mode = 0o660 if self.spec.group else 0o600
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, mode)
+        except FileExistsError:
+            if not self.spec.replace_stale:
+                raise UsageError(
+                    f"shared-memory segment {self.path} exists (another daemon, or a stale one: "
+                    "remove it or allow replacing it)"
+                ) from None
+            log.warning("replacing stale shared-memory segment %s", self.path)
+            os.unlink(self.path)
+            fd = os.open(self.path, flags, mode)
+        try:
+            if self.spec.group:
+                os.fchown(fd, -1, grp.getgrnam(self.spec.group).gr_gid)
+            os.fchmod(fd, mode)  # the umask may have narrowed the mode given to open
+        except (KeyError, OSError) as exc:
+            os.close(fd)
+            os.unlink(self.path)
+            msg = f"cannot give {self.path} to group {self.spec.group!r}: {exc}"
+            raise UsageError(msg) from None
+        return fd
+
+    def _advise_huge(self) -> bool:
+        try:
+            self._map.mm.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError) as exc:
+            log.warning("huge pages unavailable for %s (%s); using 4 KiB pages", self.path, exc)
+            return False
+        mode = _thp_shmem_mode()
+        if mode in ("never", "deny") and not self.spec.shm_dir.startswith("/dev/hugepages"):
+            log.warning(
+                "transparent huge pages for shared memory are %r on this host; using 4 KiB pages "
+                "(set /sys/kernel/mm/transparent_hugepage/shmem_enabled to advise, or use a "
+                "hugetlbfs shm_dir)", mode,
+            )
+            return False
+        return True
+
+    def _mlock(self) -> bool:
+        libc = _libc()
+        if libc.mlock(ctypes.c_void_p(_address(self._map.buf)), ctypes.c_size_t(self.size)) != 0:
+            err = ctypes.get_errno()
+            log.warning(
+                "mlock of %d bytes failed (%s); the DRAM pool may swap (raise RLIMIT_MEMLOCK)",
+                self.size, errno.errorcode.get(err, err),
+            )
+            return False
+        return True
+
+    # -- allocation and the lease rule ------------------------------------------------------
+
+    def handle(self) -> SegmentHandle:
+        return SegmentHandle(
+            self.spec.name, self.size, self.generation, self.slot_size, self.slot_stride,
+            self.slot_count, self.data_offset, self.spec.shm_dir,
+        )
+
+    def alloc(self) -> int | None:
+        """One free slot, or None when the pool is full. O(1)."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            self._allocated[slot] = 1
+            return slot
+
+    def alloc_many(self, n: int) -> list[int] | None:
+        """`n` slots, all or none (None when fewer than `n` are free)."""
+        with self._lock:
+            if n > len(self._free):
+                return None
+            slots = [self._free.pop() for _ in range(n)]
+            for s in slots:
+                self._allocated[s] = 1
+            return slots
+
+    def free(self, slot: int) -> None:
+        """Return a slot to the free list. Refuses a pinned slot (SlotPinned) or a free one."""
+        with self._lock:
+            self._check(slot)
+            if self._pins[slot]:
+                raise SlotPinned(f"slot {slot} has {self._pins[slot]} pin(s)")
+            self._allocated[slot] = 0
+            self._free.append(slot)
+
+    def pin(self, slot: int) -> int:
+        """Add a pin (a lease) to an allocated slot; returns the new pin count."""
+        with self._lock:
+            self._check(slot)
+            self._pins[slot] += 1
+            if self._pins[slot] == 1:
+                self._pinned_slots += 1
+            return self._pins[slot]
+
+    def unpin(self, slot: int) -> int:
+        with self._lock:
+            self._check(slot)
+            if not self._pins[slot]:
+                raise DramError(f"slot {slot} is not pinned")
+            self._pins[slot] -= 1
+            if not self._pins[slot]:
+                self._pinned_slots -= 1
+            return self._pins[slot]
+
+    def pins(self, slot: int) -> int:
+        return self._pins[slot]
+
+    def is_allocated(self, slot: int) -> bool:
+        return bool(self._allocated[slot])
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.slot_count:
+            raise DramError(f"slot {slot} out of range 0..{self.slot_count - 1}")
+        if not self._allocated[slot]:
+            raise DramError(f"slot {slot} is not allocated")
+
+    # -- bytes ----------------------------------------------------------------------------
+
+    def offset(self, slot: int) -> int:
+        """Byte offset of a slot in the segment (what a client is told)."""
+        return self.data_offset + slot * self.slot_stride
+
+    def view(self, slot: int, nbytes: int | None = None) -> U8Array:
+        """Zero-copy writable view of a slot's first `nbytes` (default: all) bytes.
+
+        Valid while the pool is open; the caller must respect the pin rule when writing.
+        """
+        if not 0 <= slot < self.slot_count:
+            raise DramError(f"slot {slot} out of range")
+        o = self.offset(slot)
+        return self._map.buf[o : o + (self.slot_size if nbytes is None else nbytes)]
+
+    def write(self, slot: int, data: Any) -> None:
+        """Copy `data` (a buffer of at most slot_size bytes) into an allocated, unpinned slot."""
+        src = np.frombuffer(data, dtype=np.uint8)
+        if src.nbytes > self.slot_size:
+            raise DramError(f"{src.nbytes} bytes do not fit a {self.slot_size}-byte slot")
+        with self._lock:
+            self._check(slot)
+            if self._pins[slot]:
+                raise SlotPinned(f"slot {slot} is leased; it cannot be rewritten")
+        np.copyto(self.view(slot, src.nbytes), src)
+
+    def write_many(self, slots: list[int], blocks: list[Any]) -> None:
+        for slot, data in zip(slots, blocks, strict=True):
+            self.write(slot, data)
+
+    def read_into(self, slot: int, out: Any) -> None:
+        dst = np.frombuffer(out, dtype=np.uint8)
+        np.copyto(dst, self.view(slot, dst.nbytes))
+
+    def read_many_into(self, slots: list[int], outs: list[Any]) -> None:
+        for slot, out in zip(slots, outs, strict=True):
+            self.read_into(slot, out)
+
+    def stats(self) -> DramStats:
+        with self._lock:
+            free = len(self._free)
+            used = self.slot_count - free
+            pinned = self._pinned_slots
+        return DramStats(
+            self.slot_size, self.slot_count, used, free, pinned, self.slot_count * self.slot_size,
+            used * self.slot_size, free * self.slot_size, self.size, self.mlocked, self.huge_pages,
+        )
+
+    def close(self) -> None:
+        """Mark the header closed, unlink the file and unmap. Clients keep their mapping."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        struct.pack_into("<I", self._map.mm, STATE_OFFSET, STATE_CLOSED)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            log.warning("shared-memory segment %s was already removed", self.path)
+        self._map.close()
+        os.close(self._fd)
+
+    def __enter__(self) -> DramPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,325 @@
+"""The mover: write-back of DRAM evictees to SSD and promotion of SSD hits into DRAM slots.
+
+Write-back (asynchronous):
+
+    daemon evicts block in slot s ──submit()──▶ [admission · wear budget · bounded queue]
+                                                   │ (the mover pins s: it cannot be reused)
+                       writer thread ◀─────────────┘ batches of up to `batch_blocks`
+                       SsdStore.put_many(batch)  (one LMDB transaction, zero-copy from slots)
+                       unpin each slot, then on_written(batch, result)  → daemon frees the slots
+                                                                          and updates residency
+
+`submit` never blocks: a write-back that is not admitted (fewer than k accesses), over the wear
+budget, or finds the queue full (`MoverSpec.queue_bytes` of slots already held) is dropped and
+counted; the caller then frees the slot itself (or retries it later).
+
+Promotion (synchronous, on the caller's thread): `promote(tenant, key, slot)` copies a verified
+SSD payload into a DRAM slot the caller allocated and has not published yet.
+
+Threading and ownership: `submit`, `promote` and `stats` may be called from any thread.
+`on_written` runs on the writer thread (the daemon must lock its own index inside it). The mover
+owns neither the pool nor the store: shut down with `close(timeout)` (flushes the queue), then
+close the store (`SsdStore.close`), then the pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvtier.core.types import Tier
+from kvtier.index.prefix import PrefixIndex
+from kvtier.tiers import blockfmt
+from kvtier.tiers.dram import DramPool
+from kvtier.tiers.ssd.store import Evictor, PutItem, PutResult, SsdStore, TenantKey
+from kvtier.tiers.wear import WriteBudget
+
+log = logging.getLogger(__name__)
+
+
+class WriteBack(NamedTuple):
+    tenant: str
+    key: bytes
+    parent: bytes | None
+    slot: int
+    nbytes: int  # payload bytes in the slot
+
+
+class Submitted(enum.Enum):
+    QUEUED = "queued"
+    ALREADY_STORED = "already_stored"
+    NOT_ADMITTED = "not_admitted"
+    OVER_BUDGET = "over_budget"
+    QUEUE_FULL = "queue_full"
+    CLOSED = "closed"
+
+
+OnWritten = Callable[[list[WriteBack], PutResult], None]
+Admit = Callable[[str, bytes], bool]
+
+
+class AccessCounter:
+    """SSD admission on the k-th access, for when the prefix index does not count accesses.
+
+    Remembers at most `max_tracked` keys (least recently counted forgotten first).
+    """
+
+    def __init__(self, k: int, max_tracked: int = 1 << 20) -> None:
+        if k < 1:
+            raise ValueError("admission needs k >= 1")
+        self.k = k
+        self.max_tracked = max_tracked
+        self._counts: collections.OrderedDict[tuple[str, bytes], int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def note_access(self, tenant: str, key: bytes) -> int:
+        tk = (tenant, key)
+        with self._lock:
+            n = self._counts.pop(tk, 0) + 1
+            self._counts[tk] = n
+            if len(self._counts) > self.max_tracked:
+                self._counts.popitem(last=False)
+            return n
+
+    def admit(self, tenant: str, key: bytes) -> bool:
+        with self._lock:
+            return self._counts.get((tenant, key), 0) >= self.k
+
+
+def index_evictor(
+    index: PrefixIndex, lock: threading.Lock | threading.RLock, stored_block_bytes: int
+) -> Evictor:
+    """An `SsdStore` evictor that asks the prefix index for SSD victims (leaf-first).
+
+    The index drops the victims' SSD residency when it picks them; the store then deletes them
+    in the same transaction as the puts that needed the room. Takes `lock` (the daemon's index
+    lock); the store calls it with no store lock held.
+    """
+
+    def evict(need_bytes: int) -> list[TenantKey]:
+        n = -(-need_bytes // stored_block_bytes)
+        with lock:
+            return [(str(e.tenant), e.key) for e in index.evict(Tier.SSD, n)]
+
+    return evict
+
+
+@dataclass(frozen=True)
+class MoverSpec:
+    """`queue_bytes` bounds the DRAM the mover holds pinned: every write-back queued or being
+    written counts one slot (`pool.slot_size`) until its batch is written. The daemon's default
+    is min(DRAM / 4, 1 GiB) (`Config.writeback_queue_bytes`)."""
+
+    queue_bytes: int = 1 << 30
+    batch_blocks: int = 64
+    linger_s: float = 0.002
+
+
+class MoverStats(NamedTuple):
+    queue_depth: int  # blocks waiting for the writer
+    queued_total: int
+    dropped_queue_full_total: int
+    dropped_not_admitted_total: int
+    dropped_budget_total: int
+    written_blocks_total: int
+    written_bytes_total: int
+    refused_total: int
+    promoted_blocks_total: int
+    promoted_bytes_total: int
+    promote_misses_total: int
+    held_bytes: int  # slot bytes pinned by queued or in-flight write-backs (<= queue_bytes)
+
+
+@dataclass(slots=True)
+class _Counts:
+    queued: int = 0
+    full: int = 0
+    not_admitted: int = 0
+    budget: int = 0
+    written_blocks: int = 0
+    written_bytes: int = 0
+    refused: int = 0
+    promoted: int = 0
+    promoted_bytes: int = 0
+    promote_misses: int = 0
+
+
+class Mover:
+    def __init__(
+        self,
+        pool: DramPool,
+        store: SsdStore,
+        budget: WriteBudget,
+        spec: MoverSpec = MoverSpec(),
+        admit: Admit | None = None,
+        on_written: OnWritten | None = None,
+    ) -> None:
+        self.pool = pool
+        self.store = store
+        self.budget = budget
+        self.spec = spec
+        self.admit = admit
+        self.on_written = on_written
+        if spec.queue_bytes < pool.slot_size:
+            raise ValueError(f"write-back queue of {spec.queue_bytes} bytes cannot hold one "
+                             f"{pool.slot_size}-byte slot")
+        self._queue: collections.deque[WriteBack] = collections.deque()
+        self._held = 0  # slot bytes of write-backs queued or being written
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closing = False
+        self._c = _Counts()
+        self._thread = threading.Thread(target=self._run, name="kvtier-mover", daemon=True)
+        self._thread.start()
+
+    # -- write-back -------------------------------------------------------------------------
+
+    def submit(self, item: WriteBack) -> Submitted:
+        """Queue a write-back without blocking; on QUEUED the mover pins the slot until written.
+
+        On any other result the slot is untouched and stays the caller's to free.
+        """
+        if self._closing:
+            return Submitted.CLOSED
+        if not 0 < item.nbytes <= self.pool.slot_size:
+            size = self.pool.slot_size
+            raise ValueError(f"write-back of {item.nbytes} bytes from a {size}-byte slot")
+        if self.admit is not None and not self.admit(item.tenant, item.key):
+            self._c.not_admitted += 1
+            return Submitted.NOT_ADMITTED
+        if self.store.contains(item.tenant, item.key):
+            return Submitted.ALREADY_STORED
+        cost = item.nbytes + blockfmt.HEADER_SIZE
+        with self._cv:
+            if self._closing:
+                return Submitted.CLOSED
+            if self._held + self.pool.slot_size > self.spec.queue_bytes:
+                self._c.full += 1
+                return Submitted.QUEUE_FULL
+            if not self.budget.try_spend(cost):
+                self._c.budget += 1
+                return Submitted.OVER_BUDGET
+            self.pool.pin(item.slot)
+            self._queue.append(item)
+            self._held += self.pool.slot_size
+            self._c.queued += 1
+            self._cv.notify()
+        return Submitted.QUEUED
+
+    def _run(self) -> None:
+        spec = self.spec
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                if len(self._queue) < spec.batch_blocks and not self._closing:
+                    self._cv.wait(spec.linger_s)
+                n = min(len(self._queue), spec.batch_blocks)
+                if n == 0:
+                    continue
+                batch = [self._queue.popleft() for _ in range(n)]
+                self._busy = True
+            try:
+                self._write(batch)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._held -= len(batch) * self.pool.slot_size
+                    self._cv.notify_all()
+
+    def _write(self, batch: list[WriteBack]) -> None:
+        items = [
+            PutItem(w.tenant, w.key, w.parent, self.pool.view(w.slot, w.nbytes)) for w in batch
+        ]
+        try:
+            result = self.store.put_many(items)
+        except Exception:
+            log.exception("SSD write-back of %d blocks failed", len(batch))
+            result = PutResult([], [(w.tenant, w.key) for w in batch], [], 0)
+        del items
+        refused = set(result.refused)
+        for w in batch:
+            self.pool.unpin(w.slot)
+            if (w.tenant, w.key) in refused:
+                self.budget.refund(w.nbytes + blockfmt.HEADER_SIZE)
+        c = self._c
+        c.written_blocks += len(batch) - len(refused)
+        c.written_bytes += result.bytes_written
+        c.refused += len(refused)
+        if self.on_written is not None:
+            try:
+                self.on_written(batch, result)
+            except Exception:
+                log.exception("on_written callback failed; %d slots may leak", len(batch))
+
+    # -- promotion ----------------------------------------------------------------------------
+
+    def promote(self, tenant: str, key: bytes, slot: int) -> int | None:
+        """Copy a verified SSD block into an allocated, unpublished DRAM slot; bytes or None."""
+        return self.promote_many([(tenant, key, slot)])[0]
+
+    def promote_many(self, reads: list[tuple[str, bytes, int]]) -> list[int | None]:
+        """`promote` for a batch (one read transaction, read-ahead for all of it)."""
+        got = self.store.get_many_into([(t, k, self.pool.view(s)) for t, k, s in reads])
+        for (tenant, key, _), n in zip(reads, got, strict=True):
+            if n is None:
+                self._c.promote_misses += 1
+                continue
+            self.store.record_access(tenant, key)
+            self._c.promoted += 1
+            self._c.promoted_bytes += n
+        return got
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued write-back is written; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float = 10.0) -> int:
+        """Stop taking write-backs, write what is queued (up to `timeout`), stop the thread.
+
+        Returns how many queued write-backs were dropped; their slots are unpinned and reported
+        through `on_written` as refused, so the daemon frees them.
+        """
+        flushed = self.flush(timeout)
+        with self._cv:
+            self._closing = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._held -= len(left) * self.pool.slot_size
+            self._cv.notify_all()
+        self._thread.join(timeout=max(timeout, 1.0))
+        if left:
+            log.warning("mover closed with %d write-backs unwritten (flushed=%s)",
+                        len(left), flushed)
+            for w in left:
+                self.pool.unpin(w.slot)
+                self.budget.refund(w.nbytes + blockfmt.HEADER_SIZE)
+            if self.on_written is not None:
+                self.on_written(left, PutResult([], [(w.tenant, w.key) for w in left], [], 0))
+        self.store.flush_stats()
+        return len(left)
+
+    def stats(self) -> MoverStats:
+        c = self._c
+        return MoverStats(
+            len(self._queue), c.queued, c.full, c.not_admitted, c.budget, c.written_blocks,
+            c.written_bytes, c.refused, c.promoted, c.promoted_bytes, c.promote_misses,
+            self._held,
+        )

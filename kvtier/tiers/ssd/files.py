@@ -1,0 +1,181 @@
+"""Opening the SSD store's files: the LMDB environment, its identity check, disk reservation,
+and the totals and slot free set rebuilt from the index (`open_files` -> `StoreFiles`).
+
+The store's identity (format version, layout digest, payload mode with slot size) is kept in the
+`info` sub-database. A store whose identity differs from the configured one cannot serve a single
+block, so `stale_reason` names the difference and the store discards the files (`discard`) and
+starts empty, with one warning. Nothing here reads payloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+
+from kvtier.core.errors import UsageError
+from kvtier.tiers import blockfmt
+from kvtier.tiers.ssd.read import META
+from kvtier.tiers.ssd.slots import SlotFile
+from kvtier.tiers.ssd.types import SsdSpec
+
+log = logging.getLogger("kvtier.tiers.ssd.store")  # the store's messages come from one logger
+
+STORE_FORMAT = 3
+SLOT_FILE = "slots.dat"
+U64 = struct.Struct("<Q")
+FILES = ("data.mdb", "lock.mdb", SLOT_FILE)
+
+
+@dataclass(slots=True)
+class StoreFiles:
+    """An open store: the environment, its sub-databases (`kvtier.tiers.ssd.store` docstring), the
+    slot file (slots mode), the layout digest every header carries, and the index totals. `used` and
+    `entries` change only with a committed write transaction, under the store's write lock."""
+
+    env: Any
+    blocks: Any
+    meta: Any
+    info: Any
+    slots: SlotFile | None
+    layout: bytes
+    used: int = 0
+    entries: int = 0
+
+
+def identity(spec: SsdSpec) -> dict[bytes, bytes]:
+    """What the `info` sub-database must hold for this spec: format, layout digest, mode."""
+    mode = b"slots:%d" % spec.slot_size if spec.mode() == "slots" else b"lmdb"
+    return {b"format": U64.pack(STORE_FORMAT),
+            b"layout": blockfmt.layout_digest(spec.layout_fingerprint), b"mode": mode}
+
+
+def open_files(spec: SsdSpec) -> StoreFiles:
+    """Opens the store at `spec.path` (created, or discarded and recreated when stale), reserves
+    its disk space, and rebuilds the totals (and the slot free set) from the index."""
+    ident = identity(spec)
+    os.makedirs(spec.path, mode=0o700, exist_ok=True)
+    env = open_env(spec)
+    stale = stale_reason(env, ident, STORE_FORMAT)
+    if stale:
+        log.warning("SSD store %s: %s; discarding it and starting empty", spec.path, stale)
+        env.close()
+        discard(spec.path)
+        env = open_env(spec)
+    slots: SlotFile | None = None
+    try:
+        if spec.writemap:
+            preallocate(os.path.join(spec.path, "data.mdb"), spec.map_size())
+        if spec.mode() == "slots":
+            slots = SlotFile(os.path.join(spec.path, SLOT_FILE), spec.slot_size,
+                             spec.slot_count())
+    except UsageError:
+        env.close()
+        raise
+    f = StoreFiles(env, env.open_db(b"blocks"), env.open_db(b"meta"), env.open_db(b"info"),
+                   slots, ident[b"layout"])
+    _load_totals(f, ident, spec.path)
+    return f
+
+
+def _load_totals(f: StoreFiles, ident: dict[bytes, bytes], path: str) -> None:
+    """Used bytes and entry count; in slots mode also the free set, rebuilt from the index
+    (a read transaction; a write one only for a new store or entries naming a bad slot)."""
+    with f.env.begin(buffers=True) as txn:
+        new = txn.get(b"format", db=f.info) is None
+        used = U64.unpack(txn.get(b"used", db=f.info) or U64.pack(0))[0]
+        entries = txn.stat(f.meta)["entries"]
+        doomed = _claim_slots(f.slots, f.meta, txn, path) if f.slots is not None else []
+    if new or doomed:
+        with f.env.begin(write=True) as txn:
+            for k, v in ident.items():
+                txn.put(k, v, db=f.info)
+            for skey, size in doomed:
+                txn.delete(skey, db=f.meta)
+                used -= size
+                entries -= 1
+            txn.put(b"used", U64.pack(used), db=f.info)
+    f.used, f.entries = used, entries
+
+
+def _claim_slots(slots: SlotFile, meta: Any, txn: Any, path: str) -> list[tuple[bytes, int]]:
+    """Mark every slot named by the index used; entries naming a bad or shared slot."""
+    mark = slots.mark_used
+    unpack = META.unpack_from
+    doomed: list[tuple[bytes, int]] = []
+    for skey, rec in txn.cursor(db=meta).iternext(keys=True, values=True):
+        size, _, _, _, _, slot = unpack(rec)
+        if not mark(slot):
+            doomed.append((bytes(skey), size))
+    if doomed:
+        log.warning("SSD store %s: %d entries named a slot out of range or already used; "
+                    "dropped", path, len(doomed))
+    return doomed
+
+
+def open_env(spec: SsdSpec) -> Any:
+    """The LMDB environment at `spec.path` (0600 files); a failure is a one-line UsageError."""
+    try:
+        return lmdb.open(
+            spec.path,
+            mode=0o600,
+            map_size=spec.map_size(),
+            max_dbs=4,
+            max_readers=spec.max_readers,
+            sync=spec.durability != "nosync",
+            metasync=spec.durability == "sync",
+            writemap=spec.writemap,
+            readahead=spec.mode() == "lmdb",  # index only: no read-ahead past the page wanted
+            meminit=False,
+        )
+    except lmdb.Error as exc:
+        raise UsageError(f"cannot open the SSD store: {exc}") from None
+
+
+def stale_reason(env: Any, identity: dict[bytes, bytes], fmt: int) -> str | None:
+    """Why the store in `env` cannot be used with `identity`, or None (new, or the same)."""
+    info = env.open_db(b"info")
+    with env.begin(db=info) as txn:
+        found = {k: txn.get(k) for k in identity}
+    stored = found[b"format"]
+    if stored is None or found == identity:
+        return None
+    version = U64.unpack(stored)[0] if len(stored) == 8 else -1
+    if version != fmt:
+        return f"store format {version}, this kvtier reads and writes format {fmt}"
+    if found[b"layout"] != identity[b"layout"]:
+        return "blocks of another layout fingerprint"
+    mode = (found[b"mode"] or b"?").decode(errors="replace")
+    return f"payload mode {mode}, configured {identity[b'mode'].decode()}"
+
+
+def discard(path: str) -> None:
+    """Delete the store's files (the environment must be closed)."""
+    for name in FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+
+
+def preallocate(path: str, size: int) -> None:
+    """Reserve the whole map on disk before LMDB maps it writable.
+
+    With writemap, LMDB writes through a shared mapping of a sparse file; if the filesystem then
+    runs out of space the write faults with SIGBUS and kills the process. Allocating the blocks
+    up front turns a full disk into a clean error at open instead.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_blocks * 512 < size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise UsageError(
+            f"cannot reserve {size} bytes for the SSD store at {path}: {exc.strerror} "
+            "(lower the SSD capacity or free disk space)"
+        ) from None
+    finally:
+        os.close(fd)
