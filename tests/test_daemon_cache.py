@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.core.types import Tier
-from kvtier.daemon import config
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
-from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import (
+from kvtier.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
-    layout_id,
 )
+from kvtier.core.keys import layout_id
+from kvtier.core.types import Tier
+from kvtier.daemon import config
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.cache import Cache
+from kvtier.daemon.metrics import DaemonMetrics
 
 FINGERPRINT = b"cache-test-layout"
 MODEL = "cache-test-model"

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.costmodel import CostModel
+from kvtier.core.keys import layout_id
 from kvtier.core.planner import Reason
 from kvtier.core.types import Tier
 from kvtier.daemon import config
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import layout_id
 from kvtier.daemon.rates import Link, LinkRate, RateBook
 
 FINGERPRINT = b"plan-test-layout"

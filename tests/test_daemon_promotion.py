@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.core.errors import ResourceExhausted
 from kvtier.core.types import Tier
 from kvtier.daemon.cache import Cache
-from kvtier.daemon.namespaces import ResourceExhausted
 from tests.test_daemon_cache import BLOCK, LID, Clock, T, keys, make, store
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.core.segment import STATE_LIVE
 from kvtier.tiers import segment_owner as so
-from kvtier.tiers.dram import STATE_LIVE, peek_header
+from kvtier.tiers.dram import peek_header
 from tests.daemon_fixture import DaemonProc
 
 

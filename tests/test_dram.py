@@ -16,14 +16,8 @@ import pytest
 
 from kvtier.client.mapping import DramClient
 from kvtier.core.errors import UsageError
-from kvtier.tiers.dram import (
-    DramError,
-    DramPool,
-    DramSpec,
-    SegmentHandle,
-    SlotPinned,
-    StaleSegment,
-)
+from kvtier.core.segment import DramError, SegmentHandle, StaleSegment
+from kvtier.tiers.dram import DramPool, DramSpec, SlotPinned
 
 SLOT = 64 * 1024 + 100  # not a page multiple: stride rounds up to 69632 (17 pages)
 
@@ -221,7 +215,7 @@ def test_close_unlinks_and_marks_closed(pool: DramPool) -> None:
 CHILD = r"""
 import json, sys
 import numpy as np
-from kvtier.tiers.dram import SegmentHandle
+from kvtier.core.segment import SegmentHandle
 from kvtier.client.mapping import DramClient
 h = SegmentHandle(*json.loads(sys.argv[1]))
 slot = int(sys.argv[2])

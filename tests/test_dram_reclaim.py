@@ -15,8 +15,9 @@ import pytest
 
 from kvtier.client.mapping import DramClient
 from kvtier.core.errors import UsageError
+from kvtier.core.segment import STATE_LIVE
 from kvtier.tiers import segment_owner as so
-from kvtier.tiers.dram import STATE_LIVE, DramPool, DramSpec, peek_header
+from kvtier.tiers.dram import DramPool, DramSpec, peek_header
 
 
 @pytest.fixture
@@ -64,7 +65,8 @@ def test_live_owner_segment_is_never_unlinked(tmp_path: Path, pool: DramPool) ->
     with pytest.raises(UsageError, match=f"daemon pid {os.getpid()} still runs"):
         so.reclaim(path)
     header = peek_header(pool.path)
-    assert header is not None and header == (1, STATE_LIVE, pool.generation)
+    assert header is not None
+    assert (header.version, header.state, header.generation) == (1, STATE_LIVE, pool.generation)
     assert path.exists()
 
 

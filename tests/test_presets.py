@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from kvtier.commands.size import read_hf_config
 from kvtier.core.errors import UsageError
-from kvtier.core.hfconfig import read_hf_config, spec_from_config
+from kvtier.core.hfconfig import spec_from_config
 from kvtier.core.layout import AttentionKind
 from kvtier.core.presets import get_preset, list_presets
 

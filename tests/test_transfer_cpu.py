@@ -265,7 +265,7 @@ def test_slot_payload_matches_kvlayout_block_bytes() -> None:
 
 
 def test_slot_array_over_a_segment_and_read_only_slots() -> None:
-    from kvtier.gpu.transfer import slot_array
+    from kvtier.core.segment import slot_array
 
     seg = np.zeros(4096 + 3 * 512, dtype=np.uint8)
     rows = slot_array(seg, data_offset=4096, num_slots=3, slot_bytes=256, slot_stride=512)

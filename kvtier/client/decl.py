@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier.daemon.namespaces import InvalidArgument, check_model_id, layout_id
+from kvtier.core.errors import InvalidArgument
+from kvtier.core.keys import check_model_id, layout_id
 
 
 @dataclass(frozen=True, slots=True)

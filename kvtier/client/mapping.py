@@ -6,22 +6,23 @@ segment layout and the trust boundary.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
-import struct
 from typing import Any
 
-from kvtier.tiers.dram import (
-    MAGIC,
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.core.segment import (
     STATE_LIVE,
-    STATE_OFFSET,
-    VERSION,
     DramError,
     SegmentHandle,
-    SegmentMapping,
     StaleSegment,
-    U8Array,
-    read_mapped_header,
+    check_attach,
+        unpack_header,
 )
+
+U8Array = npt.NDArray[np.uint8]
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +45,18 @@ class DramClient:
         try:
             if os.fstat(fd).st_size != handle.size:
                 raise StaleSegment(f"{path} has size {os.fstat(fd).st_size}, not {handle.size}")
-            self._map = SegmentMapping(fd, handle.size, writable)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mm = mmap.mmap(fd, handle.size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
-        magic, version, state, gen, ssize, stride, count, doff = read_mapped_header(self._map)
-        expect = (MAGIC, VERSION, STATE_LIVE, handle.generation)
-        if (magic, version, state, gen) != expect or (ssize, stride, count, doff) != (
-            handle.slot_size, handle.slot_stride, handle.slot_count, handle.data_offset,
-        ):
-            self._map.close()
-            raise StaleSegment(f"{path} is not the pool of generation {handle.generation}")
+        try:
+            check_attach(unpack_header(self._mm), handle, path)
+        except StaleSegment:
+            self._mm.close()
+            raise
+        self._buf: U8Array = np.frombuffer(self._mm, dtype=np.uint8)
+        if not writable:
+            self._buf.flags.writeable = False
         self._cuda: Any = None  # kvtier.gpu.hostmem.Registration once registered
 
     @classmethod
@@ -62,22 +65,21 @@ class DramClient:
 
     def is_live(self) -> bool:
         """False once the daemon closed this pool (the mapping itself stays valid)."""
-        state, = struct.unpack_from("<I", self._map.mm, STATE_OFFSET)
-        gen, = struct.unpack_from("<Q", self._map.mm, 16)
-        return bool(state == STATE_LIVE and gen == self.handle.generation)
+        h = unpack_header(self._mm)
+        return h.state == STATE_LIVE and h.generation == self.handle.generation
 
     def view(self, slot: int, nbytes: int | None = None) -> U8Array:
         h = self.handle
         if not 0 <= slot < h.slot_count:
             raise DramError(f"slot {slot} out of range")
         o = h.data_offset + slot * h.slot_stride
-        return self._map.buf[o : o + (h.slot_size if nbytes is None else nbytes)]
+        return self._buf[o : o + (h.slot_size if nbytes is None else nbytes)]
 
     @property
     def buffer(self) -> U8Array:
         """The whole mapped segment as one uint8 array (header included); slot i starts at
         `handle.data_offset + i * handle.slot_stride`. Valid until `close()`."""
-        return self._map.buf
+        return self._buf
 
     def register_cuda(self) -> bool:
         """Pin the whole mapping and map it into the device address space (cudaHostRegister
@@ -93,7 +95,7 @@ class DramClient:
         from kvtier.gpu import hostmem
 
         try:
-            self._cuda = hostmem.register(self._map.buf)
+            self._cuda = hostmem.register(self._buf)
         except Exception as exc:  # any CUDA error: no device, no driver, registration refused
             log.warning("CUDA host registration of the DRAM pool failed: %s", exc)
             return False
@@ -113,7 +115,11 @@ class DramClient:
             except Exception as exc:
                 log.warning("CUDA host unregistration failed: %s", exc)
             self._cuda = None
-        self._map.close()
+        del self._buf
+        try:
+            self._mm.close()
+        except BufferError:
+            log.debug("DRAM segment still viewed by callers; unmapped when their views go")
 
     def __enter__(self) -> DramClient:
         return self

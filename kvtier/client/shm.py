@@ -18,8 +18,7 @@ import numpy.typing as npt
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.mapping import DramClient
-from kvtier.gpu.transfer import slot_array
-from kvtier.tiers.dram import SegmentHandle, StaleSegment
+from kvtier.core.segment import SegmentHandle, StaleSegment, slot_array
 
 U8 = npt.NDArray[np.uint8]
 
@@ -27,7 +26,7 @@ U8 = npt.NDArray[np.uint8]
 class SlotBuffer(NamedTuple):
     """The mapped DRAM segment for zero-copy engines: slot i is the `slot_bytes` bytes at
     `segment[data_offset + i * slot_stride:]`. `array()` is the [slot_count, slot_bytes] view
-    (`kvtier.gpu.transfer.slot_array`) a `TransferEngine` takes; rows are `Loaded.slots` /
+    (`kvtier.core.segment.slot_array`) a `TransferEngine` takes; rows are `Loaded.slots` /
     `StoreTx.slot_ids`. No copy: it shares memory with the mapping. `generation` names the
     daemon's pool; indices from a call answered by another generation do not apply to it.
     """

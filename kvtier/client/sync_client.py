@@ -46,8 +46,8 @@ from kvtier.client.decl import register_request as register_request
 from kvtier.client.shm import MappedSegment, SegmentHolder
 from kvtier.client.shm import SlotBuffer as SlotBuffer
 from kvtier.core.errors import KvtierError
+from kvtier.core.paths import default_socket as _default_socket
 from kvtier.core.types import Tier
-from kvtier.daemon.config import runtime_dir
 
 MAX_MESSAGE_BYTES = 8 << 20
 CHUNK_BYTES = 4 << 20
@@ -110,7 +110,7 @@ class StoreTx:
 
 
 def default_socket() -> Path:
-    return Path(os.environ.get("KVTIER_SOCKET") or runtime_dir(os.environ) / "kvtier.sock")
+    return _default_socket(os.environ)
 
 
 def pack_keys(keys: Sequence[bytes], width: int) -> bytes:

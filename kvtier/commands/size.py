@@ -12,10 +12,12 @@ import json
 import math
 import textwrap
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any
 
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
+from kvtier.core.hfconfig import parse_config, spec_from_config
 from kvtier.core.layout import DType, KVLayout, LayerSpec, alternating
 from kvtier.core.presets import ModelSpec, get_preset, list_presets
 from kvtier.core.sizing import (
@@ -230,7 +232,6 @@ def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
     if a.preset is not None:
         spec, source = get_preset(a.preset), f"preset {a.preset}"
     elif a.hf_config is not None:
-        from kvtier.core.hfconfig import read_hf_config
 
         spec, source = read_hf_config(a.hf_config), f"HF config {a.hf_config}"
     elif shape:
@@ -397,3 +398,16 @@ def run(args: argparse.Namespace) -> int:
     result = compute(args)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
+
+
+def read_hf_config(path: str | Path) -> ModelSpec:
+    """The `ModelSpec` of a local `config.json` (read offline; named by its folder when the
+    config has no `_name_or_path`)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"config {str(p)!r} is not UTF-8 text") from None
+    return spec_from_config(parse_config(text, str(p)), str(p), p.resolve().parent.name)

@@ -1,4 +1,5 @@
-"""Read a local Hugging Face `config.json` into a `ModelSpec` (no network, no transformers).
+"""Parse a Hugging Face `config.json` into a `ModelSpec` (pure: no files, no network, no
+transformers; `kvtier.commands.size.read_hf_config` reads a local file through it).
 
 Understood: Llama/Qwen/Mistral-style decoders (`num_key_value_heads`, `head_dim`), per-layer
 `layer_types` (full_attention / sliding_attention, as in gpt-oss and Gemma 3), Mistral's global
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import UsageError
@@ -49,31 +49,28 @@ class _Config:
         return value
 
 
-def load_config(path: str | Path) -> dict[str, Any]:
-    """The config as a dict, with a multimodal `text_config` merged over the top level."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"config {str(p)!r} is not UTF-8 text") from None
+def parse_config(text: str, path: str = "config.json") -> dict[str, Any]:
+    """The config text as a dict, with a multimodal `text_config` merged over the top level.
+    `path` only names the file in error messages."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(
-            f"config {str(p)!r} is not valid JSON (line {exc.lineno}, column {exc.colno})"
+            f"config {path!r} is not valid JSON (line {exc.lineno}, column {exc.colno})"
         ) from None
     if not isinstance(doc, dict):
-        raise UsageError(f"config {str(p)!r} must hold a JSON object")
+        raise UsageError(f"config {path!r} must hold a JSON object")
     inner = doc.get("text_config")
     if isinstance(inner, dict):
         doc = {**doc, **inner}
     return doc
 
 
-def spec_from_config(doc: Mapping[str, Any], path: str = "config.json") -> ModelSpec:
-    """Build a `ModelSpec` from a parsed config (see module docstring for what is understood)."""
+def spec_from_config(
+    doc: Mapping[str, Any], path: str = "config.json", default_name: str = "custom",
+) -> ModelSpec:
+    """Build a `ModelSpec` from a parsed config (see module docstring for what is understood);
+    it is named by `_name_or_path`, else `default_name` (a reader passes the file's folder)."""
     c = _Config(path, doc)
     layers = c.count("num_hidden_layers", "n_layer", "num_layers")
     hidden = c.count("hidden_size", "n_embd", "d_model")
@@ -93,7 +90,7 @@ def spec_from_config(doc: Mapping[str, Any], path: str = "config.json") -> Model
         kinds = _layer_kinds(c, layers)
     vocab = c.count("vocab_size")
     total, active = estimate_params(c, layers, hidden, heads, kv_heads, head_dim, vocab)
-    name = str(c.get("_name_or_path") or Path(path).resolve().parent.name or "custom")
+    name = str(c.get("_name_or_path") or default_name or "custom")
     return ModelSpec(
         name=name,
         hf_repo=str(c.get("_name_or_path") or ""),
@@ -107,11 +104,6 @@ def spec_from_config(doc: Mapping[str, Any], path: str = "config.json") -> Model
         active_params=active,
         vocab_size=vocab,
     )
-
-
-def read_hf_config(path: str | Path) -> ModelSpec:
-    """`spec_from_config(load_config(path))`."""
-    return spec_from_config(load_config(path), str(path))
 
 
 def _layer_kinds(c: _Config, layers: int) -> tuple[LayerSpec, ...]:

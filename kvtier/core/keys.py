@@ -42,6 +42,8 @@ import cbor2
 import numpy as np
 import xxhash
 
+from kvtier.core.errors import InvalidArgument
+
 Mode = Literal["sha256_cbor", "xxh3_128"]
 KEY_BYTES: dict[str, int] = {"sha256_cbor": 32, "xxh3_128": 16}
 VLLM_NONE_HASH_SEED = "vllm-none-hash"
@@ -84,6 +86,25 @@ def root_seed(model_id: str, fingerprint: bytes, mode: Mode = "sha256_cbor") -> 
     if not isinstance(fingerprint, bytes) or not fingerprint:
         raise ValueError("fingerprint must be non-empty bytes")
     return cbor_hash((_ROOT_TAG, model_id, fingerprint), mode)
+
+
+MODEL_ID_BYTES = 256  # longest model id (UTF-8)
+LAYOUT_ID_BYTES = 32
+
+
+def check_model_id(model_id: str) -> None:
+    """Raises `InvalidArgument` unless `model_id` is 1..256 UTF-8 bytes of printable text."""
+    if not isinstance(model_id, str) or not model_id:
+        raise InvalidArgument("model_id is required: the model whose KV the blocks hold")
+    if len(model_id.encode()) > MODEL_ID_BYTES:
+        raise InvalidArgument(f"model_id must be at most {MODEL_ID_BYTES} bytes (UTF-8)")
+    if not model_id.isprintable():
+        raise InvalidArgument("model_id must be printable text (no control characters)")
+
+
+def layout_id(model_id: str, fingerprint: bytes) -> bytes:
+    """The 32-byte id of (model id, layout fingerprint): `root_seed` in sha256_cbor mode."""
+    return root_seed(model_id, fingerprint, "sha256_cbor")
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,17 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.namespaces import (
-    FailedPrecondition,
-    InvalidArgument,
-    Namespace,
-    ResourceExhausted,
-    TenantState,
-)
+from kvtier.daemon.namespaces import Namespace, TenantState
 from kvtier.daemon.residency import Tiers
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 

@@ -37,7 +37,15 @@ from contextlib import asynccontextmanager
 from typing import NamedTuple
 
 from kvtier.core.costmodel import CostModel
+from kvtier.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from kvtier.core.planner import Plan, Prefix, plan
+from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.acquire import Acquirer, AcquireResult, Acquiring, ReadLease
 from kvtier.daemon.allocate import AllocateResult as AllocateResult
@@ -49,23 +57,13 @@ from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.metrics import DaemonMetrics, PoolGauges
-from kvtier.daemon.namespaces import (
-    FailedPrecondition,
-    InvalidArgument,
-    LayoutInfo,
-    Namespace,
-    Namespaces,
-    NotFound,
-    PermissionDenied,
-    Unavailable,
-)
+from kvtier.daemon.namespaces import LayoutInfo, Namespace, Namespaces
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
-from kvtier.tiers.dram import SegmentHandle
 
 
 class Registered(NamedTuple):
-    layout_id: bytes  # what data requests name (see `kvtier.daemon.namespaces.layout_id`)
+    layout_id: bytes  # what data requests name (see `kvtier.core.keys.layout_id`)
     segment: SegmentHandle
 
 

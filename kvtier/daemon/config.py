@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvtier.core.errors import UsageError
+from kvtier.core.paths import SOCKET_NAME, runtime_dir
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 
 GiB = 1 << 30
@@ -131,13 +132,6 @@ def default_burst(bytes_per_day: int, queue_bytes: int, slot_bytes: int) -> int:
     return max(min(bytes_per_day, max(bytes_per_day // 4, 4 * queue_bytes)), 16 * slot_bytes)
 
 
-def runtime_dir(env: Mapping[str, str]) -> Path:
-    xdg = env.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return Path(xdg) / "kvtier"
-    return Path(f"/tmp/kvtier-{os.getuid()}")
-
-
 def _ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -158,7 +152,7 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
     shm_free = shutil.disk_usage(shm).free if shm.exists() else _ram_bytes()
     dram = min(_ram_bytes() // 8, shm_free // 2, 4 * GiB)
     return {
-        "socket": str(runtime_dir(env) / "kvtier.sock"),
+        "socket": str(runtime_dir(env) / SOCKET_NAME),
         "tcp": "",
         "tls_cert": "",
         "tls_key": "",

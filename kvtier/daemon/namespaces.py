@@ -1,4 +1,5 @@
-"""Layouts, tenants and namespaces of one daemon, and the domain errors. Pure bookkeeping.
+"""Layouts, tenants and namespaces of one daemon, and the request checks. Pure
+bookkeeping. (The domain errors are `kvtier.core.errors`; layout ids `kvtier.core.keys`.)
 
 A registered layout is (model id, layout fingerprint); its *layout id* is
 `kvtier.core.keys.root_seed(model_id, fingerprint)` (32 bytes: SHA-256 over canonical CBOR of
@@ -19,31 +20,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.core.costmodel import CostModel
-from kvtier.core.errors import KvtierError
-from kvtier.core.keys import root_seed
+from kvtier.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
+from kvtier.core.keys import LAYOUT_ID_BYTES, check_model_id, layout_id
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
 
 KEY_WIDTHS = (16, 32)
 FINGERPRINT_BYTES = (8, 64)
-MODEL_ID_BYTES = 256  # longest model id (UTF-8)
-LAYOUT_ID_BYTES = 32
 _NS_TAG = "ns2:"
-
-
-def check_model_id(model_id: str) -> None:
-    """Raises InvalidArgument unless `model_id` is 1..256 UTF-8 bytes of printable text."""
-    if not isinstance(model_id, str) or not model_id:
-        raise InvalidArgument("model_id is required: the model whose KV the blocks hold")
-    if len(model_id.encode()) > MODEL_ID_BYTES:
-        raise InvalidArgument(f"model_id must be at most {MODEL_ID_BYTES} bytes (UTF-8)")
-    if not model_id.isprintable():
-        raise InvalidArgument("model_id must be printable text (no control characters)")
-
-
-def layout_id(model_id: str, fingerprint: bytes) -> bytes:
-    """The 32-byte id of (model id, layout fingerprint): `root_seed` in sha256_cbor mode."""
-    return root_seed(model_id, fingerprint, "sha256_cbor")
 
 
 def namespace(tenant: str, lid: bytes) -> str:
@@ -71,34 +59,6 @@ def namespace_layout(ns: str) -> bytes:
     if lid is None:
         raise ValueError(f"not a kvtier namespace: {ns!r}")
     return lid
-
-
-class CacheError(KvtierError):
-    """A request the cache refuses; the service maps the subclass to a gRPC status."""
-
-
-class InvalidArgument(CacheError):
-    pass
-
-
-class NotFound(CacheError):
-    pass
-
-
-class PermissionDenied(CacheError):
-    pass
-
-
-class ResourceExhausted(CacheError):
-    pass
-
-
-class FailedPrecondition(CacheError):
-    pass
-
-
-class Unavailable(CacheError):
-    """The daemon is draining: no new leases."""
 
 
 @dataclass(frozen=True, slots=True)

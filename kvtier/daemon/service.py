@@ -23,14 +23,11 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 
-from kvtier import __version__ as _version
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier._version import __version__ as _version
 from kvtier.core.costmodel import CostModel
-from kvtier.core.types import Tier
-from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
-from kvtier.daemon.cache import Cache
-from kvtier.daemon.namespaces import (
+from kvtier.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -38,7 +35,10 @@ from kvtier.daemon.namespaces import (
     ResourceExhausted,
     Unavailable,
 )
-from kvtier.tiers.dram import SegmentHandle
+from kvtier.core.segment import SegmentHandle
+from kvtier.core.types import Tier
+from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
+from kvtier.daemon.cache import Cache
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20

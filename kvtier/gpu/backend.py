@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.gpu import dma, hostmem, kernels
+from kvtier.gpu.arrays import array_info
 from kvtier.gpu.cpu import Outcome
 from kvtier.gpu.plan import (
     Calibration,
@@ -40,7 +41,6 @@ from kvtier.gpu.plan import (
     pairs_of_ops,
     sort_pairs,
 )
-from kvtier.gpu.transfer import array_info
 
 
 @dataclass(slots=True)

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.gpu.arrays import ArrayInfo, array_info
 from kvtier.gpu.plan import (
     Calibration,
     Direction,
@@ -67,51 +68,8 @@ from kvtier.gpu.plan import (
 
 __all__ = [
     "ArrayInfo", "Direction", "KVPool", "PoolKind", "TransferEngine", "TransferHandle",
-    "TransferJob", "TransferResult", "array_info", "slot_array", "slot_geometry",
+    "TransferJob", "TransferResult", "array_info", "slot_geometry",
 ]
-
-
-class ArrayInfo(NamedTuple):
-    """What the engine needs to know about a numpy array, torch tensor or CuPy array."""
-
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  # bytes
-    itemsize: int
-    dtype: str
-    device: str  # "cpu" | "cuda"
-    ptr: int
-
-
-def array_info(x: Any) -> ArrayInfo:
-    """Describe `x` without importing torch or CuPy (duck typing; `__cuda_array_interface__`).
-
-    Other DLPack producers are viewed through `numpy.from_dlpack` (CPU) or `cupy.from_dlpack`
-    (CUDA; CuPy is imported only then). The caller keeps `x` alive while the pointer is used.
-    """
-    if isinstance(x, np.ndarray):
-        return ArrayInfo(x.shape, x.strides, x.itemsize, str(x.dtype), "cpu", x.ctypes.data)
-    if hasattr(x, "data_ptr") and hasattr(x, "element_size"):
-        size = int(x.element_size())
-        dev = "cuda" if x.device.type == "cuda" else x.device.type
-        return ArrayInfo(tuple(x.shape), tuple(s * size for s in x.stride()), size,
-                         str(x.dtype).removeprefix("torch."), dev, int(x.data_ptr()))
-    cai = getattr(x, "__cuda_array_interface__", None)
-    if cai is not None:
-        shape = tuple(int(d) for d in cai["shape"])
-        item = np.dtype(cai["typestr"]).itemsize
-        strides = cai.get("strides") or tuple(
-            item * math.prod(shape[i + 1:]) for i in range(len(shape)))
-        return ArrayInfo(shape, tuple(strides), item, str(np.dtype(cai["typestr"])), "cuda",
-                         int(cai["data"][0]))
-    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-        kind = int(x.__dlpack_device__()[0])
-        if kind == 1:  # kDLCPU
-            return array_info(np.from_dlpack(x))
-        if kind == 2:  # kDLCUDA
-            import cupy
-
-            return array_info(cupy.from_dlpack(x))
-    raise ValueError(f"unsupported array type {type(x)!r}: use numpy, torch or CuPy")
 
 
 @dataclass(frozen=True)
@@ -173,23 +131,6 @@ class KVPool:
     @property
     def device(self) -> str:
         return array_info(self.chunks[0]).device
-
-
-def slot_array(segment: npt.NDArray[np.uint8], data_offset: int, num_slots: int,
-               slot_bytes: int, slot_stride: int) -> npt.NDArray[np.uint8]:
-    """The [num_slots, slot_bytes] slot buffer over a mapped segment (e.g. the DRAM tier's shm):
-    slot i starts at data_offset + i * slot_stride. Shares memory with `segment`."""
-    if segment.dtype != np.uint8 or segment.ndim != 1:
-        raise ValueError("segment must be a 1-D uint8 array")
-    if slot_stride < slot_bytes or num_slots <= 0:
-        raise ValueError(f"bad slot geometry: {num_slots} slots of {slot_bytes} B every "
-                         f"{slot_stride} B")
-    end = data_offset + (num_slots - 1) * slot_stride + slot_bytes
-    if data_offset < 0 or end > segment.size:
-        raise ValueError(f"slots end at byte {end}, past the {segment.size} B segment")
-    return np.lib.stride_tricks.as_strided(
-        segment[data_offset:], shape=(num_slots, slot_bytes), strides=(slot_stride, 1),
-        writeable=bool(segment.flags.writeable))
 
 
 def slot_geometry(slots: Any) -> SlotGeometry:

@@ -7,16 +7,7 @@ it. Local clients map the same file (`DramClient.attach`) by name, size and gene
 or write slots in place: block bytes never pass through a socket. `multiprocessing.shared_memory`
 is not used: its resource tracker can unlink a segment when an attaching process exits.
 
-Segment layout (all little-endian):
-
-    0                 HEADER_BYTES (4096)                 data_offset + i*slot_stride
-    | header | pad   | slot 0 | slot 1 | ... | slot n-1 |
-      magic b"KVTDRAM\\0", version, state (1 live, 2 closed), generation (random u64),
-      slot_size, slot_stride (slot_size rounded up to 4 KiB), slot_count, data_offset
-
-A client checks magic, version, generation and geometry at attach and can re-check `is_live()`
-later: a daemon that closes marks the header closed before unlinking, and a recreated segment has
-a new generation, so a stale client never mistakes a new pool for its old one.
+Segment layout and header: `kvtier.core.segment` (the contract clients check at attach).
 
 Trust boundary: whoever can open the file can read and write every slot of every tenant. Only the
 daemon's user (mode 0600), or members of the configured group (0660), may map it; tenancy between
@@ -42,7 +33,6 @@ import mmap
 import os
 import re
 import secrets
-import struct
 import threading
 import weakref
 from dataclasses import dataclass
@@ -51,37 +41,30 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.core.errors import KvtierError, UsageError
+from kvtier.core.errors import UsageError
+from kvtier.core.segment import (
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    DramError,
+    SegmentHandle,
+    SegmentHeader,
+    mark_closed,
+    pack_header,
+    round_up,
+    slot_stride,
+    unpack_header,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVTDRAM\0"
-VERSION = 1
-HEADER_BYTES = 4096
-SLOT_ALIGN = 4096
 HUGE_PAGE = 2 << 20
-STATE_LIVE = 1
-STATE_CLOSED = 2
-_HDR = struct.Struct("<8sIIQQQQQ")
-STATE_OFFSET = 12
 
 U8Array = npt.NDArray[np.uint8]
 
 
-class DramError(KvtierError):
-    """A DRAM pool operation broke the pool's rules (a bug in the caller, not bad user input)."""
-
-
 class SlotPinned(DramError):
     """The slot is leased (pinned); it cannot be freed or rewritten now."""
-
-
-class StaleSegment(KvtierError):
-    """The segment at this name is not the one the client was told about (recreated or closed)."""
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass(frozen=True)
@@ -102,19 +85,6 @@ class DramSpec:
             raise UsageError(f"invalid shared-memory name {self.name!r}")
         if self.slot_size <= 0 or self.slot_count <= 0:
             raise UsageError("DRAM pool needs slot_size > 0 and slot_count > 0")
-
-
-class SegmentHandle(NamedTuple):
-    """What a client needs to attach: sent by the daemon (e.g. in a gRPC reply)."""
-
-    name: str
-    size: int
-    generation: int
-    slot_size: int
-    slot_stride: int
-    slot_count: int
-    data_offset: int
-    shm_dir: str = "/dev/shm"
 
 
 class DramStats(NamedTuple):
@@ -168,16 +138,6 @@ class SegmentMapping:
             log.debug("DRAM segment still viewed by callers; unmapped when their views go")
 
 
-def read_mapped_header(mapping: SegmentMapping) -> tuple[bytes, int, int, int, int, int, int, int]:
-    return _HDR.unpack_from(mapping.mm, 0)  # type: ignore[return-value,unused-ignore]
-
-
-class SegmentHeader(NamedTuple):
-    version: int
-    state: int  # STATE_LIVE or STATE_CLOSED
-    generation: int
-
-
 def peek_header(path: str) -> SegmentHeader | None:
     """The header of the segment file at `path` without mapping it; None when the file is
     missing, unreadable or not a kvtier pool (no magic)."""
@@ -186,15 +146,15 @@ def peek_header(path: str) -> SegmentHeader | None:
     except OSError:
         return None
     try:
-        raw = os.pread(fd, _HDR.size, 0)
+        raw = os.pread(fd, HEADER.size, 0)
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(raw) < _HDR.size:
+    if len(raw) < HEADER.size:
         return None
-    magic, version, state, gen, *_ = _HDR.unpack(raw)
-    return SegmentHeader(version, state, gen) if magic == MAGIC else None
+    header = unpack_header(raw)
+    return header if header.magic == MAGIC else None
 
 
 def _unlink_forgotten(path: str, generation: int, creator: int) -> None:
@@ -218,11 +178,11 @@ class DramPool:
         spec.validate()
         self.spec = spec
         self.slot_size = spec.slot_size
-        self.slot_stride = _round_up(spec.slot_size, SLOT_ALIGN)
+        self.slot_stride = slot_stride(spec.slot_size)
         self.slot_count = spec.slot_count
         self.data_offset = HUGE_PAGE if spec.huge_pages else HEADER_BYTES
         size = self.data_offset + self.slot_stride * self.slot_count
-        self.size = _round_up(size, HUGE_PAGE) if spec.huge_pages else size
+        self.size = round_up(size, HUGE_PAGE) if spec.huge_pages else size
         self.generation = secrets.randbits(63) | 1
         self.path = os.path.join(spec.shm_dir, spec.name)
         self._lock = threading.Lock()
@@ -241,10 +201,7 @@ class DramPool:
             os.close(self._fd)
             os.unlink(self.path)
             raise
-        _HDR.pack_into(
-            self._map.mm, 0, MAGIC, VERSION, STATE_LIVE, self.generation, self.slot_size,
-            self.slot_stride, self.slot_count, self.data_offset,
-        )
+        pack_header(self._map.mm, SegmentHeader.live(self.handle()))
         self._finalizer = weakref.finalize(
             self, _unlink_forgotten, self.path, self.generation, os.getpid())
         if spec.huge_pages:
@@ -430,7 +387,7 @@ class DramPool:
             return
         self._closed = True
         self._finalizer.detach()
-        struct.pack_into("<I", self._map.mm, STATE_OFFSET, STATE_CLOSED)
+        mark_closed(self._map.mm)
         try:
             os.unlink(self.path)
         except FileNotFoundError:

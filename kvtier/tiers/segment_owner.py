@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvtier.core.errors import UsageError
-from kvtier.tiers.dram import STATE_LIVE, peek_header
+from kvtier.core.segment import STATE_LIVE
+from kvtier.tiers.dram import peek_header
 
 log = logging.getLogger(__name__)
 

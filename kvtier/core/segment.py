@@ -1,0 +1,126 @@
+"""The DRAM segment's contract: what the daemon writes at the head of its shared-memory pool and
+what a client checks before it reads or writes a slot. Pure: formats and checks, no mapping.
+
+Segment layout (all little-endian):
+
+    0                 HEADER_BYTES (4096)                 data_offset + i*slot_stride
+    | header | pad   | slot 0 | slot 1 | ... | slot n-1 |
+      magic b"KVTDRAM\\0", version, state (1 live, 2 closed), generation (random u64),
+      slot_size, slot_stride (slot_size rounded up to 4 KiB), slot_count, data_offset
+
+The daemon (`kvtier.tiers.dram`) creates the file and writes the header once; a client
+(`kvtier.client.mapping`) checks magic, version, generation and geometry at attach against the
+`SegmentHandle` the daemon sent, and re-reads `state` later: a daemon that closes marks the header
+closed before unlinking, and a recreated segment has a new generation, so a stale client never
+mistakes a new pool for its old one.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.core.errors import KvtierError
+
+MAGIC = b"KVTDRAM\0"
+VERSION = 1
+HEADER_BYTES = 4096
+SLOT_ALIGN = 4096
+STATE_LIVE = 1
+STATE_CLOSED = 2
+HEADER = struct.Struct("<8sIIQQQQQ")
+STATE = struct.Struct("<I")
+STATE_OFFSET = 12
+
+
+class DramError(KvtierError):
+    """A DRAM pool operation broke the pool's rules (a bug in the caller, not bad user input)."""
+
+
+class StaleSegment(KvtierError):
+    """The segment at this name is not the one the client was told about (recreated or closed)."""
+
+
+class SegmentHandle(NamedTuple):
+    """What a client needs to attach: sent by the daemon (e.g. in a gRPC reply)."""
+
+    name: str
+    size: int
+    generation: int
+    slot_size: int
+    slot_stride: int
+    slot_count: int
+    data_offset: int
+    shm_dir: str = "/dev/shm"
+
+
+class SegmentHeader(NamedTuple):
+    """The header as stored at offset 0 of the segment."""
+
+    magic: bytes
+    version: int
+    state: int  # STATE_LIVE or STATE_CLOSED
+    generation: int
+    slot_size: int
+    slot_stride: int
+    slot_count: int
+    data_offset: int
+
+    @classmethod
+    def live(cls, h: SegmentHandle) -> SegmentHeader:
+        """The header a live segment described by `h` carries."""
+        return cls(MAGIC, VERSION, STATE_LIVE, h.generation, h.slot_size, h.slot_stride,
+                   h.slot_count, h.data_offset)
+
+
+def round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def slot_stride(slot_size: int) -> int:
+    return round_up(slot_size, SLOT_ALIGN)
+
+
+def pack_header(buf: bytearray | memoryview | object, header: SegmentHeader) -> None:
+    """Write `header` at offset 0 of a writable buffer (an mmap)."""
+    HEADER.pack_into(buf, 0, *header)  # type: ignore[arg-type]
+
+
+def unpack_header(buf: bytes | memoryview | object) -> SegmentHeader:
+    """The header at offset 0 of `buf` (at least `HEADER.size` bytes)."""
+    return SegmentHeader(*HEADER.unpack_from(buf, 0))  # type: ignore[arg-type]
+
+
+def read_state(buf: object) -> int:
+    state: int = STATE.unpack_from(buf, STATE_OFFSET)[0]  # type: ignore[arg-type]
+    return state
+
+
+def mark_closed(buf: object) -> None:
+    STATE.pack_into(buf, STATE_OFFSET, STATE_CLOSED)  # type: ignore[arg-type]
+
+
+def check_attach(header: SegmentHeader, handle: SegmentHandle, path: str) -> None:
+    """Raise `StaleSegment` unless `header` is the live pool `handle` describes."""
+    if header != SegmentHeader.live(handle):
+        raise StaleSegment(f"{path} is not the pool of generation {handle.generation}")
+
+
+def slot_array(segment: npt.NDArray[np.uint8], data_offset: int, num_slots: int,
+               slot_bytes: int, slot_stride: int) -> npt.NDArray[np.uint8]:
+    """The [num_slots, slot_bytes] slot buffer over a mapped segment (the DRAM tier's shm):
+    slot i starts at data_offset + i * slot_stride. Shares memory with `segment`."""
+    if segment.dtype != np.uint8 or segment.ndim != 1:
+        raise ValueError("segment must be a 1-D uint8 array")
+    if slot_stride < slot_bytes or num_slots <= 0:
+        raise ValueError(f"bad slot geometry: {num_slots} slots of {slot_bytes} B every "
+                         f"{slot_stride} B")
+    end = data_offset + (num_slots - 1) * slot_stride + slot_bytes
+    if data_offset < 0 or end > segment.size:
+        raise ValueError(f"slots end at byte {end}, past the {segment.size} B segment")
+    return np.lib.stride_tricks.as_strided(
+        segment[data_offset:], shape=(num_slots, slot_bytes), strides=(slot_stride, 1),
+        writeable=bool(segment.flags.writeable))

@@ -1,0 +1,69 @@
+"""The layer rules in `.importlinter` hold for the tree, and a wrong import breaks them with a
+message that names the chain (so CI fails readably)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(LINT), "--no-cache", "--config", str(root / ".importlinter")], cwd=root,
+        capture_output=True, text=True, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+
+
+def test_the_tree_keeps_every_contract() -> None:
+    out = _lint(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 broken" in out.stdout
+
+
+def _copy(tmp: Path) -> Path:
+    shutil.copytree(ROOT / "kvtier", tmp / "kvtier",
+                    ignore=shutil.ignore_patterns("__pycache__", "_kernels"))
+    shutil.copy(ROOT / ".importlinter", tmp / ".importlinter")
+    return tmp
+
+
+def _append(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + f"\n{line}  # noqa\n")
+
+
+def test_core_importing_the_daemon_is_refused(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    _append(root / "kvtier/core/units.py", "from kvtier.daemon import config")
+    out = _lint(root)
+    assert out.returncode != 0
+    assert "kvtier.core.units -> kvtier.daemon.config" in out.stdout
+
+
+def test_pure_layers_importing_io_are_refused(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    _append(root / "kvtier/index/types.py", "import lmdb")
+    out = _lint(root)
+    assert out.returncode != 0
+    assert "kvtier.index is not allowed to import lmdb" in out.stdout
+
+
+def test_client_reaching_into_tiers_is_refused(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    _append(root / "kvtier/client/decl.py", "from kvtier.tiers import dram")
+    out = _lint(root)
+    assert out.returncode != 0
+    assert "kvtier.client is not allowed to import kvtier.tiers" in out.stdout
+
+
+def test_a_cycle_between_modules_is_refused(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    _append(root / "kvtier/gpu/arrays.py", "from kvtier.gpu import transfer")
+    out = _lint(root)
+    assert out.returncode != 0
+    assert "No cycles are allowed in kvtier.gpu" in out.stdout
