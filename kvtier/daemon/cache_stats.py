@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvtier.core.types import Tier
+from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.metrics import PoolGauges
+from kvtier.daemon.config import Config
+from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
 from kvtier.daemon.namespaces import Namespaces
 from kvtier.daemon.residency import Tiers
 
@@ -59,4 +61,27 @@ def pool_gauges(s: CacheStats, tiers: Tiers) -> PoolGauges:
         {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
         {"read": s.read_leases, "write": s.write_leases},
         used_ratio, mover.stats().queue_depth if mover else 0,
+    )
+
+
+MRC_MIN_KEYS = 8192
+"""The MRC estimator tracks at least this many keys (~1 MiB) whatever the index's size: fewer
+sampled keys make the curve too noisy to act on (see `kvtier.index.mrc`)."""
+INDEX_BYTES_PER_BLOCK = 400
+"""Index memory per cached block, about (bench/mrc.py measures it); the MRC's budget is 1% of it."""
+
+
+def new_sampler(cfg: Config, ssd_blocks: int) -> ReuseSampler:
+    """The daemon's MRC estimator: capacities `capacity_grid` of its DRAM slots and SSD blocks,
+    memory bounded to 1% of the full index's (but at least `MRC_MIN_KEYS` keys)."""
+    budget = (cfg.slots + ssd_blocks) * INDEX_BYTES_PER_BLOCK // 100
+    return ReuseSampler(capacity_grid(cfg.slots, ssd_blocks), admit_k=cfg.ssd_admit_after,
+                        max_keys=max(MRC_MIN_KEYS, keys_for_budget(budget)))
+
+
+def mrc_gauges(sampler: ReuseSampler) -> MrcGauges:
+    return MrcGauges(
+        [MrcPoint(scaled, f, p.dram_blocks, p.ssd_blocks, p.dram_hit_ratio, p.hit_ratio)
+         for scaled, f, p in labelled(sampler.points())],
+        sampler.rate, sampler.tracked_keys, memory_bytes(sampler),
     )
