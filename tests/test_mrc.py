@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from kvtier.daemon.cache_stats import MRC_MIN_KEYS
-from kvtier.index.mrc import ReuseSampler, capacity_grid, labelled
+from kvtier.index.mrc import (
+    ReuseSampler,
+    capacity_grid,
+    keys_for_budget,
+    labelled,
+    measure_bytes,
+    memory_bytes,
+)
 from kvtier.sim.mrc import compare
 from kvtier.sim.trace import Request, read_trace
 
@@ -138,3 +145,12 @@ def test_estimate_within_3_points_of_replays_other_splits(
     trace: list[Request], dram: int, ssd: int
 ) -> None:
     check_against_replays(trace, dram, ssd)
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 3 << 20])
+def test_a_full_table_stays_within_its_byte_budget(budget: int) -> None:
+    s = ReuseSampler([(10**7, 0)], max_keys=keys_for_budget(budget))
+    rng = random.Random(budget)
+    while s.tracked_keys < 0.99 * s.max_keys:
+        s.observe_packed(0, rng.randbytes(32 * 64), 32)
+    assert measure_bytes(s) <= memory_bytes(s) <= budget  # the gauge is an upper bound

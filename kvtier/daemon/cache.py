@@ -142,7 +142,7 @@ class Cache:
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
             who = f"{ns.name}#{replica}" if replica else _NO_REPLICA
             found = self.index.lookup(ns.name, chain, replica=who)
-            self.mrc.observe(ns.name, chain)
+            self.mrc.observe_packed(ns.name, keys, key_width)
             tiers: list[Tier] = found.tiers
             self.tiers.maybe_write_back(ns.name, found.blocks)
         m = self.metrics

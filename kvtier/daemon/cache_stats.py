@@ -67,8 +67,9 @@ def pool_gauges(s: CacheStats, tiers: Tiers) -> PoolGauges:
 MRC_MIN_KEYS = 8192
 """The MRC estimator tracks at least this many keys (~1 MiB) whatever the index's size: fewer
 sampled keys make the curve too noisy to act on (see `kvtier.index.mrc`)."""
-INDEX_BYTES_PER_BLOCK = 400
-"""Index memory per cached block, about (bench/mrc.py measures it); the MRC's budget is 1% of it."""
+INDEX_BYTES_PER_BLOCK = 288
+"""Index memory per cached block with a DRAM slot (tracemalloc, bench/mrc.py and bench/index.py);
+the MRC's budget is 1% of it times the index's capacity."""
 
 
 def new_sampler(cfg: Config, ssd_blocks: int) -> ReuseSampler:

@@ -30,6 +30,8 @@ Cost per lookup: one vectorised hash of its keys (numpy) plus O(log n) per sampl
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -45,11 +47,13 @@ from SSD keeps its SSD copy, one that reached k accesses while in DRAM has none 
 within 3 points of replays at four DRAM/SSD splits of the shared trace (tests/test_mrc.py,
 docs/benchmarks.md); 0 (SSD only) and 1 (DRAM + SSD) are each off by up to 5 points."""
 _MASK = (1 << 64) - 1
+_COUNT_BITS = 8
+_COUNT_MAX = (1 << _COUNT_BITS) - 1
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio multiplicative hash (odd)
-_SHIFT = np.uint64(29)
-_KEY_BYTES_TRACKED = 120
-"""Approximate bytes per tracked key: dict slot + int key + list of two ints, and two Fenwick
-slots (measured by bench/mrc.py with tracemalloc; used to turn a byte budget into `max_keys`)."""
+KEY_BYTES = 120
+"""Bytes per tracked key, an upper bound: a dict slot (30-50 B) and two ints (the 64-bit hash,
+36 B; the packed time and count, 32 B). The Fenwick trees add 2 x 4 B x 2 per key of
+`max_keys`."""
 
 
 class Point(NamedTuple):
@@ -68,7 +72,17 @@ class _Fenwick:
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.tree = [0] * (n + 1)
+        self.tree = array("i", bytes(4 * (n + 1)))
+
+    def move(self, old: int, new: int) -> None:
+        """One mark from position `old` to `new` (> old)."""
+        tree, n = self.tree, self.n
+        while old <= n:
+            tree[old] -= 1
+            old += old & -old
+        while new <= n:
+            tree[new] += 1
+            new += new & -new
 
     def add(self, i: int, v: int) -> None:
         tree, n = self.tree, self.n
@@ -86,15 +100,16 @@ class _Fenwick:
 
 def keys_for_budget(budget_bytes: int) -> int:
     """How many tracked keys fit in `budget_bytes` (at least 64)."""
-    return max(64, budget_bytes // _KEY_BYTES_TRACKED)
+    return max(64, budget_bytes // (KEY_BYTES + 16))
 
 
 class ReuseSampler:
     """SHARDS estimator of the two-tier hit ratio at a fixed set of capacities (see module doc).
 
     `capacities`: the (dram_blocks, ssd_blocks) pairs to estimate. `admit_k`: the index's SSD
-    admission threshold. `rate`: the initial sampling rate (0 < rate <= 1); `max_keys`: the most
-    keys tracked at once (the memory bound; the rate halves to stay under it).
+    admission threshold. `max_keys`: the most keys tracked at once (the memory bound; the rate
+    halves to stay under it). `rate`: the initial sampling rate (0 < rate <= 1); None = the rate
+    at which `max_keys` keys cover the largest capacity (`horizon`).
     Not thread-safe: the owner serialises `observe` and the readers.
     """
 
@@ -103,14 +118,14 @@ class ReuseSampler:
         capacities: Sequence[tuple[int, int]],
         *,
         admit_k: int = 2,
-        rate: float = 1.0,
+        rate: float | None = None,
         max_keys: int = 1 << 16,
     ) -> None:
         if not capacities:
             raise ValueError("need at least one capacity")
         if any(d < 0 or s < 0 for d, s in capacities):
             raise ValueError("capacities must be >= 0 blocks")
-        if not 0.0 < rate <= 1.0:
+        if rate is not None and not 0.0 < rate <= 1.0:
             raise ValueError(f"sampling rate must be in (0, 1], got {rate}")
         if admit_k < 1:
             raise ValueError(f"admit_k must be >= 1, got {admit_k}")
@@ -120,10 +135,15 @@ class ReuseSampler:
         self.admit_k = admit_k
         self.max_keys = max_keys
         self.horizon = max(d + s for d, s in self.capacities)
-        self._threshold = min(_MASK, int(rate * (1 << 64)))
+        if rate is None:  # as many keys as the bound allows over the horizon
+            rate = min(1.0, max_keys / max(1, self.horizon))
+        self._threshold = max(1, min(_MASK, int(rate * (1 << 64))))
+        self._rooms = [(d, s + DRAM_SHARE * d) for d, s in self.capacities]
         self._salts: dict[object, int] = {}
-        # tracked key hash -> [last access time, accesses so far]
-        self._keys: dict[int, list[int]] = {}
+        self._np_salts: dict[object, np.uint64] = {}
+        self._np_threshold = np.uint64(self._threshold)
+        # tracked key hash -> last access time << _COUNT_BITS | accesses so far (capped)
+        self._keys: dict[int, int] = {}
         self._size = max(64, 2 * min(max_keys, int(self.horizon * rate * 1.25) + 64))
         self._all = _Fenwick(self._size)
         self._admitted = _Fenwick(self._size)
@@ -143,41 +163,54 @@ class ReuseSampler:
     def tracked_keys(self) -> int:
         return len(self._keys)
 
+    def tree_bytes(self) -> int:
+        return 2 * 4 * (self._size + 1)
+
     # ------------------------------------------------------------------ feeding
     def observe(self, tenant: object, keys: Sequence[bytes]) -> None:
         """One lookup of the chain `keys` (root first) by `tenant`."""
         if not keys:
             return
-        self.lookups += 1
-        salt = self._salts.get(tenant)
-        if salt is None:
-            salt = self._salts[tenant] = xxh3_64_intdigest(repr(tenant).encode())
-        sampled = self._sample(keys, salt)
-        if not sampled:
+        width = len(keys[0])
+        if width % 8 == 0 and all(len(k) == width for k in keys):
+            self.observe_packed(tenant, b"".join(keys), width)
             return
+        self.lookups += 1
+        thr, salt = self._threshold, self._salt(tenant)
+        sampled = [v for v in (xxh3_64_intdigest(k, salt) for k in keys) if v < thr]
         for h in reversed(sampled):  # root last: a parent is more recent than its child
             self._access(h)
 
-    def _sample(self, keys: Sequence[bytes], salt: int) -> list[int]:
-        """Hashes of the sampled keys, in chain order."""
-        thr = self._threshold
-        n = len(keys[0])
-        if n >= 8 and n % 8 == 0 and all(len(k) == n for k in keys):
-            raw = np.frombuffer(b"".join(keys), dtype=np.uint64)
-            words = n // 8
-            h = np.full(len(keys), salt, dtype=np.uint64)
-            for w in range(words):
-                h ^= raw[w::words]
-                h *= _MUL
-                h ^= h >> _SHIFT
-            hit = np.flatnonzero(h < np.uint64(thr)) if thr < _MASK else range(len(keys))
-            return [int(h[i]) for i in hit]
-        out = []
-        for k in keys:
-            v = xxh3_64_intdigest(k, salt)
-            if v < thr:
-                out.append(v)
-        return out
+    def observe_packed(self, tenant: object, keys: bytes, width: int) -> None:
+        """`observe` for keys packed back to back, `width` bytes each (a multiple of 8), as the
+        Lookup RPC carries them: one vectorised hash of all keys, no per-key Python work."""
+        if not keys:
+            return
+        if width < 8 or width % 8 or len(keys) % width:
+            raise ValueError(f"packed keys need a width that is a multiple of 8, got {width}")
+        self.lookups += 1
+        # Fibonacci hashing of each key's first 8 bytes (block keys are SHA-256 or XXH3 output,
+        # so those are uniform; the multiply is a bijection, so distinct words stay distinct)
+        h = np.frombuffer(keys, dtype=np.uint64)[:: width // 8] ^ self._np_salt(tenant)
+        h *= _MUL
+        under = h < self._np_threshold
+        if under.any():
+            for i in np.flatnonzero(under)[::-1]:  # root last: a parent is more recent
+                self._access(int(h[i]))
+
+    def _salt(self, tenant: object) -> int:
+        salt = self._salts.get(tenant)
+        if salt is None:
+            salt = self._salts[tenant] = xxh3_64_intdigest(repr(tenant).encode())
+            self._np_salts[tenant] = np.uint64(salt)
+        return salt
+
+    def _np_salt(self, tenant: object) -> np.uint64:
+        salt = self._np_salts.get(tenant)
+        if salt is None:
+            self._salt(tenant)
+            salt = self._np_salts[tenant]
+        return salt
 
     def _access(self, h: int) -> None:
         weight = (1 << 64) / self._threshold
@@ -190,66 +223,61 @@ class ReuseSampler:
         self._now += 1
         now = self._now
         k = self.admit_k
-        entry = self._keys.get(h)
+        keys = self._keys
+        entry = keys.get(h)
         if entry is None:
-            self._keys[h] = [now, 1]
+            keys[h] = now << _COUNT_BITS | 1
             self._all.add(now, 1)
             if k <= 1:
                 self._admitted.add(now, 1)
                 self._admitted_count += 1
-            if len(self._keys) > self.max_keys:
+            if len(keys) > self.max_keys:
                 self._compact()
             return
-        last, count = entry
+        last, count = entry >> _COUNT_BITS, entry & _COUNT_MAX
         scale = 1.0 / self.rate
-        d = (len(self._keys) - self._all.prefix(last)) * scale
+        d = (len(keys) - self._all.prefix(last)) * scale
         eligible = count >= k
-        if eligible:
-            da = (self._admitted_count - self._admitted.prefix(last)) * scale
-        for i, (cd, cs) in enumerate(self.capacities):
+        da = (self._admitted_count - self._admitted.prefix(last)) * scale if eligible else 0.0
+        hits, dram_hits = self._hits, self._dram_hits
+        for i, (cd, room) in enumerate(self._rooms):
             if d < cd:
-                self._dram_hits[i] += weight
-                self._hits[i] += weight
-            elif eligible and da < cs + DRAM_SHARE * cd:
-                self._hits[i] += weight
-        self._all.add(last, -1)
-        self._all.add(now, 1)
-        was_admitted = count >= k
-        count += 1
-        if was_admitted:
-            self._admitted.add(last, -1)
-            self._admitted.add(now, 1)
-        elif count >= k:
+                dram_hits[i] += weight
+                hits[i] += weight
+            elif eligible and da < room:
+                hits[i] += weight
+        self._all.move(last, now)
+        if eligible:
+            self._admitted.move(last, now)
+        elif count + 1 >= k:
             self._admitted.add(now, 1)
             self._admitted_count += 1
-        entry[0] = now
-        entry[1] = count
+        keys[h] = now << _COUNT_BITS | (count + 1 if count < _COUNT_MAX else count)
 
     def _compact(self) -> None:
         """Renumber access times 1..n (oldest first), forget keys beyond the horizon, and halve
         the rate while the table is over `max_keys`."""
         keys = self._keys
+        while len(keys) > self.max_keys:
+            self._threshold //= 2
+            self._np_threshold = np.uint64(self._threshold)
+            thr = self._threshold
+            for h in [h for h in keys if h >= thr]:
+                del keys[h]
+        order = sorted(keys.items(), key=lambda kv: kv[1])  # by last access time
         limit = max(1, int(self.horizon * self.rate * 1.25) + 1)
-        while len(keys) > self.max_keys or len(keys) > limit:
-            if len(keys) > self.max_keys:
-                self._threshold //= 2
-                thr = self._threshold
-                for h in [h for h in keys if h >= thr]:
-                    del keys[h]
-                limit = max(1, int(self.horizon * self.rate * 1.25) + 1)
-            if len(keys) > limit:
-                oldest = sorted(keys.items(), key=lambda kv: kv[1][0])
-                for h, _ in oldest[: len(keys) - limit]:
-                    del keys[h]
-        order = sorted(keys.values(), key=lambda e: e[0])
+        for h, _v in order[: max(0, len(order) - limit)]:
+            del keys[h]
+        order = order[max(0, len(order) - limit) :]
         self._all = _Fenwick(self._size)
         self._admitted = _Fenwick(self._size)
         self._admitted_count = 0
         k = self.admit_k
-        for t, e in enumerate(order, start=1):
-            e[0] = t
+        for t, (h, v) in enumerate(order, start=1):
+            count = v & _COUNT_MAX
+            keys[h] = t << _COUNT_BITS | count
             self._all.add(t, 1)
-            if e[1] >= k:
+            if count >= k:
                 self._admitted.add(t, 1)
                 self._admitted_count += 1
         self._now = len(order)
@@ -265,9 +293,16 @@ class ReuseSampler:
 
 
 def memory_bytes(sampler: ReuseSampler) -> int:
-    """Estimated bytes of the sampler's tables (`_KEY_BYTES_TRACKED` per tracked key plus the
-    two Fenwick trees' pointer arrays)."""
-    return sampler.tracked_keys * _KEY_BYTES_TRACKED + 2 * 8 * (sampler._size + 1)
+    """An upper bound of the sampler's tables' bytes, O(1): `KEY_BYTES` per tracked key plus the
+    two Fenwick trees (`measure_bytes` counts them object by object)."""
+    return sampler.tracked_keys * KEY_BYTES + sampler.tree_bytes()
+
+
+def measure_bytes(sampler: ReuseSampler) -> int:
+    """The sampler's tables counted object by object (O(tracked keys); for tests and benches)."""
+    keys = sampler._keys
+    return (sys.getsizeof(keys) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in
+                                      keys.items()) + sampler.tree_bytes())
 
 
 def labelled(points: Sequence[Point], factors: Sequence[float] = FACTORS,
