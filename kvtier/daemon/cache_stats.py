@@ -50,17 +50,18 @@ def cache_stats(
 
 
 def pool_gauges(s: CacheStats, tiers: Tiers) -> PoolGauges:
-    used_ratio = 0.0
+    used_ratio = budget_rate = 0.0
     if tiers.budget is not None:
         b = tiers.budget.stats()
         used_ratio = 1.0 - b.available_bytes / b.burst_bytes if b.burst_bytes else 0.0
+        budget_rate = b.rate_bytes_per_s
     mover = tiers.mover
     return PoolGauges(
         {"dram": s.dram_capacity_bytes, "ssd": s.ssd_capacity_bytes},
         {"dram": s.dram_used_bytes, "ssd": s.ssd_used_bytes},
         {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
         {"read": s.read_leases, "write": s.write_leases},
-        used_ratio, mover.stats().queue_depth if mover else 0,
+        used_ratio, mover.stats().queue_depth if mover else 0, budget_rate,
     )
 
 

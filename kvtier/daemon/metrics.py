@@ -50,6 +50,7 @@ class PoolGauges(NamedTuple):
     leases: dict[str, int]  # lease kind -> count
     ssd_wear_budget_used_ratio: float
     writeback_queue_depth: int
+    ssd_write_budget_bytes_per_second: float = 0.0  # the wear budget's long-run rate (0 = none)
 
 
 class _PoolCollector(Collector):
@@ -79,6 +80,11 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "kvtier_writeback_queue_depth", "Blocks waiting to be written to SSD",
             value=snap.writeback_queue_depth,
+        )
+        yield GaugeMetricFamily(
+            "kvtier_ssd_write_budget_bytes_per_second",
+            "Long-run SSD write rate the wear budget allows (0: no SSD tier)",
+            value=snap.ssd_write_budget_bytes_per_second,
         )
 
 
