@@ -33,8 +33,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.types import Tier
 from kvtier.daemon.cache_stats import INDEX_BYTES_PER_BLOCK, MRC_MIN_KEYS
-from kvtier.index.prefix import PrefixIndex
 from kvtier.index.mrc import (
     KEY_BYTES,
     ReuseSampler,
@@ -43,9 +43,9 @@ from kvtier.index.mrc import (
     measure_bytes,
     memory_bytes,
 )
+from kvtier.index.prefix import PrefixIndex
 from kvtier.sim.mrc import compare
 from kvtier.sim.trace import read_trace
-from kvtier.core.types import Tier
 
 RESULTS = Path(__file__).parent / "results" / "mrc.json"
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"

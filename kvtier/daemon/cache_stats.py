@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvtier.core.types import Tier
-from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.config import Config
+from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
 from kvtier.daemon.namespaces import Namespaces
 from kvtier.daemon.residency import Tiers
+from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 
 
 class CacheStats(NamedTuple):

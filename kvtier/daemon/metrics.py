@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier import __version__
+from kvtier._version import __version__
 from kvtier.core.planner import Plan, Reason
 from kvtier.daemon.rates import Link, RateBook
 

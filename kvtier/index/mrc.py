@@ -15,10 +15,10 @@ Method — SHARDS (Waldspurger et al., FAST'15), spatially hashed sampling of LR
   recent than its child; the LRU stack is then prefix-closed at every size, and "the block hits
   at size C" (reuse distance < C) agrees with the prefix rule of a prefix cache.
 - Two tiers, as the index runs them (DRAM over all traffic, SSD fed by DRAM victims admitted on
-  the k-th access, see `kvtier.index.policies.KthAccess`): a reference hits DRAM of C_d blocks when its
-  distance d < C_d; it hits DRAM + SSD of C_s blocks when it hits DRAM, or when its block had
-  already been accessed k times before (so its last DRAM eviction wrote it to SSD) and its
-  distance among such admitted blocks is < C_s + `DRAM_SHARE` x C_d (DRAM and SSD share the
+  the k-th access, see `kvtier.index.policies.KthAccess`): a reference hits DRAM of C_d blocks
+  when its distance d < C_d; it hits DRAM + SSD of C_s blocks when it hits DRAM, or when its
+  block had already been accessed k times before (so its last DRAM eviction wrote it to SSD)
+  and its distance among such admitted blocks is < C_s + `DRAM_SHARE` x C_d (DRAM and SSD share the
   admitted blocks' recency; about half the admitted blocks in DRAM also hold SSD room).
 - Distances come from a Fenwick tree over logical access times of the tracked keys: the keys
   touched since this key's last access are a range sum. Times are renumbered when the tree is
