@@ -34,6 +34,9 @@ from kvtier.daemon.rates import Link, RateBook
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write")
+LEASE_KINDS = ("read", "write")
+MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("ssd", "demote"))
+"""(tier, direction) pairs of `kvtier_moved_bytes_total` the daemon produces."""
 PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "recompute", "use_hbm")
 """Per looked-up block: fetch it from DRAM / from SSD, recompute it, or use the replica's own
 GPU copy (an HBM block inside the cut costs nothing)."""
@@ -246,6 +249,14 @@ class DaemonMetrics:
         self.leases_expired = Counter(
             "kvtier_leases_expired", "Leases reclaimed after their TTL", ["kind"], registry=r
         )
+        # known label values start at 0, so rate() and dashboards see them before the first event
+        for kind in LEASE_KINDS:
+            self.leases_expired.labels(kind)
+        for tier, direction in MOVES:
+            self.bytes_moved.labels(tier, direction)
+        for tier in ("dram", "ssd"):
+            for reason in EVICTION_REASONS:
+                self.evictions.labels(tier, reason)
         self.plan_decisions = Counter(
             "kvtier_plan_decisions", "Looked-up blocks by planned action", ["action"], registry=r
         )
