@@ -128,3 +128,11 @@ def test_fleet_numbers_add_up(fleet: PrometheusProc) -> None:
     assert sorted(float(r["value"][1]) for r in mrc) == [11.0, 11.0]
     # node identity comes from the scrape config, not from the daemon
     assert {r["metric"].get("cluster") for r in fleet.query("kvtier_build_info")} == {"test"}
+
+
+def test_readme_explains_every_panel() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Watching a fleet"):]
+    for name in FILES:
+        for p in committed(name)["panels"]:
+            assert f"| {p['title']} |" in section, f"README lacks panel {p['title']!r}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,18 @@ def test_every_recording_rule_has_a_unit_test() -> None:
             tested |= {e["expr"] for e in case.get("promql_expr_test", [])}
     missing = records - tested
     assert not missing, f"recording rules without a promql_expr_test: {sorted(missing)}"
+
+
+def test_readme_lists_every_alert_and_a_valid_scrape_config() -> None:
+    import yaml
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Watching a fleet"):]
+    alerts = {r["alert"] for g in yaml.safe_load((DEPLOY / "kvtier.alerts.yml").read_text())
+              ["groups"] for r in g["rules"]}
+    for a in alerts:
+        assert f"`{a}`" in section, a
+    block = section[section.index("```yaml") + 7:]
+    cfg = yaml.safe_load(block[: block.index("```")])
+    assert cfg["scrape_configs"][0]["job_name"] == "kvtier"
+    assert [Path(p).name for p in cfg["rule_files"]] == ["kvtier.rules.yml", "kvtier.alerts.yml"]
