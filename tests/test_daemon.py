@@ -288,6 +288,8 @@ def test_stats_command_text_and_json(shared: DaemonProc) -> None:
     assert data["version"] == "0.1.0"
     text = subprocess.run(base, capture_output=True, text=True, timeout=60, env=shared.env)
     assert text.returncode == 0 and "dram" in text.stdout and "16 MiB" in text.stdout
+    assert "estimated hit ratio (MRC): now " in text.stdout and "dram x2 " in text.stdout
+    assert len(data["mrc"]) == 11 and data["mrc"][0]["scaled"] == "none"
 
 
 def test_stats_command_without_a_daemon_exits_2(tmp_path: Path) -> None:
