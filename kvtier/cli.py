@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "kvtier.commands.calibrate",
     "stats": "kvtier.commands.stats",
     "demo": "kvtier.commands.demo",
+    "top": "kvtier.commands.top",
 }
 
 

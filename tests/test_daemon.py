@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
 from kvtier.core.types import Tier
@@ -119,8 +120,15 @@ def test_events_stream_reports_stores(shared: DaemonProc) -> None:
 
 def test_metrics_counters_move(shared: DaemonProc) -> None:
     def value(text: str, name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name))
+        """Sum of the samples `name{labels}` (labels a subset, as written) in an exposition."""
+        base, _, want = name.partition("{")
+        pairs = set(want.rstrip("}").split(",")) - {""}
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == base and pairs <= {f'{k}="{v}"' for k, v in s.labels.items()}:
+                    total += s.value
+        return total
 
     before = shared.metrics_text()
     keys = chain(50, 4)
@@ -136,11 +144,11 @@ def test_metrics_counters_move(shared: DaemonProc) -> None:
         before, 'kvtier_blocks_hit_total{tier="dram"}') + 4
     assert value(after, "kvtier_blocks_missed_total") >= value(
         before, "kvtier_blocks_missed_total") + 1
-    moved = 'kvtier_bytes_moved_total{direction="from_client",tier="dram"}'
+    moved = 'kvtier_moved_bytes_total{direction="from_client",tier="dram"}'
     assert value(after, moved) >= value(before, moved) + 4 * BLOCK
     assert value(after, 'kvtier_rpc_duration_seconds_count{method="Lookup"}') > 0
     assert 'kvtier_pool_capacity_bytes{tier="dram"} 1.6777216e+07' in after
-    assert "kvtier_active_leases" in after
+    assert "kvtier_leases_active" in after
 
 
 def test_client_sigkilled_mid_lease_loses_its_leases(tmp_path: Path) -> None:
@@ -280,6 +288,8 @@ def test_stats_command_text_and_json(shared: DaemonProc) -> None:
     assert data["version"] == "0.1.0"
     text = subprocess.run(base, capture_output=True, text=True, timeout=60, env=shared.env)
     assert text.returncode == 0 and "dram" in text.stdout and "16 MiB" in text.stdout
+    assert "estimated hit ratio (MRC): now " in text.stdout and "dram x2 " in text.stdout
+    assert len(data["mrc"]) == 11 and data["mrc"][0]["scaled"] == "none"
 
 
 def test_stats_command_without_a_daemon_exits_2(tmp_path: Path) -> None:

@@ -59,6 +59,12 @@ def run(args: argparse.Namespace) -> int:
           f"(block hit ratio {ratio})")
     print(f"active leases {s.active_leases}, write-backs dropped {s.writeback_dropped}, "
           f"checksum failures {s.checksum_failures}")
+    if s.mrc:  # the online miss-ratio curve (node totals)
+        est = {(p.scaled, p.factor): p.hit_ratio for p in s.mrc}
+        parts = [f"{tier} x{f:g} {est[(tier, f)]:.1%}" for tier in ("dram", "ssd")
+                 for f in (0.5, 2.0, 8.0) if (tier, f) in est]
+        print(f"estimated hit ratio (MRC): now {est.get(('none', 1.0), 0.0):.1%}; "
+              + ", ".join(parts))
 
     def quota(q: int) -> str:
         return format_bytes(q) if q else "unlimited"

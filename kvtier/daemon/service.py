@@ -55,7 +55,6 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
 }
 _TIER_TO_PB = {Tier.HBM: pb.TIER_HBM, Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD}
 
-_RESULTS = ("hit", "miss")
 _TIERS = ("dram", "ssd")
 R = TypeVar("R")
 if TYPE_CHECKING:
@@ -253,7 +252,7 @@ class KvTierService(pb_grpc.KvTierServicer):
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
         async def go(tenant: Tenant) -> pb.StatsResponse:
             s = self.cache.stats(tenant)
-            value = self.metrics.value
+            value, total = self.metrics.value, self.metrics.total
             return pb.StatsResponse(
                 tiers=[
                     pb.TierStats(tier=pb.TIER_DRAM, capacity_bytes=s.dram_capacity_bytes,
@@ -262,9 +261,9 @@ class KvTierService(pb_grpc.KvTierServicer):
                                  used_bytes=s.ssd_used_bytes, blocks=s.ssd_blocks),
                 ],
                 active_leases=s.read_leases + s.write_leases,
-                lookups=int(sum(value("kvtier_lookups_total", result=r) for r in _RESULTS)),
-                blocks_hit=int(sum(value("kvtier_blocks_hit_total", tier=t) for t in _TIERS)),
-                blocks_missed=int(value("kvtier_blocks_missed_total")),
+                lookups=int(total("kvtier_lookups_total")),
+                blocks_hit=int(sum(total("kvtier_blocks_hit_total", tier=t) for t in _TIERS)),
+                blocks_missed=int(total("kvtier_blocks_missed_total")),
                 tenant_dram_bytes=s.tenant_dram_bytes, tenant_ssd_bytes=s.tenant_ssd_bytes,
                 tenant_dram_quota_bytes=tenant.dram_quota_bytes,
                 tenant_ssd_quota_bytes=tenant.ssd_quota_bytes,
@@ -274,6 +273,9 @@ class KvTierService(pb_grpc.KvTierServicer):
                 writeback_dropped=int(value("kvtier_writeback_dropped_total")),
                 checksum_failures=int(value("kvtier_checksum_failures_total")),
                 version=_version,
+                mrc=[pb.MrcPoint(scaled=p.scaled, factor=p.factor, dram_blocks=p.dram_blocks,
+                                 ssd_blocks=p.ssd_blocks, dram_hit_ratio=p.dram_hit_ratio,
+                                 hit_ratio=p.hit_ratio) for p in self.cache.mrc_gauges().points],
             )
 
         return await self._unary("Stats", context, go)
