@@ -268,6 +268,7 @@ def test_second_daemon_on_the_same_socket_is_refused(shared: DaemonProc) -> None
 
 
 def test_stats_command_text_and_json(shared: DaemonProc) -> None:
+    """--json: plain numbers (not protobuf's 64-bit strings) and the table's tier names."""
     import json
 
     base = [sys.executable, "-m", "kvtier", "stats", "--socket", str(shared.socket)]
@@ -275,11 +276,14 @@ def test_stats_command_text_and_json(shared: DaemonProc) -> None:
                          env=shared.env)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["tiers"][0]["tier"] == "TIER_DRAM"
-    assert int(data["tiers"][0]["capacity_bytes"]) == 16 << 20
-    assert data["version"] == "0.1.0"
     text = subprocess.run(base, capture_output=True, text=True, timeout=60, env=shared.env)
-    assert text.returncode == 0 and "dram" in text.stdout and "16 MiB" in text.stdout
+    assert text.returncode == 0 and "16 MiB" in text.stdout
+    table_names = [line.split()[0] for line in text.stdout.splitlines()[2:4]]
+    assert [t["tier"] for t in data["tiers"]] == table_names == ["dram", "ssd"]
+    assert data["tiers"][0]["capacity_bytes"] == 16 << 20  # an int, not "16777216"
+    for key in ("lookups", "blocks_hit", "active_leases", "tenant_dram_bytes"):
+        assert type(data[key]) is int, (key, data[key])
+    assert isinstance(data["uptime_seconds"], float) and data["version"] == "0.1.0"
 
 
 def test_stats_command_without_a_daemon_exits_2(tmp_path: Path) -> None:
@@ -288,7 +292,7 @@ def test_stats_command_without_a_daemon_exits_2(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2
-    assert "no daemon answers" in out.stderr and "Traceback" not in out.stderr
+    assert "no kvtier daemon at" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_tcp_listener_serves_remote_style_clients(tmp_path: Path) -> None:
