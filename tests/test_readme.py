@@ -15,8 +15,8 @@ How the README is read:
 - After a block that ends in `&`, the runner waits until the daemon answers on its default
   socket. The runner substitutes `bin/kvtier` and `.venv/bin/python` with this interpreter,
   `../shared/traces/` with the traces beside this checkout (or $KVTIER_TRACES_DIR; the section
-  is skipped when there are none), and the metrics port 9464 with a free one; it sizes the daemon's tiers small
-  (KVTIER_DRAM_BYTES, KVTIER_SSD_BYTES), which changes none of the output shown.
+  is skipped when there are none), and the metrics port 9464 with a free one; it sizes the
+  daemon's tiers small (KVTIER_DRAM_BYTES, KVTIER_SSD_BYTES), which changes no output shown.
 """
 
 from __future__ import annotations
@@ -179,3 +179,10 @@ def test_readme_example(section: Section, tmp_path: Path) -> None:
             lost = missing(block.shown, printed.splitlines())
             assert not lost, (f"README.md:{block.line}: not printed: {lost[0]!r}\n"
                               f"printed:\n{printed}")
+
+
+def test_readme_examples_write_only_where_they_run() -> None:
+    """No example writes to a fixed path outside its directory (on main: /tmp/mymodel)."""
+    for section in SECTIONS:
+        for block in section.blocks:
+            assert not re.search(r"(?<![\w$])/tmp/", block.code), (block.line, block.code)
