@@ -18,7 +18,7 @@ import pytest
 
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.daemon import config
-from tests.daemon_fixture import ROOT, DaemonProc
+from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536
 STRIDE = BLOCK  # one 64 KiB slot per block in slots.dat
@@ -247,8 +247,3 @@ def test_first_log_line_says_where_and_how_much(tmp_path: Path) -> None:
         assert "SSD tier: 0 blocks indexed" in d.log().splitlines()[1]
     finally:
         d.stop()
-
-
-def test_readme_promises_the_first_line() -> None:
-    text = (ROOT / "README.md").read_text()
-    assert "prints where and how much in its first log line" in text
