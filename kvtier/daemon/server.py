@@ -179,6 +179,8 @@ class Daemon:
             self._dir_lock = DataDirLock.acquire(cfg.data_dir, cfg.socket)  # before any file in it
             rates, rates_from = load_rates(cfg.data_dir)
             self.cache = cache = Cache(cfg, self.metrics, rates=rates)
+            if cache.tiers.store is not None:
+                write_kept(cfg.data_dir, cfg.ssd_bytes)
         except (OSError, lmdb.Error) as exc:
             self.metrics.close()
             raise UsageError(f"cannot set up the storage tiers: {exc}") from None
@@ -195,8 +197,6 @@ class Daemon:
             self.metrics.close()
             raise
         self._reaper = asyncio.create_task(self._reap())
-        if cache.tiers.store is not None:
-            write_kept(cfg.data_dir, cfg.ssd_bytes)
         ssd = "off"
         if cfg.ssd_bytes:
             ssd = (f"{format_bytes(cfg.ssd_bytes)} under {cfg.data_dir} (write-back queue "
