@@ -109,7 +109,7 @@ def test_undecodable_tenant_byte_is_skipped_counted_and_the_rest_serves(tmp_path
         d.stop()
 
 
-@pytest.mark.parametrize("damage", ["invalid", "truncated"])
+@pytest.mark.parametrize("damage", ["invalid", "truncated", "garbled"])
 def test_store_that_cannot_be_opened_is_moved_aside(tmp_path: Path, damage: str) -> None:
     d = DaemonProc(tmp_path / "d", ["--ssd-admit-after", "1"]).start()
     try:
@@ -118,9 +118,14 @@ def test_store_that_cannot_be_opened_is_moved_aside(tmp_path: Path, damage: str)
         path = d.data_dir / "ssd" / "data.mdb"
         if damage == "invalid":  # MDB_INVALID on main: exit 2 at every start
             path.write_bytes(b"this is not an LMDB file" * 1000)
-        else:  # half the file: SIGBUS on main, nothing logged
+        elif damage == "truncated":  # half the file: SIGBUS on main, nothing logged
             with open(path, "r+b") as fh:
                 fh.truncate(os.path.getsize(path) // 2)
+        else:  # every page but the two meta pages overwritten: MDB_CORRUPTED or a SIGBUS
+            raw = bytearray(path.read_bytes())
+            noise = np.random.default_rng(7).integers(0, 256, len(raw), dtype=np.uint8)
+            raw[2 * 4096:] = noise[2 * 4096:].tobytes()
+            path.write_bytes(bytes(raw))
         before = path.read_bytes()
         d.log_path.unlink()
         d.start()

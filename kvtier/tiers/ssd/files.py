@@ -9,7 +9,10 @@ starts empty, with one warning. Nothing here reads payloads.
 Damage. Files that cannot be read as a store (LMDB reports MDB_INVALID, MDB_CORRUPTED, a missing
 page or another version; an index record of the wrong length; or a `data.mdb` shorter than its
 last committed transaction, which LMDB would map and then die on with SIGBUS) raise
-`DamagedStore`, never a crash: `check_size` reads the two meta pages before LMDB maps the file.
+`DamagedStore`, never a crash: `check_size` reads the two meta pages before LMDB maps the file,
+and `probe` walks the whole index in a child process first, since LMDB trusts its pages: a page
+pointer garbled on disk makes it read past the file (SIGBUS) or through garbage, which kills the
+child, not the daemon.
 What to do with a damaged store (move it aside) is the caller's policy
 (`kvtier.tiers.ssd.store.open_store`).
 """
@@ -19,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import struct
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -81,6 +87,49 @@ def check_size(path: str) -> None:
                            f"{need} (truncated)")
 
 
+_PROBE = """
+import sys
+import lmdb
+damage = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+          lmdb.VersionMismatchError, lmdb.BadValsizeError, lmdb.BadTxnError, lmdb.PanicError)
+try:
+    env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=4)
+    with env.begin() as txn:
+        tables = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+    if env.info()["last_txnid"] > 0 and b"info" not in tables:
+        print(f"the index lost its tables (found {tables[:4]})", file=sys.stderr)
+        sys.exit(3)  # every store any kvtier committed to has one
+    for name in (b"info", b"meta", b"blocks"):
+        if name in tables:
+            with env.begin() as txn:
+                db = env.open_db(name, txn=txn, create=False)
+                for _ in txn.cursor(db=db).iternext(keys=True, values=name != b"blocks"):
+                    pass
+except damage as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(3)
+except Exception:
+    sys.exit(4)  # not damage (permissions...): opening it here reports that properly
+"""
+
+
+def probe(path: str, timeout: float = 300.0) -> None:
+    """Raises `DamagedStore` when reading every index page of the store at `path` fails with
+    LMDB damage or kills the reading process (a child: `python -c`, lmdb only)."""
+    if not os.path.exists(os.path.join(path, "data.mdb")):
+        return
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, path], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise DamagedStore(f"reading the index took over {timeout:.0f} s") from None
+    if proc.returncode < 0:
+        raise DamagedStore("reading the index killed the reader with "
+                           f"{signal.Signals(-proc.returncode).name}")
+    if proc.returncode == 3:
+        raise DamagedStore(" ".join(proc.stderr.split()) or "LMDB reported damage")
+
+
 class Dropped(NamedTuple):
     shrunk_blocks: int  # entries beyond a reduced slot count
     shrunk_bytes: int
@@ -119,6 +168,7 @@ def open_files(spec: SsdSpec) -> StoreFiles:
     ident = identity(spec)
     os.makedirs(spec.path, mode=0o700, exist_ok=True)
     check_size(spec.path)
+    probe(spec.path)
     env = open_env(spec)
     try:
         stale = stale_reason(env, ident, STORE_FORMAT)
