@@ -40,9 +40,9 @@ what still does not fit is refused. `lmdb.MapFullError` never escapes.
 
 Damage (`open_store`): a store that cannot be opened — LMDB damage, a truncated `data.mdb`
 (detected before LMDB maps it, so never a SIGBUS), garbled pages (found by a child process that
-reads the index first) — is renamed aside to `<path>.damaged-<UTC
-time>` (never deleted: it may be wanted for a post-mortem) and an empty store is created in its
-place, with one ERROR line naming both paths. Index entries that cannot be decoded (a damaged
+reads the index first) — is renamed aside to `<path>.damaged-<UTC time>` (never deleted: it may
+be wanted for a post-mortem) and an empty store is created in its place, with one ERROR line
+naming both paths. Index entries that cannot be decoded (a damaged
 tenant name, a record of the wrong length) are skipped, counted (`Counters.undecodable`) and
 deleted; the rest of the store serves on.
 
