@@ -42,6 +42,7 @@ from kvtier.client.sync_client import (
     lookup_result,
     pack_keys,
     register_request,
+    require_daemon,
     rpc_error,
     write_chunks,
 )
@@ -72,16 +73,24 @@ class AsyncClient(SegmentHolder):
 
     @classmethod
     async def connect(cls, socket: str | Path | None = None, **kwargs: Any) -> AsyncClient:
+        """A registered client; fails at once with `KvtierUnavailable` ("no kvtier daemon at
+        <socket> (start one: kvtier serve)") when nothing listens there."""
         client = cls(socket, **kwargs)
-        await client._register()
+        try:
+            require_daemon(client.target)
+            await client._register(first=True)
+        except BaseException:
+            await client._channel.close(None)
+            raise
         return client
 
-    async def _raw(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+    async def _raw(self, method: Callable[..., Awaitable[T]], request: Any,
+                   wait: bool = True) -> T:
         try:
             return await method(request, timeout=self.timeout, metadata=self._metadata,
-                                wait_for_ready=True)
+                                wait_for_ready=wait)
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise rpc_error(exc, self.target if not wait else None) from None
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
         try:
@@ -92,8 +101,9 @@ class AsyncClient(SegmentHolder):
             await self._register()
             return await self._raw(method, request)
 
-    async def _register(self) -> None:
-        reply = await self._raw(self._stub.RegisterLayout, register_request(self.layout))
+    async def _register(self, first: bool = False) -> None:
+        reply = await self._raw(self._stub.RegisterLayout, register_request(self.layout),
+                                wait=not first)
         check_registered(self.layout, reply)
         self.tenant = reply.tenant
         self._adopt(reply.segment)

@@ -40,6 +40,7 @@ MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("s
 PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "recompute", "use_hbm")
 """Per looked-up block: fetch it from DRAM / from SSD, recompute it, or use the replica's own
 GPU copy (an HBM block inside the cut costs nothing)."""
+SSD_DAMAGE = ("store_moved_aside", "undecodable_entry")
 FETCH_LINKS = (Link.DRAM_READ, Link.SSD_READ)
 RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, 10.0)
 
@@ -246,6 +247,12 @@ class DaemonMetrics:
             "kvtier_checksum_failures", "SSD blocks that failed verification (never served)",
             registry=r,
         )
+        self.ssd_damage = Counter(
+            "kvtier_ssd_damage", "SSD store damage found at start: stores moved aside, index "
+            "entries skipped", ["kind"], registry=r,
+        )
+        for kind in SSD_DAMAGE:
+            self.ssd_damage.labels(kind)
         self.leases_expired = Counter(
             "kvtier_leases_expired", "Leases reclaimed after their TTL", ["kind"], registry=r
         )
