@@ -85,7 +85,7 @@ def test_hand_plan_cuts_before_the_ssd_blocks():
     assert got.recompute_all_s == pytest.approx(0.040)
     assert got.fetch_all_s == pytest.approx(0.223)
     assert got.saved_s == pytest.approx(0.009)
-    assert got.blocks_by_tier == (0, 2, 0)
+    assert got.blocks_by_tier == (0, 2, 0, 0)
     assert got.recompute_blocks == 2
     assert got.promote_in_background == (2, 3)
 
@@ -96,7 +96,7 @@ def test_hand_plan_fast_ssd_fetches_all():
     # T(4) = 1 + 2 + 2·1 (ssd) + 4·5 (h2d) = 25 ms < T(2) = 31 < T(0) = 40
     assert (got.cut, got.reason) == (4, Reason.FETCH_ALL)
     assert got.total_s == pytest.approx(0.025)
-    assert got.blocks_by_tier == (0, 2, 2)
+    assert got.blocks_by_tier == (0, 2, 2, 0)
     assert got.promote_in_background == ()
 
 
@@ -171,7 +171,7 @@ def test_hbm_blocks_are_free_and_always_kept():
     got = plan(p, _linear(1e9), slow)
     # HBM blocks cost nothing: T(2) = 10 ms; fetching the DRAM block adds a 1 s latency
     assert got.cut == 2
-    assert got.blocks_by_tier == (2, 0, 0)
+    assert got.blocks_by_tier == (2, 0, 0, 0)
     assert got.total_s == pytest.approx(0.010)
     assert got.reason is Reason.RECOMPUTE_ALL_FIXED_LATENCY
 

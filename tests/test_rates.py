@@ -105,7 +105,8 @@ def test_export_has_every_link_and_labels():
     assert out["dram_write_latency_seconds"] == 200e-6
     assert out["rejected_total"] == 0
     assert {(x.tier, x.direction) for x in Link} == {
-        ("dram", "read"), ("dram", "write"), ("ssd", "read"), ("ssd", "write")
+        ("dram", "read"), ("dram", "write"), ("ssd", "read"), ("ssd", "write"),
+        ("remote", "read"), ("remote", "write"),
     }
 
 

@@ -13,10 +13,12 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_HBM: _ClassVar[Tier]
     TIER_DRAM: _ClassVar[Tier]
     TIER_SSD: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 TIER_NONE: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
 TIER_SSD: Tier
+TIER_REMOTE: Tier
 
 class SegmentInfo(_message.Message):
     __slots__ = ("name", "size", "generation", "slot_bytes", "slot_stride", "slot_count", "data_offset", "shm_dir")

@@ -54,8 +54,9 @@ from kvtier.core.types import Tier
 
 MAX_MESSAGE_BYTES = 8 << 20
 CHUNK_BYTES = 4 << 20
-TIER_FROM_PB = {pb.TIER_HBM: Tier.HBM, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
-_TIER_BY_PB = [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.SSD]  # TIER_NONE never appears in a reply
+TIER_FROM_PB = {pb.TIER_HBM: Tier.HBM, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD,
+                pb.TIER_REMOTE: Tier.REMOTE}
+_TIER_BY_PB = [Tier.HBM, Tier.HBM, Tier.DRAM, Tier.SSD, Tier.REMOTE]  # TIER_NONE never in a reply
 T = TypeVar("T")
 U8 = npt.NDArray[np.uint8]
 

@@ -34,6 +34,22 @@ _FLAGS = (
      "min(a day's budget, max(a quarter day's, 4 write-back queues))"),
     ("--writeback-queue-bytes", "DRAM held by queued write-backs", "min(DRAM / 4, 1 GiB)"),
     ("--log-level", "debug, info, warning or error", "info"),
+    ("--remote-url", "shared remote tier: redis://HOST:PORT/DB, rediss:// (TLS), valkey://",
+     "off"),
+    ("--remote-mode", "standalone or cluster (Redis/Valkey cluster)", "standalone"),
+    ("--remote-username", "remote store ACL user", "none"),
+    ("--remote-password", "remote store password (prefer the env var or the TOML file)", "none"),
+    ("--remote-tls-ca", "PEM CA bundle to verify the remote store (rediss://)", "system CAs"),
+    ("--remote-tls-cert", "PEM client certificate for the remote store (mutual TLS)", "none"),
+    ("--remote-tls-key", "PEM client key for the remote store (mutual TLS)", "none"),
+    ("--remote-timeout-s", "bounded wait per remote socket operation", "0.25"),
+    ("--remote-write-bytes-per-s", "remote write-through rate per second, e.g. 200MB",
+     "200 MB"),
+    ("--remote-write-burst-bytes", "remote writes allowed at once before the rate applies",
+     "one second's rate"),
+    ("--remote-queue-bytes", "DRAM held by queued remote writes", "min(DRAM / 8, 256 MiB)"),
+    ("--remote-admit-after", "write a block to the remote store from its k-th access", "1"),
+    ("--remote-prefix", "remote store key prefix", "kvtier"),
 )
 _MACHINE_SIZED = ("dram_bytes", "ssd_bytes")  # defaults that depend on this machine
 

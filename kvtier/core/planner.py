@@ -4,11 +4,13 @@ An engine can only skip a *computed prefix*, so a plan is a cut k: fetch blocks 
 longest cached prefix, recompute blocks ``[k, n)`` and then the uncached suffix. For every k the
 predicted TTFT-relevant time is
 
-    T(k) = lat(k) + ssd(k) + pipe(h2d(k), comp(k))
+    T(k) = lat(k) + ssd(k) + remote(k) + pipe(h2d(k), comp(k))
 
-    lat(k)  = h2d_latency if a DRAM or SSD block is in [0,k)  +  ssd_latency if an SSD block is
-    ssd(k)  = SSD bytes in [0,k) / ssd read bandwidth       (Acquire promotes SSD → DRAM first)
-    h2d(k)  = DRAM+SSD bytes in [0,k) / h2d bandwidth        (client copies slots → GPU pool)
+    lat(k)    = h2d_latency if a DRAM, SSD or remote block is in [0,k)  +  ssd_latency if an SSD
+                block is  +  remote_latency if a remote block is
+    ssd(k)    = SSD bytes in [0,k) / ssd read bandwidth      (Acquire promotes SSD → DRAM first)
+    remote(k) = remote bytes in [0,k) / remote read bandwidth   (Acquire fetches them into DRAM)
+    h2d(k)    = non-HBM bytes in [0,k) / h2d bandwidth        (client copies slots → GPU pool)
     comp(k) = FLOPs(tokens [T_k, end + suffix), context from 0) / prefill FLOP rate
               + fetch_flops_per_token · (tokens fetched) / rate      (MLA up-projection)
     pipe(f, c) = f + c                       without overlap
@@ -17,10 +19,11 @@ predicted TTFT-relevant time is
 HBM blocks (already in the engine's pool) cost nothing to fetch. The overlap form is the finish
 time of a two-stage pipeline with L equal stages in which copying layer i+1 overlaps computing
 layer i: the first layer's copy (f/L) is exposed, then the slower stage dominates, then the last
-layer's compute (c/L) is exposed. It is applied to the h2d copy only — SSD promotion happens
-inside Acquire, before the engine's forward pass — and it is conservative in making all of layer
-i's compute wait for layer i's KV (only attention does). The suffix's compute is the same for
-every cut, but it is part of T so that overlap (and the reported total) are right.
+layer's compute (c/L) is exposed. It is applied to the h2d copy only — SSD promotion and the
+remote fetch happen inside Acquire, before the engine's forward pass — and it is conservative
+in making all of layer i's compute wait for layer i's KV (only attention does). The suffix's
+compute is the same for every cut, but it is part of T so that overlap (and the reported total)
+are right.
 
 Everything is a prefix sum or a closed form (see `kvtier.core.costmodel`), so all n+1 cuts are
 priced with a handful of numpy passes and the exact minimum is taken: O(n), ~0.2 ms for 4,096
@@ -44,14 +47,15 @@ import numpy.typing as npt
 from kvtier.core.costmodel import CostModel
 from kvtier.core.types import Tier
 
-_HBM, _DRAM, _SSD = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD)
+_HBM, _DRAM, _SSD, _REMOTE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(Tier.REMOTE)
 
 
 class PlanRates(NamedTuple):
     """Rates the planner prices with (from `kvtier.daemon.rates.RateBook.snapshot`, or by hand).
 
     Bandwidths in bytes/s (> 0, inf allowed), latencies in seconds per request (>= 0, finite),
-    `prefill_flops_per_s` is the *achieved* rate of one GPU in prefill (> 0).
+    `prefill_flops_per_s` is the *achieved* rate of one GPU in prefill (> 0). The remote link
+    (fetch from the shared store into DRAM) defaults to the `kvtier.daemon.rates` seed.
     """
 
     h2d_bytes_per_s: float
@@ -59,6 +63,8 @@ class PlanRates(NamedTuple):
     ssd_bytes_per_s: float
     ssd_latency_s: float
     prefill_flops_per_s: float
+    remote_bytes_per_s: float = 1.2e9
+    remote_latency_s: float = 500e-6
 
 
 class BlockInfo(NamedTuple):
@@ -89,8 +95,8 @@ class Prefix:
             raise ValueError("tiers, nbytes and tokens must have one entry per block")
         if self.start < 0:
             raise ValueError(f"start must be >= 0, got {self.start}")
-        if n and (self.tiers.min() < _HBM or self.tiers.max() > _SSD):
-            raise ValueError("tiers must be Tier values (HBM, DRAM or SSD)")
+        if n and (self.tiers.min() < _HBM or self.tiers.max() > _REMOTE):
+            raise ValueError("tiers must be Tier values (HBM, DRAM, SSD or REMOTE)")
         if n and (self.nbytes.min() < 0 or self.tokens.min() < 1):
             raise ValueError("blocks need nbytes >= 0 and tokens >= 1")
 
@@ -112,7 +118,7 @@ class Prefix:
             try:
                 raw = bytes(tiers)
             except (TypeError, ValueError):
-                raise ValueError("tiers must be Tier values (HBM, DRAM or SSD)") from None
+                raise ValueError("tiers must be Tier values (HBM, DRAM, SSD or REMOTE)") from None
             t = np.frombuffer(raw, dtype=np.int8)
         n = len(t)
         return cls(
@@ -138,6 +144,7 @@ class Reason(enum.StrEnum):
     FETCH_ALL = "fetch_all"
     PARTIAL_CUT = "partial_cut"
     SSD_SLOWER_THAN_RECOMPUTE = "ssd_slower_than_recompute"
+    REMOTE_SLOWER_THAN_RECOMPUTE = "remote_slower_than_recompute"
     DRAM_SLOWER_THAN_RECOMPUTE = "dram_slower_than_recompute"
     RECOMPUTE_ALL_FIXED_LATENCY = "recompute_all_fixed_latency"
 
@@ -145,7 +152,7 @@ class Reason(enum.StrEnum):
 class Plan(NamedTuple):
     """The planner's decision: fetch blocks ``[0, cut)``, recompute ``[cut, n)``.
 
-    `blocks_by_tier[t]`: fetched blocks from Tier t (index by `Tier`: HBM, DRAM, SSD);
+    `blocks_by_tier[t]`: fetched blocks from Tier t (index by `Tier`: HBM, DRAM, SSD, REMOTE);
     `recompute_blocks` = n - cut. Times in seconds: `fetch_s` = latency + transfer of the fetched
     blocks (no overlap credit); `recompute_avoided_s` = compute those blocks would have cost;
     `total_s` = predicted T(cut) (fetch + remaining prefill incl. suffix, overlap-aware);
@@ -154,7 +161,7 @@ class Plan(NamedTuple):
     """
 
     cut: int
-    blocks_by_tier: tuple[int, int, int]
+    blocks_by_tier: tuple[int, int, int, int]
     recompute_blocks: int
     fetch_s: float
     recompute_avoided_s: float
@@ -171,11 +178,12 @@ class Plan(NamedTuple):
 
 
 def _check_rates(r: PlanRates) -> None:
-    for name in ("h2d_bytes_per_s", "ssd_bytes_per_s", "prefill_flops_per_s"):
+    for name in ("h2d_bytes_per_s", "ssd_bytes_per_s", "prefill_flops_per_s",
+                 "remote_bytes_per_s"):
         v = getattr(r, name)
         if not v > 0:  # also rejects NaN
             raise ValueError(f"{name} must be > 0, got {v}")
-    for name in ("h2d_latency_s", "ssd_latency_s"):
+    for name in ("h2d_latency_s", "ssd_latency_s", "remote_latency_s"):
         v = getattr(r, name)
         if not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"{name} must be finite and >= 0, got {v}")
@@ -188,13 +196,15 @@ def _first(mask: npt.NDArray[np.bool_]) -> int:
 
 
 class CutCosts(NamedTuple):
-    """Per-cut components (arrays of n+1): latency, ssd, h2d, compute seconds, totals."""
+    """Per-cut components (arrays of n+1): latency, ssd, h2d, compute seconds, totals, and the
+    remote fetch seconds."""
 
     latency: npt.NDArray[np.float64]
     ssd: npt.NDArray[np.float64]
     h2d: npt.NDArray[np.float64]
     compute: npt.NDArray[np.float64]
     total: npt.NDArray[np.float64]
+    remote: npt.NDArray[np.float64]
 
 
 def cut_costs(
@@ -208,10 +218,13 @@ def cut_costs(
     tiers, n = prefix.tiers, len(prefix.tiers)
     moved = tiers != _HBM
     ssd = tiers == _SSD
+    remote = tiers == _REMOTE
     t_h2d = _cumsum0(prefix.nbytes * moved)
     t_h2d /= rates.h2d_bytes_per_s
     t_ssd = _cumsum0(prefix.nbytes * ssd)
     t_ssd /= rates.ssd_bytes_per_s
+    t_remote = _cumsum0(prefix.nbytes * remote)
+    t_remote /= rates.remote_bytes_per_s
     pos = _cumsum0(prefix.tokens)
     pos += prefix.start
     end = float(pos[-1] + suffix_tokens)
@@ -231,9 +244,11 @@ def cut_costs(
     latency = np.zeros(n + 1)
     latency[_first(moved) + 1 :] = rates.h2d_latency_s
     latency[_first(ssd) + 1 :] += rates.ssd_latency_s
+    latency[_first(remote) + 1 :] += rates.remote_latency_s
     pipe += latency
     pipe += t_ssd
-    return CutCosts(latency, t_ssd, t_h2d, comp, pipe)
+    pipe += t_remote
+    return CutCosts(latency, t_ssd, t_h2d, comp, pipe, t_remote)
 
 
 def _cumsum0(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
@@ -264,14 +279,14 @@ def plan(
     total = c.total
     cut = n - int(np.argmin(total[::-1]))
     tiers = prefix.tiers
-    counts = np.bincount(tiers[:cut], minlength=3) if cut else np.zeros(3, np.int64)
+    counts = np.bincount(tiers[:cut], minlength=4) if cut else np.zeros(4, np.int64)
     rest = tiers[cut:]
     promote = tuple((np.flatnonzero(rest == _SSD) + cut).tolist())
     return Plan(
         cut=cut,
-        blocks_by_tier=(int(counts[0]), int(counts[1]), int(counts[2])),
+        blocks_by_tier=(int(counts[0]), int(counts[1]), int(counts[2]), int(counts[3])),
         recompute_blocks=n - cut,
-        fetch_s=float(c.latency[cut] + c.ssd[cut] + c.h2d[cut]),
+        fetch_s=float(c.latency[cut] + c.ssd[cut] + c.remote[cut] + c.h2d[cut]),
         recompute_avoided_s=float(c.compute[0] - c.compute[cut]),
         total_s=float(total[cut]),
         recompute_all_s=float(total[0]),
@@ -294,6 +309,8 @@ def _reason(c: CutCosts, tiers: npt.NDArray[np.int8], cut: int) -> Reason:
             return Reason.RECOMPUTE_ALL_FIXED_LATENCY
     if tiers[cut] == _SSD:
         return Reason.SSD_SLOWER_THAN_RECOMPUTE
+    if tiers[cut] == _REMOTE:
+        return Reason.REMOTE_SLOWER_THAN_RECOMPUTE
     if fetched_nothing:
         return Reason.DRAM_SLOWER_THAN_RECOMPUTE
     return Reason.PARTIAL_CUT

@@ -14,8 +14,9 @@ class Tier(enum.IntEnum):
     HBM = 0
     DRAM = 1
     SSD = 2
+    REMOTE = 3  # the shared store below SSD (Redis/Valkey): other nodes' blocks too
 
     @property
     def label(self) -> str:
-        """Metric label value: 'hbm' | 'dram' | 'ssd'."""
+        """Metric label value: 'hbm' | 'dram' | 'ssd' | 'remote'."""
         return self.name.lower()

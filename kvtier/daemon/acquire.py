@@ -8,11 +8,19 @@ event loop):
                           register the promotion — or, if another Acquire is promoting that
                           block, note its `done` event; the prefix ends before a block that gets
                           no slot (nothing is forgotten)
+                          (nothing is forgotten); when the whole local prefix is in hand and
+                          the chain goes on, it claims a slot per further key for the remote
+                          tier (those keys are in no index: Lookup found them remotely)
     finish  (no lock)     read + verify the claimed blocks in one LMDB read transaction
-                          (`Tiers.read_claimed`), then wait for the other Acquires noted
+                          (`Tiers.read_claimed`), fetch + verify the remote keys in one
+                          pipelined round trip (`RemoteTier.fetch_into`), then wait for the
+                          other Acquires noted
     end     (cache lock)  each good slot becomes its block's DRAM copy; the prefix is cut before
                           the first block not in DRAM (a lost payload: the block is forgotten
-                          with its subtree); the rest is unpinned, the lease granted
+                          with its subtree); if the local prefix is whole, the fetched remote
+                          blocks follow it as new DRAM blocks (up to the first miss, or a key
+                          that appeared locally meanwhile); the rest is unpinned or unclaimed,
+                          the lease granted
 
 Invariants: a pinned block is never evicted (the index refuses); a claimed slot belongs to its
 Acquire until `end` settles or frees it (`Tiers.claimed` counts them, so `Cache.leaked_slots`
@@ -31,7 +39,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.core.types import Tier
@@ -41,7 +49,7 @@ from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import Namespace
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
-from kvtier.index.prefix import Block
+from kvtier.index.prefix import Block, IndexStateError
 
 _Claim = Callable[[Namespace], int | None]
 
@@ -81,11 +89,14 @@ class Acquiring:
     ssd_bytes_per_s: float
     got: list[int | None] | None = None  # per claimed slot, in order: payload bytes or None
     read_s: float = 0.0
+    remote_keys: list[bytes] = field(default_factory=list)  # after the local prefix
+    remote_slots: list[int] = field(default_factory=list)  # claimed, one per remote key
+    remote_got: list[int | None] | None = None
 
     @property
     def io(self) -> bool:
         """Whether `finish` has anything to do (else `end` may follow `begin` directly)."""
-        return bool(self.claimed or self.waits)
+        return bool(self.claimed or self.waits or self.remote_slots)
 
 
 class Acquirer:
@@ -128,6 +139,14 @@ class Acquirer:
                 break
             a.claimed[i] = slot
             self._promoting[(ns.name, block.key)] = a.done
+        remote = self.tiers.remote
+        if remote is not None and len(blocks) < len(chain) and remote.ready():
+            for key in chain[len(blocks):]:
+                slot = None if index.get(ns.name, key) is not None else self._claim(ns)
+                if slot is None:
+                    break
+                a.remote_keys.append(key)
+                a.remote_slots.append(slot)
         if a.io:
             self._in_flight += 1
         return a
@@ -140,6 +159,10 @@ class Acquirer:
                 name = a.ns.name
                 a.got, a.read_s = self.tiers.read_claimed(
                     [(name, a.blocks[i].key, slot) for i, slot in a.claimed.items()])
+            remote = self.tiers.remote
+            if a.remote_slots and remote is not None:
+                a.remote_got = remote.fetch_into(a.ns.name, a.remote_keys, a.remote_slots,
+                                                 a.ns.layout.block_bytes)
             for done in a.waits.values():
                 done.wait(PROMOTION_WAIT_S)
         finally:
@@ -180,6 +203,7 @@ class Acquirer:
                     sources.append(Tier.SSD if i in a.claimed or i in a.waits else Tier.DRAM)
                 if lost is not None:
                     tiers.drop_lost(name, lost)
+                self._settle_remote(a, stop == len(a.blocks), pinned, sources)
                 lease_id, offsets = "", []
                 if pinned:
                     lease_id = self._leases.grant(a.tenant.name, LeaseKind.READ, a.ttl,
@@ -194,6 +218,37 @@ class Acquirer:
             self._metrics.observe_fetch(
                 Link.SSD_READ, a.read_s, promoted * ns.layout.block_bytes / a.ssd_bytes_per_s)
         return AcquireResult(lease_id, offsets, sources, a.ttl)
+
+    def _settle_remote(self, a: Acquiring, whole: bool, pinned: list[Block],
+                       sources: list[Tier]) -> None:
+        """Fetched remote payloads after a whole local prefix become DRAM blocks, pinned for the
+        lease; every other remote claim is given back. Cache lock held."""
+        tiers, name = self.tiers, a.ns.name
+        got = a.remote_got or [None] * len(a.remote_slots)
+        parent = a.blocks[-1].key if a.blocks else None
+        ok = whole
+        stored: list[bytes] = []
+        for key, slot, n in zip(a.remote_keys, a.remote_slots, got, strict=True):
+            if ok and n is not None:
+                try:
+                    block = tiers.settle_remote(name, key, parent, slot)
+                except IndexStateError:  # it appeared locally meanwhile, or its parent went
+                    ok = False
+                else:
+                    tiers.index.pin(name, key)
+                    tiers.pool.pin(slot)
+                    pinned.append(block)
+                    sources.append(Tier.REMOTE)
+                    stored.append(key)
+                    parent = key
+                    continue
+            ok = False
+            tiers.unclaim(name, slot)
+        if stored:
+            lay = a.ns.layout
+            first_parent = a.blocks[-1].key if a.blocks else b""
+            tiers.events.emit(a.tenant.name, lay.id, True, Tier.DRAM, stored, first_parent,
+                              lay.block_tokens)
 
     def release(self, r: ReadLease) -> None:
         """Unpins a READ lease's blocks (Release, expiry, shutdown; its lease left the table).

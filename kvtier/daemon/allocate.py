@@ -140,6 +140,7 @@ class Allocator:
             self._events.emit(tenant.name, ns.layout.id, True, Tier.DRAM, r[1:], r[0],
                               ns.layout.block_tokens)
         self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
+        self.tiers.maybe_write_remote(ns.name, inserted, committed=True)
         return len(inserted)
 
     def end(self, w: WriteLease) -> None:

@@ -136,17 +136,51 @@ class Cache:
         replica: str = "",
     ) -> LookupResult:
         """Longest cached prefix with each block's tier: HBM only for blocks `replica` reported
-        holding (ReportHbm), else DRAM or SSD — where the daemon would serve it from."""
+        holding (ReportHbm), else DRAM or SSD — where the daemon would serve it from — then
+        REMOTE for the blocks after it that the remote tier holds (asked on this thread)."""
+        ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica)
+        tiers += [Tier.REMOTE] * self._remote_present(ns, chain, len(tiers))
+        return self._lookup_result(ns, chain, tiers, start_token, prompt_tokens, want_plan)
+
+    async def lookup_async(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
+        start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
+        replica: str = "",
+    ) -> LookupResult:
+        """`lookup` for the event loop: the remote check (a network round trip with a bounded
+        wait) runs on a worker thread, without the cache lock."""
+        ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica)
+        if self.tiers.remote is not None and len(tiers) < len(chain):
+            more = await asyncio.to_thread(self._remote_present, ns, chain, len(tiers))
+            tiers += [Tier.REMOTE] * more
+        return self._lookup_result(ns, chain, tiers, start_token, prompt_tokens, want_plan)
+
+    def _lookup_local(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, replica: str,
+    ) -> tuple[Namespace, list[bytes], list[Tier]]:
         with self._lock:
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
             who = f"{ns.name}#{replica}" if replica else _NO_REPLICA
             found = self.index.lookup(ns.name, chain, replica=who)
             self.mrc.observe_packed(ns.name, keys, key_width)
-            tiers: list[Tier] = found.tiers
             self.tiers.maybe_write_back(ns.name, found.blocks)
+            self.tiers.maybe_write_remote(ns.name, found.blocks, committed=False)
+        return ns, chain, list(found.tiers)
+
+    def _remote_present(self, ns: Namespace, chain: list[bytes], local: int) -> int:
+        """Blocks after the local prefix that the remote tier holds (no cache lock)."""
+        remote = self.tiers.remote
+        if remote is None or local >= len(chain):
+            return 0
+        return remote.present(ns.name, chain[local:])
+
+    def _lookup_result(
+        self, ns: Namespace, chain: list[bytes], tiers: list[Tier], start_token: int,
+        prompt_tokens: int, want_plan: bool,
+    ) -> LookupResult:
         m = self.metrics
-        m.record_lookup(tenant.name, ns.layout.model_id, [t.label for t in tiers],
+        m.record_lookup(ns.tenant.tenant.name, ns.layout.model_id, [t.label for t in tiers],
                         len(chain) - len(tiers))
         the_plan = None
         lay = ns.layout

@@ -24,6 +24,21 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     writeback_queue_bytes  0 = min(dram_bytes / 4, 1 GiB): DRAM pinned by queued write-backs
     log_level              info (debug, info, warning, error)
 
+Remote tier (off unless `remote_url` is set; see README "Sharing across nodes"):
+
+    remote_url             "" = off; redis://HOST:PORT/DB, rediss:// (TLS), valkey://, unix://PATH
+    remote_mode            standalone | cluster (Redis Cluster / Valkey cluster via redis-py)
+    remote_username        "" (ACL user; overrides the url's)
+    remote_password        "" (prefer KVTIER_REMOTE_PASSWORD or the TOML file to a flag)
+    remote_tls_ca          PEM CA bundle to verify the store (rediss:// only)
+    remote_tls_cert, remote_tls_key   client certificate + key for mutual TLS (rediss:// only)
+    remote_timeout_s       0.25: bounded wait per socket operation (connect, send, receive)
+    remote_write_bytes_per_s 0 = 200 MB/s: long-run write-through rate (token bucket)
+    remote_write_burst_bytes 0 = max(a second's budget, 16 slots)
+    remote_queue_bytes     0 = min(dram_bytes / 8, 256 MiB): DRAM pinned by queued remote writes
+    remote_admit_after     1: write a block to the store from its k-th access (1 = at Commit)
+    remote_prefix          kvtier: the store's key prefix (keys: PREFIX:TENANT/ns2:LAYOUT:KEY)
+
 Write-back sizing. A write-back pins its DRAM slot until written; `writeback_queue_bytes` bounds
 those slots, and a write-back that finds the queue full is dropped and counted (the load path
 never waits). The default, a quarter of the pool up to 1 GiB, holds a long document at once
@@ -60,7 +75,7 @@ import os
 import re
 import shutil
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -109,6 +124,19 @@ class Config:
     ssd_write_burst_bytes: int
     writeback_queue_bytes: int
     log_level: str
+    remote_url: str
+    remote_mode: str
+    remote_username: str
+    remote_password: str
+    remote_tls_ca: str
+    remote_tls_cert: str
+    remote_tls_key: str
+    remote_timeout_s: float
+    remote_write_bytes_per_s: int
+    remote_write_burst_bytes: int
+    remote_queue_bytes: int
+    remote_admit_after: int
+    remote_prefix: str
 
     @property
     def slots(self) -> int:
@@ -189,14 +217,30 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "ssd_write_burst_bytes": 0,
         "writeback_queue_bytes": 0,
         "log_level": "info",
+        "remote_url": "",
+        "remote_mode": "standalone",
+        "remote_username": "",
+        "remote_password": "",
+        "remote_tls_ca": "",
+        "remote_tls_cert": "",
+        "remote_tls_key": "",
+        "remote_timeout_s": 0.25,
+        "remote_write_bytes_per_s": 0,
+        "remote_write_burst_bytes": 0,
+        "remote_queue_bytes": 0,
+        "remote_admit_after": 1,
+        "remote_prefix": "kvtier",
     }
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _SIZES = {"dram_bytes", "slot_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
-          "ssd_write_burst_bytes", "writeback_queue_bytes"}
-_INTS = {"max_blocks_per_request", "ssd_admit_after"}
-_FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s", "ssd_dwpd"}
+          "ssd_write_burst_bytes", "writeback_queue_bytes", "remote_write_bytes_per_s",
+          "remote_write_burst_bytes", "remote_queue_bytes"}
+_INTS = {"max_blocks_per_request", "ssd_admit_after", "remote_admit_after"}
+_FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s", "ssd_dwpd", "remote_timeout_s"}
+SECRETS = frozenset({"remote_password"})
+"""Settings `to_toml` (`--print-config`) never prints."""
 
 
 def _coerce(name: str, value: object, origin: str) -> object:
@@ -309,6 +353,9 @@ def to_toml(cfg: Config) -> str:
     lines = ["# kvtier serve configuration (kvtier serve --print-config); use with --config"]
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
+        if value and field.name in SECRETS:
+            lines.append(f"# {field.name} is set (not printed; give it again to use this file)")
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             value = json.dumps(str(value))  # a JSON string is a valid TOML basic string
         lines.append(f"{field.name} = {value}")
@@ -370,6 +417,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         raise bad("tls_cert", "tls_cert and tls_key go together")
     if not str(v["socket"]):
         raise bad("socket", "must not be empty")
+    remote = _validate_remote(v, bad, slot, dram)
     return Config(
         socket=Path(str(v["socket"])).expanduser(),
         tcp=str(v["tcp"]),
@@ -391,4 +439,52 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         ssd_write_burst_bytes=burst,
         writeback_queue_bytes=queue,
         log_level=str(v["log_level"]).lower(),
+        **remote,
     )
+
+
+def _validate_remote(
+    v: dict[str, object], bad: Callable[[str, str], UsageError], slot: int, dram: int,
+) -> dict[str, Any]:
+    """The remote_* settings, validated (the URL and TLS combination by `RemoteSpec`)."""
+    out: dict[str, Any] = {name: v[name] for name in _FIELDS if name.startswith("remote_")}
+    mode = str(v["remote_mode"]).lower()
+    if mode not in ("standalone", "cluster"):
+        raise bad("remote_mode", f"must be standalone or cluster, got {v['remote_mode']!r}")
+    out["remote_mode"] = mode
+    out["remote_timeout_s"] = float(cast(float, v["remote_timeout_s"]))
+    if int(cast(int, v["remote_admit_after"])) < 1:
+        raise bad("remote_admit_after", "must be >= 1")
+    rate = int(cast(int, v["remote_write_bytes_per_s"])) or 200_000_000
+    out["remote_write_bytes_per_s"] = rate
+    burst = int(cast(int, v["remote_write_burst_bytes"])) or max(rate, 16 * slot)
+    if burst < slot:
+        raise bad("remote_write_burst_bytes", f"must hold one block ({slot} bytes), got {burst}")
+    out["remote_write_burst_bytes"] = burst
+    queue = int(cast(int, v["remote_queue_bytes"])) or max(
+        slot, min(dram // 8, 256 * MiB) // slot * slot)
+    if not slot <= queue <= dram:
+        raise bad("remote_queue_bytes", f"must hold one slot ({slot} bytes) and fit the DRAM "
+                  f"pool ({dram} bytes), got {queue}")
+    out["remote_queue_bytes"] = queue
+    if v["remote_url"]:
+        from kvtier.tiers.remote import RemoteSpec
+
+        try:
+            RemoteSpec(**remote_spec_args(out))
+        except UsageError as exc:
+            name, _, why = str(exc).partition(": ")
+            name = name.split(" ")[0]
+            raise bad(name if name in _FIELDS else "remote_url", why or str(exc)) from None
+    return out
+
+
+def remote_spec_args(c: Mapping[str, Any]) -> dict[str, Any]:
+    """`kvtier.tiers.remote.RemoteSpec` keyword arguments from the remote_* settings."""
+    return {
+        "url": str(c["remote_url"]), "cluster": c["remote_mode"] == "cluster",
+        "username": str(c["remote_username"]), "password": str(c["remote_password"]),
+        "tls_ca": str(c["remote_tls_ca"]), "tls_cert": str(c["remote_tls_cert"]),
+        "tls_key": str(c["remote_tls_key"]), "timeout_s": float(c["remote_timeout_s"]),
+        "prefix": str(c["remote_prefix"]),
+    }

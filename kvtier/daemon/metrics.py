@@ -35,13 +35,14 @@ from kvtier.daemon.rates import Link, RateBook
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write")
 LEASE_KINDS = ("read", "write")
-MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("ssd", "demote"))
+MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("ssd", "demote"),
+         ("remote", "promote"))
 """(tier, direction) pairs of `kvtier_moved_bytes_total` the daemon produces."""
-PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "recompute", "use_hbm")
-"""Per looked-up block: fetch it from DRAM / from SSD, recompute it, or use the replica's own
-GPU copy (an HBM block inside the cut costs nothing)."""
+PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "fetch_remote", "recompute", "use_hbm")
+"""Per looked-up block: fetch it from DRAM / from SSD / from the remote store, recompute it, or
+use the replica's own GPU copy (an HBM block inside the cut costs nothing)."""
 SSD_DAMAGE = ("store_moved_aside", "undecodable_entry")
-FETCH_LINKS = (Link.DRAM_READ, Link.SSD_READ)
+FETCH_LINKS = (Link.DRAM_READ, Link.SSD_READ, Link.REMOTE_READ)
 RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, 10.0)
 
 
@@ -328,9 +329,9 @@ class DaemonMetrics:
 
     def record_plan(self, plan: Plan) -> None:
         """Counts one Lookup's plan: its blocks by action, its reason, the seconds it saves."""
-        hbm, dram, ssd = plan.blocks_by_tier
+        hbm, dram, ssd, remote = plan.blocks_by_tier
         for action, count in (("use_hbm", hbm), ("fetch_dram", dram), ("fetch_ssd", ssd),
-                              ("recompute", plan.recompute_blocks)):
+                              ("fetch_remote", remote), ("recompute", plan.recompute_blocks)):
             if count:
                 self.plan_decisions.labels(action).inc(count)
         self.plans.labels(plan.reason.value).inc()

@@ -43,10 +43,12 @@ class Link(enum.StrEnum):
     DRAM_WRITE = "dram_write"  # GPU pool → DRAM slot (D2H); clients report on store
     SSD_READ = "ssd_read"  # SSD → DRAM promotion; the daemon times its own reads
     SSD_WRITE = "ssd_write"  # DRAM → SSD write-back
+    REMOTE_READ = "remote_read"  # remote store → DRAM (Acquire's fetch); the daemon times it
+    REMOTE_WRITE = "remote_write"  # DRAM → remote store (write-through)
 
     @property
     def tier(self) -> str:
-        """Metric label value of the tier: 'dram' | 'ssd'."""
+        """Metric label value of the tier: 'dram' | 'ssd' | 'remote'."""
         return self.value.split("_")[0]
 
     @property
@@ -70,6 +72,11 @@ DEFAULT_LINKS: Mapping[Link, LinkRate] = {
     Link.SSD_READ: LinkRate(6.9e9, 300e-6),
     # Sustained NVMe writes run well under reads (SLC cache exhausted); ~3 GB/s, fsync ~1 ms.
     Link.SSD_WRITE: LinkRate(3e9, 1e-3),
+    # A Redis/Valkey store across a 10 GbE link: ~1.2 GB/s of large values, and a pipelined
+    # round trip (EXISTS/GET of a chain) ~0.5 ms. Measured rates replace these within a few
+    # requests (`kvtier.daemon.remote_tier` times every fetch and check).
+    Link.REMOTE_READ: LinkRate(1.2e9, 500e-6),
+    Link.REMOTE_WRITE: LinkRate(1.2e9, 500e-6),
 }
 DEFAULT_PREFILL_FLOPS_PER_S = 0.6 * 989e12
 """H100/H200 dense bf16 peak 989 TFLOP/s at the ~60% MFU vLLM's published prefill TTFTs imply."""
@@ -224,13 +231,16 @@ class RateBook:
             return len(self._prefill if link is None else self._bw[link])
 
     def snapshot(self) -> PlanRates:
-        """The planner's view: DRAM read = H2D copy, SSD read = promotion into DRAM."""
+        """The planner's view: DRAM read = H2D copy, SSD read = promotion into DRAM, remote read
+        = fetch from the remote store into DRAM."""
         return PlanRates(
             self.bandwidth(Link.DRAM_READ),
             self.latency(Link.DRAM_READ),
             self.bandwidth(Link.SSD_READ),
             self.latency(Link.SSD_READ),
             self.prefill_flops_per_s(),
+            self.bandwidth(Link.REMOTE_READ),
+            self.latency(Link.REMOTE_READ),
         )
 
     def export(self) -> dict[str, float]:

@@ -44,6 +44,7 @@ from kvtier.daemon.events import EventLog
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import namespace_layout, namespace_layout_id, namespace_tenant
 from kvtier.daemon.rates import Link, RateBook
+from kvtier.daemon.remote_tier import RemoteTier, RemoteWrite
 from kvtier.index.prefix import Block as IndexBlock
 from kvtier.index.prefix import Evicted, IndexStateError, PrefixIndex, Reason
 from kvtier.tiers import blockfmt
@@ -96,12 +97,15 @@ class Tiers:
         self._read_lock = threading.Lock()  # one promotion batch at a time (exact corrupt counts)
         self.claimed = 0  # slots claimed for promotions not yet settled or unclaimed
         self.block_bytes: dict[str, int] = {}  # namespace -> payload bytes (from its layout)
-        if ssd_blocks > 0:
-            try:
+        self.remote: RemoteTier | None = None
+        try:
+            if ssd_blocks > 0:
                 self._open_ssd()
-            except BaseException:
-                self.close(0.0)  # never leave the segment behind
-                raise
+            if cfg.remote_url:
+                self.remote = _open_remote(cfg, self.pool, rates, metrics, self.on_remote_written)
+        except BaseException:
+            self.close(0.0)  # never leave the segment behind
+            raise
 
     # -- SSD ----------------------------------------------------------------------------------
 
@@ -254,9 +258,9 @@ class Tiers:
         self.metrics.bytes_moved.labels("ssd", "demote").inc(result.bytes_written)
 
     def claim(self, ns: str) -> int | None:
-        """A slot to promote one of `ns`'s SSD blocks into (evicting for room), charged to its
-        tenant; None when there is no room (or no SSD tier)."""
-        if self.store is None:
+        """A slot to promote one of `ns`'s SSD or remote blocks into (evicting for room),
+        charged to its tenant; None when there is no room (or no tier below DRAM)."""
+        if self.store is None and self.remote is None:
             return None
         slots = self.take_slots(1)
         if not slots:
@@ -312,6 +316,43 @@ class Tiers:
             return
         self._removed(gone, "checksum")
 
+    # -- remote -------------------------------------------------------------------------------
+
+    def maybe_write_remote(self, ns: str, blocks: list[IndexBlock], committed: bool) -> None:
+        """Offers admitted DRAM blocks to the remote tier's write queue: at Commit when
+        `remote_admit_after` is 1, else at the lookup that makes a block's k-th access. Each
+        offered block stays pinned until `on_remote_written`."""
+        remote, k = self.remote, self.cfg.remote_admit_after
+        if remote is None or (committed and k > 1):
+            return
+        nbytes = self.block_bytes.get(ns, self.slot_bytes)
+        todo = [b for b in blocks if b.dram_slot is not None and (committed or b.hits == k)]
+        for i, b in enumerate(todo):
+            assert b.dram_slot is not None
+            self.index.pin(ns, b.key)
+            why = remote.offer(RemoteWrite(ns, b.key, b.dram_slot, nbytes))
+            if why:
+                self.index.unpin(ns, b.key)
+                # the rest would sit behind a hole in the store's chain: dropped too
+                remote.dropped(why, len(todo) - i - 1)
+                return
+
+    def settle_remote(self, ns: str, key: bytes, parent: bytes | None, slot: int) -> IndexBlock:
+        """A claimed slot holds a verified remote payload: it becomes a new DRAM block (raises
+        the index's DuplicateBlock / MissingParent / TierFull; the caller then unclaims)."""
+        block = self.index.insert(ns, key, parent, Tier.DRAM, dram_slot=slot)
+        self.claimed -= 1
+        self.metrics.bytes_moved.labels("remote", "promote").inc(self.block_bytes.get(
+            ns, self.slot_bytes))
+        return block
+
+    def on_remote_written(self, batch: list[RemoteWrite]) -> None:
+        """Remote writer callback (its thread): the blocks may move or go again."""
+        with self._lock:
+            for w in batch:
+                if self.index.get(w.ns, w.key) is not None:
+                    self.index.unpin(w.ns, w.key)
+
     # -- DRAM ---------------------------------------------------------------------------------
 
     def take_slots(self, n: int) -> list[int]:
@@ -356,15 +397,42 @@ class Tiers:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def flush(self, timeout: float) -> bool:
-        return self.mover.flush(timeout) if self.mover is not None else True
+        ok = self.mover.flush(timeout) if self.mover is not None else True
+        return (self.remote.flush(timeout) if self.remote is not None else True) and ok
 
     def close(self, timeout: float) -> None:
-        """Flushes the write-back queue, closes LMDB, unlinks the segment. Call without the lock."""
+        """Flushes the write-back queues, closes LMDB and the remote connection, unlinks the
+        segment. Call without the lock."""
+        if self.remote is not None:
+            self.remote.close(timeout)
         if self.mover is not None:
             self.mover.close(timeout)
         if self.store is not None:
             self.store.close()
         self.pool.close()
+
+
+def _open_remote(
+    cfg: Config, pool: DramPool, rates: RateBook, metrics: DaemonMetrics,
+    on_written: Callable[[list[RemoteWrite]], None],
+) -> RemoteTier:
+    from kvtier.daemon.config import remote_spec_args
+    from kvtier.daemon.remote_tier import RemoteTierSpec
+    from kvtier.tiers.remote import RemoteSpec, RemoteStore
+
+    spec = RemoteSpec(**remote_spec_args({f: getattr(cfg, f) for f in cfg.__dataclass_fields__}))
+    tier = RemoteTier(RemoteStore(spec), pool, rates, metrics.registry, RemoteTierSpec(
+        cfg.remote_queue_bytes, cfg.remote_write_bytes_per_s, cfg.remote_write_burst_bytes,
+    ), on_written)
+    try:
+        tier.store.ping()
+        log.info("remote tier: %s (%s)", tier.store.where(), cfg.remote_mode)
+    except Exception as exc:  # a store down at start is an outage, not a failed start
+        tier.backoff.failed()
+        tier.metrics.outages.inc()
+        log.warning("remote store unavailable at start; local tiers only, retrying with "
+                    "backoff: %s", exc)
+    return tier
 
 
 def _digest(text: str) -> str:

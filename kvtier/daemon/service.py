@@ -53,7 +53,8 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
-_TIER_TO_PB = {Tier.HBM: pb.TIER_HBM, Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD}
+_TIER_TO_PB = {Tier.HBM: pb.TIER_HBM, Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD,
+               Tier.REMOTE: pb.TIER_REMOTE}
 
 _TIERS = ("dram", "ssd")
 R = TypeVar("R")
@@ -145,7 +146,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
         async def go(tenant: Tenant) -> pb.LookupResponse:
-            res = self.cache.lookup(
+            res = await self.cache.lookup_async(
                 tenant, request.layout, request.keys, request.key_width, request.start_token,
                 request.prompt_tokens, request.want_plan, request.replica,
             )

@@ -1,0 +1,322 @@
+"""The daemon's side of the remote tier: Lookup's check, Acquire's fetch, the write-through queue.
+
+    Lookup   local prefix ends before the chain does ─▶ `present(ns, rest)`: one pipelined EXISTS
+             round trip → how many more blocks the store holds (reported as Tier.REMOTE)
+    Acquire  claimed DRAM slots ─▶ `fetch_into(ns, keys, slots)`: one pipelined GET round trip,
+             each value verified and copied into its slot → the cache inserts the good prefix
+             into the index as DRAM blocks under the Acquire's lease (`kvtier.daemon.acquire`)
+    Commit   admitted blocks ─▶ `offer(RemoteWrite)`: never blocks; a queue bounded in bytes of
+             pinned slots and a byte-rate token bucket decide, else the write is dropped and
+             counted; a writer thread sends batches (pipelined SET) and hands them back through
+             `on_written` (the cache unpins the index there)
+
+Faults. Every request has a bounded wait (`RemoteSpec.timeout_s` per socket operation). A failed
+request (down, slow, refusing) marks the store down: one warning, `kvtier_remote_up` 0, and every
+check/fetch/write is skipped (a local miss, i.e. recompute; writes dropped and counted) until the
+backoff interval (0.5 s doubling to 30 s, `kvtier.tiers.backoff`) lets one request probe it
+again; the first success logs one recovery line. A damaged value is a miss and a counter, never
+served (`kvtier.tiers.remote`). Nothing here can fail a request: the load path degrades to the
+local tiers.
+
+The store's eviction (`maxmemory`) is invisible here: a key evicted between Lookup's check and
+Acquire's fetch is a miss at fetch time, and the Acquire's prefix ends before it.
+
+Rates: each fetch is a `Link.REMOTE_READ` sample (bytes, whole-request seconds) and each check a
+latency sample, so the planner prices remote blocks with the link as measured.
+
+Threading: `present`, `fetch_into` and `offer` may be called from any thread; call `present`
+and `fetch_into` without the cache lock (they wait on the network). `on_written` runs on the
+writer thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.daemon.rates import Link, RateBook
+from kvtier.tiers.backoff import Backoff
+from kvtier.tiers.dram import DramPool
+from kvtier.tiers.remote import RemoteStore, RemoteUnavailable
+from kvtier.tiers.wear import TokenBucket
+
+log = logging.getLogger(__name__)
+
+DROP_REASONS = ("queue_full", "budget", "down", "error", "refused")
+
+
+class RemoteWrite(NamedTuple):
+    ns: str
+    key: bytes
+    slot: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTierSpec:
+    """`queue_bytes` bounds the DRAM pinned by queued writes (slots); `write_bytes_per_s` is the
+    long-run write rate, `burst_bytes` what may go at once."""
+
+    queue_bytes: int
+    write_bytes_per_s: float
+    burst_bytes: int
+    batch_blocks: int = 16
+    backoff_first_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+
+class RemoteMetrics:
+    """`kvtier_remote_*` on the daemon's registry (labels bounded: op, result, reason)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter("kvtier_remote_requests", "Remote store requests",
+                                ["op", "result"], registry=r)
+        for op in ("check", "fetch", "store"):
+            for result in ("ok", "error", "skipped"):
+                self.requests.labels(op, result)
+        self.blocks = Counter("kvtier_remote_blocks", "Fetched remote blocks by outcome",
+                              ["result"], registry=r)
+        for result in ("hit", "miss", "corrupt"):
+            self.blocks.labels(result)
+        self.bytes = Counter("kvtier_remote_bytes", "Bytes moved to/from the remote store",
+                             ["direction"], registry=r)
+        for d in ("read", "write"):
+            self.bytes.labels(d)
+        self.written = Counter("kvtier_remote_blocks_written", "Blocks stored remotely",
+                               registry=r)
+        self.dropped = Counter("kvtier_remote_writes_dropped", "Remote writes not made",
+                               ["reason"], registry=r)
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
+        self.outages = Counter("kvtier_remote_outages",
+                               "Times the remote store was marked down", registry=r)
+
+
+class _Gauges(Collector):
+    def __init__(self, tier: RemoteTier) -> None:
+        self._tier = tier
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvtier_remote_up", "1 while the remote store answers",
+                                value=1.0 if self._tier.backoff.up else 0.0)
+        yield GaugeMetricFamily("kvtier_remote_queue_bytes",
+                                "DRAM slot bytes held by queued remote writes",
+                                value=self._tier.held_bytes)
+
+
+OnWritten = Callable[[list[RemoteWrite]], None]
+
+
+class RemoteTier:
+    def __init__(
+        self, store: RemoteStore, pool: DramPool, rates: RateBook, registry: CollectorRegistry,
+        spec: RemoteTierSpec, on_written: OnWritten,
+    ) -> None:
+        if spec.queue_bytes < pool.slot_size:
+            raise ValueError(f"remote write queue of {spec.queue_bytes} bytes cannot hold one "
+                             f"{pool.slot_size}-byte slot")
+        self.store = store
+        self.pool = pool
+        self.rates = rates
+        self.spec = spec
+        self.on_written = on_written
+        self.metrics = RemoteMetrics(registry)
+        self.backoff = Backoff(spec.backoff_first_s, spec.backoff_max_s)
+        self._bucket = TokenBucket(spec.write_bytes_per_s, spec.burst_bytes)
+        self._queue: collections.deque[RemoteWrite] = collections.deque()
+        self.held_bytes = 0
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closing = False
+        registry.register(_Gauges(self))
+        self._thread = threading.Thread(target=self._run, name="kvtier-remote", daemon=True)
+        self._thread.start()
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def _ok(self) -> None:
+        if self.backoff.succeeded():
+            log.warning("remote store %s is back", self.store.where())
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        self.metrics.requests.labels(op, "error").inc()
+        if self.backoff.failed():
+            self.metrics.outages.inc()
+            log.warning("remote store unavailable (%s); local tiers only, retrying with "
+                        "backoff: %s", op, exc)
+        else:
+            log.debug("remote store still unavailable (%s): %s", op, exc)
+
+    def ready(self) -> bool:
+        """Whether a request would be tried now (up, or due for a reconnect probe)."""
+        return self.backoff.ready()
+
+    # -- load path ----------------------------------------------------------------------------
+
+    def present(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Leading blocks of `keys` the store holds (0 when down, slow or erroring)."""
+        if not keys:
+            return 0
+        if not self.backoff.ready():
+            self.metrics.requests.labels("check", "skipped").inc()
+            return 0
+        started = time.perf_counter()
+        try:
+            n = self.store.present(ns, keys)
+        except RemoteUnavailable as exc:
+            self._failed("check", exc)
+            return 0
+        self.rates.observe_latency(Link.REMOTE_READ, time.perf_counter() - started)
+        self.metrics.requests.labels("check", "ok").inc()
+        self._ok()
+        return n
+
+    def fetch_into(self, ns: str, keys: Sequence[bytes], slots: Sequence[int],
+                   nbytes: int) -> list[int | None]:
+        """Fetches and verifies `keys` into the claimed, unpublished `slots` (`nbytes` each):
+        payload bytes per key, None from the first block not served (absent, damaged, down)."""
+        if not keys:
+            return []
+        if not self.backoff.ready():
+            self.metrics.requests.labels("fetch", "skipped").inc()
+            return [None] * len(keys)
+        views = [memoryview(self.pool.view(s, nbytes)) for s in slots]  # type: ignore[arg-type]
+        started = time.perf_counter()
+        try:
+            got = self.store.get_into(ns, keys, views)
+        except RemoteUnavailable as exc:
+            self._failed("fetch", exc)
+            return [None] * len(keys)
+        finally:
+            del views
+        seconds = time.perf_counter() - started
+        self.metrics.requests.labels("fetch", "ok").inc()
+        self._ok()
+        hits = sum(1 for s in got.sizes if s is not None)
+        m = self.metrics
+        m.blocks.labels("hit").inc(hits)
+        if got.corrupt:
+            m.blocks.labels("corrupt").inc(len(got.corrupt))
+            log.warning("remote store: %d damaged block(s) rejected (%s); recomputing",
+                        len(got.corrupt), ", ".join(c.value for c in got.corrupt))
+        if hits < len(keys) and not got.corrupt:
+            m.blocks.labels("miss").inc()
+        if got.nbytes:
+            m.bytes.labels("read").inc(got.nbytes)
+            self.rates.observe_transfer(Link.REMOTE_READ, got.nbytes, seconds,
+                                        includes_latency=True)
+        return got.sizes
+
+    # -- write-through ------------------------------------------------------------------------
+
+    def offer(self, w: RemoteWrite) -> str:
+        """Queues a remote write without blocking: "" when queued (the slot is pinned until
+        written and `on_written` reports it), else why it was dropped (one of DROP_REASONS,
+        counted; the slot stays the caller's)."""
+        with self._cv:
+            if self._closing or not self.backoff.ready():
+                why = "down"
+            elif self.held_bytes + self.pool.slot_size > self.spec.queue_bytes:
+                why = "queue_full"
+            elif not self._bucket.take(w.nbytes):
+                why = "budget"
+            else:
+                self.pool.pin(w.slot)
+                self._queue.append(w)
+                self.held_bytes += self.pool.slot_size
+                self._cv.notify()
+                return ""
+        self.metrics.dropped.labels(why).inc()
+        return why
+
+    def dropped(self, why: str, n: int) -> None:
+        """Counts `n` writes not offered (the rest of a chain after a drop)."""
+        if n > 0:
+            self.metrics.dropped.labels(why).inc(n)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                n = min(len(self._queue), self.spec.batch_blocks)
+                batch = [self._queue.popleft() for _ in range(n)]
+                self._busy = True
+            try:
+                self._write(batch)
+            finally:
+                for w in batch:
+                    self.pool.unpin(w.slot)
+                with self._cv:
+                    self._busy = False
+                    self.held_bytes -= len(batch) * self.pool.slot_size
+                    self._cv.notify_all()
+                try:
+                    self.on_written(batch)
+                except Exception:
+                    log.exception("remote on_written failed")
+
+    def _write(self, batch: list[RemoteWrite]) -> None:
+        m = self.metrics
+        if not self.backoff.ready():
+            m.dropped.labels("down").inc(len(batch))
+            return
+        items = [(w.ns, w.key, memoryview(self.pool.view(w.slot, w.nbytes)))  # type: ignore[arg-type]
+                 for w in batch]
+        started = time.perf_counter()
+        try:
+            stored, sent = self.store.put_many(items)
+        except RemoteUnavailable as exc:
+            self._failed("store", exc)
+            m.dropped.labels("error").inc(len(batch))
+            return
+        finally:
+            del items
+        self._ok()
+        m.requests.labels("store", "ok").inc()
+        m.written.inc(stored)
+        m.bytes.labels("write").inc(sent)
+        if stored < len(batch):
+            m.dropped.labels("refused").inc(len(batch) - stored)
+        self.rates.observe_transfer(Link.REMOTE_WRITE, sent, time.perf_counter() - started,
+                                    includes_latency=True)
+
+    def flush(self, timeout: float) -> bool:
+        """Waits until every queued write is sent (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float) -> None:
+        """Sends what is queued (up to `timeout`), stops the writer, closes the connection."""
+        self.flush(timeout)
+        with self._cv:
+            self._closing = True
+            left = list(self._queue)
+            self._queue.clear()
+            self.held_bytes -= len(left) * self.pool.slot_size
+            self._cv.notify_all()
+        self._thread.join(timeout=max(timeout, 1.0))
+        for w in left:
+            self.pool.unpin(w.slot)
+        if left:
+            self.metrics.dropped.labels("error").inc(len(left))
+            self.on_written(left)
+        self.store.close()
