@@ -57,7 +57,7 @@ def transfer_rounds(url: str, blocks: int, rounds: int) -> dict[str, Any]:
     tier = RemoteTier(store, pool, RateBook(), CollectorRegistry(), RemoteTierSpec(
         queue_bytes=2 * blocks * BLOCK, write_bytes_per_s=1e13, burst_bytes=1 << 50,
     ), on_written=lambda batch: None)
-    raw = store._redis()
+    raw = store.client()
     rng = np.random.default_rng(7)
     slots = pool.alloc_many(2 * blocks)
     assert slots is not None
@@ -138,7 +138,7 @@ def lookup_latency(url: str, workdir: Path, n: int) -> dict[str, Any]:
             assert kv.store(keys, data).stored == 64
         store = RemoteStore(RemoteSpec(url))
         deadline = time.monotonic() + 30
-        while store._redis().dbsize() < 64:
+        while store.client().dbsize() < 64:
             if time.monotonic() > deadline:
                 raise RuntimeError("writer daemon did not publish the chain")
             time.sleep(0.05)

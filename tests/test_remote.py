@@ -104,6 +104,10 @@ def test_block_stored_through_a_is_served_through_b_bit_exact(
         assert kv.stats().active_leases == 0
     assert metric(b, "kvtier_remote_blocks_total", 'result="hit"') == 8
     assert metric(b, "kvtier_remote_up") == 1
+    # the planner prices remote blocks with the link as measured: each check is a latency
+    # sample (fetches of these small blocks are too short for a bandwidth sample)
+    seed = 500e-6
+    assert metric(b, "kvtier_rate_latency_seconds", 'tier="remote",direction="read"') != seed
 
 
 def test_tenants_are_isolated_across_nodes(tmp_path: Path, redis_server: RedisServer) -> None:
@@ -241,6 +245,23 @@ def test_write_queue_full_drops_and_counts(tmp_path: Path, redis_server: RedisSe
         wait_for(lambda: redis_server.client().dbsize() >= 1)
         assert redis_server.client().dbsize() == 1  # a one-slot queue: the rest dropped
         assert dropped == 31
+    finally:
+        a.stop()
+
+
+def test_admission_after_k_accesses(tmp_path: Path, redis_server: RedisServer) -> None:
+    a = node(tmp_path, "a", redis_server.url, "--remote-admit-after", "2")
+    try:
+        keys, data = chain(16, 3), payloads(3, 16)
+        with Client(a.socket, layout=LAYOUT) as kv:
+            assert kv.store(keys, data).stored == 3  # access 1: not written
+            time.sleep(0.3)
+            assert redis_server.client().dbsize() == 0
+            assert kv.lookup(keys[:2]).hit_blocks == 2  # access 2 of the first two blocks
+            wait_for(lambda: redis_server.client().dbsize() == 2)
+            kv.lookup(keys[:2])  # access 3: already written, not sent again
+            time.sleep(0.3)
+        assert metric(a, "kvtier_remote_blocks_written_total") == 2
     finally:
         a.stop()
 

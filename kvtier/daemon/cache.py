@@ -150,7 +150,8 @@ class Cache:
         """`lookup` for the event loop: the remote check (a network round trip with a bounded
         wait) runs on a worker thread, without the cache lock."""
         ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica)
-        if self.tiers.remote is not None and len(tiers) < len(chain):
+        remote = self.tiers.remote
+        if remote is not None and len(tiers) < len(chain) and remote.ready():
             more = await asyncio.to_thread(self._remote_present, ns, chain, len(tiers))
             tiers += [Tier.REMOTE] * more
         return self._lookup_result(ns, chain, tiers, start_token, prompt_tokens, want_plan)

@@ -143,6 +143,11 @@ class RemoteStore:
     def key(self, ns: str, key: bytes) -> bytes:
         return self._prefix + ns.encode() + b":" + key
 
+    def client(self) -> Redis | RedisCluster:
+        """The redis-py client (connected on first use), for benchmarks and tools that compare
+        against raw commands over the same connections."""
+        return self._redis()
+
     def _redis(self) -> Redis | RedisCluster:
         client = self._client
         if client is None:
