@@ -155,6 +155,19 @@ def test_every_flipped_bit_of_a_stored_value_is_caught(tmp_path: Path) -> None:
         r.set(store.key(other, key), good)
         assert store.get_into(other, [key], [memoryview(bytearray(4096))]).corrupt
         assert store.present(ns, [key, b"x" * 32]) == 1
+        # a long chain is fetched in chunks: results stay in order, and the first damaged block
+        # (here in the second chunk) ends the prefix
+        keys = [bytes([i]) * 32 for i in range(20)]
+        blobs = [np.full(4096, i, np.uint8).tobytes() for i in range(20)]
+        store.put_many([(ns, k, memoryview(b)) for k, b in zip(keys, blobs, strict=True)])
+        bad = bytearray(r.get(store.key(ns, keys[12])))
+        bad[-1] ^= 1
+        r.set(store.key(ns, keys[12]), bytes(bad))
+        outs = [bytearray(4096) for _ in keys]
+        got = store.get_into(ns, keys, [memoryview(o) for o in outs])
+        assert got.sizes == [4096] * 12 + [None] * 8 and len(got.corrupt) == 1
+        assert [bytes(o) for o in outs[:12]] == blobs[:12]
+        assert store.present(ns, keys) == 12
     finally:
         store.close()
         server.stop()

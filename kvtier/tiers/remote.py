@@ -28,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+FETCH_CHUNK = 8
+"""Blocks per GET pipeline of a fetch (see `RemoteStore._get_chunks`)."""
 LAYOUT_TAG = blockfmt.layout_digest(b"kvtier-remote/v1")
 """The remote values' layout digest; each block's tenant and layout id are in its key."""
 
@@ -139,6 +142,7 @@ class RemoteStore:
         self.spec = spec
         self._prefix = spec.prefix.encode() + b":"
         self._client: Redis | RedisCluster | None = None
+        self._fetcher: ThreadPoolExecutor | None = None
 
     def key(self, ns: str, key: bytes) -> bytes:
         return self._prefix + ns.encode() + b":" + key
@@ -236,27 +240,51 @@ class RemoteStore:
         if len(keys) != len(views):
             raise ValueError("one view per key")
         rkeys = [self.key(ns, k) for k in keys]
-        got = self._run([("GET", (k,)) for k in rkeys])
         sizes: list[int | None] = [None] * len(keys)
         corrupt: list[blockfmt.Corruption] = []
         damaged: list[bytes] = []
         total = 0
-        for i, (rkey, value, view) in enumerate(zip(rkeys, got, views, strict=True)):
-            if isinstance(value, Exception):
-                raise RemoteUnavailable(f"remote store {self.where()}: GET: {value}")
-            if value is None:
-                break
-            why = _copy_verified(rkey, value, view)
-            if why is not None:
-                corrupt.append(why)
-                damaged.append(rkey)
-                break
-            sizes[i] = len(view)
-            total += len(view)
+        i = 0
+        for got in self._get_chunks(rkeys):
+            for value in got:
+                if isinstance(value, Exception):
+                    raise RemoteUnavailable(f"remote store {self.where()}: GET: {value}")
+                if value is None:
+                    break
+                why = _copy_verified(rkeys[i], value, views[i])
+                if why is not None:
+                    corrupt.append(why)
+                    damaged.append(rkeys[i])
+                    break
+                sizes[i] = len(views[i])
+                total += len(views[i])
+                i += 1
+            else:
+                continue
+            break
         if damaged:
             with contextlib.suppress(RemoteUnavailable):  # else it fails verification again
                 self._run([("DEL", (k,)) for k in damaged])
         return Fetched(sizes, corrupt, total)
+
+    def _get_chunks(self, rkeys: list[bytes]) -> Iterator[list[Any]]:
+        """GET results in chunks of `FETCH_CHUNK`, in order. A long chain's chunks are fetched on
+        a helper thread (one pipeline after the other) while the caller verifies and copies the
+        chunk before, so the copy into the slots overlaps the network instead of following it.
+        Closing the iterator early cancels the chunks not yet started."""
+        chunks = [rkeys[i:i + FETCH_CHUNK] for i in range(0, len(rkeys), FETCH_CHUNK)]
+        if len(chunks) == 1:
+            yield self._run([("GET", (k,)) for k in rkeys])
+            return
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-fetch")
+        futures = [self._fetcher.submit(self._run, [("GET", (k,)) for k in c]) for c in chunks]
+        try:
+            for f in futures:
+                yield f.result()
+        finally:
+            for f in futures:
+                f.cancel()
 
     def put_many(self, items: Sequence[tuple[str, bytes, memoryview]]) -> tuple[int, int]:
         """Stores (namespace, key, payload) values, one pipelined SET each; returns (blocks
@@ -277,6 +305,9 @@ class RemoteStore:
         return len(got) - len(refused), sent
 
     def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True, cancel_futures=True)
+            self._fetcher = None
         self._reset()
 
 
