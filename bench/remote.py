@@ -6,7 +6,8 @@ Starts a redis-server on 127.0.0.1 (free port, temp dir, no persistence, allkeys
 client (one redis-py connection pool), same bytes, same run, per round back to back:
   store   `RemoteTier.offer` of `--blocks` filled DRAM slots + `flush` (the writer thread's
           batches of 16: header + checksum + pipelined SET) vs raw pipelined SET of the same
-          payloads in batches of 16 with the same client (which goes first alternates)
+          payloads in batches of 16 with the same client, straight from the slots (memoryview,
+          no copy); which goes first alternates per round
   fetch   `RemoteTier.fetch_into` of the chain into DRAM slots (pipelined GETs of 8 blocks,
           fetched on a helper thread while the previous 8 are verified and copied into their
           slots) vs raw pipelined GETs of the same keys in the same chunks of 8, one after the
@@ -73,7 +74,7 @@ def transfer_rounds(url: str, blocks: int, rounds: int) -> dict[str, Any]:
         for i in range(0, blocks, BATCH):
             pipe = raw.pipeline(transaction=False)
             for k, s in zip(keys[i:i + BATCH], src[i:i + BATCH], strict=True):
-                pipe.set(k, bytes(pool.view(s, BLOCK)))
+                pipe.set(k, memoryview(pool.view(s, BLOCK)))  # type: ignore[arg-type]
             pipe.execute()
         return time.perf_counter() - t
 
@@ -86,7 +87,7 @@ def transfer_rounds(url: str, blocks: int, rounds: int) -> dict[str, Any]:
 
     def raw_get(keys: list[bytes]) -> float:
         t = time.perf_counter()
-        got = []
+        got: list[Any] = []
         for i in range(0, blocks, FETCH_CHUNK):
             pipe = raw.pipeline(transaction=False)
             for k in keys[i:i + FETCH_CHUNK]:
