@@ -256,6 +256,9 @@ class RemoteTier:
                 self._busy = True
             try:
                 self._write(batch)
+            except Exception:  # a bug, not the store: never let the writer thread die
+                log.exception("remote write of %d blocks failed", len(batch))
+                self.metrics.dropped.labels("error").inc(len(batch))
             finally:
                 for w in batch:
                     self.pool.unpin(w.slot)
