@@ -50,10 +50,11 @@ def free_port(bus: bool = False) -> int:
 
 class RedisServer:
     def __init__(self, workdir: Path, args: Sequence[str] = (), port: int = 0,
-                 bus: bool = False) -> None:
+                 bus: bool = False, password: str = "") -> None:
         self.workdir = workdir
         self.port = port or free_port(bus)
-        self.args = list(args)
+        self.password = password
+        self.args = list(args) + (["--requirepass", password] if password else [])
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -86,7 +87,8 @@ class RedisServer:
     def client(self) -> Any:
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
+                           password=self.password or None)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -266,6 +266,28 @@ def test_admission_after_k_accesses(tmp_path: Path, redis_server: RedisServer) -
         a.stop()
 
 
+def test_password_from_the_environment(tmp_path: Path) -> None:
+    r = RedisServer(tmp_path / "redis", password="pw-remote-123").start()
+    good = DaemonProc(tmp_path / "good", ["--remote-url", r.url, "--ssd-bytes", "0"],
+                      env={"KVTIER_REMOTE_PASSWORD": "pw-remote-123"}).start()
+    bad = DaemonProc(tmp_path / "bad", ["--remote-url", r.url, "--ssd-bytes", "0"],
+                     env={"KVTIER_REMOTE_PASSWORD": "wrong"}).start()
+    try:
+        keys, data = chain(18, 2), payloads(2, 18)
+        store_and_publish(good, r, keys, data)
+        with Client(bad.socket, layout=LAYOUT) as kv:  # refused by the store: local tiers only
+            assert kv.lookup(keys).hit_blocks == 0
+            assert kv.store(keys, data).stored == 2
+            with kv.load(keys) as got:
+                assert [bytes(v) for v in got.views] == data
+        assert metric(bad, "kvtier_remote_up") == 0 and metric(good, "kvtier_remote_up") == 1
+        assert "pw-remote-123" not in good.log() + bad.log()
+    finally:
+        good.stop()
+        bad.stop()
+        r.stop()
+
+
 def test_three_node_cluster_shares_blocks(tmp_path: Path) -> None:
     cluster = RedisCluster3(tmp_path / "cluster").start()
     try:

@@ -95,6 +95,8 @@ def test_remote_settings_validate(tmp_path: Path) -> None:
         {f: getattr(cfg, f) for f in cfg.__dataclass_fields__})).client_kwargs()
     assert kw["password"] == "s3cret" and kw["ssl_ca_certs"] == "/ca.pem"
     assert kw["socket_timeout"] == 0.25
+    assert RemoteSpec("valkey://h:7000/2").redis_url() == "redis://h:7000/2"
+    assert RemoteSpec("valkeys://h:7000/2").tls and RemoteSpec("unix:///run/r.sock").redis_url()
     for flags, message in [
         ({"remote_url": "http://x:1"}, "remote_url (from flags): expected redis://"),
         ({"remote_url": "redis://x:1", "remote_tls_ca": "/ca"}, "need a rediss://"),
