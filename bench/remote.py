@@ -160,7 +160,7 @@ def lookup_latency(url: str, workdir: Path, n: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--lookups", type=int, default=300)

@@ -98,13 +98,17 @@ def test_remote_settings_validate(tmp_path: Path) -> None:
     assert RemoteSpec("valkey://h:7000/2").redis_url() == "redis://h:7000/2"
     assert RemoteSpec("valkeys://h:7000/2").tls and RemoteSpec("unix:///run/r.sock").redis_url()
     for flags, message in [
-        ({"remote_url": "http://x:1"}, "remote_url (from flags): expected redis://"),
+        ({"remote_url": "http://x:1"},
+         "remote_url (from flag --remote-url): expected redis://"),
         ({"remote_url": "redis://x:1", "remote_tls_ca": "/ca"}, "need a rediss://"),
         ({"remote_url": "rediss://x:1", "remote_tls_cert": "/c"}, "go together"),
-        ({"remote_mode": "sharded"}, "remote_mode (from flags): must be standalone or cluster"),
+        ({"remote_mode": "sharded"},
+         "remote_mode (from flag --remote-mode): must be standalone or cluster"),
         ({"remote_url": "redis://x:1", "remote_timeout_s": "0"}, "remote_timeout_s"),
-        ({"remote_admit_after": "0"}, "remote_admit_after (from flags): must be >= 1"),
-        ({"remote_queue_bytes": "1KiB"}, "remote_queue_bytes (from flags): must hold one slot"),
+        ({"remote_admit_after": "0"},
+         "remote_admit_after (from flag --remote-admit-after): must be >= 1"),
+        ({"remote_queue_bytes": "1KiB"},
+         "remote_queue_bytes (from flag --remote-queue-bytes): must hold one slot"),
         ({"remote_url": "redis://x:1", "remote_prefix": "a:b"}, "remote_prefix"),
     ]:
         with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
