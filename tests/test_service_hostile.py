@@ -43,6 +43,7 @@ class Env:
         reg = pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32,
                                        model_id=MODEL)
         assert self.stub.RegisterLayout(reg, metadata=ALICE).layout_id == LID
+        assert self.stub.RegisterLayout(reg, metadata=BOB).layout_id == LID  # layouts: per tenant
         self.bob_store(keys(9, 1))
         self.bob_read = self.stub.Acquire(
             pb.AcquireRequest(layout=LID, keys=keys(9, 1), key_width=32), metadata=BOB).lease_id

@@ -81,6 +81,7 @@ class Acquiring:
     ssd_bytes_per_s: float
     got: list[int | None] | None = None  # per claimed slot, in order: payload bytes or None
     read_s: float = 0.0
+    session: str = ""  # the lease's session (see `kvtier.daemon.leases`)
 
     @property
     def io(self) -> bool:
@@ -183,7 +184,8 @@ class Acquirer:
                 lease_id, offsets = "", []
                 if pinned:
                     lease_id = self._leases.grant(a.tenant.name, LeaseKind.READ, a.ttl,
-                                                  ReadLease(ns, pinned, a.h2d_bytes_per_s)).id
+                                                  ReadLease(ns, pinned, a.h2d_bytes_per_s),
+                                                  a.session).id
                     offsets = [pool.offset(b.dram_slot or 0) for b in pinned]
             finally:
                 a.done.set()

@@ -68,6 +68,7 @@ class Allocator:
 
     def allocate(
         self, tenant: Tenant, ns: Namespace, chain: list[bytes], parent: bytes, ttl: float,
+        session: str = "",
     ) -> AllocateResult:
         """Grants a WRITE lease on fresh slots for the keys of `chain` not cached or pending."""
         index = self.tiers.index
@@ -90,7 +91,7 @@ class Allocator:
         slots = self._take_slots(ns.tenant, len(need))
         lease = self._leases.grant(
             tenant.name, LeaseKind.WRITE, ttl,
-            WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))),
+            WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))), session,
         )
         for i in need:
             ns.pending[chain[i]] = lease.id

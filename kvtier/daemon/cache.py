@@ -30,6 +30,8 @@ and `kvtier.daemon.cache_stats` (what it reports).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,7 +46,7 @@ from kvtier.core.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvtier.core.planner import Plan, Prefix, plan
+from kvtier.core.planner import Plan, PlanRates, Prefix, plan
 from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.acquire import Acquirer, AcquireResult, Acquiring, ReadLease
@@ -77,6 +79,35 @@ def _check_reported(nbytes: int, most: int) -> None:
         raise InvalidArgument(f"reported {nbytes} bytes copied; the lease covers {most}")
 
 
+class SlotStream:
+    """The slots of one lease as a ReadBlocks/WriteBlocks stream sees them (block i = the
+    lease's i-th slot). Every chunk is checked and copied under the cache lock while its lease
+    is live, so a stream that stalls past its TTL never touches a slot after the lease ended
+    and the slot was given to someone else: its next chunk raises NotFound. A chunk renews the
+    lease once half its TTL has passed (a stream that moves keeps its lease)."""
+
+    def __init__(self, cache: Cache, tenant: Tenant, lease_id: str, offsets: list[int],
+                 block_bytes: int) -> None:
+        self._cache = cache
+        self.tenant = tenant
+        self.lease_id = lease_id
+        self.offsets = offsets
+        self.block_bytes = block_bytes
+        self.copied = 0
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def read(self, block: int, at: int, n: int) -> bytes:
+        out = self._cache._stream_chunk(self, LeaseKind.READ, block, at, n, None)
+        self.copied += len(out)
+        return out
+
+    def write(self, block: int, at: int, data: bytes) -> None:
+        self._cache._stream_chunk(self, LeaseKind.WRITE, block, at, len(data), data)
+        self.copied += len(data)
+
+
 _NO_REPLICA = "-"  # never registered (real names contain the namespace): lookups without HBM
 
 
@@ -91,10 +122,12 @@ class Cache:
         self.metrics = metrics
         self.events = events or EventLog()
         self.rates = rates if rates is not None else RateBook()
+        self._tenant_rates: dict[str, RateBook] = {}
         self.draining = False
         self._closed = False
         self._lock = threading.RLock()
         self._leases = LeaseTable(clock)
+        self._sessions: dict[str, str] = {}  # open session id -> tenant name
         self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
         self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
                            self.names.ssd_quota_ok)
@@ -107,19 +140,19 @@ class Cache:
         metrics.attach_rates(self.rates)
 
     def register_layout(
-        self, model_id: str, fingerprint: bytes, block_bytes: int, block_tokens: int,
-        key_width: int, cost: CostModel | None,
+        self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
+        block_tokens: int, key_width: int, cost: CostModel | None,
     ) -> Registered:
-        """Declares a model's layout (idempotent); returns its layout id (what data requests
-        name) and the segment clients map. See `Namespaces`."""
+        """Declares a model's layout for this tenant (idempotent); returns its layout id (what
+        data requests name) and the segment clients map. See `Namespaces`."""
         with self._lock:
-            info = self.names.register(model_id, fingerprint, block_bytes, block_tokens,
+            info = self.names.register(tenant, model_id, fingerprint, block_bytes, block_tokens,
                                        key_width, cost)
         return Registered(info.id, self.pool.handle())
 
-    def layout(self, layout_id: bytes) -> LayoutInfo:
+    def layout(self, tenant: Tenant, layout_id: bytes) -> LayoutInfo:
         with self._lock:
-            return self.names.layout(layout_id)
+            return self.names.layout(tenant, layout_id)
 
     def _ns(self, tenant: Tenant, layout_id: bytes) -> Namespace:
         ns = self.names.get(tenant, layout_id)
@@ -142,6 +175,11 @@ class Cache:
             found = self.index.lookup(ns.name, chain, replica=who)
             tiers: list[Tier] = found.tiers
             self.tiers.maybe_write_back(ns.name, found.blocks)
+            mine = ns.tenant
+            mine.lookups += 1
+            mine.lookup_hits += bool(tiers)
+            mine.blocks_hit += len(tiers)
+            mine.blocks_missed += len(chain) - len(tiers)
         m = self.metrics
         m.lookups.labels("hit" if tiers else "miss").inc()
         for tier in (Tier.HBM, Tier.DRAM, Tier.SSD):
@@ -159,39 +197,45 @@ class Cache:
             )
             prefix = Prefix.uniform([int(t) for t in tiers], lay.block_tokens, lay.block_bytes,
                                     start_token)
-            the_plan = plan(prefix, lay.cost, self.rates.snapshot(), suffix_tokens=suffix)
+            the_plan = plan(prefix, lay.cost, self.plan_rates(tenant), suffix_tokens=suffix)
             m.record_plan(the_plan)
         return LookupResult(tiers, the_plan)
 
     def acquire(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+        session: str = "",
     ) -> AcquireResult:
         """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
         slots (on this thread); stops before a block that cannot be promoted. See
         `kvtier.daemon.acquire`."""
-        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s)
+        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
         return self.acquirer.finish(a) if a.io else self.acquirer.end(a)
 
     async def acquire_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+        session: str = "",
     ) -> AcquireResult:
         """`acquire` for the event loop: SSD reads (and waits for other Acquires' promotions of
         the same blocks) run on a worker thread, without the cache lock. The worker finishes the
         Acquire even if the caller is cancelled; its lease then expires after the TTL."""
-        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s)
+        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
         if not a.io:
             return self.acquirer.end(a)
         return await asyncio.to_thread(self.acquirer.finish, a)
 
     def acquire_begin(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+        session: str = "",
     ) -> Acquiring:
         """Validates the request and runs the Acquire's first step (`Acquirer.begin`)."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
+            self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
-            return self.acquirer.begin(tenant, ns, chain, ttl)
+            a = self.acquirer.begin(tenant, ns, chain, ttl)
+            a.session = session
+            return a
 
     def _claim(self, ns: Namespace) -> int | None:
         return self.tiers.claim(ns.name) if quota_room(self.tiers, ns.tenant, 1) else None
@@ -209,7 +253,8 @@ class Cache:
             self.metrics.copy_seconds.labels("to_client").observe(seconds)
         if nbytes and seconds > 0:
             self.metrics.observe_fetch(Link.DRAM_READ, seconds, nbytes / r.h2d_bytes_per_s)
-            self.rates.observe_transfer(Link.DRAM_READ, nbytes, seconds)
+            self._observe(tenant, lambda book: book.observe_transfer(Link.DRAM_READ, nbytes,
+                                                                     seconds))
 
     def renew(self, tenant: Tenant, lease_id: str, ttl_s: float) -> float:
         ttl = self._ttl(ttl_s)
@@ -222,15 +267,16 @@ class Cache:
 
     def allocate(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
-        ttl_s: float,
+        ttl_s: float, session: str = "",
     ) -> AllocateResult:
         """Slots for the keys not cached or being written, under a WRITE lease. See
         `kvtier.daemon.allocate`."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
+            self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
-            return self.allocator.allocate(tenant, ns, chain, parent, ttl)
+            return self.allocator.allocate(tenant, ns, chain, parent, ttl, session)
 
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
         """Makes the lease's filled slots cached blocks; returns how many were inserted."""
@@ -244,7 +290,8 @@ class Cache:
             self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
         if seconds > 0:
             self.metrics.copy_seconds.labels("from_client").observe(seconds)
-            self.rates.observe_transfer(Link.DRAM_WRITE, nbytes, seconds)
+            self._observe(tenant, lambda book: book.observe_transfer(Link.DRAM_WRITE, nbytes,
+                                                                     seconds))
         return inserted
 
     def abort(self, tenant: Tenant, lease_id: str) -> None:
@@ -254,6 +301,33 @@ class Cache:
             self._end(lease)
 
     # -- leases -----------------------------------------------------------------------------
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def open_session(self, tenant: Tenant) -> str:
+        """A new session id; leases granted under it end at `close_session`."""
+        session = secrets.token_hex(16)
+        with self._lock:
+            self._sessions[session] = tenant.name
+        return session
+
+    def close_session(self, session: str) -> int:
+        """Ends every lease still held under the session (its client is gone); how many."""
+        with self._lock:
+            self._sessions.pop(session, None)
+            gone = self._leases.pop_session(session)
+            for lease in gone:
+                self._end(lease)
+        for lease in gone:
+            self.metrics.leases_expired.labels(lease.kind.value).inc()
+        return len(gone)
+
+    def _check_session(self, tenant: Tenant, session: str) -> None:
+        if session and self._sessions.get(session) != tenant.name:
+            raise FailedPrecondition(
+                f"session {session[:12]!r} is not open (it ended, or another tenant's): "
+                "open a new one"
+            )
 
     def _new_lease_ttl(self, ttl_s: float) -> float:
         if self.draining:
@@ -307,15 +381,41 @@ class Cache:
     @asynccontextmanager
     async def reading(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
-    ) -> AsyncIterator[list[memoryview]]:
-        """Acquire (`acquire_async`) + views of the pinned blocks + release (ReadBlocks)."""
+    ) -> AsyncIterator[SlotStream]:
+        """Acquire (`acquire_async`) under a READ lease for a ReadBlocks stream, then release.
+        The stream copies its bytes out with `SlotStream.read`, one chunk at a time under the
+        lock (see `SlotStream`)."""
         got = await self.acquire_async(tenant, layout_id, keys, key_width, 0.0)
-        block_bytes = self.layout(layout_id).block_bytes
+        stream = SlotStream(self, tenant, got.lease_id, got.offsets,
+                            self.layout(tenant, layout_id).block_bytes)
         try:
-            yield [self.slot_view(o, block_bytes) for o in got.offsets]
+            yield stream
         finally:
             if got.lease_id:
-                self.release(tenant, got.lease_id, len(got.offsets) * block_bytes)
+                with contextlib.suppress(NotFound):  # expired meanwhile: already freed
+                    self.release(tenant, got.lease_id, stream.copied)
+
+    def writing(self, tenant: Tenant, lease_id: str, offsets: list[int],
+                block_bytes: int) -> SlotStream:
+        """The WriteBlocks side of `SlotStream` over a WRITE lease from `allocate`."""
+        return SlotStream(self, tenant, lease_id, offsets, block_bytes)
+
+    def _stream_chunk(self, s: SlotStream, kind: LeaseKind, block: int, at: int,
+                      n: int, data: bytes | None) -> bytes:
+        with self._lock:
+            lease = self._leases.get(s.lease_id)
+            if lease is None or lease.tenant != s.tenant.name or lease.kind is not kind:
+                raise NotFound(
+                    f"lease {s.lease_id[:12]!r} of this stream expired or ended (a stream "
+                    "stalled past its TTL loses its slots)"
+                )
+            if lease.expires_at - self._leases.clock() < lease.ttl_s / 2:
+                self._leases.renew(lease.id, lease.ttl_s)  # a stream that moves stays leased
+            view = self.slot_view(s.offsets[block], s.block_bytes)
+            if data is None:
+                return bytes(view[at : at + n])
+            view[at : at + len(data)] = data
+            return b""
 
     def slot_view(self, offset: int, nbytes: int) -> memoryview:
         """View of a slot the caller holds under a lease (READ: read it; WRITE: fill it)."""
@@ -346,12 +446,41 @@ class Cache:
         self, tenant: Tenant, layout_id: bytes, tokens: int, seconds: float, context: int,
     ) -> bool:
         """An engine's realized prefill; False when the layout has no cost model or it is noise."""
-        info = self.layout(layout_id)
+        info = self.layout(tenant, layout_id)
         if tokens <= 0 or not 0 < seconds < 1e6:
             raise InvalidArgument("tokens and seconds must be positive (seconds finite)")
-        if info.cost is None:
+        cost = info.cost
+        if cost is None:
             return False
-        return self.rates.observe_prefill_tokens(info.cost, context, tokens, seconds)
+        return self._observe(
+            tenant, lambda book: book.observe_prefill_tokens(cost, context, tokens, seconds))
+
+    # -- rates --------------------------------------------------------------------------------
+
+    def _book(self, tenant: Tenant) -> RateBook:
+        book = self._tenant_rates.get(tenant.name)
+        if book is None:
+            book = self._tenant_rates[tenant.name] = self.rates.fork()
+        return book
+
+    def _observe(self, tenant: Tenant, sample: Callable[[RateBook], bool]) -> bool:
+        """A client-reported sample (Release/Commit copies, ReportPrefill): it moves the
+        tenant's own estimates, which its plans use, and the node's (metrics); never another
+        tenant's plans."""
+        with self._lock:
+            book = self._book(tenant)
+        sample(self.rates)
+        return sample(book)
+
+    def plan_rates(self, tenant: Tenant) -> PlanRates:
+        """The rates a tenant's plans use: DRAM copy and prefill rates from what that tenant
+        reported, SSD reads from what the daemon measured itself."""
+        with self._lock:
+            own = self._book(tenant)
+        node = self.rates
+        return PlanRates(own.bandwidth(Link.DRAM_READ), own.latency(Link.DRAM_READ),
+                         node.bandwidth(Link.SSD_READ), node.latency(Link.SSD_READ),
+                         own.prefill_flops_per_s())
 
     # -- reporting and shutdown -------------------------------------------------------------
 

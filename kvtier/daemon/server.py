@@ -38,7 +38,6 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.core.errors import UsageError
 from kvtier.core.units import format_bytes
 from kvtier.daemon.auth import Authenticator
@@ -46,8 +45,10 @@ from kvtier.daemon.cache import Cache
 from kvtier.daemon.calibrate import calibration_path, load_calibration_if_present
 from kvtier.daemon.config import Config
 from kvtier.daemon.metrics import DaemonMetrics
+from kvtier.daemon.namespaces import KEY_WIDTHS
 from kvtier.daemon.rates import RateBook
-from kvtier.daemon.service import MAX_MESSAGE_BYTES, KvTierService
+from kvtier.daemon.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
+from kvtier.rpc_guard import Limits, add_service
 from kvtier.tiers import segment_owner
 
 log = logging.getLogger("kvtier.daemon.server")
@@ -106,6 +107,7 @@ class Daemon:
         self.metrics = DaemonMetrics()
         self.cache: Cache | None = None
         self.server: grpc.aio.Server | None = None
+        self.service: KvTierService | None = None
         self.health = HealthServicer()
         self.metrics_port: int | None = None
         self._stopping = asyncio.Event()
@@ -177,14 +179,14 @@ class Daemon:
 
     async def _start_server(self, cache: Cache) -> None:
         cfg = self.cfg
+        limits = Limits.for_daemon(cfg.max_blocks_per_request, max(KEY_WIDTHS), CHUNK_BYTES)
         server = self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", limits.largest),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
-        pb_grpc.add_KvTierServicer_to_server(  # type: ignore[no-untyped-call]
-            KvTierService(cache, self.auth), server
-        )
+        self.service = KvTierService(cache, self.auth)
+        add_service(self.service, server, limits)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -232,6 +234,8 @@ class Daemon:
             while cache.active_leases() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 cache.expire()
+        if self.service is not None:
+            self.service.close_sessions()  # leases of sessions still open end with them
         if self.server is not None:
             await self.server.stop(1.0)
         if self._reaper is not None:
