@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvtier import memory
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.errors import UsageError
 from kvtier.core.units import format_bytes
@@ -210,9 +211,13 @@ class Daemon:
 
     async def _reap(self) -> None:
         assert self.cache is not None
+        trimmed = time.monotonic()
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
             self.cache.expire()
+            if time.monotonic() - trimmed >= memory.TRIM_EVERY_S:
+                memory.trim()
+                trimmed = time.monotonic()
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -265,6 +270,7 @@ async def run(cfg: Config) -> None:
 def serve(cfg: Config) -> int:
     """Blocking entry point of `kvtier serve`; returns the exit code."""
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created
+    memory.limit_retained_memory()
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
