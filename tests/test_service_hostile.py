@@ -626,3 +626,30 @@ def test_undecodable_messages_are_invalid_argument_with_one_warning(tmp_path: Pa
     assert 1 <= len(warnings) <= 2, warnings  # one per kind: bad UTF-8, corrupt wire format
     ch.close()
     d.stop()
+
+
+@pytest.mark.parametrize("guarantee,kept", [("", 128), ('dram_guarantee = "12MiB"\n', 192)])
+def test_a_flooding_tenant_cannot_evict_anothers_share(
+    tmp_path: Path, guarantee: str, kept: int
+) -> None:
+    """Item 5: A holds 240 of the 256 DRAM slots; B (no quota) then stores 256 blocks. A keeps
+    its fair share (half the pool), or its configured guarantee (12 MiB = 192 slots); B evicts
+    A only down to that, then recycles its own (before: B evicted all 240 of A's blocks)."""
+    d = tenants_daemon(tmp_path, "--ssd-bytes", "0", alice=guarantee)
+    chains = {who: [[key(tag + c, i) for i in range(16)] for c in range(16)]
+              for who, tag in (("alice", 100), ("bob", 150))}
+    with Client(d.socket, layout=LAYOUT, token="alice-secret-token") as alice, \
+            Client(d.socket, layout=LAYOUT, token="bob-secret-token-2") as bob:
+        for chain in chains["alice"][:15]:  # 240 blocks
+            assert alice.store(chain, [b"\x0a" * BLOCK] * 16).stored == 16
+        for chain in chains["bob"]:
+            with contextlib.suppress(KvtierRpcError):
+                bob.store(chain, [b"\x0b" * BLOCK] * 16)
+
+        def in_dram(kv: Client, who: str) -> int:
+            return sum(kv.lookup(c).tiers.count(Tier.DRAM) for c in chains[who])
+
+        a, b = in_dram(alice, "alice"), in_dram(bob, "bob")
+    assert a >= kept, f"alice kept {a} of 240 blocks"
+    assert a + b == 256 and b >= 256 - 240  # the pool stays full; bob got the rest
+    d.stop()

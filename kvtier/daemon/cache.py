@@ -12,7 +12,8 @@ shared pool), on SSD, or both.
 Rules enforced here (each raises a `CacheError` subclass and changes nothing):
 - the layout must be registered; key width, counts and sizes must match it;
 - a lease can only be used by the tenant that holds it, and only for its kind;
-- DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks (LRU) or refuses.
+- DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks — LRU for a single tenant, by
+  fair shares with guaranteed minimums between tenants (`kvtier.fairshare`) — or refuses.
 
 Invariants kept:
 - a pinned block is never evicted, moved or rewritten (its slot is also pinned in the DramPool);
@@ -130,7 +131,7 @@ class Cache:
         self._sessions: dict[str, str] = {}  # open session id -> tenant name
         self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
         self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
-                           self.names.ssd_quota_ok)
+                           self.names.ssd_quota_ok, self.names.dram_holdings)
         self.pool = self.tiers.pool
         self.index = self.tiers.index
         self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,

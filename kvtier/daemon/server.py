@@ -117,6 +117,13 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.cfg
+        guaranteed = sum(t.dram_guarantee_bytes for t in self.auth.tenants())
+        if guaranteed > cfg.dram_bytes:
+            raise UsageError(
+                f"tokens file {cfg.tokens_file}: the tenants' dram_guarantee add up to "
+                f"{format_bytes(guaranteed)}, more than the DRAM pool "
+                f"({format_bytes(cfg.dram_bytes)})"
+            )
         _claim_socket(cfg.socket)
         reclaimed = segment_owner.reclaim(self.segment_record)
         if reclaimed:
