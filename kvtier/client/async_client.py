@@ -93,13 +93,10 @@ class AsyncClient(SegmentHolder):
         try:
             return await self._raw(method, request)
         except KvtierRpcError as exc:
-            if is_closed_session(exc):
-                await self._open_session()
-            elif is_unknown_layout(exc):
-                await self._register()
-                await self._open_session()
-            else:
+            if not (is_closed_session(exc) or is_unknown_layout(exc)):
                 raise
+            await self._register()  # either means the daemon restarted: it knows neither now
+            await self._open_session()
             return await self._raw(method, request)
 
     async def _open_session(self) -> None:

@@ -222,13 +222,10 @@ class Client(SegmentHolder):
         try:
             return self._raw(method, request)
         except KvtierRpcError as exc:
-            if is_closed_session(exc):
-                self._open_session()
-            elif is_unknown_layout(exc):
-                self._register()
-                self._open_session()
-            else:
+            if not (is_closed_session(exc) or is_unknown_layout(exc)):
                 raise
+            self._register()  # either means the daemon restarted: it knows neither now
+            self._open_session()
             return self._raw(method, request)
 
     def _open_session(self) -> None:

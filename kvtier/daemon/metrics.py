@@ -153,7 +153,8 @@ class DaemonMetrics:
             registry=r,
         )
         self.leases_expired = Counter(
-            "kvtier_leases_expired", "Leases reclaimed after their TTL", ["kind"], registry=r
+            "kvtier_leases_expired",
+            "Leases reclaimed after their TTL or with their client's session", ["kind"], registry=r
         )
         self.plan_decisions = Counter(
             "kvtier_plan_decisions", "Looked-up blocks by planned action", ["action"], registry=r
