@@ -1,8 +1,8 @@
-"""Fair shares with guaranteed minimums (kvtier.fairshare), pure."""
+"""Fair shares with guaranteed minimums (kvtier.core.fairshare), pure."""
 
 from __future__ import annotations
 
-from kvtier.fairshare import room_plan, shares
+from kvtier.core.fairshare import room_plan, shares
 
 
 def test_share_is_an_equal_split_or_the_guarantee() -> None:

@@ -20,8 +20,8 @@ from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core.types import Tier
+from kvtier.daemon.rpc_guard import Limits
 from kvtier.daemon.service import CHUNK_BYTES
-from kvtier.rpc_guard import Limits
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536

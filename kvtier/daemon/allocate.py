@@ -2,7 +2,7 @@
 
     allocate  keys not cached and not being written get fresh slots (tenant DRAM quota first:
               its own unpinned blocks are evicted for room, else RESOURCE_EXHAUSTED; then a
-              full pool makes room by fair shares, `kvtier.fairshare`); the keys
+              full pool makes room by fair shares, `kvtier.core.fairshare`); the keys
               become `pending` in their namespace, so a second Allocate skips them
     commit    inserts the blocks in chain order as DRAM blocks; one whose parent vanished
               meanwhile (or that appeared meanwhile) is dropped and its slot freed, so no block

@@ -13,7 +13,7 @@ Rules enforced here (each raises a `CacheError` subclass and changes nothing):
 - the layout must be registered; key width, counts and sizes must match it;
 - a lease can only be used by the tenant that holds it, and only for its kind;
 - DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks — LRU for a single tenant, by
-  fair shares with guaranteed minimums between tenants (`kvtier.fairshare`) — or refuses.
+  fair shares with guaranteed minimums between tenants (`kvtier.core.fairshare`) — or refuses.
 
 Invariants kept:
 - a pinned block is never evicted, moved or rewritten (its slot is also pinned in the DramPool);

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
 from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
@@ -50,7 +51,6 @@ from kvtier.tiers.dram import DramPool, DramSpec
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdSpec, SsdStore
 from kvtier.tiers.wear import WriteBudget
-from kvtier.fairshare import room_plan
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class Tiers:
 
     def take_slots(self, n: int, tenant: str) -> list[int]:
         """`n` free slots for `tenant`, evicting unpinned DRAM blocks as needed: LRU when only
-        it holds DRAM, else by fair shares (`kvtier.fairshare`); [] when impossible (when even
+        it holds DRAM, else by fair shares (`kvtier.core.fairshare`); [] when impossible (when even
         every unpinned block would not make room, nothing is evicted)."""
         slots = self.pool.alloc_many(n)
         if slots is None:

@@ -37,10 +37,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvtier import memory
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.errors import UsageError
 from kvtier.core.units import format_bytes
+from kvtier.daemon import memory
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.calibrate import calibration_path, load_calibration_if_present
@@ -48,8 +48,8 @@ from kvtier.daemon.config import Config
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import KEY_WIDTHS
 from kvtier.daemon.rates import RateBook
+from kvtier.daemon.rpc_guard import Limits, add_service
 from kvtier.daemon.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
-from kvtier.rpc_guard import Limits, add_service
 from kvtier.tiers import segment_owner
 
 log = logging.getLogger("kvtier.daemon.server")

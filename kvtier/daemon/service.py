@@ -8,13 +8,14 @@ calls the cache, and maps domain errors to gRPC status codes:
     FailedPrecondition → FAILED_PRECONDITION   Unauthenticated → UNAUTHENTICATED
 
 A refused request changes nothing. Every call is counted and timed per method in the metrics.
-Requests arrive through `kvtier.rpc_guard` (per-method size limits, decoding that never raises):
-a request it refused reaches the handler as a `Refused` value and is answered with its code.
+Requests arrive through `kvtier.daemon.rpc_guard` (per-method size limits, decoding that never
+raises): a request it refused reaches the handler as a `Refused` value and is answered with its
+code.
 
-Tenancy: layouts, cost models and prefill rates are the caller's own (`kvtier.daemon.namespaces`); Stats
-and WatchEvents show the caller's own figures and events, node-wide ones only for an admin token.
-Sessions (OpenSession): leases granted to a call carrying `kvtier-session` metadata end when that
-session's stream ends — within moments of the client process dying.
+Tenancy: layouts, cost models and prefill rates are the caller's own (`kvtier.daemon.namespaces`);
+Stats and WatchEvents show the caller's own figures and events, node-wide ones only for an admin
+token. Sessions (OpenSession): leases granted to a call carrying `kvtier-session` metadata end when
+that session's stream ends — within moments of the client process dying.
 Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
 promotions (Acquire, ReadBlocks), whose reads run on a worker thread (`Cache.acquire_async`).
 """
@@ -47,7 +48,7 @@ from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
 from kvtier.daemon.cache import Cache
-from kvtier.rpc_guard import Refused, RefusedError, decoded
+from kvtier.daemon.rpc_guard import Refused, RefusedError, decoded
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
