@@ -61,6 +61,21 @@ class Env:
             pb.AcquireRequest(layout=LID, keys=keys(7, 1), key_width=32), metadata=ALICE).lease_id
         self.alice_write = self.stub.Allocate(
             pb.AllocateRequest(layout=LID, keys=keys(6, 1), key_width=32), metadata=ALICE).lease_id
+        self.bob_session = self.stub.OpenSession(pb.OpenSessionRequest(), metadata=BOB)
+        self.bob_session_id = next(self.bob_session).session_id
+        self.bob_only = self.stub.RegisterLayout(pb.RegisterLayoutRequest(
+            layout=b"bob-only-layout", block_bytes=4096, block_tokens=16, key_width=32,
+            model_id="bob/private-model"), metadata=BOB).layout_id
+
+    def raw(self, method: str, data: bytes) -> Any:
+        call = self.channel.unary_unary(RAW + method, request_serializer=None,
+                                        response_deserializer=None)
+        return call(data, metadata=ALICE, timeout=5)
+
+    def raw_stream(self, method: str, *data: bytes) -> Any:
+        call = self.channel.stream_unary(RAW + method, request_serializer=None,
+                                         response_deserializer=None)
+        return call(iter(data), metadata=ALICE, timeout=5)
 
     def bob_store(self, k: bytes) -> None:
         a = self.stub.Allocate(pb.AllocateRequest(layout=LID, keys=k, key_width=32), metadata=BOB)
@@ -92,6 +107,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     try:
         yield e
     finally:
+        e.bob_session.cancel()
         e.channel.close()
         d.stop()
 
@@ -235,6 +251,33 @@ CASES: list[Case] = [
     ("message above the size limit", lambda e: e.stub.Lookup(
         pb.LookupRequest(layout=LID, keys=bytes(9 << 20), key_width=32), metadata=ALICE),
      Code.RESOURCE_EXHAUSTED),
+    # issue 12: limits per method, undecodable messages, sessions, other tenants' layouts
+    ("Lookup above its method's limit, under gRPC's", lambda e: e.stub.Lookup(
+        pb.LookupRequest(layout=LID, keys=bytes(1 << 20), key_width=32), metadata=ALICE),
+     Code.RESOURCE_EXHAUSTED),
+    ("Release of 64 KiB", lambda e: e.stub.Release(
+        pb.ReleaseRequest(lease_id="f" * 65536), metadata=ALICE), Code.RESOURCE_EXHAUSTED),
+    ("model id that is not UTF-8", lambda e: e.raw(
+        "RegisterLayout", _bad_utf8(b"\xc3\x28-model")), Code.INVALID_ARGUMENT),
+    ("truncated Lookup", lambda e: e.raw(
+        "Lookup", pb.LookupRequest(layout=LID, keys=bytes(64)).SerializeToString()[:-9]),
+     Code.INVALID_ARGUMENT),
+    ("wire garbage", lambda e: e.raw("Stats", b"\xff\xff\xff\xff"), Code.INVALID_ARGUMENT),
+    ("write stream with an undecodable chunk", lambda e: e.raw_stream(
+        "WriteBlocks", _header(keys(5, 1)).SerializeToString(), b"\x12\xff\x01"),
+     Code.INVALID_ARGUMENT),
+    ("Acquire under another tenant's session", lambda e: e.stub.Acquire(
+        pb.AcquireRequest(layout=LID, keys=keys(7, 1), key_width=32),
+        metadata=(*ALICE, ("kvtier-session", e.bob_session_id))), Code.FAILED_PRECONDITION),
+    ("Allocate under a session never opened", lambda e: e.stub.Allocate(
+        pb.AllocateRequest(layout=LID, keys=keys(1, 1), key_width=32),
+        metadata=(*ALICE, ("kvtier-session", "0" * 32))), Code.FAILED_PRECONDITION),
+    ("Lookup of a layout only another tenant registered", lambda e: e.stub.Lookup(
+        pb.LookupRequest(layout=e.bob_only, keys=bytes(32), key_width=32), metadata=ALICE),
+     Code.NOT_FOUND),
+    ("prefill report on another tenant's layout", lambda e: e.stub.ReportPrefill(
+        pb.ReportPrefillRequest(layout=e.bob_only, tokens=16, seconds=1.0), metadata=ALICE),
+     Code.NOT_FOUND),
 ]
 
 
@@ -252,7 +295,16 @@ def test_hostile_request_is_refused_and_changes_nothing(
 
 
 def test_table_has_at_least_twenty_cases() -> None:
-    assert len(CASES) >= 20
+    assert len(CASES) >= 50
+
+
+def test_no_refusal_names_another_tenants_model(env: Env) -> None:
+    """Every refusal alice got from the table above stays inside her own namespace."""
+    for _name, call, _code in CASES:
+        try:
+            call(env)
+        except grpc.RpcError as exc:
+            assert "bob/private-model" not in (exc.details() or "")
 
 
 def test_tenants_are_isolated(env: Env) -> None:
