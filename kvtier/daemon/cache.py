@@ -210,7 +210,7 @@ class Cache:
         slots (on this thread); stops before a block that cannot be promoted. See
         `kvtier.daemon.acquire`."""
         a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
-        return self.acquirer.finish(a) if a.io else self.acquirer.end(a)
+        return self._in_session(self.acquirer.finish(a) if a.io else self.acquirer.end(a), a)
 
     async def acquire_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
@@ -221,8 +221,19 @@ class Cache:
         Acquire even if the caller is cancelled; its lease then expires after the TTL."""
         a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
         if not a.io:
-            return self.acquirer.end(a)
-        return await asyncio.to_thread(self.acquirer.finish, a)
+            return self._in_session(self.acquirer.end(a), a)
+        return self._in_session(await asyncio.to_thread(self.acquirer.finish, a), a)
+
+    def _in_session(self, res: AcquireResult, a: Acquiring) -> AcquireResult:
+        """An Acquire whose session ended while it read from SSD: its lease ends now (nobody
+        is left to release it)."""
+        if a.session and res.lease_id:
+            with self._lock:
+                if a.session not in self._sessions:
+                    lease = self._leases.pop(res.lease_id)
+                    if lease is not None:
+                        self._end(lease)
+        return res
 
     def acquire_begin(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
