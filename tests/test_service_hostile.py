@@ -428,7 +428,7 @@ def test_stalled_reader_never_receives_reused_slots(tmp_path: Path) -> None:
     A's blocks), and the stream ends NOT_FOUND instead."""
     d = tenants_daemon(tmp_path, "--ssd-bytes", "0", "--lease-ttl-s", "1")
     ch, stub = stub_of(d)
-    n = 200
+    n = 240  # 15 MiB: more than gRPC buffers ahead of a reader that stopped (~6 MiB seen)
     bob_keys = keys(3, n)
     mine = [bytes([0xB0]) * BLOCK for _ in range(n)]
     with Client(d.socket, layout=LAYOUT, token="bob-secret-token-2") as bob:
@@ -498,12 +498,14 @@ def test_dead_clients_leases_end_within_a_second(tmp_path: Path, path: str) -> N
         want = pb.AllocateRequest(layout=LID, keys=keys(6, 4), key_width=32)
         deadline = time.monotonic() + 5
         while True:  # the streaming child's Allocate happens after its header is read
-            with pytest.raises(grpc.RpcError) as exc:
-                stub.Abort(pb.AbortRequest(lease_id=stub.Allocate(want, metadata=BOB).lease_id),
-                           metadata=BOB)
-                assert time.monotonic() < deadline
-            if exc.value.code() is Code.RESOURCE_EXHAUSTED:
+            try:
+                got = stub.Allocate(want, metadata=BOB).lease_id
+            except grpc.RpcError as exc:
+                assert exc.code() is Code.RESOURCE_EXHAUSTED
                 break
+            stub.Abort(pb.AbortRequest(lease_id=got), metadata=BOB)
+            assert time.monotonic() < deadline, "the child never held the pool"
+            time.sleep(0.05)
     finally:
         child.kill()
         child.wait()
@@ -516,7 +518,9 @@ def test_dead_clients_leases_end_within_a_second(tmp_path: Path, path: str) -> N
             assert exc.code() is Code.RESOURCE_EXHAUSTED
             assert time.monotonic() - died < 5, "the dead client's leases outlived it"
             time.sleep(0.02)
-    assert time.monotonic() - died < 1.0
+    ended = time.monotonic() - died
+    print(f"{path}: the dead client's leases ended {ended:.3f} s after SIGKILL")
+    assert ended < 1.0
     stub.Abort(pb.AbortRequest(lease_id=lease), metadata=BOB)
     ch.close()
     d.stop()
@@ -533,7 +537,7 @@ def test_tenants_cannot_steer_or_observe_each_other(tmp_path: Path) -> None:
     d = tenants_daemon(tmp_path, "--ssd-bytes", "0")
     ch, stub = stub_of(d)
     bob_events: list[pb.KvEvent] = []
-    watch = stub.WatchEvents(pb.WatchEventsRequest(), metadata=BOB, timeout=8)
+    watch = stub.WatchEvents(pb.WatchEventsRequest(), metadata=BOB, timeout=5)
     watcher = threading.Thread(target=lambda: bob_events.extend(_until_deadline(watch)))
     watcher.start()
     priced = LayoutDecl(FP, BLOCK, 16, model=COST, model_id=MODEL)
@@ -640,7 +644,9 @@ def test_oversized_requests_are_refused_before_decoding_and_memory_comes_back(
     deadline = time.monotonic() + 12  # the reaper trims the heap every 5 s
     while _rss_mib(d.proc.pid) > 2 * start and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _rss_mib(d.proc.pid) <= 2 * start, (start, _rss_mib(d.proc.pid))
+    after = _rss_mib(d.proc.pid)
+    print(f"daemon RSS: {start:.0f} MiB at start, {after:.0f} MiB idle after 240 refused bursts")
+    assert after <= 2 * start, (start, after)
     assert d.healthy()
     ch.close()
     d.stop()
