@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -47,7 +46,7 @@ from kvtier.core.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvtier.core.planner import Plan, PlanRates, Prefix, plan
+from kvtier.core.planner import Plan, Prefix, plan
 from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.acquire import Acquirer, AcquireResult, Acquiring, ReadLease
@@ -63,6 +62,8 @@ from kvtier.daemon.metrics import DaemonMetrics, PoolGauges
 from kvtier.daemon.namespaces import LayoutInfo, Namespace, Namespaces
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
+from kvtier.daemon.slot_stream import SlotStream
+from kvtier.daemon.tenant_rates import TenantRates
 
 
 class Registered(NamedTuple):
@@ -80,35 +81,6 @@ def _check_reported(nbytes: int, most: int) -> None:
         raise InvalidArgument(f"reported {nbytes} bytes copied; the lease covers {most}")
 
 
-class SlotStream:
-    """The slots of one lease as a ReadBlocks/WriteBlocks stream sees them (block i = the
-    lease's i-th slot). Every chunk is checked and copied under the cache lock while its lease
-    is live, so a stream that stalls past its TTL never touches a slot after the lease ended
-    and the slot was given to someone else: its next chunk raises NotFound. A chunk renews the
-    lease once half its TTL has passed (a stream that moves keeps its lease)."""
-
-    def __init__(self, cache: Cache, tenant: Tenant, lease_id: str, offsets: list[int],
-                 block_bytes: int) -> None:
-        self._cache = cache
-        self.tenant = tenant
-        self.lease_id = lease_id
-        self.offsets = offsets
-        self.block_bytes = block_bytes
-        self.copied = 0
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def read(self, block: int, at: int, n: int) -> bytes:
-        out = self._cache._stream_chunk(self, LeaseKind.READ, block, at, n, None)
-        self.copied += len(out)
-        return out
-
-    def write(self, block: int, at: int, data: bytes) -> None:
-        self._cache._stream_chunk(self, LeaseKind.WRITE, block, at, len(data), data)
-        self.copied += len(data)
-
-
 _NO_REPLICA = "-"  # never registered (real names contain the namespace): lookups without HBM
 
 
@@ -123,12 +95,11 @@ class Cache:
         self.metrics = metrics
         self.events = events or EventLog()
         self.rates = rates if rates is not None else RateBook()
-        self._tenant_rates: dict[str, RateBook] = {}
+        self.tenant_rates = TenantRates(self.rates)
         self.draining = False
         self._closed = False
         self._lock = threading.RLock()
         self._leases = LeaseTable(clock)
-        self._sessions: dict[str, str] = {}  # open session id -> tenant name
         self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
         self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
                            self.names.ssd_quota_ok, self.names.dram_holdings)
@@ -198,7 +169,8 @@ class Cache:
             )
             prefix = Prefix.uniform([int(t) for t in tiers], lay.block_tokens, lay.block_bytes,
                                     start_token)
-            the_plan = plan(prefix, lay.cost, self.plan_rates(tenant), suffix_tokens=suffix)
+            rates = self.tenant_rates.plan_rates(tenant.name)  # its own reports + daemon SSD
+            the_plan = plan(prefix, lay.cost, rates, suffix_tokens=suffix)
             m.record_plan(the_plan)
         return LookupResult(tiers, the_plan)
 
@@ -229,7 +201,7 @@ class Cache:
         is left to release it)."""
         if a.session and res.lease_id:
             with self._lock:
-                if a.session not in self._sessions:
+                if not self._leases.session_open(a.session, a.tenant.name):
                     lease = self._leases.pop(res.lease_id)
                     if lease is not None:
                         self._end(lease)
@@ -265,8 +237,8 @@ class Cache:
             self.metrics.copy_seconds.labels("to_client").observe(seconds)
         if nbytes and seconds > 0:
             self.metrics.observe_fetch(Link.DRAM_READ, seconds, nbytes / r.h2d_bytes_per_s)
-            self._observe(tenant, lambda book: book.observe_transfer(Link.DRAM_READ, nbytes,
-                                                                     seconds))
+            self.tenant_rates.observe(
+                tenant.name, lambda book: book.observe_transfer(Link.DRAM_READ, nbytes, seconds))
 
     def renew(self, tenant: Tenant, lease_id: str, ttl_s: float) -> float:
         ttl = self._ttl(ttl_s)
@@ -302,8 +274,8 @@ class Cache:
             self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
         if seconds > 0:
             self.metrics.copy_seconds.labels("from_client").observe(seconds)
-            self._observe(tenant, lambda book: book.observe_transfer(Link.DRAM_WRITE, nbytes,
-                                                                     seconds))
+            self.tenant_rates.observe(
+                tenant.name, lambda book: book.observe_transfer(Link.DRAM_WRITE, nbytes, seconds))
         return inserted
 
     def abort(self, tenant: Tenant, lease_id: str) -> None:
@@ -318,15 +290,12 @@ class Cache:
 
     def open_session(self, tenant: Tenant) -> str:
         """A new session id; leases granted under it end at `close_session`."""
-        session = secrets.token_hex(16)
         with self._lock:
-            self._sessions[session] = tenant.name
-        return session
+            return self._leases.open_session(tenant.name)
 
     def close_session(self, session: str) -> int:
         """Ends every lease still held under the session (its client is gone); how many."""
         with self._lock:
-            self._sessions.pop(session, None)
             gone = self._leases.pop_session(session)
             for lease in gone:
                 self._end(lease)
@@ -335,7 +304,7 @@ class Cache:
         return len(gone)
 
     def _check_session(self, tenant: Tenant, session: str) -> None:
-        if session and self._sessions.get(session) != tenant.name:
+        if session and not self._leases.session_open(session, tenant.name):
             raise FailedPrecondition(
                 f"session {session[:12]!r} is not open (it ended, or another tenant's): "
                 "open a new one"
@@ -398,8 +367,8 @@ class Cache:
         The stream copies its bytes out with `SlotStream.read`, one chunk at a time under the
         lock (see `SlotStream`)."""
         got = await self.acquire_async(tenant, layout_id, keys, key_width, 0.0)
-        stream = SlotStream(self, tenant, got.lease_id, got.offsets,
-                            self.layout(tenant, layout_id).block_bytes)
+        stream = SlotStream(self._lock, self._leases, self.pool, tenant, got.lease_id,
+                            got.offsets, self.layout(tenant, layout_id).block_bytes)
         try:
             yield stream
         finally:
@@ -410,24 +379,8 @@ class Cache:
     def writing(self, tenant: Tenant, lease_id: str, offsets: list[int],
                 block_bytes: int) -> SlotStream:
         """The WriteBlocks side of `SlotStream` over a WRITE lease from `allocate`."""
-        return SlotStream(self, tenant, lease_id, offsets, block_bytes)
-
-    def _stream_chunk(self, s: SlotStream, kind: LeaseKind, block: int, at: int,
-                      n: int, data: bytes | None) -> bytes:
-        with self._lock:
-            lease = self._leases.get(s.lease_id)
-            if lease is None or lease.tenant != s.tenant.name or lease.kind is not kind:
-                raise NotFound(
-                    f"lease {s.lease_id[:12]!r} of this stream expired or ended (a stream "
-                    "stalled past its TTL loses its slots)"
-                )
-            if lease.expires_at - self._leases.clock() < lease.ttl_s / 2:
-                self._leases.renew(lease.id, lease.ttl_s)  # a stream that moves stays leased
-            view = self.slot_view(s.offsets[block], s.block_bytes)
-            if data is None:
-                return bytes(view[at : at + n])
-            view[at : at + len(data)] = data
-            return b""
+        return SlotStream(self._lock, self._leases, self.pool, tenant, lease_id, offsets,
+                          block_bytes)
 
     def slot_view(self, offset: int, nbytes: int) -> memoryview:
         """View of a slot the caller holds under a lease (READ: read it; WRITE: fill it)."""
@@ -464,35 +417,8 @@ class Cache:
         cost = info.cost
         if cost is None:
             return False
-        return self._observe(
-            tenant, lambda book: book.observe_prefill_tokens(cost, context, tokens, seconds))
-
-    # -- rates --------------------------------------------------------------------------------
-
-    def _book(self, tenant: Tenant) -> RateBook:
-        book = self._tenant_rates.get(tenant.name)
-        if book is None:
-            book = self._tenant_rates[tenant.name] = self.rates.fork()
-        return book
-
-    def _observe(self, tenant: Tenant, sample: Callable[[RateBook], bool]) -> bool:
-        """A client-reported sample (Release/Commit copies, ReportPrefill): it moves the
-        tenant's own estimates, which its plans use, and the node's (metrics); never another
-        tenant's plans."""
-        with self._lock:
-            book = self._book(tenant)
-        sample(self.rates)
-        return sample(book)
-
-    def plan_rates(self, tenant: Tenant) -> PlanRates:
-        """The rates a tenant's plans use: DRAM copy and prefill rates from what that tenant
-        reported, SSD reads from what the daemon measured itself."""
-        with self._lock:
-            own = self._book(tenant)
-        node = self.rates
-        return PlanRates(own.bandwidth(Link.DRAM_READ), own.latency(Link.DRAM_READ),
-                         node.bandwidth(Link.SSD_READ), node.latency(Link.SSD_READ),
-                         own.prefill_flops_per_s())
+        return self.tenant_rates.observe(
+            tenant.name, lambda book: book.observe_prefill_tokens(cost, context, tokens, seconds))
 
     # -- reporting and shutdown -------------------------------------------------------------
 

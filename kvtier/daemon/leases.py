@@ -51,6 +51,7 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._heap: list[tuple[float, str]] = []
         self._by_session: dict[str, set[str]] = {}
+        self._sessions: dict[str, str] = {}  # open session id -> tenant
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -98,8 +99,19 @@ class LeaseTable:
             self._unbind(lease)
         return lease
 
+    def open_session(self, tenant: str) -> str:
+        """A new, unguessable session id for `tenant`."""
+        session = secrets.token_hex(16)
+        self._sessions[session] = tenant
+        return session
+
+    def session_open(self, session: str, tenant: str) -> bool:
+        """Whether `session` is open and belongs to `tenant`."""
+        return self._sessions.get(session) == tenant
+
     def pop_session(self, session: str) -> list[Lease]:
-        """Removes and returns every live lease of a session (its client is gone)."""
+        """Closes the session; removes and returns every live lease of it (its client is gone)."""
+        self._sessions.pop(session, None)
         ids = self._by_session.pop(session, set())
         return [lease for i in ids if (lease := self._leases.pop(i, None)) is not None]
 
@@ -133,6 +145,7 @@ class LeaseTable:
         self._leases.clear()
         self._heap.clear()
         self._by_session.clear()
+        self._sessions.clear()
         return out
 
     def next_deadline(self) -> float | None:
