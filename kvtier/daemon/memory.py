@@ -1,26 +1,23 @@
-"""Giving memory back to the OS after a burst of large requests (glibc malloc tuning).
+"""Giving memory back to the OS after a burst of large requests (glibc).
 
 A request of a few MiB is allocated by gRPC and Python as one large block. glibc serves such a
-block with mmap, but after the first free it raises its mmap threshold to that size (up to 32 MiB)
-and from then on serves blocks that large from the heap, where freed memory is kept for reuse:
-a burst of near-limit requests left the daemon's RSS ten times its size at start, idle. Fixing the
-threshold (`M_MMAP_THRESHOLD`, which also turns the adjustment off) keeps every block above it in
-its own mapping, unmapped at free; `trim` returns free heap pages (`malloc_trim`) — the daemon's
-reaper calls it every `TRIM_EVERY_S`.
+block with mmap at first, but after the first free it raises its mmap threshold to that size (up
+to 32 MiB) and from then on serves blocks that large from the heap, where freed memory is kept for
+reuse: a burst of near-limit requests left the daemon's RSS ten times its size at start, idle.
+`trim` (`malloc_trim`, which also returns free pages inside the heap, not only at its top) gives it
+back; the daemon's reaper calls it every `TRIM_EVERY_S`. Fixing the mmap threshold instead would
+keep the heap small too, but it made every 4 MiB streaming chunk an mmap + munmap with fresh page
+faults and halved the streaming byte path's throughput (`bench.daemon`), so the heap keeps its
+blocks between bursts and gives them back when idle.
 
-Both are no-ops where the C library is not glibc.
+A no-op where the C library is not glibc.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 
-log = logging.getLogger(__name__)
-
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's own default before it starts adjusting
 TRIM_EVERY_S = 5.0
 
 
@@ -29,17 +26,10 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    return libc if hasattr(libc, "malloc_trim") else None
 
 
 _LIBC = _libc()
-
-
-def limit_retained_memory() -> bool:
-    """Fixes glibc's mmap threshold (see the module docstring); False where unsupported."""
-    if _LIBC is None:
-        return False
-    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def trim() -> None:

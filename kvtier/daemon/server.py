@@ -277,7 +277,6 @@ async def run(cfg: Config) -> None:
 def serve(cfg: Config) -> int:
     """Blocking entry point of `kvtier serve`; returns the exit code."""
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created
-    memory.limit_retained_memory()
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
