@@ -38,7 +38,7 @@ def _timed(fn: Callable[[], None]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--total-mib", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)

@@ -327,7 +327,9 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.e2e", description=__doc__.split("\n")[0],
+    )
     p.add_argument("--model", default="bench", help="engine preset (default: bench)")
     p.add_argument("--convs", type=int, default=4)
     p.add_argument("--turns", type=int, default=5)

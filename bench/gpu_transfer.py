@@ -12,11 +12,13 @@ Sections (each fails on its own; the JSON records the error and the rest still r
   gpu_goals  Llama-3-8B layout (a), 16-token blocks: TP1 (32 KiB chunks, 2 MiB blocks) and a TP8
              rank (4 KiB chunks): kernel >= 0.85x ceiling (2 MiB blocks), kernel >= 5x loop.
   gpu_calib  the calibration table the CUDA backend loads ($KVTIER_TRANSFER_CALIBRATION).
-JSON goes to bench/results/gpu_transfer.json and, if $OUT is set, $OUT/gpu_transfer.json.
+JSON goes to bench/results/gpu_transfer.json (`--results DIR` for another directory) and, if $OUT
+is set, $OUT/gpu_transfer.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -228,7 +230,7 @@ def gpu_goals(total: int = 512 * MIB, max_pairs: int = 1024) -> dict[str, Any]:
     return {"rows": out}
 
 
-def gpu_calib() -> dict[str, Any]:
+def gpu_calib(results: Path = RESULTS) -> dict[str, Any]:
     from kvtier.gpu.measure import calibrate_pool
 
     rows: list[Any] = []
@@ -237,8 +239,8 @@ def gpu_calib() -> dict[str, Any]:
         cal = calibrate_pool(PoolGeometry(PoolKind.LAYERED, 1, 64, chunk, chunk))
         rows.extend(cal.to_json()["rows"])  # type: ignore[arg-type]
     table = {"source": f"bench.gpu_transfer {datetime.now(UTC).isoformat()}", "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gpu_transfer_calibration.json").write_text(json.dumps(table, indent=1))
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "gpu_transfer_calibration.json").write_text(json.dumps(table, indent=1))
     return table
 
 
@@ -256,7 +258,12 @@ def _gpu_device() -> str | None:
         return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench.gpu_transfer",
+                                 description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--results", default=str(RESULTS), metavar="DIR",
+                    help="where the JSON goes (default bench/results)")
+    results = Path(ap.parse_args(argv).results)
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
@@ -270,7 +277,8 @@ def main() -> int:
     else:
         print(f"\nGPU: {device}")
         sections += [("gpu_check", gpu_check), ("gpu_sweep", gpu_sweep),
-                     ("gpu_goals", gpu_goals), ("gpu_calib", gpu_calib)]
+                     ("gpu_goals", gpu_goals),
+                     ("gpu_calib", functools.partial(gpu_calib, results))]
     failed = []
     for name, fn in sections:
         t0 = time.perf_counter()
@@ -282,11 +290,11 @@ def main() -> int:
             report["sections"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         report["sections"][name]["seconds"] = time.perf_counter() - t0
     text = json.dumps(report, indent=1, default=str)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gpu_transfer.json").write_text(text)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "gpu_transfer.json").write_text(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_transfer.json").write_text(text)
-    print(f"\nsections failed: {failed or 'none'}; JSON in {RESULTS / 'gpu_transfer.json'}")
+    print(f"\nsections failed: {failed or 'none'}; JSON in {results / 'gpu_transfer.json'}")
     return 1 if failed else 0
 
 

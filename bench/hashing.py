@@ -48,7 +48,9 @@ def _reference(scheme: KeyScheme, toks: list[int], bt: int) -> list[bytes]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.hashing", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.hashing", description=__doc__.split("\n")[0],
+    )
     ap.add_argument("--tokens", type=int, default=65536, help="tokens per sequence")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)

@@ -116,7 +116,9 @@ def rate(fn: Callable[[], Any], ops: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.index", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.index", description=__doc__.split("\n")[0],
+    )
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)

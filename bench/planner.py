@@ -138,7 +138,9 @@ def _fmt_bw(v: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.planner", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m bench.planner", description=__doc__.split("\n")[0],
+    )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--defaults", action="store_true", help="ignore any calibration file")
     src.add_argument("--calibrate-quick", action="store_true", help="measure this machine first")

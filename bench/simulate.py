@@ -84,7 +84,7 @@ def _label(c: TierConfig, history: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--trace", default=str(SAMPLE))
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)

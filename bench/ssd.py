@@ -155,7 +155,7 @@ def restart(path: str, n: int, **kw: Any) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=str(Path(__file__).parent / "results" / "ssd-data"))
     ap.add_argument("--total-mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)

@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from kvtier.core.errors import UsageError
 
@@ -29,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "kvtier.commands.calibrate",
     "stats": "kvtier.commands.stats",
     "demo": "kvtier.commands.demo",
+    "top": "kvtier.commands.top",
 }
 
 
@@ -42,6 +44,13 @@ def _load(name: str) -> ModuleType | None:
 
 
 class _Parser(argparse.ArgumentParser):
+    """No abbreviated options (a typo like `--ssd-byte` must not pass for `--ssd-bytes`), and a
+    one-line error with exit code 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 

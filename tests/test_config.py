@@ -52,7 +52,7 @@ def test_serve_table_and_kvtier_config_env(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flags,message", [
-    ({"dram_bytes": "lots"}, "dram_bytes (from flags): expected a size"),
+    ({"dram_bytes": "lots"}, "dram_bytes (from flag --dram-bytes): expected a size"),
     ({"slot_bytes": "1000"}, "multiple of 4096"),
     ({"dram_bytes": "4KiB", "slot_bytes": "8KiB"}, "at least one slot"),
     ({"lease_ttl_s": "0"}, "lease_ttl_s"),
@@ -101,8 +101,8 @@ def test_cli_reports_bad_flag_in_one_line(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "kvtier serve: error: dram_bytes (from flags): expected a size like 4GiB or 512MB, "
-        "got 'lots'"
+        "kvtier serve: error: dram_bytes (from flag --dram-bytes): expected a size like 4GiB or "
+        "512MB, got 'lots'"
     ]
 
 

@@ -52,11 +52,13 @@ def test_explicit_values_win(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flags,message", [
-    ({"ssd_dwpd": "0"}, "ssd_dwpd (from flags): must be in (0, 100]"),
-    ({"ssd_dwpd": "lots"}, "ssd_dwpd (from flags): expected a number"),
-    ({"writeback_queue_bytes": "1KiB"}, "writeback_queue_bytes (from flags): must hold one slot"),
+    ({"ssd_dwpd": "0"}, "ssd_dwpd (from flag --ssd-dwpd): must be in (0, 100]"),
+    ({"ssd_dwpd": "lots"}, "ssd_dwpd (from flag --ssd-dwpd): expected a number"),
+    ({"writeback_queue_bytes": "1KiB"},
+     "writeback_queue_bytes (from flag --writeback-queue-bytes): must hold one slot"),
     ({"dram_bytes": "64MiB", "writeback_queue_bytes": "65MiB"}, "fit the DRAM pool"),
-    ({"ssd_write_burst_bytes": "2MiB"}, "ssd_write_burst_bytes (from flags): must hold one block"),
+    ({"ssd_write_burst_bytes": "2MiB"},
+     "ssd_write_burst_bytes (from flag --ssd-write-burst-bytes): must hold one block"),
 ])
 def test_bad_values_are_one_line_errors(tmp_path: Path, flags: dict[str, str],
                                         message: str) -> None:

@@ -121,7 +121,7 @@ def test_plan_decisions_are_counted_by_action(tmp_path: Path, closing: list[Cach
     assert v("kvtier_plan_decisions_total", action="fetch_dram") == 2
     assert v("kvtier_plans_total", reason="fetch_all") == 1
     saved = res.plan.saved_s
-    assert saved > 0 and v("kvtier_predicted_prefill_seconds_saved_total") == pytest.approx(saved)
+    assert saved > 0 and v("kvtier_plan_saved_prefill_seconds_total") == pytest.approx(saved)
     slow = c.lookup(T, LID, keys(1, 2), 32, want_plan=True)
     assert slow.plan is not None and slow.plan.cut == 0
     assert slow.plan.reason is Reason.SSD_SLOWER_THAN_RECOMPUTE
@@ -129,7 +129,7 @@ def test_plan_decisions_are_counted_by_action(tmp_path: Path, closing: list[Cach
     assert v("kvtier_plan_decisions_total", action="recompute") == 2
     assert v("kvtier_plan_decisions_total", action="fetch_ssd") == 0
     assert v("kvtier_plans_total", reason="ssd_slower_than_recompute") == 1
-    assert v("kvtier_predicted_prefill_seconds_saved_total") == pytest.approx(saved)  # +0
+    assert v("kvtier_plan_saved_prefill_seconds_total") == pytest.approx(saved)  # +0
 
 
 def test_promotions_are_timed_into_the_rates_and_the_error_histogram(

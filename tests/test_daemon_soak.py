@@ -109,7 +109,7 @@ def test_soak_32_clients_mixed_load(tmp_path: Path) -> None:
         assert d.healthy()
         metrics = d.metrics_text()
         promoted = [ln for ln in metrics.splitlines()
-                    if ln.startswith('kvtier_bytes_moved_total{direction="promote"')]
+                    if ln.startswith('kvtier_moved_bytes_total{direction="promote"')]
         assert promoted and float(promoted[0].rsplit(" ", 1)[1]) > 0  # SSD hits were served
         print(f"soak: {counts}, RSS {rss_start >> 20} -> {rss_end >> 20} MiB, "
               f"DRAM {s.tiers[0].blocks} blocks, SSD {s.tiers[1].blocks} blocks")

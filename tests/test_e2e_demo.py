@@ -68,7 +68,7 @@ def test_demo_without_torch_is_a_one_line_error() -> None:
     ("args", "message"),
     [(["--turns", "0"], "--turns must be"), (["--model", "huge"], "unknown engine model"),
      (["--system-tokens", "5"], "--system-tokens must be"),
-     (["--socket", "/nonexistent/kvtier.sock"], "no daemon answers")],
+     (["--socket", "/nonexistent/kvtier.sock"], "no kvtier daemon at")],
 )
 def test_demo_bad_flags_exit_2(args: list[str], message: str,
                                capsys: pytest.CaptureFixture[str]) -> None:

@@ -228,7 +228,7 @@ def test_entries_naming_one_slot_twice_are_dropped_at_open(
         assert len(s) == 1 and s.free_slots() == 31
         assert s.get("t", b"k0000") == first[0].payload and s.get("t", b"k0001") is None
         assert s.stats().used_bytes == SLOT + HEADER_SIZE
-    assert "1 entries named a slot out of range or already used" in caplog.text
+    assert "1 index entries were undecodable or shared a slot; dropped" in caplog.text
 
 
 def test_a_failed_payload_write_is_a_refusal_and_returns_the_slots(

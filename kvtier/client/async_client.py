@@ -45,6 +45,7 @@ from kvtier.client.sync_client import (
     lookup_result,
     pack_keys,
     register_request,
+    require_daemon,
     rpc_error,
     write_chunks,
 )
@@ -77,17 +78,25 @@ class AsyncClient(SegmentHolder):
 
     @classmethod
     async def connect(cls, socket: str | Path | None = None, **kwargs: Any) -> AsyncClient:
+        """A registered client; fails at once with `KvtierUnavailable` ("no kvtier daemon at
+        <socket> (start one: kvtier serve)") when nothing listens there."""
         client = cls(socket, **kwargs)
-        await client._register()
-        await client._open_session()
+        try:
+            require_daemon(client.target)
+            await client._register(first=True)
+            await client._open_session()
+        except BaseException:
+            await client._channel.close(None)
+            raise
         return client
 
-    async def _raw(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+    async def _raw(self, method: Callable[..., Awaitable[T]], request: Any,
+                   wait: bool = True) -> T:
         try:
             return await method(request, timeout=self.timeout, metadata=self._call_metadata,
-                                wait_for_ready=True)
+                                wait_for_ready=wait)
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise rpc_error(exc, self.target if not wait else None) from None
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
         try:
@@ -117,8 +126,9 @@ class AsyncClient(SegmentHolder):
         self._session = call
         self._call_metadata = (*self._metadata, (SESSION_METADATA, first.session_id))
 
-    async def _register(self) -> None:
-        reply = await self._raw(self._stub.RegisterLayout, register_request(self.layout))
+    async def _register(self, first: bool = False) -> None:
+        reply = await self._raw(self._stub.RegisterLayout, register_request(self.layout),
+                                wait=not first)
         check_registered(self.layout, reply)
         self.tenant = reply.tenant
         self._adopt(reply.segment)

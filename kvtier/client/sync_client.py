@@ -12,6 +12,8 @@ Data path: a local client maps the daemon's shared DRAM segment and copies block
 payloads never cross the socket. When the segment cannot be mapped (another machine, another
 user, `streaming=True`), the same calls use the ReadBlocks/WriteBlocks byte streams instead.
 
+No daemon: creating a client fails at once (well within 1 s) with `KvtierUnavailable` "no kvtier
+daemon at <socket> (start one: kvtier serve)" when nothing listens on the socket.
 Restarts: calls wait for the daemon to come back (up to `timeout`), re-register the layout when the
 daemon no longer knows it, and re-attach the new segment generation. A lease does not survive a
 restart or its TTL: the `load`/`store_into` block that held it ends with `KvtierRpcError`
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket as _socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -118,6 +121,28 @@ def default_socket() -> Path:
     return _default_socket(os.environ)
 
 
+def no_daemon(where: str) -> KvtierUnavailable:
+    """The one error for "nothing answers at `where`" (a socket path or a gRPC target)."""
+    return KvtierUnavailable(grpc.StatusCode.UNAVAILABLE,
+                             f"no kvtier daemon at {where} (start one: kvtier serve)")
+
+
+def require_daemon(target: str) -> None:
+    """Raises `no_daemon` at once when nothing listens on a `unix:` target (no socket file, or a
+    dead daemon's leftover); other targets are not probed (their first call fails fast)."""
+    if not target.startswith("unix:"):
+        return
+    path = target.removeprefix("unix:")
+    probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        raise no_daemon(path) from None
+    finally:
+        probe.close()
+
+
 def pack_keys(keys: Sequence[bytes], width: int) -> bytes:
     for k in keys:
         if len(k) != width:
@@ -141,9 +166,13 @@ def lookup_result(reply: pb.LookupResponse) -> Lookup:
     return Lookup(reply.hit_blocks, tiers, cut, reply.plan if has_plan else None)
 
 
-def rpc_error(exc: grpc.RpcError) -> KvtierRpcError:
+def rpc_error(exc: grpc.RpcError, unreachable: str | None = None) -> KvtierRpcError:
+    """The client's error for a failed call; with `unreachable` (the target of a first call
+    that does not wait), UNAVAILABLE becomes `no_daemon`."""
     code: grpc.StatusCode = exc.code()
     details: str = exc.details() or ""
+    if unreachable is not None and code is grpc.StatusCode.UNAVAILABLE:
+        return no_daemon(f"{unreachable} ({details})")
     cls = KvtierUnavailable if code is grpc.StatusCode.UNAVAILABLE else KvtierRpcError
     return cls(code, details)
 
@@ -204,17 +233,23 @@ class Client(SegmentHolder):
         self._session_lock = threading.Lock()
         self._session: Any = None  # the OpenSession stream (None: the daemon has none)
         self._call_metadata = self._metadata
-        self._register()
-        self._open_session()
+        try:
+            require_daemon(self.target)
+            self._register(first=True)
+            self._open_session()
+        except BaseException:
+            self._channel.close()
+            raise
 
     # -- connection -------------------------------------------------------------------------
 
-    def _raw(self, method: Callable[..., T], request: Any) -> T:
+    def _raw(self, method: Callable[..., T], request: Any, wait: bool = True) -> T:
+        """One RPC; `wait`: wait (up to the timeout) for a daemon that is (re)starting."""
         try:
             return method(request, timeout=self.timeout, metadata=self._call_metadata,
-                          wait_for_ready=True)
+                          wait_for_ready=wait)
         except grpc.RpcError as exc:
-            raise rpc_error(exc) from None
+            raise rpc_error(exc, self.target if not wait else None) from None
 
     def _call(self, method: Callable[..., T], request: Any) -> T:
         """One RPC; after a restart (unknown layout, closed session) re-registers or reopens
@@ -245,8 +280,8 @@ class Client(SegmentHolder):
             self._session = call
             self._call_metadata = (*self._metadata, (SESSION_METADATA, first.session_id))
 
-    def _register(self) -> None:
-        reply = self._raw(self._stub.RegisterLayout, register_request(self.layout))
+    def _register(self, first: bool = False) -> None:
+        reply = self._raw(self._stub.RegisterLayout, register_request(self.layout), wait=not first)
         check_registered(self.layout, reply)
         self.tenant = reply.tenant
         self._adopt(reply.segment)

@@ -54,7 +54,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from kvtier.client.sync_client import default_socket
+    from kvtier.client.sync_client import default_socket, no_daemon
     from kvtier.engine.config import get_config
     from kvtier.engine.local_daemon import LocalDaemon, daemon_alive
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if daemon_alive(socket):
         return _converse(args, socket, "running daemon")
     if args.socket:
-        raise UsageError(f"no daemon answers on {socket} (start one: kvtier serve)")
+        raise UsageError(no_daemon(str(socket)).details)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         slot = max(cfg.block_bytes(), 4096)
         daemon = LocalDaemon(Path(tmp), ["--dram-bytes", str(max(128 << 20, 64 * slot)),

@@ -4,53 +4,75 @@ setting)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 HELP = "run the kvtier daemon (gRPC on a Unix socket, DRAM + SSD tiers, /metrics)"
 
+# flag, what it sets, its default (how it is chosen; the value on this machine is appended)
 _FLAGS = (
-    ("--socket", "Unix socket path"),
-    ("--tcp", "also listen on HOST:PORT (TLS needed beyond loopback)"),
-    ("--tls-cert", "PEM certificate for TCP"),
-    ("--tls-key", "PEM private key for TCP"),
-    ("--dram-bytes", "DRAM pool size, e.g. 4GiB"),
-    ("--slot-bytes", "DRAM slot size (largest block), e.g. 2MiB"),
-    ("--data-dir", "directory of the SSD tier"),
-    ("--ssd-bytes", "SSD tier cap, e.g. 64GiB (0 = no SSD tier)"),
-    ("--metrics", "HOST:PORT of /metrics ('' = off, port 0 = any)"),
-    ("--tokens-file", "TOML file of tenants and tokens (see kvtier.daemon.auth)"),
-    ("--lease-ttl-s", "default lease TTL in seconds"),
-    ("--max-lease-ttl-s", "largest lease TTL a client may ask for"),
-    ("--grace-s", "SIGTERM drain period in seconds"),
-    ("--max-blocks-per-request", "largest key chain per request"),
-    ("--ssd-admit-after", "write a block to SSD from its k-th access"),
-    ("--ssd-dwpd", "SSD writes per day in units of --ssd-bytes (default 1.0)"),
-    ("--ssd-write-bytes-per-day", "SSD write budget, e.g. 500GiB (default ssd-bytes x dwpd)"),
-    ("--ssd-write-burst-bytes", "SSD writes allowed at once before the daily rate applies"),
-    ("--writeback-queue-bytes", "DRAM held by queued write-backs (default min(DRAM/4, 1GiB))"),
-    ("--log-level", "debug, info, warning or error"),
+    ("--socket", "Unix socket path", "$XDG_RUNTIME_DIR/kvtier/kvtier.sock, else /tmp/kvtier-$UID"),
+    ("--tcp", "also listen on HOST:PORT (TLS needed beyond loopback)", "off"),
+    ("--tls-cert", "PEM certificate for TCP", "none"),
+    ("--tls-key", "PEM private key for TCP", "none"),
+    ("--dram-bytes", "DRAM pool size, e.g. 4GiB", "min(RAM/8, free /dev/shm / 2, 4 GiB)"),
+    ("--slot-bytes", "DRAM slot size (largest block), e.g. 2MiB", "2 MiB"),
+    ("--data-dir", "directory of the SSD tier",
+     "$XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier"),
+    ("--ssd-bytes", "SSD tier cap, e.g. 64GiB (0 = no SSD tier)",
+     "the size kept in <data-dir>/kept.toml, else min(free disk / 4, 16 GiB)"),
+    ("--metrics", "HOST:PORT of /metrics ('' = off, port 0 = any)", "127.0.0.1:9464"),
+    ("--tokens-file", "TOML file of tenants and tokens (see kvtier.daemon.auth)",
+     "none: one tenant 'default', no authentication"),
+    ("--lease-ttl-s", "default lease TTL in seconds", "30"),
+    ("--max-lease-ttl-s", "largest lease TTL a client may ask for", "600"),
+    ("--grace-s", "SIGTERM drain period in seconds", "10"),
+    ("--max-blocks-per-request", "largest key chain per request", "4096"),
+    ("--ssd-admit-after", "write a block to SSD from its k-th access", "2"),
+    ("--ssd-dwpd", "SSD writes per day in units of --ssd-bytes", "1.0"),
+    ("--ssd-write-bytes-per-day", "SSD write budget, e.g. 500GiB", "ssd-bytes x ssd-dwpd"),
+    ("--ssd-write-burst-bytes", "SSD writes allowed at once before the daily rate applies",
+     "min(a day's budget, max(a quarter day's, 4 write-back queues))"),
+    ("--writeback-queue-bytes", "DRAM held by queued write-backs", "min(DRAM / 4, 1 GiB)"),
+    ("--log-level", "debug, info, warning or error", "info"),
 )
+_MACHINE_SIZED = ("dram_bytes", "ssd_bytes")  # defaults that depend on this machine
+
+
+def _setting(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvtier.core.units import format_bytes
+    from kvtier.daemon.config import defaults, env_var
+
+    here = defaults(os.environ)
     parser.add_argument(
         "--config", metavar="PATH",
-        help="TOML config file (default $KVTIER_CONFIG, else ~/.config/kvtier/kvtier.toml)",
+        help="TOML config file (default: $KVTIER_CONFIG, else the first kvtier.toml in "
+             "$XDG_CONFIG_HOME/kvtier (~/.config/kvtier), then $XDG_CONFIG_DIRS/kvtier "
+             "(/etc/xdg/kvtier); none: embedded defaults)",
     )
     parser.add_argument(
-        "--print-config", action="store_true", help="print the merged configuration and exit"
+        "--print-config", action="store_true",
+        help="print the merged configuration as TOML (a file --config reads) and exit "
+             "(default: off)",
     )
-    for flag, text in _FLAGS:
-        parser.add_argument(flag, metavar="VALUE", help=text)
+    for flag, text, default in _FLAGS:
+        name = _setting(flag)
+        if name in _MACHINE_SIZED:
+            default += f"; {format_bytes(int(here[name]))} here"
+        parser.add_argument(flag, metavar="VALUE",
+                            help=f"{text} (default: {default}; env {env_var(name)})")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.daemon import config
-    flags = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-             for flag, _ in _FLAGS}
+
+    flags = {_setting(flag): getattr(args, _setting(flag)) for flag, _, _ in _FLAGS}
     cfg = config.load(flags, config_path=args.config)
     if args.print_config:
-        for field in cfg.__dataclass_fields__:
-            print(f"{field} = {getattr(cfg, field)!s}")
+        print(config.to_toml(cfg), end="")
         return 0
     from kvtier.daemon.server import serve
 

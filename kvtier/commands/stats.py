@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 HELP = "show a running daemon's tiers, leases and counters"
 
@@ -17,21 +18,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def tier_name(value: int) -> str:
+    """A tier as the table and the metrics name it: dram, ssd, hbm."""
+    from kvtier._proto import kvtier_pb2 as pb
+
+    return pb.Tier.Name(value).removeprefix("TIER_").lower()
+
+
+def plain(message: Any) -> dict[str, Any]:
+    """A reply as plain JSON values: numbers as numbers (protobuf's JSON mapping writes 64-bit
+    integers as strings), tiers by the table's names, bytes as hex; every field, set or not."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    def value(field: Any, v: Any) -> Any:
+        if field.type == F.TYPE_MESSAGE:
+            return plain(v)
+        if field.type == F.TYPE_ENUM:
+            if field.enum_type.name == "Tier":
+                return tier_name(v)
+            return field.enum_type.values_by_number[v].name
+        if field.type == F.TYPE_BYTES:
+            return bytes(v).hex()
+        return v
+
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        v = getattr(message, field.name)
+        if field.is_repeated:
+            out[field.name] = [value(field, x) for x in v]
+        else:
+            out[field.name] = value(field, v)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
     import grpc
-    from google.protobuf import json_format
 
     from kvtier._proto import kvtier_pb2 as pb
     from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-    from kvtier.client.sync_client import default_socket
+    from kvtier.client.sync_client import KvtierRpcError, default_socket, no_daemon, require_daemon
     from kvtier.core.errors import UsageError
     from kvtier.core.units import format_bytes
 
     socket = args.socket or str(default_socket())
     token = args.token or os.environ.get("KVTIER_TOKEN")
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    try:
+        require_daemon(f"unix:{socket}")
+    except KvtierRpcError as exc:
+        raise UsageError(exc.details) from None
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         stub = pb_grpc.KvTierStub(channel)  # type: ignore[no-untyped-call]
         try:
@@ -39,18 +76,15 @@ def run(args: argparse.Namespace) -> int:
                                              metadata=metadata)
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.UNAVAILABLE:
-                raise UsageError(f"no daemon answers on {socket} (start one: kvtier serve)"
-                                 ) from None
+                raise UsageError(no_daemon(socket).details) from None
             raise UsageError(f"{exc.code().name}: {exc.details()}") from None
     if args.json:
-        print(json.dumps(json_format.MessageToDict(
-            s, always_print_fields_with_no_presence=True, preserving_proto_field_name=True),
-            indent=2))
+        print(json.dumps(plain(s), indent=2))
         return 0
     print(f"kvtier {s.version} on {socket}, up {s.uptime_seconds:.0f} s, {s.layouts} layout(s)")
     print(f"{'tier':<6}{'capacity':>14}{'used':>14}{'blocks':>10}")
     for t in s.tiers:
-        name = pb.Tier.Name(t.tier).removeprefix("TIER_").lower()
+        name = tier_name(t.tier)
         print(f"{name:<6}{format_bytes(t.capacity_bytes):>14}{format_bytes(t.used_bytes):>14}"
               f"{t.blocks:>10}")
     total = s.blocks_hit + s.blocks_missed
@@ -59,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
           f"(block hit ratio {ratio})")
     print(f"active leases {s.active_leases}, write-backs dropped {s.writeback_dropped}, "
           f"checksum failures {s.checksum_failures}")
+    if s.mrc:  # the online miss-ratio curve (node totals)
+        est = {(p.scaled, p.factor): p.hit_ratio for p in s.mrc}
+        parts = [f"{tier} x{f:g} {est[(tier, f)]:.1%}" for tier in ("dram", "ssd")
+                 for f in (0.5, 2.0, 8.0) if (tier, f) in est]
+        print(f"estimated hit ratio (MRC): now {est.get(('none', 1.0), 0.0):.1%}; "
+              + ", ".join(parts))
 
     def quota(q: int) -> str:
         return format_bytes(q) if q else "unlimited"

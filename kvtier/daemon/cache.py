@@ -54,11 +54,11 @@ from kvtier.daemon.allocate import AllocateResult as AllocateResult
 from kvtier.daemon.allocate import Allocator, WriteLease, quota_room
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.cache_stats import CacheStats as CacheStats
-from kvtier.daemon.cache_stats import cache_stats, pool_gauges
+from kvtier.daemon.cache_stats import cache_stats, mrc_gauges, new_sampler, pool_gauges
 from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.leases import Lease, LeaseKind, LeaseTable
-from kvtier.daemon.metrics import DaemonMetrics, PoolGauges
+from kvtier.daemon.metrics import DaemonMetrics, MrcGauges, PoolGauges
 from kvtier.daemon.namespaces import LayoutInfo, Namespace, Namespaces
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
@@ -110,6 +110,8 @@ class Cache:
         self.allocator = Allocator(self.tiers, self._leases, self.events)
         metrics.attach_pool(self.gauges)
         metrics.attach_rates(self.rates)
+        self.mrc = new_sampler(cfg, self.index.capacity(Tier.SSD) or 0)
+        metrics.attach_mrc(self.mrc_gauges)
 
     def register_layout(
         self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
@@ -145,6 +147,7 @@ class Cache:
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
             who = f"{ns.name}#{replica}" if replica else _NO_REPLICA
             found = self.index.lookup(ns.name, chain, replica=who)
+            self.mrc.observe_packed(ns.name, keys, key_width)
             tiers: list[Tier] = found.tiers
             self.tiers.maybe_write_back(ns.name, found.blocks)
             mine = ns.tenant
@@ -153,13 +156,8 @@ class Cache:
             mine.blocks_hit += len(tiers)
             mine.blocks_missed += len(chain) - len(tiers)
         m = self.metrics
-        m.lookups.labels("hit" if tiers else "miss").inc()
-        for tier in (Tier.HBM, Tier.DRAM, Tier.SSD):
-            count = tiers.count(tier)
-            if count:
-                m.blocks_hit.labels(tier.label).inc(count)
-        if len(chain) > len(tiers):
-            m.blocks_missed.inc(len(chain) - len(tiers))
+        m.record_lookup(tenant.name, ns.layout.model_id, [t.label for t in tiers],
+                        len(chain) - len(tiers))
         the_plan = None
         lay = ns.layout
         if want_plan and lay.cost is not None:
@@ -425,6 +423,11 @@ class Cache:
     def stats(self, tenant: Tenant | None = None) -> CacheStats:
         with self._lock:
             return cache_stats(self.tiers, self._leases, self.names, tenant)
+
+    def mrc_gauges(self) -> MrcGauges:
+        """The online miss-ratio curve (`kvtier.index.mrc`), for the metrics and Stats."""
+        with self._lock:
+            return mrc_gauges(self.mrc)
 
     def gauges(self) -> PoolGauges:
         return pool_gauges(self.stats(), self.tiers)

@@ -11,10 +11,12 @@ from typing import NamedTuple
 
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
+from kvtier.daemon.config import Config
 from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.metrics import PoolGauges
+from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
 from kvtier.daemon.namespaces import Namespaces
 from kvtier.daemon.residency import Tiers
+from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 
 
 class CacheStats(NamedTuple):
@@ -70,15 +72,40 @@ def cache_stats(
 
 
 def pool_gauges(s: CacheStats, tiers: Tiers) -> PoolGauges:
-    used_ratio = 0.0
+    used_ratio = budget_rate = 0.0
     if tiers.budget is not None:
         b = tiers.budget.stats()
         used_ratio = 1.0 - b.available_bytes / b.burst_bytes if b.burst_bytes else 0.0
+        budget_rate = b.rate_bytes_per_s
     mover = tiers.mover
     return PoolGauges(
         {"dram": s.dram_capacity_bytes, "ssd": s.ssd_capacity_bytes},
         {"dram": s.dram_used_bytes, "ssd": s.ssd_used_bytes},
         {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
         {"read": s.read_leases, "write": s.write_leases},
-        used_ratio, mover.stats().queue_depth if mover else 0,
+        used_ratio, mover.stats().queue_depth if mover else 0, budget_rate,
+    )
+
+
+MRC_MIN_KEYS = 8192
+"""The MRC estimator tracks at least this many keys (~1 MiB) whatever the index's size: fewer
+sampled keys make the curve too noisy to act on (see `kvtier.index.mrc`)."""
+INDEX_BYTES_PER_BLOCK = 288
+"""Index memory per cached block with a DRAM slot (tracemalloc, bench/mrc.py and bench/index.py);
+the MRC's budget is 1% of it times the index's capacity."""
+
+
+def new_sampler(cfg: Config, ssd_blocks: int) -> ReuseSampler:
+    """The daemon's MRC estimator: capacities `capacity_grid` of its DRAM slots and SSD blocks,
+    memory bounded to 1% of the full index's (but at least `MRC_MIN_KEYS` keys)."""
+    budget = (cfg.slots + ssd_blocks) * INDEX_BYTES_PER_BLOCK // 100
+    return ReuseSampler(capacity_grid(cfg.slots, ssd_blocks), admit_k=cfg.ssd_admit_after,
+                        max_keys=max(MRC_MIN_KEYS, keys_for_budget(budget)))
+
+
+def mrc_gauges(sampler: ReuseSampler) -> MrcGauges:
+    return MrcGauges(
+        [MrcPoint(scaled, f, p.dram_blocks, p.ssd_blocks, p.dram_hit_ratio, p.hit_ratio)
+         for scaled, f, p in labelled(sampler.points())],
+        sampler.rate, sampler.tracked_keys, memory_bytes(sampler),
     )

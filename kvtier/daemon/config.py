@@ -8,8 +8,9 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     tls_cert, tls_key      PEM paths; required for TCP beyond loopback
     dram_bytes             min(RAM / 8, free /dev/shm / 2, 4 GiB), rounded down to whole slots
     slot_bytes             2 MiB: one DRAM slot; a registered layout's block must fit in one
-    data_dir               $KVTIER_DATA_DIR, else ~/.local/share/kvtier (the SSD tier lives here)
-    ssd_bytes              min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
+    data_dir               $XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier (the SSD tier)
+    ssd_bytes              the size kept in <data_dir>/kept.toml, else (the first start)
+                           min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
     metrics                127.0.0.1:9464 ("" = off; port 0 = any free port)
     tokens_file            "" = one tenant "default" without authentication (see kvtier.daemon.auth)
     lease_ttl_s            30; a client may ask for up to max_lease_ttl_s (600)
@@ -36,15 +37,25 @@ burst lets a few long documents through at once (defaults: 4 GiB on a 16 GiB cac
 exceeds one day's budget, so no 24 h window writes more than two days' budget and the long-run
 average stays the rate.
 
-The TOML file is `--config PATH`, else $KVTIER_CONFIG, else ~/.config/kvtier/kvtier.toml when it
-exists; its keys are the setting names (top level, or under a `[serve]` table). Sizes accept
-integers or strings with a binary/decimal suffix ("4GiB", "512MB"). Any bad value raises
-`UsageError` naming the setting and where it came from.
+The SSD size is kept. Its default follows the free disk, which the tier's own reservation then
+shrinks, so a default recomputed at every start would resize the tier at every start. The daemon
+writes the size it runs with to `<data_dir>/kept.toml` (`write_kept`); when no file, variable or
+flag sets `ssd_bytes`, that kept size is the default (`--print-config` shows it, from
+"kept.toml"). Another size takes an explicit setting, and is then kept in turn. A tier of size 0
+(off) is never kept.
+
+The TOML file is `--config PATH`, else $KVTIER_CONFIG, else the first kvtier.toml of the XDG config
+directories (`kvtier.core.paths`: ~/.config/kvtier, then /etc/xdg/kvtier); its keys are the setting
+names (top level, or under a `[serve]` table). Sizes accept integers or strings with a
+binary/decimal suffix ("4GiB", "512MB"). Any bad value raises `UsageError` naming the setting and
+where it came from (the flag, the variable, or the file). `to_toml` writes a configuration back
+as a file `--config` reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -55,7 +66,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvtier.core.errors import UsageError
-from kvtier.core.paths import SOCKET_NAME, runtime_dir
+from kvtier.core.paths import CONFIG_FILE, SOCKET_NAME, config_dirs, runtime_dir
+from kvtier.core.paths import data_dir as default_data_dir
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 
 GiB = 1 << 30
@@ -143,10 +155,15 @@ def _free_bytes(path: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
+def default_ssd_bytes(data_dir: Path) -> int:
+    """The first start's SSD size: a quarter of the free disk under `data_dir`, at most 16 GiB."""
+    return min(_free_bytes(data_dir) // 4, 16 * GiB)
+
+
 def defaults(env: Mapping[str, str]) -> dict[str, Any]:
     """The embedded defaults, sized for this machine."""
     data_dir = Path(env["KVTIER_DATA_DIR"]) if env.get("KVTIER_DATA_DIR") else (
-        Path(env.get("HOME", str(Path.home()))) / ".local" / "share" / "kvtier"
+        default_data_dir(env)
     )
     shm = Path("/dev/shm")
     shm_free = shutil.disk_usage(shm).free if shm.exists() else _ram_bytes()
@@ -159,7 +176,7 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "dram_bytes": dram,
         "slot_bytes": 2 * MiB,
         "data_dir": str(data_dir),
-        "ssd_bytes": min(_free_bytes(data_dir) // 4, 16 * GiB),
+        "ssd_bytes": default_ssd_bytes(data_dir),
         "metrics": "127.0.0.1:9464",
         "tokens_file": "",
         "lease_ttl_s": 30.0,
@@ -225,22 +242,77 @@ def load(
     origin = dict.fromkeys(merged, "defaults")
     path = config_path or env.get("KVTIER_CONFIG")
     if not path:
-        home_cfg = Path(env.get("HOME", str(Path.home()))) / ".config" / "kvtier" / "kvtier.toml"
-        path = str(home_cfg) if home_cfg.exists() else None
-    layers: list[tuple[str, Mapping[str, object]]] = []
+        found = [d / CONFIG_FILE for d in config_dirs(env) if (d / CONFIG_FILE).is_file()]
+        path = str(found[0]) if found else None
     if path:
-        layers.append((f"config file {path}", _read_toml(Path(path))))
-    layers.append(("environment", {
-        k: env[f"KVTIER_{k.upper()}"] for k in _FIELDS if f"KVTIER_{k.upper()}" in env
-    }))
-    layers.append(("flags", flags))
-    for where, layer in layers:
-        for key, value in layer.items():
-            if key not in _FIELDS:
-                raise UsageError(f"unknown setting {key!r} in {where}")
-            merged[key] = _coerce(key, value, where)
-            origin[key] = where
+        for key, value in _read_toml(Path(path)).items():
+            _set(merged, origin, key, value, f"config file {path}")
+    for key in _FIELDS:
+        if env_var(key) in env:
+            _set(merged, origin, key, env[env_var(key)], f"environment variable {env_var(key)}")
+    for key, value in flags.items():
+        _set(merged, origin, key, value, f"flag --{key.replace('_', '-')}")
+    if origin["ssd_bytes"] == "defaults":  # sized for the data dir actually configured
+        data = Path(str(merged["data_dir"])).expanduser()
+        kept = read_kept(data)
+        if kept is not None:
+            merged["ssd_bytes"], origin["ssd_bytes"] = kept
+        else:
+            merged["ssd_bytes"] = default_ssd_bytes(data)
     return _validate(merged, origin)
+
+
+def env_var(setting: str) -> str:
+    """The environment variable of a setting: KVTIER_ + its name in upper case."""
+    return f"KVTIER_{setting.upper()}"
+
+
+def _set(merged: dict[str, object], origin: dict[str, str], key: str, value: object,
+         where: str) -> None:
+    if key not in _FIELDS:
+        raise UsageError(f"unknown setting {key!r} (from {where})")
+    merged[key] = _coerce(key, value, where)
+    origin[key] = where
+
+
+KEPT_FILE = "kept.toml"
+
+
+def read_kept(data_dir: Path) -> tuple[int, str] | None:
+    """The SSD size kept in the data dir and where it came from, or None (none kept yet). A kept
+    file that cannot be read is a UsageError naming it: resizing the tier silently is worse."""
+    path = data_dir / KEPT_FILE
+    if not path.exists():
+        return None
+    try:
+        value = tomllib.loads(path.read_text()).get("ssd_bytes")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"{path}: {exc} (remove it to size the SSD tier afresh)") from None
+    where = f"{path}, kept from an earlier start"
+    return parse_bytes(value, f"ssd_bytes (from {where})"), where
+
+
+def write_kept(data_dir: Path, ssd_bytes: int) -> None:
+    """Keeps the SSD size the daemon runs with (atomically); a size of 0 (no tier) is not kept."""
+    if ssd_bytes <= 0:
+        return
+    path = data_dir / KEPT_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("# The SSD tier's size, kept by `kvtier serve` so that it does not follow\n"
+                   "# the free disk at every start. Set ssd_bytes explicitly to change it.\n"
+                   f"ssd_bytes = {ssd_bytes}\n")
+    os.replace(tmp, path)
+
+
+def to_toml(cfg: Config) -> str:
+    """`cfg` as a TOML file that `load(config_path=...)` reads back into an equal Config."""
+    lines = ["# kvtier serve configuration (kvtier serve --print-config); use with --config"]
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            value = json.dumps(str(value))  # a JSON string is a valid TOML basic string
+        lines.append(f"{field.name} = {value}")
+    return "\n".join(lines) + "\n"
 
 
 def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:

@@ -19,21 +19,28 @@ Thread-safe (prometheus-client's primitives are).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import platform
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier._version import __version__
 from kvtier.core.planner import Plan, Reason
 from kvtier.daemon.rates import Link, RateBook
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write")
+LEASE_KINDS = ("read", "write")
+MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("ssd", "demote"))
+"""(tier, direction) pairs of `kvtier_moved_bytes_total` the daemon produces."""
 PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "recompute", "use_hbm")
 """Per looked-up block: fetch it from DRAM / from SSD, recompute it, or use the replica's own
 GPU copy (an HBM block inside the cut costs nothing)."""
+SSD_DAMAGE = ("store_moved_aside", "undecodable_entry")
 FETCH_LINKS = (Link.DRAM_READ, Link.SSD_READ)
 RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, 10.0)
 
@@ -47,6 +54,7 @@ class PoolGauges(NamedTuple):
     leases: dict[str, int]  # lease kind -> count
     ssd_wear_budget_used_ratio: float
     writeback_queue_depth: int
+    ssd_write_budget_bytes_per_second: float = 0.0  # the wear budget's long-run rate (0 = none)
 
 
 class _PoolCollector(Collector):
@@ -64,7 +72,7 @@ class _PoolCollector(Collector):
             used.add_metric([tier], value)
         for tier, value in snap.blocks.items():
             blocks.add_metric([tier], value)
-        leases = GaugeMetricFamily("kvtier_active_leases", "Live leases", labels=["kind"])
+        leases = GaugeMetricFamily("kvtier_leases_active", "Live leases", labels=["kind"])
         for kind, value in snap.leases.items():
             leases.add_metric([kind], value)
         yield from (cap, used, blocks, leases)
@@ -76,6 +84,11 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "kvtier_writeback_queue_depth", "Blocks waiting to be written to SSD",
             value=snap.writeback_queue_depth,
+        )
+        yield GaugeMetricFamily(
+            "kvtier_ssd_write_budget_bytes_per_second",
+            "Long-run SSD write rate the wear budget allows (0: no SSD tier)",
+            value=snap.ssd_write_budget_bytes_per_second,
         )
 
 
@@ -118,23 +131,105 @@ class _RateCollector(Collector):
             "Whole-request samples too short to say anything about bandwidth",
             value=snap["skipped_total"])
 
+MAX_TENANT_LABELS = 32
+MAX_MODEL_LABELS = 16
+OTHER = "other"
+
+
+class LabelCap:
+    """Bounded label values: the first `cap` distinct values keep their name, every later one
+    reads `OTHER`, so a fleet of many tenants or models cannot blow up the series count.
+    Thread-safe."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def label(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        with self._lock:
+            if len(self._seen) < self.cap and value != OTHER:
+                self._seen.add(value)
+                return value
+        return OTHER
+
+
+class MrcPoint(NamedTuple):
+    scaled: str  # "none" (the daemon as it is), "dram" or "ssd"
+    factor: float
+    dram_blocks: int
+    ssd_blocks: int
+    dram_hit_ratio: float
+    hit_ratio: float
+
+
+class MrcGauges(NamedTuple):
+    """What the MRC collector reads: per (scaled tier, factor) the estimated hit ratios, and the
+    estimator's own cost."""
+
+    points: list[MrcPoint]
+    sampling_ratio: float
+    tracked_keys: int
+    memory_bytes: int
+
+
+class _MrcCollector(Collector):
+    def __init__(self, points: Callable[[], MrcGauges]) -> None:
+        self._points = points
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._points()
+        labels = ["scaled", "factor"]
+        hit = GaugeMetricFamily(
+            "kvtier_mrc_hit_ratio",
+            "Estimated hit ratio (DRAM + SSD blocks) with the `scaled` tier's capacity x factor",
+            labels=labels)
+        dram = GaugeMetricFamily(
+            "kvtier_mrc_dram_hit_ratio",
+            "Estimated DRAM-only hit ratio with the `scaled` tier's capacity x factor",
+            labels=labels)
+        for p in snap.points:
+            hit.add_metric([p.scaled, f"{p.factor:g}"], p.hit_ratio)
+            dram.add_metric([p.scaled, f"{p.factor:g}"], p.dram_hit_ratio)
+        yield from (hit, dram)
+        yield GaugeMetricFamily("kvtier_mrc_sampling_ratio",
+                                "Share of block keys the MRC estimator samples",
+                                value=snap.sampling_ratio)
+        yield GaugeMetricFamily("kvtier_mrc_tracked_keys", "Keys the MRC estimator tracks",
+                                value=snap.tracked_keys)
+        yield GaugeMetricFamily("kvtier_mrc_memory_bytes",
+                                "Estimated memory of the MRC estimator's tables",
+                                value=snap.memory_bytes)
+
+
 class DaemonMetrics:
     """All of one daemon's metrics. `attach_pool()` once the cache exists; `serve()` for HTTP."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self.tenants = LabelCap(MAX_TENANT_LABELS)
+        self.models = LabelCap(MAX_MODEL_LABELS)
+        self.build_info = Gauge(
+            "kvtier_build_info", "Always 1; the labels say what is running",
+            ["version", "python"], registry=r,
+        )
+        self.build_info.labels(__version__, platform.python_version()).set(1)
         self.lookups = Counter(
-            "kvtier_lookups", "Lookups by outcome (hit = at least one block)", ["result"],
-            registry=r,
+            "kvtier_lookups", "Lookups by outcome (hit = at least one block)",
+            ["result", "tenant", "model"], registry=r,
         )
         self.blocks_hit = Counter(
-            "kvtier_blocks_hit", "Looked-up blocks found, by tier", ["tier"], registry=r
+            "kvtier_blocks_hit", "Looked-up blocks found, by tier",
+            ["tier", "tenant", "model"], registry=r,
         )
         self.blocks_missed = Counter(
-            "kvtier_blocks_missed", "Looked-up blocks not found", registry=r
+            "kvtier_blocks_missed", "Looked-up blocks not found", ["tenant", "model"],
+            registry=r,
         )
         self.bytes_moved = Counter(
-            "kvtier_bytes_moved", "Payload bytes moved, by tier and direction",
+            "kvtier_moved_bytes", "Payload bytes moved, by tier and direction",
             ["tier", "direction"], registry=r,
         )
         self.evictions = Counter(
@@ -142,7 +237,7 @@ class DaemonMetrics:
             registry=r,
         )
         self.ssd_bytes_written = Counter(
-            "kvtier_ssd_bytes_written", "Bytes written to the SSD tier", registry=r
+            "kvtier_ssd_written_bytes", "Bytes written to the SSD tier", registry=r
         )
         self.writeback_dropped = Counter(
             "kvtier_writeback_dropped", "Write-backs dropped (queue full or over budget)",
@@ -152,10 +247,24 @@ class DaemonMetrics:
             "kvtier_checksum_failures", "SSD blocks that failed verification (never served)",
             registry=r,
         )
+        self.ssd_damage = Counter(
+            "kvtier_ssd_damage", "SSD store damage found at start: stores moved aside, index "
+            "entries skipped", ["kind"], registry=r,
+        )
+        for kind in SSD_DAMAGE:
+            self.ssd_damage.labels(kind)
         self.leases_expired = Counter(
             "kvtier_leases_expired",
             "Leases reclaimed after their TTL or with their client's session", ["kind"], registry=r
         )
+        # known label values start at 0, so rate() and dashboards see them before the first event
+        for kind in LEASE_KINDS:
+            self.leases_expired.labels(kind)
+        for tier, direction in MOVES:
+            self.bytes_moved.labels(tier, direction)
+        for tier in ("dram", "ssd"):
+            for reason in EVICTION_REASONS:
+                self.evictions.labels(tier, reason)
         self.plan_decisions = Counter(
             "kvtier_plan_decisions", "Looked-up blocks by planned action", ["action"], registry=r
         )
@@ -165,7 +274,7 @@ class DaemonMetrics:
         for reason in Reason:
             self.plans.labels(reason.value)
         self.predicted_seconds_saved = Counter(
-            "kvtier_predicted_prefill_seconds_saved",
+            "kvtier_plan_saved_prefill_seconds",
             "Planner's predicted prefill seconds saved against recomputing everything",
             registry=r,
         )
@@ -191,6 +300,26 @@ class DaemonMetrics:
     def value(self, name: str, **labels: str) -> float:
         """Current value of one sample (0 when it was never set), e.g. for the Stats RPC."""
         return self.registry.get_sample_value(name, labels) or 0.0
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of the samples called `name` whose labels include `labels` (0 when none)."""
+        want = labels.items()
+        return sum(
+            s.value for metric in self.registry.collect() for s in metric.samples
+            if s.name == name and want <= s.labels.items()
+        )
+
+    def record_lookup(self, tenant: str, model: str, tiers: Sequence[str], missed: int) -> None:
+        """One Lookup: its outcome and its blocks by tier, under capped tenant/model labels."""
+        t, m = self.tenants.label(tenant), self.models.label(model)
+        self.lookups.labels("hit" if tiers else "miss", t, m).inc()
+        for tier in set(tiers):
+            self.blocks_hit.labels(tier, t, m).inc(tiers.count(tier))
+        if missed:
+            self.blocks_missed.labels(t, m).inc(missed)
+
+    def attach_mrc(self, points: Callable[[], MrcGauges]) -> None:
+        self.registry.register(_MrcCollector(points))
 
     def attach_pool(self, snapshot: Callable[[], PoolGauges]) -> None:
         self.registry.register(_PoolCollector(snapshot))

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
+from kvtier.core.units import format_bytes
 from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.metrics import DaemonMetrics
@@ -49,7 +50,7 @@ from kvtier.index.prefix import Evicted, IndexStateError, PrefixIndex, Reason
 from kvtier.tiers import blockfmt
 from kvtier.tiers.dram import DramPool, DramSpec
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
-from kvtier.tiers.ssd.store import PutResult, SsdSpec, SsdStore
+from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdSpec, SsdStore, open_store
 from kvtier.tiers.wear import WriteBudget
 
 log = logging.getLogger(__name__)
@@ -109,21 +110,26 @@ class Tiers:
 
     def _open_ssd(self) -> None:
         cfg = self.cfg
-        self.store = SsdStore(SsdSpec(
+        opened = open_store(SsdSpec(
             path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
             layout_fingerprint=STORE_FINGERPRINT, slot_size=cfg.slot_bytes,
         ))
+        self.store = opened.store
+        if opened.moved_aside:
+            self.metrics.ssd_damage.labels("store_moved_aside").inc()
+        damaged = self.store.counters.undecodable + self.store.dropped_at_open.damaged
+        if damaged:
+            self.metrics.ssd_damage.labels("undecodable_entry").inc(damaged)
         self.budget = WriteBudget(cfg.ssd_write_bytes_per_day, cfg.ssd_write_burst_bytes)
         self.mover = Mover(self.pool, self.store, self.budget,
                            MoverSpec(queue_bytes=cfg.writeback_queue_bytes),
                            on_written=self.on_written)
-        self._rebuild()
+        self._rebuild(opened.entries)
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, entries: list[SsdEntry]) -> None:
         """Re-enters every stored block into the index (parents first); drops stranded ones."""
         assert self.store is not None
         started = time.monotonic()
-        entries = self.store.entries()
         by_ns: dict[str, dict[bytes, bytes | None]] = {}
         foreign: list[tuple[str, bytes]] = []
         for e in entries:
@@ -155,9 +161,19 @@ class Tiers:
                 self._charge(namespace_tenant(ns), Tier.SSD, self.ssd_bytes_of(ns))
                 stack.extend(kids.get(key, ()))
             doomed.extend((ns, k) for k in parents if self.index.get(ns, k) is None)
-        if doomed:
+        shrunk = self.store.dropped_at_open
+        if self.store.found_slots > self.store.spec.slot_count() or shrunk.shrunk_blocks:
+            evicted = shrunk.shrunk_blocks + len(doomed)
+            size = shrunk.shrunk_bytes + sum(self.ssd_bytes_of(ns) for ns, _ in doomed)
+            log.warning("SSD tier shrank from %d to %d blocks (ssd_bytes %s): evicted %d stored "
+                        "blocks (%s) that no longer fit, with their descendants; %d kept",
+                        self.store.found_slots, self.store.spec.slot_count(),
+                        format_bytes(self.cfg.ssd_bytes), evicted, format_bytes(size),
+                        len(entries) - len(doomed) - len(foreign))
+        elif doomed:
             log.warning("SSD tier: dropping %d stored blocks without a cached parent or room",
                         len(doomed))
+        if doomed:
             self.store.delete_many(doomed)
         log.info("SSD tier: %d blocks indexed in %.2f s", len(entries) - len(doomed) - len(foreign),
                  time.monotonic() - started)

@@ -12,6 +12,13 @@ Release/Commit/Abort keep working until every lease has ended or `grace_s` has p
 server stops, leftover leases are ended (pins dropped, allocations aborted), the write-back queue is
 flushed and the storage tiers are closed cleanly, and the socket is removed.
 
+Start-up: the first log line says where and how much (socket, metrics, DRAM and SSD tiers,
+rates, tenants). Lines logged while starting (a reclaimed segment, a damaged SSD store moved
+aside, the SSD rebuild) are held and follow it. The data dir is locked for the daemon's life
+(`kvtier.daemon.dirlock`): a second daemon on it is refused, naming the first (pid, socket).
+The SSD size it runs with is kept in the data dir (`config.write_kept`), so the next start
+without an explicit `ssd_bytes` keeps the tier's size.
+
 Shared memory: the DRAM segment's owner is recorded beside the socket
 (`kvtier.tiers.segment_owner`), so a daemon that died without unlinking its segment (SIGKILL, OOM)
 has it reclaimed by the next daemon started on the same socket — and a live daemon's segment is
@@ -28,6 +35,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -44,7 +52,8 @@ from kvtier.daemon import memory
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.calibrate import calibration_path, load_calibration_if_present
-from kvtier.daemon.config import Config
+from kvtier.daemon.config import Config, write_kept
+from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import KEY_WIDTHS
 from kvtier.daemon.rates import RateBook
@@ -99,6 +108,29 @@ def _tls_credentials(cfg: Config) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)])
 
 
+class _HeldLogs(logging.Handler):
+    """Holds every log record while installed as the root logger's only handler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self._root = logging.getLogger()
+        self._saved = self._root.handlers[:]
+        self._root.handlers = [self]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def replay(self, first: Sequence[str] = ()) -> None:
+        """Restores the handlers, logs `first` (INFO), then the held records in order."""
+        self._root.handlers = self._saved
+        for line in first:
+            log.info("%s", line)
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+        self.records.clear()
+
+
 class Daemon:
     """One running daemon. `start()`, then `wait()`; `stop()` drains (also on SIGTERM)."""
 
@@ -114,8 +146,21 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._done = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
+        self._dir_lock: DataDirLock | None = None
 
     async def start(self) -> None:
+        """Starts serving; the where-and-how-much line is the first line logged."""
+        held = _HeldLogs()
+        try:
+            line = await self._start()
+        except BaseException:
+            held.replay()
+            if self._dir_lock is not None:
+                self._dir_lock.release()
+            raise
+        held.replay([line])
+
+    async def _start(self) -> str:
         cfg = self.cfg
         guaranteed = sum(t.dram_guarantee_bytes for t in self.auth.tenants())
         if guaranteed > cfg.dram_bytes:
@@ -141,9 +186,11 @@ class Daemon:
             except OSError as exc:
                 raise UsageError(f"metrics address {cfg.metrics}: {exc}") from None
         try:
-            cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._dir_lock = DataDirLock.acquire(cfg.data_dir, cfg.socket)  # before any file in it
             rates, rates_from = load_rates(cfg.data_dir)
             self.cache = cache = Cache(cfg, self.metrics, rates=rates)
+            if cache.tiers.store is not None:
+                write_kept(cfg.data_dir, cfg.ssd_bytes)
         except (OSError, lmdb.Error) as exc:
             self.metrics.close()
             raise UsageError(f"cannot set up the storage tiers: {exc}") from None
@@ -166,15 +213,14 @@ class Daemon:
                    f"{format_bytes(cfg.writeback_queue_bytes)}, SSD writes "
                    f"{format_bytes(cfg.ssd_write_bytes_per_day)}/day (burst "
                    f"{format_bytes(cfg.ssd_write_burst_bytes)}))")
-        log.info(
-            "kvtier serving on unix:%s%s; metrics %s; DRAM pool %s (%d slots of %s); "
-            "SSD tier %s; planner rates from %s; %s",
-            cfg.socket, f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else "",
-            f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off",
-            format_bytes(cfg.dram_bytes), cfg.slots, format_bytes(cfg.slot_bytes), ssd, rates_from,
-            "tenants: " + ", ".join(t.name for t in self.auth.tenants())
-            + (" (token auth)" if self.auth.required else " (no auth)"),
-        )
+        tcp = f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else ""
+        metrics = f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off"
+        tenants = ", ".join(t.name for t in self.auth.tenants())
+        auth = "token auth" if self.auth.required else "no auth"
+        return (f"kvtier serving on unix:{cfg.socket}{tcp}; metrics {metrics}; DRAM pool "
+                f"{format_bytes(cfg.dram_bytes)} ({cfg.slots} slots of "
+                f"{format_bytes(cfg.slot_bytes)}); SSD tier {ssd}; planner rates from "
+                f"{rates_from}; tenants: {tenants} ({auth})")
 
     @property
     def segment_record(self) -> Path:
@@ -261,6 +307,8 @@ class Daemon:
         self.metrics.close()
         with contextlib.suppress(FileNotFoundError):
             self.cfg.socket.unlink()
+        if self._dir_lock is not None:
+            self._dir_lock.release()
         self._done.set()
 
     async def wait(self) -> None:

@@ -66,7 +66,6 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
 }
 _TIER_TO_PB = {Tier.HBM: pb.TIER_HBM, Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD}
 
-_RESULTS = ("hit", "miss")
 _TIERS = ("dram", "ssd")
 R = TypeVar("R")
 if TYPE_CHECKING:
@@ -277,7 +276,7 @@ class KvTierService(pb_grpc.KvTierServicer):
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
         async def go(tenant: Tenant) -> pb.StatsResponse:
             s = self.cache.stats(tenant)
-            value = self.metrics.value
+            value, total = self.metrics.value, self.metrics.total
             reply = pb.StatsResponse(
                 tiers=[
                     pb.TierStats(tier=pb.TIER_DRAM, capacity_bytes=s.dram_capacity_bytes,
@@ -295,14 +294,17 @@ class KvTierService(pb_grpc.KvTierServicer):
                 uptime_seconds=time.time() - self.started_at,
                 layouts=s.layouts, version=_version, node_wide=s.node_wide,
             )
-            if s.node_wide:
-                reply.lookups = int(sum(value("kvtier_lookups_total", result=r)
-                                        for r in _RESULTS))
-                reply.blocks_hit = int(sum(value("kvtier_blocks_hit_total", tier=t)
+            if s.node_wide:  # node totals, and the miss-ratio curve of all tenants' traffic
+                reply.lookups = int(total("kvtier_lookups_total"))
+                reply.blocks_hit = int(sum(total("kvtier_blocks_hit_total", tier=t)
                                            for t in _TIERS))
-                reply.blocks_missed = int(value("kvtier_blocks_missed_total"))
+                reply.blocks_missed = int(total("kvtier_blocks_missed_total"))
                 reply.writeback_dropped = int(value("kvtier_writeback_dropped_total"))
                 reply.checksum_failures = int(value("kvtier_checksum_failures_total"))
+                reply.mrc.extend(
+                    pb.MrcPoint(scaled=p.scaled, factor=p.factor, dram_blocks=p.dram_blocks,
+                                ssd_blocks=p.ssd_blocks, dram_hit_ratio=p.dram_hit_ratio,
+                                hit_ratio=p.hit_ratio) for p in self.cache.mrc_gauges().points)
             return reply
 
         return await self._unary("Stats", request, context, go)

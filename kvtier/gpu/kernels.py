@@ -3,6 +3,8 @@
 Source of truth: the repository's `kernels/` directory. `kernel_dir()` looks in
 $KVTIER_KERNELS_DIR, then `<repo>/kernels` (a source checkout), then the installed package data
 `kvtier/_kernels/` (a symlink to `../kernels` in the repo, so a wheel carries the same files).
+Compiled kernels are cached by CuPy under `$XDG_CACHE_HOME/kvtier/cupy` (`kvtier.core.paths`)
+unless $CUPY_CACHE_DIR names another place.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.core.paths import cache_dir
 from kvtier.gpu.plan import Direction, PoolGeometry, SlotGeometry
 
 SOURCE = "kv_blocks.cu"
@@ -39,6 +42,7 @@ def kernel_dir() -> Path:
 
 @functools.cache
 def _function(name: str, threads: int) -> Any:
+    os.environ.setdefault("CUPY_CACHE_DIR", str(cache_dir(os.environ) / "cupy"))
     import cupy
 
     code = (kernel_dir() / SOURCE).read_text()

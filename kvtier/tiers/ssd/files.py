@@ -5,6 +5,16 @@ The store's identity (format version, layout digest, payload mode with slot size
 `info` sub-database. A store whose identity differs from the configured one cannot serve a single
 block, so `stale_reason` names the difference and the store discards the files (`discard`) and
 starts empty, with one warning. Nothing here reads payloads.
+
+Damage. Files that cannot be read as a store (LMDB reports MDB_INVALID, MDB_CORRUPTED, a missing
+page or another version; an index record of the wrong length; or a `data.mdb` shorter than its
+last committed transaction, which LMDB would map and then die on with SIGBUS) raise
+`DamagedStore`, never a crash: `check_size` reads the two meta pages before LMDB maps the file,
+and `probe` walks the whole index in a child process first, since LMDB trusts its pages: a page
+pointer garbled on disk makes it read past the file (SIGBUS) or through garbage, which kills the
+child, not the daemon.
+What to do with a damaged store (move it aside) is the caller's policy
+(`kvtier.tiers.ssd.store.open_store`).
 """
 
 from __future__ import annotations
@@ -12,9 +22,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import struct
-from dataclasses import dataclass
-from typing import Any
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import lmdb
 
@@ -30,13 +43,106 @@ STORE_FORMAT = 3
 SLOT_FILE = "slots.dat"
 U64 = struct.Struct("<Q")
 FILES = ("data.mdb", "lock.mdb", SLOT_FILE)
+LMDB_DAMAGE: tuple[type[Exception], ...] = (
+    lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
+    lmdb.BadValsizeError, lmdb.BadTxnError, lmdb.BadRslotError, lmdb.PanicError,
+    struct.error,
+)
+_META_MAGIC = 0xBEEFC0DE
+_META = struct.Struct("<II")  # mm_magic, mm_version at 16 bytes into a meta page
+_PSIZE_AT = 16 + 24  # the free DB's md_pad holds the page size
+_LAST_AT = 16 + 120  # mm_last_pg, mm_txnid
+
+
+class DamagedStore(Exception):
+    """The store's files cannot be read as a store; the message says what is wrong."""
+
+
+def check_size(path: str) -> None:
+    """Raises `DamagedStore` when `path`/data.mdb is shorter than the pages its newest meta page
+    says are committed (a truncated file: mapping it would end in SIGBUS at the first read)."""
+    data = os.path.join(path, "data.mdb")
+    try:
+        with open(data, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(2 * 65536)
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return  # LMDB initialises an empty file
+    if len(head) < 16 + 136:
+        raise DamagedStore(f"{data} is {size} bytes, shorter than one LMDB meta page")
+    magic, _ = _META.unpack_from(head, 16)
+    if magic != _META_MAGIC:
+        raise DamagedStore(f"{data} is not an LMDB file (bad magic {magic:#x})")
+    psize = struct.unpack_from("<I", head, _PSIZE_AT)[0]
+    if not 512 <= psize <= 65536 or len(head) < psize + 16 + 136:
+        raise DamagedStore(f"{data} is {size} bytes: truncated within its meta pages")
+    metas = [struct.unpack_from("<QQ", head, off + _LAST_AT) for off in (0, psize)
+             if _META.unpack_from(head, off + 16)[0] == _META_MAGIC]
+    last_pg, _ = max(metas, key=lambda m: m[1])
+    need = (last_pg + 1) * psize
+    if size < need:
+        raise DamagedStore(f"{data} is {size} bytes but its last committed transaction uses "
+                           f"{need} (truncated)")
+
+
+_PROBE = """
+import sys
+import lmdb
+damage = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError,
+          lmdb.VersionMismatchError, lmdb.BadValsizeError, lmdb.BadTxnError, lmdb.PanicError)
+try:
+    env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=4)
+    with env.begin() as txn:
+        tables = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+    if env.info()["last_txnid"] > 0 and b"info" not in tables:
+        print(f"the index lost its tables (found {tables[:4]})", file=sys.stderr)
+        sys.exit(3)  # every store any kvtier committed to has one
+    for name in (b"info", b"meta", b"blocks"):
+        if name in tables:
+            with env.begin() as txn:
+                db = env.open_db(name, txn=txn, create=False)
+                for _ in txn.cursor(db=db).iternext(keys=True, values=name != b"blocks"):
+                    pass
+except damage as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(3)
+except Exception:
+    sys.exit(4)  # not damage (permissions...): opening it here reports that properly
+"""
+
+
+def probe(path: str, timeout: float = 300.0) -> None:
+    """Raises `DamagedStore` when reading every index page of the store at `path` fails with
+    LMDB damage or kills the reading process (a child: `python -c`, lmdb only)."""
+    if not os.path.exists(os.path.join(path, "data.mdb")):
+        return
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, path], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise DamagedStore(f"reading the index took over {timeout:.0f} s") from None
+    if proc.returncode < 0:
+        raise DamagedStore("reading the index killed the reader with "
+                           f"{signal.Signals(-proc.returncode).name}")
+    if proc.returncode == 3:
+        raise DamagedStore(" ".join(proc.stderr.split()) or "LMDB reported damage")
+
+
+class Dropped(NamedTuple):
+    shrunk_blocks: int  # entries beyond a reduced slot count
+    shrunk_bytes: int
+    damaged: int  # entries of the wrong length, or naming a slot another entry holds
 
 
 @dataclass(slots=True)
 class StoreFiles:
     """An open store: the environment, its sub-databases (`kvtier.tiers.ssd.store` docstring), the
-    slot file (slots mode), the layout digest every header carries, and the index totals. `used` and
-    `entries` change only with a committed write transaction, under the store's write lock."""
+    slot file (slots mode), the layout digest every header carries, and the index totals. `used`
+    and `entries` change only with a committed write transaction, under the store's write lock.
+    `dropped` says what the open removed from the index: entries whose slot a smaller capacity
+    no longer has (a shrink), and entries that could not be decoded or shared a slot."""
 
     env: Any
     blocks: Any
@@ -46,6 +152,7 @@ class StoreFiles:
     layout: bytes
     used: int = 0
     entries: int = 0
+    dropped: Dropped = field(default_factory=lambda: Dropped(0, 0, 0))
 
 
 def identity(spec: SsdSpec) -> dict[bytes, bytes]:
@@ -60,8 +167,14 @@ def open_files(spec: SsdSpec) -> StoreFiles:
     its disk space, and rebuilds the totals (and the slot free set) from the index."""
     ident = identity(spec)
     os.makedirs(spec.path, mode=0o700, exist_ok=True)
+    check_size(spec.path)
+    probe(spec.path)
     env = open_env(spec)
-    stale = stale_reason(env, ident, STORE_FORMAT)
+    try:
+        stale = stale_reason(env, ident, STORE_FORMAT)
+    except LMDB_DAMAGE as exc:
+        env.close()
+        raise DamagedStore(f"info: {exc}") from None
     if stale:
         log.warning("SSD store %s: %s; discarding it and starting empty", spec.path, stale)
         env.close()
@@ -77,9 +190,15 @@ def open_files(spec: SsdSpec) -> StoreFiles:
     except UsageError:
         env.close()
         raise
-    f = StoreFiles(env, env.open_db(b"blocks"), env.open_db(b"meta"), env.open_db(b"info"),
-                   slots, ident[b"layout"])
-    _load_totals(f, ident, spec.path)
+    try:
+        f = StoreFiles(env, env.open_db(b"blocks"), env.open_db(b"meta"),
+                       env.open_db(b"info"), slots, ident[b"layout"])
+        _load_totals(f, ident, spec.path)
+    except LMDB_DAMAGE as exc:
+        env.close()
+        if slots is not None:
+            slots.close()
+        raise DamagedStore(f"index: {exc}") from None
     return f
 
 
@@ -90,7 +209,8 @@ def _load_totals(f: StoreFiles, ident: dict[bytes, bytes], path: str) -> None:
         new = txn.get(b"format", db=f.info) is None
         used = U64.unpack(txn.get(b"used", db=f.info) or U64.pack(0))[0]
         entries = txn.stat(f.meta)["entries"]
-        doomed = _claim_slots(f.slots, f.meta, txn, path) if f.slots is not None else []
+        doomed, f.dropped = (_claim_slots(f.slots, f.meta, txn, path) if f.slots is not None
+                             else ([], Dropped(0, 0, 0)))
     if new or doomed:
         with f.env.begin(write=True) as txn:
             for k, v in ident.items():
@@ -103,19 +223,31 @@ def _load_totals(f: StoreFiles, ident: dict[bytes, bytes], path: str) -> None:
     f.used, f.entries = used, entries
 
 
-def _claim_slots(slots: SlotFile, meta: Any, txn: Any, path: str) -> list[tuple[bytes, int]]:
-    """Mark every slot named by the index used; entries naming a bad or shared slot."""
+def _claim_slots(slots: SlotFile, meta: Any, txn: Any, path: str
+                 ) -> tuple[list[tuple[bytes, int]], Dropped]:
+    """Mark every slot named by the index used; returns the entries to drop (key, size): those
+    beyond the slot count (the capacity shrank), undecodable ones, and those sharing a slot."""
     mark = slots.mark_used
     unpack = META.unpack_from
     doomed: list[tuple[bytes, int]] = []
+    shrunk = shrunk_bytes = damaged = 0
     for skey, rec in txn.cursor(db=meta).iternext(keys=True, values=True):
+        if len(rec) < META.size:
+            doomed.append((bytes(skey), 0))
+            damaged += 1
+            continue
         size, _, _, _, _, slot = unpack(rec)
-        if not mark(slot):
+        if slot >= slots.nslots:
+            shrunk += 1
+            shrunk_bytes += size
             doomed.append((bytes(skey), size))
-    if doomed:
-        log.warning("SSD store %s: %d entries named a slot out of range or already used; "
-                    "dropped", path, len(doomed))
-    return doomed
+        elif not mark(slot):
+            damaged += 1
+            doomed.append((bytes(skey), size))
+    if damaged:
+        log.warning("SSD store %s: %d index entries were undecodable or shared a slot; dropped",
+                    path, damaged)
+    return doomed, Dropped(shrunk, shrunk_bytes, damaged)
 
 
 def open_env(spec: SsdSpec) -> Any:
@@ -133,6 +265,8 @@ def open_env(spec: SsdSpec) -> Any:
             readahead=spec.mode() == "lmdb",  # index only: no read-ahead past the page wanted
             meminit=False,
         )
+    except LMDB_DAMAGE as exc:
+        raise DamagedStore(str(exc)) from None
     except lmdb.Error as exc:
         raise UsageError(f"cannot open the SSD store: {exc}") from None
 

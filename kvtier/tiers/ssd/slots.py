@@ -60,7 +60,9 @@ class SlotFile:
         size = self.stride * nslots
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            if os.fstat(self._fd).st_size > size:
+            found = os.fstat(self._fd).st_size
+            self.found_slots = found // self.stride  # before a shrink cut the file down
+            if found > size:
                 os.ftruncate(self._fd, size)
             os.posix_fallocate(self._fd, 0, size)
         except OSError as exc:

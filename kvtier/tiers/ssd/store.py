@@ -38,6 +38,14 @@ so a full disk is a clean error at open, never a SIGBUS or ENOSPC in a write. A 
 exceed the capacity asks the `evictor` callback for victims (leaf-first from the prefix index);
 what still does not fit is refused. `lmdb.MapFullError` never escapes.
 
+Damage (`open_store`): a store that cannot be opened — LMDB damage, a truncated `data.mdb`
+(detected before LMDB maps it, so never a SIGBUS), garbled pages (found by a child process that
+reads the index first) — is renamed aside to `<path>.damaged-<UTC time>` (never deleted: it may
+be wanted for a post-mortem) and an empty store is created in its place, with one ERROR line
+naming both paths. Index entries that cannot be decoded (a damaged
+tenant name, a record of the wrong length) are skipped, counted (`Counters.undecodable`) and
+deleted; the rest of the store serves on.
+
 Format: `STORE_FORMAT` 3 (a slot number in every index record). A store of another format, layout
 or payload mode (an older kvtier, a changed slot size) is discarded at open with one warning: its
 files are deleted and recreated empty — it is a cache, and nothing in it could be served.
@@ -56,16 +64,25 @@ block on writers. The `evictor` runs on the writing thread with no store lock he
 from __future__ import annotations
 
 import logging
+import os
+import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import lmdb
 
 from kvtier.core.errors import UsageError
 from kvtier.tiers import blockfmt
-from kvtier.tiers.ssd.files import SLOT_FILE, STORE_FORMAT, open_files
+from kvtier.tiers.ssd.files import (
+    LMDB_DAMAGE,
+    SLOT_FILE,
+    STORE_FORMAT,
+    DamagedStore,
+    Dropped,
+    open_files,
+)
 from kvtier.tiers.ssd.files import preallocate as _preallocate  # noqa: F401 (tests import it here)
 from kvtier.tiers.ssd.read import META as _META
 from kvtier.tiers.ssd.read import Rejected, read_lmdb, read_slots
@@ -88,8 +105,9 @@ from kvtier.tiers.ssd.types import (
 from kvtier.tiers.ssd.write import Batch, PendingAccess, delete, fresh, put_lmdb, put_slots
 
 __all__ = [
-    "SLOT_FILE", "STORE_FORMAT", "Durability", "Evictor", "PayloadMode", "PutItem", "PutResult",
-    "SsdEntry", "SsdSpec", "SsdStats", "SsdStore", "TenantKey", "split_key", "stored_key",
+    "SLOT_FILE", "STORE_FORMAT", "DamagedStore", "Dropped", "Durability", "Evictor", "Opened",
+    "PayloadMode", "PutItem", "PutResult", "SsdEntry", "SsdSpec", "SsdStats", "SsdStore",
+    "TenantKey", "open_store", "split_key", "stored_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -127,17 +145,39 @@ class SsdStore:
     # -- the persistent index --------------------------------------------------------------
 
     def entries(self) -> list[SsdEntry]:
-        """Every stored block's index row, from the meta sub-database only (no payload reads)."""
+        """Every stored block's index row, from the meta sub-database only (no payload reads).
+        Rows that cannot be decoded are left out, counted (`counters.undecodable`) and deleted."""
         out: list[SsdEntry] = []
+        bad: list[bytes] = []
         unpack = _META.unpack_from
         hsize = _META.size
         with self._files.env.begin(db=self._files.meta) as txn:
             for skey, rec in txn.cursor().iternext(keys=True, values=True):
-                size, count, last, stored_at, plen, _slot = unpack(rec)
-                tenant, key = split_key(skey)
+                try:
+                    size, count, last, stored_at, plen, _slot = unpack(rec)
+                    tenant, key = split_key(skey)
+                except (struct.error, UnicodeDecodeError, IndexError):
+                    bad.append(bytes(skey))
+                    continue
                 out.append(SsdEntry(tenant, key, rec[hsize : hsize + plen] or None, size, count,
                                     last, stored_at))
+        if bad:
+            self.counters.undecodable += len(bad)
+            log.warning("SSD store %s: %d index entries could not be decoded; skipped and "
+                        "deleted", self.spec.path, len(bad))
+            with self._wlock:
+                delete(self._files, bad)
         return out
+
+    @property
+    def dropped_at_open(self) -> Dropped:
+        """What opening removed from the index (a shrink's evictions, damaged entries)."""
+        return self._files.dropped
+
+    @property
+    def found_slots(self) -> int:
+        """Slots the payload file had before this open (more than now: the capacity shrank)."""
+        return self._slots.found_slots if self._slots is not None else 0
 
     def record_access(self, tenant: str, key: bytes, now: float | None = None) -> None:
         """Count an access; persisted with the next write transaction (lost if the daemon dies)."""
@@ -329,3 +369,37 @@ class SsdStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Opened(NamedTuple):
+    """`open_store`'s result: the store, its index rows, and where a damaged store went."""
+
+    store: SsdStore
+    entries: list[SsdEntry]
+    moved_aside: str | None
+    reason: str
+
+
+def open_store(spec: SsdSpec, evictor: Evictor | None = None) -> Opened:
+    """Opens the store and reads its index. A store that cannot be opened or read is renamed to
+    `<path>.damaged-<UTC time>` and an empty one is created at `spec.path` (one ERROR line
+    naming both); other errors (no disk space, no permission) are raised as they are."""
+    try:
+        store = SsdStore(spec, evictor)
+        try:
+            return Opened(store, store.entries(), None, "")
+        except LMDB_DAMAGE as exc:
+            store.close()
+            raise DamagedStore(f"index: {exc}") from None
+    except DamagedStore as exc:
+        reason = str(exc)
+    aside = f"{spec.path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    n = 1
+    while os.path.exists(aside if n == 1 else f"{aside}.{n}"):
+        n += 1
+    aside = aside if n == 1 else f"{aside}.{n}"
+    os.rename(spec.path, aside)
+    log.error("SSD store %s cannot be opened (%s); moved it aside to %s and created an empty "
+              "store at %s", spec.path, reason, aside, spec.path)
+    store = SsdStore(spec, evictor)
+    return Opened(store, store.entries(), aside, reason)

@@ -122,4 +122,5 @@ class Counters:
     map_full: int = 0
     evicted: int = 0
     io_errors: int = 0
+    undecodable: int = 0  # index entries skipped (and deleted) because they could not be decoded
     corrupt_by_reason: dict[str, int] = field(default_factory=dict)

@@ -12,6 +12,7 @@ rejected keys) is `kvtier.tiers.ssd.store.SsdStore`'s; it calls these with its w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -188,7 +189,8 @@ def delete(f: StoreFiles, skeys: list[bytes]) -> list[TenantKey]:
                     used -= size
                     entries -= 1
                     freed.append(slot)
-                    removed.append(split_key(skey))
+                    with contextlib.suppress(UnicodeDecodeError):  # an undecodable entry
+                        removed.append(split_key(skey))
             txn.put(b"used", U64.pack(used), db=f.info)
     except lmdb.Error as exc:
         log.error("SSD delete failed: %s", exc)

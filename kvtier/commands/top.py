@@ -1,0 +1,134 @@
+"""`kvtier top`: a live terminal view of one or more daemons (what it shows: `top_view`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+from kvtier.commands.top_view import Row, Sample
+
+HELP = "live view of daemons: hit ratio and trend, tier fill, traffic, leases, planner, MRC"
+
+_EPILOG = """\
+sources: a daemon socket path (Stats RPC: no traffic or planner counters) or its metrics URL
+(http://127.0.0.1:9464, everything); default: $KVTIER_SOCKET, else the runtime dir's socket.
+
+examples:
+  kvtier top                                    # the local daemon, refreshed every 2 s
+  kvtier top http://node1:9464 http://node2:9464
+  kvtier top --once --json /run/kvtier/kvtier.sock
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("sources", nargs="*", metavar="SOURCE",
+                        help="daemon socket paths or metrics URLs")
+    parser.add_argument("--interval", type=float, default=2.0, metavar="S",
+                        help="seconds between readings (default 2)")
+    parser.add_argument("--once", action="store_true",
+                        help="take two readings --interval apart, print once and exit")
+    parser.add_argument("--json", action="store_true", help="with --once semantics, as JSON")
+    parser.add_argument("--token", metavar="TOKEN", help="bearer token for sockets "
+                        "(else $KVTIER_TOKEN)")
+    parser.add_argument("--timeout", type=float, default=2.0, metavar="S",
+                        help="per-reading timeout (default 2)")
+
+
+def _reader(source: str, token: str | None, timeout: float) -> Callable[[], Sample]:
+    from kvtier.commands import top_view
+
+    if source.startswith(("http://", "https://")):
+        import urllib.parse
+        import urllib.request
+
+        url = source if urllib.parse.urlsplit(source).path not in ("", "/") else (
+            source.rstrip("/") + "/metrics")
+
+        def read_url() -> Sample:
+            t = time.monotonic()
+            try:
+                with urllib.request.urlopen(url, timeout=timeout) as r:
+                    text = r.read().decode()
+                return top_view.from_metrics(source, t, text)
+            except (OSError, ValueError) as exc:
+                return top_view.down(source, t, str(exc))
+
+        return read_url
+
+    import grpc
+
+    from kvtier._proto import kvtier_pb2 as pb
+    from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+
+    path = source.removeprefix("unix:")
+    channel = grpc.insecure_channel(f"unix:{path}")
+    stub = pb_grpc.KvTierStub(channel)  # type: ignore[no-untyped-call]
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def read_socket() -> Sample:
+        t = time.monotonic()
+        try:
+            s = stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=metadata)
+        except grpc.RpcError as exc:
+            return top_view.down(source, t, f"{exc.code().name}: {exc.details()}")
+        return top_view.from_stats(source, t, s)
+
+    return read_socket
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.client.sync_client import default_socket
+    from kvtier.commands import top_view
+    from kvtier.core.errors import UsageError
+
+    if not args.interval > 0:
+        raise UsageError(f"--interval must be > 0, got {args.interval}")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be > 0, got {args.timeout}")
+    sources = args.sources or [str(default_socket())]
+    for s in sources:
+        if "://" in s and not s.startswith(("http://", "https://")):
+            raise UsageError(f"{s}: a source is a socket path or an http(s):// metrics URL")
+    token = args.token or os.environ.get("KVTIER_TOKEN")
+    readers = [_reader(s, token, args.timeout) for s in sources]
+    prev: list[Sample | None] = [None] * len(readers)
+    trends: list[list[float]] = [[] for _ in readers]
+
+    def tick() -> list[Row]:
+        rows = []
+        for i, read in enumerate(readers):
+            cur = read()
+            r = top_view.row(prev[i], cur, trends[i])
+            trends[i] = r.trend
+            prev[i] = cur
+            rows.append(r)
+        return rows
+
+    if args.once or args.json:
+        tick()
+        time.sleep(args.interval)
+        rows = tick()
+        if args.json:
+            print(json.dumps(top_view.to_json(rows), indent=2))
+        else:
+            from rich.console import Console
+
+            Console().print(top_view.render(rows, args.interval))
+        return 0 if any(r.ok for r in rows) else 1
+
+    from rich.live import Live
+
+    rows = tick()
+    try:
+        with Live(top_view.render(rows, args.interval), auto_refresh=False,
+                  screen=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(top_view.render(tick(), args.interval), refresh=True)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,326 @@
+"""Online miss-ratio curve: the hit ratio the daemon would have at other DRAM and SSD capacities.
+
+Pure logic (no I/O, no clock, no threads): the daemon feeds it every Lookup's keys and reads the
+estimates at scrape time; the tests feed it a trace and compare with `kvtier simulate` replays.
+
+Method — SHARDS (Waldspurger et al., FAST'15), spatially hashed sampling of LRU reuse distances:
+
+- A key is *sampled* when a 64-bit hash of (tenant, key) falls under ``rate * 2**64``; only
+  sampled keys are tracked, and a sampled reuse distance counted among sampled keys, divided by
+  the rate, estimates the true one. The rate is what bounds memory: the table never holds more
+  than ``max_keys`` keys. When it would, the rate halves and the keys above the new threshold are
+  forgotten (SHARDS' fixed-size variant, in halvings), and hits and references so far keep their
+  weight (each observation is scaled by the rate it was made at).
+- A lookup of the chain ``k0 .. kn`` touches its blocks root-last, so a parent is always more
+  recent than its child; the LRU stack is then prefix-closed at every size, and "the block hits
+  at size C" (reuse distance < C) agrees with the prefix rule of a prefix cache.
+- Two tiers, as the index runs them (DRAM over all traffic, SSD fed by DRAM victims admitted on
+  the k-th access, see `kvtier.index.policies.KthAccess`): a reference hits DRAM of C_d blocks
+  when its distance d < C_d; it hits DRAM + SSD of C_s blocks when it hits DRAM, or when its
+  block had already been accessed k times before (so its last DRAM eviction wrote it to SSD)
+  and its distance among such admitted blocks is < C_s + `DRAM_SHARE` x C_d (DRAM and SSD share the
+  admitted blocks' recency; about half the admitted blocks in DRAM also hold SSD room).
+- Distances come from a Fenwick tree over logical access times of the tracked keys: the keys
+  touched since this key's last access are a range sum. Times are renumbered when the tree is
+  full, which is also when keys beyond the largest capacity of interest (`horizon`) are dropped:
+  they miss at every capacity the curve reports.
+
+Cost per lookup: one vectorised hash of its keys (numpy) plus O(log n) per sampled key.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+from xxhash import xxh3_64_intdigest
+
+FACTORS = (0.25, 0.5, 2.0, 4.0, 8.0)
+"""Capacity multiples the daemon reports (of its DRAM, and of its SSD)."""
+
+DRAM_SHARE = 0.5
+"""Of the admitted blocks DRAM holds, the share that does not also take SSD room: a block promoted
+from SSD keeps its SSD copy, one that reached k accesses while in DRAM has none yet. 0.5 is
+within 3 points of replays at four DRAM/SSD splits of the shared trace (tests/test_mrc.py,
+docs/benchmarks.md); 0 (SSD only) and 1 (DRAM + SSD) are each off by up to 5 points."""
+_MASK = (1 << 64) - 1
+_COUNT_BITS = 8
+_COUNT_MAX = (1 << _COUNT_BITS) - 1
+_MUL = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio multiplicative hash (odd)
+KEY_BYTES = 120
+"""Bytes per tracked key, an upper bound: a dict slot (30-50 B) and two ints (the 64-bit hash,
+36 B; the packed time and count, 32 B). The Fenwick trees add 2 x 4 B x 2 per key of
+`max_keys`."""
+
+
+class Point(NamedTuple):
+    """One capacity of the curve, in blocks, and the estimated hit ratios there."""
+
+    dram_blocks: int
+    ssd_blocks: int
+    dram_hit_ratio: float
+    hit_ratio: float  # DRAM + SSD
+
+
+class _Fenwick:
+    """Prefix sums over positions 1..n with point updates, O(log n) each."""
+
+    __slots__ = ("n", "tree")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tree = array("i", bytes(4 * (n + 1)))
+
+    def move(self, old: int, new: int) -> None:
+        """One mark from position `old` to `new` (> old)."""
+        tree, n = self.tree, self.n
+        while old <= n:
+            tree[old] -= 1
+            old += old & -old
+        while new <= n:
+            tree[new] += 1
+            new += new & -new
+
+    def add(self, i: int, v: int) -> None:
+        tree, n = self.tree, self.n
+        while i <= n:
+            tree[i] += v
+            i += i & -i
+
+    def prefix(self, i: int) -> int:
+        tree, s = self.tree, 0
+        while i > 0:
+            s += tree[i]
+            i -= i & -i
+        return s
+
+
+def keys_for_budget(budget_bytes: int) -> int:
+    """How many tracked keys fit in `budget_bytes` (at least 64)."""
+    return max(64, budget_bytes // (KEY_BYTES + 16))
+
+
+class ReuseSampler:
+    """SHARDS estimator of the two-tier hit ratio at a fixed set of capacities (see module doc).
+
+    `capacities`: the (dram_blocks, ssd_blocks) pairs to estimate. `admit_k`: the index's SSD
+    admission threshold. `max_keys`: the most keys tracked at once (the memory bound; the rate
+    halves to stay under it). `rate`: the initial sampling rate (0 < rate <= 1); None = the rate
+    at which `max_keys` keys cover the largest capacity (`horizon`).
+    Not thread-safe: the owner serialises `observe` and the readers.
+    """
+
+    def __init__(
+        self,
+        capacities: Sequence[tuple[int, int]],
+        *,
+        admit_k: int = 2,
+        rate: float | None = None,
+        max_keys: int = 1 << 16,
+    ) -> None:
+        if not capacities:
+            raise ValueError("need at least one capacity")
+        if any(d < 0 or s < 0 for d, s in capacities):
+            raise ValueError("capacities must be >= 0 blocks")
+        if rate is not None and not 0.0 < rate <= 1.0:
+            raise ValueError(f"sampling rate must be in (0, 1], got {rate}")
+        if admit_k < 1:
+            raise ValueError(f"admit_k must be >= 1, got {admit_k}")
+        if max_keys < 16:
+            raise ValueError(f"max_keys must be >= 16, got {max_keys}")
+        self.capacities = [(int(d), int(s)) for d, s in capacities]
+        self.admit_k = admit_k
+        self.max_keys = max_keys
+        self.horizon = max(d + s for d, s in self.capacities)
+        if rate is None:  # as many keys as the bound allows over the horizon
+            rate = min(1.0, max_keys / max(1, self.horizon))
+        self._threshold = max(1, min(_MASK, int(rate * (1 << 64))))
+        self._rooms = [(d, s + DRAM_SHARE * d) for d, s in self.capacities]
+        self._salts: dict[object, int] = {}
+        self._np_salts: dict[object, np.uint64] = {}
+        self._np_threshold = np.uint64(self._threshold)
+        # tracked key hash -> last access time << _COUNT_BITS | accesses so far (capped)
+        self._keys: dict[int, int] = {}
+        self._size = max(64, 2 * min(max_keys, int(self.horizon * rate * 1.25) + 64))
+        self._all = _Fenwick(self._size)
+        self._admitted = _Fenwick(self._size)
+        self._now = 0
+        self._admitted_count = 0
+        self.refs = 0.0  # references seen, in block units (each sampled one weighs 1 / rate)
+        self._dram_hits = [0.0] * len(self.capacities)
+        self._hits = [0.0] * len(self.capacities)
+        self.lookups = 0
+        self.sampled_refs = 0
+
+    @property
+    def rate(self) -> float:
+        return self._threshold / (1 << 64)
+
+    @property
+    def tracked_keys(self) -> int:
+        return len(self._keys)
+
+    def tree_bytes(self) -> int:
+        return 2 * 4 * (self._size + 1)
+
+    # ------------------------------------------------------------------ feeding
+    def observe(self, tenant: object, keys: Sequence[bytes]) -> None:
+        """One lookup of the chain `keys` (root first) by `tenant`."""
+        if not keys:
+            return
+        width = len(keys[0])
+        if width % 8 == 0 and all(len(k) == width for k in keys):
+            self.observe_packed(tenant, b"".join(keys), width)
+            return
+        self.lookups += 1
+        thr, salt = self._threshold, self._salt(tenant)
+        sampled = [v for v in (xxh3_64_intdigest(k, salt) for k in keys) if v < thr]
+        for h in reversed(sampled):  # root last: a parent is more recent than its child
+            self._access(h)
+
+    def observe_packed(self, tenant: object, keys: bytes, width: int) -> None:
+        """`observe` for keys packed back to back, `width` bytes each (a multiple of 8), as the
+        Lookup RPC carries them: one vectorised hash of all keys, no per-key Python work."""
+        if not keys:
+            return
+        if width < 8 or width % 8 or len(keys) % width:
+            raise ValueError(f"packed keys need a width that is a multiple of 8, got {width}")
+        self.lookups += 1
+        # Fibonacci hashing of each key's first 8 bytes (block keys are SHA-256 or XXH3 output,
+        # so those are uniform; the multiply is a bijection, so distinct words stay distinct)
+        h = np.frombuffer(keys, dtype=np.uint64)[:: width // 8] ^ self._np_salt(tenant)
+        h *= _MUL
+        under = h < self._np_threshold
+        if under.any():
+            for i in np.flatnonzero(under)[::-1]:  # root last: a parent is more recent
+                self._access(int(h[i]))
+
+    def _salt(self, tenant: object) -> int:
+        salt = self._salts.get(tenant)
+        if salt is None:
+            salt = self._salts[tenant] = xxh3_64_intdigest(repr(tenant).encode())
+            self._np_salts[tenant] = np.uint64(salt)
+        return salt
+
+    def _np_salt(self, tenant: object) -> np.uint64:
+        salt = self._np_salts.get(tenant)
+        if salt is None:
+            self._salt(tenant)
+            salt = self._np_salts[tenant]
+        return salt
+
+    def _access(self, h: int) -> None:
+        weight = (1 << 64) / self._threshold
+        self.refs += weight
+        self.sampled_refs += 1
+        if self._now >= self._size:
+            self._compact()
+            if h >= self._threshold:  # the compaction lowered the rate past this key
+                return
+        self._now += 1
+        now = self._now
+        k = self.admit_k
+        keys = self._keys
+        entry = keys.get(h)
+        if entry is None:
+            keys[h] = now << _COUNT_BITS | 1
+            self._all.add(now, 1)
+            if k <= 1:
+                self._admitted.add(now, 1)
+                self._admitted_count += 1
+            if len(keys) > self.max_keys:
+                self._compact()
+            return
+        last, count = entry >> _COUNT_BITS, entry & _COUNT_MAX
+        scale = 1.0 / self.rate
+        d = (len(keys) - self._all.prefix(last)) * scale
+        eligible = count >= k
+        da = (self._admitted_count - self._admitted.prefix(last)) * scale if eligible else 0.0
+        hits, dram_hits = self._hits, self._dram_hits
+        for i, (cd, room) in enumerate(self._rooms):
+            if d < cd:
+                dram_hits[i] += weight
+                hits[i] += weight
+            elif eligible and da < room:
+                hits[i] += weight
+        self._all.move(last, now)
+        if eligible:
+            self._admitted.move(last, now)
+        elif count + 1 >= k:
+            self._admitted.add(now, 1)
+            self._admitted_count += 1
+        keys[h] = now << _COUNT_BITS | (count + 1 if count < _COUNT_MAX else count)
+
+    def _compact(self) -> None:
+        """Renumber access times 1..n (oldest first), forget keys beyond the horizon, and halve
+        the rate while the table is over `max_keys`."""
+        keys = self._keys
+        while len(keys) > self.max_keys:
+            self._threshold //= 2
+            self._np_threshold = np.uint64(self._threshold)
+            thr = self._threshold
+            for h in [h for h in keys if h >= thr]:
+                del keys[h]
+        order = sorted(keys.items(), key=lambda kv: kv[1])  # by last access time
+        limit = max(1, int(self.horizon * self.rate * 1.25) + 1)
+        for h, _v in order[: max(0, len(order) - limit)]:
+            del keys[h]
+        order = order[max(0, len(order) - limit) :]
+        self._all = _Fenwick(self._size)
+        self._admitted = _Fenwick(self._size)
+        self._admitted_count = 0
+        k = self.admit_k
+        for t, (h, v) in enumerate(order, start=1):
+            count = v & _COUNT_MAX
+            keys[h] = t << _COUNT_BITS | count
+            self._all.add(t, 1)
+            if count >= k:
+                self._admitted.add(t, 1)
+                self._admitted_count += 1
+        self._now = len(order)
+
+    # ------------------------------------------------------------------ reading
+    def points(self) -> list[Point]:
+        """The estimate at every capacity, in the order given (hit ratios 0 before any lookup)."""
+        refs = self.refs
+        return [
+            Point(d, s, dh / refs if refs else 0.0, h / refs if refs else 0.0)
+            for (d, s), dh, h in zip(self.capacities, self._dram_hits, self._hits, strict=True)
+        ]
+
+
+def memory_bytes(sampler: ReuseSampler) -> int:
+    """An upper bound of the sampler's tables' bytes, O(1): `KEY_BYTES` per tracked key plus the
+    two Fenwick trees (`measure_bytes` counts them object by object)."""
+    return sampler.tracked_keys * KEY_BYTES + sampler.tree_bytes()
+
+
+def measure_bytes(sampler: ReuseSampler) -> int:
+    """The sampler's tables counted object by object (O(tracked keys); for tests and benches)."""
+    keys = sampler._keys
+    return (sys.getsizeof(keys) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in
+                                      keys.items()) + sampler.tree_bytes())
+
+
+def labelled(points: Sequence[Point], factors: Sequence[float] = FACTORS,
+             ) -> list[tuple[str, float, Point]]:
+    """`points` of a `capacity_grid` as (scaled tier, factor, point): ("none", 1.0) first."""
+    out = [("none", 1.0, points[0])]
+    n = len(factors)
+    out += [("dram", f, p) for f, p in zip(factors, points[1 : 1 + n], strict=True)]
+    out += [("ssd", f, p) for f, p in zip(factors, points[1 + n :], strict=False)]
+    return out
+
+
+def capacity_grid(dram_blocks: int, ssd_blocks: int,
+                  factors: Sequence[float] = FACTORS) -> list[tuple[int, int]]:
+    """The capacities the daemon reports: its own, then DRAM x each factor (SSD as is), then SSD
+    x each factor (DRAM as is). With no SSD, the SSD points are left out."""
+    grid = [(dram_blocks, ssd_blocks)]
+    grid += [(int(dram_blocks * f), ssd_blocks) for f in factors]
+    if ssd_blocks:
+        grid += [(dram_blocks, int(ssd_blocks * f)) for f in factors]
+    return grid

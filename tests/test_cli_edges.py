@@ -1,0 +1,158 @@
+"""A new user's rough edges in the CLI: no abbreviated flags, a client without a daemon fails
+fast, `--print-config` round-trips through `--config`, errors name the variable, `--help` shows
+every default and its variable."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import COMMANDS, build_parser
+from kvtier.client.async_client import AsyncClient
+from kvtier.client.sync_client import Client, KvtierUnavailable, LayoutDecl
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUT = LayoutDecl(fingerprint=b"edges/v1", block_bytes=4096, block_tokens=16, model_id="m@1")
+
+
+def kvtier(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True,
+                          text=True, timeout=60, env={**env, "PYTHONPATH": str(ROOT)})
+
+
+def clean_env(tmp: Path) -> dict[str, str]:
+    return {"HOME": str(tmp), "PATH": os.environ.get("PATH", "/usr/bin"),
+            "XDG_RUNTIME_DIR": str(tmp / "run")}
+
+
+def _long_options(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_no_command_accepts_an_abbreviated_flag(command: str) -> None:
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = [o for o in _long_options(sub.choices[command]) if o != "--help"]
+    assert options
+    for option in options:
+        prefix = option[:-1]
+        if any(o != option and o.startswith(prefix) for o in options):
+            continue  # ambiguous anyway
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args([command, prefix, "1"])
+        assert exc.value.code == 2, option
+
+
+def test_serve_refuses_a_typo_flag(tmp_path: Path) -> None:
+    proc = kvtier("serve", "--ssd-byte", "2GiB", "--print-config", env=clean_env(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "unrecognized arguments: --ssd-byte 2GiB" in proc.stderr
+
+
+def test_every_argparse_parser_disallows_abbreviations() -> None:
+    """The bench scripts build their own parsers: each must say allow_abbrev=False."""
+    for path in [*ROOT.glob("bench/*.py"), *ROOT.glob("kvtier/**/*.py")]:
+        text = path.read_text()
+        for m in re.finditer(r"argparse\.ArgumentParser\(", text):
+            call = text[m.end():m.end() + 200]
+            assert "allow_abbrev=False" in call, f"{path.relative_to(ROOT)}: {call[:60]!r}"
+
+
+def test_sync_client_without_a_daemon_fails_within_a_second(tmp_path: Path) -> None:
+    for sock in (tmp_path / "none.sock", tmp_path / "stale.sock"):
+        if sock.name == "stale.sock":  # a dead daemon's leftover socket file
+            import socket
+
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(sock))
+            s.close()
+        t0 = time.monotonic()
+        with pytest.raises(KvtierUnavailable) as exc:
+            Client(sock, layout=LAYOUT)
+        assert time.monotonic() - t0 < 1.0
+        assert str(exc.value.details) == f"no kvtier daemon at {sock} (start one: kvtier serve)"
+
+
+def test_async_client_without_a_daemon_fails_within_a_second(tmp_path: Path) -> None:
+    sock = tmp_path / "none.sock"
+
+    async def connect() -> None:
+        await AsyncClient.connect(sock, layout=LAYOUT)
+
+    t0 = time.monotonic()
+    with pytest.raises(KvtierUnavailable) as exc:
+        asyncio.run(connect())
+    assert time.monotonic() - t0 < 1.0
+    assert exc.value.details == f"no kvtier daemon at {sock} (start one: kvtier serve)"
+
+
+def test_tcp_client_without_a_daemon_fails_fast(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(KvtierUnavailable, match=f"no kvtier daemon at 127.0.0.1:{port}"):
+        Client(target=f"127.0.0.1:{port}", layout=LAYOUT)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_stats_without_a_daemon_is_one_line_within_a_second(tmp_path: Path) -> None:
+    sock = tmp_path / "none.sock"
+    t0 = time.monotonic()
+    proc = kvtier("stats", "--socket", str(sock), env=clean_env(tmp_path))
+    took = time.monotonic() - t0
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"kvtier stats: error: no kvtier daemon at {sock} (start one: kvtier serve)"]
+    assert took < 5.0  # the interpreter start included; the probe itself is immediate
+
+
+def test_print_config_round_trips_through_config(tmp_path: Path) -> None:
+    env = clean_env(tmp_path)
+    first = kvtier("serve", "--print-config", "--grace-s", "3", "--tcp", "127.0.0.1:7001",
+                   "--data-dir", str(tmp_path / 'a "quoted" dir'), env=env)
+    assert first.returncode == 0, first.stderr
+    assert "grace_s = 3.0" in first.stdout
+    path = tmp_path / "printed.toml"
+    path.write_text(first.stdout)
+    again = kvtier("serve", "--config", str(path), "--print-config", env=env)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == first.stdout
+
+
+def test_invalid_environment_value_names_the_variable(tmp_path: Path) -> None:
+    proc = kvtier("serve", "--print-config", env={**clean_env(tmp_path),
+                                                  "KVTIER_SSD_BYTES": "lots"})
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "kvtier serve: error: ssd_bytes (from environment variable KVTIER_SSD_BYTES): expected "
+        "a size like 4GiB or 512MB, got 'lots'"]
+
+
+def test_serve_help_shows_every_default_and_variable(tmp_path: Path) -> None:
+    proc = kvtier("serve", "--help", env=clean_env(tmp_path))
+    assert proc.returncode == 0
+    section = proc.stdout.split("\noptions:\n", 1)[1]
+    entries = {m.group(1): " ".join(m.group(2).split()) for m in re.finditer(
+        r"^  (--[\w-]+)(.*?)(?=^  -|\Z)", section, flags=re.M | re.S)}
+    parser = build_parser("serve")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = [o for o in _long_options(sub.choices["serve"]) if o != "--help"]
+    assert len(options) == 22 and set(entries) == set(options)
+    for option in options:
+        helptext = entries[option]
+        assert "(default: " in helptext, option
+        if option not in ("--config", "--print-config"):
+            var = "KVTIER_" + option[2:].replace("-", "_").upper()
+            assert f"env {var})" in helptext, option

@@ -1,0 +1,156 @@
+"""The online miss-ratio curve (`kvtier.index.mrc`): exact where LRU is exact, bounded, and within 3
+points of `kvtier simulate` replays of the shared trace at the daemon's capacity grid."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from kvtier.daemon.cache_stats import MRC_MIN_KEYS
+from kvtier.index.mrc import (
+    ReuseSampler,
+    capacity_grid,
+    keys_for_budget,
+    labelled,
+    measure_bytes,
+    memory_bytes,
+)
+from kvtier.sim.mrc import compare
+from kvtier.sim.trace import Request, read_trace
+
+TRACE = Path(os.environ.get(
+    "KVTIER_TRACE",
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def trace() -> list[Request]:
+    if not TRACE.exists():
+        pytest.skip(f"shared trace not present at {TRACE} "
+                    "(../shared/traces from the repo root, or $KVTIER_TRACE)")
+    return read_trace(TRACE)
+
+
+def chains(n: int, seed: int) -> list[list[bytes]]:
+    """Prompts sharing prefixes: a few system prompts, each with a few follow-ups."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        root = rng.randrange(30)
+        branch = rng.randrange(8)
+        depth = rng.randrange(1, 12)
+        out.append([f"{root}/{branch if j >= 3 else 0}/{j}".encode().ljust(32, b".")
+                    for j in range(depth)])
+    return out
+
+
+def lru_hits(lookups: list[list[bytes]], capacity: int) -> tuple[int, int]:
+    """Brute-force LRU over blocks, each lookup touching its chain root-last."""
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    hits = refs = 0
+    for keys in lookups:
+        for k in reversed(keys):
+            refs += 1
+            if k in cache:
+                hits += 1
+                cache.move_to_end(k)
+            else:
+                cache[k] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits, refs
+
+
+@pytest.mark.parametrize("capacity", [5, 40, 150, 400])
+def test_unsampled_dram_estimate_is_exact_lru(capacity: int) -> None:
+    lookups = chains(3000, seed=capacity)
+    s = ReuseSampler([(capacity, 0)], rate=1.0, max_keys=1 << 20)
+    for keys in lookups:
+        s.observe("t", keys)
+    hits, refs = lru_hits(lookups, capacity)
+    (p,) = s.points()
+    assert s.refs == pytest.approx(refs)
+    assert p.dram_hit_ratio == pytest.approx(hits / refs, abs=1e-9)
+
+
+def test_memory_stays_under_max_keys_by_lowering_the_rate() -> None:
+    s = ReuseSampler(capacity_grid(1000, 4000), max_keys=256)
+    for i in range(2000):
+        s.observe(0, [i.to_bytes(8, "big"), (i + 1).to_bytes(8, "big")])
+        assert s.tracked_keys <= 256
+    assert s.rate < 0.25
+    # the rate only halves: refs keep their weight
+    assert s.refs == pytest.approx(4000, rel=0.2)
+
+
+def test_tenants_are_sampled_apart() -> None:
+    s = ReuseSampler([(100, 0)], rate=1.0)
+    keys = [bytes([i]) * 16 for i in range(10)]
+    s.observe("a", keys)
+    s.observe("b", keys)  # same key bytes, another tenant: not a reuse
+    assert s.points()[0].dram_hit_ratio == 0.0
+    s.observe("a", keys)
+    assert s.points()[0].dram_hit_ratio == pytest.approx(10 / 30)
+
+
+def test_odd_key_lengths_take_the_scalar_path() -> None:
+    a = ReuseSampler([(50, 0)], rate=1.0)
+    for keys in chains(500, 3):
+        a.observe(0, [k[:13] for k in keys])
+    assert 0 < a.points()[0].dram_hit_ratio < 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"capacities": []}, {"capacities": [(-1, 0)]}, {"rate": 0.0}, {"rate": 1.5},
+    {"admit_k": 0}, {"max_keys": 3},
+])
+def test_bad_arguments_are_refused(bad: dict[str, object]) -> None:
+    args: dict[str, object] = {"capacities": [(10, 10)], **bad}
+    caps = args.pop("capacities")
+    with pytest.raises(ValueError):
+        ReuseSampler(caps, **args)  # type: ignore[arg-type]
+
+
+def test_grid_labels() -> None:
+    grid = capacity_grid(100, 1000)
+    assert grid[0] == (100, 1000) and (800, 1000) in grid and (100, 250) in grid
+    s = ReuseSampler(grid)
+    names = [(scaled, f) for scaled, f, _p in labelled(s.points())]
+    assert names[0] == ("none", 1.0) and ("dram", 0.25) in names and ("ssd", 8.0) in names
+    assert [p.hit_ratio for p in s.points()] == [0.0] * len(grid)
+
+
+def check_against_replays(trace: list[Request], dram: int, ssd: int) -> None:
+    rows, sampler = compare(trace, dram, ssd, max_keys=MRC_MIN_KEYS)
+    assert sampler.tracked_keys <= MRC_MIN_KEYS
+    bad = [r for r in rows if abs(r.error) > 0.03]
+    table = "\n".join(f"{r.scaled} x{r.factor:g} ({r.dram_blocks}, {r.ssd_blocks}): "
+                      f"est {r.estimated:.3f} replay {r.replayed:.3f}" for r in rows)
+    assert not bad, table
+    # the curve is not flat: it says something about buying capacity
+    assert max(r.replayed for r in rows) - min(r.replayed for r in rows) > 0.1
+
+
+def test_estimate_within_3_points_of_replays(trace: list[Request]) -> None:
+    check_against_replays(trace, 2000, 8000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dram", "ssd"), [(1000, 4000), (3000, 3000), (4000, 16000)])
+def test_estimate_within_3_points_of_replays_other_splits(
+    trace: list[Request], dram: int, ssd: int
+) -> None:
+    check_against_replays(trace, dram, ssd)
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 3 << 20])
+def test_a_full_table_stays_within_its_byte_budget(budget: int) -> None:
+    s = ReuseSampler([(10**7, 0)], max_keys=keys_for_budget(budget))
+    rng = random.Random(budget)
+    while s.tracked_keys < 0.99 * s.max_keys:
+        s.observe_packed(0, rng.randbytes(32 * 64), 32)
+    assert measure_bytes(s) <= memory_bytes(s) <= budget  # the gauge is an upper bound
