@@ -153,7 +153,7 @@ def rss_after_burst(sock: Path, pid: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="fewer trials (smoke run)")
     args = ap.parse_args(argv)
     trials = 2 if args.quick else 7
