@@ -164,7 +164,7 @@ def cost(dram: int, ssd: int, lookups: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--splits", default="2000:8000,1000:4000,3000:3000,4000:16000")
     ap.add_argument("--dram", type=int, default=32768)
