@@ -1,4 +1,5 @@
-"""Suite-wide guard: tests write only under their temporary directories.
+"""Suite-wide guard: tests write only under their temporary directories; and the hostile suite's
+counts (cases tried, failures) at the end of a run.
 
 At the end of the session, any file or directory that appeared in the checkout during the run
 (untracked or git-ignored, tool caches aside) fails the session, naming the paths: a test that
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +51,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter is not None:
             reporter.write_line(text, red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- the hostile suite's counts (tests/test_service_hostile.py) ---------------------------------
+
+HOSTILE = "test_service_hostile.py"
+_counts = {"tried": 0, "failed": 0}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if HOSTILE not in report.nodeid:
+        return
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        _counts["tried"] += 1
+        _counts["failed"] += int(report.failed)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _counts["tried"]:
+        terminalreporter.write_line(
+            f"hostile suite: {_counts['tried']} cases tried, failures: {_counts['failed']}")

@@ -46,7 +46,7 @@ def make(tmp: Path, clock: Clock, slots: int = 8, ssd: str = "0", **kw: str) -> 
         **kw,
     }, {"HOME": str(tmp)})
     cache = Cache(cfg, DaemonMetrics(), clock=clock)
-    cache.register_layout(MODEL, FINGERPRINT, BLOCK, 16, 32, None)
+    cache.register_layout(T, MODEL, FINGERPRINT, BLOCK, 16, 32, None)
     return cache
 
 

@@ -36,7 +36,7 @@ def make(tmp: Path, rates: RateBook, slots: int = 8, ssd: str = "0") -> Cache:
         "writeback_queue_bytes": str(slots * BLOCK),  # tiny pools: the default quarter is 1 slot
     }, {"HOME": str(tmp)})
     cache = Cache(cfg, DaemonMetrics(), rates=rates)
-    cache.register_layout(MODEL, FINGERPRINT, BLOCK, TOKENS, 32, COST)
+    cache.register_layout(T, MODEL, FINGERPRINT, BLOCK, TOKENS, 32, COST)
     return cache
 
 

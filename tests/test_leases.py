@@ -84,3 +84,20 @@ def test_heap_stays_bounded_under_renew_churn() -> None:
 def test_non_positive_ttl_is_refused() -> None:
     with pytest.raises(ValueError):
         LeaseTable(Clock()).grant("t", LeaseKind.READ, 0.0, None)
+
+
+def test_a_session_ends_its_live_leases_only() -> None:
+    clock = Clock()
+    t = LeaseTable(clock)
+    s1, s2 = t.open_session("alice"), t.open_session("alice")
+    assert t.session_open(s1, "alice") and not t.session_open(s1, "bob") and s1 != s2
+    a = t.grant("alice", LeaseKind.READ, 10, "a", session=s1)
+    b = t.grant("alice", LeaseKind.WRITE, 10, "b", session=s1)
+    other = t.grant("alice", LeaseKind.READ, 10, "c", session=s2)
+    plain = t.grant("alice", LeaseKind.READ, 10, "d")
+    assert t.pop(a.id) is a  # released before the session ended: not ended twice
+    assert t.pop_session(s1) == [b] and not t.session_open(s1, "alice")
+    assert t.pop_session(s1) == [] and t.get(other.id) and t.get(plain.id)
+    clock.now += 11
+    assert {lease.id for lease in t.expired()} == {other.id, plain.id}
+    assert t.pop_session(s2) == []  # expired leases left their session too

@@ -3,7 +3,12 @@ code, changes nothing, and the daemon keeps serving. Plus tenant isolation end t
 
 from __future__ import annotations
 
+import contextlib
 import math
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +18,10 @@ import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core.types import Tier
+from kvtier.daemon.rpc_guard import Limits
+from kvtier.daemon.service import CHUNK_BYTES
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536
@@ -43,6 +50,7 @@ class Env:
         reg = pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32,
                                        model_id=MODEL)
         assert self.stub.RegisterLayout(reg, metadata=ALICE).layout_id == LID
+        assert self.stub.RegisterLayout(reg, metadata=BOB).layout_id == LID  # layouts: per tenant
         self.bob_store(keys(9, 1))
         self.bob_read = self.stub.Acquire(
             pb.AcquireRequest(layout=LID, keys=keys(9, 1), key_width=32), metadata=BOB).lease_id
@@ -53,6 +61,21 @@ class Env:
             pb.AcquireRequest(layout=LID, keys=keys(7, 1), key_width=32), metadata=ALICE).lease_id
         self.alice_write = self.stub.Allocate(
             pb.AllocateRequest(layout=LID, keys=keys(6, 1), key_width=32), metadata=ALICE).lease_id
+        self.bob_session = self.stub.OpenSession(pb.OpenSessionRequest(), metadata=BOB)
+        self.bob_session_id = next(self.bob_session).session_id
+        self.bob_only = self.stub.RegisterLayout(pb.RegisterLayoutRequest(
+            layout=b"bob-only-layout", block_bytes=4096, block_tokens=16, key_width=32,
+            model_id="bob/private-model"), metadata=BOB).layout_id
+
+    def raw(self, method: str, data: bytes) -> Any:
+        call = self.channel.unary_unary(RAW + method, request_serializer=None,
+                                        response_deserializer=None)
+        return call(data, metadata=ALICE, timeout=5)
+
+    def raw_stream(self, method: str, *data: bytes) -> Any:
+        call = self.channel.stream_unary(RAW + method, request_serializer=None,
+                                         response_deserializer=None)
+        return call(iter(data), metadata=ALICE, timeout=5)
 
     def bob_store(self, k: bytes) -> None:
         a = self.stub.Allocate(pb.AllocateRequest(layout=LID, keys=k, key_width=32), metadata=BOB)
@@ -84,6 +107,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     try:
         yield e
     finally:
+        e.bob_session.cancel()
         e.channel.close()
         d.stop()
 
@@ -227,6 +251,33 @@ CASES: list[Case] = [
     ("message above the size limit", lambda e: e.stub.Lookup(
         pb.LookupRequest(layout=LID, keys=bytes(9 << 20), key_width=32), metadata=ALICE),
      Code.RESOURCE_EXHAUSTED),
+    # issue 12: limits per method, undecodable messages, sessions, other tenants' layouts
+    ("Lookup above its method's limit, under gRPC's", lambda e: e.stub.Lookup(
+        pb.LookupRequest(layout=LID, keys=bytes(1 << 20), key_width=32), metadata=ALICE),
+     Code.RESOURCE_EXHAUSTED),
+    ("Release of 64 KiB", lambda e: e.stub.Release(
+        pb.ReleaseRequest(lease_id="f" * 65536), metadata=ALICE), Code.RESOURCE_EXHAUSTED),
+    ("model id that is not UTF-8", lambda e: e.raw(
+        "RegisterLayout", _bad_utf8(b"\xc3\x28-model")), Code.INVALID_ARGUMENT),
+    ("truncated Lookup", lambda e: e.raw(
+        "Lookup", pb.LookupRequest(layout=LID, keys=bytes(64)).SerializeToString()[:-9]),
+     Code.INVALID_ARGUMENT),
+    ("wire garbage", lambda e: e.raw("Stats", b"\xff\xff\xff\xff"), Code.INVALID_ARGUMENT),
+    ("write stream with an undecodable chunk", lambda e: e.raw_stream(
+        "WriteBlocks", _header(keys(5, 1)).SerializeToString(), b"\x12\xff\x01"),
+     Code.INVALID_ARGUMENT),
+    ("Acquire under another tenant's session", lambda e: e.stub.Acquire(
+        pb.AcquireRequest(layout=LID, keys=keys(7, 1), key_width=32),
+        metadata=(*ALICE, ("kvtier-session", e.bob_session_id))), Code.FAILED_PRECONDITION),
+    ("Allocate under a session never opened", lambda e: e.stub.Allocate(
+        pb.AllocateRequest(layout=LID, keys=keys(1, 1), key_width=32),
+        metadata=(*ALICE, ("kvtier-session", "0" * 32))), Code.FAILED_PRECONDITION),
+    ("Lookup of a layout only another tenant registered", lambda e: e.stub.Lookup(
+        pb.LookupRequest(layout=e.bob_only, keys=bytes(32), key_width=32), metadata=ALICE),
+     Code.NOT_FOUND),
+    ("prefill report on another tenant's layout", lambda e: e.stub.ReportPrefill(
+        pb.ReportPrefillRequest(layout=e.bob_only, tokens=16, seconds=1.0), metadata=ALICE),
+     Code.NOT_FOUND),
 ]
 
 
@@ -243,8 +294,17 @@ def test_hostile_request_is_refused_and_changes_nothing(
     assert env.d.healthy()
 
 
-def test_table_has_at_least_twenty_cases() -> None:
-    assert len(CASES) >= 20
+def test_table_has_at_least_fifty_cases() -> None:
+    assert len(CASES) >= 50
+
+
+def test_no_refusal_names_another_tenants_model(env: Env) -> None:
+    """Every refusal alice got from the table above stays inside her own namespace."""
+    for _name, call, _code in CASES:
+        try:
+            call(env)
+        except grpc.RpcError as exc:
+            assert "bob/private-model" not in (exc.details() or "")
 
 
 def test_tenants_are_isolated(env: Env) -> None:
@@ -285,3 +345,369 @@ def test_events_are_per_tenant(env: Env) -> None:
         seen[who] = got
     assert key(120, 0) in seen["alice"] and key(120, 0) not in seen["bob"]
     assert key(121, 0) in seen["bob"] and key(121, 0) not in seen["alice"]
+
+
+# -- attacks that need their own daemon (issue 12) ----------------------------------------------
+# Each one failed on the daemon before the fix it names; each passes a real daemon process.
+
+OPS = (("authorization", "Bearer ops-admin-token-3"),)
+TOKENS = ('[tenants.alice]\ntoken = "alice-secret-token"\n{alice}\n'
+          '[tenants.bob]\ntoken = "bob-secret-token-2"\n\n'
+          '[tenants.ops]\ntoken = "ops-admin-token-3"\nadmin = true\n')
+RAW = "/kvtier.v1.KvTier/"
+
+
+def tenants_daemon(tmp: Path, *args: str, alice: str = "") -> DaemonProc:
+    tokens = tmp / "tokens.toml"
+    tokens.write_text(TOKENS.format(alice=alice))
+    return DaemonProc(tmp / "d", ["--tokens-file", str(tokens), *args]).start()
+
+
+def stub_of(d: DaemonProc) -> tuple[grpc.Channel, Any]:
+    ch = grpc.insecure_channel(f"unix:{d.socket}",
+                               options=[("grpc.max_send_message_length", 64 << 20)])
+    stub = pb_grpc.KvTierStub(ch)  # type: ignore[no-untyped-call]
+    reg = pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32,
+                                   model_id=MODEL)
+    for md in (ALICE, BOB):
+        assert stub.RegisterLayout(reg, metadata=md).layout_id == LID
+    return ch, stub
+
+
+def write_blocks(stub: Any, md: Any, k: bytes, fill: bytes) -> pb.WriteBlocksResponse:
+    n = len(k) // 32
+    return stub.WriteBlocks(_chunks(_header(k), *(_chunk(i, 0, fill * BLOCK) for i in range(n))),
+                            metadata=md)
+
+
+def read_blocks(stub: Any, md: Any, k: bytes) -> list[bytes]:
+    got: dict[int, bytearray] = {}
+    for c in stub.ReadBlocks(pb.ReadBlocksRequest(layout=LID, keys=k, key_width=32), metadata=md):
+        got.setdefault(c.index, bytearray()).extend(c.data)
+    return [bytes(got[i]) for i in sorted(got) if got[i]]
+
+
+def test_late_write_chunk_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
+    """Item 1: A stalls mid-WriteBlocks past its TTL; B gets the slot, writes and commits; A's
+    late second half must not reach B's block (before: B's block became half A's bytes)."""
+    d = tenants_daemon(tmp_path, "--dram-bytes", "256KiB", "--ssd-bytes", "0",
+                       "--lease-ttl-s", "1")
+    ch, stub = stub_of(d)
+    go = threading.Event()
+    half = BLOCK // 2
+
+    def alice() -> Iterator[pb.WriteBlocksRequest]:
+        yield _header(keys(1, 1))
+        yield _chunk(0, 0, b"\xaa" * half)
+        go.wait(20)
+        yield _chunk(0, half, b"\xaa" * half)
+
+    late = stub.WriteBlocks.future(alice(), metadata=ALICE)
+    bob_keys = keys(2, 4)  # the whole 4-slot pool: only once alice's lease let go of its slot
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert write_blocks(stub, BOB, bob_keys, b"\xbb").stored == 4
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() is Code.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline, "alice's lease never expired"
+            time.sleep(0.1)
+    go.set()
+    with pytest.raises(grpc.RpcError) as exc:
+        late.result(timeout=10)
+    assert exc.value.code() is Code.NOT_FOUND, exc.value.details()
+    assert read_blocks(stub, BOB, bob_keys) == [b"\xbb" * BLOCK] * 4
+    ch.close()
+    d.stop()
+
+
+def test_stalled_reader_never_receives_reused_slots(tmp_path: Path) -> None:
+    """Item 2: B's ReadBlocks reader stops reading past its READ lease's TTL while A's stores
+    reuse the unpinned slots; every byte B then receives must still be its own (before: B got
+    A's blocks), and the stream ends NOT_FOUND instead."""
+    d = tenants_daemon(tmp_path, "--ssd-bytes", "0", "--lease-ttl-s", "1")
+    ch, stub = stub_of(d)
+    n = 240  # 15 MiB: more than gRPC buffers ahead of a reader that stopped (~6 MiB seen)
+    bob_keys = keys(3, n)
+    mine = [bytes([0xB0]) * BLOCK for _ in range(n)]
+    with Client(d.socket, layout=LAYOUT, token="bob-secret-token-2") as bob:
+        assert bob.store([key(3, i) for i in range(n)], mine).stored == n
+    stream = stub.ReadBlocks(pb.ReadBlocksRequest(layout=LID, keys=bob_keys, key_width=32),
+                             metadata=BOB)
+    got: dict[int, bytearray] = {}
+    first = next(stream)
+    got.setdefault(first.index, bytearray()).extend(first.data)
+    time.sleep(1.8)  # past the 1 s TTL (the reaper runs every 0.25 s)
+    with Client(d.socket, layout=LAYOUT, token="alice-secret-token") as alice:
+        for chain in range(16):
+            with contextlib.suppress(KvtierRpcError):
+                alice.store([key(40 + chain, i) for i in range(16)], [b"\xa1" * BLOCK] * 16)
+    ended = None
+    try:
+        for c in stream:
+            got.setdefault(c.index, bytearray()).extend(c.data)
+    except grpc.RpcError as exc:
+        ended = exc.code()
+    for i, data in got.items():
+        assert bytes(data) == mine[i][: len(data)], f"block {i}: another tenant's bytes"
+    assert ended is Code.NOT_FOUND
+    ch.close()
+    d.stop()
+
+
+_HOLDER = r"""
+import sys, time
+from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier._proto import kvtier_pb2 as pb, kvtier_pb2_grpc as pb_grpc
+import grpc
+sock, how = sys.argv[1], sys.argv[2]
+layout = LayoutDecl(b"hostile-layout-01", 65536, 16, model_id="hostile/model-a")
+keys = [bytes([5, i]) + bytes(30) for i in range(4)]
+if how == "shm":
+    with Client(sock, layout=layout, token="alice-secret-token", lease_ttl_s=60) as kv:
+        with kv.store_into(keys) as tx:
+            print("holding", len(tx.slots), flush=True)
+            time.sleep(600)
+else:
+    ch = grpc.insecure_channel("unix:" + sock)
+    stub = pb_grpc.KvTierStub(ch)
+    md = (("authorization", "Bearer alice-secret-token"),)
+    def chunks():
+        yield pb.WriteBlocksRequest(header=pb.WriteHeader(layout=layout.layout_id,
+                                    keys=b"".join(keys), key_width=32))
+        yield pb.WriteBlocksRequest(chunk=pb.BlockChunk(index=0, offset=0, data=bytes(100)))
+        print("holding", 4, flush=True)
+        time.sleep(600)
+    stub.WriteBlocks(chunks(), metadata=md)
+"""
+
+
+@pytest.mark.parametrize("path", ["shm", "stream"])
+def test_dead_clients_leases_end_within_a_second(tmp_path: Path, path: str) -> None:
+    """Item 3: a SIGKILLed client that pinned the whole pool under 60 s leases; its leases end
+    within 1 s of its death (before: everyone else got RESOURCE_EXHAUSTED for the TTL)."""
+    d = tenants_daemon(tmp_path, "--dram-bytes", "256KiB", "--ssd-bytes", "0",
+                       "--max-lease-ttl-s", "120")
+    ch, stub = stub_of(d)
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(d.socket), path],
+                             stdout=subprocess.PIPE, env=d.env)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().split() == [b"holding", b"4"]
+        want = pb.AllocateRequest(layout=LID, keys=keys(6, 4), key_width=32)
+        deadline = time.monotonic() + 5
+        while True:  # the streaming child's Allocate happens after its header is read
+            try:
+                got = stub.Allocate(want, metadata=BOB).lease_id
+            except grpc.RpcError as exc:
+                assert exc.code() is Code.RESOURCE_EXHAUSTED
+                break
+            stub.Abort(pb.AbortRequest(lease_id=got), metadata=BOB)
+            assert time.monotonic() < deadline, "the child never held the pool"
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    died = time.monotonic()
+    while True:
+        try:
+            lease = stub.Allocate(want, metadata=BOB).lease_id
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() is Code.RESOURCE_EXHAUSTED
+            assert time.monotonic() - died < 5, "the dead client's leases outlived it"
+            time.sleep(0.02)
+    ended = time.monotonic() - died
+    print(f"{path}: the dead client's leases ended {ended:.3f} s after SIGKILL")
+    assert ended < 1.0
+    stub.Abort(pb.AbortRequest(lease_id=lease), metadata=BOB)
+    ch.close()
+    d.stop()
+
+
+COST = ModelCost(8.0e9, 32, 4096)
+SECRET_MODEL = "secret/alice-only-model"
+
+
+def test_tenants_cannot_steer_or_observe_each_other(tmp_path: Path) -> None:
+    """Item 4: B re-registering A's layout with another cost model, B's prefill reports, B's
+    Stats, B's event stream, B's errors and NOT_FOUND-vs-OK: none of them changes or reveals
+    anything of A's (before: each did)."""
+    d = tenants_daemon(tmp_path, "--ssd-bytes", "0")
+    ch, stub = stub_of(d)
+    bob_events: list[pb.KvEvent] = []
+    watch = stub.WatchEvents(pb.WatchEventsRequest(), metadata=BOB, timeout=5)
+    watcher = threading.Thread(target=lambda: bob_events.extend(_until_deadline(watch)))
+    watcher.start()
+    priced = LayoutDecl(FP, BLOCK, 16, model=COST, model_id=MODEL)
+    k = [key(50, i) for i in range(16)]
+    with Client(d.socket, layout=priced, token="alice-secret-token") as alice:
+        assert alice.store(k, [b"\x01" * BLOCK] * 16).stored == 16
+        before = alice.lookup(k, plan=True)
+        assert before.fetch_blocks == 16
+        # B: A's (model id, fingerprint) with a tiny model, and absurdly fast prefills
+        tiny = pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16,
+                                        key_width=32, model_id=MODEL,
+                                        model=pb.ModelCost(active_params=1e3, num_layers=1,
+                                                           attn_dim=8))
+        stub.RegisterLayout(tiny, metadata=BOB)
+        for _ in range(8):
+            stub.ReportPrefill(pb.ReportPrefillRequest(layout=LID, tokens=100_000, seconds=1e-6),
+                               metadata=BOB)
+        after = alice.lookup(k, plan=True)
+        assert after.fetch_blocks == 16
+        assert after.plan is not None and before.plan is not None
+        assert after.plan.predicted_recompute_seconds == before.plan.predicted_recompute_seconds
+        for step in range(3):  # interleaved stores: B's sequence numbers must have no gaps
+            write_blocks(stub, BOB, keys(60 + step, 1), b"\x02")
+            alice.store([key(70 + step, 0)], [b"\x03" * BLOCK])
+        # Stats: B's own figures; the admin token's are the node's
+        bob_stats = stub.Stats(pb.StatsRequest(), metadata=BOB)
+        assert (bob_stats.lookups, bob_stats.blocks_hit, bob_stats.node_wide) == (0, 0, False)
+        assert bob_stats.tiers[0].blocks == 3 and bob_stats.layouts == 1
+        node = stub.Stats(pb.StatsRequest(), metadata=OPS)
+        assert node.node_wide and node.lookups >= 2 and node.tiers[0].blocks == 3 + 16 + 3
+        # a shape conflict names only B's own registration; A's layout is untouched
+        reshaped = pb.RegisterLayoutRequest(layout=b"alice-private-fp", block_bytes=4096,
+                                            block_tokens=16, key_width=32, model_id=SECRET_MODEL)
+        alice_lid = stub.RegisterLayout(reshaped, metadata=ALICE).layout_id
+        reshaped.block_bytes = 8192
+        assert stub.RegisterLayout(reshaped, metadata=BOB).layout_id == alice_lid  # B's own
+        with pytest.raises(grpc.RpcError) as exc:
+            reshaped.block_bytes = 2048
+            stub.RegisterLayout(reshaped, metadata=BOB)
+        assert exc.value.code() is Code.FAILED_PRECONDITION
+        assert "block_bytes=8192" in exc.value.details()  # B's, never A's 4096
+        # NOT_FOUND vs OK: a layout only A registered looks exactly like one nobody has
+        only_alice = stub.RegisterLayout(pb.RegisterLayoutRequest(
+            layout=b"alice-only-layout", block_bytes=4096, block_tokens=16, key_width=32,
+            model_id=SECRET_MODEL), metadata=ALICE).layout_id
+        answers = []
+        for lid in (only_alice, bytes(32)):
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.Lookup(pb.LookupRequest(layout=lid, keys=bytes(32), key_width=32),
+                            metadata=BOB)
+            answers.append((exc.value.code(), exc.value.details().replace(lid.hex()[:16], "X")))
+        assert answers[0] == answers[1] and answers[0][0] is Code.NOT_FOUND
+        assert SECRET_MODEL not in str(answers)
+    watcher.join()
+    seqs = [e.sequence for e in bob_events]
+    assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) == 3, seqs
+    ch.close()
+    d.stop()
+
+
+def _until_deadline(stream: Any) -> Iterator[pb.KvEvent]:
+    try:
+        yield from stream
+    except grpc.RpcError as exc:
+        assert exc.code() is Code.DEADLINE_EXCEEDED
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_oversized_requests_are_refused_before_decoding_and_memory_comes_back(
+    tmp_path: Path,
+) -> None:
+    """Item 6: 240 near-limit Lookups (half at the old 7.9 MiB, half just under what gRPC now
+    buffers) are refused, and the idle daemon's RSS is back within 2x of its start (before:
+    61 MB -> 720 MB, and it stayed there)."""
+    d = tenants_daemon(tmp_path)
+    ch, stub = stub_of(d)
+    assert d.proc is not None
+    stub.Lookup(pb.LookupRequest(layout=LID, keys=bytes(32), key_width=32), metadata=ALICE)
+    time.sleep(0.5)
+    start = _rss_mib(d.proc.pid)
+    largest = Limits.for_daemon(4096, 32, CHUNK_BYTES).largest
+    sizes = [int(7.9 * (1 << 20))] * 120 + [largest - 1024] * 120
+    codes: list[Code] = []
+
+    def send(chunk: list[int]) -> None:
+        for size in chunk:
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.Lookup(pb.LookupRequest(layout=LID, keys=bytes(size), key_width=32),
+                            metadata=ALICE)
+            codes.append(exc.value.code())
+
+    threads = [threading.Thread(target=send, args=(sizes[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == [Code.RESOURCE_EXHAUSTED] * 240
+    deadline = time.monotonic() + 12  # the reaper trims the heap every 5 s
+    while _rss_mib(d.proc.pid) > 2 * start and time.monotonic() < deadline:
+        time.sleep(0.5)
+    after = _rss_mib(d.proc.pid)
+    print(f"daemon RSS: {start:.0f} MiB at start, {after:.0f} MiB idle after 240 refused bursts")
+    assert after <= 2 * start, (start, after)
+    assert d.healthy()
+    ch.close()
+    d.stop()
+
+
+def _raw_register(ch: grpc.Channel, data: bytes) -> Any:
+    call = ch.unary_unary(RAW + "RegisterLayout", request_serializer=None,
+                          response_deserializer=pb.RegisterLayoutResponse.FromString)
+    return call(data, metadata=ALICE, timeout=5)
+
+
+def _bad_utf8(model_id: bytes) -> bytes:
+    good = pb.RegisterLayoutRequest(layout=FP, block_bytes=BLOCK, block_tokens=16, key_width=32,
+                                    model_id="x" * len(model_id)).SerializeToString()
+    return good.replace(b"x" * len(model_id), model_id)
+
+
+def test_undecodable_messages_are_invalid_argument_with_one_warning(tmp_path: Path) -> None:
+    """Item 7: 300 RegisterLayouts with a non-UTF-8 model_id and 100 truncated messages get
+    INVALID_ARGUMENT, the log one WARNING line per kind (rate-limited), no traceback (before:
+    INTERNAL/UNKNOWN and an ERROR traceback per request)."""
+    d = tenants_daemon(tmp_path)
+    ch, _ = stub_of(d)
+    bad = [_bad_utf8(b"model-\xff\xfe-%d" % (i % 10)) for i in range(300)]
+    bad += [pb.LookupRequest(layout=LID, keys=bytes(64)).SerializeToString()[:-7]] * 100
+    for data in bad:
+        with pytest.raises(grpc.RpcError) as exc:
+            _raw_register(ch, data)
+        assert exc.value.code() is Code.INVALID_ARGUMENT, exc.value.details()
+        assert "undecodable RegisterLayout" in (exc.value.details() or "")
+    assert d.healthy()
+    log = d.log()
+    assert "Traceback" not in log and " ERROR " not in log
+    warnings = [line for line in log.splitlines() if " WARNING " in line and "refused" in line]
+    assert 1 <= len(warnings) <= 2, warnings  # one per kind: bad UTF-8, corrupt wire format
+    ch.close()
+    d.stop()
+
+
+@pytest.mark.parametrize("guarantee,kept", [("", 128), ('dram_guarantee = "12MiB"\n', 192)])
+def test_a_flooding_tenant_cannot_evict_anothers_share(
+    tmp_path: Path, guarantee: str, kept: int
+) -> None:
+    """Item 5: A holds 240 of the 256 DRAM slots; B (no quota) then stores 256 blocks. A keeps
+    its fair share (half the pool), or its configured guarantee (12 MiB = 192 slots); B evicts
+    A only down to that, then recycles its own (before: B evicted all 240 of A's blocks)."""
+    d = tenants_daemon(tmp_path, "--ssd-bytes", "0", alice=guarantee)
+    chains = {who: [[key(tag + c, i) for i in range(16)] for c in range(16)]
+              for who, tag in (("alice", 100), ("bob", 150))}
+    with Client(d.socket, layout=LAYOUT, token="alice-secret-token") as alice, \
+            Client(d.socket, layout=LAYOUT, token="bob-secret-token-2") as bob:
+        for chain in chains["alice"][:15]:  # 240 blocks
+            assert alice.store(chain, [b"\x0a" * BLOCK] * 16).stored == 16
+        for chain in chains["bob"]:
+            with contextlib.suppress(KvtierRpcError):
+                bob.store(chain, [b"\x0b" * BLOCK] * 16)
+
+        def in_dram(kv: Client, who: str) -> int:
+            return sum(kv.lookup(c).tiers.count(Tier.DRAM) for c in chains[who])
+
+        a, b = in_dram(alice, "alice"), in_dram(bob, "bob")
+    assert a >= kept, f"alice kept {a} of 240 blocks"
+    assert a + b == 256 and b >= 256 - 240  # the pool stays full; bob got the rest
+    d.stop()

@@ -343,7 +343,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "active_leases", "lookups", "blocks_hit", "blocks_missed", "tenant_dram_bytes", "tenant_ssd_bytes", "tenant_dram_quota_bytes", "tenant_ssd_quota_bytes", "segment", "uptime_seconds", "layouts", "writeback_dropped", "checksum_failures", "version", "mrc")
+    __slots__ = ("tiers", "active_leases", "lookups", "blocks_hit", "blocks_missed", "tenant_dram_bytes", "tenant_ssd_bytes", "tenant_dram_quota_bytes", "tenant_ssd_quota_bytes", "segment", "uptime_seconds", "layouts", "writeback_dropped", "checksum_failures", "version", "mrc", "node_wide", "tenant_dram_guarantee_bytes")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +360,8 @@ class StatsResponse(_message.Message):
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MRC_FIELD_NUMBER: _ClassVar[int]
+    NODE_WIDE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_DRAM_GUARANTEE_BYTES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     active_leases: int
     lookups: int
@@ -376,7 +378,19 @@ class StatsResponse(_message.Message):
     checksum_failures: int
     version: str
     mrc: _containers.RepeatedCompositeFieldContainer[MrcPoint]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., active_leases: _Optional[int] = ..., lookups: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., blocks_missed: _Optional[int] = ..., tenant_dram_bytes: _Optional[int] = ..., tenant_ssd_bytes: _Optional[int] = ..., tenant_dram_quota_bytes: _Optional[int] = ..., tenant_ssd_quota_bytes: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., layouts: _Optional[int] = ..., writeback_dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., mrc: _Optional[_Iterable[_Union[MrcPoint, _Mapping]]] = ...) -> None: ...
+    node_wide: bool
+    tenant_dram_guarantee_bytes: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., active_leases: _Optional[int] = ..., lookups: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., blocks_missed: _Optional[int] = ..., tenant_dram_bytes: _Optional[int] = ..., tenant_ssd_bytes: _Optional[int] = ..., tenant_dram_quota_bytes: _Optional[int] = ..., tenant_ssd_quota_bytes: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., layouts: _Optional[int] = ..., writeback_dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., mrc: _Optional[_Iterable[_Union[MrcPoint, _Mapping]]] = ..., node_wide: _Optional[bool] = ..., tenant_dram_guarantee_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class MrcPoint(_message.Message):
     __slots__ = ("scaled", "factor", "dram_blocks", "ssd_blocks", "dram_hit_ratio", "hit_ratio")

@@ -104,6 +104,11 @@ class KvTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.KvEvent.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_stream(
+                '/kvtier.v1.KvTier/OpenSession',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.SessionEvent.FromString,
+                _registered_method=True)
 
 
 class KvTierServicer:
@@ -195,7 +200,7 @@ class KvTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Pool sizes, usage, counters (this tenant's view plus node totals).
+        """Pool sizes, usage, counters: this tenant's own (node totals for an admin token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -203,6 +208,14 @@ class KvTierServicer:
 
     def WatchEvents(self, request, context):
         """Server stream of BlockStored / BlockRemoved for this tenant, with sequence numbers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSession(self, request, context):
+        """A session: the first (and only) message names it; the stream stays open until the client
+        cancels it or its connection closes, and then every lease granted under it ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -280,6 +293,11 @@ def add_KvTierServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.KvEvent.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.OpenSessionRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.SessionEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -660,6 +678,33 @@ class KvTier:
             '/kvtier.v1.KvTier/WatchEvents',
             kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.KvEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.KvTier/OpenSession',
+            kvtier_dot_v1_dot_kvtier__pb2.OpenSessionRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,

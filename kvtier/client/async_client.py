@@ -7,7 +7,8 @@
             ...
 
 Views from `load` are valid only inside its `async with` block. One AsyncClient belongs to one
-event loop.
+event loop. Like `Client`, it binds its leases to an OpenSession stream (they end when the process
+dies).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.shm import MappedSegment, SegmentHolder
 from kvtier.client.sync_client import (
     MAX_MESSAGE_BYTES,
+    SESSION_METADATA,
     TIER_FROM_PB,
     Assembler,
     KvtierRpcError,
@@ -38,6 +40,7 @@ from kvtier.client.sync_client import (
     check_blocks,
     check_registered,
     default_socket,
+    is_closed_session,
     is_unknown_layout,
     lookup_result,
     pack_keys,
@@ -70,6 +73,8 @@ class AsyncClient(SegmentHolder):
         self._stub = pb_grpc.KvTierStub(self._channel)  # type: ignore[no-untyped-call]
         self._segment: MappedSegment | None = None
         self.tenant = ""
+        self._session: Any = None  # the OpenSession stream (None: the daemon has none)
+        self._call_metadata = self._metadata
 
     @classmethod
     async def connect(cls, socket: str | Path | None = None, **kwargs: Any) -> AsyncClient:
@@ -79,6 +84,7 @@ class AsyncClient(SegmentHolder):
         try:
             require_daemon(client.target)
             await client._register(first=True)
+            await client._open_session()
         except BaseException:
             await client._channel.close(None)
             raise
@@ -87,7 +93,7 @@ class AsyncClient(SegmentHolder):
     async def _raw(self, method: Callable[..., Awaitable[T]], request: Any,
                    wait: bool = True) -> T:
         try:
-            return await method(request, timeout=self.timeout, metadata=self._metadata,
+            return await method(request, timeout=self.timeout, metadata=self._call_metadata,
                                 wait_for_ready=wait)
         except grpc.RpcError as exc:
             raise rpc_error(exc, self.target if not wait else None) from None
@@ -96,10 +102,29 @@ class AsyncClient(SegmentHolder):
         try:
             return await self._raw(method, request)
         except KvtierRpcError as exc:
-            if not is_unknown_layout(exc):
+            if not (is_closed_session(exc) or is_unknown_layout(exc)):
                 raise
-            await self._register()
+            await self._register()  # either means the daemon restarted: it knows neither now
+            await self._open_session()
             return await self._raw(method, request)
+
+    async def _open_session(self) -> None:
+        """(Re)opens the OpenSession stream the daemon binds this client's leases to."""
+        if self._session is not None:
+            self._session.cancel()
+        self._session, self._call_metadata = None, self._metadata
+        call = self._stub.OpenSession(pb.OpenSessionRequest(), metadata=self._metadata,
+                                      wait_for_ready=True)
+        try:
+            first = await call.read()
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return  # an older daemon: leases end by TTL only
+            raise rpc_error(exc) from None
+        if not isinstance(first, pb.SessionEvent):  # the stream ended at once (EOF)
+            return
+        self._session = call
+        self._call_metadata = (*self._metadata, (SESSION_METADATA, first.session_id))
 
     async def _register(self, first: bool = False) -> None:
         reply = await self._raw(self._stub.RegisterLayout, register_request(self.layout),
@@ -109,6 +134,8 @@ class AsyncClient(SegmentHolder):
         self._adopt(reply.segment)
 
     async def close(self) -> None:
+        if self._session is not None:
+            self._session.cancel()
         self._close_segment()
         await self._channel.close(None)
 

@@ -19,6 +19,10 @@ daemon no longer knows it, and re-attach the new segment generation. A lease doe
 restart or its TTL: the `load`/`store_into` block that held it ends with `KvtierRpcError`
 (NOT_FOUND) from its Release/Commit — treat what was read as invalid, and retry.
 
+Sessions: a Client opens one OpenSession stream and sends its id with every Acquire/Allocate,
+so when the process dies (its connection closes) the daemon ends its leases at once instead of
+after their TTL; a daemon without sessions (older) falls back to the TTL alone.
+
 Lifetimes: views from `load` are valid only inside its `with` block (afterwards the slot may be
 reused), and only while the lease lives: a `with` block held longer than the lease TTL (daemon
 default 30 s; `lease_ttl_s=` asks for more, up to the daemon's maximum) loses its pins.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket as _socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -173,6 +178,14 @@ def rpc_error(exc: grpc.RpcError, unreachable: str | None = None) -> KvtierRpcEr
     return cls(code, details)
 
 
+SESSION_METADATA = "kvtier-session"
+
+
+def is_closed_session(exc: KvtierRpcError) -> bool:
+    """The daemon no longer knows this client's session (it restarted): open a new one."""
+    return exc.code is grpc.StatusCode.FAILED_PRECONDITION and "session" in exc.details
+
+
 def is_unknown_layout(exc: KvtierRpcError) -> bool:
     return exc.code is grpc.StatusCode.NOT_FOUND and "unknown layout" in exc.details
 
@@ -218,9 +231,13 @@ class Client(SegmentHolder):
         self._stub = pb_grpc.KvTierStub(self._channel)  # type: ignore[no-untyped-call]
         self._segment: MappedSegment | None = None
         self.tenant = ""
+        self._session_lock = threading.Lock()
+        self._session: Any = None  # the OpenSession stream (None: the daemon has none)
+        self._call_metadata = self._metadata
         try:
             require_daemon(self.target)
             self._register(first=True)
+            self._open_session()
         except BaseException:
             self._channel.close()
             raise
@@ -230,20 +247,39 @@ class Client(SegmentHolder):
     def _raw(self, method: Callable[..., T], request: Any, wait: bool = True) -> T:
         """One RPC; `wait`: wait (up to the timeout) for a daemon that is (re)starting."""
         try:
-            return method(request, timeout=self.timeout, metadata=self._metadata,
+            return method(request, timeout=self.timeout, metadata=self._call_metadata,
                           wait_for_ready=wait)
         except grpc.RpcError as exc:
             raise rpc_error(exc, self.target if not wait else None) from None
 
     def _call(self, method: Callable[..., T], request: Any) -> T:
-        """One RPC; after a restart (unknown layout) re-registers and retries once."""
+        """One RPC; after a restart (unknown layout, closed session) re-registers or reopens
+        the session, and retries once."""
         try:
             return self._raw(method, request)
         except KvtierRpcError as exc:
-            if not is_unknown_layout(exc):
+            if not (is_closed_session(exc) or is_unknown_layout(exc)):
                 raise
-            self._register()
+            self._register()  # either means the daemon restarted: it knows neither now
+            self._open_session()
             return self._raw(method, request)
+
+    def _open_session(self) -> None:
+        """(Re)opens the OpenSession stream the daemon binds this client's leases to."""
+        with self._session_lock:
+            if self._session is not None:
+                self._session.cancel()
+            self._session, self._call_metadata = None, self._metadata
+            call = self._stub.OpenSession(pb.OpenSessionRequest(), metadata=self._metadata,
+                                          wait_for_ready=True)
+            try:
+                first = next(call)
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    return  # an older daemon: leases end by TTL only
+                raise rpc_error(exc) from None
+            self._session = call
+            self._call_metadata = (*self._metadata, (SESSION_METADATA, first.session_id))
 
     def _register(self, first: bool = False) -> None:
         reply = self._raw(self._stub.RegisterLayout, register_request(self.layout), wait=not first)
@@ -252,6 +288,8 @@ class Client(SegmentHolder):
         self._adopt(reply.segment)
 
     def close(self) -> None:
+        if self._session is not None:
+            self._session.cancel()
         self._close_segment()
         self._channel.close()
 

@@ -92,6 +92,7 @@ class Acquiring:
     remote_keys: list[bytes] = field(default_factory=list)  # after the local prefix
     remote_slots: list[int] = field(default_factory=list)  # claimed, one per remote key
     remote_got: list[int | None] | None = None
+    session: str = ""  # the lease's session (see `kvtier.daemon.leases`)
 
     @property
     def io(self) -> bool:
@@ -207,7 +208,8 @@ class Acquirer:
                 lease_id, offsets = "", []
                 if pinned:
                     lease_id = self._leases.grant(a.tenant.name, LeaseKind.READ, a.ttl,
-                                                  ReadLease(ns, pinned, a.h2d_bytes_per_s)).id
+                                                  ReadLease(ns, pinned, a.h2d_bytes_per_s),
+                                                  a.session).id
                     offsets = [pool.offset(b.dram_slot or 0) for b in pinned]
             finally:
                 a.done.set()

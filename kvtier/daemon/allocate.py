@@ -1,7 +1,8 @@
 """The store path: Allocate slots under a WRITE lease, then Commit the blocks or Abort.
 
     allocate  keys not cached and not being written get fresh slots (tenant DRAM quota first:
-              its own unpinned blocks are evicted for room, else RESOURCE_EXHAUSTED); the keys
+              its own unpinned blocks are evicted for room, else RESOURCE_EXHAUSTED; then a
+              full pool makes room by fair shares, `kvtier.core.fairshare`); the keys
               become `pending` in their namespace, so a second Allocate skips them
     commit    inserts the blocks in chain order as DRAM blocks; one whose parent vanished
               meanwhile (or that appeared meanwhile) is dropped and its slot freed, so no block
@@ -68,6 +69,7 @@ class Allocator:
 
     def allocate(
         self, tenant: Tenant, ns: Namespace, chain: list[bytes], parent: bytes, ttl: float,
+        session: str = "",
     ) -> AllocateResult:
         """Grants a WRITE lease on fresh slots for the keys of `chain` not cached or pending."""
         index = self.tiers.index
@@ -90,7 +92,7 @@ class Allocator:
         slots = self._take_slots(ns.tenant, len(need))
         lease = self._leases.grant(
             tenant.name, LeaseKind.WRITE, ttl,
-            WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))),
+            WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))), session,
         )
         for i in need:
             ns.pending[chain[i]] = lease.id
@@ -104,7 +106,7 @@ class Allocator:
                 f"bytes: {n} more blocks do not fit (it holds {state.dram_bytes}, pinned or "
                 "being written)"
             )
-        slots = self.tiers.take_slots(n)
+        slots = self.tiers.take_slots(n, state.tenant.name)
         if not slots:
             raise ResourceExhausted(
                 f"DRAM pool full: {n} slots wanted, {self.tiers.pool.stats().slots_free} free, "

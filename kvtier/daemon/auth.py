@@ -1,14 +1,16 @@
 """Tenants and tokens: who a caller is, and how many DRAM/SSD bytes it may hold.
 
 Without a tokens file the daemon has one tenant, `default`, with no quota and no authentication
-(the Unix socket's mode 0600 is the boundary). With one, every call must carry the gRPC metadata
-`authorization: Bearer <token>`, and the token decides the tenant; keys are namespaced by that
-tenant, never by anything the client claims. The tokens file is TOML:
+(the Unix socket's mode 0600 is the boundary), who counts as admin. With one, every call must
+carry the gRPC metadata `authorization: Bearer <token>`, and the token decides the tenant; keys
+are namespaced by that tenant, never by anything the client claims. The tokens file is TOML:
 
     [tenants.alice]
     token = "s3cret-alice"          # or token_sha256 = "<hex digest of the token>"
     dram_quota = "2GiB"             # optional; 0 or absent = unlimited
     ssd_quota = "20GiB"
+    dram_guarantee = "1GiB"         # optional: DRAM other tenants can never evict it below
+    admin = true                    # optional: Stats and WatchEvents show the whole node
 
     [tenants.bob]
     token_sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
@@ -43,6 +45,8 @@ class Tenant:
     name: str
     dram_quota_bytes: int = 0  # 0 = unlimited
     ssd_quota_bytes: int = 0
+    dram_guarantee_bytes: int = 0  # other tenants' allocations never evict it below this
+    admin: bool = False  # Stats / WatchEvents see the whole node
 
 
 class Authenticator:
@@ -51,7 +55,7 @@ class Authenticator:
     def __init__(self, tenants: dict[bytes, Tenant] | None = None) -> None:
         self._by_digest = dict(tenants or {})
         self.required = bool(self._by_digest)
-        self._default = Tenant(DEFAULT_TENANT)
+        self._default = Tenant(DEFAULT_TENANT, admin=True)
 
     @classmethod
     def from_file(cls, path: str | Path | None) -> Authenticator:
@@ -72,16 +76,23 @@ class Authenticator:
                 raise UsageError(f"{where}: name must match {_NAME_RE.pattern}")
             if not isinstance(spec, dict):
                 raise UsageError(f"{where}: must be a table")
-            unknown = set(spec) - {"token", "token_sha256", "dram_quota", "ssd_quota"}
+            unknown = set(spec) - {"token", "token_sha256", "dram_quota", "ssd_quota",
+                                   "dram_guarantee", "admin"}
             if unknown:
                 raise UsageError(f"{where}: unknown keys {sorted(unknown)}")
             digest = _digest_of(spec, where)
             if digest in by_digest:
                 raise UsageError(f"{where}: token already used by {by_digest[digest].name!r}")
+            admin = spec.get("admin", False)
+            if not isinstance(admin, bool):
+                raise UsageError(f"{where}: admin must be true or false")
+            quota = parse_bytes(spec.get("dram_quota", 0), f"{where}: dram_quota")
+            guarantee = parse_bytes(spec.get("dram_guarantee", 0), f"{where}: dram_guarantee")
+            if quota and guarantee > quota:
+                raise UsageError(f"{where}: dram_guarantee exceeds its dram_quota")
             by_digest[digest] = Tenant(
-                name,
-                parse_bytes(spec.get("dram_quota", 0), f"{where}: dram_quota"),
-                parse_bytes(spec.get("ssd_quota", 0), f"{where}: ssd_quota"),
+                name, quota, parse_bytes(spec.get("ssd_quota", 0), f"{where}: ssd_quota"),
+                guarantee, admin,
             )
         return cls(by_digest)
 

@@ -12,7 +12,8 @@ shared pool), on SSD, or both.
 Rules enforced here (each raises a `CacheError` subclass and changes nothing):
 - the layout must be registered; key width, counts and sizes must match it;
 - a lease can only be used by the tenant that holds it, and only for its kind;
-- DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks (LRU) or refuses.
+- DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks — LRU for a single tenant, by
+  fair shares with guaranteed minimums between tenants (`kvtier.core.fairshare`) — or refuses.
 
 Invariants kept:
 - a pinned block is never evicted, moved or rewritten (its slot is also pinned in the DramPool);
@@ -30,6 +31,7 @@ and `kvtier.daemon.cache_stats` (what it reports).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -60,6 +62,8 @@ from kvtier.daemon.metrics import DaemonMetrics, MrcGauges, PoolGauges
 from kvtier.daemon.namespaces import LayoutInfo, Namespace, Namespaces
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
+from kvtier.daemon.slot_stream import SlotStream
+from kvtier.daemon.tenant_rates import TenantRates
 
 
 class Registered(NamedTuple):
@@ -91,13 +95,14 @@ class Cache:
         self.metrics = metrics
         self.events = events or EventLog()
         self.rates = rates if rates is not None else RateBook()
+        self.tenant_rates = TenantRates(self.rates)
         self.draining = False
         self._closed = False
         self._lock = threading.RLock()
         self._leases = LeaseTable(clock)
         self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
         self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
-                           self.names.ssd_quota_ok)
+                           self.names.ssd_quota_ok, self.names.dram_holdings)
         self.pool = self.tiers.pool
         self.index = self.tiers.index
         self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
@@ -109,19 +114,19 @@ class Cache:
         metrics.attach_mrc(self.mrc_gauges)
 
     def register_layout(
-        self, model_id: str, fingerprint: bytes, block_bytes: int, block_tokens: int,
-        key_width: int, cost: CostModel | None,
+        self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
+        block_tokens: int, key_width: int, cost: CostModel | None,
     ) -> Registered:
-        """Declares a model's layout (idempotent); returns its layout id (what data requests
-        name) and the segment clients map. See `Namespaces`."""
+        """Declares a model's layout for this tenant (idempotent); returns its layout id (what
+        data requests name) and the segment clients map. See `Namespaces`."""
         with self._lock:
-            info = self.names.register(model_id, fingerprint, block_bytes, block_tokens,
+            info = self.names.register(tenant, model_id, fingerprint, block_bytes, block_tokens,
                                        key_width, cost)
         return Registered(info.id, self.pool.handle())
 
-    def layout(self, layout_id: bytes) -> LayoutInfo:
+    def layout(self, tenant: Tenant, layout_id: bytes) -> LayoutInfo:
         with self._lock:
-            return self.names.layout(layout_id)
+            return self.names.layout(tenant, layout_id)
 
     def _ns(self, tenant: Tenant, layout_id: bytes) -> Namespace:
         ns = self.names.get(tenant, layout_id)
@@ -180,6 +185,12 @@ class Cache:
         self, ns: Namespace, chain: list[bytes], tiers: list[Tier], start_token: int,
         prompt_tokens: int, want_plan: bool,
     ) -> LookupResult:
+        with self._lock:
+            mine = ns.tenant
+            mine.lookups += 1
+            mine.lookup_hits += bool(tiers)
+            mine.blocks_hit += len(tiers)
+            mine.blocks_missed += len(chain) - len(tiers)
         m = self.metrics
         m.record_lookup(ns.tenant.tenant.name, ns.layout.model_id, [t.label for t in tiers],
                         len(chain) - len(tiers))
@@ -192,39 +203,58 @@ class Cache:
             )
             prefix = Prefix.uniform([int(t) for t in tiers], lay.block_tokens, lay.block_bytes,
                                     start_token)
-            the_plan = plan(prefix, lay.cost, self.rates.snapshot(), suffix_tokens=suffix)
+            # its own reports + the daemon's SSD and remote links
+            rates = self.tenant_rates.plan_rates(ns.tenant.tenant.name)
+            the_plan = plan(prefix, lay.cost, rates, suffix_tokens=suffix)
             m.record_plan(the_plan)
         return LookupResult(tiers, the_plan)
 
     def acquire(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+        session: str = "",
     ) -> AcquireResult:
         """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
         slots (on this thread); stops before a block that cannot be promoted. See
         `kvtier.daemon.acquire`."""
-        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s)
-        return self.acquirer.finish(a) if a.io else self.acquirer.end(a)
+        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
+        return self._in_session(self.acquirer.finish(a) if a.io else self.acquirer.end(a), a)
 
     async def acquire_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+        session: str = "",
     ) -> AcquireResult:
         """`acquire` for the event loop: SSD reads (and waits for other Acquires' promotions of
         the same blocks) run on a worker thread, without the cache lock. The worker finishes the
         Acquire even if the caller is cancelled; its lease then expires after the TTL."""
-        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s)
+        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
         if not a.io:
-            return self.acquirer.end(a)
-        return await asyncio.to_thread(self.acquirer.finish, a)
+            return self._in_session(self.acquirer.end(a), a)
+        return self._in_session(await asyncio.to_thread(self.acquirer.finish, a), a)
+
+    def _in_session(self, res: AcquireResult, a: Acquiring) -> AcquireResult:
+        """An Acquire whose session ended while it read from SSD: its lease ends now (nobody
+        is left to release it)."""
+        if a.session and res.lease_id:
+            with self._lock:
+                if not self._leases.session_open(a.session, a.tenant.name):
+                    lease = self._leases.pop(res.lease_id)
+                    if lease is not None:
+                        self._end(lease)
+        return res
 
     def acquire_begin(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+        session: str = "",
     ) -> Acquiring:
         """Validates the request and runs the Acquire's first step (`Acquirer.begin`)."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
+            self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
-            return self.acquirer.begin(tenant, ns, chain, ttl)
+            a = self.acquirer.begin(tenant, ns, chain, ttl)
+            a.session = session
+            return a
 
     def _claim(self, ns: Namespace) -> int | None:
         return self.tiers.claim(ns.name) if quota_room(self.tiers, ns.tenant, 1) else None
@@ -242,7 +272,8 @@ class Cache:
             self.metrics.copy_seconds.labels("to_client").observe(seconds)
         if nbytes and seconds > 0:
             self.metrics.observe_fetch(Link.DRAM_READ, seconds, nbytes / r.h2d_bytes_per_s)
-            self.rates.observe_transfer(Link.DRAM_READ, nbytes, seconds)
+            self.tenant_rates.observe(
+                tenant.name, lambda book: book.observe_transfer(Link.DRAM_READ, nbytes, seconds))
 
     def renew(self, tenant: Tenant, lease_id: str, ttl_s: float) -> float:
         ttl = self._ttl(ttl_s)
@@ -255,15 +286,16 @@ class Cache:
 
     def allocate(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
-        ttl_s: float,
+        ttl_s: float, session: str = "",
     ) -> AllocateResult:
         """Slots for the keys not cached or being written, under a WRITE lease. See
         `kvtier.daemon.allocate`."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
+            self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
-            return self.allocator.allocate(tenant, ns, chain, parent, ttl)
+            return self.allocator.allocate(tenant, ns, chain, parent, ttl, session)
 
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
         """Makes the lease's filled slots cached blocks; returns how many were inserted."""
@@ -277,7 +309,8 @@ class Cache:
             self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
         if seconds > 0:
             self.metrics.copy_seconds.labels("from_client").observe(seconds)
-            self.rates.observe_transfer(Link.DRAM_WRITE, nbytes, seconds)
+            self.tenant_rates.observe(
+                tenant.name, lambda book: book.observe_transfer(Link.DRAM_WRITE, nbytes, seconds))
         return inserted
 
     def abort(self, tenant: Tenant, lease_id: str) -> None:
@@ -287,6 +320,30 @@ class Cache:
             self._end(lease)
 
     # -- leases -----------------------------------------------------------------------------
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def open_session(self, tenant: Tenant) -> str:
+        """A new session id; leases granted under it end at `close_session`."""
+        with self._lock:
+            return self._leases.open_session(tenant.name)
+
+    def close_session(self, session: str) -> int:
+        """Ends every lease still held under the session (its client is gone); how many."""
+        with self._lock:
+            gone = self._leases.pop_session(session)
+            for lease in gone:
+                self._end(lease)
+        for lease in gone:
+            self.metrics.leases_expired.labels(lease.kind.value).inc()
+        return len(gone)
+
+    def _check_session(self, tenant: Tenant, session: str) -> None:
+        if session and not self._leases.session_open(session, tenant.name):
+            raise FailedPrecondition(
+                f"session {session[:12]!r} is not open (it ended, or another tenant's): "
+                "open a new one"
+            )
 
     def _new_lease_ttl(self, ttl_s: float) -> float:
         if self.draining:
@@ -340,15 +397,25 @@ class Cache:
     @asynccontextmanager
     async def reading(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
-    ) -> AsyncIterator[list[memoryview]]:
-        """Acquire (`acquire_async`) + views of the pinned blocks + release (ReadBlocks)."""
+    ) -> AsyncIterator[SlotStream]:
+        """Acquire (`acquire_async`) under a READ lease for a ReadBlocks stream, then release.
+        The stream copies its bytes out with `SlotStream.read`, one chunk at a time under the
+        lock (see `SlotStream`)."""
         got = await self.acquire_async(tenant, layout_id, keys, key_width, 0.0)
-        block_bytes = self.layout(layout_id).block_bytes
+        stream = SlotStream(self._lock, self._leases, self.pool, tenant, got.lease_id,
+                            got.offsets, self.layout(tenant, layout_id).block_bytes)
         try:
-            yield [self.slot_view(o, block_bytes) for o in got.offsets]
+            yield stream
         finally:
             if got.lease_id:
-                self.release(tenant, got.lease_id, len(got.offsets) * block_bytes)
+                with contextlib.suppress(NotFound):  # expired meanwhile: already freed
+                    self.release(tenant, got.lease_id, stream.copied)
+
+    def writing(self, tenant: Tenant, lease_id: str, offsets: list[int],
+                block_bytes: int) -> SlotStream:
+        """The WriteBlocks side of `SlotStream` over a WRITE lease from `allocate`."""
+        return SlotStream(self._lock, self._leases, self.pool, tenant, lease_id, offsets,
+                          block_bytes)
 
     def slot_view(self, offset: int, nbytes: int) -> memoryview:
         """View of a slot the caller holds under a lease (READ: read it; WRITE: fill it)."""
@@ -379,12 +446,14 @@ class Cache:
         self, tenant: Tenant, layout_id: bytes, tokens: int, seconds: float, context: int,
     ) -> bool:
         """An engine's realized prefill; False when the layout has no cost model or it is noise."""
-        info = self.layout(layout_id)
+        info = self.layout(tenant, layout_id)
         if tokens <= 0 or not 0 < seconds < 1e6:
             raise InvalidArgument("tokens and seconds must be positive (seconds finite)")
-        if info.cost is None:
+        cost = info.cost
+        if cost is None:
             return False
-        return self.rates.observe_prefill_tokens(info.cost, context, tokens, seconds)
+        return self.tenant_rates.observe(
+            tenant.name, lambda book: book.observe_prefill_tokens(cost, context, tokens, seconds))
 
     # -- reporting and shutdown -------------------------------------------------------------
 

@@ -20,6 +20,9 @@ from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, label
 
 
 class CacheStats(NamedTuple):
+    """Node totals, or (`node_wide` False) the figures of one tenant: its used bytes, blocks,
+    leases, layouts and lookups; capacities stay the node's."""
+
     dram_capacity_bytes: int
     dram_used_bytes: int
     dram_blocks: int
@@ -31,6 +34,10 @@ class CacheStats(NamedTuple):
     layouts: int
     tenant_dram_bytes: int  # of the tenant asked about (0 without one)
     tenant_ssd_bytes: int
+    node_wide: bool = True
+    lookups: int = 0  # the tenant's (node-wide ones are the metrics' counters)
+    blocks_hit: int = 0
+    blocks_missed: int = 0
 
 
 def cache_stats(
@@ -39,6 +46,21 @@ def cache_stats(
     ps = tiers.pool.stats()
     ss = tiers.store.stats() if tiers.store is not None else None
     state = names.tenants.get(tenant.name) if tenant else None
+    if tenant is not None and not tenant.admin:
+        prefix = tenant.name + "/"
+        mine = [lease for lease in leases if lease.tenant == tenant.name]
+        return CacheStats(
+            ps.bytes_reserved, state.dram_bytes if state else 0,
+            tiers.index.blocks_of(prefix, Tier.DRAM),
+            ss.capacity_bytes if ss else 0, state.ssd_bytes if state else 0,
+            tiers.index.blocks_of(prefix, Tier.SSD),
+            sum(1 for lease in mine if lease.kind is LeaseKind.READ),
+            sum(1 for lease in mine if lease.kind is LeaseKind.WRITE),
+            names.layouts_of(tenant.name), state.dram_bytes if state else 0,
+            state.ssd_bytes if state else 0, False,
+            state.lookups if state else 0, state.blocks_hit if state else 0,
+            state.blocks_missed if state else 0,
+        )
     return CacheStats(
         ps.bytes_reserved, ps.bytes_used, tiers.index.blocks(Tier.DRAM),
         ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,

@@ -4,6 +4,10 @@
 after a reconnect, `since`) and wakes subscribers. A subscriber is an asyncio queue bound to its
 event loop; a subscriber that falls `max_queue` events behind is dropped (its stream ends with a
 gap it can detect from the sequence numbers) rather than slowing the cache down.
+
+Sequence numbers are per tenant (a tenant's stream counts only its own events, so it has no gaps
+made by anyone else's); each event also carries a node-wide number, which the streams of admin
+tokens (node-wide subscribers: every tenant's events) use instead.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from kvtier.core.types import Tier
 
 @dataclass(frozen=True, slots=True)
 class BlockEvent:
-    sequence: int
+    sequence: int  # the tenant's
+    node_sequence: int
     timestamp: float
     tenant: str
     layout: bytes
@@ -33,8 +38,9 @@ class BlockEvent:
 class Subscription:
     """One WatchEvents stream's queue. `None` in the queue ends the stream."""
 
-    def __init__(self, tenant: str, loop: asyncio.AbstractEventLoop, max_queue: int) -> None:
-        self.tenant = tenant
+    def __init__(self, tenant: str | None, loop: asyncio.AbstractEventLoop,
+                 max_queue: int) -> None:
+        self.tenant = tenant  # None: every tenant's events, node-wide sequence numbers
         self.loop = loop
         self.queue: asyncio.Queue[BlockEvent | None] = asyncio.Queue()
         self.max_queue = max_queue
@@ -49,11 +55,16 @@ class EventLog:
         self._ring: deque[BlockEvent] = deque(maxlen=keep)
         self._subs: list[Subscription] = []
         self._seq = 0
+        self._tenant_seq: dict[str, int] = {}
         self._max_queue = max_queue
 
     @property
     def sequence(self) -> int:
         return self._seq
+
+    def tenant_sequence(self, tenant: str) -> int:
+        with self._lock:
+            return self._tenant_seq.get(tenant, 0)
 
     def emit(
         self, tenant: str, layout: bytes, stored: bool, tier: Tier, keys: list[bytes],
@@ -63,12 +74,13 @@ class EventLog:
             return
         with self._lock:
             self._seq += 1
+            seq = self._tenant_seq[tenant] = self._tenant_seq.get(tenant, 0) + 1
             event = BlockEvent(
-                self._seq, time.time(), tenant, layout, stored, tier, tuple(keys), parent,
+                seq, self._seq, time.time(), tenant, layout, stored, tier, tuple(keys), parent,
                 block_tokens,
             )
             self._ring.append(event)
-            subs = [s for s in self._subs if s.tenant == tenant]
+            subs = [s for s in self._subs if s.tenant in (tenant, None)]
         for sub in subs:
             self._deliver(sub, event)
 
@@ -83,11 +95,14 @@ class EventLog:
         except RuntimeError:  # the subscriber's loop is closed
             sub.dropped = True
 
-    def subscribe(self, tenant: str, since: int = 0) -> Subscription:
-        """A queue of this tenant's events after `since` (buffered ones first), on this loop."""
+    def subscribe(self, tenant: str | None, since: int = 0) -> Subscription:
+        """A queue of this tenant's events after its sequence `since` (buffered ones first), on
+        this loop; `tenant=None`: every tenant's, after node sequence `since`."""
         sub = Subscription(tenant, asyncio.get_running_loop(), self._max_queue)
         with self._lock:
-            backlog = [e for e in self._ring if e.tenant == tenant and e.sequence > since]
+            backlog = [e for e in self._ring
+                       if (e.node_sequence > since if tenant is None
+                           else e.tenant == tenant and e.sequence > since)]
             self._subs.append(sub)
         for event in backlog if since else ():
             sub.queue.put_nowait(event)

@@ -8,6 +8,10 @@ is freed exactly once — that is how no slot ever leaks.
 Lease ids are 128-bit random hex strings: unguessable, so one tenant cannot name another's lease
 (ownership is still checked by the caller against `Lease.tenant`).
 
+A lease may belong to a *session* (a client process's OpenSession stream): `pop_session` removes
+every live lease of a session at once, when the stream ends — so a client that dies loses its
+leases within moments instead of after their TTL, which stays the backstop.
+
 Not thread-safe: the caller serializes access (the daemon runs it under its cache lock).
 """
 
@@ -36,6 +40,7 @@ class Lease:
     ttl_s: float
     expires_at: float
     payload: object = field(repr=False)
+    session: str = ""  # "" = none: only Release/Commit/Abort or the TTL end it
 
 
 class LeaseTable:
@@ -45,9 +50,14 @@ class LeaseTable:
         self._clock = clock
         self._leases: dict[str, Lease] = {}
         self._heap: list[tuple[float, str]] = []
+        self._by_session: dict[str, set[str]] = {}
+        self._sessions: dict[str, str] = {}  # open session id -> tenant
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    def clock(self) -> float:
+        return self._clock()
 
     def __iter__(self) -> Iterator[Lease]:
         return iter(list(self._leases.values()))
@@ -55,12 +65,15 @@ class LeaseTable:
     def count(self, kind: LeaseKind) -> int:
         return sum(1 for lease in self._leases.values() if lease.kind is kind)
 
-    def grant(self, tenant: str, kind: LeaseKind, ttl_s: float, payload: object) -> Lease:
+    def grant(self, tenant: str, kind: LeaseKind, ttl_s: float, payload: object,
+              session: str = "") -> Lease:
         if ttl_s <= 0:
             raise ValueError(f"lease TTL must be positive, got {ttl_s}")
         lease_id = secrets.token_hex(16)
-        lease = Lease(lease_id, tenant, kind, ttl_s, self._clock() + ttl_s, payload)
+        lease = Lease(lease_id, tenant, kind, ttl_s, self._clock() + ttl_s, payload, session)
         self._leases[lease_id] = lease
+        if session:
+            self._by_session.setdefault(session, set()).add(lease_id)
         heapq.heappush(self._heap, (lease.expires_at, lease_id))
         return lease
 
@@ -81,7 +94,34 @@ class LeaseTable:
 
     def pop(self, lease_id: str) -> Lease | None:
         """Removes and returns the lease (the caller then frees what it holds), or None."""
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._unbind(lease)
+        return lease
+
+    def open_session(self, tenant: str) -> str:
+        """A new, unguessable session id for `tenant`."""
+        session = secrets.token_hex(16)
+        self._sessions[session] = tenant
+        return session
+
+    def session_open(self, session: str, tenant: str) -> bool:
+        """Whether `session` is open and belongs to `tenant`."""
+        return self._sessions.get(session) == tenant
+
+    def pop_session(self, session: str) -> list[Lease]:
+        """Closes the session; removes and returns every live lease of it (its client is gone)."""
+        self._sessions.pop(session, None)
+        ids = self._by_session.pop(session, set())
+        return [lease for i in ids if (lease := self._leases.pop(i, None)) is not None]
+
+    def _unbind(self, lease: Lease) -> None:
+        if lease.session:
+            ids = self._by_session.get(lease.session)
+            if ids is not None:
+                ids.discard(lease.id)
+                if not ids:
+                    del self._by_session[lease.session]
 
     def expired(self) -> list[Lease]:
         """Removes and returns every lease whose deadline has passed, oldest deadline first."""
@@ -92,6 +132,7 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.expires_at == deadline:
                 del self._leases[lease_id]
+                self._unbind(lease)
                 out.append(lease)
         if len(self._heap) > 4 * len(self._leases) + 64:
             self._heap = [(lease.expires_at, lease.id) for lease in self._leases.values()]
@@ -103,6 +144,8 @@ class LeaseTable:
         out = list(self._leases.values())
         self._leases.clear()
         self._heap.clear()
+        self._by_session.clear()
+        self._sessions.clear()
         return out
 
     def next_deadline(self) -> float | None:

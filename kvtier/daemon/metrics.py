@@ -255,7 +255,8 @@ class DaemonMetrics:
         for kind in SSD_DAMAGE:
             self.ssd_damage.labels(kind)
         self.leases_expired = Counter(
-            "kvtier_leases_expired", "Leases reclaimed after their TTL", ["kind"], registry=r
+            "kvtier_leases_expired",
+            "Leases reclaimed after their TTL or with their client's session", ["kind"], registry=r
         )
         # known label values start at 0, so rate() and dashboards see them before the first event
         for kind in LEASE_KINDS:

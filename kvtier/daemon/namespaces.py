@@ -1,7 +1,7 @@
 """Layouts, tenants and namespaces of one daemon, and the request checks. Pure
 bookkeeping. (The domain errors are `kvtier.core.errors`; layout ids `kvtier.core.keys`.)
 
-A registered layout is (model id, layout fingerprint); its *layout id* is
+A registered layout is (model id, layout fingerprint), registered per tenant; its *layout id* is
 `kvtier.core.keys.root_seed(model_id, fingerprint)` (32 bytes: SHA-256 over canonical CBOR of
 `("kvtier-root/v1", model_id, fingerprint)`), the id every data request names. Two models with the
 same layout fingerprint (two fine-tunes of one base) therefore get two layout ids, and their
@@ -11,6 +11,12 @@ that keys blocks in the prefix index and in the SSD store. The `ns2:` tag tells 
 old `"<tenant>/<fingerprint hex>"` form (no model id), whose stored blocks are never served: the
 SSD rebuild drops them (`namespace_layout_id` returns None for them).
 Requests are validated here against their layout (key width, counts) before anything changes.
+
+Layouts (with their cost models) belong to the tenant that registered them: a tenant only ever
+sees, names, reshapes or re-prices its own registrations, so another tenant re-registering the
+same (model id, fingerprint) makes a second, independent layout, a data request naming a layout
+id the caller never registered is NOT_FOUND whoever else has it, and no error message names
+anything but the caller's own registrations.
 
 Not thread-safe: the cache calls it under its lock.
 """
@@ -77,6 +83,10 @@ class TenantState:
     tenant: Tenant
     dram_bytes: int = 0
     ssd_bytes: int = 0
+    lookups: int = 0  # Lookup calls, and the blocks they hit / missed (the tenant's Stats)
+    lookup_hits: int = 0
+    blocks_hit: int = 0
+    blocks_missed: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -88,18 +98,19 @@ class Namespace:
 
 
 class Namespaces:
-    """Registered layouts (by layout id), known tenants (with their usage) and namespaces."""
+    """Registered layouts (by tenant and layout id), known tenants (with their usage) and
+    namespaces."""
 
     def __init__(self, slot_bytes: int, max_blocks_per_request: int) -> None:
         self.slot_bytes = slot_bytes
         self.max_blocks = max_blocks_per_request
-        self.layouts: dict[bytes, LayoutInfo] = {}
+        self.layouts: dict[tuple[str, bytes], LayoutInfo] = {}
         self.tenants: dict[str, TenantState] = {}
         self._namespaces: dict[tuple[str, bytes], Namespace] = {}
 
     def register(
-        self, model_id: str, fingerprint: bytes, block_bytes: int, block_tokens: int,
-        key_width: int, cost: CostModel | None,
+        self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
+        block_tokens: int, key_width: int, cost: CostModel | None,
     ) -> LayoutInfo:
         check_model_id(model_id)
         if not FINGERPRINT_BYTES[0] <= len(fingerprint) <= FINGERPRINT_BYTES[1]:
@@ -118,24 +129,26 @@ class Namespaces:
             raise InvalidArgument(f"block_tokens must be in 1..{1 << 20}, got {block_tokens}")
         lid = layout_id(model_id, fingerprint)
         info = LayoutInfo(lid, model_id, fingerprint, block_bytes, block_tokens, key_width, cost)
-        old = self.layouts.get(lid)
+        old = self.layouts.get((tenant.name, lid))
         shape = (block_bytes, block_tokens, key_width)
         if old is not None and (old.block_bytes, old.block_tokens, old.key_width) != shape:
             raise FailedPrecondition(
                 f"layout {fingerprint.hex()[:16]} of model {model_id!r} is already registered "
+                "by this tenant "
                 f"with block_bytes={old.block_bytes} block_tokens={old.block_tokens} "
                 f"key_width={old.key_width}"
             )
         if old is not None and (cost is None or old.cost == cost):
             return old
-        self.layouts[lid] = info
-        for ns in self._namespaces.values():
-            if ns.layout.id == lid:
-                ns.layout = info
+        self.layouts[(tenant.name, lid)] = info
+        ns = self._namespaces.get((tenant.name, lid))
+        if ns is not None:
+            ns.layout = info
         return info
 
-    def layout(self, lid: bytes) -> LayoutInfo:
-        info = self.layouts.get(lid)
+    def layout(self, tenant: Tenant, lid: bytes) -> LayoutInfo:
+        """The caller's own registration of `lid`; NotFound otherwise (whoever else has it)."""
+        info = self.layouts.get((tenant.name, lid))
         if info is None:
             raise NotFound(f"unknown layout {lid.hex()[:16]}: call RegisterLayout first")
         return info
@@ -143,7 +156,7 @@ class Namespaces:
     def get(self, tenant: Tenant, lid: bytes) -> Namespace:
         ns = self._namespaces.get((tenant.name, lid))
         if ns is None:
-            layout = self.layout(lid)
+            layout = self.layout(tenant, lid)
             ns = Namespace(namespace(tenant.name, lid), self.tenant(tenant.name, tenant), layout)
             self._namespaces[(tenant.name, lid)] = ns
         return ns
@@ -156,6 +169,14 @@ class Namespaces:
         elif tenant is not None and state.tenant != tenant:
             state.tenant = tenant
         return state
+
+    def dram_holdings(self) -> dict[str, tuple[int, int]]:
+        """Tenant -> (DRAM bytes it holds, its guaranteed DRAM bytes): for fair shares."""
+        return {name: (s.dram_bytes, s.tenant.dram_guarantee_bytes)
+                for name, s in self.tenants.items()}
+
+    def layouts_of(self, tenant: str) -> int:
+        return sum(1 for name, _ in self.layouts if name == tenant)
 
     def charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
         state = self.tenant(tenant)

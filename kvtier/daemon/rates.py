@@ -143,6 +143,7 @@ class RateBook:
         if prefill_flops_per_s is not None and not _finite_pos(prefill_flops_per_s):
             raise ValueError(f"invalid prefill seed {prefill_flops_per_s}")
         self._prefill_seed = prefill_flops_per_s or DEFAULT_PREFILL_FLOPS_PER_S
+        self._window = window
         self._bw = {link: _Window(window) for link in Link}
         self._lat = {link: _Window(window) for link in Link}
         self._prefill = _Window(window)
@@ -155,6 +156,10 @@ class RateBook:
         if cal is None:
             return cls(window=window)
         return cls(cal.seed_links(), cal.prefill_flops_per_s, window)
+
+    def fork(self) -> RateBook:
+        """A new book with this one's seeds and no samples (one per tenant in the daemon)."""
+        return RateBook(self._seed, self._prefill_seed, self._window)
 
     def observe_transfer(
         self, link: Link, nbytes: float, seconds: float, *, includes_latency: bool = False

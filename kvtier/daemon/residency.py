@@ -34,9 +34,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
 from kvtier.daemon.config import Config
@@ -72,6 +73,7 @@ class Tiers:
         self, cfg: Config, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
         lock: threading.RLock, charge: Callable[[str, Tier, int], None],
         ssd_quota_ok: Callable[[str, int], bool],
+        holdings: Callable[[], Mapping[str, tuple[int, int]]] = dict,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
@@ -80,6 +82,7 @@ class Tiers:
         self._lock = lock
         self._charge = charge  # (tenant, tier, +-bytes): the cache's per-tenant accounting
         self._ssd_quota_ok = ssd_quota_ok  # (tenant, more bytes) -> within its SSD quota?
+        self._holdings = holdings  # tenant -> (DRAM bytes held, guarantee bytes): fair shares
         self.slot_bytes = cfg.slot_bytes
         self.pool = DramPool.create(DramSpec(
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
@@ -262,7 +265,7 @@ class Tiers:
         charged to its tenant; None when there is no room (or no tier below DRAM)."""
         if self.store is None and self.remote is None:
             return None
-        slots = self.take_slots(1)
+        slots = self.take_slots(1, namespace_tenant(ns))
         if not slots:
             return None
         self._charge(namespace_tenant(ns), Tier.DRAM, self.slot_bytes)
@@ -355,27 +358,41 @@ class Tiers:
 
     # -- DRAM ---------------------------------------------------------------------------------
 
-    def take_slots(self, n: int) -> list[int]:
-        """`n` free slots, evicting unpinned DRAM blocks (LRU) as needed; [] when impossible
-        (when even every unpinned block would not make room, nothing is evicted)."""
+    def take_slots(self, n: int, tenant: str) -> list[int]:
+        """`n` free slots for `tenant`, evicting unpinned DRAM blocks as needed: LRU when only
+        it holds DRAM, else by fair shares (`kvtier.core.fairshare`); [] when impossible (when even
+        every unpinned block would not make room, nothing is evicted)."""
         slots = self.pool.alloc_many(n)
         if slots is None:
             stats = self.pool.stats()
             short = n - stats.slots_free
             if self.index.blocks(Tier.DRAM) - stats.slots_pinned < short:
                 return []
-            self._removed(self.index.evict(Tier.DRAM, short), "capacity")
+            held = {t: b // self.slot_bytes for t, (b, _) in self._holdings().items() if b}
+            if set(held) <= {tenant}:
+                self._removed(self.index.evict(Tier.DRAM, short), "capacity")
+            else:
+                guarantee = {t: g // self.slot_bytes for t, (_, g) in self._holdings().items()}
+                for who, most in room_plan(tenant, n, short, held, guarantee, self.cfg.slots):
+                    short -= self.evict_tenant_dram(who, min(most, short), "share")
+                    if short <= 0:
+                        break
             slots = self.pool.alloc_many(n)
         return slots or []
 
-    def evict_tenant_dram(self, tenant: str, n: int) -> int:
-        """Evicts up to `n` of one tenant's DRAM blocks (quota); O(evictable blocks)."""
-        prefix = tenant + "/"
-        mine = [b for b in self.index.victims(Tier.DRAM, 1 << 30)
-                if isinstance(b.tenant, str) and b.tenant.startswith(prefix)][:n]
-        for b in mine:
-            self._removed([self.index.drop(b.tenant, b.key, Tier.DRAM)], "quota")
-        return len(mine)
+    def evict_tenant_dram(self, tenant: str, n: int, reason: str = "quota") -> int:
+        """Evicts up to `n` of one tenant's DRAM blocks, coldest first (quota, fair share);
+        O(evictable blocks) per block of the longest chain it shortens."""
+        prefix, done = tenant + "/", 0
+        while done < n:
+            mine = [b for b in self.index.victims(Tier.DRAM, 1 << 30)
+                    if isinstance(b.tenant, str) and b.tenant.startswith(prefix)][:n - done]
+            if not mine:
+                break
+            for b in mine:
+                self._removed([self.index.drop(b.tenant, b.key, Tier.DRAM)], reason)
+            done += len(mine)
+        return done
 
     def _removed(self, gone: list[Evicted], reason: str) -> None:
         ssd_deletes: list[tuple[str, bytes]] = []

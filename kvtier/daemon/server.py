@@ -46,17 +46,19 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvtier._proto import kvtier_pb2 as pb
-from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.core.errors import UsageError
 from kvtier.core.units import format_bytes
+from kvtier.daemon import memory
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.calibrate import calibration_path, load_calibration_if_present
 from kvtier.daemon.config import Config, write_kept
 from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.metrics import DaemonMetrics
+from kvtier.daemon.namespaces import KEY_WIDTHS
 from kvtier.daemon.rates import RateBook
-from kvtier.daemon.service import MAX_MESSAGE_BYTES, KvTierService
+from kvtier.daemon.rpc_guard import Limits, add_service
+from kvtier.daemon.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
 from kvtier.tiers import segment_owner
 
 log = logging.getLogger("kvtier.daemon.server")
@@ -138,6 +140,7 @@ class Daemon:
         self.metrics = DaemonMetrics()
         self.cache: Cache | None = None
         self.server: grpc.aio.Server | None = None
+        self.service: KvTierService | None = None
         self.health = HealthServicer()
         self.metrics_port: int | None = None
         self._stopping = asyncio.Event()
@@ -159,6 +162,13 @@ class Daemon:
 
     async def _start(self) -> str:
         cfg = self.cfg
+        guaranteed = sum(t.dram_guarantee_bytes for t in self.auth.tenants())
+        if guaranteed > cfg.dram_bytes:
+            raise UsageError(
+                f"tokens file {cfg.tokens_file}: the tenants' dram_guarantee add up to "
+                f"{format_bytes(guaranteed)}, more than the DRAM pool "
+                f"({format_bytes(cfg.dram_bytes)})"
+            )
         _claim_socket(cfg.socket)
         reclaimed = segment_owner.reclaim(self.segment_record)
         if reclaimed:
@@ -223,14 +233,14 @@ class Daemon:
 
     async def _start_server(self, cache: Cache) -> None:
         cfg = self.cfg
+        limits = Limits.for_daemon(cfg.max_blocks_per_request, max(KEY_WIDTHS), CHUNK_BYTES)
         server = self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", limits.largest),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
-        pb_grpc.add_KvTierServicer_to_server(  # type: ignore[no-untyped-call]
-            KvTierService(cache, self.auth), server
-        )
+        self.service = KvTierService(cache, self.auth)
+        add_service(self.service, server, limits)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -254,9 +264,13 @@ class Daemon:
 
     async def _reap(self) -> None:
         assert self.cache is not None
+        trimmed = time.monotonic()
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
             self.cache.expire()
+            if time.monotonic() - trimmed >= memory.TRIM_EVERY_S:
+                memory.trim()
+                trimmed = time.monotonic()
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -278,6 +292,8 @@ class Daemon:
             while cache.active_leases() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 cache.expire()
+        if self.service is not None:
+            self.service.close_sessions()  # leases of sessions still open end with them
         if self.server is not None:
             await self.server.stop(1.0)
         if self._reaper is not None:

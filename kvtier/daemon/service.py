@@ -8,12 +8,21 @@ calls the cache, and maps domain errors to gRPC status codes:
     FailedPrecondition → FAILED_PRECONDITION   Unauthenticated → UNAUTHENTICATED
 
 A refused request changes nothing. Every call is counted and timed per method in the metrics.
+Requests arrive through `kvtier.daemon.rpc_guard` (per-method size limits, decoding that never
+raises): a request it refused reaches the handler as a `Refused` value and is answered with its
+code.
+
+Tenancy: layouts, cost models and prefill rates are the caller's own (`kvtier.daemon.namespaces`);
+Stats and WatchEvents show the caller's own figures and events, node-wide ones only for an admin
+token. Sessions (OpenSession): leases granted to a call carrying `kvtier-session` metadata end when
+that session's stream ends — within moments of the client process dying.
 Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
 promotions (Acquire, ReadBlocks), whose reads run on a worker thread (`Cache.acquire_async`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -39,10 +48,12 @@ from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
 from kvtier.daemon.cache import Cache
+from kvtier.daemon.rpc_guard import Refused, RefusedError, decoded
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
-MAX_MESSAGE_BYTES = 8 << 20
+MAX_MESSAGE_BYTES = 8 << 20  # what the daemon sends at most (ReadBlocks chunks, replies)
+SESSION_METADATA = "kvtier-session"
 
 _CODES: dict[type[Exception], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -92,12 +103,18 @@ class KvTierService(pb_grpc.KvTierServicer):
         self.auth = auth
         self.metrics = cache.metrics
         self.started_at = started_at or time.time()
+        self._closing = asyncio.Event()  # set at shutdown: session streams end
+
+    def close_sessions(self) -> None:
+        self._closing.set()
 
     # -- plumbing ---------------------------------------------------------------------------
 
     async def _fail(self, method: str, context: Ctx, exc: Exception, started: float) -> NoReturn:
         """Records and answers a refusal (domain error) or an internal error (a bug: logged)."""
         code = next((c for t, c in _CODES.items() if isinstance(exc, t)), None)
+        if isinstance(exc, RefusedError):
+            code = exc.refused.code
         if code is None:
             log.error("%s failed", method, exc_info=exc)
             code, message = grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
@@ -109,6 +126,13 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     def _tenant(self, context: Ctx) -> Tenant:
         return self.auth.authenticate(context.invocation_metadata())
+
+    @staticmethod
+    def _session(context: Ctx) -> str:
+        for k, v in context.invocation_metadata() or ():
+            if k == SESSION_METADATA:
+                return v if isinstance(v, str) else v.decode("ascii", "replace")
+        return ""
 
     def _record(self, method: str, code: grpc.StatusCode, started: float) -> None:
         self.metrics.rpcs.labels(method, code.name).inc()
@@ -132,7 +156,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                     "client", m.active_params, m.num_layers, m.attn_dim, m.sliding_window,
                 )
             reg = self.cache.register_layout(
-                request.model_id, request.layout, request.block_bytes, request.block_tokens,
+                tenant, request.model_id, request.layout, request.block_bytes, request.block_tokens,
                 request.key_width, cost,
             )
             return pb.RegisterLayoutResponse(
@@ -142,7 +166,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                 tenant=tenant.name,
             )
 
-        return await self._unary("RegisterLayout", context, go)
+        return await self._unary("RegisterLayout", request, context, go)
 
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
         async def go(tenant: Tenant) -> pb.LookupResponse:
@@ -160,15 +184,15 @@ class KvTierService(pb_grpc.KvTierServicer):
                 ))
             return reply
 
-        return await self._unary("Lookup", context, go)
+        return await self._unary("Lookup", request, context, go)
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
         async def go(tenant: Tenant) -> pb.AcquireResponse:
             res = await self.cache.acquire_async(
                 tenant, request.layout, request.keys, request.key_width,
-                request.lease_ttl_ms / 1000,
+                request.lease_ttl_ms / 1000, self._session(context),
             )
-            info = self.cache.layout(request.layout)
+            info = self.cache.layout(tenant, request.layout)
             return pb.AcquireResponse(
                 lease_id=res.lease_id, count=len(res.offsets), offsets=res.offsets,
                 block_bytes=info.block_bytes, segment=segment_info(self.cache.pool.handle()),
@@ -176,7 +200,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                 lease_ttl_ms=int(res.ttl_s * 1000),
             )
 
-        return await self._unary("Acquire", context, go)
+        return await self._unary("Acquire", request, context, go)
 
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
         async def go(tenant: Tenant) -> pb.ReleaseResponse:
@@ -185,7 +209,7 @@ class KvTierService(pb_grpc.KvTierServicer):
             )
             return pb.ReleaseResponse()
 
-        return await self._unary("Release", context, go)
+        return await self._unary("Release", request, context, go)
 
     async def RenewLease(
         self, request: pb.RenewLeaseRequest, context: Ctx
@@ -194,22 +218,22 @@ class KvTierService(pb_grpc.KvTierServicer):
             ttl = self.cache.renew(tenant, request.lease_id, request.lease_ttl_ms / 1000)
             return pb.RenewLeaseResponse(lease_ttl_ms=int(ttl * 1000))
 
-        return await self._unary("RenewLease", context, go)
+        return await self._unary("RenewLease", request, context, go)
 
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
         async def go(tenant: Tenant) -> pb.AllocateResponse:
             res = self.cache.allocate(
                 tenant, request.layout, request.keys, request.key_width, request.parent_key,
-                request.lease_ttl_ms / 1000,
+                request.lease_ttl_ms / 1000, self._session(context),
             )
-            info = self.cache.layout(request.layout)
+            info = self.cache.layout(tenant, request.layout)
             return pb.AllocateResponse(
                 lease_id=res.lease_id, indices=res.indices, offsets=res.offsets,
                 block_bytes=info.block_bytes, segment=segment_info(self.cache.pool.handle()),
                 lease_ttl_ms=int(res.ttl_s * 1000),
             )
 
-        return await self._unary("Allocate", context, go)
+        return await self._unary("Allocate", request, context, go)
 
     async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
         async def go(tenant: Tenant) -> pb.CommitResponse:
@@ -218,14 +242,14 @@ class KvTierService(pb_grpc.KvTierServicer):
             )
             return pb.CommitResponse(committed=n)
 
-        return await self._unary("Commit", context, go)
+        return await self._unary("Commit", request, context, go)
 
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         async def go(tenant: Tenant) -> pb.AbortResponse:
             self.cache.abort(tenant, request.lease_id)
             return pb.AbortResponse()
 
-        return await self._unary("Abort", context, go)
+        return await self._unary("Abort", request, context, go)
 
     async def ReportHbm(
         self, request: pb.ReportHbmRequest, context: Ctx
@@ -237,7 +261,7 @@ class KvTierService(pb_grpc.KvTierServicer):
             )
             return pb.ReportHbmResponse(tracked=n)
 
-        return await self._unary("ReportHbm", context, go)
+        return await self._unary("ReportHbm", request, context, go)
 
     async def ReportPrefill(
         self, request: pb.ReportPrefillRequest, context: Ctx
@@ -248,13 +272,13 @@ class KvTierService(pb_grpc.KvTierServicer):
             )
             return pb.ReportPrefillResponse()
 
-        return await self._unary("ReportPrefill", context, go)
+        return await self._unary("ReportPrefill", request, context, go)
 
     async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
         async def go(tenant: Tenant) -> pb.StatsResponse:
             s = self.cache.stats(tenant)
             value, total = self.metrics.value, self.metrics.total
-            return pb.StatsResponse(
+            reply = pb.StatsResponse(
                 tiers=[
                     pb.TierStats(tier=pb.TIER_DRAM, capacity_bytes=s.dram_capacity_bytes,
                                  used_bytes=s.dram_used_bytes, blocks=s.dram_blocks),
@@ -262,30 +286,37 @@ class KvTierService(pb_grpc.KvTierServicer):
                                  used_bytes=s.ssd_used_bytes, blocks=s.ssd_blocks),
                 ],
                 active_leases=s.read_leases + s.write_leases,
-                lookups=int(total("kvtier_lookups_total")),
-                blocks_hit=int(sum(total("kvtier_blocks_hit_total", tier=t) for t in _TIERS)),
-                blocks_missed=int(total("kvtier_blocks_missed_total")),
+                lookups=s.lookups, blocks_hit=s.blocks_hit, blocks_missed=s.blocks_missed,
                 tenant_dram_bytes=s.tenant_dram_bytes, tenant_ssd_bytes=s.tenant_ssd_bytes,
                 tenant_dram_quota_bytes=tenant.dram_quota_bytes,
                 tenant_ssd_quota_bytes=tenant.ssd_quota_bytes,
+                tenant_dram_guarantee_bytes=tenant.dram_guarantee_bytes,
                 segment=segment_info(self.cache.pool.handle()),
                 uptime_seconds=time.time() - self.started_at,
-                layouts=s.layouts,
-                writeback_dropped=int(value("kvtier_writeback_dropped_total")),
-                checksum_failures=int(value("kvtier_checksum_failures_total")),
-                version=_version,
-                mrc=[pb.MrcPoint(scaled=p.scaled, factor=p.factor, dram_blocks=p.dram_blocks,
-                                 ssd_blocks=p.ssd_blocks, dram_hit_ratio=p.dram_hit_ratio,
-                                 hit_ratio=p.hit_ratio) for p in self.cache.mrc_gauges().points],
+                layouts=s.layouts, version=_version, node_wide=s.node_wide,
             )
+            if s.node_wide:  # node totals, and the miss-ratio curve of all tenants' traffic
+                reply.lookups = int(total("kvtier_lookups_total"))
+                reply.blocks_hit = int(sum(total("kvtier_blocks_hit_total", tier=t)
+                                           for t in _TIERS))
+                reply.blocks_missed = int(total("kvtier_blocks_missed_total"))
+                reply.writeback_dropped = int(value("kvtier_writeback_dropped_total"))
+                reply.checksum_failures = int(value("kvtier_checksum_failures_total"))
+                reply.mrc.extend(
+                    pb.MrcPoint(scaled=p.scaled, factor=p.factor, dram_blocks=p.dram_blocks,
+                                ssd_blocks=p.ssd_blocks, dram_hit_ratio=p.dram_hit_ratio,
+                                hit_ratio=p.hit_ratio) for p in self.cache.mrc_gauges().points)
+            return reply
 
-        return await self._unary("Stats", context, go)
+        return await self._unary("Stats", request, context, go)
 
     async def _unary(
-        self, method: str, context: Ctx, go: Callable[[Tenant], Awaitable[R]]
+        self, method: str, request: object, context: Ctx, go: Callable[[Tenant], Awaitable[R]]
     ) -> R:
         started = time.perf_counter()
         try:
+            if isinstance(request, Refused):
+                raise RefusedError(request)
             result = await go(self._tenant(context))
         except Exception as exc:
             await self._fail(method, context, exc, started)
@@ -299,17 +330,20 @@ class KvTierService(pb_grpc.KvTierServicer):
     ) -> AsyncIterator[pb.BlockChunk]:
         started = time.perf_counter()
         try:
+            if isinstance(request, Refused):
+                raise RefusedError(request)
             tenant = self._tenant(context)
             async with self.cache.reading(
                 tenant, request.layout, request.keys, request.key_width
-            ) as vs:
-                if not vs:
+            ) as stream:
+                if not len(stream):
                     yield pb.BlockChunk(index=0, offset=0, data=b"", count=0)
-                for i, view in enumerate(vs):
-                    for off in range(0, len(view), CHUNK_BYTES):
-                        yield pb.BlockChunk(
-                            index=i, offset=off, data=bytes(view[off : off + CHUNK_BYTES]),
-                            count=len(vs) if i == 0 and off == 0 else 0,
+                size = stream.block_bytes
+                for i in range(len(stream)):
+                    for off in range(0, size, CHUNK_BYTES):
+                        yield pb.BlockChunk(  # copied under the lock while the lease lives
+                            index=i, offset=off, data=stream.read(i, off, CHUNK_BYTES),
+                            count=len(stream) if i == 0 and off == 0 else 0,
                         )
         except Exception as exc:
             await self._fail("ReadBlocks", context, exc, started)
@@ -321,7 +355,7 @@ class KvTierService(pb_grpc.KvTierServicer):
         started = time.perf_counter()
         try:
             tenant = self._tenant(context)
-            reply = await self._write_blocks(tenant, request_iterator)
+            reply = await self._write_blocks(tenant, decoded(request_iterator))
         except Exception as exc:
             await self._fail("WriteBlocks", context, exc, started)
         self._record("WriteBlocks", grpc.StatusCode.OK, started)
@@ -334,10 +368,11 @@ class KvTierService(pb_grpc.KvTierServicer):
         if first is None or not first.HasField("header"):
             raise InvalidArgument("the first WriteBlocks message must be a header")
         h = first.header
-        info = self.cache.layout(h.layout)
+        info = self.cache.layout(tenant, h.layout)
         alloc = self.cache.allocate(tenant, h.layout, h.keys, h.key_width, h.parent_key, 0.0)
         n_keys = len(h.keys) // info.key_width
-        slot_of = dict(zip(alloc.indices, alloc.offsets, strict=True))
+        slots = self.cache.writing(tenant, alloc.lease_id, alloc.offsets, info.block_bytes)
+        slot_of = {index: j for j, index in enumerate(alloc.indices)}
         done, committed = 0, False
         try:
             index, filled = 0, 0
@@ -356,9 +391,8 @@ class KvTierService(pb_grpc.KvTierServicer):
                     raise InvalidArgument(
                         f"chunk overruns the {n_keys} blocks of {info.block_bytes} bytes"
                     )
-                if index in slot_of:
-                    view = self.cache.slot_view(slot_of[index], info.block_bytes)
-                    view[filled : filled + len(c.data)] = c.data
+                if index in slot_of:  # checked and copied under the lock while the lease lives
+                    slots.write(slot_of[index], filled, c.data)
                 filled += len(c.data)
             got = index + (1 if filled == info.block_bytes else 0)
             if got != n_keys:
@@ -377,16 +411,22 @@ class KvTierService(pb_grpc.KvTierServicer):
     ) -> AsyncIterator[pb.KvEvent]:
         started = time.perf_counter()
         try:
+            if isinstance(request, Refused):
+                raise RefusedError(request)
             tenant = self._tenant(context)
-        except Unauthenticated as exc:
+        except (Unauthenticated, RefusedError) as exc:
             await self._fail("WatchEvents", context, exc, started)
-        sub = self.cache.events.subscribe(tenant.name, request.since_sequence)
+        node_wide = tenant.admin
+        sub = self.cache.events.subscribe(None if node_wide else tenant.name,
+                                          request.since_sequence)
         try:
             while True:
                 event = await sub.queue.get()
                 if event is None:
                     break
-                msg = pb.KvEvent(sequence=event.sequence, timestamp=event.timestamp)
+                msg = pb.KvEvent(
+                    sequence=event.node_sequence if node_wide else event.sequence,
+                    timestamp=event.timestamp)
                 medium = _TIER_TO_PB[event.tier]
                 if event.stored:
                     msg.stored.CopyFrom(pb.BlockStored(
@@ -402,3 +442,26 @@ class KvTierService(pb_grpc.KvTierServicer):
             self.cache.events.unsubscribe(sub)
             self._record("WatchEvents", grpc.StatusCode.OK, started)
 
+
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: Ctx
+    ) -> AsyncIterator[pb.SessionEvent]:
+        """Names the session, then holds the stream open; when it ends (the client cancelled,
+        its connection closed, the daemon stops) every lease granted under it ends."""
+        started = time.perf_counter()
+        try:
+            if isinstance(request, Refused):
+                raise RefusedError(request)
+            tenant = self._tenant(context)
+        except (Unauthenticated, RefusedError) as exc:
+            await self._fail("OpenSession", context, exc, started)
+        session = self.cache.open_session(tenant)
+        try:
+            yield pb.SessionEvent(session_id=session)
+            await self._closing.wait()
+        finally:
+            ended = self.cache.close_session(session)
+            if ended:
+                log.info("session of tenant %s ended with %d lease(s) still held: ended them",
+                         tenant.name, ended)
+            self._record("OpenSession", grpc.StatusCode.OK, started)

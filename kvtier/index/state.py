@@ -127,6 +127,13 @@ class IndexState:
         for m in self._maps.values():
             yield from m.values()
 
+    def blocks_of(self, prefix: str, tier: Tier) -> int:
+        """Blocks in `tier` of the tenants (namespaces) whose name starts with `prefix`.
+        O(their entries): for statistics, not for the request path."""
+        bit = 1 << tier
+        return sum(1 for t, m in self._maps.items() if isinstance(t, str) and t.startswith(prefix)
+                   for b in m.values() if b.flags & bit)
+
     def capacity(self, tier: Tier) -> int | None:
         return self._cap[tier]
 

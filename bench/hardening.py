@@ -1,0 +1,193 @@
+"""Hardening benchmark (issue 12): how fast a dead client's leases end, and whether the daemon's
+memory comes back after a burst of oversized requests.
+
+    python -m bench.hardening [--quick]
+
+Starts real `kvtier serve` daemons on temporary sockets and reports, each against a baseline
+measured in the same run:
+- lease release after SIGKILL: a client process holds the whole 4-slot pool under 60 s leases
+  (shm: `store_into`; streaming: a WriteBlocks stalled mid-block) and is SIGKILLed; the time until
+  another client's Allocate of the whole pool succeeds, median and max of N trials, against the
+  leases' TTL (what the daemon waited before sessions). Goal: < 1 s.
+- RSS after a burst: 240 refused Lookups from 8 threads (120 of 7.9 MiB, 120 just under the largest
+  message gRPC accepts), the daemon's RSS at start, at peak and idle afterwards (6.5 s later: the
+  reaper trims the heap every 5 s). Goal: idle RSS <= 2x start.
+Writes bench/results/hardening.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.daemon import ROOT, start_daemon
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.client.sync_client import LayoutDecl
+from kvtier.daemon.memory import TRIM_EVERY_S
+from kvtier.daemon.service import CHUNK_BYTES
+
+try:
+    from kvtier.daemon.rpc_guard import Limits
+    LARGEST = Limits.for_daemon(4096, 32, CHUNK_BYTES).largest
+except ImportError:  # a daemon from before per-method limits (baseline runs of an old tree)
+    LARGEST = CHUNK_BYTES + (4 << 10)
+
+LAYOUT = LayoutDecl(b"bench-hardening-01", 65536, 16, model_id="bench-model")
+TTL_S = 60.0
+_HOLDER = r"""
+import sys, time, grpc
+from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier._proto import kvtier_pb2 as pb, kvtier_pb2_grpc as pb_grpc
+sock, how = sys.argv[1], sys.argv[2]
+layout = LayoutDecl(b"bench-hardening-01", 65536, 16, model_id="bench-model")
+keys = [bytes([5, i]) + bytes(30) for i in range(4)]
+if how == "shm":
+    with Client(sock, layout=layout, lease_ttl_s=60) as kv, kv.store_into(keys) as tx:
+        print("holding", flush=True)
+        time.sleep(600)
+def chunks():
+    yield pb.WriteBlocksRequest(header=pb.WriteHeader(layout=layout.layout_id,
+                                keys=b"".join(keys), key_width=32))
+    yield pb.WriteBlocksRequest(chunk=pb.BlockChunk(index=0, offset=0, data=bytes(100)))
+    time.sleep(0.3)
+    print("holding", flush=True)
+    time.sleep(600)
+with Client(sock, layout=layout):
+    pass
+pb_grpc.KvTierStub(grpc.insecure_channel("unix:" + sock)).WriteBlocks(chunks())
+"""
+
+
+def _stub(sock: Path) -> tuple[grpc.Channel, Any]:
+    ch = grpc.insecure_channel(f"unix:{sock}",
+                               options=[("grpc.max_send_message_length", 64 << 20)])
+    stub = pb_grpc.KvTierStub(ch)  # type: ignore[no-untyped-call]
+    stub.RegisterLayout(pb.RegisterLayoutRequest(
+        layout=LAYOUT.fingerprint, block_bytes=LAYOUT.block_bytes, block_tokens=16,
+        key_width=32, model_id=LAYOUT.model_id))
+    return ch, stub
+
+
+def release_after_kill(sock: Path, path: str, trials: int) -> dict[str, Any]:
+    ch, stub = _stub(sock)
+    want = pb.AllocateRequest(layout=LAYOUT.layout_id, keys=b"".join(
+        bytes([6, i]) + bytes(30) for i in range(4)), key_width=32)
+    samples = []
+    for _ in range(trials):
+        child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(sock), path],
+                                 stdout=subprocess.PIPE, env={"PYTHONPATH": str(ROOT)})
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == b"holding"
+        try:
+            stub.Abort(pb.AbortRequest(lease_id=stub.Allocate(want).lease_id))
+            raise SystemExit(f"{path}: the holder did not hold the pool")
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        child.kill()
+        child.wait()
+        died = time.monotonic()
+        while True:
+            try:
+                lease = stub.Allocate(want).lease_id
+                break
+            except grpc.RpcError:
+                if time.monotonic() - died > 2 * TTL_S:
+                    raise SystemExit(f"{path}: the leases never ended") from None
+                time.sleep(0.002)
+        samples.append(time.monotonic() - died)
+        stub.Abort(pb.AbortRequest(lease_id=lease))
+    ch.close()
+    return {"path": path, "trials": trials, "median_s": statistics.median(samples),
+            "max_s": max(samples), "ttl_s": TTL_S,
+            "ratio_to_ttl": statistics.median(samples) / TTL_S}
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit("no VmRSS")
+
+
+def rss_after_burst(sock: Path, pid: int) -> dict[str, Any]:
+    ch, stub = _stub(sock)
+    stub.Lookup(pb.LookupRequest(layout=LAYOUT.layout_id, keys=bytes(32), key_width=32))
+    time.sleep(0.5)
+    start = _rss_mib(pid)
+    sizes = [int(7.9 * (1 << 20))] * 120 + [LARGEST - 1024] * 120
+    codes: dict[str, int] = {}
+
+    def send(chunk: list[int]) -> None:
+        for size in chunk:
+            try:
+                stub.Lookup(pb.LookupRequest(layout=LAYOUT.layout_id, keys=bytes(size),
+                                             key_width=32))
+                name = "OK"
+            except grpc.RpcError as exc:
+                name = exc.code().name
+            codes[name] = codes.get(name, 0) + 1
+
+    threads = [threading.Thread(target=send, args=(sizes[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    peak = start
+    while any(t.is_alive() for t in threads):
+        peak = max(peak, _rss_mib(pid))
+        time.sleep(0.02)
+    time.sleep(TRIM_EVERY_S + 1.5)  # idle: the reaper has trimmed the heap once since
+    after = _rss_mib(pid)
+    ch.close()
+    return {"requests": len(sizes), "codes": codes, "start_mib": start, "peak_mib": peak,
+            "idle_after_mib": after, "ratio": after / start}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--quick", action="store_true", help="fewer trials (smoke run)")
+    args = ap.parse_args(argv)
+    trials = 2 if args.quick else 7
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        proc, sock = start_daemon(Path(tmp) / "leases", "64KiB", "256KiB",
+                                  "--max-lease-ttl-s", "120")
+        try:
+            leases = [release_after_kill(sock, p, trials) for p in ("shm", "stream")]
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        proc, sock = start_daemon(Path(tmp) / "rss", "64KiB", "16MiB")
+        try:
+            rss = rss_after_burst(sock, proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print(f"Leases of a SIGKILLed client holding the whole pool ({trials} trials each)")
+    print(f"{'path':>8}{'median s':>10}{'max s':>9}{'TTL s':>8}{'median/TTL':>12}")
+    for r in leases:
+        print(f"{r['path']:>8}{r['median_s']:>10.4f}{r['max_s']:>9.4f}{r['ttl_s']:>8.0f}"
+              f"{r['ratio_to_ttl']:>12.2e}")
+    ok = all(r["max_s"] < 1.0 for r in leases)
+    print(f"goal: released < 1 s after the client died: {'reached' if ok else 'NOT reached'}")
+    print(f"\nDaemon RSS around {rss['requests']} refused near-limit Lookups ({rss['codes']})")
+    print(f"start {rss['start_mib']:.0f} MiB, peak {rss['peak_mib']:.0f} MiB, idle after "
+          f"{rss['idle_after_mib']:.0f} MiB: {rss['ratio']:.2f}x start")
+    print(f"goal: idle RSS <= 2x start: {'reached' if rss['ratio'] <= 2 else 'NOT reached'}")
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hardening.json").write_text(json.dumps(
+        {"lease_release": leases, "rss": rss, "quick": args.quick}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

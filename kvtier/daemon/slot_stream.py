@@ -1,0 +1,70 @@
+"""A streaming call's view of the slots its lease holds (ReadBlocks reads them, WriteBlocks
+fills them): the rule that a slot is touched only under a live lease that holds it.
+
+Every chunk takes the cache lock, checks that the stream's lease is still in the lease table (same
+tenant, same kind), and copies its bytes out of or into the slot before letting go of the lock. A
+lease leaves the table — and its slots are freed for reuse — only under that lock (Release,
+Commit, Abort, the reaper's expiry, a session's end), so once a lease is gone its stream can never
+touch the slot again: a stream that stalls past its TTL fails at its next chunk (NotFound) instead
+of reading bytes another tenant wrote there since, or writing into a block another tenant
+committed. A chunk renews the lease once half its TTL has passed, so a stream that keeps moving
+keeps its lease; one that stops loses it after the TTL like any other holder.
+
+Threading: any thread; `read`/`write` take the cache lock (an RLock: callers may hold it).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvtier.core.errors import NotFound
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.tiers.dram import DramPool
+
+
+class SlotStream:
+    """The slots of one lease (block i = the lease's i-th slot, at pool offset `offsets[i]`)."""
+
+    def __init__(self, lock: threading.RLock, leases: LeaseTable, pool: DramPool,
+                 tenant: Tenant, lease_id: str, offsets: list[int], block_bytes: int) -> None:
+        self._lock = lock
+        self._leases = leases
+        self._pool = pool
+        self.tenant = tenant
+        self.lease_id = lease_id
+        self.offsets = offsets
+        self.block_bytes = block_bytes
+        self.copied = 0  # bytes read or written so far (what Release/Commit report)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def read(self, block: int, at: int, n: int) -> bytes:
+        """Up to `n` bytes of block `block` from byte `at`. Raises NotFound once the lease ended."""
+        out = self._chunk(LeaseKind.READ, block, at, n, None)
+        self.copied += len(out)
+        return out
+
+    def write(self, block: int, at: int, data: bytes) -> None:
+        """`data` into block `block` at byte `at`. Raises NotFound once the lease ended."""
+        self._chunk(LeaseKind.WRITE, block, at, len(data), data)
+        self.copied += len(data)
+
+    def _chunk(self, kind: LeaseKind, block: int, at: int, n: int, data: bytes | None) -> bytes:
+        with self._lock:
+            lease = self._leases.get(self.lease_id)
+            if lease is None or lease.tenant != self.tenant.name or lease.kind is not kind:
+                raise NotFound(
+                    f"lease {self.lease_id[:12]!r} of this stream expired or ended (a stream "
+                    "stalled past its TTL loses its slots)"
+                )
+            if lease.expires_at - self._leases.clock() < lease.ttl_s / 2:
+                self._leases.renew(lease.id, lease.ttl_s)
+            pool = self._pool
+            slot = (self.offsets[block] - pool.data_offset) // pool.slot_stride
+            view = memoryview(pool.view(slot, self.block_bytes))  # type: ignore[arg-type]
+            if data is None:
+                return bytes(view[at : at + n])
+            view[at : at + len(data)] = data
+            return b""
