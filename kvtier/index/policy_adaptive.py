@@ -1,0 +1,340 @@
+"""kvtier's own policy: frequency-filtered adaptive eviction and a learned reuse predictor.
+
+Eviction (`AdaptiveQueue`, over the evictable blocks only — the index's leaf-first rule decides
+membership): a *window* W (LRU) where new blocks enter and a *main* list M (LRU, `PROTECTED`).
+When W holds more than its share, its oldest block is the candidate: it moves to M if the
+frequency sketch has seen its key more often than M's victim (which is then evicted instead),
+else it is evicted (W-TinyLFU, Einziger et al. 2017). The window's share is tuned online by hill
+climbing on the hit ratio (every `period` block references, step towards the better side, step
+shrinking): a small window is frequency-first (documents read many times at long intervals),
+a large one recency-first (chat sessions), so the split between recency and frequency adapts to
+the workload like ARC's, but from measured hits rather than ghost hits.
+
+`FrequencySketch`: one saturating byte per slot (16 slots per block of capacity), indexed by the
+XXH3 fingerprint of (tenant, key); every looked-up key adds 1 (up to 15) and every slot is halved
+after 10 x slots increments, so it counts references over a window ~10x longer than the cache
+without keeping any key. A collision only inflates a count: it can change a decision, never the
+index's invariants.
+
+Admission (`ReusePredictor`): every missed block gets a feature bucket from what a daemon sees
+when it is stored —
+
+    depth in the chain (log2, 8 classes) x tail (partial last / full last / inner block)
+    x prefix hit of the request (none / parent hit for the first time / parent reused before)
+    x blocks since the hit boundary (0, 1, 2-3, 4+)                         = 288 buckets
+
+and per tenant a table of (reused, stored) counts per bucket, with a prior from the tenant's
+overall rate and halving when a bucket's count reaches 256 (so it follows drift). A block with
+estimate p < `lo` enters W's cold end (evicted first); a partial last block with p < `bypass` is
+not stored at all. One block in `SAMPLE` is a control: stored whatever p says and tracked until
+it leaves the cache; whether it was hit meanwhile is the label its bucket learns, so learning
+never starves a bucket and the labels do not depend on the predictions.
+
+SSD admission (wear): a DRAM victim goes to SSD on its k-th access (`KthAccess`) or when the
+sketch has seen its key at least k times — a block read twice recently is worth a write, one
+read once is not.
+
+Cost: O(1) per block (a fingerprint, a byte, a bucket index; one dict operation for a control
+block; the halving is O(slots) every 10 x slots references). Memory per block of capacity: 16 B
+of sketch, about 1/`SAMPLE` of the cached blocks x ~50 B of control tracker, the pending
+placements of one request, and 288 x 8 B per tenant — `nbytes` counts them.
+
+Threading: none; the index's owner serialises calls.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from xxhash import xxh3_64_intdigest
+
+from kvtier.core.types import BlockKey
+from kvtier.index.policies import (
+    COUNT_BITS,
+    COUNT_SHIFT,
+    MARK,
+    PROTECTED,
+    BlockList,
+    EvictionQueue,
+    KthAccess,
+    Policy,
+)
+from kvtier.index.policy_minisim import MiniSims
+from kvtier.index.types import HITS_BITS, HITS_MAX
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvtier.index.types import Block, Tenant
+
+BUCKETS = 8 * 3 * 3 * 4 * 2
+SAMPLE = 4
+SKETCH_SLOTS = 16
+"""Sketch bytes per block of capacity (DRAM + SSD)..."""
+SKETCH_MIN = 1 << 16
+"""...and at least this many (64 KiB: a small cache still remembers a long window of keys)."""
+_PENDING_MAX = 1 << 14
+_HALVE_AT = 256
+_PRIOR = 4.0
+_TRACKER = 48
+"""Approximate bytes of one tracked control block or pending placement (a dict slot)."""
+_MASK64 = (1 << 64) - 1
+_COUNT_MAX = 15
+_HALVE = bytes(i >> 1 for i in range(256))
+GHOST_REFS = 2
+"""A new block whose key the sketch has seen this many times (this reference included) enters
+the main list: it was referenced before, within the sketch's window."""
+SHARES = (0.1, 0.3, 1.0)
+"""Candidate shares of the probation list (1.0 = plain LRU), ranked by `MiniSims`."""
+
+
+def bucket(depth: int, tail: int, hit: int, since: int, seen: int) -> int:
+    """Feature bucket: `tail` 0 inner / 1 full last / 2 partial last; `hit` 0 no prefix hit /
+    1 the parent was hit for the first time / 2 the parent was reused before; `since` = blocks
+    between the hit boundary and this one; `seen` 1 if the sketch saw the key before."""
+    d = depth.bit_length()
+    b = ((min(d, 7) * 3 + tail) * 3 + hit) * 4 + (since if since < 2 else 2 if since < 4 else 3)
+    return b * 2 + seen
+
+
+def _seed(tenant: Tenant) -> int:
+    return (tenant if isinstance(tenant, int) else xxh3_64_intdigest(tenant.encode())) & _MASK64
+
+
+class FrequencySketch:
+    """Saturating per-slot reference counts with periodic halving (module docstring)."""
+
+    __slots__ = ("_adds", "_counts", "_period", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = max(64, size)
+        self._counts = bytearray(self.size)
+        self._period = 10 * self.size
+        self._adds = 0
+
+    def add(self, tenant: Tenant, keys: Sequence[BlockKey]) -> None:
+        counts, size, seed = self._counts, self.size, _seed(tenant)
+        for key in keys:
+            i = xxh3_64_intdigest(key, seed) % size
+            if counts[i] < _COUNT_MAX:
+                counts[i] += 1
+        self._adds += len(keys)
+        if self._adds >= self._period:
+            self._adds = 0
+            self._counts = bytearray(counts.translate(_HALVE))
+
+    def count(self, tenant: Tenant, key: BlockKey) -> int:
+        return self._counts[xxh3_64_intdigest(key, _seed(tenant)) % self.size]
+
+    def nbytes(self) -> int:
+        return self.size
+
+
+class ReusePredictor:
+    """Per-tenant (reused, stored) counts per bucket; see the module docstring."""
+
+    __slots__ = ("_tables",)
+
+    def __init__(self) -> None:
+        self._tables: dict[Tenant, tuple[array[int], array[int], list[int]]] = {}
+
+    def _table(self, tenant: Tenant) -> tuple[array[int], array[int], list[int]]:
+        t = self._tables.get(tenant)
+        if t is None:
+            t = self._tables[tenant] = (array("I", bytes(4 * BUCKETS)),
+                                        array("I", bytes(4 * BUCKETS)), [1, 2])
+        return t
+
+    def estimate(self, tenant: Tenant, b: int) -> float:
+        reused, stored, total = self._table(tenant)
+        return (reused[b] + _PRIOR * total[0] / total[1]) / (stored[b] + _PRIOR)
+
+    def learn(self, tenant: Tenant, b: int, was_reused: bool) -> None:
+        reused, stored, total = self._table(tenant)
+        stored[b] += 1
+        total[1] += 1
+        if was_reused:
+            reused[b] += 1
+            total[0] += 1
+        if stored[b] >= _HALVE_AT:
+            stored[b] >>= 1
+            reused[b] >>= 1
+        if total[1] >= _HALVE_AT * 16:
+            total[0] = (total[0] >> 1) + 1
+            total[1] = (total[1] >> 1) + 2
+
+    def nbytes(self) -> int:
+        return len(self._tables) * (8 * BUCKETS + 64)
+
+
+class AdaptiveQueue(EvictionQueue):
+    """Probation S (LRU order) and main M (`PROTECTED`, a CLOCK on the 2-bit frequency at
+    `COUNT_SHIFT`), S's share of the evictable blocks set by the policy (`share`; >= 1: S alone,
+    plain LRU). S's oldest moves to M when hit more than once (its frequency > 1), M's oldest
+    with a frequency goes round again one lower. The block named by `cold_next` (set by the
+    policy just before the index queues a new block) enters S's cold end."""
+
+    __slots__ = ("_m", "_s", "cold_next", "share")
+    name = "adaptive"
+
+    def __init__(self, share: float) -> None:
+        self._s = BlockList()
+        self._m = BlockList()
+        self.share = share
+        self.cold_next: Block | None = None
+
+    def push(self, b: Block, cold: bool = False) -> None:
+        if b.flags & PROTECTED:
+            lst = self._m
+        else:
+            lst = self._s
+            if b is self.cold_next:
+                cold = True
+                self.cold_next = None
+        if cold:
+            lst.appendleft(b)
+        else:
+            lst.append(b)
+
+    def discard(self, b: Block) -> None:
+        (self._m if b.flags & PROTECTED else self._s).unlink(b)
+
+    def touch(self, b: Block) -> None:
+        f = b.flags
+        if f & COUNT_BITS != COUNT_BITS:
+            b.flags = f = f + (1 << COUNT_SHIFT)
+        if not f & PROTECTED:
+            self._s.move_to_end(b)
+
+    def first(self) -> Block | None:
+        s, m = self._s, self._m
+        lru = self.share >= 1.0
+        if lru:  # the older of the two cold ends: recency only
+            a, b = s.head, m.head
+            if a is None or b is None:
+                return a or b
+            return a if a.stamp >> HITS_BITS <= b.stamp >> HITS_BITS else b
+        while True:
+            head = s.head
+            if head is not None and (m.head is None or s.size > self.share * (s.size + m.size)):
+                if (head.flags & COUNT_BITS) >> COUNT_SHIFT > 1:
+                    s.unlink(head)
+                    head.flags |= PROTECTED
+                    m.append(head)
+                    continue
+                return head
+            head = m.head
+            if head is None:
+                return None
+            if head.flags & COUNT_BITS:
+                m.unlink(head)
+                head.flags -= 1 << COUNT_SHIFT
+                m.append(head)
+                continue
+            return head
+
+    def __iter__(self) -> Iterator[Block]:
+        yield from self._s
+        yield from self._m
+
+    def __len__(self) -> int:
+        return self._s.size + self._m.size
+
+
+class SketchAccess(KthAccess):
+    """SSD admission: the k-th access, or a key the sketch has seen k times."""
+
+    __slots__ = ("_freq",)
+
+    def __init__(self, k: int, freq: Callable[[Block], int]) -> None:
+        super().__init__(k)
+        self._freq = freq
+
+    def admits(self, b: Block) -> bool:
+        return b.stamp & HITS_MAX >= self.k or self._freq(b) >= self.k
+
+
+class AdaptivePolicy(Policy):
+    """kvtier's policy (module docstring). Thresholds on the predicted reuse probability:
+    `lo` -> cold end of the window, `bypass` -> a partial last block is not stored."""
+
+    name = "kvtier"
+    hooks = True
+    ghosts = True
+    lo = 0.1
+    bypass = 0.03
+
+    def __init__(self, dram_blocks: int | None, ssd_blocks: int | None, admission_k: int) -> None:
+        cap = (dram_blocks or 0) + (ssd_blocks or 0)
+        self.sketch = FrequencySketch(max(SKETCH_SLOTS * cap, SKETCH_MIN))
+        super().__init__(dram_blocks, ssd_blocks, admission_k)
+        self.ssd_admission = SketchAccess(admission_k, self._freq)
+        self.predictor = ReusePredictor()
+        self._pending: dict[tuple[Tenant, BlockKey], int] = {}
+        self._tracked: dict[Block, int] = {}
+        self._n = 0
+        self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, SHARES[0])
+
+    def _freq(self, b: Block) -> int:
+        return self.sketch.count(b.tenant, b.key)
+
+    def make_queue(self, capacity: int | None) -> EvictionQueue:
+        return AdaptiveQueue(SHARES[0])
+
+    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], hit: int) -> None:
+        self.sketch.add(tenant, keys)
+        ms = self.minisims
+        ms.add(keys)
+        q = self.dram
+        assert isinstance(q, AdaptiveQueue)
+        q.share = ms.best
+
+    def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
+              partial_last: bool) -> int:
+        pending = self._pending
+        if len(pending) > _PENDING_MAX:
+            pending.clear()
+        last = len(keys) - 1
+        hit = 0 if parent is None else 1 if parent.stamp & HITS_MAX <= 2 else 2
+        estimate, count = self.predictor.estimate, self.sketch.count
+        n = start
+        for i in range(start, len(keys)):
+            tail = 0 if i < last else 2 if partial_last else 1
+            b = bucket(i, tail, hit, i - start, 1 if count(tenant, keys[i]) >= 2 else 0)
+            self._n += 1
+            if self._n % SAMPLE == 0:
+                pending[(tenant, keys[i])] = b << 2 | 2
+            else:
+                p = estimate(tenant, b)
+                if tail == 2 and p < self.bypass:
+                    break
+                pending[(tenant, keys[i])] = b << 2 | (1 if p < self.lo else 0)
+            n += 1
+        return n - start
+
+    def inserted(self, b: Block) -> None:
+        code = self._pending.pop((b.tenant, b.key), -1)
+        if b.stamp & HITS_MAX > 1:  # the history remembered it: a ghost hit
+            b.flags |= PROTECTED
+        if code < 0:
+            return
+        if code & 2:
+            b.flags |= MARK
+            self._tracked[b] = code >> 2
+        elif code & 1:
+            q = self.dram
+            assert isinstance(q, AdaptiveQueue)
+            q.cold_next = b
+
+    def unlinked(self, b: Block) -> None:
+        if b.flags & MARK:
+            bk = self._tracked.pop(b, None)
+            if bk is not None:
+                self.predictor.learn(b.tenant, bk, b.stamp & HITS_MAX >= 2)
+
+    def nbytes(self) -> int:
+        """Bytes of the policy's state: sketch, predictor tables, tracker, pending."""
+        return (self.sketch.nbytes() + self.predictor.nbytes()
+                + _TRACKER * (len(self._tracked) + len(self._pending)))
