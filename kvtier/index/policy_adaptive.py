@@ -86,7 +86,7 @@ _HALVE = bytes(i >> 1 for i in range(256))
 GHOST_REFS = 2
 """A new block whose key the sketch has seen this many times (this reference included) enters
 the main list: it was referenced before, within the sketch's window."""
-SHARES = (0.1, 0.3, 1.0)
+SHARES = (0.1, 1.0)
 """Candidate shares of the probation list (1.0 = plain LRU), ranked by `MiniSims`."""
 
 
@@ -114,16 +114,21 @@ class FrequencySketch:
         self._period = 10 * self.size
         self._adds = 0
 
-    def add(self, tenant: Tenant, keys: Sequence[BlockKey]) -> None:
+    def add(self, tenant: Tenant, keys: Sequence[BlockKey]) -> list[int]:
+        """Count one reference of each key; returns each key's count, this one included."""
         counts, size, seed = self._counts, self.size, _seed(tenant)
+        out = []
         for key in keys:
             i = xxh3_64_intdigest(key, seed) % size
-            if counts[i] < _COUNT_MAX:
-                counts[i] += 1
+            c = counts[i]
+            if c < _COUNT_MAX:
+                counts[i] = c = c + 1
+            out.append(c)
         self._adds += len(keys)
         if self._adds >= self._period:
             self._adds = 0
             self._counts = bytearray(counts.translate(_HALVE))
+        return out
 
     def count(self, tenant: Tenant, key: BlockKey) -> int:
         return self._counts[xxh3_64_intdigest(key, _seed(tenant)) % self.size]
@@ -140,7 +145,8 @@ class ReusePredictor:
     def __init__(self) -> None:
         self._tables: dict[Tenant, tuple[array[int], array[int], list[int]]] = {}
 
-    def _table(self, tenant: Tenant) -> tuple[array[int], array[int], list[int]]:
+    def table(self, tenant: Tenant) -> tuple[array[int], array[int], list[int]]:
+        """(reused, stored, [reused, stored] overall) of a tenant, created on first use."""
         t = self._tables.get(tenant)
         if t is None:
             t = self._tables[tenant] = (array("I", bytes(4 * BUCKETS)),
@@ -148,11 +154,11 @@ class ReusePredictor:
         return t
 
     def estimate(self, tenant: Tenant, b: int) -> float:
-        reused, stored, total = self._table(tenant)
+        reused, stored, total = self.table(tenant)
         return (reused[b] + _PRIOR * total[0] / total[1]) / (stored[b] + _PRIOR)
 
     def learn(self, tenant: Tenant, b: int, was_reused: bool) -> None:
-        reused, stored, total = self._table(tenant)
+        reused, stored, total = self.table(tenant)
         stored[b] += 1
         total[1] += 1
         if was_reused:
@@ -275,6 +281,8 @@ class AdaptivePolicy(Policy):
         self._pending: dict[tuple[Tenant, BlockKey], int] = {}
         self._tracked: dict[Block, int] = {}
         self._n = 0
+        self._seen: list[int] = []
+        self._seen_keys: Sequence[BlockKey] = ()
         self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, SHARES[0])
 
     def _freq(self, b: Block) -> int:
@@ -284,7 +292,8 @@ class AdaptivePolicy(Policy):
         return AdaptiveQueue(SHARES[0])
 
     def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], hit: int) -> None:
-        self.sketch.add(tenant, keys)
+        self._seen = self.sketch.add(tenant, keys)
+        self._seen_keys = keys
         ms = self.minisims
         ms.add(keys)
         q = self.dram
@@ -296,21 +305,27 @@ class AdaptivePolicy(Policy):
         pending = self._pending
         if len(pending) > _PENDING_MAX:
             pending.clear()
+        seen = self._seen if self._seen_keys is keys else [
+            self.sketch.count(tenant, k) for k in keys]
         last = len(keys) - 1
         hit = 0 if parent is None else 1 if parent.stamp & HITS_MAX <= 2 else 2
-        estimate, count = self.predictor.estimate, self.sketch.count
+        reused, stored, total = self.predictor.table(tenant)
+        prior = _PRIOR * total[0] / total[1]
+        lo, bypass = self.lo, self.bypass
         n = start
         for i in range(start, len(keys)):
             tail = 0 if i < last else 2 if partial_last else 1
-            b = bucket(i, tail, hit, i - start, 1 if count(tenant, keys[i]) >= 2 else 0)
+            since = i - start
+            b = (((min(i.bit_length(), 7) * 3 + tail) * 3 + hit) * 4
+                 + (since if since < 2 else 2 if since < 4 else 3)) * 2 + (seen[i] >= 2)
             self._n += 1
             if self._n % SAMPLE == 0:
                 pending[(tenant, keys[i])] = b << 2 | 2
             else:
-                p = estimate(tenant, b)
-                if tail == 2 and p < self.bypass:
+                p = (reused[b] + prior) / (stored[b] + _PRIOR)
+                if tail == 2 and p < bypass:
                     break
-                pending[(tenant, keys[i])] = b << 2 | (1 if p < self.lo else 0)
+                pending[(tenant, keys[i])] = b << 2 | (p < lo)
             n += 1
         return n - start
 

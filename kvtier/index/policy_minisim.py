@@ -77,7 +77,7 @@ class MiniSims:
 
     def __init__(self, capacity: int, shares: Sequence[float], start: float,
                  rate: int = 16, min_cap: int = 32) -> None:
-        rate = max(1, min(rate, capacity // min_cap))
+        rate = max(4, min(rate, capacity // min_cap))
         cap = max(1, capacity // rate)
         self._threshold = (1 << 32) // rate
         self.caches = [MiniCache(cap, s) for s in shares]
