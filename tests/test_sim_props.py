@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.core.types import Tier
+from kvtier.index.policy_registry import POLICIES
 from kvtier.sim.ceilings import belady, flatten, infinite_hits
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import new_index, replay
@@ -35,7 +36,7 @@ configs = st.builds(
     TierConfig,
     dram_blocks=st.integers(0, 12),
     ssd_blocks=st.integers(0, 12),
-    policy=st.sampled_from(["lru", "slru"]),
+    policy=st.sampled_from(sorted(POLICIES)),
     ssd_admit_k=st.integers(1, 3),
 )
 

@@ -23,6 +23,7 @@ _FLAGS = (
     ("--grace-s", "SIGTERM drain period in seconds"),
     ("--max-blocks-per-request", "largest key chain per request"),
     ("--ssd-admit-after", "write a block to SSD from its k-th access"),
+    ("--policy", "prefix-index eviction/admission policy (lru, kvtier, vllm-arc, ...)"),
     ("--ssd-dwpd", "SSD writes per day in units of --ssd-bytes (default 1.0)"),
     ("--ssd-write-bytes-per-day", "SSD write budget, e.g. 500GiB (default ssd-bytes x dwpd)"),
     ("--ssd-write-burst-bytes", "SSD writes allowed at once before the daily rate applies"),

@@ -10,7 +10,8 @@ shrinking): a small window is frequency-first (documents read many times at long
 a large one recency-first (chat sessions), so the split between recency and frequency adapts to
 the workload like ARC's, but from measured hits rather than ghost hits.
 
-`FrequencySketch`: one saturating byte per slot (16 slots per block of capacity), indexed by the
+`FrequencySketch`: one saturating byte per slot (8 slots per block of the larger tier, at least
+64 KiB), indexed by the
 XXH3 fingerprint of (tenant, key); every looked-up key adds 1 (up to 15) and every slot is halved
 after 10 x slots increments, so it counts references over a window ~10x longer than the cache
 without keeping any key. A collision only inflates a count: it can change a decision, never the
@@ -35,9 +36,10 @@ sketch has seen its key at least k times — a block read twice recently is wort
 read once is not.
 
 Cost: O(1) per block (a fingerprint, a byte, a bucket index; one dict operation for a control
-block; the halving is O(slots) every 10 x slots references). Memory per block of capacity: 16 B
-of sketch, about 1/`SAMPLE` of the cached blocks x ~50 B of control tracker, the pending
-placements of one request, and 288 x 8 B per tenant — `nbytes` counts them.
+block; the halving is O(slots) every 10 x slots references). Memory per block of capacity: 8 B
+of sketch, the admission history (4 B a word, one word per block of DRAM + SSD: ghosts), about
+1/`SAMPLE` of the cached blocks x ~50 B of control tracker, the pending placements of one request,
+and 288 x 8 B per tenant — `nbytes` counts them.
 
 Threading: none; the index's owner serialises calls.
 """
@@ -71,8 +73,8 @@ if TYPE_CHECKING:
 
 BUCKETS = 8 * 3 * 3 * 4 * 2
 SAMPLE = 4
-SKETCH_SLOTS = 16
-"""Sketch bytes per block of capacity (DRAM + SSD)..."""
+SKETCH_SLOTS = 8
+"""Sketch bytes per block of the larger tier..."""
 SKETCH_MIN = 1 << 16
 """...and at least this many (64 KiB: a small cache still remembers a long window of keys)."""
 _PENDING_MAX = 1 << 14
@@ -273,7 +275,7 @@ class AdaptivePolicy(Policy):
     bypass = 0.03
 
     def __init__(self, dram_blocks: int | None, ssd_blocks: int | None, admission_k: int) -> None:
-        cap = (dram_blocks or 0) + (ssd_blocks or 0)
+        cap = max(dram_blocks or 0, ssd_blocks or 0)
         self.sketch = FrequencySketch(max(SKETCH_SLOTS * cap, SKETCH_MIN))
         super().__init__(dram_blocks, ssd_blocks, admission_k)
         self.ssd_admission = SketchAccess(admission_k, self._freq)
@@ -318,8 +320,8 @@ class AdaptivePolicy(Policy):
             since = i - start
             b = (((min(i.bit_length(), 7) * 3 + tail) * 3 + hit) * 4
                  + (since if since < 2 else 2 if since < 4 else 3)) * 2 + (seen[i] >= 2)
-            self._n += 1
-            if self._n % SAMPLE == 0:
+            self._n = r = (self._n * 1103515245 + 12345) & 0x7FFFFFFF
+            if (r >> 16) % SAMPLE == 0:
                 pending[(tenant, keys[i])] = b << 2 | 2
             else:
                 p = (reused[b] + prior) / (stored[b] + _PRIOR)

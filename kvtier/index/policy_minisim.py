@@ -2,15 +2,17 @@
 
 Each candidate share runs a small block-level copy of `kvtier.index.policy_adaptive.AdaptiveQueue`'s
 algorithm (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on that frequency,
-S's oldest moving to M when its frequency is > 1) over the references of a spatial sample of the
+S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as a ghost
+that re-enters in M; share 1.0 = plain LRU) over the references of a spatial sample of the
 keys (1 in `rate`, chosen by a multiplicative hash of the key's last bytes: deterministic, no
 `hash()`), at 1/`rate` of the real capacity (Waldspurger et al., "Cache Modeling and Optimization
 using Miniature Simulations", USENIX ATC 2017). Hits decay by half each epoch; `best` is the
 candidate with the most. The mini caches ignore the prefix rule (a block hits if it is cached),
 so they rank shares, they do not predict hit ratios.
 
-Memory: candidates x capacity/rate entries (an OrderedDict slot each, ~100 B): with 3 candidates
-and rate >= 16, under 20 B per block of real capacity. Work: O(1) per sampled reference and
+Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
+~100 B): with 2 candidates and rate 16, ~25 B per block of real capacity (rate 4 below 512
+blocks: a small cache's mini copies stay at least 32 blocks). Work: O(1) per sampled reference and
 candidate.
 """
 
@@ -28,13 +30,14 @@ _FREQ_MAX = 3
 class MiniCache:
     """One candidate's block-level cache (module docstring)."""
 
-    __slots__ = ("cap", "hits", "m", "s", "share")
+    __slots__ = ("cap", "ghosts", "hits", "m", "s", "share")
 
     def __init__(self, cap: int, share: float) -> None:
         self.cap = cap
         self.share = share
         self.s: OrderedDict[BlockKey, int] = OrderedDict()
         self.m: OrderedDict[BlockKey, int] = OrderedDict()
+        self.ghosts: OrderedDict[BlockKey, None] = OrderedDict()
         self.hits = 0.0
 
     def access(self, key: BlockKey) -> None:
@@ -50,7 +53,10 @@ class MiniCache:
             self.hits += 1
             m[key] = f + 1 if f < _FREQ_MAX else f
             return
-        s[key] = 0
+        if self.ghosts.pop(key, 0) is None and self.share < 1.0:
+            m[key] = 0
+        else:
+            s[key] = 0
         while len(s) + len(m) > self.cap:
             self._evict()
 
@@ -62,6 +68,10 @@ class MiniCache:
                 if f > 1 and self.share < 1.0:
                     m[key] = f
                     continue
+                ghosts = self.ghosts
+                ghosts[key] = None
+                if len(ghosts) > self.cap:
+                    ghosts.popitem(last=False)
                 return
             key, f = m.popitem(last=False)
             if f > 0:
