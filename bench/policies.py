@@ -15,9 +15,9 @@ peer's (`PEERS`, by mean hit ratio), kvtier / LRU, kvtier / best peer, kvtier / 
 worst seed's kvtier / LRU. Goals (issue 14): kvtier >= 1.2x LRU at 1-5%, never below LRU by more
 than 1% anywhere, ahead of the best peer at <= 5%, replay CPU time <= 2x LRU's (median over all
 DRAM-only runs). Also the kvtier policy's own state (sketch, predictor, tracker, history) in
-bytes per block of capacity. Writes bench/results/policies.json and one PNG per workload
-(bench/results/policies_<workload>.png). ``--quick``: 1 seed, 400 requests, trace cut to 600
-requests, capacities 2% and 5% — a smoke run for CI.
+bytes per block of capacity. Writes bench/results/policies.json, the table as policies.md and
+one PNG per workload (bench/results/policies_<workload>.png). ``--quick``: 1 seed, 400 requests,
+trace cut to 600 requests, capacities 2% and 5% — a smoke run for CI.
 """
 
 from __future__ import annotations
@@ -168,6 +168,21 @@ def print_table(summary: Sequence[dict[str, Any]]) -> None:
               f"{s['worst_seed_vs_lru']:6.2f} {wr:>13}")
 
 
+def markdown(summary: Sequence[dict[str, Any]]) -> str:
+    """The table of `print_table` as Markdown (for docs/benchmarks.md and the README)."""
+    lines = ["| workload | tiers | capacity | kvtier | LRU | best peer | peer hit | ×LRU | ×peer "
+             "| ×Belady | worst seed ×LRU | SSD writes kvtier / LRU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        ssd = s["ssd_written"]
+        wr = f"{ssd[OURS]:,.0f} / {ssd['lru']:,.0f}" if s["tiers"] != "dram" else ""
+        lines.append(
+            f"| {s['workload']} | {s['tiers']} | {s['fraction']:.0%} | {s['kvtier']:.4f} | "
+            f"{s['lru']:.4f} | {s['best_peer']} | {s['best_peer_hit']:.4f} | {s['vs_lru']:.2f} | "
+            f"{s['vs_peer']:.2f} | {s['vs_belady']:.2f} | {s['worst_seed_vs_lru']:.2f} | {wr} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(summary: Sequence[dict[str, Any]], workload: str, path: Path) -> None:
     import matplotlib
 
@@ -240,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = out_dir / "policies.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
+    (out_dir / "policies.md").write_text(markdown(summary))
     print(f"wrote {path} and {len(plots)} plots")
     return 0
 
