@@ -1,45 +1,51 @@
-"""kvtier's own policy: frequency-filtered adaptive eviction and a learned reuse predictor.
+"""kvtier's own policy: adaptive recency/frequency eviction, ghosts, and a learned reuse predictor.
 
 Eviction (`AdaptiveQueue`, over the evictable blocks only — the index's leaf-first rule decides
-membership): a *window* W (LRU) where new blocks enter and a *main* list M (LRU, `PROTECTED`).
-When W holds more than its share, its oldest block is the candidate: it moves to M if the
-frequency sketch has seen its key more often than M's victim (which is then evicted instead),
-else it is evicted (W-TinyLFU, Einziger et al. 2017). The window's share is tuned online by hill
-climbing on the hit ratio (every `period` block references, step towards the better side, step
-shrinking): a small window is frequency-first (documents read many times at long intervals),
-a large one recency-first (chat sessions), so the split between recency and frequency adapts to
-the workload like ARC's, but from measured hits rather than ghost hits.
+membership): a *probation* list S (LRU order) where new blocks enter and a *main* list M
+(`PROTECTED`, a CLOCK on a 2-bit hit counter). While S holds more than its share of the queue,
+its oldest block leaves — or moves to M if it was hit twice since it was stored; else M's oldest
+block with a count goes round again one lower and the first without one leaves. A ghost hit (the
+admission history remembers the key of a block that left: it came back within about a cache's
+worth of drops) enters M directly. With share 0.1 that is S3-FIFO-like (frequency first, scans
+stay in S); with share 1.0 the queue is plain LRU (the older of the two cold ends leaves). Which
+one the workload wants is measured online: `kvtier.index.policy_minisim` runs both on a sample of
+the keys at a fraction of the capacity and the queue follows the one with more hits — the
+split between recency and frequency adapts like ARC's, from measured hits.
 
-`FrequencySketch`: one saturating byte per slot (8 slots per block of the larger tier, at least
-64 KiB), indexed by the
-XXH3 fingerprint of (tenant, key); every looked-up key adds 1 (up to 15) and every slot is halved
-after 10 x slots increments, so it counts references over a window ~10x longer than the cache
-without keeping any key. A collision only inflates a count: it can change a decision, never the
-index's invariants.
+`FrequencySketch`: one saturating byte per slot (4 slots per block of the larger tier, at least
+64 KiB), indexed by the XXH3 fingerprint of (tenant, key); every looked-up key adds 1 (up to 15)
+and every slot is halved after 10 x slots increments, so it tells whether a key was referenced
+before over a window ~10x longer than the cache, without keeping any key. A collision only
+inflates a count: it can change a decision, never the index's invariants.
 
 Admission (`ReusePredictor`): every missed block gets a feature bucket from what a daemon sees
 when it is stored —
 
     depth in the chain (log2, 8 classes) x tail (partial last / full last / inner block)
     x prefix hit of the request (none / parent hit for the first time / parent reused before)
-    x blocks since the hit boundary (0, 1, 2-3, 4+)                         = 288 buckets
+    x blocks since the hit boundary (0, 1, 2-3, 4+) x key seen before (sketch) = 576 buckets
 
-and per tenant a table of (reused, stored) counts per bucket, with a prior from the tenant's
-overall rate and halving when a bucket's count reaches 256 (so it follows drift). A block with
-estimate p < `lo` enters W's cold end (evicted first); a partial last block with p < `bypass` is
-not stored at all. One block in `SAMPLE` is a control: stored whatever p says and tracked until
-it leaves the cache; whether it was hit meanwhile is the label its bucket learns, so learning
-never starves a bucket and the labels do not depend on the predictions.
+and per tenant (the daemon's tenant is the namespace: tenant + model) a table of (reused, stored)
+counts per bucket, with a prior from the tenant's overall rate and halving when a bucket's count
+reaches 256 (so it follows drift). A block with estimate p < `lo` enters S's cold end (evicted
+first); a partial last block with p < `bypass` is not stored at all. One block in `SAMPLE`
+(while fewer than `TRACKED_MAX` are tracked) is a control: stored whatever p says and tracked
+until it leaves the cache; whether it was hit meanwhile is the label its bucket learns, so
+learning never starves a bucket and the labels do not depend on the predictions.
 
-SSD admission (wear): a DRAM victim goes to SSD on its k-th access (`KthAccess`) or when the
-sketch has seen its key at least k times — a block read twice recently is worth a write, one
-read once is not.
+SSD admission (wear): a DRAM victim goes to SSD on its k-th access (`KthAccess`, counts kept
+across drops by the admission history), and the SSD tier evicts in recency order (the queue in
+LRU mode). Measured alternatives, on the bench's DRAM 2% + SSD 8% runs: admitting keys the
+sketch had seen k times wrote 1.3-3.1x the blocks for 0.96-1.01x the hits, and S3-FIFO order
+on SSD lost up to 8% of the hits; so the rule stays the k-th access.
 
 Cost: O(1) per block (a fingerprint, a byte, a bucket index; one dict operation for a control
-block; the halving is O(slots) every 10 x slots references). Memory per block of capacity: 8 B
-of sketch, the admission history (4 B a word, one word per block of DRAM + SSD: ghosts), about
-1/`SAMPLE` of the cached blocks x ~50 B of control tracker, the pending placements of one request,
-and 288 x 8 B per tenant — `nbytes` counts them.
+block or a pending placement; the sketch's halving is O(slots) every 10 x slots references; the
+mini simulations O(1) per sampled reference). Memory: 4 B of sketch per block of the larger tier
+(>= 64 KiB), the admission history (4 B a word, one word per block of DRAM + SSD: the ghosts), at
+most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in flight,
+576 x 8 B per tenant, and the mini simulations (~25 B per block of DRAM) — `nbytes` counts the
+predictor's part; bench.index and bench.policies measure them.
 
 Threading: none; the index's owner serialises calls.
 """
@@ -60,34 +66,32 @@ from kvtier.index.policies import (
     PROTECTED,
     BlockList,
     EvictionQueue,
-    KthAccess,
     Policy,
 )
 from kvtier.index.policy_minisim import MiniSims
 from kvtier.index.types import HITS_BITS, HITS_MAX
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from kvtier.index.types import Block, Tenant
 
 BUCKETS = 8 * 3 * 3 * 4 * 2
 SAMPLE = 4
-SKETCH_SLOTS = 8
+SKETCH_SLOTS = 4
 """Sketch bytes per block of the larger tier..."""
 SKETCH_MIN = 1 << 16
 """...and at least this many (64 KiB: a small cache still remembers a long window of keys)."""
 _PENDING_MAX = 1 << 14
+TRACKED_MAX = 1 << 14
+"""Control blocks tracked at once (~0.8 MB): plenty of labels, bounded at any capacity."""
 _HALVE_AT = 256
 _PRIOR = 4.0
 _TRACKER = 48
 """Approximate bytes of one tracked control block or pending placement (a dict slot)."""
+_MINI_ENTRY = 100
+"""Approximate bytes of one mini-simulation entry (an OrderedDict slot and its key)."""
 _MASK64 = (1 << 64) - 1
 _COUNT_MAX = 15
 _HALVE = bytes(i >> 1 for i in range(256))
-GHOST_REFS = 2
-"""A new block whose key the sketch has seen this many times (this reference included) enters
-the main list: it was referenced before, within the sketch's window."""
 SHARES = (0.1, 1.0)
 """Candidate shares of the probation list (1.0 = plain LRU), ranked by `MiniSims`."""
 
@@ -251,22 +255,9 @@ class AdaptiveQueue(EvictionQueue):
         return self._s.size + self._m.size
 
 
-class SketchAccess(KthAccess):
-    """SSD admission: the k-th access, or a key the sketch has seen k times."""
-
-    __slots__ = ("_freq",)
-
-    def __init__(self, k: int, freq: Callable[[Block], int]) -> None:
-        super().__init__(k)
-        self._freq = freq
-
-    def admits(self, b: Block) -> bool:
-        return b.stamp & HITS_MAX >= self.k or self._freq(b) >= self.k
-
-
 class AdaptivePolicy(Policy):
     """kvtier's policy (module docstring). Thresholds on the predicted reuse probability:
-    `lo` -> cold end of the window, `bypass` -> a partial last block is not stored."""
+    `lo` -> cold end of probation, `bypass` -> a partial last block is not stored."""
 
     name = "kvtier"
     hooks = True
@@ -278,7 +269,7 @@ class AdaptivePolicy(Policy):
         cap = max(dram_blocks or 0, ssd_blocks or 0)
         self.sketch = FrequencySketch(max(SKETCH_SLOTS * cap, SKETCH_MIN))
         super().__init__(dram_blocks, ssd_blocks, admission_k)
-        self.ssd_admission = SketchAccess(admission_k, self._freq)
+        self.ssd = AdaptiveQueue(1.0)  # SSD: recency order (measured: S3-FIFO order lost hits)
         self.predictor = ReusePredictor()
         self._pending: dict[tuple[Tenant, BlockKey], int] = {}
         self._tracked: dict[Block, int] = {}
@@ -286,9 +277,6 @@ class AdaptivePolicy(Policy):
         self._seen: list[int] = []
         self._seen_keys: Sequence[BlockKey] = ()
         self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, SHARES[0])
-
-    def _freq(self, b: Block) -> int:
-        return self.sketch.count(b.tenant, b.key)
 
     def make_queue(self, capacity: int | None) -> EvictionQueue:
         return AdaptiveQueue(SHARES[0])
@@ -321,7 +309,7 @@ class AdaptivePolicy(Policy):
             b = (((min(i.bit_length(), 7) * 3 + tail) * 3 + hit) * 4
                  + (since if since < 2 else 2 if since < 4 else 3)) * 2 + (seen[i] >= 2)
             self._n = r = (self._n * 1103515245 + 12345) & 0x7FFFFFFF
-            if (r >> 16) % SAMPLE == 0:
+            if (r >> 16) % SAMPLE == 0 and len(self._tracked) < TRACKED_MAX:
                 pending[(tenant, keys[i])] = b << 2 | 2
             else:
                 p = (reused[b] + prior) / (stored[b] + _PRIOR)
@@ -352,6 +340,8 @@ class AdaptivePolicy(Policy):
                 self.predictor.learn(b.tenant, bk, b.stamp & HITS_MAX >= 2)
 
     def nbytes(self) -> int:
-        """Bytes of the policy's state: sketch, predictor tables, tracker, pending."""
+        """Bytes of the policy's state besides the index's history: sketch, predictor tables,
+        tracker, pending placements, mini simulations (dict slots at estimated sizes)."""
         return (self.sketch.nbytes() + self.predictor.nbytes()
-                + _TRACKER * (len(self._tracked) + len(self._pending)))
+                + _TRACKER * (len(self._tracked) + len(self._pending))
+                + _MINI_ENTRY * self.minisims.entries())

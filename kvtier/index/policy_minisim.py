@@ -112,4 +112,4 @@ class MiniSims:
                 c.hits *= 0.5
 
     def entries(self) -> int:
-        return sum(len(c.s) + len(c.m) for c in self.caches)
+        return sum(len(c.s) + len(c.m) + len(c.ghosts) for c in self.caches)

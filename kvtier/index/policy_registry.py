@@ -52,7 +52,7 @@ PEERS = ("lru", "vllm-arc", "vllm-reuse", "sglang-lfu", "sglang-hicache", "lmcac
          "sieve")
 """The peers' policies that kvtier's is measured against (LRU stands for all three LRUs)."""
 
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "kvtier"
 
 
 def make_policy(name: str, dram_blocks: int | None, ssd_blocks: int | None,

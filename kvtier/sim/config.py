@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvtier.index.policy_registry import DEFAULT_POLICY
+
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -13,7 +15,7 @@ class TierConfig:
 
     dram_blocks: int
     ssd_blocks: int = 0
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     ssd_admit_k: int = 2
     admission_history: int | None = None
 
