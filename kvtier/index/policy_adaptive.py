@@ -13,8 +13,8 @@ the keys at a fraction of the capacity and the queue follows the one with more h
 split between recency and frequency adapts like ARC's, from measured hits.
 
 `FrequencySketch`: one saturating byte per slot (4 slots per block of the larger tier, at least
-64 KiB), indexed by the XXH3 fingerprint of (tenant, key); every looked-up key adds 1 (up to 15)
-and every slot is halved after 10 x slots increments, so it tells whether a key was referenced
+64 KiB), indexed by the XXH3 fingerprint of (tenant, key); every key a lookup misses adds 1 (up to
+15) and every slot is halved after 10 x slots increments, so it tells whether a key was referenced
 before over a window ~10x longer than the cache, without keeping any key. A collision only
 inflates a count: it can change a decision, never the index's invariants.
 
@@ -276,14 +276,16 @@ class AdaptivePolicy(Policy):
         self._n = 0
         self._seen: list[int] = []
         self._seen_keys: Sequence[BlockKey] = ()
+        self._seen_from = 0
         self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, SHARES[0])
 
     def make_queue(self, capacity: int | None) -> EvictionQueue:
         return AdaptiveQueue(SHARES[0])
 
     def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], hit: int) -> None:
-        self._seen = self.sketch.add(tenant, keys)
+        self._seen = self.sketch.add(tenant, keys[hit:])  # the misses: what admission asks about
         self._seen_keys = keys
+        self._seen_from = hit
         ms = self.minisims
         ms.add(keys)
         q = self.dram
@@ -295,8 +297,10 @@ class AdaptivePolicy(Policy):
         pending = self._pending
         if len(pending) > _PENDING_MAX:
             pending.clear()
-        seen = self._seen if self._seen_keys is keys else [
-            self.sketch.count(tenant, k) for k in keys]
+        if self._seen_keys is keys and self._seen_from == start:
+            seen = self._seen
+        else:
+            seen = [self.sketch.count(tenant, k) for k in keys[start:]]
         last = len(keys) - 1
         hit = 0 if parent is None else 1 if parent.stamp & HITS_MAX <= 2 else 2
         reused, stored, total = self.predictor.table(tenant)
@@ -307,7 +311,7 @@ class AdaptivePolicy(Policy):
             tail = 0 if i < last else 2 if partial_last else 1
             since = i - start
             b = (((min(i.bit_length(), 7) * 3 + tail) * 3 + hit) * 4
-                 + (since if since < 2 else 2 if since < 4 else 3)) * 2 + (seen[i] >= 2)
+                 + (since if since < 2 else 2 if since < 4 else 3)) * 2 + (seen[since] >= 2)
             self._n = r = (self._n * 1103515245 + 12345) & 0x7FFFFFFF
             if (r >> 16) % SAMPLE == 0 and len(self._tracked) < TRACKED_MAX:
                 pending[(tenant, keys[i])] = b << 2 | 2

@@ -4,11 +4,12 @@ Each candidate share runs a small block-level copy of `kvtier.index.policy_adapt
 algorithm (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on that frequency,
 S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as a ghost
 that re-enters in M; share 1.0 = plain LRU) over the references of a spatial sample of the
-keys (1 in `rate`, chosen by a multiplicative hash of the key's last bytes: deterministic, no
-`hash()`), at 1/`rate` of the real capacity (Waldspurger et al., "Cache Modeling and Optimization
-using Miniature Simulations", USENIX ATC 2017). Hits decay by half each epoch; `best` is the
-candidate with the most. The mini caches ignore the prefix rule (a block hits if it is cached),
-so they rank shares, they do not predict hit ratios.
+keys (1 in `rate`: those whose last byte is below 256 / rate — block keys are hashes, trace ids
+count up, so the last byte is uniform; deterministic, no `hash()`), at 1/`rate` of the real
+capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX
+ATC 2017). Hits decay by half each epoch; `best` is the candidate with the most. The mini caches
+ignore the prefix rule (a block hits if it is cached), so they rank shares, they do not predict hit
+ratios.
 
 Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
 ~100 B): with 2 candidates and rate 16, ~25 B per block of real capacity (rate 4 below 512
@@ -23,7 +24,6 @@ from collections.abc import Sequence
 
 from kvtier.core.types import BlockKey
 
-_GOLDEN = 0x9E3779B1
 _FREQ_MAX = 3
 
 
@@ -89,7 +89,7 @@ class MiniSims:
                  rate: int = 16, min_cap: int = 32) -> None:
         rate = max(4, min(rate, capacity // min_cap))
         cap = max(1, capacity // rate)
-        self._threshold = (1 << 32) // rate
+        self._threshold = 256 // rate
         self.caches = [MiniCache(cap, s) for s in shares]
         self._epoch = 4 * cap
         self._seen = 0
@@ -98,7 +98,7 @@ class MiniSims:
     def add(self, keys: Sequence[BlockKey]) -> None:
         th = self._threshold
         for key in keys:
-            if (int.from_bytes(key[-4:], "little") * _GOLDEN) & 0xFFFFFFFF < th:
+            if key[-1] < th:
                 for c in self.caches:
                     c.access(key)
                 self._seen += 1
