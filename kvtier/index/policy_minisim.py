@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from kvtier.core.types import BlockKey
 
 _FREQ_MAX = 3
+MINI_MAX = 4096
+"""Largest mini cache: beyond 4096 x rate blocks of real capacity the sample thins instead."""
 
 
 class MiniCache:
@@ -83,17 +85,18 @@ class MiniCache:
 class MiniSims:
     """Candidates' mini caches over one key sample; `best` after each epoch."""
 
-    __slots__ = ("_epoch", "_seen", "_threshold", "best", "caches")
+    __slots__ = ("_epoch", "_seen", "_threshold", "best", "caches", "margin")
 
     def __init__(self, capacity: int, shares: Sequence[float], start: float,
-                 rate: int = 16, min_cap: int = 32) -> None:
-        rate = max(4, min(rate, capacity // min_cap))
+                 rate: int = 16, min_cap: int = 32, margin: float = 1.01) -> None:
+        rate = max(4, min(max(rate, capacity // MINI_MAX), capacity // min_cap))
         cap = max(1, capacity // rate)
         self._threshold = 256 // rate
         self.caches = [MiniCache(cap, s) for s in shares]
         self._epoch = 4 * cap
         self._seen = 0
         self.best = start
+        self.margin = margin
 
     def add(self, keys: Sequence[BlockKey]) -> None:
         th = self._threshold
@@ -106,7 +109,7 @@ class MiniSims:
             self._seen = 0
             top = max(self.caches, key=lambda c: c.hits)
             cur = next((c for c in self.caches if c.share == self.best), None)
-            if cur is None or top.hits > cur.hits * 1.01:
+            if cur is None or top.hits > cur.hits * self.margin:
                 self.best = top.share
             for c in self.caches:
                 c.hits *= 0.5
