@@ -1,4 +1,8 @@
-"""Eviction orders and SSD admission for the prefix index: small strategies, O(1) per operation.
+"""The policy contract of the prefix index (`Policy`), its base LRU, and the shared pieces.
+
+A `Policy` owns an index's two eviction queues, its DRAM admission (`admit`) and its SSD
+admission; `kvtier.index.policy_registry` maps names to policies (the peers' in
+`kvtier.index.policy_peers`, kvtier's in `kvtier.index.policy_adaptive`).
 
 An eviction queue holds the blocks of one tier that may be evicted *now* (the index decides
 membership; see `kvtier.index.prefix`). The queue only orders them. Blocks are linked intrusively
@@ -9,7 +13,7 @@ O(1) and a block is in at most one queue at a time.
 
 Policies:
 
-- ``lru`` (default): one list; a touch moves the block to the hot end.
+- ``lru``: one list; a touch moves the block to the hot end (`Policy`, the base).
 - ``slru``: segmented LRU, frequency-aware. A block accessed fewer than two times sits in the
   *probation* list, one accessed again moves to the *protected* list; protected holds at most
   `protected_fraction` of the queue (its coldest overflow falls back to probation's hot end).

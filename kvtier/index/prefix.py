@@ -97,7 +97,8 @@ class PrefixIndex(Eviction, HbmReports):
     admission). `admission_k`: SSD admission on the k-th access. `admission_history`: words of the
     `kvtier.index.policies.AdmissionHistory` that keeps the access counts of dropped blocks (4 bytes
     each; 0 = off, a reinserted block starts again at 1); None = `ADMISSION_HISTORY_PER_BLOCK` x
-    (dram_blocks + ssd_blocks) when both are bounded and ssd_blocks > 0, else 0.
+    (dram_blocks + ssd_blocks) when both are bounded and ssd_blocks > 0 or the policy reads
+    ghosts (`Policy.ghosts`: vllm-arc, lmcache-s3fifo, kvtier), else 0.
 
     Queries, `stats` and the constructor: `kvtier.index.state.IndexState`; `victims`, `evict`,
     `evict_count`, `admits`: `kvtier.index.evict`; `hbm_add`, `hbm_drop`, `drop_replica`:
