@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.types import Tier
+from kvtier.index.policy_registry import DEFAULT_POLICY
 from kvtier.index.prefix import PrefixIndex
 
 RESULTS = Path(__file__).parent / "results" / "index.json"
@@ -59,10 +60,11 @@ def make_chains(n: int, chain: int, seed: int = 0) -> list[list[bytes]]:
 
 
 def build(chains: list[list[bytes]], n: int, tier: Tier, slots: bool,
-          history: int | None = None) -> PrefixIndex:
-    ix = PrefixIndex(dram_blocks=n, ssd_blocks=n, admission_history=history)
+          history: int | None = None, policy: str = DEFAULT_POLICY) -> PrefixIndex:
+    ix = PrefixIndex(dram_blocks=n, ssd_blocks=n, admission_history=history, policy=policy)
     slot = 0
     for keys in chains:
+        ix.admit(0, keys, 0)  # as Allocate does: the policy's per-block state is measured too
         parent = None
         for k in keys:
             ix.insert(0, k, parent, tier, dram_slot=slot if slots else None)
@@ -122,22 +124,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--policy", default=DEFAULT_POLICY, help=f"index policy ({DEFAULT_POLICY})")
     a = ap.parse_args(argv)
+    pol = a.policy
     n, chain, reps = a.blocks, a.chain, a.repeats
 
     mem = {
         "index_dram_slots": traced_bytes_per_block(
-            n, chain, lambda c: build(c, n, Tier.DRAM, True)),
+            n, chain, lambda c: build(c, n, Tier.DRAM, True, policy=pol)),
         "index_dram_slots_no_history": traced_bytes_per_block(
-            n, chain, lambda c: build(c, n, Tier.DRAM, True, history=0)),
+            n, chain, lambda c: build(c, n, Tier.DRAM, True, history=0, policy=pol)),
         "index_ssd": traced_bytes_per_block(
-            n, chain, lambda c: build(c, n, Tier.SSD, False)),
+            n, chain, lambda c: build(c, n, Tier.SSD, False, policy=pol)),
         "dict_baseline": traced_bytes_per_block(n, chain, build_dict),
     }
 
     chains = make_chains(n, chain)
     t0 = time.perf_counter()
-    ix = build(chains, n, Tier.DRAM, True)
+    ix = build(chains, n, Tier.DRAM, True, policy=pol)
     insert_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     d = build_dict(chains)
@@ -240,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.platform(), "python": platform.python_version(),
         "command": "python -m bench.index " + " ".join(argv or []),
+        "policy": pol,
         "blocks": n, "chain": chain, "repeats": reps, "history_words": history_words,
         "memory_bytes_per_block": mem, "memory_goal_met": goal, **res}, indent=2))
     print(f"wrote {RESULTS}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.core.types import Tier
-from kvtier.index.policies import KthAccess, make_queue
+from kvtier.index.policies import KthAccess
+from kvtier.index.policy_registry import make_policy
 from kvtier.index.prefix import (
     BadSlot,
     DuplicateBlock,
@@ -256,7 +257,7 @@ def test_hbm_is_not_evicted_by_the_index() -> None:
 
 def test_policy_and_admission_validation() -> None:
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        make_queue("fifo-ish")
+        make_policy("fifo-ish", None, None, 2)
     with pytest.raises(ValueError):
         KthAccess(0)
     with pytest.raises(ValueError):

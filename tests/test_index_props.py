@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.core.types import Tier
+from kvtier.index.policy_registry import POLICIES
 from kvtier.index.prefix import (
     EVICTION_COUNTERS,
     BadSlot,
@@ -174,6 +175,37 @@ class IndexMachine(RuleBasedStateMachine):
             self.ix.insert(t, k, p, D, dram_slot=slot)
             self.new_entry((t, k), p, D, slot)
             p = k
+
+    @rule(data=st.data(), t=st.sampled_from(TENANTS), partial=st.booleans())
+    def admit_and_commit(self, data: st.DataObject, t: int | str, partial: bool) -> None:
+        """Look a chain up, ask DRAM admission about its missed suffix, store what it admits
+        (the simulator's and Allocate's path): admission never strands or breaks anything."""
+        mine = sorted(key for (tt, key) in self.m if tt == t)
+        p = data.draw(st.one_of(st.none(), st.sampled_from(mine)) if mine else st.none())
+        chain: list[bytes] = []
+        cur = p
+        while cur is not None:
+            chain.append(cur)
+            cur = self.m[(t, cur)].parent
+        chain.reverse()
+        fresh = [k for k in KEYS if (t, k) not in self.m]
+        keys = chain + data.draw(st.permutations(fresh))[: data.draw(st.integers(0, 4))]
+        self.lookup_rule(t, keys)
+        start = len(chain)
+        n = self.ix.admit(t, keys, start, partial_last=partial)
+        assert 0 <= n <= len(keys) - start
+        parent = keys[start - 1] if start else None
+        for k in keys[start : start + n]:
+            if self.count(D) >= DRAM_CAP:
+                break
+            self.ix.insert(t, k, parent, D)
+            self.new_entry((t, k), parent, D, None)
+            parent = k
+
+    def lookup_rule(self, t: int | str, keys: list[bytes]) -> None:
+        got = self.ix.lookup(t, keys)
+        for key in keys[: len(got.blocks)]:
+            self.m[(t, key)].hits += 1
 
     @rule(data=st.data())
     def insert_with_taken_slot(self, data: st.DataObject) -> None:
@@ -424,20 +456,35 @@ class SmallHistoryMachine(IndexMachine):
     history = 3
 
 
+def _policy_machine(name: str) -> type[IndexMachine]:
+    return type(f"Machine_{name}", (IndexMachine,), {"policy": name, "__doc__":
+                f"The same rules and invariants under the {name!r} policy."})
+
+
+POLICY_MACHINES = {name: _policy_machine(name) for name in sorted(POLICIES)
+                   if name not in ("lru", "slru")}
+
+
 _FAST = settings(max_examples=80, stateful_step_count=50, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow])
 IndexMachine.TestCase.settings = _FAST
 SlruMachine.TestCase.settings = _FAST
 SmallHistoryMachine.TestCase.settings = _FAST
+for _m in POLICY_MACHINES.values():
+    _m.TestCase.settings = settings(max_examples=30, stateful_step_count=50, deadline=None,
+                                    suppress_health_check=[HealthCheck.too_slow])
 TestIndexMachine = IndexMachine.TestCase
 TestSlruMachine = SlruMachine.TestCase
 TestSmallHistoryMachine = SmallHistoryMachine.TestCase
+for _name, _m in POLICY_MACHINES.items():
+    globals()[f"TestPolicy_{_name.replace('-', '_')}"] = _m.TestCase
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("machine", [IndexMachine, SlruMachine, SmallHistoryMachine],
-                         ids=["lru", "slru", "history3"])
+@pytest.mark.parametrize("machine", [IndexMachine, SlruMachine, SmallHistoryMachine,
+                                     *POLICY_MACHINES.values()],
+                         ids=["lru", "slru", "history3", *POLICY_MACHINES])
 def test_index_machine_long(machine: type[IndexMachine]) -> None:
     from hypothesis.stateful import run_state_machine_as_test
 
@@ -464,7 +511,9 @@ def audit(ix: PrefixIndex) -> None:
     assert st_.entries == len(blocks)
 
 
-@pytest.mark.parametrize(("policy", "k"), [("lru", 1), ("lru", 2), ("slru", 2)])
+@pytest.mark.parametrize(("policy", "k"), [("lru", 1), ("lru", 2), ("slru", 2),
+                                           *((p, 2) for p in sorted(POLICIES)
+                                             if p not in ("lru", "slru"))])
 def test_write_back_drain_keeps_invariants(policy: str, k: int) -> None:
     """A random forest in DRAM, random lookups, then write-back evictions until DRAM is empty:
     exercises chain write-back (ancestors WRITTEN), SSD room-making and leaf-first drops."""

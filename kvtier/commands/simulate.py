@@ -28,7 +28,7 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvtier.index.policies import POLICIES
+    from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
     from kvtier.sim.workloads import WORKLOADS
 
     parser.epilog = _EPILOG
@@ -50,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp", type=int, default=1, metavar="N", help="tensor-parallel size with --model (1)"
     )
     parser.add_argument("--block-bytes", metavar="SIZE", help="bytes of one 512-token block")
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="lru", help="eviction (lru)")
+    parser.add_argument(
+        "--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+        help=f"eviction and admission policy ({DEFAULT_POLICY})",
+    )
     parser.add_argument(
         "--ssd-admit-k",
         type=int,

@@ -1,7 +1,8 @@
 """The store path: Allocate slots under a WRITE lease, then Commit the blocks or Abort.
 
-    allocate  keys not cached and not being written get fresh slots (tenant DRAM quota first:
-              its own unpinned blocks are evicted for room, else RESOURCE_EXHAUSTED; then a
+    allocate  keys not cached and not being written get fresh slots, as far as the index's
+              DRAM admission (its policy, `PrefixIndex.admit`) stores them (tenant DRAM quota
+              first: its own unpinned blocks are evicted for room, else RESOURCE_EXHAUSTED; then a
               full pool makes room by fair shares, `kvtier.core.fairshare`); the keys
               become `pending` in their namespace, so a second Allocate skips them
     commit    inserts the blocks in chain order as DRAM blocks; one whose parent vanished
@@ -87,6 +88,8 @@ class Allocator:
                 raise InvalidArgument("parent_key repeats inside the chain")
         need = [i for i, k in enumerate(chain)
                 if index.get(ns.name, k) is None and k not in ns.pending]
+        if need:
+            need = need[:self._admitted(ns, chain, need)]
         if not need:
             return AllocateResult("", [], [], ttl)
         slots = self._take_slots(ns.tenant, len(need))
@@ -98,6 +101,17 @@ class Allocator:
             ns.pending[chain[i]] = lease.id
         pool = self.tiers.pool
         return AllocateResult(lease.id, need, [pool.offset(s) for s in slots], ttl)
+
+    def _admitted(self, ns: Namespace, chain: list[bytes], need: list[int]) -> int:
+        """How many of `need` the index's DRAM admission stores (a prefix of them; the rest
+        would hang under a refused block). All when the block before the first is not in the
+        index yet (pending): admission needs a cached parent."""
+        start = need[0]
+        try:
+            n = self.tiers.index.admit(ns.name, chain, start)
+        except MissingParent:
+            return len(need)
+        return sum(1 for i in need if i < start + n)
 
     def _take_slots(self, state: TenantState, n: int) -> list[int]:
         if not quota_room(self.tiers, state, n):

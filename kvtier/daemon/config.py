@@ -17,6 +17,9 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     grace_s                10: on SIGTERM, leases may finish for this long
     max_blocks_per_request 4096
     ssd_admit_after        2: write a DRAM evictee to SSD from its k-th access on
+    policy                 kvtier.index.policy_registry.DEFAULT_POLICY: eviction and admission
+                           policy of the prefix index (any name of its POLICIES: lru, vllm-arc,
+                           sglang-lfu, lmcache-s3fifo, sieve, kvtier, ...)
     ssd_dwpd               1.0: SSD writes per day, in units of ssd_bytes (see below)
     ssd_write_bytes_per_day 0 = ssd_bytes * ssd_dwpd: the long-run SSD write rate (token bucket)
     ssd_write_burst_bytes  0 = min(a day's budget, max(a quarter day's, 4 write-back queues)):
@@ -83,6 +86,7 @@ from typing import Any, cast
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import CONFIG_FILE, SOCKET_NAME, config_dirs, runtime_dir
 from kvtier.core.paths import data_dir as default_data_dir
+from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 
 GiB = 1 << 30
@@ -119,6 +123,7 @@ class Config:
     grace_s: float
     max_blocks_per_request: int
     ssd_admit_after: int
+    policy: str
     ssd_dwpd: float
     ssd_write_bytes_per_day: int
     ssd_write_burst_bytes: int
@@ -212,6 +217,7 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "grace_s": 10.0,
         "max_blocks_per_request": 4096,
         "ssd_admit_after": 2,
+        "policy": DEFAULT_POLICY,
         "ssd_dwpd": 1.0,
         "ssd_write_bytes_per_day": 0,
         "ssd_write_burst_bytes": 0,
@@ -390,6 +396,8 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         raise bad("max_blocks_per_request", "must be in [1, 1048576]")
     if i("ssd_admit_after") < 1:
         raise bad("ssd_admit_after", "must be >= 1")
+    if str(v["policy"]) not in POLICIES:
+        raise bad("policy", f"must be one of {', '.join(sorted(POLICIES))}, got {v['policy']!r}")
     if not 0 < f("ssd_dwpd") <= 100:
         raise bad("ssd_dwpd", f"must be in (0, 100] drive writes per day, got {v['ssd_dwpd']}")
     queue = i("writeback_queue_bytes") or max(slot, min(dram // 4, GiB) // slot * slot)
@@ -434,6 +442,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         grace_s=f("grace_s"),
         max_blocks_per_request=i("max_blocks_per_request"),
         ssd_admit_after=i("ssd_admit_after"),
+        policy=str(v["policy"]),
         ssd_dwpd=f("ssd_dwpd"),
         ssd_write_bytes_per_day=per_day,
         ssd_write_burst_bytes=burst,

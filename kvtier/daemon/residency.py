@@ -91,7 +91,8 @@ class Tiers:
         self.ssd_block_bytes = cfg.slot_bytes + blockfmt.HEADER_SIZE
         ssd_blocks = cfg.ssd_bytes // self.ssd_block_bytes
         self.index = PrefixIndex(
-            dram_blocks=cfg.slots, ssd_blocks=ssd_blocks, admission_k=cfg.ssd_admit_after
+            dram_blocks=cfg.slots, ssd_blocks=ssd_blocks, admission_k=cfg.ssd_admit_after,
+            policy=cfg.policy,
         )
         self.store: SsdStore | None = None
         self.mover: Mover | None = None

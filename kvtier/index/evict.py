@@ -55,7 +55,7 @@ class Eviction(IndexState):
     def _evict(self, q: EvictionQueue, tier: Tier, n: int, write_back: bool,
                out: list[Evicted] | None) -> int:
         done = 0
-        write_back = write_back and tier is _DRAM
+        write_back = write_back and tier is _DRAM and self._cap[_SSD] != 0
         admits = self.admission.admits
         while done < n:
             b = q.first()

@@ -1,4 +1,8 @@
-"""Eviction orders and SSD admission for the prefix index: small strategies, O(1) per operation.
+"""The policy contract of the prefix index (`Policy`), its base LRU, and the shared pieces.
+
+A `Policy` owns an index's two eviction queues, its DRAM admission (`admit`) and its SSD
+admission; `kvtier.index.policy_registry` maps names to policies (the peers' in
+`kvtier.index.policy_peers`, kvtier's in `kvtier.index.policy_adaptive`).
 
 An eviction queue holds the blocks of one tier that may be evicted *now* (the index decides
 membership; see `kvtier.index.prefix`). The queue only orders them. Blocks are linked intrusively
@@ -9,7 +13,7 @@ O(1) and a block is in at most one queue at a time.
 
 Policies:
 
-- ``lru`` (default): one list; a touch moves the block to the hot end.
+- ``lru``: one list; a touch moves the block to the hot end (`Policy`, the base).
 - ``slru``: segmented LRU, frequency-aware. A block accessed fewer than two times sits in the
   *probation* list, one accessed again moves to the *protected* list; protected holds at most
   `protected_fraction` of the queue (its coldest overflow falls back to probation's hot end).
@@ -27,18 +31,27 @@ Threading: none of this is thread-safe; the index's owner serialises calls.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from xxhash import xxh3_64_intdigest
 
+from kvtier.core.types import BlockKey
 from kvtier.index.types import HITS_MAX
 
 if TYPE_CHECKING:
     from kvtier.index.types import Block, Tenant
 
+ADMISSION_HISTORY_PER_BLOCK = 1
+"""Default admission-history words per block of total capacity (DRAM + SSD); see `PrefixIndex`."""
+
 PROTECTED = 1 << 7
-"""Bit of `Block.flags` reserved for policies (set while a block is in SLRU's protected list)."""
+"""Bit of `Block.flags` owned by the policy: SLRU's protected list, ARC's T2, S3-FIFO's main
+queue, kvtier's main segment. Bits 5-6 (`COUNT_SHIFT`) are a 2-bit counter the policy owns and bit
+0 (`MARK`) a mark it owns; the index never reads or clears any of them."""
+COUNT_SHIFT = 5
+COUNT_BITS = 3 << COUNT_SHIFT
+MARK = 1 << 0
 
 
 class BlockList:
@@ -216,18 +229,6 @@ class SlruQueue(EvictionQueue):
         return self._probation.size + self._protected.size
 
 
-POLICIES: dict[str, Callable[[], EvictionQueue]] = {"lru": LruQueue, "slru": SlruQueue}
-"""Policy name -> factory of one tier's queue."""
-
-
-def make_queue(policy: str) -> EvictionQueue:
-    try:
-        return POLICIES[policy]()
-    except KeyError:
-        known = ", ".join(sorted(POLICIES))
-        raise ValueError(f"unknown eviction policy {policy!r} (known: {known})") from None
-
-
 class KthAccess:
     """SSD admission: write a block back only once it has been accessed `k` times."""
 
@@ -240,6 +241,64 @@ class KthAccess:
 
     def admits(self, b: Block) -> bool:
         return b.stamp & HITS_MAX >= self.k
+
+
+class Policy:
+    """One index's policy: the order of its two eviction queues, DRAM admission, SSD admission.
+
+    This base is leaf-first LRU with every block admitted to DRAM and SSD admission on the k-th
+    access (`KthAccess`); subclasses (`kvtier.index.policy_registry`) override what differs. The
+    index calls `inserted`, `unlinked` and `looked_up` only when `hooks` is true (`mark` when
+    `marks` is), so a policy without
+    hooks costs nothing on the request path. `admit` is a query: the caller (the simulator, the
+    daemon's Allocate) stores only that many blocks of a missed suffix, so nothing is stranded.
+
+    `ghosts`: the policy reads the admission history (a reinserted block's count starts above 1)
+    even without an SSD tier, so the index allocates it for DRAM-only configurations too.
+    """
+
+    name = "lru"
+    ghosts = False
+    hooks = False
+    marks = False
+    ghost_words = ADMISSION_HISTORY_PER_BLOCK
+    """Default history words per block of capacity (DRAM + SSD)."""
+
+    def __init__(self, dram_blocks: int | None, ssd_blocks: int | None, admission_k: int) -> None:
+        self.dram = self.make_queue(dram_blocks)
+        self.ssd = self.make_queue(ssd_blocks)
+        self.ssd_admission = KthAccess(admission_k)
+
+    def make_queue(self, capacity: int | None) -> EvictionQueue:
+        return LruQueue()
+
+    def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
+              partial_last: bool) -> int:
+        """How many blocks of ``keys[start:]`` (not cached; `parent` is keys[start - 1]'s block,
+        or None at a root) to store, from the first; `partial_last`: the chain's last block holds
+        fewer tokens than a full block (so no longer prompt can share it)."""
+        return len(keys) - start
+
+    def inserted(self, b: Block) -> None:
+        """A new entry (its count already includes what the history recalled)."""
+
+    def unlinked(self, b: Block) -> None:
+        """An entry left its last tier (it is still linked to its parent)."""
+
+    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], hit: int) -> None:
+        """A touching lookup of `keys` found the first `hit` cached (before it counts them)."""
+
+    def mark(self, b: Block) -> None:
+        """A touching lookup hit `b`, which is in no queue (its children keep it, or it is
+        pinned): what a queue's `touch` would record, for when it enters one. Called only when
+        `marks` is true."""
+
+
+class SlruPolicy(Policy):
+    name = "slru"
+
+    def make_queue(self, capacity: int | None) -> EvictionQueue:
+        return SlruQueue()
 
 
 _MASK64 = (1 << 64) - 1

@@ -51,7 +51,8 @@ from collections.abc import Sequence
 from kvtier.core.types import BlockKey, Tier
 from kvtier.index.evict import Eviction
 from kvtier.index.hbm import HbmReports
-from kvtier.index.state import ADMISSION_HISTORY_PER_BLOCK, short
+from kvtier.index.policies import ADMISSION_HISTORY_PER_BLOCK
+from kvtier.index.state import short
 from kvtier.index.types import (
     EVICTION_COUNTERS,
     HITS_BITS,
@@ -91,11 +92,13 @@ class PrefixIndex(Eviction, HbmReports):
 
     `dram_blocks`/`ssd_blocks`: tier capacities in blocks (None = unbounded). DRAM slot ids, when
     used, are validated against ``range(dram_blocks)`` and must be unique. `block_bytes`: the
-    fixed size of one block, for byte accounting. `policy`: a `kvtier.index.policies.POLICIES` name.
-    `admission_k`: SSD admission on the k-th access. `admission_history`: words of the
+    fixed size of one block, for byte accounting. `policy`: a
+    `kvtier.index.policy_registry.POLICIES` name (eviction order, DRAM admission via `admit`, SSD
+    admission). `admission_k`: SSD admission on the k-th access. `admission_history`: words of the
     `kvtier.index.policies.AdmissionHistory` that keeps the access counts of dropped blocks (4 bytes
     each; 0 = off, a reinserted block starts again at 1); None = `ADMISSION_HISTORY_PER_BLOCK` x
-    (dram_blocks + ssd_blocks) when both are bounded and ssd_blocks > 0, else 0.
+    (dram_blocks + ssd_blocks) when both are bounded and ssd_blocks > 0 or the policy reads
+    ghosts (`Policy.ghosts`: vllm-arc, lmcache-s3fifo, kvtier), else 0.
 
     Queries, `stats` and the constructor: `kvtier.index.state.IndexState`; `victims`, `evict`,
     `evict_count`, `admits`: `kvtier.index.evict`; `hbm_add`, `hbm_drop`, `drop_replica`:
@@ -121,6 +124,8 @@ class PrefixIndex(Eviction, HbmReports):
         blocks: list[Block] = []
         m = self._maps.get(tenant)
         if m is None:
+            if touch and self._hooks:
+                self._policy.looked_up(tenant, keys, 0)
             return Prefix(blocks, [])
         get, add = m.get, blocks.append
         parent = None
@@ -137,10 +142,13 @@ class PrefixIndex(Eviction, HbmReports):
             mask = 0 if bit is None else 1 << bit
         hbm, dram, ssd = _HBM, _DRAM, _SSD
         tiers = [hbm if b.hbm & mask else dram if b.flags & IN_DRAM else ssd for b in blocks]
+        if touch and self._hooks:
+            self._policy.looked_up(tenant, keys, len(blocks))
         if touch and blocks:
             self._clock += 1
             now = self._clock << HITS_BITS
             qd, qs = self._qd, self._qs
+            mark = self._policy.mark if self._marks else None
             for b in blocks:
                 hits = (b.stamp & HITS_MAX) + 1
                 b.stamp = now | (hits if hits < HITS_MAX else HITS_MAX)
@@ -149,9 +157,27 @@ class PrefixIndex(Eviction, HbmReports):
                     qd.touch(b)
                 elif f & Q_SSD:
                     qs.touch(b)
+                elif mark is not None:
+                    mark(b)
         return Prefix(blocks, tiers)
 
     # ---------------------------------------------------------------- commit
+    def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, *,
+              partial_last: bool = False) -> int:
+        """DRAM admission: how many blocks of ``keys[start:]`` — the part of a looked-up chain
+        that missed, ``keys[:start]`` being cached — the caller should store, from the first
+        (storing fewer strands nothing: the rest is a suffix). `partial_last`: the last block
+        holds fewer tokens than a full one. Asks the policy (`kvtier.index.policies.Policy.admit`);
+        changes nothing but the policy's own statistics. O(len(keys) - start)."""
+        if not 0 <= start <= len(keys):
+            raise ValueError(f"start {start} is outside the chain (0..{len(keys)})")
+        parent = None
+        if start:
+            parent = self.get(tenant, keys[start - 1])
+            if parent is None:
+                raise MissingParent(f"block {short(keys[start - 1])} is not cached")
+        return self._policy.admit(tenant, keys, start, parent, partial_last)
+
     def insert(
         self,
         tenant: Tenant,
@@ -186,6 +212,8 @@ class PrefixIndex(Eviction, HbmReports):
         self._clock += 1
         hits = 1 + self.history.recall(tenant, key) if self.history.entries else 1
         b = Block(key, tenant, p, stamp=self._clock << HITS_BITS | hits)
+        if self._hooks:
+            self._policy.inserted(b)
         m[key] = b
         self._entries += 1
         if p is not None:

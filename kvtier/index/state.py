@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvtier.core.types import BlockKey, Tier
-from kvtier.index.policies import AdmissionHistory, EvictionQueue, KthAccess, make_queue
+from kvtier.index.policies import AdmissionHistory, EvictionQueue
+from kvtier.index.policy_registry import DEFAULT_POLICY, make_policy
 from kvtier.index.types import (
     EVICTION_COUNTERS,
     FLAG_BITS,
@@ -54,9 +55,6 @@ from kvtier.index.types import (
     TierFull,
     UnknownBlock,
 )
-
-ADMISSION_HISTORY_PER_BLOCK = 1
-"""Default admission-history words per block of total capacity (DRAM + SSD); see `PrefixIndex`."""
 
 # Module constants: an enum member lookup (`Tier.SSD`) costs ~0.1 us on Python 3.11.
 _HBM, _DRAM, _SSD = Tier.HBM, Tier.DRAM, Tier.SSD
@@ -83,7 +81,7 @@ class IndexState:
         dram_blocks: int | None = None,
         ssd_blocks: int | None = None,
         block_bytes: int | None = None,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         admission_k: int = 2,
         admission_history: int | None = None,
     ) -> None:
@@ -92,14 +90,20 @@ class IndexState:
                 raise ValueError(f"{name} must be >= 0, got {cap}")
         self._cap = {_DRAM: dram_blocks, _SSD: ssd_blocks}
         self._count = {_DRAM: 0, _SSD: 0}
-        self._qd = make_queue(policy)
-        self._qs = make_queue(policy)
+        if admission_k < 1:
+            raise ValueError(f"admission k must be >= 1, got {admission_k}")
+        pol = self._policy = make_policy(policy, dram_blocks, ssd_blocks, admission_k)
+        self._qd = pol.dram
+        self._qs = pol.ssd
+        self._hooks = pol.hooks
+        self._marks = pol.marks
         self.policy = policy
-        self.admission = KthAccess(admission_k)
+        self.admission = pol.ssd_admission
         if admission_history is None:
             admission_history = (
-                ADMISSION_HISTORY_PER_BLOCK * (dram_blocks + ssd_blocks)
-                if dram_blocks is not None and ssd_blocks else 0)
+                pol.ghost_words * (dram_blocks + ssd_blocks)
+                if dram_blocks is not None and ssd_blocks is not None
+                and (ssd_blocks or pol.ghosts) else 0)
         self.history = AdmissionHistory(admission_history)
         self.block_bytes = block_bytes
         self._slot_used = bytearray(dram_blocks or 0)
@@ -266,6 +270,8 @@ class IndexState:
             del self._maps[b.tenant]
         self._entries -= 1
         self.history.remember(b.tenant, b.key, b.stamp & HITS_MAX)
+        if self._hooks:
+            self._policy.unlinked(b)
         p = b.parent
         if p is not None:
             p.children -= 1

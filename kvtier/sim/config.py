@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvtier.index.policy_registry import DEFAULT_POLICY
+
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -13,7 +15,7 @@ class TierConfig:
 
     dram_blocks: int
     ssd_blocks: int = 0
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     ssd_admit_k: int = 2
     admission_history: int | None = None
 
@@ -39,7 +41,8 @@ class ReplayStats(NamedTuple):
     ssd_blocks_written: blocks written to SSD (a demotion of a block that still has an SSD copy
     writes nothing). dropped_dram: DRAM victims not admitted to SSD, gone from the cache.
     evicted_ssd: blocks evicted from SSD. inserted: missed blocks committed into DRAM;
-    not_stored: missed blocks left out because every DRAM block was in use by the request.
+    not_stored: missed blocks left out, because the policy's DRAM admission refused them
+    (`bypassed` of them) or every DRAM block was in use by the request.
     stranded_blocks: cached blocks whose parent is cached in no tier, counted on the index at the
     end (DESIGN invariant 2 says 0). dram_blocks_end / ssd_blocks_end: occupancy at the end.
     seconds / cpu_seconds: wall and process CPU time of the replay loop.
@@ -65,6 +68,7 @@ class ReplayStats(NamedTuple):
     cpu_seconds: float
     history_size: int = 0
     history_recalled: int = 0
+    bypassed: int = 0
 
     @property
     def hits(self) -> int:

@@ -7,16 +7,19 @@ Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian k
   2. lease: the hit blocks are pinned until the request ends, so nothing the request uses is
      evicted under it. (A simplification of the daemon, which holds the Acquire lease while the
      engine loads and then its Allocate slots until Commit.)
-  3. room: one `index.evict_count(DRAM, n, write_back=True)` makes room for the SSD hits and the
+  3. admission: `index.admit` says how many of the missed blocks the policy stores (all, for
+     LRU; a prefix of them for policies with DRAM admission, e.g. without a partial last block);
+     the rest count as not stored.
+  4. room: one `index.evict_count(DRAM, n, write_back=True)` makes room for the SSD hits and the
      missed blocks; the index demotes admitted victims (k-th access, counting accesses before an
      earlier drop while its admission history remembers them) to SSD, evicting SSD leaves for
      them, and drops the rest, leaf-first. All eviction for the request happens here, so the
      blocks committed next cannot be evicted before the request ends either.
-  4. promote: SSD-only hits are copied into DRAM (`index.promote`; the SSD copy stays).
-  5. commit: the missed blocks are inserted into DRAM in chain order (`index.insert`). When DRAM
-     has too few evictable blocks (the request is longer than DRAM), only the first missed
-     blocks are stored: the rest is a suffix, so nothing is stranded.
-  6. release: the pins are dropped.
+  5. promote: SSD-only hits are copied into DRAM (`index.promote`; the SSD copy stays).
+  6. commit: the admitted missed blocks are inserted into DRAM in chain order (`index.insert`).
+     When DRAM has too few evictable blocks (the request is longer than DRAM), only the first
+     missed blocks are stored: the rest is a suffix, so nothing is stranded.
+  7. release: the pins are dropped.
 
 Movement counters come from the index's own eviction counters; `stranded_blocks` is recounted on
 the index after the replay, never assumed.
@@ -34,7 +37,7 @@ from collections.abc import Callable, Sequence
 from kvtier.core.types import Tier
 from kvtier.index.prefix import Block, PrefixIndex
 from kvtier.sim.config import ReplayStats, TierConfig
-from kvtier.sim.trace import Request
+from kvtier.sim.trace import TRACE_BLOCK_TOKENS, Request
 
 TENANT = 0
 _PROGRESS_EVERY = 256
@@ -67,9 +70,9 @@ def replay(
     if len(idx):
         raise ValueError("replay needs an empty index")
     dram, ssd = Tier.DRAM, Tier.SSD
-    lookup, insert, promote = idx.lookup, idx.insert, idx.promote
+    lookup, insert, promote, admit = idx.lookup, idx.insert, idx.promote, idx.admit
     pin, unpin, evict, free = idx.pin, idx.unpin, idx.evict_count, idx.free
-    hits_dram = hits_ssd = promotions = inserted = not_stored = refs = 0
+    hits_dram = hits_ssd = promotions = inserted = not_stored = bypassed = refs = 0
     t0, c0 = time.perf_counter(), time.process_time()
     for n, req in enumerate(requests, start=1):
         keys = [i.to_bytes(8, "big") for i in req.hash_ids]
@@ -83,7 +86,11 @@ def replay(
         pinned = keys[:h]
         for k in pinned:
             pin(TENANT, k)
-        want = on_ssd + len(keys) - h
+        missing = len(keys) - h
+        admitted = admit(TENANT, keys, h,
+                         partial_last=req.input_length < len(keys) * TRACE_BLOCK_TOKENS)
+        bypassed += missing - admitted
+        want = on_ssd + admitted
         room = free(dram)
         assert room is not None
         if want > room:
@@ -95,8 +102,7 @@ def replay(
                     promote(TENANT, b.key, dram)
                     promotions += 1
                     room -= 1
-        missing = len(keys) - h
-        stored = min(missing, room)
+        stored = min(admitted, room)
         not_stored += missing - stored
         inserted += stored
         parent = keys[h - 1] if h else None
@@ -131,6 +137,7 @@ def replay(
         cpu_seconds=cpu,
         history_size=st.history_size,
         history_recalled=st.history_recalled,
+        bypassed=bypassed,
     )
 
 

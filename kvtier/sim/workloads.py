@@ -1,6 +1,7 @@
-"""Built-in workload generators: multi-turn chat and long-document QA, as Mooncake-style traces.
+"""Built-in workload generators: multi-turn chat, long-document QA, agentic tool calling and a RAG
+mix, as Mooncake-style traces.
 
-Both produce `Request`s with chained 512-token block ids exactly like a Mooncake trace, so every
+All produce `Request`s with chained 512-token block ids exactly like a Mooncake trace, so every
 part of the simulator treats them alike. Output is a pure function of the spec (seeded
 `random.Random`, no `hash()`, no clock): the same spec gives the same trace on every run.
 
@@ -55,6 +56,41 @@ class DocQASpec:
     question_tokens: tuple[int, int] = (15, 300)
     output_tokens: tuple[int, int] = (20, 400)
     requests_per_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class AgenticSpec:
+    """Tool-calling agents: a long shared tool/system prefix (a few, Zipf-popular), then deep
+    sessions of many steps, each appending a short tool call and its result (unique text)."""
+
+    requests: int = 4000
+    seed: int = 0
+    tool_prefixes: int = 4
+    tool_tokens: tuple[int, int] = (6000, 16000)
+    zipf_s: float = 1.2
+    sessions_per_s: float = 0.3
+    mean_steps: float = 20.0
+    step_tokens: tuple[int, int] = (40, 700)
+    mean_step_s: float = 4.0
+    max_context_tokens: int = 65536
+
+
+@dataclass(frozen=True)
+class RagSpec:
+    """Retrieval-augmented questions: an instruction prefix, then the top-k chunks retrieved for
+    a topic (Zipf-popular topics; a topic's chunks always come in the same order, k varies, so
+    questions on one topic share the prefix up to the shorter k), then a unique question."""
+
+    requests: int = 4000
+    seed: int = 0
+    topics: int = 3000
+    zipf_s: float = 1.1
+    instruction_tokens: int = 700
+    chunk_tokens: tuple[int, int] = (300, 1200)
+    chunks: tuple[int, int] = (2, 6)
+    question_tokens: tuple[int, int] = (20, 250)
+    output_tokens: tuple[int, int] = (30, 500)
+    requests_per_s: float = 3.0
 
 
 class _Ids:
@@ -158,13 +194,83 @@ def docqa(spec: DocQASpec = DocQASpec()) -> list[Request]:
     return out
 
 
-WORKLOADS = ("chat", "docqa")
+def agentic(spec: AgenticSpec = AgenticSpec()) -> list[Request]:
+    """Agent sessions: step i's prompt = tool prefix + every earlier step's call and result."""
+    _check_positive(
+        requests=spec.requests,
+        tool_prefixes=spec.tool_prefixes,
+        sessions_per_s=spec.sessions_per_s,
+        mean_steps=spec.mean_steps,
+    )
+    rng = random.Random(spec.seed)
+    tool_len = [rng.randint(*spec.tool_tokens) for _ in range(spec.tool_prefixes)]
+    cum = _zipf_cum_weights(spec.tool_prefixes, spec.zipf_s)
+    ids = _Ids()
+    steps: list[tuple[float, int, int, Request]] = []
+    start = 0.0
+    session = 0
+    while len(steps) < spec.requests:
+        start += rng.expovariate(spec.sessions_per_s)
+        p = rng.choices(range(spec.tool_prefixes), cum_weights=cum)[0]
+        prompt = tool_len[p] + rng.randint(*spec.step_tokens)
+        t = start
+        for step in itertools.count():
+            if prompt > spec.max_context_tokens:
+                break
+            segs: list[tuple[Hashable, int]] = [(("tools", p), tool_len[p]),
+                                                (("agent", session), prompt)]
+            out = rng.randint(*spec.step_tokens) // 4 + 1
+            req = Request(round(t * 1000.0, 3), prompt, out, ids.chain(segs, prompt))
+            steps.append((t, session, step, req))
+            if rng.random() < 1.0 / spec.mean_steps:
+                break
+            prompt += out + rng.randint(*spec.step_tokens)
+            t += rng.expovariate(1.0 / spec.mean_step_s)
+        session += 1
+    steps.sort(key=lambda x: x[:3])
+    return [x[3] for x in steps[: spec.requests]]
+
+
+def rag(spec: RagSpec = RagSpec()) -> list[Request]:
+    """RAG: instruction prefix + a Zipf-popular topic's first k chunks + a fresh question."""
+    _check_positive(requests=spec.requests, topics=spec.topics, requests_per_s=spec.requests_per_s)
+    rng = random.Random(spec.seed)
+    cum = _zipf_cum_weights(spec.topics, spec.zipf_s)
+    chunk_len: dict[int, list[int]] = {}
+    ids = _Ids()
+    out: list[Request] = []
+    t = 0.0
+    head = spec.instruction_tokens
+    for _ in range(spec.requests):
+        t += rng.expovariate(spec.requests_per_s)
+        topic = rng.choices(range(spec.topics), cum_weights=cum)[0]
+        lens = chunk_len.get(topic)
+        if lens is None:
+            lens = chunk_len[topic] = [rng.randint(*spec.chunk_tokens)
+                                       for _ in range(spec.chunks[1])]
+        k = rng.randint(*spec.chunks)
+        segs: list[tuple[Hashable, int]] = [("instructions", head)]
+        end = head
+        for j in range(k):
+            end += lens[j]
+            segs.append((("rag", topic, j), end))
+        prompt = end + rng.randint(*spec.question_tokens)
+        out.append(Request(round(t * 1000.0, 3), prompt, rng.randint(*spec.output_tokens),
+                           ids.chain(segs, prompt)))
+    return out
+
+
+WORKLOADS = ("chat", "docqa", "agentic", "rag")
 
 
 def generate(name: str, requests: int, seed: int) -> list[Request]:
-    """A built-in workload by name ('chat' | 'docqa') with default shape parameters."""
+    """A built-in workload by name (one of `WORKLOADS`) with default shape parameters."""
     if name == "chat":
         return chat(ChatSpec(requests=requests, seed=seed))
     if name == "docqa":
         return docqa(DocQASpec(requests=requests, seed=seed))
+    if name == "agentic":
+        return agentic(AgenticSpec(requests=requests, seed=seed))
+    if name == "rag":
+        return rag(RagSpec(requests=requests, seed=seed))
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")

@@ -1,0 +1,264 @@
+"""Hit ratio of every index policy at small capacities, against LRU, the best peer and Belady MIN.
+
+    python -m bench.policies [--trace FILE] [--seeds 3] [--requests 2000] [--quick]
+
+Workloads: the shared Mooncake trace (``../shared/traces/synthetic_trace.jsonl`` next to the
+repository, or ``--trace``; skipped with a note when absent) and the generators of
+`kvtier.sim.workloads` — chat, docqa, agentic, rag — at ``--seeds`` seeds each. Every policy of
+`kvtier.index.policy_registry.POLICIES` (``lmcache-lfu`` is ``sglang-lfu``, run once) is replayed
+through the real index (`kvtier.sim.replay`) DRAM-only at 1, 2, 5, 10 and 20% of the workload's
+distinct blocks, and Belady MIN is computed at each capacity. A two-tier run per workload (DRAM
+2% + SSD 8% of the distinct blocks, SSD admission k = 2) adds the SSD blocks written.
+
+Per workload and capacity (hit ratios averaged over seeds): kvtier's hit ratio, LRU's, the best
+peer's (`PEERS`, by mean hit ratio), kvtier / LRU, kvtier / best peer, kvtier / Belady, and the
+worst seed's kvtier / LRU. Goals (issue 14): kvtier >= 1.2x LRU at 1-5%, never below LRU by more
+than 1% anywhere, ahead of the best peer at <= 5%, replay CPU time <= 2x LRU's (median over all
+DRAM-only runs). Also the kvtier policy's own state (sketch, predictor, tracker, history) in
+bytes per block of capacity. Writes bench/results/policies.json, the table as policies.md and
+one PNG per workload (bench/results/policies_<workload>.png). ``--quick``: 1 seed, 400 requests,
+trace cut to 600 requests, capacities 2% and 5% — a smoke run for CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvtier.index.policy_adaptive import AdaptivePolicy
+from kvtier.index.policy_registry import PEERS, POLICIES
+from kvtier.sim.ceilings import belady, flatten, next_uses
+from kvtier.sim.config import TierConfig
+from kvtier.sim.replay import new_index, replay
+from kvtier.sim.trace import Request, read_trace
+from kvtier.sim.workloads import WORKLOADS, generate
+
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+RESULTS = Path(__file__).parent / "results"
+CAPACITIES = (0.01, 0.02, 0.05, 0.10, 0.20)
+TWO_TIER = (0.02, 0.08)
+OURS = "kvtier"
+RUN = [p for p in POLICIES if p != "lmcache-lfu"]
+
+
+def _workloads(args: argparse.Namespace) -> list[tuple[str, int, list[Request]]]:
+    out: list[tuple[str, int, list[Request]]] = []
+    trace = Path(args.trace)
+    if trace.exists():
+        reqs = read_trace(trace)
+        out.append(("trace", 0, reqs[: args.trace_requests] if args.trace_requests else reqs))
+    else:
+        print(f"note: {trace} not found: the shared trace is skipped (--trace FILE)")
+    for name in WORKLOADS:
+        for seed in range(args.seeds):
+            out.append((name, seed, generate(name, args.requests, seed)))
+    return out
+
+
+def _run(name: str, seed: int, reqs: Sequence[Request], fracs: Sequence[float]
+         ) -> list[dict[str, Any]]:
+    refs = flatten(reqs)
+    distinct = len(set(refs))
+    nxt = next_uses(refs)
+    rows: list[dict[str, Any]] = []
+    for f in fracs:
+        cap = max(1, round(distinct * f))
+        best = belady(reqs, cap, nxt).prefix_hits / len(refs)
+        for pol in RUN:
+            cfg = TierConfig(cap, 0, pol)
+            idx = new_index(cfg)
+            s = replay(reqs, cfg, index=idx)
+            row = {"workload": name, "seed": seed, "tiers": "dram", "fraction": f,
+                   "dram_blocks": cap, "ssd_blocks": 0, "policy": pol,
+                   "hit_ratio": s.hit_ratio, "belady_hit_ratio": best,
+                   "cpu_s": s.cpu_seconds, "ssd_blocks_written": s.ssd_blocks_written,
+                   "bypassed": s.bypassed, "stranded_blocks": s.stranded_blocks}
+            if isinstance(idx._policy, AdaptivePolicy):
+                row["policy_state_bytes"] = idx._policy.nbytes() + idx.history.nbytes()
+            rows.append(row)
+    dram, ssd = (max(1, round(distinct * x)) for x in TWO_TIER)
+    best = belady(reqs, dram + ssd, nxt).prefix_hits / len(refs)
+    for pol in RUN:
+        s = replay(reqs, TierConfig(dram, ssd, pol))
+        rows.append({"workload": name, "seed": seed, "tiers": "dram+ssd",
+                     "fraction": TWO_TIER[0] + TWO_TIER[1], "dram_blocks": dram,
+                     "ssd_blocks": ssd, "policy": pol, "hit_ratio": s.hit_ratio,
+                     "belady_hit_ratio": best, "cpu_s": s.cpu_seconds,
+                     "ssd_blocks_written": s.ssd_blocks_written, "bypassed": s.bypassed,
+                     "stranded_blocks": s.stranded_blocks})
+    print(f"  {name} seed {seed}: {len(reqs):,} requests, {len(refs):,} refs, "
+          f"{distinct:,} distinct blocks", flush=True)
+    return rows
+
+
+def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per (workload, tiers, fraction): means over seeds and the ratios of the goals."""
+    groups: dict[tuple[str, str, float], dict[str, list[dict[str, Any]]]] = defaultdict(
+        lambda: defaultdict(list))
+    for r in rows:
+        groups[(r["workload"], r["tiers"], r["fraction"])][r["policy"]].append(r)
+    out = []
+    for (w, tiers, f), by in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        mean = {p: statistics.fmean(x["hit_ratio"] for x in rs) for p, rs in by.items()}
+        peer = max((p for p in PEERS if p in mean), key=lambda p: mean[p])
+        ours, lru = mean[OURS], mean["lru"]
+        per_seed = [o["hit_ratio"] / max(lr["hit_ratio"], 1e-12)
+                    for o, lr in zip(by[OURS], by["lru"], strict=True)]
+        out.append({
+            "workload": w, "tiers": tiers, "fraction": f, "seeds": len(by[OURS]),
+            "kvtier": ours, "lru": lru, "best_peer": peer, "best_peer_hit": mean[peer],
+            "belady": statistics.fmean(x["belady_hit_ratio"] for x in by[OURS]),
+            "vs_lru": ours / max(lru, 1e-12), "vs_peer": ours / max(mean[peer], 1e-12),
+            "vs_belady": ours / max(statistics.fmean(x["belady_hit_ratio"] for x in by[OURS]),
+                                    1e-12),
+            "worst_seed_vs_lru": min(per_seed),
+            "ssd_written": {p: statistics.fmean(x["ssd_blocks_written"] for x in rs)
+                            for p, rs in by.items()},
+            "hit": mean,
+        })
+    return out
+
+
+def goals(summary: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    dram = [s for s in summary if s["tiers"] == "dram"]
+    small = [s for s in dram if s["fraction"] <= 0.05 + 1e-9]
+    cpu = defaultdict(list)
+    for r in rows:
+        if r["tiers"] == "dram":
+            cpu[(r["workload"], r["seed"], r["fraction"])].append(r)
+    time_ratios = []
+    for rs in cpu.values():
+        by = {r["policy"]: r["cpu_s"] for r in rs}
+        time_ratios.append(by[OURS] / max(by["lru"], 1e-9))
+    state = [r["policy_state_bytes"] / r["dram_blocks"] for r in rows
+             if r["policy"] == OURS and "policy_state_bytes" in r]
+    worst_lru = min(s["vs_lru"] for s in dram)
+    return {
+        "min_vs_lru_at_1_5pct": min(s["vs_lru"] for s in small) if small else None,
+        "goal_1_2x_lru_at_1_5pct": all(s["vs_lru"] >= 1.2 for s in small),
+        "min_vs_lru_anywhere": worst_lru,
+        "goal_never_below_lru_1pct": worst_lru >= 0.99,
+        "min_vs_best_peer_at_1_5pct": min(s["vs_peer"] for s in small) if small else None,
+        "goal_ahead_of_best_peer_at_1_5pct": all(s["vs_peer"] > 1.0 for s in small),
+        "median_replay_time_vs_lru": statistics.median(time_ratios),
+        "max_replay_time_vs_lru": max(time_ratios),
+        "goal_replay_time_2x": statistics.median(time_ratios) <= 2.0,
+        "kvtier_state_bytes_per_capacity_block_median": statistics.median(state) if state else None,
+        "kvtier_state_bytes_per_capacity_block_max": max(state) if state else None,
+    }
+
+
+def print_table(summary: Sequence[dict[str, Any]]) -> None:
+    print(f"{'workload':<8} {'tiers':<8} {'cap':>4} {'kvtier':>7} {'LRU':>7} {'best peer':<15}"
+          f"{'hit':>7} {'xLRU':>6} {'xpeer':>6} {'xMIN':>6} {'worst':>6} {'SSD wr k/LRU':>13}")
+    for s in summary:
+        ssd = s["ssd_written"]
+        wr = f"{ssd[OURS]:.0f}/{ssd['lru']:.0f}" if s["tiers"] != "dram" else ""
+        print(f"{s['workload']:<8} {s['tiers']:<8} {s['fraction']:4.0%} {s['kvtier']:7.4f} "
+              f"{s['lru']:7.4f} {s['best_peer']:<15}{s['best_peer_hit']:7.4f} "
+              f"{s['vs_lru']:6.2f} {s['vs_peer']:6.2f} {s['vs_belady']:6.2f} "
+              f"{s['worst_seed_vs_lru']:6.2f} {wr:>13}")
+
+
+def markdown(summary: Sequence[dict[str, Any]]) -> str:
+    """The table of `print_table` as Markdown (for docs/benchmarks.md and the README)."""
+    lines = ["| workload | tiers | capacity | kvtier | LRU | best peer | peer hit | ×LRU | ×peer "
+             "| ×Belady | worst seed ×LRU | SSD writes kvtier / LRU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        ssd = s["ssd_written"]
+        wr = f"{ssd[OURS]:,.0f} / {ssd['lru']:,.0f}" if s["tiers"] != "dram" else ""
+        lines.append(
+            f"| {s['workload']} | {s['tiers']} | {s['fraction']:.0%} | {s['kvtier']:.4f} | "
+            f"{s['lru']:.4f} | {s['best_peer']} | {s['best_peer_hit']:.4f} | {s['vs_lru']:.2f} | "
+            f"{s['vs_peer']:.2f} | {s['vs_belady']:.2f} | {s['worst_seed_vs_lru']:.2f} | {wr} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: Sequence[dict[str, Any]], workload: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [s for s in summary if s["workload"] == workload and s["tiers"] == "dram"]
+    xs = [s["fraction"] * 100 for s in pts]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    ax.plot(xs, [s["belady"] for s in pts], "k--", label="Belady MIN")
+    for pol in RUN:
+        style = "o-" if pol == OURS else ".-"
+        lw = 2.5 if pol == OURS else 1.0
+        ax.plot(xs, [s["hit"][pol] for s in pts], style, lw=lw, label=pol)
+    ax.set_xscale("log")
+    ax.set_xticks(xs, [f"{x:g}%" for x in xs])
+    ax.set_xlabel("DRAM capacity (% of distinct blocks)")
+    ax.set_ylabel("prefix-hit ratio")
+    ax.set_title(f"{workload}: hit ratio by policy (mean over {pts[0]['seeds']} seeds)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--trace", default=str(SAMPLE), help="Mooncake JSONL trace (the shared one)")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=2000, help="requests per generated workload")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 seed, small workloads")
+    ap.add_argument("--out", default=str(RESULTS), help="directory for the JSON and PNGs")
+    args = ap.parse_args(argv)
+    args.trace_requests = 0
+    fracs: Sequence[float] = CAPACITIES
+    if args.quick:
+        args.seeds, args.requests, args.trace_requests = 1, 400, 600
+        fracs = (0.02, 0.05)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"policies: {', '.join(RUN)}; capacities {', '.join(f'{f:.0%}' for f in fracs)}")
+    rows: list[dict[str, Any]] = []
+    for name, seed, reqs in _workloads(args):
+        rows.extend(_run(name, seed, reqs, fracs))
+    summary = summarise(rows)
+    print_table(summary)
+    g = goals(summary, rows)
+    for k, v in g.items():
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+    plots = []
+    try:
+        for w in sorted({s["workload"] for s in summary}):
+            path = out_dir / f"policies_{w}.png"
+            plot(summary, w, path)
+            plots.append(str(path))
+    except ImportError:
+        print("note: matplotlib missing, no plots")
+    doc = {
+        "bench": "policies",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "python": sys.version.split()[0],
+        "command": "python -m bench.policies " + " ".join(argv or sys.argv[1:]),
+        "policies": {p: POLICIES[p].source for p in POLICIES},
+        "goals": g,
+        "summary": summary,
+        "rows": rows,
+        "plots": plots,
+    }
+    path = out_dir / "policies.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    (out_dir / "policies.md").write_text(markdown(summary))
+    print(f"wrote {path} and {len(plots)} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

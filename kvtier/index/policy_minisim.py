@@ -1,0 +1,118 @@
+"""Miniature simulations: which window share would have hit more, measured on a sample of keys.
+
+Each candidate share runs a small block-level copy of `kvtier.index.policy_adaptive.AdaptiveQueue`'s
+algorithm (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on that frequency,
+S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as a ghost
+that re-enters in M; share 1.0 = plain LRU) over the references of a spatial sample of the
+keys (1 in `rate`: those whose last byte is below 256 / rate — block keys are hashes, trace ids
+count up, so the last byte is uniform; deterministic, no `hash()`), at 1/`rate` of the real
+capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX
+ATC 2017). Hits decay by half each epoch; `best` is the candidate with the most. The mini caches
+ignore the prefix rule (a block hits if it is cached), so they rank shares, they do not predict hit
+ratios.
+
+Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
+~100 B): with 2 candidates and rate 16, ~25 B per block of real capacity (rate 4 below 512
+blocks: a small cache's mini copies stay at least 32 blocks). Work: O(1) per sampled reference and
+candidate.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtier.core.types import BlockKey
+
+_FREQ_MAX = 3
+MINI_MAX = 4096
+"""Largest mini cache: beyond 4096 x rate blocks of real capacity the sample thins instead."""
+
+
+class MiniCache:
+    """One candidate's block-level cache (module docstring)."""
+
+    __slots__ = ("cap", "ghosts", "hits", "m", "s", "share")
+
+    def __init__(self, cap: int, share: float) -> None:
+        self.cap = cap
+        self.share = share
+        self.s: OrderedDict[BlockKey, int] = OrderedDict()
+        self.m: OrderedDict[BlockKey, int] = OrderedDict()
+        self.ghosts: OrderedDict[BlockKey, None] = OrderedDict()
+        self.hits = 0.0
+
+    def access(self, key: BlockKey) -> None:
+        s, m = self.s, self.m
+        f = s.get(key)
+        if f is not None:
+            self.hits += 1
+            s[key] = f + 1 if f < _FREQ_MAX else f
+            s.move_to_end(key)
+            return
+        f = m.get(key)
+        if f is not None:
+            self.hits += 1
+            m[key] = f + 1 if f < _FREQ_MAX else f
+            return
+        if self.ghosts.pop(key, 0) is None and self.share < 1.0:
+            m[key] = 0
+        else:
+            s[key] = 0
+        while len(s) + len(m) > self.cap:
+            self._evict()
+
+    def _evict(self) -> None:
+        s, m = self.s, self.m
+        while True:
+            if s and (self.share >= 1.0 or len(s) > self.share * self.cap or not m):
+                key, f = s.popitem(last=False)
+                if f > 1 and self.share < 1.0:
+                    m[key] = f
+                    continue
+                ghosts = self.ghosts
+                ghosts[key] = None
+                if len(ghosts) > self.cap:
+                    ghosts.popitem(last=False)
+                return
+            key, f = m.popitem(last=False)
+            if f > 0:
+                m[key] = f - 1
+                continue
+            return
+
+
+class MiniSims:
+    """Candidates' mini caches over one key sample; `best` after each epoch."""
+
+    __slots__ = ("_epoch", "_seen", "_threshold", "best", "caches", "margin")
+
+    def __init__(self, capacity: int, shares: Sequence[float], start: float,
+                 rate: int = 16, min_cap: int = 32, margin: float = 1.01) -> None:
+        rate = max(4, min(max(rate, capacity // MINI_MAX), capacity // min_cap))
+        cap = max(1, capacity // rate)
+        self._threshold = 256 // rate
+        self.caches = [MiniCache(cap, s) for s in shares]
+        self._epoch = 4 * cap
+        self._seen = 0
+        self.best = start
+        self.margin = margin
+
+    def add(self, keys: Sequence[BlockKey]) -> None:
+        th = self._threshold
+        for key in keys:
+            if key[-1] < th:
+                for c in self.caches:
+                    c.access(key)
+                self._seen += 1
+        if self._seen >= self._epoch:
+            self._seen = 0
+            top = max(self.caches, key=lambda c: c.hits)
+            cur = next((c for c in self.caches if c.share == self.best), None)
+            if cur is None or top.hits > cur.hits * self.margin:
+                self.best = top.share
+            for c in self.caches:
+                c.hits *= 0.5
+
+    def entries(self) -> int:
+        return sum(len(c.s) + len(c.m) + len(c.ghosts) for c in self.caches)

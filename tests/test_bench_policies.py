@@ -1,0 +1,30 @@
+"""`python -m bench.policies --quick`: the CI smoke run writes its JSON, table and plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.daemon_fixture import ROOT
+
+
+def test_quick_run_writes_results(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.policies", "--quick", "--trace", str(tmp_path / "none"),
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "shared trace is skipped" in proc.stdout
+    doc = json.loads((out / "policies.json").read_text())
+    workloads = {s["workload"] for s in doc["summary"]}
+    assert workloads == {"chat", "docqa", "agentic", "rag"}
+    assert {r["policy"] for r in doc["rows"]} >= {"lru", "kvtier", "vllm-arc", "sieve"}
+    assert all(r["stranded_blocks"] == 0 for r in doc["rows"])
+    assert any(r["ssd_blocks_written"] for r in doc["rows"] if r["tiers"] == "dram+ssd")
+    assert set(doc["goals"]) >= {"min_vs_lru_at_1_5pct", "median_replay_time_vs_lru"}
+    for w in workloads:
+        assert (out / f"policies_{w}.png").stat().st_size > 10_000
+    assert "| chat | dram | 2% |" in (out / "policies.md").read_text()
