@@ -99,11 +99,11 @@ class Stored(NamedTuple):
 
 
 class Acquired(NamedTuple):
-    """A lease on keys[0:count] that outlives the call (`Client.acquire`): the caller, or another
+    """A lease on keys[0:blocks] that outlives the call (`Client.acquire`): the caller, or another
     process of the same tenant that maps `segment`, copies from `slots` and calls `release`."""
 
     lease_id: str
-    count: int
+    blocks: int
     slots: tuple[int, ...]
     tiers: list[Tier]
     segment: pb.SegmentInfo

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.integrations.vllm")
@@ -83,7 +84,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(self.settings, kv, rank)
         log.info("kvtier connector (%s): model %r, %d-byte blocks of %d tokens, shard %d/%d, "
                  "daemon %s", role.name.lower(), model_id, kv.block_bytes, kv.block_tokens,
-                 kv.shard.index, kv.shard.count, self.settings.socket or "default socket")
+                 kv.shard.number, kv.shard.of, self.settings.socket or "default socket")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -143,6 +144,11 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return KvtierMetadata()
         return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(
+                set(connector_output.invalid_block_ids or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -27,8 +27,8 @@ FORMAT = "kvtier-vllm-v1"
 
 
 class Shard(NamedTuple):
-    index: int
-    count: int
+    number: int
+    of: int
     saves: bool
     """This rank is the first of its shard: it stores the shard's blocks."""
 
@@ -75,7 +75,7 @@ class EngineKV:
         layers = hashlib.sha256("\0".join(self.layer_names).encode()).hexdigest()[:16]
         return (f"{FORMAT}/{self.dtype}/bt{self.block_tokens}/L{len(self.layer_names)}:{layers}"
                 f"/kvh{self.kv_heads}/hd{self.head_size}/page{self.page_bytes}/{self.backend}"
-                f"/shard{self.shard.index}of{self.shard.count}/key{self.key_width}")
+                f"/shard{self.shard.number}of{self.shard.of}/key{self.key_width}")
 
     def fingerprint(self) -> bytes:
         """The daemon's layout fingerprint (8..64 bytes): a digest of `describe()`."""

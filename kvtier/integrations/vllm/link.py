@@ -67,8 +67,8 @@ class DaemonLink:
             self._client.close()
             self._client = None
             self._mark_down(ConnectionError(
-                f"the daemon's shared-memory segment cannot be mapped from this process "
-                f"(another host or user?); the vLLM connector needs it"))
+                "the daemon's shared-memory segment cannot be mapped from this process "
+                "(another host or user?); the vLLM connector needs it"))
             return None
         if self._down:
             log.warning("kvtier %s: daemon on %s reachable again", self.role, self.socket)
@@ -86,9 +86,9 @@ class DaemonLink:
     def _mark_down(self, exc: BaseException) -> None:
         if not self._down:
             self.outages += 1
-            log.warning("kvtier %s: daemon unavailable or refusing (%s: %s); vLLM runs without kvtier, "
-                        "retrying every %.0f s", self.role, type(exc).__name__, exc,
-                        self.settings.retry_after_s)
+            log.warning("kvtier %s: daemon unavailable or refusing (%s: %s); vLLM runs "
+                        "without kvtier, retrying every %g s", self.role, type(exc).__name__,
+                        exc, self.settings.retry_after_s)
         self._down = True
         if self._client is not None:
             with contextlib.suppress(Exception):

@@ -45,6 +45,11 @@ class _Tracked:
     request: Request
     saved: int
     """Blocks [0, saved) are stored, being loaded, or not to be stored."""
+    loaded: tuple[int, list[int]] | None = None
+    """(first block, vLLM block ids) of the request's last load."""
+    resave: int | None = None
+    """A load failed from this block on: once vLLM has rewound the request to it (it
+    recomputes from there), the blocks are saved again from there."""
 
 
 @dataclass(slots=True)
@@ -69,7 +74,7 @@ class SchedulerSide:
                  total_kv_heads: int, replicated: bool) -> None:
         self.settings = settings
         self.bt = kv.block_tokens
-        self.rank_shard = [kv_shard(tp_size, r, total_kv_heads, replicated).index
+        self.rank_shard = [kv_shard(tp_size, r, total_kv_heads, replicated).number
                            for r in range(tp_size)]
         shards = sorted(set(self.rank_shard))
         self.links = {s: DaemonLink(settings, kv.for_shard(
@@ -138,8 +143,12 @@ class SchedulerSide:
         first = hit.computed // self.bt
         last = min(hit.fetch, first + num_external_tokens // self.bt)
         block_ids = list(blocks.get_block_ids()[0][first:last])
-        tracked.saved = last
-        self._loads.append(self._acquire(rid, hit.keys[:last], first, block_ids))
+        tracked.saved = last  # not saved in the load's own step, whether or not it loads
+        job = self._acquire(rid, hit.keys[:last], first, block_ids)
+        tracked.loaded = (first, block_ids)
+        if job.failed:
+            tracked.resave = last - len(job.failed)
+        self._loads.append(job)
         self.cost.add(rid, time.perf_counter() - started)
 
     def _acquire(self, rid: str, keys: Sequence[bytes], first: int, block_ids: list[int]
@@ -156,7 +165,7 @@ class SchedulerSide:
                 got = clients[shard].acquire(keys)
                 job.leases.append(RankLease(got.lease_id, got.slots[first:],
                                             got.segment.SerializeToString()))
-                pinned = min(pinned, max(0, got.count - first))
+                pinned = min(pinned, max(0, got.blocks - first))
         except Exception as exc:
             self._failed(exc, "Acquire")
             self._release(clients, job)
@@ -172,7 +181,24 @@ class SchedulerSide:
                 except Exception as exc:
                     self._failed(exc, "Release")
 
+    def update_connector_output(self, invalid_block_ids: set[int]) -> None:
+        """The workers' report of a step: blocks that failed to load are saved again once
+        vLLM has recomputed them."""
+        if not invalid_block_ids:
+            return
+        for t in self._tracked.values():
+            if t.loaded is None:
+                continue
+            first, ids = t.loaded
+            bad = [i for i, b in enumerate(ids) if b in invalid_block_ids]
+            if bad:
+                t.resave = min(first + bad[0], t.resave if t.resave is not None else 1 << 62)
+
     def build_connector_meta(self, out: SchedulerOutput) -> KvtierMetadata:
+        for t in self._tracked.values():
+            if t.resave is not None and t.request.num_computed_tokens <= t.resave * self.bt:
+                t.saved = min(t.saved, t.resave)  # vLLM rewound the request: recomputing
+                t.resave = None
         meta = KvtierMetadata(loads=self._loads)
         self._loads = []
         if self.settings.store:
