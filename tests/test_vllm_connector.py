@@ -20,10 +20,10 @@ import pytest
 from kvtier.client import Client
 from kvtier.hashing import block_keys
 from tests.daemon_fixture import DaemonProc
-from tests.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, write_model
+from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, write_model
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engine starts count as setup
 
 from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402  (needs vllm)
 
@@ -79,6 +79,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
             p.wait_ready()
         yield Engines(*procs, daemon, model)
     finally:
+        for p in procs:
+            p.request_exit()
         for p in procs:
             p.close()
         daemon.proc.stop()

@@ -117,7 +117,7 @@ class SchedulerSide:
         clients = self._clients()
         if clients is None:
             return 0
-        keys = [bytes(h) for h in hashes[:usable]]
+        keys: list[bytes] = list(hashes[:usable])  # BlockHash is bytes: no copy
         fetch = usable
         try:
             for client in clients.values():

