@@ -16,6 +16,7 @@ The child's stderr (vLLM's and the connector's logs) goes to `log_path`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -136,10 +137,8 @@ class EngineProc:
         """Ask the child to exit without waiting (close() waits): several shut down at once."""
         if self.proc is not None and self.proc.poll() is None and not self._exiting:
             self._exiting = True
-            try:
+            with contextlib.suppress(OSError):
                 self._send({"op": "exit"})
-            except OSError:
-                pass
 
     def close(self) -> None:
         if self.proc is None:

@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import pytest
 
+from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, write_model
 from kvtier.client import Client
 from kvtier.hashing import block_keys
 from tests.daemon_fixture import DaemonProc
-from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, write_model
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engine starts count as setup
