@@ -152,7 +152,7 @@ def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.request import Request
 
-    from kvtier.client import Client
+    from kvtier.client.sync_client import Client
     from kvtier.integrations.vllm.layout import EngineKV, Shard
     from kvtier.integrations.vllm.scheduler import SchedulerSide
     from kvtier.integrations.vllm.settings import ConnectorSettings
@@ -169,7 +169,7 @@ def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
         toks = [random.Random(tokens).randrange(3, 4000) for _ in range(tokens + 1)]
         hasher = kcu.get_request_block_hasher(BLOCK, sha256_cbor)
         with Client(d.socket, layout=kv.decl()) as c:
-            from kvtier.hashing import block_keys
+            from kvtier.core.keys import block_keys
             keys = block_keys(toks, BLOCK)
             blob = bytes(page)
             for i in range(0, len(keys), 256):

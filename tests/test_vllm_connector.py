@@ -18,8 +18,8 @@ from typing import NamedTuple
 import pytest
 
 from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, write_model
-from kvtier.client import Client
-from kvtier.hashing import block_keys
+from kvtier.client.sync_client import Client
+from kvtier.core.keys import block_keys
 from tests.daemon_fixture import DaemonProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")

@@ -21,7 +21,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from kvtier.client_decl import LayoutDecl, ModelCost
+from kvtier.client.decl import LayoutDecl, ModelCost
 
 FORMAT = "kvtier-vllm-v1"
 
@@ -105,7 +105,7 @@ def default_model_id(model_config: Any, load_config: Any, seed: Any) -> str:
 
 def model_cost(hf_config: Any) -> ModelCost | None:
     """The planner's cost parameters from the model's Hugging Face config, if it parses."""
-    from kvtier.hfconfig import spec_from_config
+    from kvtier.core.hfconfig import spec_from_config
 
     try:
         spec = spec_from_config(hf_config.to_dict())

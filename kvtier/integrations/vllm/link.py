@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from kvtier.client import Client, KvtierRpcError, LayoutDecl, default_socket
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, default_socket
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvtier.integrations.vllm")

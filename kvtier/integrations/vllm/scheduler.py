@@ -4,7 +4,7 @@ loads them, and plans which computed blocks the workers store.
 Per request (vLLM calls, in order):
 
     get_num_new_matched_tokens   Lookup (with the daemon's plan) of vLLM's own block hashes
-                                 (`request.block_hashes`: equal to `kvtier.hashing.block_keys`);
+                                 (`request.block_hashes`: equal to `kvtier.core.keys.block_keys`);
                                  answers the tokens beyond `num_computed_tokens` worth fetching,
                                  at most up to the last full block before the prompt's last token.
                                  Side-effect free (it may be asked again for the same request).
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.client import Client
+from kvtier.client.sync_client import Client
 from kvtier.integrations.vllm.layout import EngineKV, kv_shard
 from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, RankLease, SaveJob
