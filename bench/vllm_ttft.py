@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             a.lmcache_port = s.getsockname()[1]
-    a.lmcache_args = []
+    a.lmcache_args = ["--l1-size-gb", "2", "--l1-init-size-gb", "1"]
     max_len = a.doc_tokens + 1024
     a.engine_args = {"max_model_len": max_len, "max_num_batched_tokens": max_len}
     heads = max(1, a.hidden // 64)
