@@ -124,7 +124,12 @@ def run_lmcache(root: Path, model: Path, work: dict[str, list[list[int]]], a: An
     server = subprocess.Popen([exe, "server", "--host", "127.0.0.1", "--port", str(port),
                                "--supported-transfer-mode", "auto", *a.lmcache_args],
                               stdout=log, stderr=subprocess.STDOUT)
-    time.sleep(10)
+    deadline = time.monotonic() + 120
+    while not _listening(port):
+        if server.poll() is not None or time.monotonic() > deadline:
+            log.close()
+            raise RuntimeError(f"lmcache server did not start; see {root / 'lmcache.log'}")
+        time.sleep(0.5)
     conn = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                           "lmcache.mp.port": port}}
@@ -143,6 +148,13 @@ def run_lmcache(root: Path, model: Path, work: dict[str, list[list[int]]], a: An
         server.terminate()
         server.wait(30)
         log.close()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
@@ -225,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             a.lmcache_port = s.getsockname()[1]
-    a.lmcache_args = ["--l1-size-gb", "2", "--l1-init-size-gb", "1"]
+    a.lmcache_args = ["--l1-size-gb", "2", "--l1-init-size-gb", "1", "--eviction-policy", "LRU"]
     max_len = a.doc_tokens + 1024
     a.engine_args = {"max_model_len": max_len, "max_num_batched_tokens": max_len}
     heads = max(1, a.hidden // 64)
