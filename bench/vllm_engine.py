@@ -126,9 +126,14 @@ class EngineProc:
         self._send({"op": "reset"})
         self._read()
 
+    def metric(self, name: str) -> float:
+        """The engine's Prometheus metric `name` (summed over labels), e.g.
+        "vllm:num_preemptions" or "vllm:kvtier_loaded_blocks"."""
+        self._send({"op": "metric", "name": name})
+        return float(self._read()["value"])
+
     def preemptions(self) -> int:
-        self._send({"op": "metrics"})
-        return int(self._read()["preemptions"])
+        return int(self.metric("vllm:num_preemptions"))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -185,10 +190,9 @@ def _serve(spec: dict[str, Any]) -> None:
         if cmd["op"] == "reset":
             llm.reset_prefix_cache()
             reply({})
-        elif cmd["op"] == "metrics":
-            n = sum(getattr(m, "value", 0) for m in llm.get_metrics()
-                    if m.name == "vllm:num_preemptions")
-            reply({"preemptions": n})
+        elif cmd["op"] == "metric":
+            reply({"value": sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                                if m.name == cmd["name"])})
         elif cmd["op"] == "generate":
             sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
                                 detokenize=False)

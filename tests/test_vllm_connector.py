@@ -125,9 +125,13 @@ def test_second_engine_loads_first_engines_prompt(engines: Engines) -> None:
     want = engines.ref.generate([p])[0].tokens
     first = engines.e1.generate([p])[0]
     assert first.tokens == want and first.cached == 0
+    loaded = engines.e2.metric("vllm:kvtier_loaded_blocks")
     second = engines.e2.generate([p])[0]
     assert second.cached >= len(p) - BLOCK
     assert second.tokens == want
+    # the connector's counters reach vLLM's Prometheus metrics (connector-stats hooks)
+    assert engines.e2.metric("vllm:kvtier_loaded_blocks") - loaded == len(p) // BLOCK
+    assert engines.e1.metric("vllm:kvtier_stored_blocks") >= len(p) // BLOCK
     with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
         assert kv.lookup(block_keys(p, BLOCK)).hit_blocks == len(p) // BLOCK
         assert kv.stats().active_leases == 0

@@ -30,6 +30,7 @@ from kvtier.integrations.vllm.layout import Unsupported, default_model_id, engin
 from kvtier.integrations.vllm.metadata import KvtierMetadata
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -120,6 +121,23 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        if self.worker is None:
+            return None
+        stats = KvtierConnectorStats(data=self.worker.stats.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KvtierConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

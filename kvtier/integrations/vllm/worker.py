@@ -46,12 +46,26 @@ def page_view(kv: torch.Tensor, page_bytes: int) -> torch.Tensor:
 
 
 class WorkerStats:
+    """Totals since start; `take()` returns what changed since the previous call."""
+
     def __init__(self) -> None:
         self.loaded_blocks = 0
         self.failed_blocks = 0
         self.stored_blocks = 0
         self.load_seconds = 0.0
         self.store_seconds = 0.0
+        self._reported: dict[str, float] = {}
+
+    def totals(self) -> dict[str, float]:
+        return {"loaded_blocks": self.loaded_blocks, "load_failed_blocks": self.failed_blocks,
+                "stored_blocks": self.stored_blocks, "load_seconds": self.load_seconds,
+                "store_seconds": self.store_seconds}
+
+    def take(self) -> dict[str, float]:
+        now = self.totals()
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        return delta
 
 
 class WorkerSide:
@@ -88,6 +102,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KvtierMetadata) -> None:
         for job in meta.loads:
             self._errors.update(job.failed)
+            self.stats.failed_blocks += len(job.failed)
             n = len(job.block_ids) - len(job.failed)
             if n > 0 and not self._load(job, n):
                 self._errors.update(job.block_ids[:n])
