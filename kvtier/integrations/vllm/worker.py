@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier.client.sync_client import SlotBuffer
 from kvtier.integrations.vllm.layout import EngineKV, Unsupported
 from kvtier.integrations.vllm.link import DaemonLink
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
@@ -75,7 +76,7 @@ class WorkerSide:
         self.settings = settings
         self.link = DaemonLink(settings, kv.decl(), f"worker {rank}")
         self.pages: list[torch.Tensor] = []
-        self._rows: tuple[int, torch.Tensor] | None = None
+        self._rows_cache: tuple[int, torch.Tensor] | None = None
         self._errors: set[int] = set()
         self.stats = WorkerStats()
 
@@ -86,16 +87,11 @@ class WorkerSide:
         self.pages = [page_view(kv_caches[n], self.kv.page_bytes) for n in self.kv.layer_names]
         self.link.client()  # connect early (a missing daemon is one warning, not an error)
 
-    def _slot_rows(self, segment: pb.SegmentInfo) -> torch.Tensor | None:
-        client = self.link.client()
-        if client is None:
-            return None
-        buf = client.slot_buffer_for(segment)
-        if buf is None:
-            return None
-        if self._rows is None or self._rows[0] != buf.generation:
-            self._rows = (buf.generation, torch.from_numpy(buf.array()))
-        return self._rows[1]
+    def _rows(self, buf: SlotBuffer) -> torch.Tensor:
+        """The [slots, slot_bytes] tensor over the mapped pool (kept per pool generation)."""
+        if self._rows_cache is None or self._rows_cache[0] != buf.generation:
+            self._rows_cache = (buf.generation, torch.from_numpy(buf.array()))
+        return self._rows_cache[1]
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -109,12 +105,19 @@ class WorkerSide:
                 self.stats.failed_blocks += n
 
     def _load(self, job: LoadJob, n: int) -> bool:
+        """Copies the job's first n blocks and releases this rank's lease; False on any failure
+        (the caller reports the blocks as load errors)."""
         lease = job.leases[self.rank]
         started = time.perf_counter()
+        client = self.link.client()
+        if client is None:
+            return False  # the lease expires on its own
         try:
-            rows = self._slot_rows(pb.SegmentInfo.FromString(lease.segment))
-            if rows is None:
+            buf = client.slot_buffer_for(pb.SegmentInfo.FromString(lease.segment))
+            if buf is None:
+                client.release(lease.lease_id)
                 return False
+            rows = self._rows(buf)
             slots = torch.tensor(lease.slots[:n], dtype=torch.long)
             blocks = torch.tensor(job.block_ids[:n], dtype=torch.long)
             src = rows[slots]
@@ -122,9 +125,6 @@ class WorkerSide:
             for i, dst in enumerate(self.pages):
                 dst[blocks] = src[:, i * page:(i + 1) * page].to(dst.device)
             seconds = time.perf_counter() - started
-            client = self.link.client()
-            if client is None:
-                return False
             client.release(lease.lease_id, n * self.kv.block_bytes, seconds)
         except Exception as exc:
             self.link.failed(exc, "load")
@@ -158,7 +158,7 @@ class WorkerSide:
                     buf = client.slot_buffer()
                     if buf is None:
                         raise ConnectionError("the daemon's segment is not mapped")
-                    rows = self._slot_rows_of(buf)
+                    rows = self._rows(buf)
                     slots = torch.tensor(tx.slot_ids, dtype=torch.long)
                     blocks = torch.tensor([job.block_ids[i] for i, _ in tx.slots],
                                           dtype=torch.long)
@@ -171,11 +171,6 @@ class WorkerSide:
         self.stats.stored_blocks += tx.committed
         self.stats.store_seconds += time.perf_counter() - started
         return True
-
-    def _slot_rows_of(self, buf: Any) -> torch.Tensor:
-        if self._rows is None or self._rows[0] != buf.generation:
-            self._rows = (buf.generation, torch.from_numpy(buf.array()))
-        return self._rows[1]
 
     def close(self) -> None:
         self.link.close()
