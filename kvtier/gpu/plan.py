@@ -151,7 +151,8 @@ def check_pairs(
 
 def sort_pairs(slot_idx: IntArray, block_idx: IntArray) -> IntArray:
     """Order of pairs by (slot, block): turns consecutive slot/block runs into adjacent pairs."""
-    return np.lexsort((block_idx, slot_idx)).astype(np.int64)
+    order: IntArray = np.lexsort((block_idx, slot_idx)).astype(np.int64)  # Any in numpy 2.3
+    return order
 
 
 def merge_runs(slot_idx: IntArray, block_idx: IntArray) -> list[Run]:

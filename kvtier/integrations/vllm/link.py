@@ -1,0 +1,102 @@
+"""The connector's connection to the daemon, for one layout, with the failure rule of DESIGN
+invariant 7: an unreachable daemon makes `client()` answer None (the engine recomputes) for
+`retry_after_s`, with one warning per outage, then it reconnects. Threading: one thread."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from pathlib import Path
+
+import grpc
+
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, default_socket
+from kvtier.integrations.vllm.settings import ConnectorSettings
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+
+def unreachable(exc: BaseException) -> bool:
+    """The daemon is gone or not answering (as opposed to refusing one request)."""
+    if isinstance(exc, KvtierRpcError):
+        return exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return isinstance(exc, TimeoutError | ConnectionError | OSError)
+
+
+def listening(path: Path) -> bool:
+    """A process accepts connections on the Unix socket `path` (instant, unlike an RPC that
+    waits for a daemon that is not there)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+class DaemonLink:
+    def __init__(self, settings: ConnectorSettings, decl: LayoutDecl, role: str) -> None:
+        self.settings = settings
+        self.decl = decl
+        self.role = role
+        self.socket = Path(settings.socket) if settings.socket else default_socket()
+        self._client: Client | None = None
+        self._down_until = 0.0
+        self._down = False
+        self.outages = 0
+
+    def client(self) -> Client | None:
+        if self._client is not None:
+            return self._client
+        if time.monotonic() < self._down_until:
+            return None
+        if not listening(self.socket):
+            self._mark_down(ConnectionError(f"no daemon listening on {self.socket}"))
+            return None
+        s = self.settings
+        try:
+            self._client = Client(self.socket, layout=self.decl, token=s.token or None,
+                                  timeout=s.timeout_s, lease_ttl_s=s.lease_ttl_s)
+        except Exception as exc:
+            self._mark_down(exc)
+            return None
+        if not self._client.uses_shm:
+            self._client.close()
+            self._client = None
+            self._mark_down(ConnectionError(
+                "the daemon's shared-memory segment cannot be mapped from this process "
+                "(another host or user?); the vLLM connector needs it"))
+            return None
+        if self._down:
+            log.warning("kvtier %s: daemon on %s reachable again", self.role, self.socket)
+        self._down = False
+        return self._client
+
+    def failed(self, exc: BaseException, what: str) -> None:
+        """A call failed: an unreachable daemon starts an outage, anything else is one warning."""
+        if unreachable(exc):
+            self._mark_down(exc)
+        else:
+            log.warning("kvtier %s: %s failed, recomputing instead: %s: %s", self.role, what,
+                        type(exc).__name__, exc)
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if not self._down:
+            self.outages += 1
+            log.warning("kvtier %s: daemon unavailable or refusing (%s: %s); vLLM runs "
+                        "without kvtier, retrying every %g s", self.role, type(exc).__name__,
+                        exc, self.settings.retry_after_s)
+        self._down = True
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+        self._client = None
+        self._down_until = time.monotonic() + self.settings.retry_after_s
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

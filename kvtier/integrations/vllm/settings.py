@@ -1,0 +1,78 @@
+"""`kv_connector_extra_config` of the vLLM connector: every key, its default, its check. Pure.
+
+    --kv-transfer-config '{"kv_connector": "KvtierConnector",
+                           "kv_connector_module_path": "kvtier.integrations.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"socket": "/run/kvtier/kvtier.sock"}}'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A bad `kv_connector_extra_config` (raised at engine start, naming the key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What the connector reads from `kv_connector_extra_config` (README "Using kvtier with
+    vLLM" lists the same keys and defaults)."""
+
+    socket: str = ""
+    """The daemon's Unix socket; "" = `$KVTIER_SOCKET`, else the default of `kvtier serve`."""
+    token: str = ""
+    """Bearer token of the tenant ("" = the daemon's default tenant)."""
+    model_id: str = ""
+    """Whose KV the blocks hold; "" = vLLM's model name and revision (plus the seed with
+    `load_format="dummy"`, whose random weights depend on it)."""
+    timeout_s: float = 1.0
+    """Bound on each call to the daemon; a slow or dead daemon costs a step at most this."""
+    retry_after_s: float = 10.0
+    """After the daemon is found unreachable: run without kvtier this long, then reconnect."""
+    use_plan: bool = True
+    """Ask the daemon's planner how much of a hit to fetch (False: fetch every cached block)."""
+    store: bool = True
+    """Store newly computed full blocks (False: only load)."""
+    lease_ttl_s: float = 0.0
+    """Lease on blocks being loaded; 0 = the daemon's default."""
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise SettingsError(f"kvtier connector: unknown kv_connector_extra_config key(s) "
+                                f"{unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            values[name] = _coerce(name, value, type(known[name].default))
+        s = cls(**values)
+        if s.timeout_s <= 0 or s.retry_after_s < 0 or s.lease_ttl_s < 0:
+            raise SettingsError("kvtier connector: timeout_s must be > 0, retry_after_s and "
+                                "lease_ttl_s >= 0")
+        return s
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+    elif kind is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str):
+        return value
+    raise SettingsError(f"kvtier connector: kv_connector_extra_config[{name!r}] must be a "
+                        f"{kind.__name__}, got {value!r}")

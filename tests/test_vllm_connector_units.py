@@ -1,0 +1,73 @@
+"""Pure parts of the vLLM connector: extra-config parsing, TP shards, the layout fingerprint."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.integrations.vllm.layout import EngineKV, Shard, hash_width, kv_shard
+from kvtier.integrations.vllm.settings import ConnectorSettings, SettingsError
+
+
+def test_defaults_and_coercion() -> None:
+    assert ConnectorSettings.from_extra(None) == ConnectorSettings()
+    s = ConnectorSettings.from_extra({"socket": "/s", "timeout_s": 2, "use_plan": "false",
+                                      "store": False, "retry_after_s": "0.5"})
+    assert (s.socket, s.timeout_s, s.use_plan, s.store, s.retry_after_s) == (
+        "/s", 2.0, False, False, 0.5)
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"sokcet": "/s"}, "unknown kv_connector_extra_config key(s) ['sokcet']"),
+    ({"timeout_s": "soon"}, "['timeout_s'] must be a float"),
+    ({"use_plan": 3}, "['use_plan'] must be a bool"),
+    ({"socket": 5}, "['socket'] must be a str"),
+    ({"timeout_s": 0}, "timeout_s must be > 0"),
+    ({"lease_ttl_s": -1}, "lease_ttl_s >= 0"),
+])
+def test_bad_extra_config_names_the_key(extra: dict[str, object], needle: str) -> None:
+    with pytest.raises(SettingsError) as err:
+        ConnectorSettings.from_extra(extra)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(("tp", "heads", "replicated", "want"), [
+    (1, 8, False, [(0, 1, True)]),
+    (4, 8, False, [(0, 4, True), (1, 4, True), (2, 4, True), (3, 4, True)]),
+    # TP 8 over 2 KV heads: ranks 0-3 hold head 0, ranks 4-7 head 1; the first of each stores
+    (8, 2, False, [(0, 2, True)] + [(0, 2, False)] * 3 + [(1, 2, True)] + [(1, 2, False)] * 3),
+    (4, 1, True, [(0, 1, True)] + [(0, 1, False)] * 3),  # MLA: every rank holds the whole cache
+])
+def test_kv_shards(tp: int, heads: int, replicated: bool,
+                   want: list[tuple[int, int, bool]]) -> None:
+    assert [tuple(kv_shard(tp, r, heads, replicated)) for r in range(tp)] == want
+
+
+def test_bad_rank_is_refused() -> None:
+    with pytest.raises(ValueError):
+        kv_shard(2, 2, 8)
+
+
+def kv(**over: object) -> EngineKV:
+    base: dict[str, object] = dict(model_id="m@r", dtype="bfloat16", block_tokens=32,
+                                   layer_names=("l0", "l1"), page_bytes=16384, kv_heads=2,
+                                   head_size=64, backend="cpu", shard=Shard(0, 1, True))
+    base.update(over)
+    return EngineKV(**base)  # type: ignore[arg-type]
+
+
+def test_fingerprint_covers_what_shapes_the_bytes() -> None:
+    a = kv()
+    assert 8 <= len(a.fingerprint()) <= 64 and a.block_bytes == 2 * 16384
+    assert a.decl().block_bytes == a.block_bytes and a.decl().key_width == 32
+    others = [kv(dtype="float16"), kv(block_tokens=64), kv(layer_names=("l0",)),
+              kv(page_bytes=8192), kv(kv_heads=1), kv(head_size=128), kv(backend="cuda"),
+              kv(shard=Shard(1, 2, True)), kv(key_width=16)]
+    prints = {o.fingerprint() for o in others}
+    assert a.fingerprint() not in prints and len(prints) == len(others)
+    assert kv(shard=Shard(0, 1, False)).fingerprint() == a.fingerprint()  # same bytes, same blocks
+    assert a.for_shard(Shard(1, 2, True)).fingerprint() == kv(shard=Shard(1, 2, True)).fingerprint()
+
+
+def test_hash_width() -> None:
+    assert [hash_width(a) for a in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")] == [
+        32, 32, 16, 16]
