@@ -210,7 +210,7 @@ def plot(summary: Sequence[dict[str, Any]], workload: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], allow_abbrev=False)
     ap.add_argument("--trace", default=str(SAMPLE), help="Mooncake JSONL trace (the shared one)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=2000, help="requests per generated workload")

@@ -217,7 +217,8 @@ def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm_ttft", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--doc-tokens", type=int, default=8192)
     ap.add_argument("--docs", type=int, default=3)

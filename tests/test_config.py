@@ -64,7 +64,7 @@ def test_serve_table_and_kvtier_config_env(tmp_path: Path) -> None:
     ({"tcp": "0.0.0.0:7000"}, "needs tls_cert and tls_key"),
     ({"tls_cert": "a.pem"}, "go together"),
     ({"ssd_admit_after": "x"}, "expected a number"),
-    ({"policy": "fifo"}, "policy (from flags): must be one of"),
+    ({"policy": "fifo"}, "policy (from flag --policy): must be one of"),
 ])
 def test_bad_values_are_usage_errors(tmp_path: Path, flags: dict[str, str], message: str) -> None:
     with pytest.raises(UsageError) as exc:
