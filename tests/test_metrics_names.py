@@ -39,7 +39,7 @@ def test_names_and_types() -> None:
 def test_tenant_and_model_labels_are_capped() -> None:
     m = DaemonMetrics()
     for i in range(MAX_TENANT_LABELS + 10):
-        m.record_lookup(f"tenant-{i}", f"model-{i % (MAX_MODEL_LABELS + 5)}", ["dram"], 1)
+        m.record_lookup(f"tenant-{i}", f"model-{i % (MAX_MODEL_LABELS + 5)}", {"dram": 1}, 1)
     text = generate_latest(m.registry).decode()
     tenants, models = set(), set()
     for f in text_string_to_metric_families(text):
@@ -54,7 +54,7 @@ def test_tenant_and_model_labels_are_capped() -> None:
     assert m.total("kvtier_blocks_missed_total") == MAX_TENANT_LABELS + 10
     # a tenant literally named "other" cannot take a slot of its own
     m2 = DaemonMetrics()
-    m2.record_lookup(OTHER, "m", [], 1)
+    m2.record_lookup(OTHER, "m", {}, 1)
     assert m2.tenants.label("a") == "a"
 
 

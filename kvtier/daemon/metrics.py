@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import platform
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -310,12 +310,13 @@ class DaemonMetrics:
             if s.name == name and want <= s.labels.items()
         )
 
-    def record_lookup(self, tenant: str, model: str, tiers: Sequence[str], missed: int) -> None:
-        """One Lookup: its outcome and its blocks by tier, under capped tenant/model labels."""
+    def record_lookup(self, tenant: str, model: str, hits: Mapping[str, int], missed: int) -> None:
+        """One Lookup: its outcome and its hit blocks by tier label (only tiers with hits), under
+        capped tenant/model labels."""
         t, m = self.tenants.label(tenant), self.models.label(model)
-        self.lookups.labels("hit" if tiers else "miss", t, m).inc()
-        for tier in set(tiers):
-            self.blocks_hit.labels(tier, t, m).inc(tiers.count(tier))
+        self.lookups.labels("hit" if hits else "miss", t, m).inc()
+        for tier, count in hits.items():
+            self.blocks_hit.labels(tier, t, m).inc(count)
         if missed:
             self.blocks_missed.labels(t, m).inc(missed)
 

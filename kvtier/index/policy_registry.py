@@ -52,7 +52,11 @@ PEERS = ("lru", "vllm-arc", "vllm-reuse", "sglang-lfu", "sglang-hicache", "lmcac
          "sieve")
 """The peers' policies that kvtier's is measured against (LRU stands for all three LRUs)."""
 
-DEFAULT_POLICY = "kvtier"
+DEFAULT_POLICY = "lru"
+"""Not `kvtier`: its hit ratios are the best overall (docs/benchmarks.md "Policies") but it missed
+the issue-14 goals, and in the daemon its per-key lookup work (sketch, mini simulations) made a
+1,024-block Lookup 1.8 -> 2.9-4.8 ms p50 and Lookup RPCs/s 2,450 -> 1,543 (`bench.daemon
+--quick`, KVTIER_POLICY=lru vs kvtier, 2026-12-01). Select it with `--policy kvtier`."""
 
 
 def make_policy(name: str, dram_blocks: int | None, ssd_blocks: int | None,
