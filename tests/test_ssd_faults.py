@@ -105,9 +105,26 @@ def test_sigkill_during_batched_puts(tmp_path: Path, mode: str) -> None:
         )
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.05, 0.6))
+        # kill a few milliseconds after the writer starts its k-th batch: the count of batches,
+        # not the machine's speed, decides how much is written (12 runs of at most 24 batches
+        # stay far below the store's ~10,900 slots, so no put is refused for space)
+        # and a random fraction of the time the previous put_many took, so the kill lands inside
+        # a put as often on a fast disk as on a slow one
+        seen = ["ready\n"]
+        put_s, began = 0.004, 0.0
+        for _ in range(rng.randint(1, 24)):
+            while True:
+                line = proc.stdout.readline()
+                seen.append(line)
+                if line.startswith("committed"):
+                    put_s = time.monotonic() - began
+                if line.startswith("begin") or not line:
+                    began = time.monotonic()
+                    break
+        time.sleep(rng.uniform(0.0, put_s))
         proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate()
+        rest, _ = proc.communicate()
+        out = "".join(seen) + rest
         assert proc.returncode == -signal.SIGKILL
         # a kill can cut the last line short: count complete lines only
         lines = [m.groups() for m in re.finditer(r"^(begin|committed) (\d+)\n", out, re.M)]
