@@ -7,7 +7,10 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     tcp                    "" (off); "HOST:PORT" listens on TCP as well
     tls_cert, tls_key      PEM paths; required for TCP beyond loopback
     dram_bytes             min(RAM / 8, free /dev/shm / 2, 4 GiB), rounded down to whole slots
-    slot_bytes             2 MiB: one DRAM slot; a registered layout's block must fit in one
+    slot_bytes             16 KiB: the smallest DRAM slot (smaller blocks are rounded up to it)
+    max_block_bytes        8 MiB: the largest block a layout may have; one daemon serves every
+                           block size from 1 B to this at once (size classes on pages of the
+                           pool, `kvtier.tiers.dram_pages`); at least slot_bytes
     data_dir               $XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier (the SSD tier)
     ssd_bytes              the size kept in <data_dir>/kept.toml, else (the first start)
                            min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
@@ -90,6 +93,7 @@ from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 
 GiB = 1 << 30
+KiB = 1 << 10
 MiB = 1 << 20
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
@@ -114,6 +118,7 @@ class Config:
     tls_key: str
     dram_bytes: int
     slot_bytes: int
+    max_block_bytes: int
     data_dir: Path
     ssd_bytes: int
     metrics: str
@@ -207,7 +212,8 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "tls_cert": "",
         "tls_key": "",
         "dram_bytes": dram,
-        "slot_bytes": 2 * MiB,
+        "slot_bytes": 16 * KiB,
+        "max_block_bytes": 8 * MiB,
         "data_dir": str(data_dir),
         "ssd_bytes": default_ssd_bytes(data_dir),
         "metrics": "127.0.0.1:9464",
@@ -240,7 +246,7 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-_SIZES = {"dram_bytes", "slot_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
+_SIZES = {"dram_bytes", "slot_bytes", "max_block_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
           "ssd_write_burst_bytes", "writeback_queue_bytes", "remote_write_bytes_per_s",
           "remote_write_burst_bytes", "remote_queue_bytes"}
 _INTS = {"max_blocks_per_request", "ssd_admit_after", "remote_admit_after"}
@@ -385,6 +391,9 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     if dram < slot:
         raise bad("dram_bytes", f"must hold at least one slot of {slot} bytes, got {dram}")
     dram -= dram % slot
+    big = i("max_block_bytes")
+    if big < slot:
+        raise bad("max_block_bytes", f"must be at least slot_bytes ({slot}), got {big}")
     for name in ("lease_ttl_s", "max_lease_ttl_s"):
         if not 0 < f(name) <= 86400:
             raise bad(name, f"must be in (0, 86400] seconds, got {v[name]}")
@@ -405,7 +414,8 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         raise bad("writeback_queue_bytes", f"must hold one slot ({slot} bytes) and fit the DRAM "
                   f"pool ({dram} bytes), got {queue}")
     per_day = i("ssd_write_bytes_per_day") or int(i("ssd_bytes") * f("ssd_dwpd"))
-    burst = i("ssd_write_burst_bytes") or default_burst(per_day, queue, slot)
+    burst = i("ssd_write_burst_bytes") or max(default_burst(per_day, queue, slot),
+                                              min(big, dram) + BLOCK_HEADER_BYTES)
     if burst < slot + BLOCK_HEADER_BYTES:
         raise bad("ssd_write_burst_bytes", f"must hold one block ({slot} + "
                   f"{BLOCK_HEADER_BYTES} header bytes), got {burst}")
@@ -433,6 +443,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         tls_key=str(v["tls_key"]),
         dram_bytes=dram,
         slot_bytes=slot,
+        max_block_bytes=big,
         data_dir=Path(str(v["data_dir"])).expanduser(),
         ssd_bytes=i("ssd_bytes"),
         metrics=str(v["metrics"]),
