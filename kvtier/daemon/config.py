@@ -416,9 +416,9 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     per_day = i("ssd_write_bytes_per_day") or int(i("ssd_bytes") * f("ssd_dwpd"))
     burst = i("ssd_write_burst_bytes") or max(default_burst(per_day, queue, slot),
                                               min(big, dram) + BLOCK_HEADER_BYTES)
-    if burst < slot + BLOCK_HEADER_BYTES:
-        raise bad("ssd_write_burst_bytes", f"must hold one block ({slot} + "
-                  f"{BLOCK_HEADER_BYTES} header bytes), got {burst}")
+    if burst < min(big, dram) + BLOCK_HEADER_BYTES:
+        raise bad("ssd_write_burst_bytes", f"must hold one block of the largest size "
+                  f"({min(big, dram)} + {BLOCK_HEADER_BYTES} header bytes), got {burst}")
     if str(v["log_level"]).lower() not in _LOG_LEVELS:
         raise bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
     for name in ("metrics", "tcp"):

@@ -391,9 +391,12 @@ class Tiers:
         if slots is not None:
             return slots
         stats = pool.stats()
-        if self.index.blocks(Tier.DRAM) - stats.slots_pinned <= 0:
-            return []
         stride = pool.stride_for(nbytes)
+        evictable = self.index.blocks(Tier.DRAM) - stats.slots_pinned
+        if evictable <= 0:
+            return []
+        if {c.stride for c in stats.classes} == {stride} and evictable < n - pool.room(nbytes):
+            return []  # one class: even every unpinned block would not make room
         holdings = self._holdings()
         held = {t: b // stride for t, (b, _) in holdings.items() if b}
         if not set(held) <= {tenant}:

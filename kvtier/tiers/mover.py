@@ -188,14 +188,17 @@ class Mover:
         """
         if self._closing:
             return Submitted.CLOSED
-        size = self.pool.stride_of(item.slot)
-        if not 0 < item.nbytes <= size:
-            raise ValueError(f"write-back of {item.nbytes} bytes from a {size}-byte slot")
+        if not 0 < item.nbytes <= self.pool.max_block:
+            raise ValueError(f"write-back of {item.nbytes} bytes (blocks are 1..."
+                             f"{self.pool.max_block} B)")
         if self.admit is not None and not self.admit(item.tenant, item.key):
             self._c.not_admitted += 1
             return Submitted.NOT_ADMITTED
         if self.store.contains(item.tenant, item.key):
             return Submitted.ALREADY_STORED
+        size = self.pool.stride_of(item.slot)
+        if item.nbytes > size:
+            raise ValueError(f"write-back of {item.nbytes} bytes from a {size}-byte slot")
         cost = item.nbytes + blockfmt.HEADER_SIZE
         with self._cv:
             if self._closing:
