@@ -408,7 +408,10 @@ class Tiers:
                 if pool.can_alloc(n, nbytes) or short <= 0:
                     break
         while not pool.can_alloc(n, nbytes):
-            gone = self.index.evict(Tier.DRAM, max(1, n - pool.room(nbytes)))
+            # one class: evict what is short at once; else one victim at a time, each one
+            # freeing a slot only its own class can use until a page empties
+            one = {c.stride for c in pool.stats().classes} == {stride}
+            gone = self.index.evict(Tier.DRAM, max(1, n - pool.room(nbytes)) if one else 1)
             if not gone:
                 break
             self._removed(gone, "capacity")
@@ -423,6 +426,8 @@ class Tiers:
     def _free_a_page(self, stride: int) -> bool:
         """Empties one page of class `stride` by moving its blocks (DRAM blocks no lease,
         write-back or remote write holds) into the class's free slots elsewhere."""
+        if not self.pool.can_evacuate(stride):
+            return False
         owners: dict[int, IndexBlock] = {}
         for b in self.index.iter_blocks():
             s = b.dram_slot

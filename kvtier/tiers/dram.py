@@ -386,6 +386,13 @@ class DramPool:
 
     # -- reclaim ----------------------------------------------------------------------------
 
+    def can_evacuate(self, nbytes: int) -> bool:
+        """Whether some page of the class of `nbytes` blocks has only unpinned live slots that
+        fit the class's free slots elsewhere (what `evacuate` needs, before the caller's rule)."""
+        stride = self.pages.stride_for(nbytes)
+        with self._lock:
+            return self.pages.evacuation(stride, lambda s: not self._pins.get(s)) is not None
+
     def evacuate(self, nbytes: int, movable: Callable[[int], bool],
                  moved: Callable[[int, int], None]) -> int:
         """Frees one page of the class of `nbytes` blocks by moving its live slots into the
