@@ -152,6 +152,7 @@ class Tiers:
                         len({ns for ns, _ in foreign}))
             self.store.delete_many(foreign)
         doomed: list[tuple[str, bytes]] = []
+        room, no_room = self.cfg.ssd_bytes, False  # the byte cap (it may have shrunk)
         for ns, parents in by_ns.items():
             kids: dict[bytes, list[bytes]] = {}
             stack: list[bytes] = []
@@ -160,21 +161,27 @@ class Tiers:
                     stack.append(key)
                 elif parent in parents:
                     kids.setdefault(parent, []).append(key)
+            cost = self.ssd_bytes_of(ns)
             while stack:
                 key = stack.pop()
+                if cost > room:
+                    no_room = True
+                    continue  # over the byte cap (the config shrank): it and its subtree go
                 try:
                     self.index.insert(ns, key, parents[key] or None, Tier.SSD)
                 except IndexStateError:
-                    continue  # over capacity (the config shrank): it and its subtree go
-                self._charge(namespace_tenant(ns), Tier.SSD, self.ssd_bytes_of(ns))
+                    no_room = True
+                    continue  # over the block count: the same
+                room -= cost
+                self._charge(namespace_tenant(ns), Tier.SSD, cost)
                 stack.extend(kids.get(key, ()))
             doomed.extend((ns, k) for k in parents if self.index.get(ns, k) is None)
         shrunk = self.store.dropped_at_open
-        if shrunk.shrunk_blocks:
+        if shrunk.shrunk_blocks or no_room:
             evicted = shrunk.shrunk_blocks + len(doomed)
             size = shrunk.shrunk_bytes + sum(self.ssd_bytes_of(ns) for ns, _ in doomed)
-            log.warning("SSD tier shrank (ssd_bytes %s): evicted %d stored blocks (%s) that no "
-                        "longer fit, with their descendants; %d kept",
+            log.warning("SSD tier shrank to %s (ssd_bytes): evicted %d stored blocks (%s) that "
+                        "no longer fit, with their descendants; %d kept",
                         format_bytes(self.cfg.ssd_bytes), evicted, format_bytes(size),
                         len(entries) - len(doomed) - len(foreign))
         elif doomed:
