@@ -121,11 +121,11 @@ def test_the_largest_block_fits_and_one_byte_more_is_refused(daemon: DaemonProc)
         assert kv.store(k, [payload(top, k[0])]).stored == 1
         with kv.load(k) as got:
             assert bytes(got.views[0]) == payload(top, k[0])
-    with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.KvTierStub(ch).RegisterLayout(pb.RegisterLayoutRequest(
-                layout=b"too-large-block-8mib+1", block_bytes=8 * MiB + 1, block_tokens=32,
-                key_width=32, model_id="org/too-wide"))
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as ch, \
+            pytest.raises(grpc.RpcError) as err:
+        pb_grpc.KvTierStub(ch).RegisterLayout(pb.RegisterLayoutRequest(
+            layout=b"too-large-block-8mib+1", block_bytes=8 * MiB + 1, block_tokens=32,
+            key_width=32, model_id="org/too-wide"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "1..8388608" in str(err.value.details()) and "max_block_bytes" in str(
         err.value.details())

@@ -4,6 +4,7 @@ mixes, and moving a page's blocks to free it for another class."""
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 
@@ -23,7 +24,7 @@ def check_table(t: PageTable, live: dict[int, int]) -> None:
     """Every live slot's byte range lies in one page, none overlaps another, and the table's
     counts equal what was allocated; each slot sits on its class's grid (row r at r * stride)."""
     spans = sorted((t.location(s), t.location(s) + t.stride_of(s)) for s in live)
-    for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False):
+    for (_, a1), (b0, _) in itertools.pairwise(spans):
         assert a1 <= b0, "two live blocks overlap"
     for s, stride in live.items():
         loc = t.location(s)

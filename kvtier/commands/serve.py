@@ -18,6 +18,7 @@ _FLAGS = (
     ("--slot-bytes", "smallest DRAM slot (smaller blocks round up to it), e.g. 64KiB", "16 KiB"),
     ("--max-block-bytes", "largest block a layout may have (every size up to it is served)",
      "8 MiB"),
+    ("--dram-page-bytes", "pages of the DRAM pool that size classes take", "automatic"),
     ("--data-dir", "directory of the SSD tier",
      "$XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier"),
     ("--ssd-bytes", "SSD tier cap, e.g. 64GiB (0 = no SSD tier)",

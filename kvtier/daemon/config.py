@@ -11,6 +11,8 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     max_block_bytes        8 MiB: the largest block a layout may have; one daemon serves every
                            block size from 1 B to this at once (size classes on pages of the
                            pool, `kvtier.tiers.dram_pages`); at least slot_bytes
+    dram_page_bytes        0 = automatic: the pages size classes take (at least one largest
+                           block; see `kvtier.tiers.dram.DramSpec.geometry`)
     data_dir               $XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier (the SSD tier)
     ssd_bytes              the size kept in <data_dir>/kept.toml, else (the first start)
                            min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
@@ -25,8 +27,9 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
                            sglang-lfu, lmcache-s3fifo, sieve, kvtier, ...)
     ssd_dwpd               1.0: SSD writes per day, in units of ssd_bytes (see below)
     ssd_write_bytes_per_day 0 = ssd_bytes * ssd_dwpd: the long-run SSD write rate (token bucket)
-    ssd_write_burst_bytes  0 = min(a day's budget, max(a quarter day's, 4 write-back queues)):
-                           what may be written at once before the rate applies
+    ssd_write_burst_bytes  0 = min(a day's budget, max(a quarter day's, 4 write-back queues)),
+                           at least one largest block: what may be written at once before the
+                           rate applies (a block larger than it never reaches SSD)
     writeback_queue_bytes  0 = min(dram_bytes / 4, 1 GiB): DRAM pinned by queued write-backs
     log_level              info (debug, info, warning, error)
 
@@ -119,6 +122,7 @@ class Config:
     dram_bytes: int
     slot_bytes: int
     max_block_bytes: int
+    dram_page_bytes: int
     data_dir: Path
     ssd_bytes: int
     metrics: str
@@ -214,6 +218,7 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "dram_bytes": dram,
         "slot_bytes": 16 * KiB,
         "max_block_bytes": 8 * MiB,
+        "dram_page_bytes": 0,
         "data_dir": str(data_dir),
         "ssd_bytes": default_ssd_bytes(data_dir),
         "metrics": "127.0.0.1:9464",
@@ -246,9 +251,9 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-_SIZES = {"dram_bytes", "slot_bytes", "max_block_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
-          "ssd_write_burst_bytes", "writeback_queue_bytes", "remote_write_bytes_per_s",
-          "remote_write_burst_bytes", "remote_queue_bytes"}
+_SIZES = {"dram_bytes", "slot_bytes", "max_block_bytes", "dram_page_bytes", "ssd_bytes",
+          "ssd_write_bytes_per_day", "ssd_write_burst_bytes", "writeback_queue_bytes",
+          "remote_write_bytes_per_s", "remote_write_burst_bytes", "remote_queue_bytes"}
 _INTS = {"max_blocks_per_request", "ssd_admit_after", "remote_admit_after"}
 _FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s", "ssd_dwpd", "remote_timeout_s"}
 SECRETS = frozenset({"remote_password"})
@@ -394,6 +399,10 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     big = i("max_block_bytes")
     if big < slot:
         raise bad("max_block_bytes", f"must be at least slot_bytes ({slot}), got {big}")
+    page = i("dram_page_bytes")
+    if page and (page % 4096 or page < min(big, dram) or page > dram):
+        raise bad("dram_page_bytes", f"must be 0 (automatic) or a multiple of 4096 from "
+                  f"max_block_bytes ({min(big, dram)}) to dram_bytes ({dram}), got {page}")
     for name in ("lease_ttl_s", "max_lease_ttl_s"):
         if not 0 < f(name) <= 86400:
             raise bad(name, f"must be in (0, 86400] seconds, got {v[name]}")
@@ -416,9 +425,9 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     per_day = i("ssd_write_bytes_per_day") or int(i("ssd_bytes") * f("ssd_dwpd"))
     burst = i("ssd_write_burst_bytes") or max(default_burst(per_day, queue, slot),
                                               min(big, dram) + BLOCK_HEADER_BYTES)
-    if burst < min(big, dram) + BLOCK_HEADER_BYTES:
-        raise bad("ssd_write_burst_bytes", f"must hold one block of the largest size "
-                  f"({min(big, dram)} + {BLOCK_HEADER_BYTES} header bytes), got {burst}")
+    if burst < slot + BLOCK_HEADER_BYTES:  # blocks above an explicit burst never reach SSD
+        raise bad("ssd_write_burst_bytes", f"must hold one block ({slot} + "
+                  f"{BLOCK_HEADER_BYTES} header bytes), got {burst}")
     if str(v["log_level"]).lower() not in _LOG_LEVELS:
         raise bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
     for name in ("metrics", "tcp"):
@@ -444,6 +453,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         dram_bytes=dram,
         slot_bytes=slot,
         max_block_bytes=big,
+        dram_page_bytes=page,
         data_dir=Path(str(v["data_dir"])).expanduser(),
         ssd_bytes=i("ssd_bytes"),
         metrics=str(v["metrics"]),

@@ -29,6 +29,7 @@ import ctypes.util
 import errno
 import grp
 import logging
+import math
 import mmap
 import os
 import re
@@ -72,8 +73,11 @@ class SlotPinned(DramError):
 MAX_BLOCK_BYTES = 8 << 20
 """The largest block a daemon's pool serves by default (`max_block_bytes`)."""
 
-PAGE_SLOTS = 16
-"""Auto page size: room for this many of the largest blocks (less when the pool is small)."""
+PAGE_SCALE = 256 << 10
+"""Auto page size: sqrt(data bytes x this), at least one largest block. A class loses up to
+about a page to free slots it holds under churn (`kvtier.tiers.dram_pages`), and a stride that
+does not divide the page loses up to one slot per page: pages ~ sqrt(pool x a typical block)
+balance the two (16 MiB for 1 GiB, 32 MiB for 4 GiB; measured by `bench.dram_rounding`)."""
 
 
 @dataclass(frozen=True)
@@ -103,13 +107,13 @@ class DramSpec:
             raise UsageError("DRAM pool needs max_block >= 0 and page_bytes >= 0")
 
     def geometry(self) -> tuple[int, int]:
-        """(page_bytes, page_count): pages of at least one largest block (when the pool holds
-        one), `PAGE_SLOTS` of them when the pool has room for 8 such pages; the data area is
-        split evenly (4 KiB multiples), so at most `page_count` * 4 KiB is lost to it."""
+        """(page_bytes, page_count): pages of `page_bytes`, else sqrt(data x `PAGE_SCALE`),
+        and at least one largest block (when the pool holds one); the data area is split
+        evenly (4 KiB multiples), so at most `page_count` * 4 KiB is lost to it."""
         stride = slot_stride(self.slot_size)
         data = stride * self.slot_count
         big = min(round_up(max(self.max_block, self.slot_size), UNIT), data)
-        want = self.page_bytes or max(big, min(PAGE_SLOTS * big, data // 8))
+        want = self.page_bytes or max(big, math.isqrt(data * PAGE_SCALE))
         count = max(1, data // max(want, stride))
         size = data // count // 4096 * 4096
         while count > 1 and size < big:
