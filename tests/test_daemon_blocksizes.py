@@ -18,6 +18,7 @@ from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.segment import StaleSegment
 from kvtier.core.types import Tier
 from tests.daemon_fixture import DaemonProc
+from tests.redis_fixture import RedisServer, needs_redis
 
 KiB, MiB = 1 << 10, 1 << 20
 BIG = LayoutDecl(b"llama-3-8b-cpu-block-32", 4 * MiB, 32, model_id="meta-llama/Llama-3-8B")
@@ -163,3 +164,33 @@ def test_a_segment_of_another_format_is_refused_with_a_clear_error() -> None:
                          slot_stride=2 * MiB, slot_count=1, data_offset=4096)  # format 1
     with pytest.raises(StaleSegment, match="format 1; this client reads format 2"):
         segment_handle(old)
+
+
+@needs_redis
+def test_both_sizes_go_through_the_remote_tier(tmp_path: Path) -> None:
+    pytest.importorskip("redis")
+    r = RedisServer(tmp_path / "redis").start()
+    nodes = [DaemonProc(tmp_path / n, [*ARGS, "--ssd-bytes", "0", "--remote-url", r.url])
+             for n in ("a", "b")]
+    try:
+        a, b = (d.start() for d in nodes)
+        bk, sk = chain(11, 2), chain(12, 24)
+        def stored(n: int) -> None:
+            deadline = time.monotonic() + 30
+            while r.client().dbsize() < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        with Client(a.socket, layout=BIG) as big, Client(a.socket, layout=SMALL) as small:
+            assert big.store(bk, [payload(BIG, k) for k in bk]).stored == 2
+            stored(2)  # the write queue (dram / 8 = 8 MiB) holds the two big blocks
+            assert small.store(sk, [payload(SMALL, k) for k in sk]).stored == 24
+            stored(26)
+        with Client(b.socket, layout=BIG) as big, Client(b.socket, layout=SMALL) as small:
+            for kv, lay, keys in ((big, BIG, bk), (small, SMALL, sk)):
+                with kv.load(keys) as got:
+                    assert got.tiers == [Tier.REMOTE] * len(keys)
+                    assert [bytes(v) for v in got.views] == [payload(lay, k) for k in keys]
+    finally:
+        for d in nodes:
+            d.stop()
+        r.stop()
