@@ -293,7 +293,10 @@ class Tiers:
         charged to its tenant; None when there is no room (or no tier below DRAM)."""
         if self.store is None and self.remote is None:
             return None
-        slots = self.take_slots(1, namespace_tenant(ns), self.block_bytes.get(ns, self.slot_bytes))
+        nbytes = self.block_bytes.get(ns, self.slot_bytes)
+        if nbytes > self.pool.max_block:  # stored before max_block_bytes shrank: not served
+            return None
+        slots = self.take_slots(1, namespace_tenant(ns), nbytes)
         if not slots:
             return None
         self._charge(namespace_tenant(ns), Tier.DRAM, self.dram_bytes_of(ns))
