@@ -84,8 +84,9 @@ class DramClient:
 
     @property
     def buffer(self) -> U8Array:
-        """The whole mapped segment as one uint8 array (header included); slot i starts at
-        `handle.data_offset + i * handle.slot_stride`. Valid until `close()`."""
+        """The whole mapped segment as one uint8 array (header included); a block the daemon
+        placed at offset o is `buffer[o : o + block_bytes]` (a size class of stride s: row
+        (o - data_offset) // s of its grid). Valid until `close()`."""
         return self._buf
 
     def register_cuda(self) -> bool:

@@ -1,5 +1,6 @@
-"""DRAM tier: fixed-size block slots in a POSIX shared-memory segment (the daemon's side; clients
-map it with `kvtier.client.mapping.DramClient`).
+"""DRAM tier: block slots of size classes on pages of a POSIX shared-memory segment (the daemon's
+side; clients map it with `kvtier.client.mapping.DramClient`). Which bytes a slot id names, and
+how classes take and give back pages: `kvtier.tiers.dram_pages`.
 
 The daemon creates the segment (`DramPool.create`) as a file under /dev/shm opened with
 O_CREAT|O_EXCL and mode 0600 (or 0660 with a configured group), sizes it with ftruncate and maps
