@@ -51,7 +51,8 @@ def test_live_blocks_never_overlap_and_accounting_adds_up(
     for op, size, n, pick in ops:
         stride = t.stride_for(size)
         if op == "e":  # free a page of the class by moving its blocks, as the daemon does
-            found = t.evacuation(stride, lambda s: s % 7 != pick % 7)
+            pinned = pick % 7  # slots s with s % 7 == pinned stay put
+            found = t.evacuation(stride, lambda s, pinned=pinned: s % 7 != pinned)
             if found is not None:
                 page, moving = found
                 dst = t.targets(stride, page, len(moving))
