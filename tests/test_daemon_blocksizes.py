@@ -194,3 +194,27 @@ def test_both_sizes_go_through_the_remote_tier(tmp_path: Path) -> None:
         for d in nodes:
             d.stop()
         r.stop()
+
+
+def test_a_pool_of_one_size_keeps_the_ssd_slot_file(tmp_path: Path) -> None:
+    one = LayoutDecl(b"one-size-pool-64k-001", 64 * KiB, 16, model_id="org/one")
+    d = DaemonProc(tmp_path / "d", ["--max-block-bytes", "64KiB", "--ssd-admit-after", "1"])
+    keys = chain(13, 5)
+    d.start()
+    try:
+        assert (d.data_dir / "ssd" / "slots.dat").exists()  # slots of 64 KiB, as before
+        with Client(d.socket, layout=one) as kv:
+            assert kv.store(keys, [payload(one, k) for k in keys]).stored == 5
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and next(
+                    t.blocks for t in kv.stats().tiers if t.tier == pb.TIER_SSD) < 5:
+                time.sleep(0.05)
+    finally:
+        assert d.stop() == 0
+    d.start()
+    try:
+        with Client(d.socket, layout=one) as kv, kv.load(keys) as got:
+            assert got.tiers == [Tier.SSD] * 5
+            assert [bytes(v) for v in got.views] == [payload(one, k) for k in keys]
+    finally:
+        d.stop()

@@ -90,7 +90,8 @@ class Tiers:
             page_bytes=cfg.dram_page_bytes,
         ))
         # SSD blocks of every size: LMDB values (a slot file has one slot size) bounded in bytes
-        # by `_make_ssd_room`; the index bounds their count at the smallest block's.
+        # by `_make_ssd_room`; the index bounds their count at the smallest block's. A pool of
+        # one size (slot_bytes == max_block_bytes) keeps the slot file.
         self.ssd_block_bytes = cfg.slot_bytes + blockfmt.HEADER_SIZE
         ssd_blocks = cfg.ssd_bytes // self.ssd_block_bytes
         self.index = PrefixIndex(
@@ -121,7 +122,9 @@ class Tiers:
         cfg = self.cfg
         opened = open_store(SsdSpec(
             path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
-            layout_fingerprint=STORE_FINGERPRINT, payload="lmdb",
+            layout_fingerprint=STORE_FINGERPRINT,
+            **({"slot_size": cfg.slot_bytes} if cfg.slot_bytes == cfg.max_block_bytes
+               else {"payload": "lmdb"}),
         ))
         self.store = opened.store
         if opened.moved_aside:
