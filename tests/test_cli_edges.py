@@ -149,7 +149,8 @@ def test_serve_help_shows_every_default_and_variable(tmp_path: Path) -> None:
     parser = build_parser("serve")
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     options = [o for o in _long_options(sub.choices["serve"]) if o != "--help"]
-    assert len(options) == 36 and set(entries) == set(options)  # 22 + policy + 13 remote_*
+    # 22 + policy + 13 remote_* + max_block_bytes + dram_page_bytes
+    assert len(options) == 38 and set(entries) == set(options)
     for option in options:
         helptext = entries[option]
         assert "(default: " in helptext, option

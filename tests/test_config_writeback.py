@@ -57,7 +57,7 @@ def test_explicit_values_win(tmp_path: Path) -> None:
     ({"writeback_queue_bytes": "1KiB"},
      "writeback_queue_bytes (from flag --writeback-queue-bytes): must hold one slot"),
     ({"dram_bytes": "64MiB", "writeback_queue_bytes": "65MiB"}, "fit the DRAM pool"),
-    ({"ssd_write_burst_bytes": "2MiB"},
+    ({"ssd_write_burst_bytes": "16KiB"},
      "ssd_write_burst_bytes (from flag --ssd-write-burst-bytes): must hold one block"),
 ])
 def test_bad_values_are_one_line_errors(tmp_path: Path, flags: dict[str, str],

@@ -118,7 +118,7 @@ def test_restart_keeps_each_models_blocks_and_drops_pre_model_id_blocks(tmp_path
     legacy_ns = f"default/{FP.hex()}"
     legacy = [b"\xee" + k[1:] for k in KEYS]
     store = SsdStore(SsdSpec(path=str(d.data_dir / "ssd"), capacity_bytes=64 << 20,
-                             layout_fingerprint=STORE_FINGERPRINT, slot_size=64 << 10))
+                             layout_fingerprint=STORE_FINGERPRINT, payload="lmdb"))
     put = store.put_many([PutItem(legacy_ns, k, legacy[i - 1] if i else None, bytes(BLOCK))
                           for i, k in enumerate(legacy)])
     assert len(put.stored) == len(legacy)
@@ -138,7 +138,7 @@ def test_restart_keeps_each_models_blocks_and_drops_pre_model_id_blocks(tmp_path
     finally:
         assert d.stop() == 0
     store = SsdStore(SsdSpec(path=str(d.data_dir / "ssd"), capacity_bytes=64 << 20,
-                             layout_fingerprint=STORE_FINGERPRINT, slot_size=64 << 10))
+                             layout_fingerprint=STORE_FINGERPRINT, payload="lmdb"))
     try:
         names = {e.tenant for e in store.entries()}
     finally:

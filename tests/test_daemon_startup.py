@@ -21,7 +21,6 @@ from kvtier.daemon import config
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536
-STRIDE = BLOCK  # one 64 KiB slot per block in slots.dat
 LAYOUT = LayoutDecl(fingerprint=b"startup-fp-01", block_bytes=BLOCK, block_tokens=16,
                     model_id="startup-model@1")
 
@@ -147,8 +146,8 @@ def test_store_that_cannot_be_opened_is_moved_aside(tmp_path: Path, damage: str)
 def test_second_daemon_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
     first = DaemonProc(tmp_path / "a").start()
     try:
-        slots = first.data_dir / "ssd" / "slots.dat"
-        size = slots.stat().st_size
+        store = first.data_dir / "ssd" / "data.mdb"
+        size = store.stat().st_size
         proc = subprocess.run(
             [sys.executable, "-m", "kvtier", "serve", "--socket", str(tmp_path / "b.sock"),
              "--data-dir", str(first.data_dir), "--ssd-bytes", "256MiB", "--dram-bytes",
@@ -159,7 +158,7 @@ def test_second_daemon_on_the_same_data_dir_is_refused(tmp_path: Path) -> None:
             f"kvtier serve: error: data dir {first.data_dir} is in use by another kvtier daemon "
             f"(pid {first.proc.pid}, socket {first.socket}); give each daemon its own "
             "--data-dir"]
-        assert slots.stat().st_size == size and first.healthy()
+        assert store.stat().st_size == size and first.healthy()
         assert not (tmp_path / "b.sock").exists()
     finally:
         first.stop()
@@ -186,13 +185,16 @@ def without_ssd_flag(d: DaemonProc) -> DaemonProc:
 
 def test_ssd_size_is_kept_and_a_shrink_evicts_and_says_how_much(tmp_path: Path) -> None:
     d = DaemonProc(tmp_path / "d", ["--ssd-admit-after", "1", "--ssd-bytes", "4MiB"]).start()
-    slots = d.data_dir / "ssd" / "slots.dat"
+    def capacity() -> int:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            return int(kv.stats().tiers[1].capacity_bytes)
+
     try:
-        assert slots.stat().st_size == 63 * STRIDE  # 4 MiB / (64 KiB + 64 B header)
-        fill(d, 10, 4)
+        assert capacity() == 4 << 20
+        fill(d, 10, 4)  # 40 blocks of 64 KiB + 64 B header: 2.5 MiB
         d.stop()
         without_ssd_flag(d).start()  # no setting: the size kept, not a fresh default
-        assert slots.stat().st_size == 63 * STRIDE
+        assert capacity() == 4 << 20
         serving = [ln for ln in d.log().splitlines() if "kvtier serving on" in ln]
         assert len(serving) == 2 and "SSD tier 4 MiB under" in serving[-1]
         assert "SSD tier shrank" not in d.log()
@@ -204,9 +206,9 @@ def test_ssd_size_is_kept_and_a_shrink_evicts_and_says_how_much(tmp_path: Path) 
         d.args += ["--ssd-bytes", "1MiB"]  # explicit: shrink to 15 blocks
         d.log_path.unlink()
         d.start()
-        assert slots.stat().st_size == 15 * STRIDE
+        assert capacity() == 1 << 20
         line = next(ln for ln in d.log().splitlines() if "SSD tier shrank" in ln)
-        m = re.search(r"shrank from 63 to 15 blocks \(ssd_bytes 1 MiB\): evicted (\d+) stored "
+        m = re.search(r"shrank to 1 MiB \(ssd_bytes\): evicted (\d+) stored "
                       r"blocks \(([\d.]+ [KM]iB)\) that no longer fit, with their descendants; "
                       r"(\d+) kept", line)
         assert m, line
@@ -216,7 +218,7 @@ def test_ssd_size_is_kept_and_a_shrink_evicts_and_says_how_much(tmp_path: Path) 
             assert kv.stats().tiers[1].blocks == kept
         d.stop()
         without_ssd_flag(d).start()  # the explicit size is kept in turn
-        assert slots.stat().st_size == 15 * STRIDE
+        assert capacity() == 1 << 20
     finally:
         d.stop()
 

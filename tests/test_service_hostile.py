@@ -148,8 +148,9 @@ CASES: list[Case] = [
         layout=b"layout-zero-bytes", block_bytes=0, block_tokens=16, key_width=32,
         model_id=MODEL),
         metadata=ALICE), Code.INVALID_ARGUMENT),
-    ("block larger than a slot", lambda e: e.stub.RegisterLayout(pb.RegisterLayoutRequest(
-        layout=b"layout-too-large", block_bytes=BLOCK + 1, block_tokens=16, key_width=32,
+    ("block larger than the largest block", lambda e: e.stub.RegisterLayout(
+        pb.RegisterLayoutRequest(
+        layout=b"layout-too-large", block_bytes=(8 << 20) + 1, block_tokens=16, key_width=32,
         model_id=MODEL),
         metadata=ALICE), Code.INVALID_ARGUMENT),
     ("layout re-registered with another shape", lambda e: e.stub.RegisterLayout(

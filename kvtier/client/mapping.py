@@ -75,10 +75,18 @@ class DramClient:
         o = h.data_offset + slot * h.slot_stride
         return self._buf[o : o + (h.slot_size if nbytes is None else nbytes)]
 
+    def view_at(self, offset: int, nbytes: int) -> U8Array:
+        """The `nbytes` at segment byte `offset` (a block the daemon placed there)."""
+        h = self.handle
+        if offset < h.data_offset or nbytes < 0 or offset + nbytes > h.size:
+            raise DramError(f"{nbytes} bytes at offset {offset} are outside the pool")
+        return self._buf[offset : offset + nbytes]
+
     @property
     def buffer(self) -> U8Array:
-        """The whole mapped segment as one uint8 array (header included); slot i starts at
-        `handle.data_offset + i * handle.slot_stride`. Valid until `close()`."""
+        """The whole mapped segment as one uint8 array (header included); a block the daemon
+        placed at offset o is `buffer[o : o + block_bytes]` (a size class of stride s: row
+        (o - data_offset) // s of its grid). Valid until `close()`."""
         return self._buf
 
     def register_cuda(self) -> bool:

@@ -10,6 +10,7 @@ daemon's pool.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -18,9 +19,12 @@ import numpy.typing as npt
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.mapping import DramClient
+from kvtier.core.segment import VERSION as SEGMENT_VERSION
 from kvtier.core.segment import SegmentHandle, StaleSegment, slot_array
 
 U8 = npt.NDArray[np.uint8]
+
+log = logging.getLogger(__name__)
 
 
 class SlotBuffer(NamedTuple):
@@ -54,7 +58,7 @@ class MappedSegment:
 
     def view(self, offset: int, nbytes: int) -> U8:
         assert self.dram is not None
-        return self.dram.view(self.slot(offset), nbytes)
+        return self.dram.view_at(offset, nbytes)
 
     def buffer(self) -> SlotBuffer | None:
         if self.dram is None:
@@ -65,9 +69,15 @@ class MappedSegment:
 
 
 def segment_handle(info: pb.SegmentInfo) -> SegmentHandle:
-    return SegmentHandle(info.name, info.size, info.generation, info.slot_bytes,
-                         info.slot_stride, info.slot_count, info.data_offset,
-                         info.shm_dir or "/dev/shm")
+    """The header `info` describes; StaleSegment for another segment format (an older daemon
+    sends format 0 = one slot size: its slot numbers mean something else)."""
+    if info.format_version != SEGMENT_VERSION:
+        raise StaleSegment(
+            f"the daemon's DRAM segment has format {info.format_version or 1}; this client "
+            f"reads format {SEGMENT_VERSION} (upgrade the daemon and its clients together)")
+    return SegmentHandle(info.name, info.size, info.generation, info.pool_slot_bytes,
+                         info.pool_slot_stride, info.pool_slot_count, info.data_offset,
+                         info.shm_dir or "/dev/shm", info.page_bytes, info.page_count)
 
 
 def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool) -> MappedSegment:
@@ -75,6 +85,7 @@ def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool) 
     with `streaming`, or when the segment cannot be mapped, one without `dram`."""
     if current is not None and (current.info.name, current.info.generation) == (
             info.name, info.generation):
+        current.info = info  # the same pool seen as another layout's size class
         return current
     if current is not None and current.dram is not None:
         current.dram.close()
@@ -82,7 +93,9 @@ def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool) 
     if not streaming:
         try:
             seg.dram = DramClient.attach(segment_handle(info))
-        except (OSError, StaleSegment):
+        except (OSError, StaleSegment) as exc:
+            log.warning("cannot map the daemon's DRAM segment (%s); using the streaming path",
+                        exc)
             seg.failed = True
     return seg
 

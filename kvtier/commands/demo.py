@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         slot = max(cfg.block_bytes(), 4096)
         daemon = LocalDaemon(Path(tmp), ["--dram-bytes", str(max(128 << 20, 64 * slot)),
                                          "--slot-bytes", str(slot), "--ssd-bytes", "256MiB",
+                                         "--max-block-bytes", str(max(slot, 8 << 20)),
                                          "--log-level", "warning"])
         try:
             daemon.start()

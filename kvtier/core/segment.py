@@ -3,10 +3,17 @@ what a client checks before it reads or writes a slot. Pure: formats and checks,
 
 Segment layout (all little-endian):
 
-    0                 HEADER_BYTES (4096)                 data_offset + i*slot_stride
-    | header | pad   | slot 0 | slot 1 | ... | slot n-1 |
+    0                 HEADER_BYTES (4096)       data_offset + p*page_bytes
+    | header | pad   | page 0 | page 1 | ... | page n-1 |
       magic b"KVTDRAM\\0", version, state (1 live, 2 closed), generation (random u64),
-      slot_size, slot_stride (slot_size rounded up to 4 KiB), slot_count, data_offset
+      slot_size (the smallest slot), slot_stride (it rounded up to 4 KiB), slot_count (slots of
+      that size the data area holds), data_offset, page_bytes, page_count
+
+Version 2 (size classes): the data area is pages that size classes take on demand; the blocks of
+a class with stride s lie on the grid data_offset + i*s, so a client views one layout's blocks
+as the [rows, s] array `slot_array(segment, data_offset, rows, s, s)` and turns the byte offset
+the daemon hands out into row (offset - data_offset) // s (`kvtier.tiers.dram_pages`). A client
+that finds another version refuses the segment (`StaleSegment` naming both versions).
 
 The daemon (`kvtier.tiers.dram`) creates the file and writes the header once; a client
 (`kvtier.client.mapping`) checks magic, version, generation and geometry at attach against the
@@ -26,12 +33,12 @@ import numpy.typing as npt
 from kvtier.core.errors import KvtierError
 
 MAGIC = b"KVTDRAM\0"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 4096
 SLOT_ALIGN = 4096
 STATE_LIVE = 1
 STATE_CLOSED = 2
-HEADER = struct.Struct("<8sIIQQQQQ")
+HEADER = struct.Struct("<8sIIQQQQQQQ")
 STATE = struct.Struct("<I")
 STATE_OFFSET = 12
 
@@ -55,6 +62,8 @@ class SegmentHandle(NamedTuple):
     slot_count: int
     data_offset: int
     shm_dir: str = "/dev/shm"
+    page_bytes: int = 0
+    page_count: int = 0
 
 
 class SegmentHeader(NamedTuple):
@@ -68,12 +77,14 @@ class SegmentHeader(NamedTuple):
     slot_stride: int
     slot_count: int
     data_offset: int
+    page_bytes: int = 0
+    page_count: int = 0
 
     @classmethod
     def live(cls, h: SegmentHandle) -> SegmentHeader:
         """The header a live segment described by `h` carries."""
         return cls(MAGIC, VERSION, STATE_LIVE, h.generation, h.slot_size, h.slot_stride,
-                   h.slot_count, h.data_offset)
+                   h.slot_count, h.data_offset, h.page_bytes, h.page_count)
 
 
 def round_up(n: int, a: int) -> int:
@@ -105,6 +116,10 @@ def mark_closed(buf: object) -> None:
 
 def check_attach(header: SegmentHeader, handle: SegmentHandle, path: str) -> None:
     """Raise `StaleSegment` unless `header` is the live pool `handle` describes."""
+    if header.magic == MAGIC and header.version != VERSION:
+        raise StaleSegment(
+            f"{path} has DRAM segment format version {header.version}; this client reads "
+            f"version {VERSION} (upgrade the daemon and its clients together)")
     if header != SegmentHeader.live(handle):
         raise StaleSegment(f"{path} is not the pool of generation {handle.generation}")
 

@@ -49,15 +49,15 @@ class AllocateResult(NamedTuple):
     ttl_s: float
 
 
-def quota_room(tiers: Tiers, state: TenantState, n: int) -> bool:
-    """Whether `n` more slots fit the tenant's DRAM quota, after evicting its own unpinned DRAM
-    blocks for them if needed."""
-    quota, more = state.tenant.dram_quota_bytes, n * tiers.slot_bytes
-    if not quota or state.dram_bytes + more <= quota:
-        return True
-    over = state.dram_bytes + more - quota
-    tiers.evict_tenant_dram(state.tenant.name, -(-over // tiers.slot_bytes))
-    return state.dram_bytes + more <= quota
+def quota_room(tiers: Tiers, state: TenantState, n: int, stride: int) -> bool:
+    """Whether `n` more slots of `stride` bytes fit the tenant's DRAM quota, after evicting its
+    own unpinned DRAM blocks for them if needed."""
+    quota, more = state.tenant.dram_quota_bytes, n * stride
+    while quota and state.dram_bytes + more > quota:
+        over = state.dram_bytes + more - quota
+        if not tiers.evict_tenant_dram(state.tenant.name, -(-over // stride)):
+            break
+    return not quota or state.dram_bytes + more <= quota
 
 
 class Allocator:
@@ -92,7 +92,7 @@ class Allocator:
             need = need[:self._admitted(ns, chain, need)]
         if not need:
             return AllocateResult("", [], [], ttl)
-        slots = self._take_slots(ns.tenant, len(need))
+        slots = self._take_slots(ns.tenant, len(need), ns.layout.block_bytes)
         lease = self._leases.grant(
             tenant.name, LeaseKind.WRITE, ttl,
             WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))), session,
@@ -113,20 +113,21 @@ class Allocator:
             return len(need)
         return sum(1 for i in need if i < start + n)
 
-    def _take_slots(self, state: TenantState, n: int) -> list[int]:
-        if not quota_room(self.tiers, state, n):
+    def _take_slots(self, state: TenantState, n: int, nbytes: int) -> list[int]:
+        stride = self.tiers.pool.stride_for(nbytes)
+        if not quota_room(self.tiers, state, n, stride):
             raise ResourceExhausted(
                 f"tenant {state.tenant.name!r} DRAM quota of {state.tenant.dram_quota_bytes} "
                 f"bytes: {n} more blocks do not fit (it holds {state.dram_bytes}, pinned or "
                 "being written)"
             )
-        slots = self.tiers.take_slots(n, state.tenant.name)
+        slots = self.tiers.take_slots(n, state.tenant.name, nbytes)
         if not slots:
             raise ResourceExhausted(
-                f"DRAM pool full: {n} slots wanted, {self.tiers.pool.stats().slots_free} free, "
-                "the rest pinned by leases or being written"
+                f"DRAM pool full: {n} slots of {stride} bytes wanted, "
+                f"{self.tiers.pool.room(nbytes)} free, the rest pinned by leases or being written"
             )
-        state.dram_bytes += n * self.tiers.slot_bytes
+        state.dram_bytes += n * stride
         return slots
 
     def commit(self, tenant: Tenant, w: WriteLease) -> int:
@@ -171,5 +172,5 @@ class Allocator:
                    if isinstance(lease.payload, WriteLease))
 
     def _give_back(self, state: TenantState, slot: int) -> None:
+        state.dram_bytes -= self.tiers.pool.stride_of(slot)
         self.tiers.pool.free(slot)
-        state.dram_bytes -= self.tiers.slot_bytes

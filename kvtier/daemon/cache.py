@@ -101,10 +101,11 @@ class Cache:
         self._lock = threading.RLock()
         self._mrc_lock = threading.Lock()  # the MRC sampler's own: off the cache lock
         self._leases = LeaseTable(clock)
-        self.names = Namespaces(cfg.slot_bytes, cfg.max_blocks_per_request)
+        self.names = Namespaces(cfg.max_block_bytes, cfg.max_blocks_per_request)
         self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
                            self.names.ssd_quota_ok, self.names.dram_holdings)
         self.pool = self.tiers.pool
+        self.names.max_block_bytes = self.pool.max_block  # a small pool's pages may be smaller
         self.index = self.tiers.index
         self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
                                  self._claim)
@@ -259,7 +260,8 @@ class Cache:
             return a
 
     def _claim(self, ns: Namespace) -> int | None:
-        return self.tiers.claim(ns.name) if quota_room(self.tiers, ns.tenant, 1) else None
+        return self.tiers.claim(ns.name) if quota_room(
+            self.tiers, ns.tenant, 1, self.tiers.dram_bytes_of(ns.name)) else None
 
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
@@ -421,7 +423,9 @@ class Cache:
 
     def slot_view(self, offset: int, nbytes: int) -> memoryview:
         """View of a slot the caller holds under a lease (READ: read it; WRITE: fill it)."""
-        slot = (offset - self.pool.data_offset) // self.pool.slot_stride
+        slot = self.pool.slot_at(offset)
+        if slot is None:
+            raise InvalidArgument(f"no slot starts at offset {offset}")
         return memoryview(self.pool.view(slot, nbytes))  # type: ignore[arg-type]
 
     # -- engines' reports -------------------------------------------------------------------

@@ -7,7 +7,12 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     tcp                    "" (off); "HOST:PORT" listens on TCP as well
     tls_cert, tls_key      PEM paths; required for TCP beyond loopback
     dram_bytes             min(RAM / 8, free /dev/shm / 2, 4 GiB), rounded down to whole slots
-    slot_bytes             2 MiB: one DRAM slot; a registered layout's block must fit in one
+    slot_bytes             16 KiB: the smallest DRAM slot (smaller blocks are rounded up to it)
+    max_block_bytes        8 MiB: the largest block a layout may have; one daemon serves every
+                           block size from 1 B to this at once (size classes on pages of the
+                           pool, `kvtier.tiers.dram_pages`); at least slot_bytes
+    dram_page_bytes        0 = automatic: the pages size classes take (at least one largest
+                           block; see `kvtier.tiers.dram.DramSpec.geometry`)
     data_dir               $XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier (the SSD tier)
     ssd_bytes              the size kept in <data_dir>/kept.toml, else (the first start)
                            min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
@@ -22,8 +27,9 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
                            sglang-lfu, lmcache-s3fifo, sieve, kvtier, ...)
     ssd_dwpd               1.0: SSD writes per day, in units of ssd_bytes (see below)
     ssd_write_bytes_per_day 0 = ssd_bytes * ssd_dwpd: the long-run SSD write rate (token bucket)
-    ssd_write_burst_bytes  0 = min(a day's budget, max(a quarter day's, 4 write-back queues)):
-                           what may be written at once before the rate applies
+    ssd_write_burst_bytes  0 = min(a day's budget, max(a quarter day's, 4 write-back queues)),
+                           at least one largest block: what may be written at once before the
+                           rate applies (a block larger than it never reaches SSD)
     writeback_queue_bytes  0 = min(dram_bytes / 4, 1 GiB): DRAM pinned by queued write-backs
     log_level              info (debug, info, warning, error)
 
@@ -90,6 +96,7 @@ from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 
 GiB = 1 << 30
+KiB = 1 << 10
 MiB = 1 << 20
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
@@ -114,6 +121,8 @@ class Config:
     tls_key: str
     dram_bytes: int
     slot_bytes: int
+    max_block_bytes: int
+    dram_page_bytes: int
     data_dir: Path
     ssd_bytes: int
     metrics: str
@@ -207,7 +216,9 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "tls_cert": "",
         "tls_key": "",
         "dram_bytes": dram,
-        "slot_bytes": 2 * MiB,
+        "slot_bytes": 16 * KiB,
+        "max_block_bytes": 8 * MiB,
+        "dram_page_bytes": 0,
         "data_dir": str(data_dir),
         "ssd_bytes": default_ssd_bytes(data_dir),
         "metrics": "127.0.0.1:9464",
@@ -240,9 +251,9 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-_SIZES = {"dram_bytes", "slot_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
-          "ssd_write_burst_bytes", "writeback_queue_bytes", "remote_write_bytes_per_s",
-          "remote_write_burst_bytes", "remote_queue_bytes"}
+_SIZES = {"dram_bytes", "slot_bytes", "max_block_bytes", "dram_page_bytes", "ssd_bytes",
+          "ssd_write_bytes_per_day", "ssd_write_burst_bytes", "writeback_queue_bytes",
+          "remote_write_bytes_per_s", "remote_write_burst_bytes", "remote_queue_bytes"}
 _INTS = {"max_blocks_per_request", "ssd_admit_after", "remote_admit_after"}
 _FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s", "ssd_dwpd", "remote_timeout_s"}
 SECRETS = frozenset({"remote_password"})
@@ -385,6 +396,13 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     if dram < slot:
         raise bad("dram_bytes", f"must hold at least one slot of {slot} bytes, got {dram}")
     dram -= dram % slot
+    big = i("max_block_bytes")
+    if big < slot:
+        raise bad("max_block_bytes", f"must be at least slot_bytes ({slot}), got {big}")
+    page = i("dram_page_bytes")
+    if page and (page % 4096 or page < min(big, dram) or page > dram):
+        raise bad("dram_page_bytes", f"must be 0 (automatic) or a multiple of 4096 from "
+                  f"max_block_bytes ({min(big, dram)}) to dram_bytes ({dram}), got {page}")
     for name in ("lease_ttl_s", "max_lease_ttl_s"):
         if not 0 < f(name) <= 86400:
             raise bad(name, f"must be in (0, 86400] seconds, got {v[name]}")
@@ -405,8 +423,9 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         raise bad("writeback_queue_bytes", f"must hold one slot ({slot} bytes) and fit the DRAM "
                   f"pool ({dram} bytes), got {queue}")
     per_day = i("ssd_write_bytes_per_day") or int(i("ssd_bytes") * f("ssd_dwpd"))
-    burst = i("ssd_write_burst_bytes") or default_burst(per_day, queue, slot)
-    if burst < slot + BLOCK_HEADER_BYTES:
+    burst = i("ssd_write_burst_bytes") or max(default_burst(per_day, queue, slot),
+                                              min(big, dram) + BLOCK_HEADER_BYTES)
+    if burst < slot + BLOCK_HEADER_BYTES:  # blocks above an explicit burst never reach SSD
         raise bad("ssd_write_burst_bytes", f"must hold one block ({slot} + "
                   f"{BLOCK_HEADER_BYTES} header bytes), got {burst}")
     if str(v["log_level"]).lower() not in _LOG_LEVELS:
@@ -433,6 +452,8 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         tls_key=str(v["tls_key"]),
         dram_bytes=dram,
         slot_bytes=slot,
+        max_block_bytes=big,
+        dram_page_bytes=page,
         data_dir=Path(str(v["data_dir"])).expanduser(),
         ssd_bytes=i("ssd_bytes"),
         metrics=str(v["metrics"]),

@@ -101,8 +101,8 @@ class Namespaces:
     """Registered layouts (by tenant and layout id), known tenants (with their usage) and
     namespaces."""
 
-    def __init__(self, slot_bytes: int, max_blocks_per_request: int) -> None:
-        self.slot_bytes = slot_bytes
+    def __init__(self, max_block_bytes: int, max_blocks_per_request: int) -> None:
+        self.max_block_bytes = max_block_bytes  # the pool's largest block (its size classes)
         self.max_blocks = max_blocks_per_request
         self.layouts: dict[tuple[str, bytes], LayoutInfo] = {}
         self.tenants: dict[str, TenantState] = {}
@@ -120,10 +120,10 @@ class Namespaces:
             )
         if key_width not in KEY_WIDTHS:
             raise InvalidArgument(f"key_width must be 16 or 32, got {key_width}")
-        if not 0 < block_bytes <= self.slot_bytes:
+        if not 0 < block_bytes <= self.max_block_bytes:
             raise InvalidArgument(
-                f"block_bytes must be in 1..{self.slot_bytes} (the daemon's slot size), "
-                f"got {block_bytes}"
+                f"block_bytes must be in 1..{self.max_block_bytes} (the daemon's largest block, "
+                f"max_block_bytes), got {block_bytes}"
             )
         if not 0 < block_tokens <= 1 << 20:
             raise InvalidArgument(f"block_tokens must be in 1..{1 << 20}, got {block_tokens}")

@@ -226,14 +226,15 @@ class RemoteTier:
         with self._cv:
             if self._closing or not self.backoff.ready():
                 why = "down"
-            elif self.held_bytes + self.pool.slot_size > self.spec.queue_bytes:
-                why = "queue_full"
+            elif self.held_bytes and (self.held_bytes + self.pool.stride_of(w.slot)
+                                      > self.spec.queue_bytes):
+                why = "queue_full"  # an empty queue takes one write of any size
             elif not self._bucket.take(w.nbytes):
                 why = "budget"
             else:
                 self.pool.pin(w.slot)
                 self._queue.append(w)
-                self.held_bytes += self.pool.slot_size
+                self.held_bytes += self.pool.stride_of(w.slot)
                 self._cv.notify()
                 return ""
         self.metrics.dropped.labels(why).inc()
@@ -253,6 +254,7 @@ class RemoteTier:
                     return
                 n = min(len(self._queue), self.spec.batch_blocks)
                 batch = [self._queue.popleft() for _ in range(n)]
+                held = sum(self.pool.stride_of(w.slot) for w in batch)  # pinned: allocated
                 self._busy = True
             try:
                 self._write(batch)
@@ -264,7 +266,7 @@ class RemoteTier:
                     self.pool.unpin(w.slot)
                 with self._cv:
                     self._busy = False
-                    self.held_bytes -= len(batch) * self.pool.slot_size
+                    self.held_bytes -= held
                     self._cv.notify_all()
                 try:
                     self.on_written(batch)
@@ -314,7 +316,7 @@ class RemoteTier:
             self._closing = True
             left = list(self._queue)
             self._queue.clear()
-            self.held_bytes -= len(left) * self.pool.slot_size
+            self.held_bytes -= sum(self.pool.stride_of(w.slot) for w in left)
             self._cv.notify_all()
         self._thread.join(timeout=max(timeout, 1.0))
         for w in left:

@@ -83,17 +83,22 @@ class Tiers:
         self._charge = charge  # (tenant, tier, +-bytes): the cache's per-tenant accounting
         self._ssd_quota_ok = ssd_quota_ok  # (tenant, more bytes) -> within its SSD quota?
         self._holdings = holdings  # tenant -> (DRAM bytes held, guarantee bytes): fair shares
-        self.slot_bytes = cfg.slot_bytes
+        self.slot_bytes = cfg.slot_bytes  # the smallest slot: a block's default size
         self.pool = DramPool.create(DramSpec(
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
-            slot_count=cfg.slots, replace_stale=True,
+            slot_count=cfg.slots, replace_stale=True, max_block=cfg.max_block_bytes,
+            page_bytes=cfg.dram_page_bytes,
         ))
+        # SSD blocks of every size: LMDB values (a slot file has one slot size) bounded in bytes
+        # by `_make_ssd_room`; the index bounds their count at the smallest block's. A pool of
+        # one size (slot_bytes == max_block_bytes) keeps the slot file.
         self.ssd_block_bytes = cfg.slot_bytes + blockfmt.HEADER_SIZE
         ssd_blocks = cfg.ssd_bytes // self.ssd_block_bytes
         self.index = PrefixIndex(
-            dram_blocks=cfg.slots, ssd_blocks=ssd_blocks, admission_k=cfg.ssd_admit_after,
-            policy=cfg.policy,
+            dram_blocks=self.pool.slot_ids, ssd_blocks=ssd_blocks,
+            admission_k=cfg.ssd_admit_after, policy=cfg.policy,
         )
+        self.moved = 0  # blocks moved to free a page for another size class
         self.store: SsdStore | None = None
         self.mover: Mover | None = None
         self.budget: WriteBudget | None = None
@@ -117,7 +122,9 @@ class Tiers:
         cfg = self.cfg
         opened = open_store(SsdSpec(
             path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
-            layout_fingerprint=STORE_FINGERPRINT, slot_size=cfg.slot_bytes,
+            layout_fingerprint=STORE_FINGERPRINT,
+            **({"slot_size": cfg.slot_bytes} if cfg.slot_bytes == cfg.max_block_bytes
+               else {"payload": "lmdb"}),
         ))
         self.store = opened.store
         if opened.moved_aside:
@@ -149,6 +156,7 @@ class Tiers:
                         len({ns for ns, _ in foreign}))
             self.store.delete_many(foreign)
         doomed: list[tuple[str, bytes]] = []
+        room, no_room = self.cfg.ssd_bytes, False  # the byte cap (it may have shrunk)
         for ns, parents in by_ns.items():
             kids: dict[bytes, list[bytes]] = {}
             stack: list[bytes] = []
@@ -157,22 +165,27 @@ class Tiers:
                     stack.append(key)
                 elif parent in parents:
                     kids.setdefault(parent, []).append(key)
+            cost = self.ssd_bytes_of(ns)
             while stack:
                 key = stack.pop()
+                if cost > room:
+                    no_room = True
+                    continue  # over the byte cap (the config shrank): it and its subtree go
                 try:
                     self.index.insert(ns, key, parents[key] or None, Tier.SSD)
                 except IndexStateError:
-                    continue  # over capacity (the config shrank): it and its subtree go
-                self._charge(namespace_tenant(ns), Tier.SSD, self.ssd_bytes_of(ns))
+                    no_room = True
+                    continue  # over the block count: the same
+                room -= cost
+                self._charge(namespace_tenant(ns), Tier.SSD, cost)
                 stack.extend(kids.get(key, ()))
             doomed.extend((ns, k) for k in parents if self.index.get(ns, k) is None)
         shrunk = self.store.dropped_at_open
-        if self.store.found_slots > self.store.spec.slot_count() or shrunk.shrunk_blocks:
+        if shrunk.shrunk_blocks or no_room:
             evicted = shrunk.shrunk_blocks + len(doomed)
             size = shrunk.shrunk_bytes + sum(self.ssd_bytes_of(ns) for ns, _ in doomed)
-            log.warning("SSD tier shrank from %d to %d blocks (ssd_bytes %s): evicted %d stored "
-                        "blocks (%s) that no longer fit, with their descendants; %d kept",
-                        self.store.found_slots, self.store.spec.slot_count(),
+            log.warning("SSD tier shrank to %s (ssd_bytes): evicted %d stored blocks (%s) that "
+                        "no longer fit, with their descendants; %d kept",
                         format_bytes(self.cfg.ssd_bytes), evicted, format_bytes(size),
                         len(entries) - len(doomed) - len(foreign))
         elif doomed:
@@ -187,6 +200,10 @@ class Tiers:
         """Stored bytes of one block of this namespace (payload + header)."""
         return self.block_bytes.get(ns, self.slot_bytes) + blockfmt.HEADER_SIZE
 
+    def dram_bytes_of(self, ns: str) -> int:
+        """DRAM one block of this namespace takes: its size class's slot stride."""
+        return self.pool.stride_for(self.block_bytes.get(ns, self.slot_bytes))
+
     def maybe_write_back(self, ns: str, blocks: list[IndexBlock]) -> None:
         """Queues write-backs for admitted DRAM-only blocks of a looked-up chain (root first)."""
         mover = self.mover
@@ -200,7 +217,7 @@ class Tiers:
                 return
             if not self.index.admits(b) or b.dram_slot is None:
                 return
-            if not self._make_ssd_room(1 + len(self._queued)):
+            if not self._make_ssd_room(1 + len(self._queued), self.ssd_bytes_of(ns)):
                 self.metrics.writeback_dropped.inc()
                 return
             tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
@@ -225,13 +242,26 @@ class Tiers:
             self.metrics.writeback_dropped.inc()
             return
 
-    def _make_ssd_room(self, need: int) -> bool:
+    def _make_ssd_room(self, need: int, nbytes: int) -> bool:
+        """Room on SSD for `need` blocks (the queued ones included) and `nbytes` more bytes on
+        top of what is stored and queued: SSD victims in the index's order until both fit."""
         free = self.index.free(Tier.SSD)
-        if free is None or free >= need:
+        if free is not None and free < need:
+            self._removed(self.index.evict(Tier.SSD, need - free), "capacity")
+            if (self.index.free(Tier.SSD) or 0) < need:
+                return False
+        if self.store is None:
             return True
-        gone = self.index.evict(Tier.SSD, need - free)
-        self._removed(gone, "capacity")
-        return (self.index.free(Tier.SSD) or 0) >= need
+        queued = sum(self.ssd_bytes_of(ns) for ns, _ in self._queued)
+        over = self.store.stats().used_bytes + queued + nbytes - self.cfg.ssd_bytes
+        while over > 0:
+            gone = self.index.evict(Tier.SSD, 1)
+            if not gone:
+                return False
+            over -= sum(self.ssd_bytes_of(str(e.tenant)) for e in gone
+                        if e.tier is Tier.SSD and e.reason is not Reason.WRITTEN)
+            self._removed(gone, "capacity")
+        return True
 
     def on_written(self, batch: list[WriteBack], result: PutResult) -> None:
         """Mover callback (writer thread): record SSD copies, unpin, account."""
@@ -266,17 +296,20 @@ class Tiers:
         charged to its tenant; None when there is no room (or no tier below DRAM)."""
         if self.store is None and self.remote is None:
             return None
-        slots = self.take_slots(1, namespace_tenant(ns))
+        nbytes = self.block_bytes.get(ns, self.slot_bytes)
+        if nbytes > self.pool.max_block:  # stored before max_block_bytes shrank: not served
+            return None
+        slots = self.take_slots(1, namespace_tenant(ns), nbytes)
         if not slots:
             return None
-        self._charge(namespace_tenant(ns), Tier.DRAM, self.slot_bytes)
+        self._charge(namespace_tenant(ns), Tier.DRAM, self.dram_bytes_of(ns))
         self.claimed += 1
         return slots[0]
 
     def unclaim(self, ns: str, slot: int) -> None:
         """Gives a claimed slot back (the read failed, or the block is no longer wanted)."""
+        self._charge(namespace_tenant(ns), Tier.DRAM, -self.pool.stride_of(slot))
         self.pool.free(slot)
-        self._charge(namespace_tenant(ns), Tier.DRAM, -self.slot_bytes)
         self.claimed -= 1
 
     def settle(self, ns: str, block: IndexBlock, slot: int, nbytes: int) -> None:
@@ -359,27 +392,71 @@ class Tiers:
 
     # -- DRAM ---------------------------------------------------------------------------------
 
-    def take_slots(self, n: int, tenant: str) -> list[int]:
-        """`n` free slots for `tenant`, evicting unpinned DRAM blocks as needed: LRU when only
-        it holds DRAM, else by fair shares (`kvtier.core.fairshare`); [] when impossible (when even
-        every unpinned block would not make room, nothing is evicted)."""
-        slots = self.pool.alloc_many(n)
-        if slots is None:
-            stats = self.pool.stats()
-            short = n - stats.slots_free
-            if self.index.blocks(Tier.DRAM) - stats.slots_pinned < short:
-                return []
-            held = {t: b // self.slot_bytes for t, (b, _) in self._holdings().items() if b}
-            if set(held) <= {tenant}:
-                self._removed(self.index.evict(Tier.DRAM, short), "capacity")
-            else:
-                guarantee = {t: g // self.slot_bytes for t, (_, g) in self._holdings().items()}
-                for who, most in room_plan(tenant, n, short, held, guarantee, self.cfg.slots):
-                    short -= self.evict_tenant_dram(who, min(most, short), "share")
-                    if short <= 0:
-                        break
-            slots = self.pool.alloc_many(n)
-        return slots or []
+    def take_slots(self, n: int, tenant: str, nbytes: int) -> list[int]:
+        """`n` free slots for `tenant`'s blocks of `nbytes`, evicting unpinned DRAM blocks as
+        needed: LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
+        [] when impossible (when even every unpinned block would not make room, nothing is
+        evicted). Slots come in size classes on pages (`kvtier.tiers.dram_pages`): a victim of
+        another class frees a slot only that class can use, so eviction goes on in the policy's
+        order until a page of some class can be emptied by moving its blocks into the free
+        slots of its own class (`_free_a_page`); the page then serves `nbytes` blocks."""
+        pool = self.pool
+        slots = pool.alloc_many(n, nbytes)
+        if slots is not None:
+            return slots
+        stats = pool.stats()
+        stride = pool.stride_for(nbytes)
+        evictable = self.index.blocks(Tier.DRAM) - stats.slots_pinned
+        if evictable <= 0:
+            return []
+        if {c.stride for c in stats.classes} == {stride} and evictable < n - pool.room(nbytes):
+            return []  # one class: even every unpinned block would not make room
+        holdings = self._holdings()
+        held = {t: b // stride for t, (b, _) in holdings.items() if b}
+        if not set(held) <= {tenant}:
+            short = n - pool.room(nbytes)
+            guarantee = {t: g // stride for t, (_, g) in holdings.items()}
+            for who, most in room_plan(tenant, n, short, held, guarantee,
+                                       pool.data_bytes // stride):
+                short -= self.evict_tenant_dram(who, min(most, short), "share")
+                if pool.can_alloc(n, nbytes) or short <= 0:
+                    break
+        while not pool.can_alloc(n, nbytes):
+            # one class: evict what is short at once; else one victim at a time, each one
+            # freeing a slot only its own class can use until a page empties
+            one = {c.stride for c in pool.stats().classes} == {stride}
+            gone = self.index.evict(Tier.DRAM, max(1, n - pool.room(nbytes)) if one else 1)
+            if not gone:
+                break
+            self._removed(gone, "capacity")
+            classes = {self.dram_bytes_of(str(e.tenant)) for e in gone
+                       if e.tier is Tier.DRAM and e.reason is not Reason.WRITTEN}
+            for c in classes - {stride}:
+                if pool.can_alloc(n, nbytes):
+                    break
+                self._free_a_page(c)
+        return pool.alloc_many(n, nbytes) or []
+
+    def _free_a_page(self, stride: int) -> bool:
+        """Empties one page of class `stride` by moving its blocks (DRAM blocks no lease,
+        write-back or remote write holds) into the class's free slots elsewhere."""
+        if not self.pool.can_evacuate(stride):
+            return False
+        owners: dict[int, IndexBlock] = {}
+        for b in self.index.iter_blocks():
+            s = b.dram_slot
+            if s is not None and not b.pins:
+                owners[s] = b
+        movable = owners.__contains__
+
+        def moved(old: int, new: int) -> None:
+            b = owners[old]
+            self.index.move_dram(b.tenant, b.key, new)
+
+        n = self.pool.evacuate(stride, movable, moved)
+        if n > 0:
+            self.moved += n
+        return n >= 0
 
     def evict_tenant_dram(self, tenant: str, n: int, reason: str = "quota") -> int:
         """Evicts up to `n` of one tenant's DRAM blocks, coldest first (quota, fair share);
@@ -402,8 +479,8 @@ class Tiers:
             if e.reason is Reason.WRITTEN:
                 continue
             if e.tier is Tier.DRAM and e.dram_slot is not None:
+                self._charge(namespace_tenant(ns), Tier.DRAM, -self.pool.stride_of(e.dram_slot))
                 self.pool.free(e.dram_slot)
-                self._charge(namespace_tenant(ns), Tier.DRAM, -self.slot_bytes)
             if e.tier is Tier.SSD:
                 ssd_deletes.append((ns, e.key))
                 self._charge(namespace_tenant(ns), Tier.SSD, -self.ssd_bytes_of(ns))

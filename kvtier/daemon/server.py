@@ -218,7 +218,8 @@ class Daemon:
         tenants = ", ".join(t.name for t in self.auth.tenants())
         auth = "token auth" if self.auth.required else "no auth"
         return (f"kvtier serving on unix:{cfg.socket}{tcp}; metrics {metrics}; DRAM pool "
-                f"{format_bytes(cfg.dram_bytes)} ({cfg.slots} slots of "
+                f"{format_bytes(cfg.dram_bytes)} (blocks up to "
+                f"{format_bytes(cfg.max_block_bytes)} in size classes, slots from "
                 f"{format_bytes(cfg.slot_bytes)}); SSD tier {ssd}; planner rates from "
                 f"{rates_from}; tenants: {tenants} ({auth})")
 

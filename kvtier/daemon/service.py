@@ -44,6 +44,7 @@ from kvtier.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvtier.core.segment import VERSION as SEGMENT_VERSION
 from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
@@ -83,11 +84,14 @@ def tiers_to_pb(tiers: list[Tier]) -> list[Any]:
     return list(bytes(tiers).translate(_PLUS_ONE))
 
 
-def segment_info(h: SegmentHandle) -> pb.SegmentInfo:
+def segment_info(h: SegmentHandle, stride: int) -> pb.SegmentInfo:
+    """The segment as a client of a class of slot `stride` sees it (`kvtier.core.segment`)."""
     return pb.SegmentInfo(
-        name=h.name, size=h.size, generation=h.generation, slot_bytes=h.slot_size,
-        slot_stride=h.slot_stride, slot_count=h.slot_count, data_offset=h.data_offset,
-        shm_dir=h.shm_dir,
+        name=h.name, size=h.size, generation=h.generation, slot_bytes=stride,
+        slot_stride=stride, slot_count=h.page_bytes * h.page_count // stride,
+        data_offset=h.data_offset, shm_dir=h.shm_dir, format_version=SEGMENT_VERSION,
+        page_bytes=h.page_bytes, page_count=h.page_count, pool_slot_bytes=h.slot_size,
+        pool_slot_stride=h.slot_stride, pool_slot_count=h.slot_count,
     )
 
 
@@ -127,6 +131,10 @@ class KvTierService(pb_grpc.KvTierServicer):
     def _tenant(self, context: Ctx) -> Tenant:
         return self.auth.authenticate(context.invocation_metadata())
 
+    def _segment(self, block_bytes: int) -> pb.SegmentInfo:
+        pool = self.cache.pool
+        return segment_info(pool.handle(), pool.stride_for(block_bytes))
+
     @staticmethod
     def _session(context: Ctx) -> str:
         for k, v in context.invocation_metadata() or ():
@@ -160,7 +168,8 @@ class KvTierService(pb_grpc.KvTierServicer):
                 request.key_width, cost,
             )
             return pb.RegisterLayoutResponse(
-                segment=segment_info(reg.segment), layout_id=reg.layout_id,
+                segment=segment_info(reg.segment, self.cache.pool.stride_for(request.block_bytes)),
+                layout_id=reg.layout_id,
                 max_blocks_per_request=self.cache.cfg.max_blocks_per_request,
                 default_lease_ttl_ms=int(self.cache.cfg.lease_ttl_s * 1000),
                 tenant=tenant.name,
@@ -195,7 +204,7 @@ class KvTierService(pb_grpc.KvTierServicer):
             info = self.cache.layout(tenant, request.layout)
             return pb.AcquireResponse(
                 lease_id=res.lease_id, count=len(res.offsets), offsets=res.offsets,
-                block_bytes=info.block_bytes, segment=segment_info(self.cache.pool.handle()),
+                block_bytes=info.block_bytes, segment=self._segment(info.block_bytes),
                 source_tiers=tiers_to_pb(res.source_tiers),
                 lease_ttl_ms=int(res.ttl_s * 1000),
             )
@@ -229,7 +238,7 @@ class KvTierService(pb_grpc.KvTierServicer):
             info = self.cache.layout(tenant, request.layout)
             return pb.AllocateResponse(
                 lease_id=res.lease_id, indices=res.indices, offsets=res.offsets,
-                block_bytes=info.block_bytes, segment=segment_info(self.cache.pool.handle()),
+                block_bytes=info.block_bytes, segment=self._segment(info.block_bytes),
                 lease_ttl_ms=int(res.ttl_s * 1000),
             )
 
@@ -291,7 +300,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                 tenant_dram_quota_bytes=tenant.dram_quota_bytes,
                 tenant_ssd_quota_bytes=tenant.ssd_quota_bytes,
                 tenant_dram_guarantee_bytes=tenant.dram_guarantee_bytes,
-                segment=segment_info(self.cache.pool.handle()),
+                segment=segment_info(self.cache.pool.handle(), self.cache.pool.slot_stride),
                 uptime_seconds=time.time() - self.started_at,
                 layouts=s.layouts, version=_version, node_wide=s.node_wide,
             )

@@ -62,7 +62,8 @@ class SlotStream:
             if lease.expires_at - self._leases.clock() < lease.ttl_s / 2:
                 self._leases.renew(lease.id, lease.ttl_s)
             pool = self._pool
-            slot = (self.offsets[block] - pool.data_offset) // pool.slot_stride
+            slot = pool.slot_at(self.offsets[block])
+            assert slot is not None  # the lease's own offsets, pinned: never moved nor freed
             view = memoryview(pool.view(slot, self.block_bytes))  # type: ignore[arg-type]
             if data is None:
                 return bytes(view[at : at + n])

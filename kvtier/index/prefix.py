@@ -55,12 +55,14 @@ from kvtier.index.policies import ADMISSION_HISTORY_PER_BLOCK
 from kvtier.index.state import short
 from kvtier.index.types import (
     EVICTION_COUNTERS,
+    FLAG_BITS,
     HITS_BITS,
     HITS_MAX,
     IN_DRAM,
     ON_SSD,
     Q_DRAM,
     Q_SSD,
+    SLOT_SHIFT,
     BadSlot,
     Block,
     DuplicateBlock,
@@ -303,6 +305,22 @@ class PrefixIndex(Eviction, HbmReports):
         for b in reversed(doomed):
             out.extend(self.remove(tenant, b.key))
         return out
+
+    def move_dram(self, tenant: Tenant, key: BlockKey, slot: int) -> Block:
+        """Repoints an unpinned DRAM block at another free slot (the pool moved its bytes to
+        free a page); residency, queue position and counters stay. Raises PinnedBlock,
+        UnknownBlock, BadSlot."""
+        b = self._need(tenant, key)
+        self._check_unpinned(b)
+        old = b.dram_slot
+        if old is None:
+            raise BadSlot(f"block {short(key)} has no DRAM slot")
+        if not 0 <= slot < len(self._slot_used) or self._slot_used[slot]:
+            raise BadSlot(f"DRAM slot {slot!r} is outside the pool or holds another block")
+        self._slot_used[old] = 0
+        self._slot_used[slot] = 1
+        b.flags = b.flags & FLAG_BITS | (slot + 1) << SLOT_SHIFT
+        return b
 
     # ---------------------------------------------------------------- leases
     def pin(self, tenant: Tenant, key: BlockKey) -> Block:

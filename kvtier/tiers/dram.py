@@ -1,5 +1,6 @@
-"""DRAM tier: fixed-size block slots in a POSIX shared-memory segment (the daemon's side; clients
-map it with `kvtier.client.mapping.DramClient`).
+"""DRAM tier: block slots of size classes on pages of a POSIX shared-memory segment (the daemon's
+side; clients map it with `kvtier.client.mapping.DramClient`). Which bytes a slot id names, and
+how classes take and give back pages: `kvtier.tiers.dram_pages`.
 
 The daemon creates the segment (`DramPool.create`) as a file under /dev/shm opened with
 O_CREAT|O_EXCL and mode 0600 (or 0660 with a configured group), sizes it with ftruncate and maps
@@ -29,12 +30,14 @@ import ctypes.util
 import errno
 import grp
 import logging
+import math
 import mmap
 import os
 import re
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -55,6 +58,7 @@ from kvtier.core.segment import (
     slot_stride,
     unpack_header,
 )
+from kvtier.tiers.dram_pages import UNIT, ClassStats, PageTable
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +71,22 @@ class SlotPinned(DramError):
     """The slot is leased (pinned); it cannot be freed or rewritten now."""
 
 
+MAX_BLOCK_BYTES = 8 << 20
+"""The largest block a daemon's pool serves by default (`max_block_bytes`)."""
+
+PAGE_SCALE = 256 << 10
+"""Auto page size: sqrt(data bytes x this), at least one largest block. A class loses up to
+about a page to free slots it holds under churn (`kvtier.tiers.dram_pages`), and a stride that
+does not divide the page loses up to one slot per page: pages ~ sqrt(pool x a typical block)
+balance the two (16 MiB for 1 GiB, 32 MiB for 4 GiB; measured by `bench.dram_rounding`)."""
+
+
 @dataclass(frozen=True)
 class DramSpec:
-    """How the daemon creates its pool."""
+    """How the daemon creates its pool: `slot_count` slots of the smallest size `slot_size`
+    (the data area is `slot_count * round_up(slot_size, 4 KiB)` bytes), carved into pages that
+    size classes up to `max_block` bytes take on demand (`kvtier.tiers.dram_pages`).
+    `max_block` 0: `slot_size` (one class, every slot alike); `page_bytes` 0: automatic."""
 
     name: str
     slot_size: int
@@ -79,26 +96,49 @@ class DramSpec:
     huge_pages: bool = False
     replace_stale: bool = False
     shm_dir: str = "/dev/shm"
+    max_block: int = 0
+    page_bytes: int = 0
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise UsageError(f"invalid shared-memory name {self.name!r}")
         if self.slot_size <= 0 or self.slot_count <= 0:
             raise UsageError("DRAM pool needs slot_size > 0 and slot_count > 0")
+        if self.max_block < 0 or self.page_bytes < 0:
+            raise UsageError("DRAM pool needs max_block >= 0 and page_bytes >= 0")
+
+    def geometry(self) -> tuple[int, int]:
+        """(page_bytes, page_count): pages of `page_bytes`, else sqrt(data x `PAGE_SCALE`),
+        and at least one largest block (when the pool holds one); the data area is split
+        evenly (4 KiB multiples), so at most `page_count` * 4 KiB is lost to it."""
+        stride = slot_stride(self.slot_size)
+        data = stride * self.slot_count
+        big = min(round_up(max(self.max_block, self.slot_size), UNIT), data)
+        want = self.page_bytes or max(big, math.isqrt(data * PAGE_SCALE))
+        count = max(1, data // max(want, stride))
+        size = data // count // 4096 * 4096
+        while count > 1 and size < big:
+            count -= 1
+            size = data // count // 4096 * 4096
+        return max(size, stride), count
 
 
 class DramStats(NamedTuple):
-    slot_size: int
-    slot_count: int
-    slots_used: int
-    slots_free: int
+    slot_size: int  # the smallest slot
+    slot_count: int  # slots of the smallest size the data area holds
+    slots_used: int  # allocated slots, every class
+    slots_free: int  # free slots of the smallest class: free pages and its own free slots
     slots_pinned: int
-    bytes_reserved: int  # slot_count * slot_size: the pool's block capacity
-    bytes_used: int  # allocated slots * slot_size
-    bytes_free: int  # free slots * slot_size
+    bytes_reserved: int  # the data area (pages): the pool's block capacity
+    bytes_used: int  # allocated slots * their class stride
+    bytes_free: int  # bytes_reserved - bytes_used (free pages, free slots, page heads/tails)
     segment_bytes: int  # the mapped file, header and alignment padding included
     mlocked: bool
     huge_pages: bool
+    page_bytes: int = 0
+    page_count: int = 0
+    pages_free: int = 0
+    classes: tuple[ClassStats, ...] = ()
 
 
 def _thp_shmem_mode() -> str:
@@ -180,16 +220,17 @@ class DramPool:
         self.slot_size = spec.slot_size
         self.slot_stride = slot_stride(spec.slot_size)
         self.slot_count = spec.slot_count
+        self.page_bytes, self.page_count = spec.geometry()
+        self.pages = PageTable(self.page_bytes, self.page_count, self.slot_stride)
+        self.data_bytes = self.page_bytes * self.page_count
+        self.max_block = min(max(spec.max_block, spec.slot_size), self.page_bytes)
         self.data_offset = HUGE_PAGE if spec.huge_pages else HEADER_BYTES
-        size = self.data_offset + self.slot_stride * self.slot_count
+        size = self.data_offset + self.data_bytes
         self.size = round_up(size, HUGE_PAGE) if spec.huge_pages else size
         self.generation = secrets.randbits(63) | 1
         self.path = os.path.join(spec.shm_dir, spec.name)
         self._lock = threading.Lock()
-        self._free = list(range(self.slot_count - 1, -1, -1))
-        self._allocated = bytearray(self.slot_count)
-        self._pins = [0] * self.slot_count
-        self._pinned_slots = 0
+        self._pins: dict[int, int] = {}
         self._closed = False
         self.mlocked = False
         self.huge_pages = False
@@ -270,93 +311,160 @@ class DramPool:
     def handle(self) -> SegmentHandle:
         return SegmentHandle(
             self.spec.name, self.size, self.generation, self.slot_size, self.slot_stride,
-            self.slot_count, self.data_offset, self.spec.shm_dir,
+            self.slot_count, self.data_offset, self.spec.shm_dir, self.page_bytes,
+            self.page_count,
         )
 
-    def alloc(self) -> int | None:
-        """One free slot, or None when the pool is full. O(1)."""
-        with self._lock:
-            if not self._free:
-                return None
-            slot = self._free.pop()
-            self._allocated[slot] = 1
-            return slot
+    @property
+    def slot_ids(self) -> int:
+        """Slot ids are below this (for tables indexed by slot id)."""
+        return self.pages.slot_ids
 
-    def alloc_many(self, n: int) -> list[int] | None:
-        """`n` slots, all or none (None when fewer than `n` are free)."""
+    def stride_for(self, nbytes: int) -> int:
+        """The slot stride (size class) a block of `nbytes` gets; raises DramError above
+        `max_block`."""
+        if not 0 < nbytes <= self.max_block:
+            raise DramError(f"a {nbytes}-byte block is outside 1..{self.max_block} B")
+        return self.pages.stride_for(nbytes)
+
+    def alloc(self, nbytes: int | None = None) -> int | None:
+        """One free slot for a block of `nbytes` (default: the smallest slot), or None."""
+        got = self.alloc_many(1, nbytes)
+        return got[0] if got else None
+
+    def alloc_many(self, n: int, nbytes: int | None = None) -> list[int] | None:
+        """`n` slots for blocks of `nbytes`, all or none (None when they do not fit now)."""
+        stride = self.stride_for(nbytes or self.slot_size)
         with self._lock:
-            if n > len(self._free):
-                return None
-            slots = [self._free.pop() for _ in range(n)]
-            for s in slots:
-                self._allocated[s] = 1
-            return slots
+            return self.pages.alloc_many(n, stride)
+
+    def room(self, nbytes: int) -> int:
+        """Slots for blocks of `nbytes` free now: the class's own and those of free pages."""
+        stride = self.stride_for(nbytes)
+        with self._lock:
+            return self.pages.room(stride)
+
+    def can_alloc(self, n: int, nbytes: int) -> bool:
+        stride = self.stride_for(nbytes)
+        with self._lock:
+            return self.pages.can_alloc(n, stride)
 
     def free(self, slot: int) -> None:
-        """Return a slot to the free list. Refuses a pinned slot (SlotPinned) or a free one."""
+        """Return a slot to its class (its page to the free pages when it was the page's last).
+        Refuses a pinned slot (SlotPinned) or a free one."""
         with self._lock:
             self._check(slot)
-            if self._pins[slot]:
+            if self._pins.get(slot):
                 raise SlotPinned(f"slot {slot} has {self._pins[slot]} pin(s)")
-            self._allocated[slot] = 0
-            self._free.append(slot)
+            self.pages.free(slot)
 
     def pin(self, slot: int) -> int:
         """Add a pin (a lease) to an allocated slot; returns the new pin count."""
         with self._lock:
             self._check(slot)
-            self._pins[slot] += 1
-            if self._pins[slot] == 1:
-                self._pinned_slots += 1
-            return self._pins[slot]
+            n = self._pins[slot] = self._pins.get(slot, 0) + 1
+            return n
 
     def unpin(self, slot: int) -> int:
         with self._lock:
             self._check(slot)
-            if not self._pins[slot]:
+            n = self._pins.get(slot, 0)
+            if not n:
                 raise DramError(f"slot {slot} is not pinned")
-            self._pins[slot] -= 1
-            if not self._pins[slot]:
-                self._pinned_slots -= 1
-            return self._pins[slot]
+            if n == 1:
+                del self._pins[slot]
+            else:
+                self._pins[slot] = n - 1
+            return n - 1
 
     def pins(self, slot: int) -> int:
-        return self._pins[slot]
+        return self._pins.get(slot, 0)
 
     def is_allocated(self, slot: int) -> bool:
-        return bool(self._allocated[slot])
+        return self.pages.is_allocated(slot)
 
     def _check(self, slot: int) -> None:
-        if not 0 <= slot < self.slot_count:
-            raise DramError(f"slot {slot} out of range 0..{self.slot_count - 1}")
-        if not self._allocated[slot]:
+        if not 0 <= slot < self.pages.slot_ids:
+            raise DramError(f"slot {slot} out of range 0..{self.pages.slot_ids - 1}")
+        if not self.pages.is_allocated(slot):
             raise DramError(f"slot {slot} is not allocated")
+
+    # -- reclaim ----------------------------------------------------------------------------
+
+    def can_evacuate(self, nbytes: int) -> bool:
+        """Whether some page of the class of `nbytes` blocks has only unpinned live slots that
+        fit the class's free slots elsewhere (what `evacuate` needs, before the caller's rule)."""
+        stride = self.pages.stride_for(nbytes)
+        with self._lock:
+            return self.pages.evacuation(stride, lambda s: not self._pins.get(s)) is not None
+
+    def evacuate(self, nbytes: int, movable: Callable[[int], bool],
+                 moved: Callable[[int, int], None]) -> int:
+        """Frees one page of the class of `nbytes` blocks by moving its live slots into the
+        class's free slots on other pages: only when every one is unpinned and `movable`
+        (the caller's rule, e.g. an index block no lease holds). Copies each block, calls
+        `moved(old, new)` (the caller repoints its owner), frees the old slot; the page goes
+        back to the free pages. Returns the slots moved, -1 when no page can be freed so."""
+        stride = self.pages.stride_for(nbytes)
+        with self._lock:
+            found = self.pages.evacuation(
+                stride, lambda s: not self._pins.get(s) and movable(s))
+            if found is None:
+                return -1
+            page, live = found
+            dst = self.pages.targets(stride, page, len(live))
+            self.pages.claim(dst)
+            buf = self._map.buf
+            for old, new in zip(live, dst, strict=True):
+                a, b = self.offset(old), self.offset(new)
+                buf[b : b + stride] = buf[a : a + stride]
+                moved(old, new)
+                self.pages.free(old)
+            return len(live)
 
     # -- bytes ----------------------------------------------------------------------------
 
     def offset(self, slot: int) -> int:
         """Byte offset of a slot in the segment (what a client is told)."""
-        return self.data_offset + slot * self.slot_stride
+        try:
+            return self.data_offset + self.pages.location(slot)
+        except ValueError as exc:
+            raise DramError(str(exc)) from None
+
+    def slot_at(self, offset: int) -> int | None:
+        """The slot starting at segment byte `offset` (None when none starts there)."""
+        return self.pages.slot_at(offset - self.data_offset)
+
+    def stride_of(self, slot: int) -> int:
+        """The bytes an allocated slot spans (its class stride)."""
+        with self._lock:
+            self._check(slot)
+            return self.pages.stride_of(slot)
 
     def view(self, slot: int, nbytes: int | None = None) -> U8Array:
-        """Zero-copy writable view of a slot's first `nbytes` (default: all) bytes.
+        """Zero-copy writable view of a slot's first `nbytes` (default: all its stride) bytes.
 
         Valid while the pool is open; the caller must respect the pin rule when writing.
         """
-        if not 0 <= slot < self.slot_count:
+        if not 0 <= slot < self.pages.slot_ids:
             raise DramError(f"slot {slot} out of range")
         o = self.offset(slot)
-        return self._map.buf[o : o + (self.slot_size if nbytes is None else nbytes)]
+        stride = self.pages.stride_of(slot) if self.pages.is_allocated(slot) else 0
+        n = stride if nbytes is None else nbytes
+        if nbytes is not None and stride and nbytes > stride:
+            raise DramError(f"{nbytes} bytes do not fit slot {slot} ({stride} B)")
+        return self._map.buf[o : o + n]
 
     def write(self, slot: int, data: Any) -> None:
-        """Copy `data` (a buffer of at most slot_size bytes) into an allocated, unpinned slot."""
+        """Copy `data` (a buffer of at most the slot's stride) into an allocated, unpinned slot."""
         src = np.frombuffer(data, dtype=np.uint8)
-        if src.nbytes > self.slot_size:
-            raise DramError(f"{src.nbytes} bytes do not fit a {self.slot_size}-byte slot")
         with self._lock:
             self._check(slot)
-            if self._pins[slot]:
+            if self._pins.get(slot):
                 raise SlotPinned(f"slot {slot} is leased; it cannot be rewritten")
+            stride = self.pages.stride_of(slot)
+        if src.nbytes > stride:
+            raise DramError(f"{src.nbytes} bytes do not fit a {stride}-byte slot")
         np.copyto(self.view(slot, src.nbytes), src)
 
     def write_many(self, slots: list[int], blocks: list[Any]) -> None:
@@ -373,12 +481,17 @@ class DramPool:
 
     def stats(self) -> DramStats:
         with self._lock:
-            free = len(self._free)
-            used = self.slot_count - free
-            pinned = self._pinned_slots
+            t = self.pages
+            used, used_bytes, pinned = t.used, t.used_bytes, len(self._pins)
+            classes = tuple(t.classes())
+            pages_free = t.free_pages
+            small = next((c for c in classes if c.stride == self.slot_stride), None)
+            free_small = (small.slots - small.slots_used if small else 0) + pages_free * (
+                self.page_bytes // self.slot_stride)
         return DramStats(
-            self.slot_size, self.slot_count, used, free, pinned, self.slot_count * self.slot_size,
-            used * self.slot_size, free * self.slot_size, self.size, self.mlocked, self.huge_pages,
+            self.slot_size, self.data_bytes // self.slot_stride, used, free_small, pinned,
+            self.data_bytes, used_bytes, self.data_bytes - used_bytes, self.size, self.mlocked,
+            self.huge_pages, self.page_bytes, self.page_count, pages_free, classes,
         )
 
     def close(self) -> None:

@@ -113,8 +113,9 @@ def index_evictor(
 @dataclass(frozen=True)
 class MoverSpec:
     """`queue_bytes` bounds the DRAM the mover holds pinned: every write-back queued or being
-    written counts one slot (`pool.slot_size`) until its batch is written. The daemon's default
-    is min(DRAM / 4, 1 GiB) (`Config.writeback_queue_bytes`)."""
+    written counts its slot's bytes (its size class's stride) until its batch is written; an
+    empty queue takes one write-back of any size. The daemon's default is min(DRAM / 4, 1 GiB)
+    (`Config.writeback_queue_bytes`)."""
 
     queue_bytes: int = 1 << 30
     batch_blocks: int = 64
@@ -187,19 +188,22 @@ class Mover:
         """
         if self._closing:
             return Submitted.CLOSED
-        if not 0 < item.nbytes <= self.pool.slot_size:
-            size = self.pool.slot_size
-            raise ValueError(f"write-back of {item.nbytes} bytes from a {size}-byte slot")
+        if not 0 < item.nbytes <= self.pool.max_block:
+            raise ValueError(f"write-back of {item.nbytes} bytes (blocks are 1..."
+                             f"{self.pool.max_block} B)")
         if self.admit is not None and not self.admit(item.tenant, item.key):
             self._c.not_admitted += 1
             return Submitted.NOT_ADMITTED
         if self.store.contains(item.tenant, item.key):
             return Submitted.ALREADY_STORED
+        size = self.pool.stride_of(item.slot)
+        if item.nbytes > size:
+            raise ValueError(f"write-back of {item.nbytes} bytes from a {size}-byte slot")
         cost = item.nbytes + blockfmt.HEADER_SIZE
         with self._cv:
             if self._closing:
                 return Submitted.CLOSED
-            if self._held + self.pool.slot_size > self.spec.queue_bytes:
+            if self._held and self._held + size > self.spec.queue_bytes:
                 self._c.full += 1
                 return Submitted.QUEUE_FULL
             if not self.budget.try_spend(cost):
@@ -207,7 +211,7 @@ class Mover:
                 return Submitted.OVER_BUDGET
             self.pool.pin(item.slot)
             self._queue.append(item)
-            self._held += self.pool.slot_size
+            self._held += size
             self._c.queued += 1
             self._cv.notify()
         return Submitted.QUEUED
@@ -226,13 +230,14 @@ class Mover:
                 if n == 0:
                     continue
                 batch = [self._queue.popleft() for _ in range(n)]
+                held = sum(self.pool.stride_of(w.slot) for w in batch)  # pinned: allocated
                 self._busy = True
             try:
                 self._write(batch)
             finally:
                 with self._cv:
                     self._busy = False
-                    self._held -= len(batch) * self.pool.slot_size
+                    self._held -= held
                     self._cv.notify_all()
 
     def _write(self, batch: list[WriteBack]) -> None:
@@ -302,7 +307,7 @@ class Mover:
             self._closing = True
             left = list(self._queue)
             self._queue.clear()
-            self._held -= len(left) * self.pool.slot_size
+            self._held -= sum(self.pool.stride_of(w.slot) for w in left)
             self._cv.notify_all()
         self._thread.join(timeout=max(timeout, 1.0))
         if left:
