@@ -178,3 +178,21 @@ def test_kvtier_lookup_work_is_a_sample_whatever_the_keys() -> None:
         parent = key
     assert len(ix.lookup(0, keys).blocks) == len(keys)
     assert pol.minisims._seen == 2 * fed_at_admit  # the same sample: hits of the sampled keys
+
+
+def test_kvtier_inner_block_hits_count_once_it_is_evictable() -> None:
+    """An inner block is in no queue, so its hits reach no queue counter; when it becomes a leaf
+    with HOT_HITS accesses it enters at the top frequency (a one-shot leaf does not)."""
+    from kvtier.index.policies import COUNT_BITS
+    from kvtier.index.policy_adaptive import HOT_HITS
+
+    ix = PrefixIndex(dram_blocks=16, ssd_blocks=0, policy="kvtier")
+    ix.insert(0, k(1), None)
+    ix.insert(0, k(2), k(1))
+    ix.insert(0, k(3), None)
+    for _ in range(HOT_HITS):
+        ix.lookup(0, [k(1), k(2)])
+    ix.drop(0, k(2), D)
+    hot, cold = ix.get(0, k(1)), ix.get(0, k(3))
+    assert hot is not None and cold is not None
+    assert hot.flags & COUNT_BITS == COUNT_BITS and not cold.flags & COUNT_BITS
