@@ -1,6 +1,6 @@
 """Prefix-index numbers at scale: memory per cached block, inserts/s, lookups/s, evictions/s.
 
-    python -m bench.index [--blocks N] [--chain L] [--repeats R]
+    python -m bench.index [--blocks N] [--chain L] [--repeats R] [--policy P] [--compare Q]
 
 Workload: N cached blocks (default 1,000,000) of one tenant with 32-byte keys (sha256_cbor
 width), as chains of L blocks (default 64 = a 1,024-token prompt in 16-token blocks) plus 16
@@ -18,6 +18,11 @@ chains of 1,024 blocks.
   random L-block chains (full hits) and of 1,024-block chains, a miss, pin+unpin, and the
   steady state at capacity (evict L, insert a new L-chain). Baseline: the same walks over the
   plain dict (get + parent check per key). Medians over R repeats.
+
+- `--compare Q`: a second index of the same blocks with policy Q, and the lookups (1,024-block
+  chains, the L-block batch, a missed chain) timed in alternating rounds against the first, best
+  round each, with the ratio Q / P: what a policy's lookup hooks cost, measured so that load
+  from other jobs hits both sides alike.
 
 Writes bench/results/index.json.
 """
@@ -117,6 +122,32 @@ def rate(fn: Callable[[], Any], ops: int, repeats: int) -> float:
     return ops / statistics.median(samples)
 
 
+def compare(chains: list[list[bytes]], n: int, built: dict[str, PrefixIndex], other: str,
+            batch: list[list[bytes]], longs: list[list[bytes]], miss: list[bytes],
+            rounds: int) -> dict[str, Any]:
+    """Lookup times of two policies' indexes over the same blocks, measured in alternating
+    rounds (best round each, so a neighbour's burst hits both or neither): 1,024-block chains,
+    the L-block batch, a missed chain. Prints them with the ratio other / first."""
+    ixs = {**built, other: build(chains, n, Tier.DRAM, True, policy=other)}
+    tests: dict[str, list[list[bytes]]] = {
+        "lookup_1024_us": longs, "lookup_chain_us": batch, "miss_us": [miss] * 2000}
+    best: dict[str, dict[str, float]] = {p: {} for p in ixs}
+    for _ in range(rounds):
+        for p, ix in ixs.items():
+            for name, cs in tests.items():
+                t0 = time.perf_counter()
+                for c in cs:
+                    ix.lookup(0, c)
+                us = (time.perf_counter() - t0) / len(cs) * 1e6
+                best[p][name] = min(best[p].get(name, us), us)
+    first = next(iter(built))
+    print(f"interleaved ({rounds} rounds, best): {first} vs {other}")
+    for name in tests:
+        a, b = best[first][name], best[other][name]
+        print(f"  {name:<16} {a:9.2f} us  {b:9.2f} us  {b / a:5.2f}x")
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         allow_abbrev=False, prog="python -m bench.index", description=__doc__.split("\n")[0],
@@ -125,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chain", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--policy", default=DEFAULT_POLICY, help=f"index policy ({DEFAULT_POLICY})")
+    ap.add_argument("--compare", metavar="POLICY", default="",
+                    help="also time lookups against an index with this policy, interleaved")
     a = ap.parse_args(argv)
     pol = a.policy
     n, chain, reps = a.blocks, a.chain, a.repeats
@@ -239,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r[0]:<28} {r[1]:<36} {r[2]:<26} {r[3]}")
     goal = mem["index_dram_slots"] <= 300
     print(f"goal <= 300 B/block (DRAM + slot id): {'met' if goal else 'NOT met'}")
+    cmp: dict[str, Any] = {}
+    if a.compare:
+        del d
+        cmp = compare(chains, n, {pol: ix}, a.compare, batch, longs, miss, 3 * reps)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -246,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.index " + " ".join(argv or []),
         "policy": pol,
         "blocks": n, "chain": chain, "repeats": reps, "history_words": history_words,
-        "memory_bytes_per_block": mem, "memory_goal_met": goal, **res}, indent=2))
+        "memory_bytes_per_block": mem, "memory_goal_met": goal, **res, "compare": cmp}, indent=2))
     print(f"wrote {RESULTS}")
     return 0
 

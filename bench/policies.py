@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -127,6 +128,10 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _geomean(xs: Sequence[float]) -> float:
+    return math.exp(statistics.fmean(math.log(max(x, 1e-12)) for x in xs))
+
+
 def goals(summary: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     dram = [s for s in summary if s["tiers"] == "dram"]
     small = [s for s in dram if s["fraction"] <= 0.05 + 1e-9]
@@ -142,6 +147,8 @@ def goals(summary: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> 
              if r["policy"] == OURS and "policy_state_bytes" in r]
     worst_lru = min(s["vs_lru"] for s in dram)
     return {
+        "geomean_vs_lru": _geomean([s["vs_lru"] for s in dram]),
+        "geomean_vs_lru_at_1_5pct": _geomean([s["vs_lru"] for s in small]) if small else None,
         "min_vs_lru_at_1_5pct": min(s["vs_lru"] for s in small) if small else None,
         "goal_1_2x_lru_at_1_5pct": all(s["vs_lru"] >= 1.2 for s in small),
         "min_vs_lru_anywhere": worst_lru,

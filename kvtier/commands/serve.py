@@ -31,7 +31,7 @@ _FLAGS = (
     ("--grace-s", "SIGTERM drain period in seconds", "10"),
     ("--max-blocks-per-request", "largest key chain per request", "4096"),
     ("--ssd-admit-after", "write a block to SSD from its k-th access", "2"),
-    ("--policy", "prefix-index eviction/admission policy (lru, kvtier, vllm-arc, ...)", "lru"),
+    ("--policy", "prefix-index eviction/admission policy (kvtier, lru, vllm-arc, ...)", "kvtier"),
     ("--ssd-dwpd", "SSD writes per day in units of --ssd-bytes", "1.0"),
     ("--ssd-write-bytes-per-day", "SSD write budget, e.g. 500GiB", "ssd-bytes x ssd-dwpd"),
     ("--ssd-write-burst-bytes", "SSD writes allowed at once before the daily rate applies",

@@ -285,8 +285,10 @@ class Policy:
     def unlinked(self, b: Block) -> None:
         """An entry left its last tier (it is still linked to its parent)."""
 
-    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], hit: int) -> None:
-        """A touching lookup of `keys` found the first `hit` cached (before it counts them)."""
+    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], blocks: list[Block]) -> None:
+        """A touching lookup of `keys` found `blocks` (the first ``len(blocks)`` keys) cached,
+        before it counts their access. On the Lookup path: keep it O(1) or C-speed per block
+        (read `blocks`, never change it)."""
 
     def mark(self, b: Block) -> None:
         """A touching lookup hit `b`, which is in no queue (its children keep it, or it is

@@ -1,15 +1,16 @@
 """Miniature simulations: which window share would have hit more, measured on a sample of keys.
 
-Each candidate share runs a small block-level copy of `kvtier.index.policy_adaptive.AdaptiveQueue`'s
-algorithm (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on that frequency,
-S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as a ghost
-that re-enters in M; share 1.0 = plain LRU) over the references of a spatial sample of the
-keys (1 in `rate`: those whose last byte is below 256 / rate — block keys are hashes, trace ids
-count up, so the last byte is uniform; deterministic, no `hash()`), at 1/`rate` of the real
-capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX
-ATC 2017). Hits decay by half each epoch; `best` is the candidate with the most. The mini caches
-ignore the prefix rule (a block hits if it is cached), so they rank shares, they do not predict hit
-ratios.
+Each candidate share runs a small block-level copy of
+`kvtier.index.policy_adaptive.AdaptiveQueue`'s algorithm (probation S in LRU order with a 2-bit
+frequency, main M as a CLOCK on that frequency, S's oldest moving to M when its frequency is > 1, a
+key dropped from S remembered as a ghost that re-enters in M; share 1.0 = plain LRU) over the
+references of a spatial sample of the keys (1 in `rate`: those whose 64-bit XXH3 fingerprint has
+its top byte below `threshold` = 256 / rate; the caller, which fingerprints each key once anyway,
+samples and calls `feed`; `add` fingerprints for itself; deterministic, no `hash()`), at 1/`rate`
+of the real capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature
+Simulations", USENIX ATC 2017). Hits decay by half each epoch; `best` is the candidate with the
+most. The mini caches ignore the prefix rule (a block hits if it is cached), so they rank shares,
+they do not predict hit ratios.
 
 Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
 ~100 B): with 2 candidates and rate 16, ~25 B per block of real capacity (rate 4 below 512
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from xxhash import xxh3_64_intdigest
 
 from kvtier.core.types import BlockKey
 
@@ -42,25 +45,32 @@ class MiniCache:
         self.ghosts: OrderedDict[BlockKey, None] = OrderedDict()
         self.hits = 0.0
 
-    def access(self, key: BlockKey) -> None:
-        s, m = self.s, self.m
-        f = s.get(key)
-        if f is not None:
-            self.hits += 1
-            s[key] = f + 1 if f < _FREQ_MAX else f
-            s.move_to_end(key)
-            return
-        f = m.get(key)
-        if f is not None:
-            self.hits += 1
-            m[key] = f + 1 if f < _FREQ_MAX else f
-            return
-        if self.ghosts.pop(key, 0) is None and self.share < 1.0:
-            m[key] = 0
-        else:
-            s[key] = 0
-        while len(s) + len(m) > self.cap:
-            self._evict()
+    def access(self, keys: Sequence[BlockKey]) -> None:
+        """Reference `keys` in order."""
+        s, m, ghosts, cap = self.s, self.m, self.ghosts, self.cap
+        lru = self.share >= 1.0
+        hits = 0
+        for key in keys:
+            f = s.get(key)
+            if f is not None:
+                hits += 1
+                if f < _FREQ_MAX:
+                    s[key] = f + 1
+                s.move_to_end(key)
+                continue
+            f = m.get(key)
+            if f is not None:
+                hits += 1
+                if f < _FREQ_MAX:
+                    m[key] = f + 1
+                continue
+            if ghosts.pop(key, 0) is None and not lru:
+                m[key] = 0
+            else:
+                s[key] = 0
+            if len(s) + len(m) > cap:
+                self._evict()
+        self.hits += hits
 
     def _evict(self) -> None:
         s, m = self.s, self.m
@@ -83,15 +93,16 @@ class MiniCache:
 
 
 class MiniSims:
-    """Candidates' mini caches over one key sample; `best` after each epoch."""
+    """Candidates' mini caches over one key sample; `best` after each epoch. `threshold`: a key
+    is in the sample when its fingerprint's top byte (``h >> 56``) is below it."""
 
-    __slots__ = ("_epoch", "_seen", "_threshold", "best", "caches", "margin")
+    __slots__ = ("_epoch", "_seen", "best", "caches", "margin", "threshold")
 
     def __init__(self, capacity: int, shares: Sequence[float], start: float,
                  rate: int = 16, min_cap: int = 32, margin: float = 1.01) -> None:
         rate = max(4, min(max(rate, capacity // MINI_MAX), capacity // min_cap))
         cap = max(1, capacity // rate)
-        self._threshold = 256 // rate
+        self.threshold = max(1, 256 // rate)
         self.caches = [MiniCache(cap, s) for s in shares]
         self._epoch = 4 * cap
         self._seen = 0
@@ -99,19 +110,23 @@ class MiniSims:
         self.margin = margin
 
     def add(self, keys: Sequence[BlockKey]) -> None:
-        th = self._threshold
-        for key in keys:
-            if key[-1] < th:
-                for c in self.caches:
-                    c.access(key)
-                self._seen += 1
+        """Reference `keys` in order, sampling them by their unseeded fingerprint."""
+        th = self.threshold
+        self.feed([k for k in keys if xxh3_64_intdigest(k) >> 56 < th])
+
+    def feed(self, keys: Sequence[BlockKey]) -> None:
+        """Reference sampled keys in order (the caller applied `threshold`)."""
+        caches = self.caches
+        for c in caches:
+            c.access(keys)
+        self._seen += len(keys)
         if self._seen >= self._epoch:
             self._seen = 0
-            top = max(self.caches, key=lambda c: c.hits)
-            cur = next((c for c in self.caches if c.share == self.best), None)
+            top = max(caches, key=lambda c: c.hits)
+            cur = next((c for c in caches if c.share == self.best), None)
             if cur is None or top.hits > cur.hits * self.margin:
                 self.best = top.share
-            for c in self.caches:
+            for c in caches:
                 c.hits *= 0.5
 
     def entries(self) -> int:

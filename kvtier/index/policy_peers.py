@@ -362,7 +362,7 @@ class ReuseFilterPolicy(Policy):
         super().__init__(dram_blocks, ssd_blocks, admission_k)
         self.counts: OrderedDict[tuple[Tenant, BlockKey], int] = OrderedDict()
 
-    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], hit: int) -> None:
+    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], blocks: list[Block]) -> None:
         counts = self.counts
         for key in keys:
             tk = (tenant, key)

@@ -127,7 +127,7 @@ class PrefixIndex(Eviction, HbmReports):
         m = self._maps.get(tenant)
         if m is None:
             if touch and self._hooks:
-                self._policy.looked_up(tenant, keys, 0)
+                self._policy.looked_up(tenant, keys, blocks)
             return Prefix(blocks, [])
         get, add = m.get, blocks.append
         parent = None
@@ -145,7 +145,7 @@ class PrefixIndex(Eviction, HbmReports):
         hbm, dram, ssd = _HBM, _DRAM, _SSD
         tiers = [hbm if b.hbm & mask else dram if b.flags & IN_DRAM else ssd for b in blocks]
         if touch and self._hooks:
-            self._policy.looked_up(tenant, keys, len(blocks))
+            self._policy.looked_up(tenant, keys, blocks)
         if touch and blocks:
             self._clock += 1
             now = self._clock << HITS_BITS
