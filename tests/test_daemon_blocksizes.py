@@ -218,3 +218,22 @@ def test_a_pool_of_one_size_keeps_the_ssd_slot_file(tmp_path: Path) -> None:
             assert [bytes(v) for v in got.views] == [payload(one, k) for k in keys]
     finally:
         d.stop()
+
+
+def test_mrc_and_policy_count_blocks_of_the_registered_sizes(tmp_path: Path) -> None:
+    """The MRC's "now" point (and the policy's mini caches) count DRAM in blocks of the
+    registered layouts, not in smallest slots: 64 MiB holds ~15 blocks of 4 MiB, not 4,096."""
+    d = DaemonProc(tmp_path / "d", ["--dram-bytes", "64MiB", "--slot-bytes", "16KiB"]).start()
+    try:
+        with Client(d.socket, layout=BIG) as big:
+            reserved = dram(big).capacity_bytes
+            now = big.stats().mrc[0]
+            assert now.scaled == "none"
+            assert now.dram_blocks == reserved // (4 * MiB), (now.dram_blocks, reserved)
+            # a second size moves the mean block (4 MiB and 32 KiB: ~2 MiB): re-sized
+            with Client(d.socket, layout=SMALL) as small:
+                mean = (4 * MiB + 32 * KiB) / 2
+                assert small.stats().mrc[0].dram_blocks == int(reserved // mean)
+        assert d.log().count("capacity in blocks for the MRC") == 2
+    finally:
+        d.stop()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -64,6 +65,9 @@ from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
 from kvtier.daemon.slot_stream import SlotStream
 from kvtier.daemon.tenant_rates import TenantRates
+from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER
+
+log = logging.getLogger(__name__)
 
 
 class Registered(NamedTuple):
@@ -113,6 +117,8 @@ class Cache:
         metrics.attach_pool(self.gauges)
         metrics.attach_rates(self.rates)
         self.mrc = new_sampler(cfg, self.index.capacity(Tier.SSD) or 0)
+        self._sized_for: list[int] = []  # block sizes `_size_by_blocks` last saw
+        self._sized_dram = cfg.slots  # DRAM blocks the MRC and the policy are sized for
         metrics.attach_mrc(self.mrc_gauges)
 
     def register_layout(
@@ -124,7 +130,33 @@ class Cache:
         with self._lock:
             info = self.names.register(tenant, model_id, fingerprint, block_bytes, block_tokens,
                                        key_width, cost)
+            sizes = sorted({i.block_bytes for i in self.names.layouts.values()})
+        if sizes != self._sized_for:
+            self._size_by_blocks(sizes)
         return Registered(info.id, self.pool.handle())
+
+    def _size_by_blocks(self, sizes: list[int]) -> None:
+        """The MRC and the policy count capacity in blocks, and a block's slot is its layout's
+        size class: estimate the blocks each tier holds from the registered layouts' block
+        sizes (their mean), not from the smallest slot, and re-size both when the estimate moves
+        by more than a quarter (a new MRC sample starts; the policy's mini caches start again)."""
+        self._sized_for = sizes
+        stride = sum(map(self.pool.stride_for, sizes)) / len(sizes)
+        dram = max(1, int(self.pool.stats().bytes_reserved // stride))
+        ssd_cap = self.index.capacity(Tier.SSD)
+        ssd = 0
+        if ssd_cap:
+            ssd = max(1, int(self.cfg.ssd_bytes // (sum(sizes) / len(sizes) + BLOCK_HEADER)))
+        if abs(dram - self._sized_dram) <= self._sized_dram // 4:
+            return
+        log.info("capacity in blocks for the MRC and the %s policy: DRAM %d, SSD %d (mean block "
+                 "%d B over %d layout size(s))", self.cfg.policy, dram, ssd,
+                 sum(sizes) // len(sizes), len(sizes))
+        self._sized_dram = dram
+        with self._lock:
+            self.index.resize_policy(dram)
+        with self._mrc_lock:
+            self.mrc = new_sampler(self.cfg, ssd, dram)
 
     def layout(self, tenant: Tenant, layout_id: bytes) -> LayoutInfo:
         with self._lock:

@@ -95,11 +95,13 @@ INDEX_BYTES_PER_BLOCK = 288
 the MRC's budget is 1% of it times the index's capacity."""
 
 
-def new_sampler(cfg: Config, ssd_blocks: int) -> ReuseSampler:
-    """The daemon's MRC estimator: capacities `capacity_grid` of its DRAM slots and SSD blocks,
-    memory bounded to 1% of the full index's (but at least `MRC_MIN_KEYS` keys)."""
-    budget = (cfg.slots + ssd_blocks) * INDEX_BYTES_PER_BLOCK // 100
-    return ReuseSampler(capacity_grid(cfg.slots, ssd_blocks), admit_k=cfg.ssd_admit_after,
+def new_sampler(cfg: Config, ssd_blocks: int, dram_blocks: int | None = None) -> ReuseSampler:
+    """The daemon's MRC estimator: capacities `capacity_grid` of its DRAM and SSD blocks
+    (DRAM: `dram_blocks`, by default its smallest slots), memory bounded to 1% of the full
+    index's (but at least `MRC_MIN_KEYS` keys)."""
+    dram = cfg.slots if dram_blocks is None else dram_blocks
+    budget = (dram + ssd_blocks) * INDEX_BYTES_PER_BLOCK // 100
+    return ReuseSampler(capacity_grid(dram, ssd_blocks), admit_k=cfg.ssd_admit_after,
                         max_keys=max(MRC_MIN_KEYS, keys_for_budget(budget)))
 
 

@@ -290,6 +290,11 @@ class Policy:
         before it counts their access. On the Lookup path: keep it O(1) or C-speed per block
         (read `blocks`, never change it)."""
 
+    def resize(self, dram_blocks: int) -> None:
+        """The owner's estimate of how many blocks DRAM holds changed (blocks are sized by the
+        layouts registered, so a daemon learns it after start). Policies that size their own
+        state by capacity follow it; the queues and tier bounds do not change. Default: nothing."""
+
     def mark(self, b: Block) -> None:
         """A touching lookup hit `b`, which is in no queue (its children keep it, or it is
         pinned): what a queue's `touch` would record, for when it enters one. Called only when

@@ -320,6 +320,11 @@ class AdaptivePolicy(Policy):
     def make_queue(self, capacity: int | None) -> EvictionQueue:
         return AdaptiveQueue(SHARES[0])
 
+    def resize(self, dram_blocks: int) -> None:
+        """New mini caches at a fraction of the new capacity (their sample starts again; the
+        share in use stays until they pick one)."""
+        self.minisims = MiniSims(max(1, dram_blocks), SHARES, self.minisims.best)
+
     def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], blocks: list[Block]) -> None:
         if not blocks or self._front:
             return

@@ -141,6 +141,11 @@ class IndexState:
     def capacity(self, tier: Tier) -> int | None:
         return self._cap[tier]
 
+    def resize_policy(self, dram_blocks: int) -> None:
+        """Tells the policy how many blocks DRAM now holds (`Policy.resize`); the index's own
+        bounds (`capacity`) stay."""
+        self._policy.resize(dram_blocks)
+
     def blocks(self, tier: Tier) -> int:
         return self._hbm_blocks if tier is _HBM else self._count[tier]
 
