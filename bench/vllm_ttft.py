@@ -157,8 +157,13 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
-    """The scheduler side's per-request cost for a fully cached `tokens`-token prompt."""
+def scheduler_cost(root: Path, tokens: int, repeats: int, async_lookup: bool
+                   ) -> dict[str, float]:
+    """The scheduler side's per-request cost for a fully cached `tokens`-token prompt: seconds
+    on the calling thread inside the connector's calls (get_num_new_matched_tokens, asked again
+    after 1 ms while it answers None, as vLLM's idle engine loop does; update_state_after_alloc;
+    build_connector_meta; request_finished), and the wall time until the answer is known (what
+    deferring adds to TTFT)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils as kcu
@@ -174,9 +179,9 @@ def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
     kv = EngineKV("bench/cost@1", "bfloat16", BLOCK, ("l0",), page, 1, 64, "cpu",
                   Shard(0, 1, True))
     n_blocks = tokens // BLOCK
-    d = LocalDaemon(root / f"cost{tokens}", ["--dram-bytes", f"{(n_blocks + 64) * 8}KiB",
-                                             "--slot-bytes", "8KiB", "--ssd-bytes", "64MiB",
-                                             "--max-blocks-per-request", "100000"]).start()
+    d = LocalDaemon(root / f"cost{tokens}-{async_lookup}", [
+        "--dram-bytes", f"{(n_blocks + 64) * 8}KiB", "--slot-bytes", "8KiB",
+        "--ssd-bytes", "64MiB", "--max-blocks-per-request", "100000"]).start()
     try:
         toks = [random.Random(tokens).randrange(3, 4000) for _ in range(tokens + 1)]
         hasher = kcu.get_request_block_hasher(BLOCK, sha256_cbor)
@@ -187,30 +192,41 @@ def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
             for i in range(0, len(keys), 256):
                 c.store(keys[i:i + 256], [blob] * len(keys[i:i + 256]),
                         keys[i - 1] if i else b"")
-            side = SchedulerSide(ConnectorSettings(socket=str(d.socket), use_plan=False), kv,
-                                 1, 1, False)
-            costs = []
-            for r in range(repeats + 3):
-                req = Request(f"r{r}", toks, SamplingParams(max_tokens=1), None,
-                              block_hasher=hasher)
-                blocks = SimpleNamespace(get_block_ids=lambda: (list(range(n_blocks)),))
-                state = SimpleNamespace(get_block_ids=lambda rid: (list(range(n_blocks)),))
-                out = SimpleNamespace(num_scheduled_tokens={req.request_id: 1},
-                                      kv_connector_block_state=state)
+        side = SchedulerSide(ConnectorSettings(socket=str(d.socket), use_plan=False,
+                                               async_lookup=async_lookup), kv, 1, 1, False)
+        costs, waits, asks = [], [], []
+        for r in range(repeats + 3):
+            req = Request(f"r{r}", toks, SamplingParams(max_tokens=1), None,
+                          block_hasher=hasher)
+            blocks = SimpleNamespace(get_block_ids=lambda: (list(range(n_blocks)),))
+            state = SimpleNamespace(get_block_ids=lambda rid: (list(range(n_blocks)),))
+            out = SimpleNamespace(num_scheduled_tokens={req.request_id: 1},
+                                  kv_connector_block_state=state)
+            spent, n_asks, first = 0.0, 0, time.perf_counter()
+            while True:
                 t0 = time.perf_counter()
                 ext, _ = side.get_num_new_matched_tokens(req, 0)
-                side.update_state_after_alloc(req, blocks, ext)  # type: ignore[arg-type]
-                meta = side.build_connector_meta(out)  # type: ignore[arg-type]
-                side.request_finished(req)
-                costs.append(time.perf_counter() - t0)
-                assert ext == n_blocks * BLOCK, (ext, n_blocks)
-                for job in meta.loads:  # the worker's part, not timed
-                    for lease in job.leases:
-                        c.release(lease.lease_id)
-            side.close()
-        costs = costs[3:]
+                spent += time.perf_counter() - t0
+                n_asks += 1
+                if ext is not None:
+                    break
+                time.sleep(0.001)  # vLLM's engine loop after a step that ran nothing
+            waited = time.perf_counter() - first
+            t0 = time.perf_counter()
+            side.update_state_after_alloc(req, blocks, ext)  # type: ignore[arg-type]
+            side.build_connector_meta(out)  # type: ignore[arg-type]
+            side.request_finished(req)
+            spent += time.perf_counter() - t0
+            assert ext == n_blocks * BLOCK, (ext, n_blocks)
+            costs.append(spent)
+            waits.append(waited)
+            asks.append(n_asks)
+        side.close()
+        costs, waits = costs[3:], waits[3:]
         return {"p50_ms": statistics.median(costs) * 1e3, "p99_ms": pct(costs, 0.99) * 1e3,
-                "n": len(costs)}
+                "answer_p50_ms": statistics.median(waits) * 1e3,
+                "answer_p99_ms": pct(waits, 0.99) * 1e3,
+                "asks_p50": statistics.median(asks[3:]), "n": len(costs)}
     finally:
         d.stop()
 

@@ -21,8 +21,10 @@ def test_defaults_and_coercion() -> None:
     ({"timeout_s": "soon"}, "['timeout_s'] must be a float"),
     ({"use_plan": 3}, "['use_plan'] must be a bool"),
     ({"socket": 5}, "['socket'] must be a str"),
-    ({"timeout_s": 0}, "timeout_s must be > 0"),
-    ({"lease_ttl_s": -1}, "lease_ttl_s >= 0"),
+    ({"timeout_s": 0}, "timeout_s and save_buffer_mib must be > 0"),
+    ({"lease_ttl_s": -1}, "lease_ttl_s and prefill_report_s >= 0"),
+    ({"save_buffer_mib": 0}, "save_buffer_mib must be > 0"),
+    ({"async_lookup": "maybe"}, "['async_lookup'] must be a bool"),
 ])
 def test_bad_extra_config_names_the_key(extra: dict[str, object], needle: str) -> None:
     with pytest.raises(SettingsError) as err:

@@ -102,6 +102,11 @@ class KvtierConnector(KVConnectorBase_V1):
             log.warning("kvtier connector disabled: %s", exc)
             self.worker = None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KvtierMetadata):
+            self.worker.bind(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvtierMetadata):
@@ -152,6 +157,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return 0, False
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        # (None, False) while the Lookup runs off this thread: vLLM asks again next step
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
