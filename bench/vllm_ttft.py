@@ -8,15 +8,22 @@ prefill takes seconds on the machine. Workloads (token ids from a fixed seed):
   chat   one conversation of `--turns` turns: each turn the previous prompt, a 32-token reply and
          a 256-token user message
 Systems, one engine process at a time (so they do not share the CPU):
-  alone        no connector; vLLM's prefix cache reset before each request (full recompute)
-  kvtier-dram  KvtierConnector (planner off: fetch every hit); each prompt served once to store
-               it, then measured after a prefix-cache reset: hits from the daemon's DRAM
-  kvtier-ssd   the same after the daemon restarted (SIGTERM drains write-back; DRAM is gone):
-               hits from SSD (first access; a read promotes to DRAM)
-  lmcache      LMCacheMPConnector + `lmcache server`, measured like kvtier-dram
+  alone             no connector; vLLM's prefix cache reset before each request (full recompute)
+  kvtier-dram       KvtierConnector with its defaults: Lookup off the scheduler thread, saves in
+                    the background, the daemon's planner on (fed by the prefill rate the
+                    connector measures); each prompt served once to store it, then measured
+                    after a prefix-cache reset: hits from the daemon's DRAM
+  kvtier-ssd        the same after the daemon restarted (SIGTERM drains write-back; DRAM is
+                    gone): hits from SSD (first access; a read promotes to DRAM). One fresh
+                    1K-token prompt is served first, so the engine reports its prefill rate to
+                    the new daemon (a restarted daemon has no measured rates)
+  kvtier-dram-sync  `async_lookup: false, async_save: false, use_plan: false` (the Lookup on the
+                    scheduler thread, saves within the step, every hit fetched), DRAM hits
+  lmcache           LMCacheMPConnector + `lmcache server`, measured like kvtier-dram
 TTFT = wall time of `LLM.generate(max_tokens=1)` for one prompt. Also: the scheduler side's cost
-per request (Lookup + Acquire + metadata, in process against a real daemon), at 1K and 32K
-tokens. Writes bench/results/vllm_ttft.json.
+per request (seconds on the calling thread inside the connector's calls, in process against a
+real daemon), at 1K and 32K tokens, with `async_lookup` on and off, and how long until the
+answer is known (what deferring the answer adds to TTFT). Writes bench/results/vllm_ttft.json.
 """
 
 from __future__ import annotations
@@ -93,23 +100,34 @@ def run_alone(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any)
         eng.close()
 
 
-def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any
-               ) -> tuple[Any, Any]:
-    d = LocalDaemon(root / "daemon", ["--dram-bytes", a.dram, "--slot-bytes", a.slot,
-                                      "--ssd-bytes", a.ssd, "--ssd-admit-after", "1"]).start()
-    eng = EngineProc(root / "kvtier", model, d.socket, extra={"retry_after_s": 0.5},
+SYNC = {"async_lookup": False, "async_save": False, "use_plan": False}
+
+
+def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any,
+               extra: dict[str, Any], ssd: bool) -> tuple[Any, Any]:
+    name = "kvtier-sync" if extra else "kvtier"
+    d = LocalDaemon(root / f"daemon-{name}", ["--dram-bytes", a.dram, "--slot-bytes", a.slot,
+                                              "--ssd-bytes", a.ssd,
+                                              "--ssd-admit-after", "1"]).start()
+    eng = EngineProc(root / name, model, d.socket,
+                     extra={"retry_after_s": 0.5, "use_plan": True, **extra},
                      threads=a.threads, engine_args=a.engine_args).start()
+    rng = random.Random(1)
     try:
         eng.generate([work["docqa"][0][:256]], max_tokens=1)
         for ps in work.values():
             for p in ps:
                 eng.generate([p], max_tokens=1)  # stores
+        time.sleep(2.0)  # background saves finish (the "cached" column shows what was hit)
         dram = ttfts(eng, work)
+        if not ssd:
+            return dram, None
         d.stop()
         d.start()
         time.sleep(1.0)
-        ssd = ttfts(eng, work)
-        return dram, ssd
+        eng.generate([[rng.randrange(3, 4000) for _ in range(1024)]], max_tokens=1)
+        ssd_rows = ttfts(eng, work)
+        return dram, ssd_rows
     finally:
         eng.close()
         d.stop()
@@ -274,27 +292,31 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     results: dict[str, Any] = {}
     results["alone"] = run_alone(root, model, work, a)
-    results["kvtier-dram"], results["kvtier-ssd"] = run_kvtier(root, model, work, a)
+    results["kvtier-dram"], results["kvtier-ssd"] = run_kvtier(root, model, work, a, {}, True)
+    results["kvtier-dram-sync"] = run_kvtier(root, model, work, a, SYNC, False)[0]
     lm = None if a.no_lmcache else run_lmcache(root, model, work, a)
     if lm is not None:
         results["lmcache"] = lm
-    cost = {str(t): scheduler_cost(root, t, a.cost_repeats)
-            for t in ((1024, 32768) if not a.quick else (1024, 4096))}
+    cost = {f"{t}/{'async' if mode else 'sync'}": scheduler_cost(root, t, a.cost_repeats, mode)
+            for t in ((1024, 32768) if not a.quick else (1024, 4096)) for mode in (True, False)}
     table = {s: {w: summary(rows) for w, rows in r.items()} for s, r in results.items()}
-    print(f"\n{'system':<13}{'workload':<8}{'TTFT p50':>10}{'p90':>9}{'cached':>8}"
+    print(f"\n{'system':<17}{'workload':<8}{'TTFT p50':>10}{'p90':>9}{'cached':>8}"
           f"{'vs alone':>10}{'vs lmcache':>11}")
     for s, per in table.items():
         for w, row in per.items():
             ratio = table["alone"][w]["p50_s"] / row["p50_s"]
             lmr = (f"{row['p50_s'] / table['lmcache'][w]['p50_s']:.2f}x"
                    if "lmcache" in table else "n/a")
-            print(f"{s:<13}{w:<8}{row['p50_s'] * 1e3:>8.0f}ms{row['p90_s'] * 1e3:>7.0f}ms"
+            print(f"{s:<17}{w:<8}{row['p50_s'] * 1e3:>8.0f}ms{row['p90_s'] * 1e3:>7.0f}ms"
                   f"{row['cached_frac']:>7.0%}{ratio:>9.1f}x{lmr:>11}")
     if "lmcache" not in table:
         print("lmcache: not measured (lmcache not importable here, or --no-lmcache)")
     for t, c in cost.items():
-        print(f"scheduler-side cost, {t}-token prompt: p50 {c['p50_ms']:.3f} ms, "
-              f"p99 {c['p99_ms']:.3f} ms ({c['n']} requests)")
+        tokens, mode = t.split("/")
+        print(f"scheduler-side cost, {tokens}-token prompt, {mode} lookup: p50 "
+              f"{c['p50_ms']:.3f} ms, p99 {c['p99_ms']:.3f} ms on the scheduler thread; answer "
+              f"known after p50 {c['answer_p50_ms']:.2f} ms, p99 {c['answer_p99_ms']:.2f} ms "
+              f"({c['asks_p50']:g} asks p50, {c['n']} requests)")
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(), "machine": platform.node(),

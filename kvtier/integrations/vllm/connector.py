@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.integrations.vllm")
@@ -168,11 +167,6 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return KvtierMetadata()
         return self.scheduler.build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self.scheduler is not None:
-            self.scheduler.update_connector_output(
-                set(connector_output.invalid_block_ids or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

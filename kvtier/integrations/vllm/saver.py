@@ -6,7 +6,9 @@
                    step that would exceed it waits for the saves before it (backpressure, never
                    a drop). A store that fails is one warning and a future miss (an unreachable
                    daemon: the link's one warning per outage; later stores are skipped until
-                   it is back). With `background=False` everything runs on the caller's thread.
+                   it is back), and the request's later saves are skipped (their parent is not
+                   stored, the daemon would refuse them). With `background=False` everything
+                   runs on the caller's thread.
     PrefillClock   times the steps that compute one prompt chunk (wall clock on CPU, CUDA events
                    on a GPU) and hands out the latest at most every `every_s` seconds.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ log = logging.getLogger("kvtier.integrations.vllm")
 
 @dataclass(slots=True)
 class Staged:
+    req_id: str
     keys: list[bytes]
     parent: bytes
     blocks: torch.Tensor
@@ -53,6 +56,8 @@ class Saver:
         self._queue: deque[Staged | _Report | None] = deque()
         self._bytes = 0
         self._busy = False
+        self._broken: OrderedDict[str, None] = OrderedDict()
+        """Requests whose chain a failed save broke (the latest 1,024)."""
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="kvtier-save", daemon=True)
@@ -96,12 +101,15 @@ class Saver:
                 client = self.link.client()
                 if client is not None:
                     client.report_prefill(item.tokens, item.seconds, item.context)
-            else:
+            elif item.req_id not in self._broken:
                 self.store(item)
         except Exception as exc:
             if isinstance(item, _Report):
                 log.debug("kvtier: ReportPrefill failed: %s", exc)
             else:
+                self._broken[item.req_id] = None
+                while len(self._broken) > 1024:
+                    self._broken.popitem(last=False)
                 self.link.failed(exc, "store")
 
     def _loop(self) -> None:

@@ -51,12 +51,9 @@ MIN_PREFILL_SAMPLE = 128
 class _Tracked:
     request: Request
     saved: int
-    """Blocks [0, saved) are stored, being loaded, or not to be stored."""
-    loaded: tuple[int, list[int]] | None = None
-    """(first block, vLLM block ids) of the request's last load."""
-    resave: int | None = None
-    """A load failed from this block on: once vLLM has rewound the request to it (it
-    recomputes from there), the blocks are saved again from there."""
+    """Blocks [0, saved) are stored, being loaded, or not to be stored. When vLLM rewinds the
+    request below it (a load failed: it recomputes from the first bad block), it drops to the
+    rewound point, so the recomputed blocks are saved again."""
 
 
 @dataclass(slots=True)
@@ -67,7 +64,8 @@ class _Hit:
 
 
 class CostLog:
-    """Seconds the scheduler side spent per request (lookup + acquire), for the benchmark."""
+    """Seconds the scheduler side spent on vLLM's thread per live request (forgotten when it
+    finishes)."""
 
     def __init__(self) -> None:
         self.per_request: dict[str, float] = {}
@@ -131,28 +129,14 @@ class SchedulerSide:
         last = min(hit.fetch, first + num_external_tokens // self.bt)
         block_ids = list(blocks.get_block_ids()[0][first:last])
         tracked.saved = last  # not saved in the load's own step, whether or not it loads
-        tracked.loaded = (first, block_ids)
         self._loads.append(LoadJob(rid, block_ids, hit.keys[:last], first))
         self.cost.add(rid, time.perf_counter() - started)
 
-    def update_connector_output(self, invalid_block_ids: set[int]) -> None:
-        """The workers' report of a step: blocks that failed to load are saved again once
-        vLLM has recomputed them."""
-        if not invalid_block_ids:
-            return
-        for t in self._tracked.values():
-            if t.loaded is None:
-                continue
-            first, ids = t.loaded
-            bad = [i for i, b in enumerate(ids) if b in invalid_block_ids]
-            if bad:
-                t.resave = min(first + bad[0], t.resave if t.resave is not None else 1 << 62)
-
     def build_connector_meta(self, out: SchedulerOutput) -> KvtierMetadata:
         for t in self._tracked.values():
-            if t.resave is not None and t.request.num_computed_tokens <= t.resave * self.bt:
-                t.saved = min(t.saved, t.resave)  # vLLM rewound the request: recomputing
-                t.resave = None
+            computed = t.request.num_computed_tokens // self.bt
+            if computed < t.saved:
+                t.saved = computed  # rewound after a load error: recomputing from there
         meta = KvtierMetadata(loads=self._loads)
         self._loads = []
         if self.settings.store:
@@ -196,6 +180,7 @@ class SchedulerSide:
         self._tracked.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self.lookups.forget(request.request_id)
+        self.cost.per_request.pop(request.request_id, None)
         return False, None
 
     def close(self) -> None:

@@ -189,7 +189,7 @@ class WorkerSide:
         out = torch.empty((len(job.block_ids), page * len(self.pages)), dtype=torch.uint8)
         for i, src in enumerate(self.pages):
             out[:, i * page:(i + 1) * page] = src[blocks].cpu()
-        return Staged(job.keys, job.parent, out)
+        return Staged(job.req_id, job.keys, job.parent, out)
 
     def _store(self, staged: Staged) -> None:
         """Stores one staged job (on the save thread, or inline); raises on failure."""
@@ -197,7 +197,9 @@ class WorkerSide:
         if client is None:
             return
         started = time.perf_counter()
-        with client.store_into(staged.keys, staged.parent) as tx:
+        # vLLM's worker runs in inference mode, so the slot rows may be an inference tensor
+        # (made by a load): in-place writes to it need inference mode on this thread too
+        with torch.inference_mode(), client.store_into(staged.keys, staged.parent) as tx:
             if tx.slot_ids:
                 buf = client.slot_buffer()
                 if buf is None:
