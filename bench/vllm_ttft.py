@@ -14,8 +14,8 @@ Systems, one engine process at a time (so they do not share the CPU):
                     connector measures); each prompt served once to store it, then measured
                     after a prefix-cache reset: hits from the daemon's DRAM
   kvtier-ssd        the same after the daemon restarted (SIGTERM drains write-back; DRAM is
-                    gone): hits from SSD (first access; a read promotes to DRAM). One fresh
-                    1K-token prompt is served first, so the engine reports its prefill rate to
+                    gone): hits from SSD (first access; a read promotes to DRAM). Two fresh
+                    1K-token prompts are served first, so the engine reports its prefill rate to
                     the new daemon (a restarted daemon has no measured rates)
   kvtier-dram-sync  `async_lookup: false, async_save: false, use_plan: false` (the Lookup on the
                     scheduler thread, saves within the step, every hit fetched), DRAM hits
@@ -125,7 +125,9 @@ def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any
         d.stop()
         d.start()
         time.sleep(1.0)
-        eng.generate([[rng.randrange(3, 4000) for _ in range(1024)]], max_tokens=1)
+        for _ in range(2):  # live traffic: the engine reports its prefill rate to the new daemon
+            eng.generate([[rng.randrange(3, 4000) for _ in range(1024)]], max_tokens=1)
+            time.sleep(0.5)
         ssd_rows = ttfts(eng, work)
         return dram, ssd_rows
     finally:

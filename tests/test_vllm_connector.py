@@ -150,8 +150,10 @@ def test_second_engine_loads_first_engines_prompt(engines: Engines) -> None:
     second = engines.e2.generate([p])[0]
     assert second.cached >= len(p) - BLOCK
     assert second.tokens == want
-    # the connector's counters reach vLLM's Prometheus metrics (connector-stats hooks)
+    # the connector's counters reach vLLM's Prometheus metrics (connector-stats hooks); they
+    # travel with a step's output, so a save done in the background shows after e1's next step
     assert engines.e2.metric("vllm:kvtier_loaded_blocks") - loaded == len(p) // BLOCK
+    engines.e1.generate([prompt(2, 40)], max_tokens=1)
     assert engines.e1.metric("vllm:kvtier_stored_blocks") >= len(p) // BLOCK
     with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
         assert kv.lookup(block_keys(p, BLOCK)).hit_blocks == len(p) // BLOCK

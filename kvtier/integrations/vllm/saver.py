@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.vllm.link import DaemonLink, unreachable
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
@@ -47,9 +47,10 @@ class _Report:
 
 class Saver:
     def __init__(self, link: DaemonLink, store: Callable[[Staged], None], max_bytes: int,
-                 background: bool) -> None:
+                 background: bool, report_failed: Callable[[int, float, int], None]) -> None:
         self.link = link
         self.store = store
+        self.report_failed = report_failed
         self.max_bytes = max_bytes
         self.background = background
         self._cond = threading.Condition()
@@ -104,8 +105,12 @@ class Saver:
             elif item.req_id not in self._broken:
                 self.store(item)
         except Exception as exc:
-            if isinstance(item, _Report):
-                log.debug("kvtier: ReportPrefill failed: %s", exc)
+            if isinstance(item, _Report):  # offered again at the next step
+                self.report_failed(item.tokens, item.seconds, item.context)
+                if unreachable(exc):
+                    self.link.failed(exc, "ReportPrefill")
+                else:
+                    log.debug("kvtier: ReportPrefill failed: %s", exc)
             else:
                 self._broken[item.req_id] = None
                 while len(self._broken) > 1024:
@@ -170,6 +175,13 @@ class PrefillClock:
         self._events.append((t0, end, tokens, context))
         while len(self._events) > 8:
             self._events.popleft()
+
+    def retry(self, tokens: int, seconds: float, context: int) -> None:
+        """A report did not reach the daemon: offer it again at the next step (unless a newer
+        sample came meanwhile)."""
+        if self._latest is None:
+            self._latest = (tokens, seconds, context)
+        self._next = 0.0
 
     def due(self) -> tuple[int, float, int] | None:
         """(tokens, seconds, context tokens) of the latest timed step, if it is time to report."""

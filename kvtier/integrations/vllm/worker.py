@@ -97,9 +97,9 @@ class WorkerSide:
         self._rows_cache: tuple[int, torch.Tensor] | None = None
         self._errors: set[int] = set()
         self.stats = WorkerStats()
-        self.saver = Saver(self.link, self._store, int(settings.save_buffer_mib * 2**20),
-                           settings.async_save)
         self.clock = PrefillClock(settings.prefill_report_s if rank == 0 else 0.0)
+        self.saver = Saver(self.link, self._store, int(settings.save_buffer_mib * 2**20),
+                           settings.async_save, self.clock.retry)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         missing = [n for n in self.kv.layer_names if n not in kv_caches]
