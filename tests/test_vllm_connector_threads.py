@@ -162,3 +162,28 @@ def test_daemon_killed_during_saves_is_one_warning(
         assert w.take_load_errors() == {1, 2}
     assert sum("daemon unavailable" in r.message for r in caplog.records) == 1
     w.close()
+
+
+def test_prefill_clock_reports_at_a_bounded_rate_and_retries() -> None:
+    from kvtier.integrations.vllm.saver import PrefillClock
+
+    clock = PrefillClock(every_s=30.0)
+    assert clock.due() is None  # nothing timed yet
+    clock.start()
+    time.sleep(0.01)
+    clock.stop(512, 64)
+    tokens, seconds, context = clock.due() or (0, 0.0, 0)
+    assert (tokens, context) == (512, 64) and 0.01 <= seconds < 5
+    clock.start()
+    clock.stop(256, 0)
+    assert clock.due() is None  # within every_s of the last report
+    clock.retry(tokens, seconds, context)  # that report failed: due again, the newer sample
+    newer = clock.due()
+    assert newer is not None and (newer[0], newer[2]) == (256, 0)
+    clock.retry(*newer)  # failed again, nothing newer: that same sample, at once
+    assert clock.due() == newer
+    assert clock.due() is None
+    off = PrefillClock(every_s=0.0)  # prefill_report_s = 0: never
+    off.start()
+    off.stop(512, 0)
+    assert off.due() is None
