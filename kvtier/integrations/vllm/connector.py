@@ -155,8 +155,8 @@ class KvtierConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         # (None, False) while the Lookup runs off this thread: vLLM asks again next step
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
