@@ -8,15 +8,22 @@ prefill takes seconds on the machine. Workloads (token ids from a fixed seed):
   chat   one conversation of `--turns` turns: each turn the previous prompt, a 32-token reply and
          a 256-token user message
 Systems, one engine process at a time (so they do not share the CPU):
-  alone        no connector; vLLM's prefix cache reset before each request (full recompute)
-  kvtier-dram  KvtierConnector (planner off: fetch every hit); each prompt served once to store
-               it, then measured after a prefix-cache reset: hits from the daemon's DRAM
-  kvtier-ssd   the same after the daemon restarted (SIGTERM drains write-back; DRAM is gone):
-               hits from SSD (first access; a read promotes to DRAM)
-  lmcache      LMCacheMPConnector + `lmcache server`, measured like kvtier-dram
+  alone             no connector; vLLM's prefix cache reset before each request (full recompute)
+  kvtier-dram       KvtierConnector with its defaults: Lookup off the scheduler thread, saves in
+                    the background, the daemon's planner on (fed by the prefill rate the
+                    connector measures); each prompt served once to store it, then measured
+                    after a prefix-cache reset: hits from the daemon's DRAM
+  kvtier-ssd        the same after the daemon restarted (SIGTERM drains write-back; DRAM is
+                    gone): hits from SSD (first access; a read promotes to DRAM). Two fresh
+                    1K-token prompts are served first, so the engine reports its prefill rate to
+                    the new daemon (a restarted daemon has no measured rates)
+  kvtier-dram-sync  `async_lookup: false, async_save: false, use_plan: false` (the Lookup on the
+                    scheduler thread, saves within the step, every hit fetched), DRAM hits
+  lmcache           LMCacheMPConnector + `lmcache server`, measured like kvtier-dram
 TTFT = wall time of `LLM.generate(max_tokens=1)` for one prompt. Also: the scheduler side's cost
-per request (Lookup + Acquire + metadata, in process against a real daemon), at 1K and 32K
-tokens. Writes bench/results/vllm_ttft.json.
+per request (seconds on the calling thread inside the connector's calls, in process against a
+real daemon), at 1K and 32K tokens, with `async_lookup` on and off, and how long until the
+answer is known (what deferring the answer adds to TTFT). Writes bench/results/vllm_ttft.json.
 """
 
 from __future__ import annotations
@@ -93,23 +100,36 @@ def run_alone(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any)
         eng.close()
 
 
-def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any
-               ) -> tuple[Any, Any]:
-    d = LocalDaemon(root / "daemon", ["--dram-bytes", a.dram, "--slot-bytes", a.slot,
-                                      "--ssd-bytes", a.ssd, "--ssd-admit-after", "1"]).start()
-    eng = EngineProc(root / "kvtier", model, d.socket, extra={"retry_after_s": 0.5},
+SYNC = {"async_lookup": False, "async_save": False, "use_plan": False}
+
+
+def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any,
+               extra: dict[str, Any], ssd: bool) -> tuple[Any, Any]:
+    name = "kvtier-sync" if extra else "kvtier"
+    d = LocalDaemon(root / f"daemon-{name}", ["--dram-bytes", a.dram, "--slot-bytes", a.slot,
+                                              "--ssd-bytes", a.ssd,
+                                              "--ssd-admit-after", "1"]).start()
+    eng = EngineProc(root / name, model, d.socket,
+                     extra={"retry_after_s": 0.5, "use_plan": True, **extra},
                      threads=a.threads, engine_args=a.engine_args).start()
+    rng = random.Random(1)
     try:
         eng.generate([work["docqa"][0][:256]], max_tokens=1)
         for ps in work.values():
             for p in ps:
                 eng.generate([p], max_tokens=1)  # stores
+        time.sleep(2.0)  # background saves finish (the "cached" column shows what was hit)
         dram = ttfts(eng, work)
+        if not ssd:
+            return dram, None
         d.stop()
         d.start()
         time.sleep(1.0)
-        ssd = ttfts(eng, work)
-        return dram, ssd
+        for _ in range(2):  # live traffic: the engine reports its prefill rate to the new daemon
+            eng.generate([[rng.randrange(3, 4000) for _ in range(1024)]], max_tokens=1)
+            time.sleep(0.5)
+        ssd_rows = ttfts(eng, work)
+        return dram, ssd_rows
     finally:
         eng.close()
         d.stop()
@@ -157,8 +177,13 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
-    """The scheduler side's per-request cost for a fully cached `tokens`-token prompt."""
+def scheduler_cost(root: Path, tokens: int, repeats: int, async_lookup: bool
+                   ) -> dict[str, float]:
+    """The scheduler side's per-request cost for a fully cached `tokens`-token prompt: seconds
+    on the calling thread inside the connector's calls (get_num_new_matched_tokens, asked again
+    after 1 ms while it answers None, as vLLM's idle engine loop does; update_state_after_alloc;
+    build_connector_meta; request_finished), and the wall time until the answer is known (what
+    deferring adds to TTFT)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core import kv_cache_utils as kcu
@@ -174,9 +199,9 @@ def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
     kv = EngineKV("bench/cost@1", "bfloat16", BLOCK, ("l0",), page, 1, 64, "cpu",
                   Shard(0, 1, True))
     n_blocks = tokens // BLOCK
-    d = LocalDaemon(root / f"cost{tokens}", ["--dram-bytes", f"{(n_blocks + 64) * 8}KiB",
-                                             "--slot-bytes", "8KiB", "--ssd-bytes", "64MiB",
-                                             "--max-blocks-per-request", "100000"]).start()
+    d = LocalDaemon(root / f"cost{tokens}-{async_lookup}", [
+        "--dram-bytes", f"{(n_blocks + 64) * 8}KiB", "--slot-bytes", "8KiB",
+        "--ssd-bytes", "64MiB", "--max-blocks-per-request", "100000"]).start()
     try:
         toks = [random.Random(tokens).randrange(3, 4000) for _ in range(tokens + 1)]
         hasher = kcu.get_request_block_hasher(BLOCK, sha256_cbor)
@@ -187,30 +212,41 @@ def scheduler_cost(root: Path, tokens: int, repeats: int) -> dict[str, float]:
             for i in range(0, len(keys), 256):
                 c.store(keys[i:i + 256], [blob] * len(keys[i:i + 256]),
                         keys[i - 1] if i else b"")
-            side = SchedulerSide(ConnectorSettings(socket=str(d.socket), use_plan=False), kv,
-                                 1, 1, False)
-            costs = []
-            for r in range(repeats + 3):
-                req = Request(f"r{r}", toks, SamplingParams(max_tokens=1), None,
-                              block_hasher=hasher)
-                blocks = SimpleNamespace(get_block_ids=lambda: (list(range(n_blocks)),))
-                state = SimpleNamespace(get_block_ids=lambda rid: (list(range(n_blocks)),))
-                out = SimpleNamespace(num_scheduled_tokens={req.request_id: 1},
-                                      kv_connector_block_state=state)
+        side = SchedulerSide(ConnectorSettings(socket=str(d.socket), use_plan=False,
+                                               async_lookup=async_lookup), kv, 1, 1, False)
+        costs, waits, asks = [], [], []
+        for r in range(repeats + 3):
+            req = Request(f"r{r}", toks, SamplingParams(max_tokens=1), None,
+                          block_hasher=hasher)
+            blocks = SimpleNamespace(get_block_ids=lambda: (list(range(n_blocks)),))
+            state = SimpleNamespace(get_block_ids=lambda rid: (list(range(n_blocks)),))
+            out = SimpleNamespace(num_scheduled_tokens={req.request_id: 1},
+                                  kv_connector_block_state=state)
+            spent, n_asks, first = 0.0, 0, time.perf_counter()
+            while True:
                 t0 = time.perf_counter()
                 ext, _ = side.get_num_new_matched_tokens(req, 0)
-                side.update_state_after_alloc(req, blocks, ext)  # type: ignore[arg-type]
-                meta = side.build_connector_meta(out)  # type: ignore[arg-type]
-                side.request_finished(req)
-                costs.append(time.perf_counter() - t0)
-                assert ext == n_blocks * BLOCK, (ext, n_blocks)
-                for job in meta.loads:  # the worker's part, not timed
-                    for lease in job.leases:
-                        c.release(lease.lease_id)
-            side.close()
-        costs = costs[3:]
+                spent += time.perf_counter() - t0
+                n_asks += 1
+                if ext is not None:
+                    break
+                time.sleep(0.001)  # vLLM's engine loop after a step that ran nothing
+            waited = time.perf_counter() - first
+            t0 = time.perf_counter()
+            side.update_state_after_alloc(req, blocks, ext)  # type: ignore[arg-type]
+            side.build_connector_meta(out)  # type: ignore[arg-type]
+            side.request_finished(req)
+            spent += time.perf_counter() - t0
+            assert ext == n_blocks * BLOCK, (ext, n_blocks)
+            costs.append(spent)
+            waits.append(waited)
+            asks.append(n_asks)
+        side.close()
+        costs, waits = costs[3:], waits[3:]
         return {"p50_ms": statistics.median(costs) * 1e3, "p99_ms": pct(costs, 0.99) * 1e3,
-                "n": len(costs)}
+                "answer_p50_ms": statistics.median(waits) * 1e3,
+                "answer_p99_ms": pct(waits, 0.99) * 1e3,
+                "asks_p50": statistics.median(asks[3:]), "n": len(costs)}
     finally:
         d.stop()
 
@@ -258,27 +294,31 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     results: dict[str, Any] = {}
     results["alone"] = run_alone(root, model, work, a)
-    results["kvtier-dram"], results["kvtier-ssd"] = run_kvtier(root, model, work, a)
+    results["kvtier-dram"], results["kvtier-ssd"] = run_kvtier(root, model, work, a, {}, True)
+    results["kvtier-dram-sync"] = run_kvtier(root, model, work, a, SYNC, False)[0]
     lm = None if a.no_lmcache else run_lmcache(root, model, work, a)
     if lm is not None:
         results["lmcache"] = lm
-    cost = {str(t): scheduler_cost(root, t, a.cost_repeats)
-            for t in ((1024, 32768) if not a.quick else (1024, 4096))}
+    cost = {f"{t}/{'async' if mode else 'sync'}": scheduler_cost(root, t, a.cost_repeats, mode)
+            for t in ((1024, 32768) if not a.quick else (1024, 4096)) for mode in (True, False)}
     table = {s: {w: summary(rows) for w, rows in r.items()} for s, r in results.items()}
-    print(f"\n{'system':<13}{'workload':<8}{'TTFT p50':>10}{'p90':>9}{'cached':>8}"
+    print(f"\n{'system':<17}{'workload':<8}{'TTFT p50':>10}{'p90':>9}{'cached':>8}"
           f"{'vs alone':>10}{'vs lmcache':>11}")
     for s, per in table.items():
         for w, row in per.items():
             ratio = table["alone"][w]["p50_s"] / row["p50_s"]
             lmr = (f"{row['p50_s'] / table['lmcache'][w]['p50_s']:.2f}x"
                    if "lmcache" in table else "n/a")
-            print(f"{s:<13}{w:<8}{row['p50_s'] * 1e3:>8.0f}ms{row['p90_s'] * 1e3:>7.0f}ms"
+            print(f"{s:<17}{w:<8}{row['p50_s'] * 1e3:>8.0f}ms{row['p90_s'] * 1e3:>7.0f}ms"
                   f"{row['cached_frac']:>7.0%}{ratio:>9.1f}x{lmr:>11}")
     if "lmcache" not in table:
         print("lmcache: not measured (lmcache not importable here, or --no-lmcache)")
     for t, c in cost.items():
-        print(f"scheduler-side cost, {t}-token prompt: p50 {c['p50_ms']:.3f} ms, "
-              f"p99 {c['p99_ms']:.3f} ms ({c['n']} requests)")
+        tokens, mode = t.split("/")
+        print(f"scheduler-side cost, {tokens}-token prompt, {mode} lookup: p50 "
+              f"{c['p50_ms']:.3f} ms, p99 {c['p99_ms']:.3f} ms on the scheduler thread; answer "
+              f"known after p50 {c['answer_p50_ms']:.2f} ms, p99 {c['answer_p99_ms']:.2f} ms "
+              f"({c['asks_p50']:g} asks p50, {c['n']} requests)")
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(), "machine": platform.node(),

@@ -106,6 +106,26 @@ def full_blocks(n: int) -> int:
     return (n - 1) // BLOCK * BLOCK  # what a connector may serve: the last token is computed
 
 
+def stored(e: Engines, tokens: list[int], blocks: int | None = None, timeout: float = 20.0
+           ) -> None:
+    """Waits until the daemon holds the first `blocks` (default: every full) blocks of `tokens`:
+    an engine's saves run in the background (`async_save`), after its request returned."""
+    want = len(tokens) // BLOCK if blocks is None else blocks
+    keys = block_keys(tokens, BLOCK)[:want]
+    deadline = time.monotonic() + timeout
+    with Client(e.daemon.socket, layout=decl(e.model).decl()) as kv:
+        while (hit := kv.lookup(keys).hit_blocks) < want:
+            assert time.monotonic() < deadline, f"only {hit} of {want} blocks stored"
+            time.sleep(0.05)
+
+
+def daemon_metric(d: Daemon, name: str) -> float:
+    for line in d.proc.metrics_text().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
 def test_vllm_block_hashes_are_kvtier_block_keys() -> None:
     """The keys the connector passes are vLLM's request.block_hashes, byte for byte."""
     from vllm import SamplingParams
@@ -125,12 +145,15 @@ def test_second_engine_loads_first_engines_prompt(engines: Engines) -> None:
     want = engines.ref.generate([p])[0].tokens
     first = engines.e1.generate([p])[0]
     assert first.tokens == want and first.cached == 0
+    stored(engines, p)
     loaded = engines.e2.metric("vllm:kvtier_loaded_blocks")
     second = engines.e2.generate([p])[0]
     assert second.cached >= len(p) - BLOCK
     assert second.tokens == want
-    # the connector's counters reach vLLM's Prometheus metrics (connector-stats hooks)
+    # the connector's counters reach vLLM's Prometheus metrics (connector-stats hooks); they
+    # travel with a step's output, so a save done in the background shows after e1's next step
     assert engines.e2.metric("vllm:kvtier_loaded_blocks") - loaded == len(p) // BLOCK
+    engines.e1.generate([prompt(2, 40)], max_tokens=1)
     assert engines.e1.metric("vllm:kvtier_stored_blocks") >= len(p) // BLOCK
     with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
         assert kv.lookup(block_keys(p, BLOCK)).hit_blocks == len(p) // BLOCK
@@ -146,6 +169,7 @@ def test_multi_turn_chat_from_the_other_engine(engines: Engines) -> None:
         history += user
         reply = engines.e1.generate([history], max_tokens=40)[0].tokens
         history += reply
+    stored(engines, history, (len(history) - 1) // BLOCK)
     last = history + turns[2]
     want = engines.ref.generate([last])[0].tokens
     got = engines.e2.generate([last])[0]
@@ -157,6 +181,8 @@ def test_shared_system_prompt(engines: Engines) -> None:
     system = prompt(20, 32 * BLOCK)
     first = [system + prompt(21 + i, 100 + 37 * i) for i in range(4)]
     engines.e1.generate(first)
+    for p in first:
+        stored(engines, p)
     later = [system + prompt(31 + i, 80 + 41 * i) for i in range(4)]
     want = [o.tokens for o in engines.ref.generate(later)]
     got = engines.e2.generate(later)
@@ -167,6 +193,8 @@ def test_shared_system_prompt(engines: Engines) -> None:
 def test_preemption_in_a_small_pool_leaves_no_leases(engines: Engines) -> None:
     batch = [prompt(40 + i, 1200) for i in range(4)]
     engines.e1.generate(batch[:2], max_tokens=1)  # half the batch hits kvtier in e2
+    for p in batch[:2]:
+        stored(engines, p)
     before = engines.e2.preemptions()
     want = [o.tokens for o in engines.ref.generate(batch, max_tokens=200)]
     got = engines.e2.generate(batch, max_tokens=200)
@@ -191,6 +219,7 @@ def test_daemon_sigkilled_between_requests(engines: Engines) -> None:
     time.sleep(1.2)  # the connector's retry_after_s in these tests
     p = prompt(60, 700)
     engines.e1.generate([p])  # stores again on the new daemon
+    stored(engines, p)
     got = engines.e2.generate([p])[0]
     assert got.cached >= full_blocks(len(p)) and got.tokens == engines.ref.generate([p])[0].tokens
     assert "daemon on" in engines.e2.log()[start:] and "reachable again" in engines.e2.log()
@@ -199,6 +228,7 @@ def test_daemon_sigkilled_between_requests(engines: Engines) -> None:
 def test_daemon_sigkilled_during_a_request(engines: Engines) -> None:
     p = prompt(70, 1500)
     engines.e1.generate([p], max_tokens=1)
+    stored(engines, p)
     want = engines.ref.generate([p], max_tokens=300)[0].tokens
     wait = engines.e2.generate_async([p], max_tokens=300)
     killer = threading.Timer(1.0, engines.daemon.kill)
@@ -215,6 +245,7 @@ def test_corrupted_ssd_block_is_recomputed(engines: Engines) -> None:
     p = prompt(80, 2100)
     want = engines.ref.generate([p])[0].tokens
     engines.e1.generate([p])
+    stored(engines, p)
     keys = block_keys(p, BLOCK)
     bad = 10
     with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv, \
@@ -238,8 +269,7 @@ def test_corrupted_ssd_block_is_recomputed(engines: Engines) -> None:
     assert "Recovered from KV load failure: 1 request(s) rescheduled" in engines.e2.log()[start:]
     s = stats(engines.daemon, engines.model)
     assert s.checksum_failures == 1 and s.active_leases == 0
-    with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
-        assert kv.lookup(keys).hit_blocks == len(keys)  # the recomputed blocks stored again
+    stored(engines, p)  # the recomputed blocks are stored again
 
 
 def test_engine_without_daemon_serves(engines: Engines) -> None:
@@ -252,3 +282,22 @@ def test_engine_without_daemon_serves(engines: Engines) -> None:
     assert log.count("kvtier scheduler: daemon unavailable") == 1, log[-3000:]
     assert log.count("kvtier worker 0: daemon unavailable") == 1
 
+
+
+def test_engine_reports_its_prefill_rate_to_the_planner(engines: Engines) -> None:
+    """The workers time vLLM's prefill steps and report them (ReportPrefill): the daemon's
+    planner then prices a recompute at this machine's real speed, and a DRAM hit is worth
+    fetching (with the seeded GPU rate, recomputing a small model's prompt looks free)."""
+    p = prompt(110, 1800)
+    engines.e1.generate([p], max_tokens=1)
+    stored(engines, p)
+    assert daemon_metric(engines.daemon, "kvtier_rate_prefill_samples") >= 1
+    rate = daemon_metric(engines.daemon, "kvtier_rate_prefill_flops_per_second")
+    assert 1e8 < rate < 1e14, rate  # a CPU's, far below the seeded H100 figure (5.9e14)
+    recompute = engines.ref.generate([p], max_tokens=1)[0].seconds
+    with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
+        got = kv.lookup(block_keys(p, BLOCK), prompt_tokens=len(p), plan=True)
+    assert got.hit_blocks == len(p) // BLOCK and got.plan is not None
+    assert got.fetch_blocks == got.hit_blocks, got.plan  # fetching beats recomputing
+    predicted = got.plan.predicted_recompute_seconds
+    assert recompute / 5 < predicted < recompute * 5, (predicted, recompute)

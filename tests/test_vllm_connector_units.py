@@ -21,8 +21,10 @@ def test_defaults_and_coercion() -> None:
     ({"timeout_s": "soon"}, "['timeout_s'] must be a float"),
     ({"use_plan": 3}, "['use_plan'] must be a bool"),
     ({"socket": 5}, "['socket'] must be a str"),
-    ({"timeout_s": 0}, "timeout_s must be > 0"),
-    ({"lease_ttl_s": -1}, "lease_ttl_s >= 0"),
+    ({"timeout_s": 0}, "timeout_s and save_buffer_mib must be > 0"),
+    ({"lease_ttl_s": -1}, "lease_ttl_s and prefill_report_s >= 0"),
+    ({"save_buffer_mib": 0}, "save_buffer_mib must be > 0"),
+    ({"async_lookup": "maybe"}, "['async_lookup'] must be a bool"),
 ])
 def test_bad_extra_config_names_the_key(extra: dict[str, object], needle: str) -> None:
     with pytest.raises(SettingsError) as err:
@@ -71,3 +73,17 @@ def test_fingerprint_covers_what_shapes_the_bytes() -> None:
 def test_hash_width() -> None:
     assert [hash_width(a) for a in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")] == [
         32, 32, 16, 16]
+
+
+def test_readme_lists_every_key_with_its_default() -> None:
+    import dataclasses
+    import json
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]*) \|", readme, re.M))
+    for f in dataclasses.fields(ConnectorSettings):
+        assert f.name in rows, f"README 'Using kvtier with vLLM' lacks key {f.name!r}"
+        if not isinstance(f.default, str):  # str defaults are described ("" = ...)
+            assert rows[f.name].startswith(f"`{json.dumps(f.default)}`"), (f.name, rows[f.name])

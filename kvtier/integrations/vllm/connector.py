@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.integrations.vllm")
@@ -102,6 +101,11 @@ class KvtierConnector(KVConnectorBase_V1):
             log.warning("kvtier connector disabled: %s", exc)
             self.worker = None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KvtierMetadata):
+            self.worker.bind(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvtierMetadata):
@@ -151,6 +155,7 @@ class KvtierConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
+        # (None, False) while the Lookup runs off this thread: vLLM asks again next step
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -162,11 +167,6 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return KvtierMetadata()
         return self.scheduler.build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self.scheduler is not None:
-            self.scheduler.update_connector_output(
-                set(connector_output.invalid_block_ids or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -1,12 +1,14 @@
 """The connector's connection to the daemon, for one layout, with the failure rule of DESIGN
 invariant 7: an unreachable daemon makes `client()` answer None (the engine recomputes) for
-`retry_after_s`, with one warning per outage, then it reconnects. Threading: one thread."""
+`retry_after_s`, with one warning per outage, then it reconnects. Thread-safe (a worker's loads
+and its background saves share one link)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -47,8 +49,19 @@ class DaemonLink:
         self._down_until = 0.0
         self._down = False
         self.outages = 0
+        self._lock = threading.RLock()
+
+    def down(self) -> bool:
+        """Within an outage's `retry_after_s` (`client()` would answer None); no I/O."""
+        return self._client is None and time.monotonic() < self._down_until
 
     def client(self) -> Client | None:
+        if self._client is not None:
+            return self._client
+        with self._lock:
+            return self._connect()
+
+    def _connect(self) -> Client | None:
         if self._client is not None:
             return self._client
         if time.monotonic() < self._down_until:
@@ -77,6 +90,10 @@ class DaemonLink:
 
     def failed(self, exc: BaseException, what: str) -> None:
         """A call failed: an unreachable daemon starts an outage, anything else is one warning."""
+        with self._lock:
+            self._failed(exc, what)
+
+    def _failed(self, exc: BaseException, what: str) -> None:
         if unreachable(exc):
             self._mark_down(exc)
         else:
@@ -97,6 +114,7 @@ class DaemonLink:
         self._down_until = time.monotonic() + self.settings.retry_after_s
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

@@ -1,10 +1,14 @@
 """What the scheduler-side connector hands the workers each step (pickled with the step).
 
-    LoadJob   fill `block_ids` (vLLM blocks, in key order) from the slots leased to each rank;
-              `failed` are blocks the scheduler promised but could not pin: the workers report
-              them through `get_block_ids_with_load_errors`, so vLLM recomputes them.
+    LoadJob   fill `block_ids` (vLLM blocks) with the blocks of keys[first:]: each rank
+              Acquires `keys` (a prefix from the prompt's first block) on its own layout,
+              copies what it pinned and reports the rest through
+              `get_block_ids_with_load_errors`, so vLLM recomputes them.
     SaveJob   store vLLM blocks `block_ids` under `keys` (a chain after `parent`), computed by
               the end of this step.
+    prefill_tokens / prefill_context
+              the step's scheduled prompt tokens and the cached context they attend to (summed
+              over requests), for the prefill rate the workers measure.
 """
 
 from __future__ import annotations
@@ -15,21 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 
 @dataclass(slots=True)
-class RankLease:
-    lease_id: str
-    slots: tuple[int, ...]
-    """Slot of keys[i] for i < len(slots) (the pinned prefix)."""
-    segment: bytes
-    """The daemon's SegmentInfo (serialized) the slots index."""
-
-
-@dataclass(slots=True)
 class LoadJob:
     req_id: str
     block_ids: list[int]
-    leases: list[RankLease]
-    """One per TP rank (index = rank)."""
-    failed: list[int] = field(default_factory=list)
+    """vLLM blocks of keys[first], keys[first + 1], ..."""
+    keys: list[bytes]
+    first: int
 
 
 @dataclass(slots=True)
@@ -44,3 +39,5 @@ class SaveJob:
 class KvtierMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    prefill_tokens: int = 0
+    prefill_context: int = 0

@@ -39,6 +39,19 @@ class ConnectorSettings:
     """Store newly computed full blocks (False: only load)."""
     lease_ttl_s: float = 0.0
     """Lease on blocks being loaded; 0 = the daemon's default."""
+    async_lookup: bool = True
+    """Run each request's Lookup on a background thread: vLLM is told "not known yet" and asks
+    again at its next step, so the scheduler's thread never waits for the daemon (False: the
+    Lookup runs on the scheduler's thread, within `get_num_new_matched_tokens`)."""
+    async_save: bool = True
+    """Store computed blocks on a background thread: `wait_for_save` only copies them into a
+    staging buffer (False: Allocate, copy and Commit within `wait_for_save`)."""
+    save_buffer_mib: float = 256.0
+    """Bound on the staging buffer of `async_save`: a step whose blocks do not fit waits for
+    the saves before it (backpressure; a save is never dropped for it)."""
+    prefill_report_s: float = 2.0
+    """Report vLLM's measured prefill rate to the daemon's planner at most this often
+    (0 = never)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -52,9 +65,10 @@ class ConnectorSettings:
         for name, value in extra.items():
             values[name] = _coerce(name, value, type(known[name].default))
         s = cls(**values)
-        if s.timeout_s <= 0 or s.retry_after_s < 0 or s.lease_ttl_s < 0:
-            raise SettingsError("kvtier connector: timeout_s must be > 0, retry_after_s and "
-                                "lease_ttl_s >= 0")
+        if (s.timeout_s <= 0 or s.retry_after_s < 0 or s.lease_ttl_s < 0
+                or s.prefill_report_s < 0 or s.save_buffer_mib <= 0):
+            raise SettingsError("kvtier connector: timeout_s and save_buffer_mib must be > 0, "
+                                "retry_after_s, lease_ttl_s and prefill_report_s >= 0")
         return s
 
 
