@@ -456,6 +456,7 @@ class Tiers:
         n = self.pool.evacuate(stride, movable, moved)
         if n > 0:
             self.moved += n
+            self.metrics.dram_moved_blocks.inc(n)
         return n >= 0
 
     def evict_tenant_dram(self, tenant: str, n: int, reason: str = "quota") -> int:
