@@ -399,16 +399,19 @@ class DramPool:
             return self.pages.evacuation(stride, lambda s: not self._pins.get(s)) is not None
 
     def evacuate(self, nbytes: int, movable: Callable[[int], bool],
-                 moved: Callable[[int, int], None]) -> int:
+                 moved: Callable[[int, int], None], for_nbytes: int = 0) -> int:
         """Frees one page of the class of `nbytes` blocks by moving its live slots into the
         class's free slots on other pages: only when every one is unpinned and `movable`
         (the caller's rule, e.g. an index block no lease holds). Copies each block, calls
         `moved(old, new)` (the caller repoints its owner), frees the old slot; the page goes
-        back to the free pages. Returns the slots moved, -1 when no page can be freed so."""
+        back to the free pages. Returns the slots moved, -1 when no page can be freed so.
+        `for_nbytes`: the block size the page is freed for (the page chosen keeps its slots
+        next to that class's pages when it can: `PageTable.evacuation`)."""
         stride = self.pages.stride_for(nbytes)
+        want = self.pages.stride_for(for_nbytes) if for_nbytes else 0
         with self._lock:
             found = self.pages.evacuation(
-                stride, lambda s: not self._pins.get(s) and movable(s))
+                stride, lambda s: not self._pins.get(s) and movable(s), want)
             if found is None:
                 return -1
             page, live = found
