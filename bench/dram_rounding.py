@@ -18,9 +18,10 @@ stored (full and churning), then `--requests` more are measured. After the repla
 every chain of every layout is looked up: KV bytes held = sum of hit blocks x block size.
 Reported per mix and design: KV bytes held per DRAM byte (goal for classes: >= 0.90, i.e. at
 most 10% of DRAM lost to rounding, page heads/tails and fragmentation), the DRAM left unused
-after each measured request (1 - slot bytes used / DRAM: mean and worst; slot bytes = KV bytes
-for these mixes, whose strides are whole multiples of 256 B; the end-of-run figure is one
-snapshot of a churning pool, this is its spread) and the block hit ratio of the measured
+after each measured request (1 - slot bytes used / DRAM: mean and worst; for classes slot bytes
+= KV bytes, the strides of these blocks being the block sizes; one slot size loses its bytes
+inside slots, which this does not count; the end-of-run figure is one snapshot of a churning
+pool, this is its spread) and the block hit ratio of the measured
 requests; a store the pool cannot hold at all (a chain of more slots than
 the pool has, one slot size) is refused and counted. No SSD tier (DRAM only). Writes
 bench/results/dram_rounding.json (dram_rounding_<MiB>mib.json for another --dram-mib).

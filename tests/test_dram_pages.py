@@ -121,6 +121,34 @@ def test_a_run_of_pages_of_one_class_holds_the_rows_that_cross_their_boundaries(
     assert t.location(t.alloc_many(1, 32 * KiB)[0]) // t.page_bytes == 1  # type: ignore[index]
 
 
+def test_evacuation_frees_the_page_that_keeps_link_rows() -> None:
+    # pages 0-1: 640 KiB slots (one run, a link row across 8 MiB); page 2: MLA; page 3: 640 KiB
+    # alone. Emptying a 640 KiB page for MLA: page 3 (no link row lost, and next to MLA's page
+    # 2, so the MLA row crossing 24 MiB becomes a slot), not the emptier page 1 of the run.
+    t = PageTable(8 * MiB, 4, 16 * KiB)
+    a, mla = t.stride_for(640 * KiB), t.stride_for(1_124_352)
+    run = t.alloc_many(t.inside(a, 0) + t.inside(a, 1) + 1, a)
+    assert run is not None and t.page_class(1) == a
+    assert t.alloc_many(t.inside(mla, 2), mla) is not None and t.page_class(2) == mla
+    alone = t.alloc_many(t.inside(a, 3), a)
+    assert alone is not None and t.page_class(3) == a
+    page0, page1 = ([s for s in run if t.page_of(s) == p] for p in (0, 1))
+    for s in page1[:8] + page0[:2] + alone[:4]:  # page 1 is the emptiest page of class a
+        t.free(s)
+    found = t.evacuation(a, lambda s: True, mla)
+    assert found is not None and found[0] == 3
+    page, live = found
+    dst = t.targets(a, page, len(live))
+    t.claim(dst)
+    for s in live:
+        t.free(s)
+    assert t.page_class(3) == 0
+    mla_slots = sum(c.slots for c in t.classes() if c.stride == mla)
+    got = t.alloc_many(mla_slots - t.classes()[-1].slots_used + 1, mla)
+    assert got is not None and t.page_class(3) == mla
+    assert any(t.location(s) < 3 * t.page_bytes < t.location(s) + mla for s in got)
+
+
 def test_an_emptied_page_serves_another_class() -> None:
     t = PageTable(8 * MiB, 2, 16 * KiB)
     small = t.alloc_many(2 * 256, t.stride_for(32 * KiB))  # both pages of 32 KiB slots

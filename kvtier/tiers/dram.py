@@ -77,8 +77,9 @@ MAX_BLOCK_BYTES = 8 << 20
 PAGE_SCALE = 256 << 10
 """Auto page size: sqrt(data bytes x this), at least one largest block. A class loses up to
 about a page to free slots it holds under churn (`kvtier.tiers.dram_pages`), and a stride that
-does not divide the page loses up to one slot per page: pages ~ sqrt(pool x a typical block)
-balance the two (16 MiB for 1 GiB, 32 MiB for 4 GiB; measured by `bench.dram_rounding`)."""
+does not divide the page loses up to one slot at each end of a run of adjacent pages of its
+class: pages ~ sqrt(pool x a typical block) balance the two (16 MiB for 1 GiB, 32 MiB for
+4 GiB; measured by `bench.dram_rounding`)."""
 
 
 @dataclass(frozen=True)
