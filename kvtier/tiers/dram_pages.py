@@ -293,20 +293,25 @@ class PageTable:
         lost by class `stride`; then fewest live."""
         free = self._class_free.get(stride, 0)
         st = self._stride
-        pages = {p: self._on_page(p) for p in self._class_pages.get(stride, ())}
-        live = {p: [s for s in on if self._allocated[s]] for p, on in pages.items()}
+
+        def counts(p: int) -> tuple[int, int]:  # (live, all) slots lying on page p
+            left = p > 0 and self._linked(p - 1)
+            borrowed = left and bool(self._allocated[self._link_slot(p - 1)])
+            return self._live[p] + borrowed, self.per_page(stride, p) + left
 
         def cost(p: int) -> tuple[int, int, int]:
             lost = (p > 0 and self._linked(p - 1)) + self._linked(p)
             gained = 0
             if want and self.inside(want, p):
                 gained = self._gain(want, p, st)[0] - self.inside(want, p)
-            return -gained, lost, len(live[p])
+            return -gained, lost, counts(p)[0]
 
-        fits = [p for p in pages if len(live[p]) <= free - (len(pages[p]) - len(live[p]))]
+        fits = [p for p in self._class_pages.get(stride, ())
+                if (c := counts(p))[0] <= free - (c[1] - c[0])]
         for p in sorted(fits, key=cost):
-            if all(map(movable, live[p])):
-                return p, live[p]
+            live = [s for s in self._on_page(p) if self._allocated[s]]
+            if all(map(movable, live)):
+                return p, live
         return None
 
     def targets(self, stride: int, avoid: int, n: int) -> list[int]:
