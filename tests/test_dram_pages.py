@@ -57,12 +57,13 @@ SIZES = st.sampled_from([16 * KiB, 32 * KiB, 48 * KiB + 100, 256 * KiB, 448 * Ki
                          1_124_352, 1 * MiB + 4096, 3 * MiB, 4 * MiB, 8 * MiB])
 
 
-@settings(max_examples=80, deadline=None)
+@pytest.mark.parametrize("page_mib,pages", [(16, 6), (8, 8)])
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "a", "f", "f", "e"]), SIZES, st.integers(1, 40),
                           st.integers(0, 10 ** 6)), min_size=1, max_size=60))
 def test_live_blocks_never_overlap_and_accounting_adds_up(
-        ops: list[tuple[str, int, int, int]]) -> None:
-    t = PageTable(16 * MiB, 6, 16 * KiB)
+        page_mib: int, pages: int, ops: list[tuple[str, int, int, int]]) -> None:
+    t = PageTable(page_mib * MiB, pages, 16 * KiB)
     live: dict[int, int] = {}
     for op, size, n, pick in ops:
         stride = t.stride_for(size)
