@@ -78,18 +78,7 @@ def test_a_4mib_and_a_32kib_layout_store_and_load_side_by_side(
         assert d.blocks == 306
 
 
-@pytest.fixture
-def lru_daemon(tmp_path: Path) -> DaemonProc:
-    """The daemon with LRU eviction: the order the test below spells out block by block (the
-    default policy weighs frequency and keeps inner blocks of chains as well)."""
-    d = DaemonProc(tmp_path / "d", [*ARGS, "--policy", "lru"]).start()
-    yield d  # type: ignore[misc]
-    d.stop()
-
-
-def test_big_blocks_evict_small_ones_oldest_first_a_page_at_a_time(
-        lru_daemon: DaemonProc) -> None:
-    daemon = lru_daemon
+def test_big_blocks_evict_small_ones_oldest_first_a_page_at_a_time(daemon: DaemonProc) -> None:
     with Client(daemon.socket, layout=BIG) as big, Client(daemon.socket, layout=SMALL) as small:
         small_chains = roots(3, 2048)  # fills all 8 pages
         for i in range(0, 2048, 256):
