@@ -11,14 +11,14 @@ distinct blocks, and Belady MIN is computed at each capacity. A two-tier run per
 2% + SSD 8% of the distinct blocks, SSD admission k = 2) adds the SSD blocks written.
 
 Per workload and capacity (hit ratios averaged over seeds): kvtier's hit ratio, LRU's, the best
-peer's (`PEERS`, by mean hit ratio), kvtier / LRU, kvtier / best peer, kvtier / Belady, Belady /
-LRU (the clairvoyant bound on any policy's ×LRU: where it is under 1.2 no policy can reach the
-1.2x goal) and the worst seed's kvtier / LRU. Goals (issue 14): kvtier >= 1.2x LRU at 1-5%, never below LRU by more
-than 1% anywhere, ahead of the best peer at <= 5%, replay CPU time <= 2x LRU's (median over all
-DRAM-only runs). Also the kvtier policy's own state (sketch, predictor, tracker, history) in
-bytes per block of capacity. Writes bench/results/policies.json, the table as policies.md and
-one PNG per workload (bench/results/policies_<workload>.png). ``--quick``: 1 seed, 400 requests,
-trace cut to 600 requests, capacities 2% and 5% — a smoke run for CI.
+peer's (`PEERS`, by mean hit ratio), kvtier / LRU, kvtier / best peer, kvtier / Belady, Belady / LRU
+(the clairvoyant bound on any policy's ×LRU: where it is under 1.2 no policy can reach the 1.2x
+goal) and the worst seed's kvtier / LRU. Goals (issue 14): kvtier >= 1.2x LRU at 1-5%, never below
+LRU by more than 1% anywhere, ahead of the best peer at <= 5%, replay CPU time <= 2x LRU's (median
+over all DRAM-only runs). Also the kvtier policy's own state (sketch, predictor, tracker, history)
+in bytes per block of capacity. Writes bench/results/policies.json, the table as policies.md and one
+PNG per workload (bench/results/policies_<workload>.png). ``--quick``: 1 seed, 400 requests, trace
+cut to 600 requests, capacities 2% and 5% — a smoke run for CI.
 """
 
 from __future__ import annotations
