@@ -27,4 +27,11 @@ def test_quick_run_writes_results(tmp_path: Path) -> None:
     assert set(doc["goals"]) >= {"min_vs_lru_at_1_5pct", "median_replay_time_vs_lru"}
     for w in workloads:
         assert (out / f"policies_{w}.png").stat().st_size > 10_000
-    assert "| chat | dram | 2% |" in (out / "policies.md").read_text()
+    md = (out / "policies.md").read_text()
+    assert "| chat | dram | 2% |" in md
+    assert "| Belady ×LRU |" in md.splitlines()[0]
+    for s in doc["summary"]:  # the clairvoyant bound on x LRU, per cell
+        assert abs(s["belady_vs_lru"] * s["lru"] - s["belady"]) < 1e-9
+    small = {f"{s['workload']} {s['fraction']:.0%}" for s in doc["summary"]
+             if s["tiers"] == "dram" and s["belady_vs_lru"] < 1.2}
+    assert set(doc["goals"]["cells_1_5pct_where_belady_under_1_2x_lru"]) == small

@@ -23,8 +23,10 @@ from tests.redis_fixture import RedisServer, needs_redis
 KiB, MiB = 1 << 10, 1 << 20
 BIG = LayoutDecl(b"llama-3-8b-cpu-block-32", 4 * MiB, 32, model_id="meta-llama/Llama-3-8B")
 SMALL = LayoutDecl(b"small-model-block-32k", 32 * KiB, 16, model_id="org/small-1b")
-# 64 MiB of DRAM = 8 pages of 8 MiB: a page holds 2 big blocks or 256 small ones.
-ARGS = ["--dram-bytes", "64MiB", "--slot-bytes", "16KiB", "--ssd-bytes", "128MiB"]
+# 64 MiB of DRAM = 8 pages of 8 MiB: a page holds 2 big blocks or 256 small ones. LRU, so that
+# "the policy's order" is oldest first (the default kvtier policy keeps re-used blocks longer).
+ARGS = ["--dram-bytes", "64MiB", "--slot-bytes", "16KiB", "--ssd-bytes", "128MiB",
+        "--policy", "lru"]
 
 
 def chain(tag: int, n: int) -> list[bytes]:
