@@ -239,3 +239,33 @@ def test_mrc_and_policy_count_blocks_of_the_registered_sizes(tmp_path: Path) -> 
         assert d.log().count("capacity in blocks for the MRC") == 2
     finally:
         d.stop()
+
+
+def moved_total(d: DaemonProc) -> float:
+    line = next(x for x in d.metrics_text().splitlines()
+                if x.startswith("kvtier_dram_moved_blocks_total "))
+    return float(line.split()[1])
+
+
+def test_blocks_moved_to_empty_a_page_are_counted_on_metrics_and_still_read_back(
+        daemon: DaemonProc) -> None:
+    with Client(daemon.socket, layout=BIG) as big, Client(daemon.socket, layout=SMALL) as small:
+        assert moved_total(daemon) == 0
+        keys = [c[0] for c in roots(8, 2048)]  # all 8 pages of small blocks
+        for k in keys:
+            assert small.store([k], [payload(SMALL, k)]).stored == 1
+        # every other block is looked up again: the cold half is spread over all pages, so
+        # no page empties by eviction alone and a page is emptied by moving its blocks
+        for k in keys[1::2]:
+            assert small.lookup([k]).hit_blocks == 1
+        bk = chain(9, 2)
+        assert big.store(bk, [payload(BIG, k) for k in bk]).stored == 2
+        moved = moved_total(daemon)
+        assert moved > 0
+        held = [k for k in keys if small.lookup([k]).hit_blocks == 1]
+        assert dram(small).blocks == 2 + len(held)
+        for k in held:  # the moved blocks among them: their bytes went with them
+            with small.load([k]) as got:
+                assert bytes(got.views[0]) == payload(SMALL, k)
+        with big.load(bk) as got:
+            assert [bytes(v) for v in got.views] == [payload(BIG, k) for k in bk]

@@ -29,30 +29,48 @@ def check_table(t: PageTable, live: dict[int, int]) -> None:
     for s, stride in live.items():
         loc = t.location(s)
         assert t.stride_of(s) == stride and loc % stride == 0
-        assert loc // t.page_bytes == (loc + stride - 1) // t.page_bytes  # inside one page
+        # on pages of its class only (a link row spans two adjacent ones)
+        first, last = loc // t.page_bytes, (loc + stride - 1) // t.page_bytes
+        assert last - first <= 1 and {t.page_class(p) for p in (first, last)} == {stride}
+        assert t.page_of(s) == first
         assert t.slot_at(loc) == s
     assert t.used == len(live) and t.used_bytes == sum(live.values())
     classes = t.classes()
     assert sum(c.slots_used for c in classes) == len(live)
     assert sum(c.pages for c in classes) + t.free_pages == t.page_count
+    # every slot the table offers is free and on its class's pages: allocating all of them
+    # could not overlap a live block (checked through the free slots' spans)
+    free_spans = [(t.location(f), t.location(f) + c.stride) for c in classes
+                  for f in t.targets(c.stride, -1, c.slots)]
+    assert len(free_spans) == sum(c.slots - c.slots_used for c in classes)
+    every = sorted(spans + free_spans)
+    for (_, a1), (b0, _) in itertools.pairwise(every):
+        assert a1 <= b0, "a free slot overlaps another slot"
+    for c in classes:
+        for f in t.targets(c.stride, -1, c.slots):
+            loc = t.location(f)
+            pages = {loc // t.page_bytes, (loc + c.stride - 1) // t.page_bytes}
+            assert {t.page_class(p) for p in pages} == {c.stride}
 
 
-SIZES = st.sampled_from([16 * KiB, 32 * KiB, 48 * KiB + 100, 256 * KiB, 1 * MiB + 4096,
-                         3 * MiB, 4 * MiB, 8 * MiB])
+SIZES = st.sampled_from([16 * KiB, 32 * KiB, 48 * KiB + 100, 256 * KiB, 448 * KiB, 640 * KiB,
+                         1_124_352, 1 * MiB + 4096, 3 * MiB, 4 * MiB, 8 * MiB])
 
 
+@pytest.mark.parametrize("page_mib,pages", [(16, 6), (8, 8)])
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "a", "f", "f", "e"]), SIZES, st.integers(1, 40),
                           st.integers(0, 10 ** 6)), min_size=1, max_size=60))
 def test_live_blocks_never_overlap_and_accounting_adds_up(
-        ops: list[tuple[str, int, int, int]]) -> None:
-    t = PageTable(16 * MiB, 6, 16 * KiB)
+        page_mib: int, pages: int, ops: list[tuple[str, int, int, int]]) -> None:
+    t = PageTable(page_mib * MiB, pages, 16 * KiB)
     live: dict[int, int] = {}
     for op, size, n, pick in ops:
         stride = t.stride_for(size)
         if op == "e":  # free a page of the class by moving its blocks, as the daemon does
             pinned = pick % 7  # slots s with s % 7 == pinned stay put
-            found = t.evacuation(stride, lambda s, pinned=pinned: s % 7 != pinned)
+            want = t.stride_for((16 * KiB, 640 * KiB, 1_124_352, 4 * MiB)[pick % 4])
+            found = t.evacuation(stride, lambda s, pinned=pinned: s % 7 != pinned, want)
             if found is not None:
                 page, moving = found
                 dst = t.targets(stride, page, len(moving))
@@ -78,6 +96,58 @@ def test_live_blocks_never_overlap_and_accounting_adds_up(
     for s in list(live):
         t.free(s)
     assert t.free_pages == t.page_count and t.used_bytes == 0  # every page came back
+
+
+def test_a_run_of_pages_of_one_class_holds_the_rows_that_cross_their_boundaries() -> None:
+    # DeepSeek-V3 MLA blocks (1,124,352 B) in 8 MiB pages: 7 rows lie wholly in page 0, 6 in
+    # page 1, 7 in page 2; the rows crossing 8 and 16 MiB are slots while both pages they touch
+    # belong to the class: 22 blocks in 24 MiB (floor(24 MiB / stride)), not 20.
+    t = PageTable(8 * MiB, 3, 16 * KiB)
+    mla = t.stride_for(1_124_352)
+    assert [t.inside(mla, p) for p in range(3)] == [7, 6, 7]
+    got = t.alloc_many(22, mla)
+    assert got is not None and t.alloc_many(1, mla) is None and t.free_pages == 0
+    assert sorted(t.location(s) for s in got) == [r * mla for r in range(22)]
+    check_table(t, dict.fromkeys(got, mla))
+    by_page = {p: [s for s in got if t.page_of(s) == p] for p in range(3)}
+    crossing_8mib = next(s for s in by_page[0] if t.location(s) == 7 * mla)
+    for s in by_page[1]:  # page 1's own slots; page 0's link row still lies on it
+        t.free(s)
+    assert t.free_pages == 0 and t.page_class(1) == mla
+    t.free(crossing_8mib)  # now nothing lies on page 1: it goes back
+    assert t.free_pages == 1 and t.page_class(1) == 0
+    left = [s for s in got if t.is_allocated(s)]
+    check_table(t, dict.fromkeys(left, mla))
+    assert sum(c.slots for c in t.classes()) == 7 + 7  # no link rows without page 1
+    assert t.location(t.alloc_many(1, 32 * KiB)[0]) // t.page_bytes == 1  # type: ignore[index]
+
+
+def test_evacuation_frees_the_page_that_keeps_link_rows() -> None:
+    # pages 0-1: 640 KiB slots (one run, a link row across 8 MiB); page 2: MLA; page 3: 640 KiB
+    # alone. Emptying a 640 KiB page for MLA: page 3 (no link row lost, and next to MLA's page
+    # 2, so the MLA row crossing 24 MiB becomes a slot), not the emptier page 1 of the run.
+    t = PageTable(8 * MiB, 4, 16 * KiB)
+    a, mla = t.stride_for(640 * KiB), t.stride_for(1_124_352)
+    run = t.alloc_many(t.inside(a, 0) + t.inside(a, 1) + 1, a)
+    assert run is not None and t.page_class(1) == a
+    assert t.alloc_many(t.inside(mla, 2), mla) is not None and t.page_class(2) == mla
+    alone = t.alloc_many(t.inside(a, 3), a)
+    assert alone is not None and t.page_class(3) == a
+    page0, page1 = ([s for s in run if t.page_of(s) == p] for p in (0, 1))
+    for s in page1[:8] + page0[:2] + alone[:4]:  # page 1 is the emptiest page of class a
+        t.free(s)
+    found = t.evacuation(a, lambda s: True, mla)
+    assert found is not None and found[0] == 3
+    page, live = found
+    dst = t.targets(a, page, len(live))
+    t.claim(dst)
+    for s in live:
+        t.free(s)
+    assert t.page_class(3) == 0
+    mla_slots = sum(c.slots for c in t.classes() if c.stride == mla)
+    got = t.alloc_many(mla_slots - t.classes()[-1].slots_used + 1, mla)
+    assert got is not None and t.page_class(3) == mla
+    assert any(t.location(s) < 3 * t.page_bytes < t.location(s) + mla for s in got)
 
 
 def test_an_emptied_page_serves_another_class() -> None:

@@ -248,6 +248,10 @@ class DaemonMetrics:
             "kvtier_checksum_failures", "SSD blocks that failed verification (never served)",
             registry=r,
         )
+        self.dram_moved_blocks = Counter(
+            "kvtier_dram_moved_blocks", "Blocks moved inside the DRAM pool to empty a page for "
+            "another size class", registry=r,
+        )
         self.ssd_damage = Counter(
             "kvtier_ssd_damage", "SSD store damage found at start: stores moved aside, index "
             "entries skipped", ["kind"], registry=r,

@@ -434,12 +434,13 @@ class Tiers:
             for c in classes - {stride}:
                 if pool.can_alloc(n, nbytes):
                     break
-                self._free_a_page(c)
+                self._free_a_page(c, stride)
         return pool.alloc_many(n, nbytes) or []
 
-    def _free_a_page(self, stride: int) -> bool:
+    def _free_a_page(self, stride: int, want: int = 0) -> bool:
         """Empties one page of class `stride` by moving its blocks (DRAM blocks no lease,
-        write-back or remote write holds) into the class's free slots elsewhere."""
+        write-back or remote write holds) into the class's free slots elsewhere; the page is
+        for class `want` (0: any)."""
         if not self.pool.can_evacuate(stride):
             return False
         owners: dict[int, IndexBlock] = {}
@@ -453,9 +454,10 @@ class Tiers:
             b = owners[old]
             self.index.move_dram(b.tenant, b.key, new)
 
-        n = self.pool.evacuate(stride, movable, moved)
+        n = self.pool.evacuate(stride, movable, moved, want)
         if n > 0:
             self.moved += n
+            self.metrics.dram_moved_blocks.inc(n)
         return n >= 0
 
     def evict_tenant_dram(self, tenant: str, n: int, reason: str = "quota") -> int:

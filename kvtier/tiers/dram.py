@@ -77,8 +77,9 @@ MAX_BLOCK_BYTES = 8 << 20
 PAGE_SCALE = 256 << 10
 """Auto page size: sqrt(data bytes x this), at least one largest block. A class loses up to
 about a page to free slots it holds under churn (`kvtier.tiers.dram_pages`), and a stride that
-does not divide the page loses up to one slot per page: pages ~ sqrt(pool x a typical block)
-balance the two (16 MiB for 1 GiB, 32 MiB for 4 GiB; measured by `bench.dram_rounding`)."""
+does not divide the page loses up to one slot at each end of a run of adjacent pages of its
+class: pages ~ sqrt(pool x a typical block) balance the two (16 MiB for 1 GiB, 32 MiB for
+4 GiB; measured by `bench.dram_rounding`)."""
 
 
 @dataclass(frozen=True)
@@ -399,16 +400,19 @@ class DramPool:
             return self.pages.evacuation(stride, lambda s: not self._pins.get(s)) is not None
 
     def evacuate(self, nbytes: int, movable: Callable[[int], bool],
-                 moved: Callable[[int, int], None]) -> int:
+                 moved: Callable[[int, int], None], for_nbytes: int = 0) -> int:
         """Frees one page of the class of `nbytes` blocks by moving its live slots into the
         class's free slots on other pages: only when every one is unpinned and `movable`
         (the caller's rule, e.g. an index block no lease holds). Copies each block, calls
         `moved(old, new)` (the caller repoints its owner), frees the old slot; the page goes
-        back to the free pages. Returns the slots moved, -1 when no page can be freed so."""
+        back to the free pages. Returns the slots moved, -1 when no page can be freed so.
+        `for_nbytes`: the block size the page is freed for (the page chosen keeps its slots
+        next to that class's pages when it can: `PageTable.evacuation`)."""
         stride = self.pages.stride_for(nbytes)
+        want = self.pages.stride_for(for_nbytes) if for_nbytes else 0
         with self._lock:
             found = self.pages.evacuation(
-                stride, lambda s: not self._pins.get(s) and movable(s))
+                stride, lambda s: not self._pins.get(s) and movable(s), want)
             if found is None:
                 return -1
             page, live = found

@@ -5,19 +5,26 @@ The pool's data area is `page_count` pages of `page_bytes`. A page is free or be
 class; a class is a slot stride s (a block size rounded up to `min_stride` and to `UNIT`). A
 class's slots sit on the grid of its stride over the whole data area — row r at r * s — so a
 client views a class as one [rows, s] array with rows s apart (`kvtier.core.segment.slot_array`).
-A page of class s holds the rows that lie wholly inside it (the bytes before the first and after
-the last are unused; fewer than 2 s per page, none when s divides the page size):
+A page of class s holds the rows that start in it and lie wholly inside it, plus the row that
+starts in it and crosses into the next page when that page belongs to the same class (a run of
+adjacent pages of one class is one extent: only its two ends lose bytes, fewer than 2 s in all;
+none when s divides the page size):
 
-    p*page_bytes                                                        (p+1)*page_bytes
-    | head | row r0 | row r0+1 | ... | row r0+k-1 | tail |        r0 = ceil(p*page_bytes / s)
+    p*page_bytes                                          (p+1)*page_bytes
+    | head | row r0 | row r0+1 | ... | row r0+k-1 | row r0+k ...|...  (page p+1, same class)
+                                                    the link row: slot j = k of page p
+    r0 = ceil(p*page_bytes / s), k = the rows wholly inside page p
 
-Slot ids are dense: `p * ids_per_page + j` for slot j of page p (`ids_per_page` = the slots a
-page of the smallest class holds), so `slot_ids` bounds them for tables sized by slot id.
+Slot ids are dense: `p * ids_per_page + j` for slot j of page p (`ids_per_page` = the rows of the
+smallest class that may start in a page), so `slot_ids` bounds them for tables sized by slot id.
 
-A class takes a free page when none of its pages has a free slot; a page whose last slot is freed
-goes back to the free pages (any class may take it). `alloc` fills the class's fullest page
-first, so pages empty out and return. `evacuation` names a page whose live slots fit in the
-class's other free slots (the caller moves those blocks, then frees the page).
+A class takes a free page when none of its pages has a free slot, preferring one next to its own
+pages (whose link rows then count); a page whose own slots are all free, and whose left
+neighbour's link row (which lies partly on it) is free too, goes back to the free pages (any class
+may take it; the neighbour's link row stops being a slot). `alloc` fills the class's fullest page
+first, so pages empty out and return. `evacuation` names a page whose live slots, and the link
+row lying on it, fit in the class's other free slots (the caller moves those blocks, then the
+page is free).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ class PageTable:
         self.page_bytes = page_bytes
         self.page_count = page_count
         self.min_stride = min_stride
-        self.ids_per_page = page_bytes // min_stride
+        self.ids_per_page = -(-page_bytes // min_stride)
         self.slot_ids = page_count * self.ids_per_page
         self._free_pages = list(range(page_count - 1, -1, -1))
         self._stride = [0] * page_count  # 0: free page
@@ -74,9 +81,36 @@ class PageTable:
             raise ValueError(f"a {nbytes}-byte block does not fit a {self.page_bytes}-byte page")
         return stride
 
-    def per_page(self, stride: int, p: int) -> int:
-        """Slots page `p` holds in class `stride` (rows of the stride grid wholly inside it)."""
+    def inside(self, stride: int, p: int) -> int:
+        """Rows of the `stride` grid that lie wholly inside page `p`."""
         return (p + 1) * self.page_bytes // stride - -(-(p * self.page_bytes) // stride)
+
+    def _crosses(self, stride: int, p: int) -> bool:
+        """Whether a row of the `stride` grid starts in page `p` and ends in page p+1."""
+        return p + 1 < self.page_count and (p + 1) * self.page_bytes % stride != 0
+
+    def _linked(self, p: int) -> bool:
+        """Whether page `p`'s link row is a slot: p and p+1 are pages of one class and a row
+        crosses from p into p+1."""
+        s = self._stride[p]
+        return bool(s) and p + 1 < self.page_count and self._stride[p + 1] == s \
+            and self._crosses(s, p)
+
+    def _link_slot(self, p: int) -> int:
+        return p * self.ids_per_page + self.inside(self._stride[p], p)
+
+    def per_page(self, stride: int, p: int) -> int:
+        """Slots page `p` holds in class `stride`: rows wholly inside it, and its link row when
+        p is a page of that class linked to the next one."""
+        return self.inside(stride, p) + (self._stride[p] == stride and self._linked(p))
+
+    def _borrowed(self, p: int) -> bool:
+        """Whether the link row of page p-1, which lies partly on page p, is allocated."""
+        return p > 0 and self._linked(p - 1) and bool(self._allocated[self._link_slot(p - 1)])
+
+    def page_class(self, p: int) -> int:
+        """The stride of page `p`'s class, 0 for a free page."""
+        return self._stride[p]
 
     def _first_row(self, p: int) -> int:
         return -(-(p * self.page_bytes) // self._stride[p])
@@ -120,20 +154,41 @@ class PageTable:
 
     # -- allocation -----------------------------------------------------------------------
 
+    def _gain(self, stride: int, q: int, st: list[int]) -> tuple[int, int, int]:
+        """(slots class `stride` gains by taking free page q — link rows with its pages on
+        either side included —, how many of q's neighbours are its pages, -q) under page
+        classes `st`."""
+        left = q > 0 and st[q - 1] == stride
+        right = q + 1 < self.page_count and st[q + 1] == stride
+        links = (left and self._crosses(stride, q - 1)) + (right and self._crosses(stride, q))
+        return self.inside(stride, q) + links, left + right, -q
+
+    def _pick(self, stride: int, free: list[int], st: list[int]) -> int | None:
+        """The free page `_take_page` gives class `stride`: most slots gained, next to its own
+        pages if it can, the lowest; only pages that hold a whole row of it."""
+        return max((q for q in free if self.inside(stride, q)),
+                   key=lambda q: self._gain(stride, q, st), default=None)
+
+    def _could_take(self, stride: int, need: int) -> int:
+        """Slots class `stride` would gain by taking free pages as `alloc_many` does, until
+        `need` (or every page that holds a row) is taken."""
+        st, free, got = list(self._stride), list(self._free_pages), 0
+        while got < need:
+            p = self._pick(stride, free, st)
+            if p is None:
+                break
+            got += self._gain(stride, p, st)[0]
+            free.remove(p)
+            st[p] = stride
+        return got
+
     def can_alloc(self, n: int, stride: int) -> bool:
         short = n - self._class_free.get(stride, 0)
-        if short <= 0:
-            return True
-        for k in sorted((self.per_page(stride, p) for p in self._free_pages), reverse=True):
-            short -= k
-            if short <= 0 or not k:
-                break
-        return short <= 0
+        return short <= 0 or self._could_take(stride, short) >= short
 
     def room(self, stride: int) -> int:
         """Free slots of class `stride`: its own plus what the free pages would hold."""
-        return self._class_free.get(stride, 0) + sum(
-            self.per_page(stride, p) for p in self._free_pages)
+        return self._class_free.get(stride, 0) + self._could_take(stride, self.slot_ids)
 
     def alloc_many(self, n: int, stride: int) -> list[int] | None:
         """`n` slots of class `stride`, all or none (None when they do not fit)."""
@@ -148,9 +203,9 @@ class PageTable:
         got: list[int] = []
         for p in pages:
             free = self._page_free[p]
-            while free and len(got) < n:
-                got.append(free.pop())
-            self._live[p] = self.per_page(stride, p) - len(free)
+            take = min(len(free), n - len(got))
+            got.extend(free.pop() for _ in range(take))
+            self._live[p] += take
             if not free:
                 del self._page_free[p]
             if len(got) == n:
@@ -163,8 +218,11 @@ class PageTable:
         return got
 
     def _take_page(self, stride: int) -> None:
-        """Gives the class the free page that holds most of its slots (the lowest such page)."""
-        p = max(self._free_pages, key=lambda q: (self.per_page(stride, q), -q))
+        """Gives the class the free page that adds most of its slots (link rows with its pages
+        on either side included), next to its own pages if it can, the lowest such page; only
+        pages that hold a whole row of it (`can_alloc` counts those)."""
+        p = self._pick(stride, self._free_pages, self._stride)
+        assert p is not None, "can_alloc was checked"
         self._free_pages.remove(p)
         self._stride[p] = stride
         k = self.per_page(stride, p)
@@ -173,6 +231,9 @@ class PageTable:
         self._live[p] = 0
         self._class_pages.setdefault(stride, set()).add(p)
         self._class_free[stride] = self._class_free.get(stride, 0) + k
+        if p > 0 and self._linked(p - 1):  # the left neighbour's link row is a slot now
+            self._page_free.setdefault(p - 1, []).insert(0, self._link_slot(p - 1))
+            self._class_free[stride] += 1
 
     def free(self, slot: int) -> None:
         self.check(slot)
@@ -184,13 +245,24 @@ class PageTable:
         self._live[p] -= 1
         self._page_free.setdefault(p, []).append(slot)
         self._class_free[stride] += 1
-        if not self._live[p]:
+        link = self._linked(p) and slot == self._link_slot(p)
+        if not self._live[p] and not self._borrowed(p):
             self._release_page(p)
+        if link and self._stride[p + 1] == stride and not self._live[p + 1] \
+                and not self._borrowed(p + 1):
+            self._release_page(p + 1)  # it stayed only for this link row
 
     def _release_page(self, p: int) -> None:
         stride = self._stride[p]
-        del self._page_free[p]
+        self._page_free.pop(p, None)
         self._class_free[stride] -= self.per_page(stride, p)
+        if p > 0 and self._linked(p - 1):  # the left neighbour's (free) link row goes
+            t = self._link_slot(p - 1)
+            left = self._page_free[p - 1]
+            left.remove(t)
+            if not left:
+                del self._page_free[p - 1]
+            self._class_free[stride] -= 1
         pages = self._class_pages[stride]
         pages.discard(p)
         if not pages:
@@ -201,36 +273,58 @@ class PageTable:
     # -- reclaim ---------------------------------------------------------------------------
 
     def live_slots(self, p: int) -> list[int]:
+        """Page `p`'s own allocated slots (its link row included)."""
         base, stride = p * self.ids_per_page, self._stride[p]
         if not stride:
             return []
         return [s for s in range(base, base + self.per_page(stride, p)) if self._allocated[s]]
 
-    def evacuation(self, stride: int,
-                   movable: Callable[[int], bool]) -> tuple[int, list[int]] | None:
-        """A page of class `stride` whose live slots are all `movable` and fit in the class's
-        free slots on its other pages: (page, its live slots), fewest live first; None if
-        none."""
+    def _on_page(self, p: int) -> list[int]:
+        """The slots that lie (partly) on page `p`: its own, and the left neighbour's link row."""
+        own = [p * self.ids_per_page + j for j in range(self.per_page(self._stride[p], p))]
+        return [*own, self._link_slot(p - 1)] if p > 0 and self._linked(p - 1) else own
+
+    def evacuation(self, stride: int, movable: Callable[[int], bool],
+                   want: int = 0) -> tuple[int, list[int]] | None:
+        """A page of class `stride` whose live slots (the left neighbour's link row on it
+        included) are all `movable` and fit in the class's free slots off the page: (page,
+        those live slots); None if none. Of those, the page whose release keeps most link rows:
+        most gained by class `want` (the one that will take it) if it takes the page, fewest
+        lost by class `stride`; then fewest live."""
         free = self._class_free.get(stride, 0)
-        best: tuple[int, list[int]] | None = None
-        for p in sorted(self._class_pages.get(stride, ()), key=lambda q: self._live[q]):
-            own_free = self.per_page(stride, p) - self._live[p]
-            if self._live[p] > free - own_free:
-                break
-            live = self.live_slots(p)
+        st = self._stride
+
+        def counts(p: int) -> tuple[int, int]:  # (live, all) slots lying on page p
+            left = p > 0 and self._linked(p - 1)
+            borrowed = left and bool(self._allocated[self._link_slot(p - 1)])
+            return self._live[p] + borrowed, self.per_page(stride, p) + left
+
+        def cost(p: int) -> tuple[int, int, int]:
+            lost = (p > 0 and self._linked(p - 1)) + self._linked(p)
+            gained = 0
+            if want and self.inside(want, p):
+                gained = self._gain(want, p, st)[0] - self.inside(want, p)
+            return -gained, lost, counts(p)[0]
+
+        fits = [p for p in self._class_pages.get(stride, ())
+                if (c := counts(p))[0] <= free - (c[1] - c[0])]
+        for p in sorted(fits, key=cost):
+            live = [s for s in self._on_page(p) if self._allocated[s]]
             if all(map(movable, live)):
-                best = (p, live)
-                break
-        return best
+                return p, live
+        return None
 
     def targets(self, stride: int, avoid: int, n: int) -> list[int]:
-        """`n` free slots of class `stride` outside page `avoid` (without allocating them)."""
+        """`n` free slots of class `stride` off page `avoid` (without allocating them)."""
         out: list[int] = []
+        mine = 0 <= avoid < self.page_count and self._stride[avoid] == stride
+        skip = set(self._on_page(avoid)) if mine else set()
         for p in self._class_pages.get(stride, ()):
-            if p != avoid and p in self._page_free:
-                out.extend(self._page_free[p][: n - len(out)])
-            if len(out) >= n:
-                break
+            for s in self._page_free.get(p, ()):
+                if len(out) >= n:
+                    return out
+                if s not in skip:
+                    out.append(s)
         return out
 
     def claim(self, slots: Iterable[int]) -> None:
