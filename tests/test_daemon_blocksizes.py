@@ -172,7 +172,10 @@ def test_a_segment_of_another_format_is_refused_with_a_clear_error() -> None:
 def test_both_sizes_go_through_the_remote_tier(tmp_path: Path) -> None:
     pytest.importorskip("redis")
     r = RedisServer(tmp_path / "redis").start()
-    nodes = [DaemonProc(tmp_path / n, [*ARGS, "--ssd-bytes", "0", "--remote-url", r.url])
+    # a 16 MiB write queue holds both sizes' writes at once, so none is dropped as queue_full
+    # while an earlier one is still being sent (under load the test raced that)
+    nodes = [DaemonProc(tmp_path / n, [*ARGS, "--ssd-bytes", "0", "--remote-url", r.url,
+                                       "--remote-queue-bytes", "16MiB"])
              for n in ("a", "b")]
     try:
         a, b = (d.start() for d in nodes)
@@ -184,7 +187,7 @@ def test_both_sizes_go_through_the_remote_tier(tmp_path: Path) -> None:
 
         with Client(a.socket, layout=BIG) as big, Client(a.socket, layout=SMALL) as small:
             assert big.store(bk, [payload(BIG, k) for k in bk]).stored == 2
-            stored(2)  # the write queue (dram / 8 = 8 MiB) holds the two big blocks
+            stored(2)
             assert small.store(sk, [payload(SMALL, k) for k in sk]).stored == 24
             stored(26)
         with Client(b.socket, layout=BIG) as big, Client(b.socket, layout=SMALL) as small:
