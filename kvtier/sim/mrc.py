@@ -37,13 +37,15 @@ def compare(
     requests: Sequence[Request], dram_blocks: int, ssd_blocks: int, *, admit_k: int = 2,
     max_keys: int, tenant: object = 0, factors: Sequence[float] = FACTORS,
 ) -> tuple[list[Compared], ReuseSampler]:
-    """Estimate at the `capacity_grid` of (dram_blocks, ssd_blocks), then replay each point."""
+    """Estimate at the `capacity_grid` of (dram_blocks, ssd_blocks), then replay each point
+    under `lru`, the policy the estimator models (LRU reuse distances), whatever the default."""
     grid = capacity_grid(dram_blocks, ssd_blocks, factors)
     sampler = ReuseSampler(grid, admit_k=admit_k, max_keys=max_keys)
     estimate(requests, sampler, tenant)
     out = []
     for scaled, factor, p in labelled(sampler.points(), factors):
-        real = replay(requests, TierConfig(p.dram_blocks, p.ssd_blocks, ssd_admit_k=admit_k))
+        real = replay(requests, TierConfig(p.dram_blocks, p.ssd_blocks, policy="lru",
+                                           ssd_admit_k=admit_k))
         out.append(Compared(scaled, factor, p.dram_blocks, p.ssd_blocks, p.hit_ratio,
                             real.hit_ratio))
     return out, sampler
