@@ -25,6 +25,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier.client.sync_client import Client
 from kvtier.tiers import segment_owner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,3 +123,17 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
     finally:
         if d.proc is not None:
             d.stop()  # also reclaims the segment of a daemon that died during the test
+
+
+def ssd_blocks(kv: Client) -> int:
+    """The SSD tier's block count in `kv`'s Stats."""
+    return int(next(t.blocks for t in kv.stats().tiers if t.tier == pb.TIER_SSD))
+
+
+def wait_ssd_blocks(kv: Client, want: int, timeout: float = 30.0) -> int:
+    """Waits until the SSD tier holds `want` blocks (write-back is asynchronous), at most
+    `timeout` seconds; returns the count then."""
+    deadline = time.monotonic() + timeout
+    while ssd_blocks(kv) < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ssd_blocks(kv)

@@ -17,7 +17,7 @@ from kvtier.client.shm import segment_handle
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.segment import StaleSegment
 from kvtier.core.types import Tier
-from tests.daemon_fixture import DaemonProc
+from tests.daemon_fixture import DaemonProc, wait_ssd_blocks
 from tests.redis_fixture import RedisServer, needs_redis
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -141,10 +141,7 @@ def test_both_sizes_are_written_back_to_ssd_and_served_after_a_restart(tmp_path:
         with Client(d.socket, layout=BIG) as big, Client(d.socket, layout=SMALL) as small:
             assert big.store(bk, [payload(BIG, k) for k in bk]).stored == 3
             assert small.store(sk, [payload(SMALL, k) for k in sk]).stored == 40
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and next(
-                    t.blocks for t in small.stats().tiers if t.tier == pb.TIER_SSD) < 43:
-                time.sleep(0.05)
+            wait_ssd_blocks(small, 43)
     finally:
         assert d.stop() == 0
     d.start()
@@ -210,10 +207,7 @@ def test_a_pool_of_one_size_keeps_the_ssd_slot_file(tmp_path: Path) -> None:
         assert (d.data_dir / "ssd" / "slots.dat").exists()  # slots of 64 KiB, as before
         with Client(d.socket, layout=one) as kv:
             assert kv.store(keys, [payload(one, k) for k in keys]).stored == 5
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and next(
-                    t.blocks for t in kv.stats().tiers if t.tier == pb.TIER_SSD) < 5:
-                time.sleep(0.05)
+            wait_ssd_blocks(kv, 5)
     finally:
         assert d.stop() == 0
     d.start()

@@ -9,7 +9,6 @@ model id are dropped at start, never served.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import grpc
@@ -22,7 +21,7 @@ from kvtier.core.keys import root_seed
 from kvtier.core.types import Tier
 from kvtier.daemon.residency import STORE_FINGERPRINT
 from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore
-from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
+from tests.daemon_fixture import DaemonProc, daemon, ssd_blocks, wait_ssd_blocks  # noqa: F401
 
 BLOCK = 65536
 FP = b"shared-layout-fp-0001"  # one layout fingerprint, two models
@@ -31,17 +30,6 @@ TUNE = LayoutDecl(FP, BLOCK, 16, model_id="org/base-7b-chat-ft@r1")
 KEYS = [i.to_bytes(4, "big") + bytes(28) for i in range(4)]  # one chain, equal for both models
 BASE_DATA = [bytes([0x11, i]) * (BLOCK // 2) for i in range(len(KEYS))]
 TUNE_DATA = [bytes([0x22, i]) * (BLOCK // 2) for i in range(len(KEYS))]
-
-
-def ssd_blocks(kv: Client) -> int:
-    return int(next(t.blocks for t in kv.stats().tiers if t.tier == pb.TIER_SSD))
-
-
-def wait_ssd_blocks(kv: Client, want: int, timeout: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout
-    while ssd_blocks(kv) < want and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return ssd_blocks(kv)
 
 
 def loaded(kv: Client) -> list[bytes]:
