@@ -144,34 +144,48 @@ class CpuBackend:
         self._rows = slot_rows_view(slots, slot_geom)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-xfer")
 
-    def copy(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray) -> None:
-        """Copy a batch of pairs; raises if any copy fails (override point for fault tests)."""
-        reference_copy(direction, self._rows, self._chunks, self._pool, slot_idx, block_idx)
+    def copy(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
+             chunks: tuple[int, int] | None = None) -> None:
+        """Copy a batch of pairs (only chunks [lo, hi) with `chunks`); raises if any copy fails
+        (override point for fault tests)."""
+        if chunks is None:
+            reference_copy(direction, self._rows, self._chunks, self._pool, slot_idx, block_idx)
+            return
+        lo, hi = chunks
+        rows = self._rows[:, lo * self._pool.chunk_bytes:]
+        reference_copy(direction, rows, self._chunks[lo:hi], self._pool, slot_idx, block_idx)
+
+    def _copy(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
+              chunks: tuple[int, int] | None) -> None:
+        if chunks is None:  # subclasses overriding copy(direction, slots, blocks) keep working
+            self.copy(direction, slot_idx, block_idx)
+        else:
+            self.copy(direction, slot_idx, block_idx, chunks)
 
     def _run(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
-             after: object | None) -> Outcome:
+             after: object | None, chunks: tuple[int, int] | None = None) -> Outcome:
         ok = np.zeros(slot_idx.size, dtype=np.bool_)
         try:
             _wait_after(after)
         except Exception as exc:
             return Outcome(ok, self.name, f"wait failed: {exc}")
         try:
-            self.copy(direction, slot_idx, block_idx)
+            self._copy(direction, slot_idx, block_idx, chunks)
             ok[:] = True
             return Outcome(ok, self.name, None)
         except Exception as exc:
             first = f"{type(exc).__name__}: {exc}"
         for i in range(slot_idx.size):
             try:
-                self.copy(direction, slot_idx[i:i + 1], block_idx[i:i + 1])
+                self._copy(direction, slot_idx[i:i + 1], block_idx[i:i + 1], chunks)
                 ok[i] = True
             except Exception:
                 ok[i] = False
         return Outcome(ok, self.name, first)
 
     def start(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
-              after: object | None) -> Future[Outcome]:
-        return self._worker.submit(self._run, direction, slot_idx, block_idx, after)
+              after: object | None, chunks: tuple[int, int] | None = None) -> Future[Outcome]:
+        return self._worker.submit(self._run, direction, slot_idx, block_idx, after, chunks)
 
     def done(self, pending: Future[Outcome]) -> bool:
         return pending.done()
