@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvtier.gpu.plan import Calibration, Direction
-from kvtier.gpu.transfer import KVPool, TransferEngine, TransferHandle, TransferJob
+from kvtier.gpu.transfer import Backend, KVPool, TransferEngine, TransferHandle, TransferJob
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
@@ -97,7 +97,8 @@ class LayerLoads:
     """Loads through a TransferEngine, layer by layer (see the module docstring)."""
 
     def __init__(self, chunks: Sequence[Any], per_layer: int, release: Release, *,
-                 backend: str = "auto", calibration: Calibration | None = None) -> None:
+                 backend: str | Backend = "auto", calibration: Calibration | None = None
+                 ) -> None:
         if not chunks or per_layer < 1 or len(chunks) % per_layer:
             raise ValueError(f"{len(chunks)} chunks are not whole layers of {per_layer}")
         self.pool = KVPool.paged(chunks)
