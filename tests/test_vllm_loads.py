@@ -360,3 +360,16 @@ def test_settings_check_transfer() -> None:
     assert ConnectorSettings.from_extra({"transfer": "torch"}).transfer == "torch"
     with pytest.raises(SettingsError, match="transfer"):
         ConnectorSettings.from_extra({"transfer": "dma"})
+
+
+def test_cuda_loads_calibrate_at_start(fake: FakeRuntime,  # noqa: F811
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTIER_TRANSFER_CALIBRATION", raising=False)
+    pg = paged(vllm_views(KVCacheLayout.LBHNC, 30), PAGE)
+    loads = LayerLoads([DevArray(c.numpy()) for c in pg.chunks], pg.per_layer, Releases())
+    loads.calibrate()  # at register_kv_caches, not inside the first forward
+    assert loads.calibration is not None
+    assert min(r.chunk_bytes for r in loads.calibration.rows) == pg.chunk_bytes
+    cpu = LayerLoads(pg.chunks, pg.per_layer, Releases())
+    cpu.calibrate()
+    assert cpu.calibration is None  # nothing to choose on CPU

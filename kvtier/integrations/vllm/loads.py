@@ -23,6 +23,7 @@ Threading: vLLM's worker thread only.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,21 @@ class LayerLoads:
         self._engine: TransferEngine | None = None
         self._generation: int | None = None
         self._step: _Step | None = None
+
+    def calibrate(self) -> None:
+        """On CUDA, measure the kernel-vs-DMA choice now (vLLM's engine start) rather than
+        within the first load; a calibration file ($KVTIER_TRANSFER_CALIBRATION) is used as is."""
+        if self.calibration is not None or self.pool.device != "cuda":
+            return
+        env = os.environ.get("KVTIER_TRANSFER_CALIBRATION")
+        if env:
+            from kvtier.gpu.backend import load_calibration
+
+            self.calibration = load_calibration(env)
+            return
+        from kvtier.gpu.measure import calibrate_pool
+
+        self.calibration = calibrate_pool(self.geometry)
 
     def _engine_for(self, rows: Any, generation: int) -> TransferEngine:
         if self._engine is None or self._generation != generation:

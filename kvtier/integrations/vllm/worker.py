@@ -140,7 +140,9 @@ class WorkerSide:
                 choice = "torch"
         if choice == "torch":
             return TorchLoads(pg.chunks, pg.per_layer, self._release)
-        return LayerLoads(pg.chunks, pg.per_layer, self._release)
+        loads = LayerLoads(pg.chunks, pg.per_layer, self._release)
+        loads.calibrate()
+        return loads
 
     def _rows(self, buf: SlotBuffer) -> torch.Tensor:
         """The [slots, slot_bytes] tensor over the mapped pool (kept per pool generation)."""
