@@ -373,3 +373,18 @@ def test_cuda_loads_calibrate_at_start(fake: FakeRuntime,  # noqa: F811
     cpu = LayerLoads(pg.chunks, pg.per_layer, Releases())
     cpu.calibrate()
     assert cpu.calibration is None  # nothing to choose on CPU
+
+
+def test_loads_that_cannot_be_issued_are_all_recomputed(caplog: pytest.LogCaptureFixture) -> None:
+    pg = paged(vllm_views(KVCacheLayout.LBHNC, 31), PAGE)
+    rel = Releases()
+    loads = LayerLoads(pg.chunks, pg.per_layer, rel, backend="cpu")
+    small = np.zeros((8, PAGE), dtype=np.uint8)  # a slot of one page cannot hold 3 layers
+    with caplog.at_level("WARNING", "kvtier.integrations.vllm"):
+        for _ in range(2):
+            loads.start(small, 1, LEASES)
+            done = loads.finish()
+            assert done.failed == set(BLKS) and done.loaded == 0
+    assert rel.calls == [("a", 0), ("b", 0)] * 2  # the leases still end
+    assert sum("loads not issued" in r.message for r in caplog.records) == 1  # one warning
+    loads.close()

@@ -113,6 +113,7 @@ class LayerLoads:
         self._engine: TransferEngine | None = None
         self._generation: int | None = None
         self._step: _Step | None = None
+        self._warned = False
 
     def calibrate(self) -> None:
         """On CUDA, measure the kernel-vs-DMA choice now (vLLM's engine start) rather than
@@ -163,8 +164,10 @@ class LayerLoads:
                     Direction.LOAD, slots, blocks, after=after if i == 0 else None,
                     chunks=(lo, lo + self.per_layer))))
         except Exception as exc:  # nothing issued is trusted: the step's blocks are recomputed
-            log.warning("kvtier: loads not issued (%s: %s); recomputing them",
-                        type(exc).__name__, exc)
+            level = logging.DEBUG if self._warned else logging.WARNING
+            self._warned = True
+            log.log(level, "kvtier: loads not issued (%s: %s); recomputing them",
+                    type(exc).__name__, exc)
             step.failed.update(int(b) for b in blocks)
             step.handles = [h for h in step.handles if h is not None]
             self._drain(step)

@@ -57,8 +57,8 @@ class ConnectorSettings:
     transfer: str = "auto"
     """How loads copy slots into vLLM's cache: "engine" (kvtier's TransferEngine, layer by
     layer: CUDA kernels or batched DMA on a GPU, its CPU backend otherwise), "torch"
-    (synchronous torch indexing, every layer before the forward), "auto" (engine on CUDA,
-    torch on CPU, the faster there: docs/benchmarks.md)."""
+    (synchronous torch indexing, every layer before the forward), "auto" (the engine: measured
+    faster on CPU too, docs/benchmarks.md; on CUDA without CuPy, torch with a warning)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -3,15 +3,17 @@ and vLLM's paged KV cache, on each TP rank.
 
     start_load_kv     for each LoadJob: Acquire the job's keys on this rank's layout (a lease),
                       then issue the step's copies slots -> vLLM blocks (`loads.py`). With the
-                      TransferEngine (`transfer: "engine"`; "auto" on CUDA) one LOAD job per
-                      layer runs on the engine's side stream after vLLM's compute stream, and
+                      TransferEngine (`transfer: "engine"`, what "auto" picks) one LOAD job per
+                      layer runs on the engine's stream (CUDA: a side stream ordered after
+                      vLLM's compute stream; CPU: the engine's copy thread), and
                       `wait_for_layer_load(layer)` waits for that layer only, so layer i's
                       attention overlaps the copy of the layers after it (under a full CUDA
                       graph, whose replay skips `wait_for_layer_load`, every layer is waited
-                      for within `start_load_kv`). With `transfer: "torch"` ("auto" on CPU,
-                      measured faster there: docs/benchmarks.md) the copy is synchronous
-                      torch indexing. Leases are Released once every layer's copy completed,
-                      at `get_block_ids_with_load_errors` (after the forward). Blocks the
+                      for within `start_load_kv`). With `transfer: "torch"` the copy is
+                      synchronous torch indexing (slower than the engine's CPU backend on the
+                      dev machine: docs/benchmarks.md). Leases are Released once every layer's
+                      copy completed, at `get_block_ids_with_load_errors` (after the forward).
+                      Blocks the
                       daemon no longer has, pairs whose copy failed (`ok=False`), and every
                       block of a job whose Release fails go to the load-error set, so vLLM
                       recomputes them (a failed Release means the lease expired or the daemon
@@ -127,9 +129,7 @@ class WorkerSide:
         self.link.client()  # connect early (a missing daemon is one warning, not an error)
 
     def _make_loads(self, pg: Paged, cuda: bool) -> Loads:
-        choice = self.settings.transfer
-        if choice == "auto":
-            choice = "engine" if cuda else "torch"
+        choice = "engine" if self.settings.transfer == "auto" else self.settings.transfer
         if choice == "engine" and cuda:
             from kvtier.gpu import available
 
@@ -140,6 +140,12 @@ class WorkerSide:
                 choice = "torch"
         if choice == "torch":
             return TorchLoads(pg.chunks, pg.per_layer, self._release)
+        if cuda:
+            import cupy
+
+            # this thread issues every load: CuPy's streams and events on vLLM's device (a TP
+            # rank's GPU), not device 0
+            cupy.cuda.Device(pg.device.index or 0).use()
         loads = LayerLoads(pg.chunks, pg.per_layer, self._release)
         loads.calibrate()
         return loads
