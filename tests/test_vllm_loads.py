@@ -6,6 +6,7 @@ CUDA backend's real plumbing over host memory), and in a `WorkerSide` against a 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -388,3 +389,24 @@ def test_loads_that_cannot_be_issued_are_all_recomputed(caplog: pytest.LogCaptur
     assert rel.calls == [("a", 0), ("b", 0)] * 2  # the leases still end
     assert sum("loads not issued" in r.message for r in caplog.records) == 1  # one warning
     loads.close()
+
+
+def test_the_planner_gets_the_copy_time_not_the_forward() -> None:
+    pg = paged(vllm_views(KVCacheLayout.LBHNC, 32), PAGE)
+    rows = slot_rows(8, 33)
+    seen: list[float] = []
+
+    def release(lease_id: str, nbytes: int, seconds: float) -> bool:
+        seen.append(seconds)
+        return True
+
+    for loads in (LayerLoads(pg.chunks, pg.per_layer, release, backend="cpu"),
+                  TorchLoads(pg.chunks, pg.per_layer, release)):
+        loads.start(rows, 1, LEASES)
+        loads.wait_layer(0)  # the forward's first attention layer
+        time.sleep(0.5)  # the rest of the forward, while the copies are long done
+        for i in range(1, 3):
+            loads.wait_layer(i)
+        assert loads.finish().seconds < 0.3
+        loads.close()
+    assert len(seen) == 4 and max(seen) < 0.3  # both leases, both paths

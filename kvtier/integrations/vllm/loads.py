@@ -74,11 +74,15 @@ class _Step:
     handles: list[TransferHandle | None]
     t0: float
     failed: set[int] = field(default_factory=set)
+    done_at: float = 0.0
+    """When the latest layer's copy was seen complete: the copy time the daemon's planner gets
+    is `done_at - t0`, not the forward the leases also spanned."""
 
 
 def _finish_leases(step: _Step, release: Release, block_bytes: int) -> Finished:
     """Release every lease of a step whose copies are all collected."""
-    out = Finished(failed=set(step.failed), seconds=time.perf_counter() - step.t0)
+    out = Finished(failed=set(step.failed),
+                   seconds=(step.done_at or time.perf_counter()) - step.t0)
     at = 0
     for lease in step.leases:
         n = len(lease.blocks)
@@ -175,21 +179,30 @@ class LayerLoads:
         step.ok[:] = True
 
     def _collect(self, step: _Step, i: int) -> None:
+        """Waits for layer i's job, then takes every other finished one (so each layer's end
+        is seen about when it happened, not when the forward reached it)."""
         handle = step.handles[i]
         if handle is None:
             return
-        step.handles[i] = None
         assert self._engine is not None
         try:
-            res = self._engine.wait(handle)
+            results = [self._engine.wait(handle)]
+            step.handles[i] = None
+            results += self._engine.poll()
         except Exception as exc:
             log.warning("kvtier: waiting for a layer's load failed: %s", exc)
+            step.handles[i] = None
             step.ok[:] = False
             return
-        if not res.all_ok:
-            log.warning("kvtier: %d of %d blocks failed to load in layer %d (%s); recomputing "
-                        "them", int((~res.ok).sum()), res.ok.size, i, res.error)
-        step.ok &= res.ok
+        step.done_at = time.perf_counter()
+        for res in results:
+            layer = i if res.handle == handle else step.handles.index(res.handle)
+            step.handles[layer] = None
+            if not res.all_ok:
+                log.warning("kvtier: %d of %d blocks failed to load in layer %d (%s); "
+                            "recomputing them", int((~res.ok).sum()), res.ok.size, layer,
+                            res.error)
+            step.ok &= res.ok
 
     def _drain(self, step: _Step) -> None:
         """Waits for every issued job of a step that failed midway (their results are void)."""
@@ -257,6 +270,7 @@ class TorchLoads:
             log.warning("kvtier: load copy failed (%s: %s); recomputing its blocks",
                         type(exc).__name__, exc)
             return
+        step.done_at = time.perf_counter()
         step.ok[:] = True
 
     def wait_layer(self, layer: int) -> None:
