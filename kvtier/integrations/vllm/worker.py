@@ -186,10 +186,9 @@ class WorkerSide:
             return
         rows = self._rows(buf)
         if self.layerwise:
-            if self.paged is not None and self.paged.device.type == "cuda":
-                self._register_cuda()
             after = None
-            if self.paged is not None and self.paged.device.type == "cuda":
+            if self.clock.cuda:
+                self._register_cuda()
                 after = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 after.record()  # vLLM zeroes new blocks on its stream before the loads
             self.loads.start(rows.numpy(), buf.generation, leases, after)
