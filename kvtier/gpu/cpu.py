@@ -10,6 +10,7 @@ CUDA stream); `start` returns at once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -114,10 +115,13 @@ def execute_ops(direction: Direction, ops: Sequence[Copy], slot_flat: U8,
 class Outcome:
     """Per-pair result of one job: `ok[i]` is True only if pair i was copied completely."""
 
-    __slots__ = ("error", "ok", "path")
+    __slots__ = ("done_at", "error", "ok", "path")
 
-    def __init__(self, ok: BoolArray, path: str, error: str | None) -> None:
+    def __init__(self, ok: BoolArray, path: str, error: str | None,
+                 done_at: float | None = None) -> None:
         self.ok, self.path, self.error = ok, path, error
+        self.done_at = done_at
+        """time.perf_counter() when the copies ended, where the backend knows it."""
 
 
 def _wait_after(after: object | None) -> None:
@@ -172,7 +176,7 @@ class CpuBackend:
         try:
             self._copy(direction, slot_idx, block_idx, chunks)
             ok[:] = True
-            return Outcome(ok, self.name, None)
+            return Outcome(ok, self.name, None, time.perf_counter())
         except Exception as exc:
             first = f"{type(exc).__name__}: {exc}"
         for i in range(slot_idx.size):
@@ -181,7 +185,7 @@ class CpuBackend:
                 ok[i] = True
             except Exception:
                 ok[i] = False
-        return Outcome(ok, self.name, first)
+        return Outcome(ok, self.name, first, time.perf_counter())
 
     def start(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
               after: object | None, chunks: tuple[int, int] | None = None) -> Future[Outcome]:

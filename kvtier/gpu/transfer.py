@@ -189,7 +189,7 @@ class TransferResult(NamedTuple):
     path: str  # "cpu" | "kernel" | "dma" | "none"
     error: str | None
     nbytes: int  # bytes of the pairs that completed
-    seconds: float  # submit to observed completion
+    seconds: float  # submit to completion (when the backend knows it: CPU), else to observed
 
     @property
     def all_ok(self) -> bool:
@@ -285,15 +285,17 @@ class TransferEngine:
 
     def _collect(self, handle: TransferHandle, timeout: float | None) -> TransferResult:
         f = self._inflight[handle]
+        done_at = None
         if f.pending is None:
             ok, path, error = np.ones(0, dtype=np.bool_), "none", None
         else:
             out = self.backend.finish(f.pending, timeout)
             ok, path, error = out.ok, out.path, out.error
+            done_at = getattr(out, "done_at", None)
         del self._inflight[handle]
         nbytes = int(ok.sum()) * f.pair_bytes
         return TransferResult(handle, f.direction, f.slots, f.blocks, ok, path, error, nbytes,
-                              time.perf_counter() - f.t0)
+                              (done_at or time.perf_counter()) - f.t0)
 
 
 def check_chunks(chunks: tuple[int, int] | None, n_chunks: int) -> tuple[int, int] | None:

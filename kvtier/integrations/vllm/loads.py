@@ -75,8 +75,8 @@ class _Step:
     t0: float
     failed: set[int] = field(default_factory=set)
     done_at: float = 0.0
-    """When the latest layer's copy was seen complete: the copy time the daemon's planner gets
-    is `done_at - t0`, not the forward the leases also spanned."""
+    """When the latest layer's copy ended (the CPU backend's own time; on CUDA when seen): the
+    copy time the daemon's planner gets is `done_at - t0`, not the forward the leases spanned."""
 
 
 def _finish_leases(step: _Step, release: Release, block_bytes: int) -> Finished:
@@ -162,6 +162,7 @@ class LayerLoads:
         self._step = step
         try:
             engine = self._engine_for(rows, generation)
+            step.t0 = time.perf_counter()  # the copy's clock starts at the first submit
             for i in range(self.layers):
                 lo = i * self.per_layer
                 step.handles.append(engine.submit(TransferJob(
@@ -194,8 +195,8 @@ class LayerLoads:
             step.handles[i] = None
             step.ok[:] = False
             return
-        step.done_at = time.perf_counter()
-        for res in results:
+        for res in results:  # submitted together at t0 (within microseconds)
+            step.done_at = max(step.done_at, step.t0 + res.seconds)
             layer = i if res.handle == handle else step.handles.index(res.handle)
             step.handles[layer] = None
             if not res.all_ok:
