@@ -25,6 +25,16 @@ may take it; the neighbour's link row stops being a slot). `alloc` fills the cla
 first, so pages empty out and return. `evacuation` names a page whose live slots, and the link
 row lying on it, fit in the class's other free slots (the caller moves those blocks, then the
 page is free).
+
+A class whose stride exceeds the page ("wide": pages smaller than the largest block, as in
+small pools) is the same rule carried further: each of its rows crosses into one or more
+following pages, so every row is a link row, a slot only while all the pages it lies on belong
+to the class; a page holds the rows that start in it (at most one) and carries the row from an
+earlier page that lies on it, and goes back when no allocated row lies on it. Such a class takes
+the free pages of one row at a time (`_pick_run`: fewest to take, then the highest row, so wide
+classes grow from the top of the data area and the others from the bottom), and `relocation`
+clears a row for it by moving the blocks of other classes lying on the row's pages into their
+classes' free slots off the row, taking free pages off the row where those do not suffice.
 """
 
 from __future__ import annotations
