@@ -306,9 +306,9 @@ def auto_pool() -> Iterator[DramPool]:
 def test_auto_geometry_of_small_and_large_pools() -> None:
     def geometry(mib: int) -> tuple[int, int]:
         return DramSpec("x", 16 * KiB, mib * MiB // (16 * KiB), max_block=8 * MiB).geometry()
-    # below 256 MiB sqrt(pool x 256 KiB) is under the largest block: a power of two below it
+    # below 256 MiB sqrt(pool x 256 KiB) is under the largest block: a quarter of it
     assert geometry(32) == (2 * MiB, 16)
-    assert geometry(64) == (4 * MiB, 16) and geometry(128) == (4 * MiB, 32)
+    assert geometry(64) == (2 * MiB, 32) and geometry(128) == (2 * MiB, 64)
     assert geometry(256) == (8 * MiB, 32) and geometry(1024) == (16 * MiB, 64)
 
 

@@ -78,9 +78,9 @@ PAGE_SCALE = 256 << 10
 """Auto page size: sqrt(data bytes x this) (`DramSpec.geometry`). A class loses up to about a
 page to free slots it holds under churn (`kvtier.tiers.dram_pages`), and a stride that does not
 divide the page loses up to one slot at each end of a run of adjacent pages of its class: pages
-~ sqrt(pool x a typical block) balance the two (4 MiB for 64 and 128 MiB, 8 MiB for 256 MiB,
-16 MiB for 1 GiB, 32 MiB for 4 GiB; measured by `bench.dram_rounding`). A block larger than a
-page spans adjacent pages of its class."""
+~ sqrt(pool x a typical block) balance the two (8 MiB for 256 MiB, 16 MiB for 1 GiB, 32 MiB for
+4 GiB; measured by `bench.dram_rounding`); smaller pools get pages of a quarter of the largest
+block, which spans adjacent pages of its class."""
 
 
 @dataclass(frozen=True)
@@ -110,17 +110,18 @@ class DramSpec:
             raise UsageError("DRAM pool needs max_block >= 0 and page_bytes >= 0")
 
     def geometry(self) -> tuple[int, int]:
-        """(page_bytes, page_count): pages of `page_bytes`, else sqrt(data x `PAGE_SCALE`),
-        rounded down to a power of two when that is below the largest block (a pool under
-        256 MiB with 8 MiB blocks: the largest block's rows then span whole pages,
-        `kvtier.tiers.dram_pages`); at least one smallest slot. The data area is split evenly
-        (4 KiB multiples), so at most `page_count` * 4 KiB is lost to it."""
+        """(page_bytes, page_count): pages of `page_bytes`, else sqrt(data x `PAGE_SCALE`);
+        when that is below the largest block (a pool under 256 MiB with 8 MiB blocks), a
+        quarter of the largest block (2 MiB: its rows span 4 pages, `kvtier.tiers.dram_pages`;
+        measured best of 2, 4 and 8 MiB at 64 and 128 MiB by `bench.dram_rounding`); at least
+        one smallest slot. The data area is split evenly (4 KiB multiples), so at most
+        `page_count` * 4 KiB is lost to it."""
         stride = slot_stride(self.slot_size)
         data = stride * self.slot_count
         want = self.page_bytes or math.isqrt(data * PAGE_SCALE)
-        if not self.page_bytes and want < max(self.max_block, self.slot_size):
-            want = 1 << (want.bit_length() - 1)  # a power of two: the largest block's rows
-            # (and any power-of-two block's) then cover whole pages
+        big = min(max(self.max_block, self.slot_size), data)
+        if not self.page_bytes and want < big:
+            want = big // 4 // 4096 * 4096  # a row of the largest block spans 4 pages
         count = max(1, data // max(want, stride))
         size = data // count // 4096 * 4096
         return max(size, stride), count

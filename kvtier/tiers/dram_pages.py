@@ -204,11 +204,19 @@ class PageTable:
         links = (left and self._crosses(stride, q - 1)) + (right and self._crosses(stride, q))
         return self.inside(stride, q) + links, left + right, -q
 
-    def _pick(self, stride: int, free: list[int], st: list[int]) -> int | None:
-        """The free page `_take_page` gives class `stride`: most slots gained, next to its own
-        pages if it can, the lowest; only pages that hold a whole row of it."""
-        return max((q for q in free if self.inside(stride, q)),
-                   key=lambda q: self._gain(stride, q, st), default=None)
+    def _pick(self, stride: int, free: list[int], st: list[int]) -> list[int] | None:
+        """The free pages `_take_page` gives class `stride`: the page that adds most slots
+        (its link rows with the class's pages on either side included), next to its own pages
+        if it can, the lowest; when no single page adds a slot (a stride over half a page: a
+        page may hold no whole row), or for a wide class, the pages of one row
+        (`_pick_run`). None when no free pages make a slot."""
+        if not self._wide(stride):
+            p = max(free, key=lambda q: self._gain(stride, q, st), default=None)
+            if p is not None and self._gain(stride, p, st)[0]:
+                return [p]
+            if 2 * stride <= self.page_bytes:
+                return None
+        return self._pick_run(stride, st)
 
     def _pick_run(self, stride: int, st: list[int]) -> list[int] | None:
         """The free pages a wide class (rows larger than a page) takes for one more row under
@@ -242,20 +250,14 @@ class PageTable:
         `need` (or every page that holds a row) is taken."""
         st, free, got = list(self._stride), list(self._free_pages), 0
         while got < need:
-            if self._wide(stride):
-                run = self._pick_run(stride, st)
-                if run is None:
-                    break
-                got += self._run_gain(stride, run, st)
-                for q in run:
-                    st[q] = stride
-                continue
-            p = self._pick(stride, free, st)
-            if p is None:
+            run = self._pick(stride, free, st)
+            if run is None:
                 break
-            got += self._gain(stride, p, st)[0]
-            free.remove(p)
-            st[p] = stride
+            got += self._gain(stride, run[0], st)[0] if len(run) == 1 and not self._wide(
+                stride) else self._run_gain(stride, run, st)
+            for q in run:
+                free.remove(q)
+                st[q] = stride
         return got
 
     def can_alloc(self, n: int, stride: int) -> bool:
@@ -272,8 +274,9 @@ class PageTable:
             return []
         if not self.can_alloc(n, stride):
             return None
+        taken: list[int] = []
         while self._class_free.get(stride, 0) < n:
-            self._take_page(stride)
+            taken.extend(self._take_page(stride))
         pages = sorted((p for p in self._class_pages[stride] if p in self._page_free),
                        key=lambda p: len(self._page_free[p]))
         got: list[int] = []
@@ -291,22 +294,26 @@ class PageTable:
             self._allocated[s] = 1
         self.used += n
         self.used_bytes += n * stride
+        self._untake(stride, taken)
         return got
 
-    def _take_page(self, stride: int) -> None:
+    def _untake(self, stride: int, pages: list[int]) -> None:
+        """Gives back those of `pages` (just taken by class `stride`) that no allocated row
+        lies on (a run taken for a wide row that fuller pages' slots made unneeded)."""
+        for q in pages:
+            if self._stride[q] == stride and not self._live[q] and not self._borrowed(q):
+                self._release_page(q)
+
+    def _take_page(self, stride: int) -> list[int]:
         """Gives the class the free page that adds most of its slots (link rows with its pages
         on either side included), next to its own pages if it can, the lowest such page; only
         pages that hold a whole row of it (`can_alloc` counts those). A wide class takes the
         free pages of one row (`_pick_run`)."""
-        if self._wide(stride):
-            run = self._pick_run(stride, self._stride)
-            assert run is not None, "can_alloc was checked"
-            for q in run:
-                self._own(stride, q)
-            return
-        p = self._pick(stride, self._free_pages, self._stride)
-        assert p is not None, "can_alloc was checked"
-        self._own(stride, p)
+        run = self._pick(stride, self._free_pages, self._stride)
+        assert run is not None, "can_alloc was checked"
+        for q in run:
+            self._own(stride, q)
+        return run
 
     def _own(self, stride: int, p: int) -> None:
         """Free page `p` becomes a page of class `stride`: the rows that now lie on pages of
@@ -473,9 +480,7 @@ class PageTable:
             assert len(dst) == len(live), "planned room"
             self.claim(dst)
             pairs.extend(zip(live, dst, strict=True))
-            for q in plan.get(c, ()):  # a page taken but not needed goes back
-                if self._stride[q] == c and not self._live[q] and not self._borrowed(q):
-                    self._release_page(q)
+            self._untake(c, plan.get(c, []))  # a page taken but not needed goes back
         return pairs
 
     def targets(self, stride: int, avoid: int, n: int) -> list[int]:
