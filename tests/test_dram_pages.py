@@ -57,11 +57,12 @@ def check_table(t: PageTable, live: dict[int, int]) -> None:
 
 
 SIZES = st.sampled_from([16 * KiB, 32 * KiB, 48 * KiB + 100, 256 * KiB, 448 * KiB, 640 * KiB,
-                         1_124_352, 1 * MiB + 4096, 3 * MiB, 4 * MiB, 8 * MiB])
+                         1_124_352, 1 * MiB + 4096, 3 * MiB, 4 * MiB, 5 * MiB + 4096,
+                         8 * MiB])
 
 
-@pytest.mark.parametrize("page_bytes,pages", [(16 * MiB, 6), (8 * MiB, 8), (2 * MiB, 24),
-                                              (1536 * KiB, 20)])
+@pytest.mark.parametrize("page_bytes,pages", [(16 * MiB, 6), (8 * MiB, 8), (4 * MiB, 22),
+                                              (2 * MiB, 24), (1536 * KiB, 20)])
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "a", "f", "f", "e", "r"]), SIZES,
                           st.integers(1, 40),
