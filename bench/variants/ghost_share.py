@@ -12,14 +12,13 @@ from kvtier.index.types import HITS_MAX, Block
 MODE = os.environ.get("MODE", "arc")
 SPLIT = int(os.environ.get("SPLIT", "3"))
 TOP = 0.95
-_p: dict[int, float] = {}
-_cap: dict[int, int] = {}
 _init, _inserted = pa.AdaptivePolicy.__init__, pa.AdaptivePolicy.inserted
 
 
 def init(self: pa.AdaptivePolicy, dram: int | None, ssd: int | None, k: int) -> None:
     _init(self, dram, ssd, k)
-    _cap[id(self)] = max(1, dram or 1)
+    self.__dict__["variant_cap"] = max(1, dram or 1)
+    self.__dict__["variant_p"] = 0.1
 
 
 def _queue(self: pa.AdaptivePolicy) -> pa.AdaptiveQueue:
@@ -31,16 +30,15 @@ def _queue(self: pa.AdaptivePolicy) -> pa.AdaptiveQueue:
 def feed(self: pa.AdaptivePolicy, sampled: list[bytes]) -> None:
     self.minisims.feed(sampled)
     if MODE == "hybrid":
-        _queue(self).share = 1.0 if self.minisims.best >= 1.0 else _p.get(id(self), 0.1)
+        _queue(self).share = 1.0 if self.minisims.best >= 1.0 else self.__dict__["variant_p"]
 
 
 def inserted(self: pa.AdaptivePolicy, b: Block) -> None:
     h = b.stamp & HITS_MAX
     if h > 1 and not self._front:
-        cap = _cap[id(self)]
-        p = _p.get(id(self), 0.1)
+        cap, p = self.__dict__["variant_cap"], self.__dict__["variant_p"]
         p = min(TOP, p + 1 / cap) if h - 1 < SPLIT else max(0.1, p - 1 / cap)
-        _p[id(self)] = p
+        self.__dict__["variant_p"] = p
         if MODE == "arc":
             _queue(self).share = 1.0 if p >= TOP else p
         elif self.minisims.best < 1.0:

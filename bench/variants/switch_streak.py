@@ -2,6 +2,7 @@
 row in which the other candidate won by the margin."""
 
 import os
+from typing import Any
 
 from bench.variants._edit import edited
 from kvtier.index import policy_minisim as pm
@@ -19,3 +20,12 @@ edited(pm.MiniSims, "feed",
         else:
             _streak[id(self)] = 0""")],
        {"STREAK": STREAK, "_streak": _streak})
+_init = pm.MiniSims.__init__
+
+
+def init(self: pm.MiniSims, *args: Any, **kwargs: Any) -> None:
+    _init(self, *args, **kwargs)
+    _streak[id(self)] = 0  # a new instance may reuse a freed one's id
+
+
+pm.MiniSims.__init__ = init  # type: ignore[method-assign]
