@@ -12,7 +12,8 @@ in ``--jobs`` processes: about a minute instead of six. So its ×LRU figures equ
 ``--trace-samples K``: the trace has a single seed, and kvtier's choice of eviction order comes
 from mini simulations over a 1-in-16 key sample, so one trace cell moves by several percent with
 the sample; K > 1 replays the trace under K samples (`AdaptivePolicy.sample_shift`: fingerprint
-bytes 7, 6, ...) and reports their mean, with the range on a second line.
+bytes 7, 6, ...) and reports their mean, with the range on a second line;
+``--samples-everywhere`` does the same on every seed of the generated workloads.
 
 ``--patch FILE``: a Python file executed in each worker before its replays, to measure a variant
 of a policy without editing the tree (it may monkeypatch `kvtier.index.policy_adaptive`, read
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-samples", type=int, default=1, choices=range(1, 9), metavar="1-8",
                     help="replay the trace under this many of kvtier's key samples (the "
                     "fingerprint byte its mini simulations sample on): the trace has one seed")
+    ap.add_argument("--samples-everywhere", action="store_true",
+                    help="apply --trace-samples to the generated workloads' seeds too")
     ap.add_argument("--out", default=str(RESULTS / "policy_sweep.json"))
     args = ap.parse_args(argv)
     if args.patch and not Path(args.patch).is_file():
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     others = ["lru"] + ([p for p in PEERS if p not in ("lru", args.policy)] if args.peers else [])
     shifts = [56 - 8 * i for i in range(args.trace_samples)]
     ours: list[Job] = [(w, s, args.trace, args.policy, args.requests, sh) for w, s in loads
-                       for sh in (shifts if w == "trace" else shifts[:1])]
+                       for sh in (shifts if w == "trace" or args.samples_everywhere
+                                  else shifts[:1])]
     rest: list[Job] = [(w, s, args.trace, p, args.requests, 56) for p in others
                        for w, s in loads]
     workers = max(1, args.jobs)
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"bench": "policy_sweep", "policy": args.policy, "patch": args.patch,
            "seeds": args.seeds, "trace_samples": args.trace_samples,
+           "samples_everywhere": args.samples_everywhere,
            "requests": args.requests, "totals": totals, "summary": summary}
     out_path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out_path}")
