@@ -15,9 +15,10 @@ the sample; K > 1 replays the trace under K samples (`AdaptivePolicy.sample_shif
 bytes 7, 6, ...) and reports their mean, with the range on a second line;
 ``--samples-everywhere`` does the same on every seed of the generated workloads.
 
-``--patch FILE``: a Python file executed in each worker before its replays, to measure a variant
-of a policy without editing the tree (it may monkeypatch `kvtier.index.policy_adaptive`, read
-environment variables, ...); `bench/variants/` holds the ones docs/benchmarks.md reports.
+``--patch FILE`` (repeatable): a Python file executed in each worker before its replays, to
+measure a variant of a policy without editing the tree (it may monkeypatch
+`kvtier.index.policy_adaptive`, read environment variables, ...); `bench/variants/` holds the
+ones docs/benchmarks.md reports.
 
 Prints, per workload, the policy's hit ratio / LRU's per capacity (mean over seeds) and, with
 ``--peers``, / the best peer's; then the geometric means over the 25 DRAM-only cells and over the
@@ -50,10 +51,11 @@ Job = tuple[str, int, str, str, int, int]
 """(workload, seed, trace path, policy, requests, kvtier's sample shift)."""
 
 
-def _patch(path: str) -> None:
-    """Worker initializer: apply the variant once per process (the policy under test only runs
+def _patch(paths: list[str]) -> None:
+    """Worker initializer: apply the variants once per process (the policy under test only runs
     in those processes; LRU and the peers run in unpatched ones)."""
-    runpy.run_path(path)
+    for path in paths:
+        runpy.run_path(path)
 
 
 def _work(job: Job) -> tuple[str, int, str, dict[str, float]]:
@@ -77,7 +79,8 @@ def _geomean(xs: Sequence[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], allow_abbrev=False)
     ap.add_argument("--policy", default="kvtier")
-    ap.add_argument("--patch", default=None, help="Python file run in each worker first")
+    ap.add_argument("--patch", action="append", default=[],
+                    help="Python file run in each worker first (repeatable: in order)")
     ap.add_argument("--peers", action="store_true", help="also replay every peer policy")
     ap.add_argument("--trace", default=str(SAMPLE))
     ap.add_argument("--seeds", type=int, default=3)
@@ -90,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="apply --trace-samples to the generated workloads' seeds too")
     ap.add_argument("--out", default=str(RESULTS / "policy_sweep.json"))
     args = ap.parse_args(argv)
-    if args.patch and not Path(args.patch).is_file():
-        ap.error(f"--patch {args.patch}: no such file")
+    for patch in args.patch:
+        if not Path(patch).is_file():
+            ap.error(f"--patch {patch}: no such file")
     loads: list[tuple[str, int]] = [(w, s) for w in WORKLOADS for s in range(args.seeds)]
     if Path(args.trace).exists():
         loads.insert(0, ("trace", 0))
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     mean = {k: statistics.fmean(v) for k, v in hit.items()}
     cells = [f"{f:.0%}" for f in CAPACITIES] + ["2-tier"]
     workloads = list(dict.fromkeys(w for w, _ in loads))
-    print(f"{args.policy}{' + ' + args.patch if args.patch else ''}: hit ratio / LRU"
+    print(f"{' + '.join([args.policy, *args.patch])}: hit ratio / LRU"
           + (" (/ best peer)" if args.peers else ""))
     print(f"{'workload':<9}" + "".join(f"{c:>14}" for c in cells))
     summary: list[dict[str, Any]] = []

@@ -1,4 +1,5 @@
-"""Mini simulations sampling 1 key in RATE (default 8) instead of 16 (so mini caches 2x larger)."""
+"""Mini simulations sampling 1 key in RATE (default 8, the policy's default since the fourth pass;
+it was 16 before)."""
 
 import os
 

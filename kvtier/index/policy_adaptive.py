@@ -48,7 +48,7 @@ sketch had seen k times wrote 1.3-3.1x the blocks for 0.96-1.01x the hits, and S
 on SSD lost up to 8% of the hits; so the rule stays the k-th access.
 
 Cost: O(1) per block, and almost nothing on the Lookup path. A lookup's hit blocks are scanned
-once at C speed for the `SAMPLED` bit (set at insert) and only the sampled ones (1 in 16 or
+once at C speed for the `SAMPLED` bit (set at insert) and only the sampled ones (1 in 8 or
 fewer) go to the mini simulations; a miss costs nothing. Everything else happens in `admit` (the
 daemon's Allocate): one fingerprint per missed key gives both its sketch slot and whether it is in
 the mini simulations' sample; then a bucket index and one dict operation per stored block (a
@@ -56,8 +56,8 @@ control block or a pending placement). The sketch's halving is O(slots) every 10
 references. Memory: 4 B of sketch per block of the larger tier
 (>= 64 KiB), the admission history (4 B a word, one word per block of DRAM + SSD: the ghosts), at
 most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in flight,
-576 x 8 B per tenant, and the mini simulations (~25 B per block of DRAM) — `nbytes` counts the
-predictor's part; bench.index and bench.policies measure them.
+576 x 8 B per tenant, and the mini simulations (~50 B per block of DRAM up to 32K blocks, at most
+1.6 MB) — `nbytes` counts the predictor's part; bench.index and bench.policies measure them.
 
 Threading: none; the index's owner serialises calls.
 """
