@@ -23,7 +23,8 @@ from tests.redis_fixture import RedisServer, needs_redis
 KiB, MiB = 1 << 10, 1 << 20
 BIG = LayoutDecl(b"llama-3-8b-cpu-block-32", 4 * MiB, 32, model_id="meta-llama/Llama-3-8B")
 SMALL = LayoutDecl(b"small-model-block-32k", 32 * KiB, 16, model_id="org/small-1b")
-# 64 MiB of DRAM = 8 pages of 8 MiB: a page holds 2 big blocks or 256 small ones. LRU, so that
+# 64 MiB of DRAM = 32 pages of 2 MiB (the automatic page of a 64 MiB pool): a page holds 64
+# small blocks; a big block spans 2 adjacent pages, an 8 MiB one 4. LRU, so that
 # "the policy's order" is oldest first (the default kvtier policy keeps re-used blocks longer).
 ARGS = ["--dram-bytes", "64MiB", "--slot-bytes", "16KiB", "--ssd-bytes", "128MiB",
         "--policy", "lru"]
@@ -82,13 +83,13 @@ def test_a_4mib_and_a_32kib_layout_store_and_load_side_by_side(
 
 def test_big_blocks_evict_small_ones_oldest_first_a_page_at_a_time(daemon: DaemonProc) -> None:
     with Client(daemon.socket, layout=BIG) as big, Client(daemon.socket, layout=SMALL) as small:
-        small_chains = roots(3, 2048)  # fills all 8 pages
+        small_chains = roots(3, 2048)  # fills all 32 pages
         for i in range(0, 2048, 256):
             keys = [c[0] for c in small_chains[i:i + 256]]
             for k in keys:
                 assert small.store([k], [payload(SMALL, k)]).stored == 1
         assert dram(small).used_bytes == 64 * MiB
-        bk = chain(4, 4)  # needs 2 pages: 512 small blocks go, the oldest first
+        bk = chain(4, 4)  # needs 8 pages: 512 small blocks go, the oldest first
         assert big.store(bk, [payload(BIG, k) for k in bk]).stored == 4
         with big.load(bk) as got:
             assert [bytes(v) for v in got.views] == [payload(BIG, k) for k in bk]
@@ -111,7 +112,7 @@ def test_an_emptied_page_is_reused_by_another_class_without_eviction(
         for k in bk:
             assert big.store([k], [payload(BIG, k)]).stored == 1
         assert dram(big).used_bytes == 64 * MiB
-        sk = chain(7, 256)  # one page of small blocks: exactly the two oldest big blocks go
+        sk = chain(7, 256)  # four pages of small blocks: exactly the two oldest big blocks go
         assert small.store(sk, [payload(SMALL, k) for k in sk]).stored == 256
         assert [big.lookup([k]).hit_blocks for k in bk] == [0, 0] + [1] * 14
         assert dram(big).used_bytes == 14 * 4 * MiB + 256 * 32 * KiB
@@ -244,11 +245,18 @@ def moved_total(d: DaemonProc) -> float:
     return float(line.split()[1])
 
 
+WIDE = LayoutDecl(b"wide-block-8mib-4pages", 8 * MiB, 32, model_id="org/wide-8m")
+
+
+@pytest.mark.parametrize("layout", [BIG, WIDE], ids=["2-pages", "4-pages"])
 def test_blocks_moved_to_empty_a_page_are_counted_on_metrics_and_still_read_back(
-        daemon: DaemonProc) -> None:
-    with Client(daemon.socket, layout=BIG) as big, Client(daemon.socket, layout=SMALL) as small:
+        daemon: DaemonProc, layout: LayoutDecl) -> None:
+    # a 4 MiB block takes a row of 2 adjacent pages, an 8 MiB one a row of 4: cleared by moving
+    # the small blocks left on it (`DramPool.clear_row`) or by emptying pages (evacuation)
+    with Client(daemon.socket, layout=layout) as big, \
+            Client(daemon.socket, layout=SMALL) as small:
         assert moved_total(daemon) == 0
-        keys = [c[0] for c in roots(8, 2048)]  # all 8 pages of small blocks
+        keys = [c[0] for c in roots(8, 2048)]  # all 32 pages of small blocks
         for k in keys:
             assert small.store([k], [payload(SMALL, k)]).stored == 1
         # every other block is looked up again: the cold half is spread over all pages, so
@@ -256,13 +264,15 @@ def test_blocks_moved_to_empty_a_page_are_counted_on_metrics_and_still_read_back
         for k in keys[1::2]:
             assert small.lookup([k]).hit_blocks == 1
         bk = chain(9, 2)
-        assert big.store(bk, [payload(BIG, k) for k in bk]).stored == 2
+        assert big.store(bk, [payload(layout, k) for k in bk]).stored == 2
         moved = moved_total(daemon)
         assert moved > 0
         held = [k for k in keys if small.lookup([k]).hit_blocks == 1]
         assert dram(small).blocks == 2 + len(held)
+        # no more went than the two blocks' bytes: the moves left no free slot stranded
+        assert len(held) == 2048 - 2 * layout.block_bytes // SMALL.block_bytes
         for k in held:  # the moved blocks among them: their bytes went with them
             with small.load([k]) as got:
                 assert bytes(got.views[0]) == payload(SMALL, k)
         with big.load(bk) as got:
-            assert [bytes(v) for v in got.views] == [payload(BIG, k) for k in bk]
+            assert [bytes(v) for v in got.views] == [payload(layout, k) for k in bk]

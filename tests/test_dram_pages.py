@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.core.segment import slot_array
+from kvtier.core.segment import DramError, slot_array
 from kvtier.tiers.dram import DramPool, DramSpec
 from kvtier.tiers.dram_pages import UNIT, PageTable
 
@@ -29,9 +29,12 @@ def check_table(t: PageTable, live: dict[int, int]) -> None:
     for s, stride in live.items():
         loc = t.location(s)
         assert t.stride_of(s) == stride and loc % stride == 0
-        # on pages of its class only (a link row spans two adjacent ones)
+        # on pages of its class only (a link row spans adjacent ones: two, or more for a
+        # block larger than a page), inside the data area
         first, last = loc // t.page_bytes, (loc + stride - 1) // t.page_bytes
-        assert last - first <= 1 and {t.page_class(p) for p in (first, last)} == {stride}
+        assert last < t.page_count
+        assert last - first <= -(-stride // t.page_bytes)
+        assert {t.page_class(p) for p in range(first, last + 1)} == {stride}
         assert t.page_of(s) == first
         assert t.slot_at(loc) == s
     assert t.used == len(live) and t.used_bytes == sum(live.values())
@@ -49,21 +52,24 @@ def check_table(t: PageTable, live: dict[int, int]) -> None:
     for c in classes:
         for f in t.targets(c.stride, -1, c.slots):
             loc = t.location(f)
-            pages = {loc // t.page_bytes, (loc + c.stride - 1) // t.page_bytes}
-            assert {t.page_class(p) for p in pages} == {c.stride}
+            pages = range(loc // t.page_bytes, (loc + c.stride - 1) // t.page_bytes + 1)
+            assert pages[-1] < t.page_count and {t.page_class(p) for p in pages} == {c.stride}
 
 
 SIZES = st.sampled_from([16 * KiB, 32 * KiB, 48 * KiB + 100, 256 * KiB, 448 * KiB, 640 * KiB,
-                         1_124_352, 1 * MiB + 4096, 3 * MiB, 4 * MiB, 8 * MiB])
+                         1_124_352, 1 * MiB + 4096, 3 * MiB, 4 * MiB, 5 * MiB + 4096,
+                         8 * MiB])
 
 
-@pytest.mark.parametrize("page_mib,pages", [(16, 6), (8, 8)])
+@pytest.mark.parametrize("page_bytes,pages", [(16 * MiB, 6), (8 * MiB, 8), (4 * MiB, 22),
+                                              (2 * MiB, 24), (1536 * KiB, 20)])
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["a", "a", "f", "f", "e"]), SIZES, st.integers(1, 40),
+@given(st.lists(st.tuples(st.sampled_from(["a", "a", "f", "f", "e", "r"]), SIZES,
+                          st.integers(1, 40),
                           st.integers(0, 10 ** 6)), min_size=1, max_size=60))
 def test_live_blocks_never_overlap_and_accounting_adds_up(
-        page_mib: int, pages: int, ops: list[tuple[str, int, int, int]]) -> None:
-    t = PageTable(page_mib * MiB, pages, 16 * KiB)
+        page_bytes: int, pages: int, ops: list[tuple[str, int, int, int]]) -> None:
+    t = PageTable(page_bytes, pages, 16 * KiB)
     live: dict[int, int] = {}
     for op, size, n, pick in ops:
         stride = t.stride_for(size)
@@ -81,6 +87,16 @@ def test_live_blocks_never_overlap_and_accounting_adds_up(
                     del live[old]
                     live[new] = stride
                 assert page not in {t.page_of(s) for s in live}
+        elif op == "r" and stride > t.page_bytes:  # clear a row of a wide class
+            pinned = pick % 5
+            pairs = t.relocation(stride, lambda s, pinned=pinned: s % 5 != pinned)
+            assert not {new for _, new in pairs} & set(live)
+            for old, new in pairs:
+                assert old % 5 != pinned and t.stride_of(new) == live[old] != stride
+                t.free(old)
+                live[new] = live.pop(old)
+            if pairs:  # the cleared row is free now
+                assert t.can_alloc(1, stride)
         elif op == "a":
             fits = t.can_alloc(n, stride)
             got = t.alloc_many(n, stride)
@@ -200,20 +216,147 @@ def test_rounding_of_a_llama_and_a_small_model_mix() -> None:
     assert 1 - 59 * mla / t.page_bytes == pytest.approx(0.0115, abs=1e-4)
 
 
-def test_a_block_larger_than_a_page_is_refused() -> None:
-    t = PageTable(8 * MiB, 2, 16 * KiB)
+def test_a_block_larger_than_a_page_spans_adjacent_pages_of_its_class() -> None:
+    # 2 MiB pages: an 8 MiB block is a row of 4 pages (on its grid: rows start at 0, 8, 16 MiB),
+    # taken from the top of the data area; the pages come back when the block is freed.
+    t = PageTable(2 * MiB, 12, 16 * KiB)
+    big = t.stride_for(8 * MiB)
+    assert big == 8 * MiB and t.can_alloc(1, big) and t.room(big) == 3
+    got = t.alloc_many(1, big)
+    assert got is not None and t.location(got[0]) == 16 * MiB
+    assert [t.page_class(p) for p in range(12)] == [0] * 8 + [big] * 4
+    small = t.alloc_many(200, t.stride_for(32 * KiB))  # 64 per page: pages 0-3, lowest first
+    assert small is not None and {t.page_of(s) for s in small} == {0, 1, 2, 3}
+    assert t.room(big) == 1 and t.alloc_many(2, big) is None  # no room, nothing taken
+    assert t.free_pages == 4
+    live = dict.fromkeys(got, big) | dict.fromkeys(small, 32 * KiB)
+    check_table(t, live)
+    t.free(got[0])
+    assert t.free_pages == 8 and t.used == 200  # its 4 pages went back
+    # a stride that is no multiple of the page: 3 MiB rows share pages (row 0 = 0..3 MiB lies
+    # on pages 0-1, row 1 = 3..6 MiB on pages 1-2); 5 rows in 16 MiB, and a page goes back
+    # only when no allocated row lies on it
+    t = PageTable(2 * MiB, 8, 16 * KiB)
+    three = t.stride_for(3 * MiB)
+    rows = t.alloc_many(5, three)
+    assert rows is not None and t.alloc_many(1, three) is None and t.free_pages == 0
+    assert sorted(t.location(s) for s in rows) == [r * three for r in range(5)]
+    check_table(t, dict.fromkeys(rows, three))
+    by_loc = {t.location(s): s for s in rows}
+    t.free(by_loc[3 * MiB])  # page 1 keeps row 0; page 2 held row 1 only: it goes back
+    assert [t.page_class(p) for p in range(8)] == [three] * 2 + [0] + [three] * 5
+    assert t.classes()[0].slots == 4  # row 1 is no slot without page 2
+    t.free(by_loc[6 * MiB])  # row 2 = pages 3-4: page 3 goes, page 4 keeps row 3
+    assert [t.page_class(p) for p in range(8)] == [three] * 2 + [0, 0] + [three] * 4
+    left = [s for s in rows if t.is_allocated(s)]
+    check_table(t, dict.fromkeys(left, three))
+    for s in left:
+        t.free(s)
+    assert t.free_pages == 8
     with pytest.raises(ValueError, match="does not fit"):
-        t.stride_for(8 * MiB + 1)
+        t.stride_for(16 * MiB + 1)  # larger than the data area
     with pytest.raises(ValueError, match="does not fit"):
         t.stride_for(0)
 
 
+def test_a_row_of_a_wide_class_is_cleared_by_moving_blocks_of_other_classes() -> None:
+    # 8 pages of 2 MiB full of 256 KiB blocks (8 a page). Rows of 8 MiB: pages 0-3 and 4-7.
+    t = PageTable(2 * MiB, 8, 16 * KiB)
+    a, big = t.stride_for(256 * KiB), t.stride_for(8 * MiB)
+    got = t.alloc_many(64, a)
+    assert got is not None and t.alloc_many(1, big) is None
+    on = {p: [s for s in got if t.page_of(s) == p] for p in range(8)}
+    for s in on[5] + on[6] + on[1][:6] + on[7][:3]:  # pages 5-6 go back; 9 free slots of a
+        t.free(s)
+    assert t.free_pages == 2 and t.relocation(big, lambda s: s not in on[7]) == []
+    # row 4-7: 8 + 5 live blocks, but only page 1's 6 free slots lie off it (5-6 are on it);
+    # row 0-3: 8 + 2 + 8 + 8 live, 3 free slots (page 7) + pages 5-6 (16) off it: neither
+    assert t.relocation(big, lambda s: True) == []
+    for s in on[0][:7]:
+        t.free(s)  # 13 free slots off row 4-7 now (row 0-3 could move too: 19 blocks)
+    pairs = t.relocation(big, lambda s: True)
+    assert sorted(old for old, _ in pairs) == sorted(on[4] + on[7][3:])
+    assert all(t.page_of(new) in (0, 1) for _, new in pairs)
+    for old, _ in pairs:
+        t.free(old)
+    assert [t.page_class(p) for p in range(4, 8)] == [0] * 4
+    slot = t.alloc_many(1, big)
+    assert slot is not None and t.location(slot[0]) == 8 * MiB
+    live = {s: a for s in got if t.is_allocated(s)} | {new: a for _, new in pairs}
+    check_table(t, live | {slot[0]: big})
+
+
 @pytest.fixture
 def pool() -> Iterator[DramPool]:
+    """32 MiB in 4 pages of 8 MiB (set: the automatic page would be 2 MiB)."""
+    p = DramPool.create(DramSpec(f"kvt-test-{uuid.uuid4().hex[:12]}", 16 * KiB, 2048,
+                                 max_block=8 * MiB, page_bytes=8 * MiB))
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def auto_pool() -> Iterator[DramPool]:
+    """32 MiB, blocks up to 8 MiB, the automatic page: 2 MiB (pages smaller than a block)."""
     p = DramPool.create(DramSpec(f"kvt-test-{uuid.uuid4().hex[:12]}", 16 * KiB, 2048,
                                  max_block=8 * MiB))
     yield p
     p.close()
+
+
+def test_auto_geometry_of_small_and_large_pools() -> None:
+    def geometry(mib: int) -> tuple[int, int]:
+        return DramSpec("x", 16 * KiB, mib * MiB // (16 * KiB), max_block=8 * MiB).geometry()
+    # below 256 MiB sqrt(pool x 256 KiB) is under the largest block: a quarter of it
+    assert geometry(32) == (2 * MiB, 16)
+    assert geometry(64) == (2 * MiB, 32) and geometry(128) == (2 * MiB, 64)
+    assert geometry(256) == (8 * MiB, 32) and geometry(1024) == (16 * MiB, 64)
+
+
+def test_blocks_larger_than_a_page_over_real_shm(auto_pool: DramPool) -> None:
+    pool = auto_pool
+    assert (pool.page_bytes, pool.page_count, pool.max_block) == (2 * MiB, 16, 8 * MiB)
+    wide = pool.alloc_many(1, 8 * MiB)  # pages 12-15 (the top row)
+    big = pool.alloc_many(3, 4 * MiB)  # pages 10-11, 8-9, 6-7
+    small = pool.alloc_many(300, 32 * KiB)  # pages 0-4
+    assert wide is not None and big is not None and small is not None
+    assert pool.offset(wide[0]) - pool.data_offset == 24 * MiB
+    for i, s in enumerate(wide + big + small):
+        pool.write(s, bytes([i % 251 + 1]) * pool.stride_of(s))
+    seg = np.frombuffer(pool._map.mm, dtype=np.uint8)
+    for stride, slots in ((8 * MiB, wide), (4 * MiB, big), (32 * KiB, small)):
+        rows = slot_array(seg, pool.data_offset, pool.data_bytes // stride, stride, stride)
+        for s in slots:  # the row a client computes from the offset is the block
+            row = (pool.offset(s) - pool.data_offset) // stride
+            assert (rows[row] == pool.view(s)).all()
+    st = pool.stats()
+    assert st.bytes_used == 8 * MiB + 3 * 4 * MiB + 300 * 32 * KiB and st.pages_free == 1
+    with pytest.raises(DramError, match="outside"):
+        pool.stride_for(32 * MiB + 1)
+
+
+def test_pool_clear_row_moves_blocks_off_a_row_and_keeps_their_bytes(auto_pool: DramPool) -> None:
+    pool = auto_pool
+    got = pool.alloc_many(120, 256 * KiB)  # 8 a page: pages 0-14
+    assert got is not None
+    for s in got:
+        pool.write(s, s.to_bytes(4, "little") * (64 * KiB))
+    for s in got[:28]:  # pages 0-2 go back; page 3 keeps 4 blocks; page 15 is free
+        pool.free(s)
+    assert pool.stats().pages_free == 4 and not pool.can_alloc(1, 8 * MiB)
+    moves: dict[int, int] = {}
+    pool.pin(got[28])  # a leased block on page 3: row 0-3 cannot be cleared...
+    assert pool.clear_row(8 * MiB, got[28:32].__contains__, moves.__setitem__) == -1
+    assert not moves  # ...and the caller's rule keeps the other rows' blocks put: nothing moved
+    pool.unpin(got[28])
+    assert pool.clear_row(8 * MiB, lambda s: True, moves.__setitem__) == 4
+    assert sorted(moves) == got[28:32]  # row 0-3: fewest bytes to move, to page 15
+    for old, new in moves.items():
+        assert pool.offset(new) - pool.data_offset >= 30 * MiB
+        assert bytes(pool.view(new, 4)) == old.to_bytes(4, "little")
+    assert pool.can_alloc(1, 8 * MiB)
+    slot = pool.alloc(8 * MiB)
+    assert slot is not None and pool.offset(slot) == pool.data_offset
 
 
 def test_pool_geometry_and_a_class_view_over_real_shm(pool: DramPool) -> None:

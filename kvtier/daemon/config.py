@@ -11,8 +11,8 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     max_block_bytes        8 MiB: the largest block a layout may have; one daemon serves every
                            block size from 1 B to this at once (size classes on pages of the
                            pool, `kvtier.tiers.dram_pages`); at least slot_bytes
-    dram_page_bytes        0 = automatic: the pages size classes take (at least one largest
-                           block; see `kvtier.tiers.dram.DramSpec.geometry`)
+    dram_page_bytes        0 = automatic: the pages size classes take (a block larger than a
+                           page spans adjacent pages; see `kvtier.tiers.dram.DramSpec.geometry`)
     data_dir               $XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier (the SSD tier)
     ssd_bytes              the size kept in <data_dir>/kept.toml, else (the first start)
                            min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
@@ -400,9 +400,9 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     if big < slot:
         raise bad("max_block_bytes", f"must be at least slot_bytes ({slot}), got {big}")
     page = i("dram_page_bytes")
-    if page and (page % 4096 or page < min(big, dram) or page > dram):
+    if page and (page % 4096 or page < slot or page > dram):
         raise bad("dram_page_bytes", f"must be 0 (automatic) or a multiple of 4096 from "
-                  f"max_block_bytes ({min(big, dram)}) to dram_bytes ({dram}), got {page}")
+                  f"slot_bytes ({slot}) to dram_bytes ({dram}), got {page}")
     for name in ("lease_ttl_s", "max_lease_ttl_s"):
         if not 0 < f(name) <= 86400:
             raise bad(name, f"must be in (0, 86400] seconds, got {v[name]}")

@@ -7,7 +7,8 @@
              into the index as DRAM blocks under the Acquire's lease (`kvtier.daemon.acquire`)
     Commit   admitted blocks ─▶ `offer(RemoteWrite)`: never blocks; a queue bounded in bytes of
              pinned slots and a byte-rate token bucket decide, else the write is dropped and
-             counted; a writer thread sends batches (pipelined SET) and hands them back through
+             counted; a writer thread (`kvtier.tiers.writeq`, shared with the SSD mover) sends
+             batches (pipelined SET) and hands them back through
              `on_written` (the cache unpins the index there)
 
 Faults. Every request has a bounded wait (`RemoteSpec.timeout_s` per socket operation). A failed
@@ -31,9 +32,7 @@ writer thread.
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.remote import RemoteStore, RemoteUnavailable
 from kvtier.tiers.wear import TokenBucket
+from kvtier.tiers.writeq import Offered, QueueSpec, SlotWriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +122,6 @@ class RemoteTier:
         self, store: RemoteStore, pool: DramPool, rates: RateBook, registry: CollectorRegistry,
         spec: RemoteTierSpec, on_written: OnWritten,
     ) -> None:
-        if spec.queue_bytes < pool.slot_size:
-            raise ValueError(f"remote write queue of {spec.queue_bytes} bytes cannot hold one "
-                             f"{pool.slot_size}-byte slot")
         self.store = store
         self.pool = pool
         self.rates = rates
@@ -133,14 +130,15 @@ class RemoteTier:
         self.metrics = RemoteMetrics(registry)
         self.backoff = Backoff(spec.backoff_first_s, spec.backoff_max_s)
         self._bucket = TokenBucket(spec.write_bytes_per_s, spec.burst_bytes)
-        self._queue: collections.deque[RemoteWrite] = collections.deque()
-        self.held_bytes = 0
-        self._cv = threading.Condition()
-        self._busy = False
-        self._closing = False
+        self._q: SlotWriteQueue[RemoteWrite, bool] = SlotWriteQueue(
+            pool, QueueSpec(spec.queue_bytes, spec.batch_blocks), self._write, self._written,
+            "remote")
         registry.register(_Gauges(self))
-        self._thread = threading.Thread(target=self._run, name="kvtier-remote", daemon=True)
-        self._thread.start()
+
+    @property
+    def held_bytes(self) -> int:
+        """DRAM slot bytes held by queued or in-flight remote writes."""
+        return self._q.held_bytes()
 
     # -- faults -------------------------------------------------------------------------------
 
@@ -223,20 +221,13 @@ class RemoteTier:
         """Queues a remote write without blocking: "" when queued (the slot is pinned until
         written and `on_written` reports it), else why it was dropped (one of DROP_REASONS,
         counted; the slot stays the caller's)."""
-        with self._cv:
-            if self._closing or not self.backoff.ready():
-                why = "down"
-            elif self.held_bytes and (self.held_bytes + self.pool.stride_of(w.slot)
-                                      > self.spec.queue_bytes):
-                why = "queue_full"  # an empty queue takes one write of any size
-            elif not self._bucket.take(w.nbytes):
-                why = "budget"
-            else:
-                self.pool.pin(w.slot)
-                self._queue.append(w)
-                self.held_bytes += self.pool.stride_of(w.slot)
-                self._cv.notify()
+        if not self.backoff.ready():
+            why = "down"
+        else:
+            got = self._q.offer(w, lambda: self._bucket.take(w.nbytes))
+            if got is Offered.QUEUED:
                 return ""
+            why = {Offered.FULL: "queue_full", Offered.REFUSED: "budget"}.get(got, "down")
         self.metrics.dropped.labels(why).inc()
         return why
 
@@ -245,39 +236,12 @@ class RemoteTier:
         if n > 0:
             self.metrics.dropped.labels(why).inc(n)
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closing:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                n = min(len(self._queue), self.spec.batch_blocks)
-                batch = [self._queue.popleft() for _ in range(n)]
-                held = sum(self.pool.stride_of(w.slot) for w in batch)  # pinned: allocated
-                self._busy = True
-            try:
-                self._write(batch)
-            except Exception:  # a bug, not the store: never let the writer thread die
-                log.exception("remote write of %d blocks failed", len(batch))
-                self.metrics.dropped.labels("error").inc(len(batch))
-            finally:
-                for w in batch:
-                    self.pool.unpin(w.slot)
-                with self._cv:
-                    self._busy = False
-                    self.held_bytes -= held
-                    self._cv.notify_all()
-                try:
-                    self.on_written(batch)
-                except Exception:
-                    log.exception("remote on_written failed")
-
-    def _write(self, batch: list[RemoteWrite]) -> None:
+    def _write(self, batch: list[RemoteWrite]) -> bool:
+        """Sends one batch (on the writer thread); False when nothing was sent."""
         m = self.metrics
         if not self.backoff.ready():
             m.dropped.labels("down").inc(len(batch))
-            return
+            return False
         items = [(w.ns, w.key, memoryview(self.pool.view(w.slot, w.nbytes)))  # type: ignore[arg-type]
                  for w in batch]
         started = time.perf_counter()
@@ -286,7 +250,7 @@ class RemoteTier:
         except RemoteUnavailable as exc:
             self._failed("store", exc)
             m.dropped.labels("error").inc(len(batch))
-            return
+            return False
         finally:
             del items
         self._ok()
@@ -297,31 +261,19 @@ class RemoteTier:
             m.dropped.labels("refused").inc(len(batch) - stored)
         self.rates.observe_transfer(Link.REMOTE_WRITE, sent, time.perf_counter() - started,
                                     includes_latency=True)
+        return True
+
+    def _written(self, batch: list[RemoteWrite], sent: bool | None) -> None:
+        """The batch's slots are unpinned: hand them back to the cache."""
+        if sent is None:  # a bug in the writer, or the tier closed before the batch went out
+            self.metrics.dropped.labels("error").inc(len(batch))
+        self.on_written(batch)
 
     def flush(self, timeout: float) -> bool:
         """Waits until every queued write is sent (or dropped); False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return self._q.flush(timeout)
 
     def close(self, timeout: float) -> None:
         """Sends what is queued (up to `timeout`), stops the writer, closes the connection."""
-        self.flush(timeout)
-        with self._cv:
-            self._closing = True
-            left = list(self._queue)
-            self._queue.clear()
-            self.held_bytes -= sum(self.pool.stride_of(w.slot) for w in left)
-            self._cv.notify_all()
-        self._thread.join(timeout=max(timeout, 1.0))
-        for w in left:
-            self.pool.unpin(w.slot)
-        if left:
-            self.metrics.dropped.labels("error").inc(len(left))
-            self.on_written(left)
+        self._q.close(timeout)
         self.store.close()

@@ -397,15 +397,25 @@ class Tiers:
         needed: LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
         [] when impossible (when even every unpinned block would not make room, nothing is
         evicted). Slots come in size classes on pages (`kvtier.tiers.dram_pages`): a victim of
-        another class frees a slot only that class can use, so eviction goes on in the policy's
-        order until a page of some class can be emptied by moving its blocks into the free
-        slots of its own class (`_free_a_page`); the page then serves `nbytes` blocks."""
+        another class frees a slot only that class can use, so before the first eviction and
+        after each one the daemon tries to empty a page of every other class by moving its
+        blocks into the free slots of its own class (`_gather`, `_free_a_page`; free slots that
+        earlier victims left anywhere count), and eviction goes on in the policy's order until
+        that or a free page serves `nbytes` blocks. A block
+        larger than a page needs a row of adjacent pages: before each eviction the blocks of
+        other classes on one row are moved into free slots and pages elsewhere when they fit
+        (`_clear_row`), so no more is evicted than the new blocks need."""
         pool = self.pool
+        stride = pool.stride_for(nbytes)
+        wide = stride > pool.page_bytes  # its rows span pages: move blocks off a row first
+        while wide and not pool.can_alloc(n, nbytes) and self._clear_row(nbytes):
+            pass
+        if not pool.can_alloc(n, nbytes):
+            self._gather(stride, n, nbytes)
         slots = pool.alloc_many(n, nbytes)
         if slots is not None:
             return slots
         stats = pool.stats()
-        stride = pool.stride_for(nbytes)
         evictable = self.index.blocks(Tier.DRAM) - stats.slots_pinned
         if evictable <= 0:
             return []
@@ -429,13 +439,45 @@ class Tiers:
             if not gone:
                 break
             self._removed(gone, "capacity")
-            classes = {self.dram_bytes_of(str(e.tenant)) for e in gone
-                       if e.tier is Tier.DRAM and e.reason is not Reason.WRITTEN}
-            for c in classes - {stride}:
-                if pool.can_alloc(n, nbytes):
-                    break
-                self._free_a_page(c, stride)
+            while wide and not pool.can_alloc(n, nbytes) and self._clear_row(nbytes):
+                pass
+            self._gather(stride, n, nbytes)
         return pool.alloc_many(n, nbytes) or []
+
+    def _gather(self, stride: int, n: int, nbytes: int) -> None:
+        """Free slots other classes hold (left by earlier victims): empties a page of each
+        class that can move its blocks into its own free slots (`_free_a_page`), until `n`
+        blocks of `nbytes` fit — moving, not evicting."""
+        for c in sorted({c.stride for c in self.pool.stats().classes} - {stride}):
+            if self.pool.can_alloc(n, nbytes):
+                return
+            self._free_a_page(c, stride)
+
+    def _movable(self) -> dict[int, IndexBlock]:
+        """DRAM slot -> its block, for the blocks no lease, write-back or remote write holds
+        (those a move may relocate)."""
+        owners: dict[int, IndexBlock] = {}
+        for b in self.index.iter_blocks():
+            s = b.dram_slot
+            if s is not None and not b.pins:
+                owners[s] = b
+        return owners
+
+    def _moved(self, owners: dict[int, IndexBlock]) -> Callable[[int, int], None]:
+        def moved(old: int, new: int) -> None:
+            b = owners[old]
+            self.index.move_dram(b.tenant, b.key, new)
+        return moved
+
+    def _clear_row(self, nbytes: int) -> bool:
+        """Frees the pages of one row for blocks of `nbytes` larger than a page by moving the
+        blocks of other classes on them (`DramPool.clear_row`); False when none can be."""
+        owners = self._movable()
+        n = self.pool.clear_row(nbytes, owners.__contains__, self._moved(owners))
+        if n > 0:
+            self.moved += n
+            self.metrics.dram_moved_blocks.inc(n)
+        return n > 0
 
     def _free_a_page(self, stride: int, want: int = 0) -> bool:
         """Empties one page of class `stride` by moving its blocks (DRAM blocks no lease,
@@ -443,18 +485,8 @@ class Tiers:
         for class `want` (0: any)."""
         if not self.pool.can_evacuate(stride):
             return False
-        owners: dict[int, IndexBlock] = {}
-        for b in self.index.iter_blocks():
-            s = b.dram_slot
-            if s is not None and not b.pins:
-                owners[s] = b
-        movable = owners.__contains__
-
-        def moved(old: int, new: int) -> None:
-            b = owners[old]
-            self.index.move_dram(b.tenant, b.key, new)
-
-        n = self.pool.evacuate(stride, movable, moved, want)
+        owners = self._movable()
+        n = self.pool.evacuate(stride, owners.__contains__, self._moved(owners), want)
         if n > 0:
             self.moved += n
             self.metrics.dram_moved_blocks.inc(n)

@@ -48,7 +48,7 @@ sketch had seen k times wrote 1.3-3.1x the blocks for 0.96-1.01x the hits, and S
 on SSD lost up to 8% of the hits; so the rule stays the k-th access.
 
 Cost: O(1) per block, and almost nothing on the Lookup path. A lookup's hit blocks are scanned
-once at C speed for the `SAMPLED` bit (set at insert) and only the sampled ones (1 in 16 or
+once at C speed for the `SAMPLED` bit (set at insert) and only the sampled ones (1 in 8 or
 fewer) go to the mini simulations; a miss costs nothing. Everything else happens in `admit` (the
 daemon's Allocate): one fingerprint per missed key gives both its sketch slot and whether it is in
 the mini simulations' sample; then a bucket index and one dict operation per stored block (a
@@ -56,8 +56,8 @@ control block or a pending placement). The sketch's halving is O(slots) every 10
 references. Memory: 4 B of sketch per block of the larger tier
 (>= 64 KiB), the admission history (4 B a word, one word per block of DRAM + SSD: the ghosts), at
 most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in flight,
-576 x 8 B per tenant, and the mini simulations (~25 B per block of DRAM) — `nbytes` counts the
-predictor's part; bench.index and bench.policies measure them.
+576 x 8 B per tenant, and the mini simulations (~50 B per block of DRAM up to 32K blocks, at most
+1.6 MB) — `nbytes` counts the predictor's part; bench.index and bench.policies measure them.
 
 Threading: none; the index's owner serialises calls.
 """
@@ -299,6 +299,10 @@ class AdaptivePolicy(Policy):
     ghosts = True
     lo = 0.1
     bypass = 0.03
+    sample_shift = 56
+    """The mini simulations' key sample is ``(fingerprint >> sample_shift) & 255 < threshold``:
+    the top byte by default; another byte draws another sample of the same size (bench.policy_sweep
+    ``--trace-samples`` measures how much of a cell's figure is the luck of the sample)."""
 
     def __init__(self, dram_blocks: int | None, ssd_blocks: int | None, admission_k: int) -> None:
         cap = max(dram_blocks or 0, ssd_blocks or 0)
@@ -347,9 +351,9 @@ class AdaptivePolicy(Policy):
         missed = keys[start:]
         fps = fingerprints(tenant, missed)
         seen = self.sketch.add_hashed(fps)
-        th = self.minisims.threshold
+        th, sh = self.minisims.threshold, self.sample_shift
         if not self._front:
-            sampled = [k for k, h in zip(missed, fps, strict=True) if h >> 56 < th]
+            sampled = [k for k, h in zip(missed, fps, strict=True) if h >> sh & 255 < th]
             if sampled:
                 self._feed(sampled)
         last = len(keys) - 1
@@ -363,7 +367,7 @@ class AdaptivePolicy(Policy):
             since = i - start
             b = (((min(i.bit_length(), 7) * 3 + tail) * 3 + hit) * 4
                  + (since if since < 2 else 2 if since < 4 else 3)) * 2 + (seen[since] >= 2)
-            code = b << 3 | (_P_SAMPLED if fps[since] >> 56 < th else 0)
+            code = b << 3 | (_P_SAMPLED if fps[since] >> sh & 255 < th else 0)
             self._n = r = (self._n * 1103515245 + 12345) & 0x7FFFFFFF
             if (r >> 16) % SAMPLE == 0 and len(self._tracked) < TRACKED_MAX:
                 code |= _P_CONTROL
@@ -382,7 +386,8 @@ class AdaptivePolicy(Policy):
         if b.stamp & HITS_MAX > 1:  # the history remembered it: a ghost hit
             b.flags |= PROTECTED
         if code < 0:  # stored without asking `admit` (its parent was not cached yet)
-            if xxh3_64_intdigest(b.key, _seed(b.tenant)) >> 56 < self.minisims.threshold:
+            h = xxh3_64_intdigest(b.key, _seed(b.tenant))
+            if h >> self.sample_shift & 255 < self.minisims.threshold:
                 b.flags |= SAMPLED
             return
         if code & _P_SAMPLED:

@@ -13,9 +13,10 @@ most. The mini caches ignore the prefix rule (a block hits if it is cached), so 
 they do not predict hit ratios.
 
 Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
-~100 B): with 2 candidates and rate 16, ~25 B per block of real capacity (rate 4 below 512
-blocks: a small cache's mini copies stay at least 32 blocks). Work: O(1) per sampled reference and
-candidate.
+~100 B): with 2 candidates and rate 8, ~50 B per block of real capacity up to 32K blocks (the
+mini caches stop growing at `MINI_MAX` entries: ~13 B per block at 128K, 1.6 MB in all; the
+rate falls to 4 below 256 blocks: a small cache's mini copies stay at least 32 blocks). Work:
+O(1) per sampled reference and candidate.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from kvtier.core.types import BlockKey
 _FREQ_MAX = 3
 MINI_MAX = 4096
 """Largest mini cache: beyond 4096 x rate blocks of real capacity the sample thins instead."""
+RATE = 8
+"""Default sample: 1 key in 8. Measured (docs/benchmarks.md, "Policies, fourth pass", over 4 key
+samples on every workload): the sample trace at 1% and 5% 1.086x / 1.035x LRU instead of 1.047x /
+1.006x with 1 in 16, every other cell within 0.1%; the larger sample is what fixes the order choice
+there (the choice flips with a 1-in-16 sample's luck)."""
 
 
 class MiniCache:
@@ -99,7 +105,7 @@ class MiniSims:
     __slots__ = ("_epoch", "_seen", "best", "caches", "margin", "threshold")
 
     def __init__(self, capacity: int, shares: Sequence[float], start: float,
-                 rate: int = 16, min_cap: int = 32, margin: float = 1.01) -> None:
+                 rate: int = RATE, min_cap: int = 32, margin: float = 1.01) -> None:
         rate = max(4, min(max(rate, capacity // MINI_MAX), capacity // min_cap))
         cap = max(1, capacity // rate)
         self.threshold = max(1, 256 // rate)

@@ -58,7 +58,7 @@ from kvtier.core.segment import (
     slot_stride,
     unpack_header,
 )
-from kvtier.tiers.dram_pages import UNIT, ClassStats, PageTable
+from kvtier.tiers.dram_pages import ClassStats, PageTable
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,12 @@ MAX_BLOCK_BYTES = 8 << 20
 """The largest block a daemon's pool serves by default (`max_block_bytes`)."""
 
 PAGE_SCALE = 256 << 10
-"""Auto page size: sqrt(data bytes x this), at least one largest block. A class loses up to
-about a page to free slots it holds under churn (`kvtier.tiers.dram_pages`), and a stride that
-does not divide the page loses up to one slot at each end of a run of adjacent pages of its
-class: pages ~ sqrt(pool x a typical block) balance the two (16 MiB for 1 GiB, 32 MiB for
-4 GiB; measured by `bench.dram_rounding`)."""
+"""Auto page size: sqrt(data bytes x this) (`DramSpec.geometry`). A class loses up to about a
+page to free slots it holds under churn (`kvtier.tiers.dram_pages`), and a stride that does not
+divide the page loses up to one slot at each end of a run of adjacent pages of its class: pages
+~ sqrt(pool x a typical block) balance the two (8 MiB for 256 MiB, 16 MiB for 1 GiB, 32 MiB for
+4 GiB; measured by `bench.dram_rounding`); smaller pools get pages of a quarter of the largest
+block, which spans adjacent pages of its class."""
 
 
 @dataclass(frozen=True)
@@ -109,18 +110,20 @@ class DramSpec:
             raise UsageError("DRAM pool needs max_block >= 0 and page_bytes >= 0")
 
     def geometry(self) -> tuple[int, int]:
-        """(page_bytes, page_count): pages of `page_bytes`, else sqrt(data x `PAGE_SCALE`),
-        and at least one largest block (when the pool holds one); the data area is split
-        evenly (4 KiB multiples), so at most `page_count` * 4 KiB is lost to it."""
+        """(page_bytes, page_count): pages of `page_bytes`, else sqrt(data x `PAGE_SCALE`);
+        when that is below the largest block (a pool under 256 MiB with 8 MiB blocks), a
+        quarter of the largest block (2 MiB: its rows span 4 pages, `kvtier.tiers.dram_pages`;
+        measured best of 2, 4 and 8 MiB at 64 and 128 MiB by `bench.dram_rounding`); at least
+        one smallest slot. The data area is split evenly (4 KiB multiples), so at most
+        `page_count` * 4 KiB is lost to it."""
         stride = slot_stride(self.slot_size)
         data = stride * self.slot_count
-        big = min(round_up(max(self.max_block, self.slot_size), UNIT), data)
-        want = self.page_bytes or max(big, math.isqrt(data * PAGE_SCALE))
+        want = self.page_bytes or math.isqrt(data * PAGE_SCALE)
+        big = min(max(self.max_block, self.slot_size), data)
+        if not self.page_bytes and want < big:
+            want = big // 4 // 4096 * 4096  # a row of the largest block spans 4 pages
         count = max(1, data // max(want, stride))
         size = data // count // 4096 * 4096
-        while count > 1 and size < big:
-            count -= 1
-            size = data // count // 4096 * 4096
         return max(size, stride), count
 
 
@@ -224,7 +227,7 @@ class DramPool:
         self.page_bytes, self.page_count = spec.geometry()
         self.pages = PageTable(self.page_bytes, self.page_count, self.slot_stride)
         self.data_bytes = self.page_bytes * self.page_count
-        self.max_block = min(max(spec.max_block, spec.slot_size), self.page_bytes)
+        self.max_block = min(max(spec.max_block, spec.slot_size), self.data_bytes)
         self.data_offset = HUGE_PAGE if spec.huge_pages else HEADER_BYTES
         size = self.data_offset + self.data_bytes
         self.size = round_up(size, HUGE_PAGE) if spec.huge_pages else size
@@ -425,6 +428,28 @@ class DramPool:
                 moved(old, new)
                 self.pages.free(old)
             return len(live)
+
+    def clear_row(self, nbytes: int, movable: Callable[[int], bool],
+                  moved: Callable[[int, int], None]) -> int:
+        """For blocks of `nbytes` larger than a page (a row spans pages): frees the pages of
+        one row by moving the blocks of other classes on them into free slots of their classes
+        elsewhere (`PageTable.relocation`), only when each is unpinned and `movable`. Copies
+        each block, calls `moved(old, new)`, frees the old slot. Returns the blocks moved, -1
+        when no row can be freed so."""
+        stride = self.pages.stride_for(nbytes)
+        with self._lock:
+            pairs = self.pages.relocation(
+                stride, lambda s: not self._pins.get(s) and movable(s))
+            if not pairs:
+                return -1
+            buf = self._map.buf
+            for old, new in pairs:
+                n = self.pages.stride_of(old)
+                a, b = self.offset(old), self.offset(new)
+                buf[b : b + n] = buf[a : a + n]
+                moved(old, new)
+                self.pages.free(old)
+            return len(pairs)
 
     # -- bytes ----------------------------------------------------------------------------
 

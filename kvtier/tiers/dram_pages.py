@@ -25,6 +25,16 @@ may take it; the neighbour's link row stops being a slot). `alloc` fills the cla
 first, so pages empty out and return. `evacuation` names a page whose live slots, and the link
 row lying on it, fit in the class's other free slots (the caller moves those blocks, then the
 page is free).
+
+A class whose stride exceeds the page ("wide": pages smaller than the largest block, as in
+small pools) is the same rule carried further: each of its rows crosses into one or more
+following pages, so every row is a link row, a slot only while all the pages it lies on belong
+to the class; a page holds the rows that start in it (at most one) and carries the row from an
+earlier page that lies on it, and goes back when no allocated row lies on it. Such a class takes
+the free pages of one row at a time (`_pick_run`: fewest to take, then the highest row, so wide
+classes grow from the top of the data area and the others from the bottom), and `relocation`
+clears a row for it by moving the blocks of other classes lying on the row's pages into their
+classes' free slots off the row, taking free pages off the row where those do not suffice.
 """
 
 from __future__ import annotations
@@ -75,26 +85,47 @@ class PageTable:
     # -- geometry -----------------------------------------------------------------------
 
     def stride_for(self, nbytes: int) -> int:
-        """The class a block of `nbytes` goes to (raises for a block no page holds)."""
+        """The class a block of `nbytes` goes to (raises for a block the data area cannot
+        hold; a block larger than a page spans adjacent pages of its class)."""
         stride = max(round_up(nbytes, UNIT), self.min_stride)
-        if nbytes <= 0 or stride > self.page_bytes:
-            raise ValueError(f"a {nbytes}-byte block does not fit a {self.page_bytes}-byte page")
+        if nbytes <= 0 or stride > self.page_bytes * self.page_count:
+            raise ValueError(f"a {nbytes}-byte block does not fit {self.page_count} pages of "
+                             f"{self.page_bytes} B")
         return stride
 
     def inside(self, stride: int, p: int) -> int:
         """Rows of the `stride` grid that lie wholly inside page `p`."""
-        return (p + 1) * self.page_bytes // stride - -(-(p * self.page_bytes) // stride)
+        return max(0, (p + 1) * self.page_bytes // stride - -(-(p * self.page_bytes) // stride))
+
+    def _tail(self, stride: int, p: int) -> int:
+        """The last page of the row of the `stride` grid that starts in page `p` and ends past
+        it (inside the data area); -1 when there is none."""
+        end = (p + 1) * self.page_bytes
+        row = -(-end // stride) - 1  # the last row starting before the end of page p
+        if row * stride < p * self.page_bytes or (row + 1) * stride <= end \
+                or (row + 1) * stride > self.page_bytes * self.page_count:
+            return -1
+        return ((row + 1) * stride - 1) // self.page_bytes
 
     def _crosses(self, stride: int, p: int) -> bool:
-        """Whether a row of the `stride` grid starts in page `p` and ends in page p+1."""
-        return p + 1 < self.page_count and (p + 1) * self.page_bytes % stride != 0
+        """Whether a row of the `stride` grid starts in page `p` and ends in a later page."""
+        return self._tail(stride, p) >= 0
 
     def _linked(self, p: int) -> bool:
-        """Whether page `p`'s link row is a slot: p and p+1 are pages of one class and a row
-        crosses from p into p+1."""
+        """Whether page `p`'s link row is a slot: a row starts in p and ends in a later page,
+        and p and every page it reaches are pages of one class."""
         s = self._stride[p]
-        return bool(s) and p + 1 < self.page_count and self._stride[p + 1] == s \
-            and self._crosses(s, p)
+        last = self._tail(s, p) if s else -1
+        return last >= 0 and all(self._stride[q] == s for q in range(p + 1, last + 1))
+
+    def _over(self, p: int) -> int:
+        """The page where the link row lying on page `p` but starting before it starts (that
+        row a slot of p's class), -1 when none."""
+        s = self._stride[p]
+        if not s or p * self.page_bytes % s == 0:
+            return -1
+        p0 = p * self.page_bytes // s * s // self.page_bytes
+        return p0 if self._stride[p0] == s and self._linked(p0) else -1
 
     def _link_slot(self, p: int) -> int:
         return p * self.ids_per_page + self.inside(self._stride[p], p)
@@ -105,8 +136,9 @@ class PageTable:
         return self.inside(stride, p) + (self._stride[p] == stride and self._linked(p))
 
     def _borrowed(self, p: int) -> bool:
-        """Whether the link row of page p-1, which lies partly on page p, is allocated."""
-        return p > 0 and self._linked(p - 1) and bool(self._allocated[self._link_slot(p - 1)])
+        """Whether the link row of an earlier page that lies partly on page `p` is allocated."""
+        p0 = self._over(p)
+        return p0 >= 0 and bool(self._allocated[self._link_slot(p0)])
 
     def page_class(self, p: int) -> int:
         """The stride of page `p`'s class, 0 for a free page."""
@@ -154,6 +186,15 @@ class PageTable:
 
     # -- allocation -----------------------------------------------------------------------
 
+    def _wide(self, stride: int) -> bool:
+        """Whether class `stride`'s rows are larger than a page (each spans 2+ pages)."""
+        return stride > self.page_bytes
+
+    def _span(self, stride: int, row: int) -> range:
+        """The pages row `row` of the `stride` grid lies on."""
+        return range(row * stride // self.page_bytes,
+                     ((row + 1) * stride - 1) // self.page_bytes + 1)
+
     def _gain(self, stride: int, q: int, st: list[int]) -> tuple[int, int, int]:
         """(slots class `stride` gains by taking free page q — link rows with its pages on
         either side included —, how many of q's neighbours are its pages, -q) under page
@@ -163,23 +204,60 @@ class PageTable:
         links = (left and self._crosses(stride, q - 1)) + (right and self._crosses(stride, q))
         return self.inside(stride, q) + links, left + right, -q
 
-    def _pick(self, stride: int, free: list[int], st: list[int]) -> int | None:
-        """The free page `_take_page` gives class `stride`: most slots gained, next to its own
-        pages if it can, the lowest; only pages that hold a whole row of it."""
-        return max((q for q in free if self.inside(stride, q)),
-                   key=lambda q: self._gain(stride, q, st), default=None)
+    def _pick(self, stride: int, free: list[int], st: list[int]) -> list[int] | None:
+        """The free pages `_take_page` gives class `stride`: the page that adds most slots
+        (its link rows with the class's pages on either side included), next to its own pages
+        if it can, the lowest; when no single page adds a slot (a stride over half a page: a
+        page may hold no whole row), or for a wide class, the pages of one row
+        (`_pick_run`). None when no free pages make a slot."""
+        if not self._wide(stride):
+            p = max(free, key=lambda q: self._gain(stride, q, st), default=None)
+            if p is not None and self._gain(stride, p, st)[0]:
+                return [p]
+            if 2 * stride <= self.page_bytes:
+                return None
+        return self._pick_run(stride, st)
+
+    def _pick_run(self, stride: int, st: list[int]) -> list[int] | None:
+        """The free pages a wide class (rows larger than a page) takes for one more row under
+        page classes `st`: of the rows whose pages are all free or its own (not all its own),
+        the one that needs fewest free pages, the highest — wide classes fill the data area
+        from its top, the others from its bottom, so their pages mix less. None if none."""
+        best: tuple[int, int] | None = None
+        for r in range(self.page_bytes * self.page_count // stride):
+            span = self._span(stride, r)
+            if any(st[q] not in (0, stride) for q in span):
+                continue
+            need = sum(not st[q] for q in span)
+            if need and (best is None or (-need, r) > best):
+                best = (-need, r)
+        if best is None:
+            return None
+        return [q for q in self._span(stride, best[1]) if not st[q]]
+
+    def _run_gain(self, stride: int, run: list[int], st: list[int]) -> int:
+        """Rows of class `stride` that become slots when it takes the free pages `run`."""
+        new, page = set(run), self.page_bytes
+        rows: set[int] = set()
+        for q in run:
+            rows.update(range(q * page // stride, ((q + 1) * page - 1) // stride + 1))
+        return sum((r + 1) * stride <= page * self.page_count
+                   and all(st[q] == stride or q in new for q in self._span(stride, r))
+                   for r in rows)
 
     def _could_take(self, stride: int, need: int) -> int:
         """Slots class `stride` would gain by taking free pages as `alloc_many` does, until
         `need` (or every page that holds a row) is taken."""
         st, free, got = list(self._stride), list(self._free_pages), 0
         while got < need:
-            p = self._pick(stride, free, st)
-            if p is None:
+            run = self._pick(stride, free, st)
+            if run is None:
                 break
-            got += self._gain(stride, p, st)[0]
-            free.remove(p)
-            st[p] = stride
+            got += self._gain(stride, run[0], st)[0] if len(run) == 1 and not self._wide(
+                stride) else self._run_gain(stride, run, st)
+            for q in run:
+                free.remove(q)
+                st[q] = stride
         return got
 
     def can_alloc(self, n: int, stride: int) -> bool:
@@ -196,8 +274,9 @@ class PageTable:
             return []
         if not self.can_alloc(n, stride):
             return None
+        taken: list[int] = []
         while self._class_free.get(stride, 0) < n:
-            self._take_page(stride)
+            taken.extend(self._take_page(stride))
         pages = sorted((p for p in self._class_pages[stride] if p in self._page_free),
                        key=lambda p: len(self._page_free[p]))
         got: list[int] = []
@@ -215,53 +294,72 @@ class PageTable:
             self._allocated[s] = 1
         self.used += n
         self.used_bytes += n * stride
+        self._untake(stride, taken)
         return got
 
-    def _take_page(self, stride: int) -> None:
+    def _untake(self, stride: int, pages: list[int]) -> None:
+        """Gives back those of `pages` (just taken by class `stride`) that no allocated row
+        lies on (a run taken for a wide row that fuller pages' slots made unneeded)."""
+        for q in pages:
+            if self._stride[q] == stride and not self._live[q] and not self._borrowed(q):
+                self._release_page(q)
+
+    def _take_page(self, stride: int) -> list[int]:
         """Gives the class the free page that adds most of its slots (link rows with its pages
         on either side included), next to its own pages if it can, the lowest such page; only
-        pages that hold a whole row of it (`can_alloc` counts those)."""
-        p = self._pick(stride, self._free_pages, self._stride)
-        assert p is not None, "can_alloc was checked"
+        pages that hold a whole row of it (`can_alloc` counts those). A wide class takes the
+        free pages of one row (`_pick_run`)."""
+        run = self._pick(stride, self._free_pages, self._stride)
+        assert run is not None, "can_alloc was checked"
+        for q in run:
+            self._own(stride, q)
+        return run
+
+    def _own(self, stride: int, p: int) -> None:
+        """Free page `p` becomes a page of class `stride`: the rows that now lie on pages of
+        the class only (those starting in p, and the link row from an earlier page lying on p)
+        become free slots."""
         self._free_pages.remove(p)
         self._stride[p] = stride
         k = self.per_page(stride, p)
         base = p * self.ids_per_page
-        self._page_free[p] = list(range(base + k - 1, base - 1, -1))
+        if k:
+            self._page_free[p] = list(range(base + k - 1, base - 1, -1))
         self._live[p] = 0
         self._class_pages.setdefault(stride, set()).add(p)
         self._class_free[stride] = self._class_free.get(stride, 0) + k
-        if p > 0 and self._linked(p - 1):  # the left neighbour's link row is a slot now
-            self._page_free.setdefault(p - 1, []).insert(0, self._link_slot(p - 1))
+        p0 = self._over(p)
+        if p0 >= 0:  # an earlier page's link row is a slot now
+            self._page_free.setdefault(p0, []).insert(0, self._link_slot(p0))
             self._class_free[stride] += 1
 
     def free(self, slot: int) -> None:
         self.check(slot)
         p = slot // self.ids_per_page
         stride = self._stride[p]
+        loc = self.location(slot)
+        span = range(loc // self.page_bytes, (loc + stride - 1) // self.page_bytes + 1)
         self._allocated[slot] = 0
         self.used -= 1
         self.used_bytes -= stride
         self._live[p] -= 1
         self._page_free.setdefault(p, []).append(slot)
         self._class_free[stride] += 1
-        link = self._linked(p) and slot == self._link_slot(p)
-        if not self._live[p] and not self._borrowed(p):
-            self._release_page(p)
-        if link and self._stride[p + 1] == stride and not self._live[p + 1] \
-                and not self._borrowed(p + 1):
-            self._release_page(p + 1)  # it stayed only for this link row
+        for q in span:  # its pages go back when no allocated row lies on them any more
+            if self._stride[q] == stride and not self._live[q] and not self._borrowed(q):
+                self._release_page(q)
 
     def _release_page(self, p: int) -> None:
         stride = self._stride[p]
         self._page_free.pop(p, None)
         self._class_free[stride] -= self.per_page(stride, p)
-        if p > 0 and self._linked(p - 1):  # the left neighbour's (free) link row goes
-            t = self._link_slot(p - 1)
-            left = self._page_free[p - 1]
+        p0 = self._over(p)
+        if p0 >= 0:  # the (free) link row of an earlier page that lies on p goes
+            t = self._link_slot(p0)
+            left = self._page_free[p0]
             left.remove(t)
             if not left:
-                del self._page_free[p - 1]
+                del self._page_free[p0]
             self._class_free[stride] -= 1
         pages = self._class_pages[stride]
         pages.discard(p)
@@ -280,29 +378,41 @@ class PageTable:
         return [s for s in range(base, base + self.per_page(stride, p)) if self._allocated[s]]
 
     def _on_page(self, p: int) -> list[int]:
-        """The slots that lie (partly) on page `p`: its own, and the left neighbour's link row."""
+        """The slots that lie (partly) on page `p`: its own, and an earlier page's link row."""
         own = [p * self.ids_per_page + j for j in range(self.per_page(self._stride[p], p))]
-        return [*own, self._link_slot(p - 1)] if p > 0 and self._linked(p - 1) else own
+        p0 = self._over(p)
+        return [*own, self._link_slot(p0)] if p0 >= 0 else own
+
+    def _missing(self, want: int, p: int, st: list[int]) -> int:
+        """For a wide class `want`: of the rows lying on page `p`, the fewest other pages one
+        of them still needs freed (pages of other classes) once p is free."""
+        page, end = self.page_bytes, self.page_bytes * self.page_count
+        rows = range(p * page // want, ((p + 1) * page - 1) // want + 1)
+        return min((sum(q != p and st[q] not in (0, want) for q in self._span(want, r))
+                    for r in rows if (r + 1) * want <= end), default=self.page_count)
 
     def evacuation(self, stride: int, movable: Callable[[int], bool],
                    want: int = 0) -> tuple[int, list[int]] | None:
-        """A page of class `stride` whose live slots (the left neighbour's link row on it
+        """A page of class `stride` whose live slots (an earlier page's link row on it
         included) are all `movable` and fit in the class's free slots off the page: (page,
         those live slots); None if none. Of those, the page whose release keeps most link rows:
-        most gained by class `want` (the one that will take it) if it takes the page, fewest
-        lost by class `stride`; then fewest live."""
+        most gained by class `want` (the one that will take it) if it takes the page — for a
+        wide `want`, the page whose row then needs fewest other pages freed —, fewest lost by
+        class `stride`; then fewest live."""
         free = self._class_free.get(stride, 0)
         st = self._stride
 
         def counts(p: int) -> tuple[int, int]:  # (live, all) slots lying on page p
-            left = p > 0 and self._linked(p - 1)
-            borrowed = left and bool(self._allocated[self._link_slot(p - 1)])
-            return self._live[p] + borrowed, self.per_page(stride, p) + left
+            p0 = self._over(p)
+            borrowed = p0 >= 0 and bool(self._allocated[self._link_slot(p0)])
+            return self._live[p] + borrowed, self.per_page(stride, p) + (p0 >= 0)
 
         def cost(p: int) -> tuple[int, int, int]:
-            lost = (p > 0 and self._linked(p - 1)) + self._linked(p)
+            lost = (self._over(p) >= 0) + self._linked(p)
             gained = 0
-            if want and self.inside(want, p):
+            if want and self._wide(want):
+                gained = -self._missing(want, p, st)
+            elif want and self.inside(want, p):
                 gained = self._gain(want, p, st)[0] - self.inside(want, p)
             return -gained, lost, counts(p)[0]
 
@@ -313,6 +423,65 @@ class PageTable:
             if all(map(movable, live)):
                 return p, live
         return None
+
+    def relocation(self, want: int, movable: Callable[[int], bool]) -> list[tuple[int, int]]:
+        """Clears one row of a wide class `want` (rows larger than a page) by moving the blocks
+        of other classes that lie on its pages into free slots of their own classes off those
+        pages — taking free pages off the row for a class whose free slots do not suffice —,
+        when every one of them is `movable`. Of the rows that can be cleared so, the one that
+        moves fewest bytes, the highest; free pages on rows of `want` that are ready (all their
+        pages free or its own) are not taken. Returns (old, new) pairs with the new slots claimed:
+        the caller copies each block, repoints its owner and frees the old slot, and the row's
+        pages go back. [] when no row can be cleared so (nothing changed)."""
+        st, end = self._stride, self.page_bytes * self.page_count
+        best: tuple[int, int, dict[int, list[int]]] | None = None
+        spans = [self._span(want, r) for r in range(end // want)]
+        ready = {q for span in spans if all(st[q] in (0, want) for q in span)
+                 for q in span}  # free pages kept for `want`
+        for r in range(end // want):
+            run = self._span(want, r)
+            if all(st[q] in (0, want) for q in run) or any(
+                    st[q] != want and self._wide(st[q]) for q in run if st[q]):
+                continue
+            lying: dict[int, set[int]] = {}
+            for q in run:
+                if st[q] not in (0, want):
+                    lying.setdefault(st[q], set()).update(self._on_page(q))
+            offfree = sorted(q for q in self._free_pages if q not in run and q not in ready)
+            plan: dict[int, list[int]] = {}
+            cost = 0
+            for c, slots in lying.items():
+                live = [s for s in slots if self._allocated[s]]
+                if not all(map(movable, live)):
+                    break
+                short = len(live) - (self._class_free[c] - (len(slots) - len(live)))
+                while short > 0 and offfree:
+                    q = offfree.pop(0)
+                    plan.setdefault(c, []).append(q)
+                    short -= self.inside(c, q)
+                if short > 0:
+                    break
+                cost += len(live) * c
+            else:
+                if best is None or (cost, -r) < (best[0], -best[1]):
+                    best = (cost, r, plan)
+        if best is None:
+            return []
+        _, r, plan = best
+        run = self._span(want, r)
+        pairs: list[tuple[int, int]] = []
+        for c in {st[q] for q in run} - {0, want}:
+            for q in plan.get(c, ()):
+                self._own(c, q)
+            skip = {s for q in run if st[q] == c for s in self._on_page(q)}
+            live = sorted(s for s in skip if self._allocated[s])
+            dst = [s for p in self._class_pages[c] for s in self._page_free.get(p, ())
+                   if s not in skip][:len(live)]
+            assert len(dst) == len(live), "planned room"
+            self.claim(dst)
+            pairs.extend(zip(live, dst, strict=True))
+            self._untake(c, plan.get(c, []))  # a page taken but not needed goes back
+        return pairs
 
     def targets(self, stride: int, avoid: int, n: int) -> list[int]:
         """`n` free slots of class `stride` off page `avoid` (without allocating them)."""

@@ -9,9 +9,10 @@ Write-back (asynchronous):
                        unpin each slot, then on_written(batch, result)  → daemon frees the slots
                                                                           and updates residency
 
-`submit` never blocks: a write-back that is not admitted (fewer than k accesses), over the wear
-budget, or finds the queue full (`MoverSpec.queue_bytes` of slots already held) is dropped and
-counted; the caller then frees the slot itself (or retries it later).
+The queue and its writer thread are `kvtier.tiers.writeq.SlotWriteQueue` (shared with the remote
+tier's write-through). `submit` never blocks: a write-back that is not admitted (fewer than k
+accesses), over the wear budget, or finds the queue full (`MoverSpec.queue_bytes` of slots
+already held) is dropped and counted; the caller then frees the slot itself (or retries it).
 
 Promotion (synchronous, on the caller's thread): `promote(tenant, key, slot)` copies a verified
 SSD payload into a DRAM slot the caller allocated and has not published yet.
@@ -28,7 +29,6 @@ import collections
 import enum
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -39,6 +39,7 @@ from kvtier.tiers import blockfmt
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.ssd.store import Evictor, PutItem, PutResult, SsdStore, TenantKey
 from kvtier.tiers.wear import WriteBudget
+from kvtier.tiers.writeq import Offered, QueueSpec, SlotWriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -167,17 +168,10 @@ class Mover:
         self.spec = spec
         self.admit = admit
         self.on_written = on_written
-        if spec.queue_bytes < pool.slot_size:
-            raise ValueError(f"write-back queue of {spec.queue_bytes} bytes cannot hold one "
-                             f"{pool.slot_size}-byte slot")
-        self._queue: collections.deque[WriteBack] = collections.deque()
-        self._held = 0  # slot bytes of write-backs queued or being written
-        self._cv = threading.Condition()
-        self._busy = False
-        self._closing = False
         self._c = _Counts()
-        self._thread = threading.Thread(target=self._run, name="kvtier-mover", daemon=True)
-        self._thread.start()
+        self._q: SlotWriteQueue[WriteBack, PutResult] = SlotWriteQueue(
+            pool, QueueSpec(spec.queue_bytes, spec.batch_blocks, spec.linger_s),
+            self._write, self._written, "write-back")
 
     # -- write-back -------------------------------------------------------------------------
 
@@ -186,7 +180,7 @@ class Mover:
 
         On any other result the slot is untouched and stays the caller's to free.
         """
-        if self._closing:
+        if self._q.closing:
             return Submitted.CLOSED
         if not 0 < item.nbytes <= self.pool.max_block:
             raise ValueError(f"write-back of {item.nbytes} bytes (blocks are 1..."
@@ -200,59 +194,33 @@ class Mover:
         if item.nbytes > size:
             raise ValueError(f"write-back of {item.nbytes} bytes from a {size}-byte slot")
         cost = item.nbytes + blockfmt.HEADER_SIZE
-        with self._cv:
-            if self._closing:
-                return Submitted.CLOSED
-            if self._held and self._held + size > self.spec.queue_bytes:
-                self._c.full += 1
-                return Submitted.QUEUE_FULL
-            if not self.budget.try_spend(cost):
-                self._c.budget += 1
-                return Submitted.OVER_BUDGET
-            self.pool.pin(item.slot)
-            self._queue.append(item)
-            self._held += size
+        got = self._q.offer(item, lambda: self.budget.try_spend(cost))
+        if got is Offered.QUEUED:
             self._c.queued += 1
-            self._cv.notify()
-        return Submitted.QUEUED
+            return Submitted.QUEUED
+        if got is Offered.FULL:
+            self._c.full += 1
+            return Submitted.QUEUE_FULL
+        if got is Offered.REFUSED:
+            self._c.budget += 1
+            return Submitted.OVER_BUDGET
+        return Submitted.CLOSED
 
-    def _run(self) -> None:
-        spec = self.spec
-        while True:
-            with self._cv:
-                while not self._queue and not self._closing:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                if len(self._queue) < spec.batch_blocks and not self._closing:
-                    self._cv.wait(spec.linger_s)
-                n = min(len(self._queue), spec.batch_blocks)
-                if n == 0:
-                    continue
-                batch = [self._queue.popleft() for _ in range(n)]
-                held = sum(self.pool.stride_of(w.slot) for w in batch)  # pinned: allocated
-                self._busy = True
-            try:
-                self._write(batch)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._held -= held
-                    self._cv.notify_all()
-
-    def _write(self, batch: list[WriteBack]) -> None:
+    def _write(self, batch: list[WriteBack]) -> PutResult:
         items = [
             PutItem(w.tenant, w.key, w.parent, self.pool.view(w.slot, w.nbytes)) for w in batch
         ]
         try:
-            result = self.store.put_many(items)
-        except Exception:
-            log.exception("SSD write-back of %d blocks failed", len(batch))
+            return self.store.put_many(items)
+        finally:
+            del items
+
+    def _written(self, batch: list[WriteBack], result: PutResult | None) -> None:
+        """The batch's slots are unpinned: refund what was not stored, tell the daemon."""
+        if result is None:  # the write failed, or the mover closed before it
             result = PutResult([], [(w.tenant, w.key) for w in batch], [], 0)
-        del items
         refused = set(result.refused)
         for w in batch:
-            self.pool.unpin(w.slot)
             if (w.tenant, w.key) in refused:
                 self.budget.refund(w.nbytes + blockfmt.HEADER_SIZE)
         c = self._c
@@ -260,10 +228,7 @@ class Mover:
         c.written_bytes += result.bytes_written
         c.refused += len(refused)
         if self.on_written is not None:
-            try:
-                self.on_written(batch, result)
-            except Exception:
-                log.exception("on_written callback failed; %d slots may leak", len(batch))
+            self.on_written(batch, result)
 
     # -- promotion ----------------------------------------------------------------------------
 
@@ -287,14 +252,7 @@ class Mover:
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write-back is written; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return self._q.flush(timeout)
 
     def close(self, timeout: float = 10.0) -> int:
         """Stop taking write-backs, write what is queued (up to `timeout`), stop the thread.
@@ -302,29 +260,14 @@ class Mover:
         Returns how many queued write-backs were dropped; their slots are unpinned and reported
         through `on_written` as refused, so the daemon frees them.
         """
-        flushed = self.flush(timeout)
-        with self._cv:
-            self._closing = True
-            left = list(self._queue)
-            self._queue.clear()
-            self._held -= sum(self.pool.stride_of(w.slot) for w in left)
-            self._cv.notify_all()
-        self._thread.join(timeout=max(timeout, 1.0))
-        if left:
-            log.warning("mover closed with %d write-backs unwritten (flushed=%s)",
-                        len(left), flushed)
-            for w in left:
-                self.pool.unpin(w.slot)
-                self.budget.refund(w.nbytes + blockfmt.HEADER_SIZE)
-            if self.on_written is not None:
-                self.on_written(left, PutResult([], [(w.tenant, w.key) for w in left], [], 0))
+        left = self._q.close(timeout)
         self.store.flush_stats()
-        return len(left)
+        return left
 
     def stats(self) -> MoverStats:
         c = self._c
         return MoverStats(
-            len(self._queue), c.queued, c.full, c.not_admitted, c.budget, c.written_blocks,
+            self._q.depth(), c.queued, c.full, c.not_admitted, c.budget, c.written_blocks,
             c.written_bytes, c.refused, c.promoted, c.promoted_bytes, c.promote_misses,
-            self._held,
+            self._q.held_bytes(),
         )

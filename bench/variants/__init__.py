@@ -1,0 +1,1 @@
+"""Policy variants for `bench.policy_sweep --patch` (README.md)."""

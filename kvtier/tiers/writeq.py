@@ -1,0 +1,177 @@
+"""A bounded write queue of pinned DRAM slots, drained in batches by one writer thread.
+
+    offer(item, spend) ──▶ [closed? · bytes of pinned slots ≤ queue_bytes · spend()] ──▶ pin slot
+                              │                                                    queue item
+    writer thread ◀───────────┘ batches of up to `batch_blocks` (waits `linger_s` for a fuller one)
+    write(batch) -> R   (no lock held; an exception is logged and reported as R = None)
+    unpin each slot, then done(batch, R)   (R None: nothing of the batch was written)
+
+Both write-behind paths of the daemon use it: the SSD mover (`kvtier.tiers.mover`) and the
+remote tier's write-through (`kvtier.daemon.remote_tier`). The bound is in slot bytes (each
+item counts its slot's size-class stride, `DramPool.stride_of`) because what a queued write
+costs is the DRAM it keeps pinned; an empty queue takes one item of any size. `offer` never
+blocks and never waits on I/O: the caller learns at once whether the slot is now the queue's.
+
+Lifecycle: `flush(timeout)` waits until everything queued is written; `close(timeout)` flushes,
+stops taking items, stops the thread and hands what is left to `done(left, None)` with its
+slots unpinned. Threading: `offer`, `flush`, `close`, `depth` and `held_bytes` from any thread;
+`write` and `done` run on the writer thread (or on `close`'s caller for what was left).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from kvtier.tiers.dram import DramPool
+
+log = logging.getLogger(__name__)
+
+
+class HasSlot(Protocol):
+    @property
+    def slot(self) -> int: ...
+
+
+T = TypeVar("T", bound=HasSlot)
+R = TypeVar("R")
+
+
+class Offered(enum.Enum):
+    QUEUED = "queued"
+    FULL = "full"
+    REFUSED = "refused"  # `spend` said no
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSpec:
+    queue_bytes: int
+    batch_blocks: int
+    linger_s: float = 0.0
+
+
+class SlotWriteQueue(Generic[T, R]):
+    def __init__(self, pool: DramPool, spec: QueueSpec, write: Callable[[list[T]], R],
+                 done: Callable[[list[T], R | None], None], name: str) -> None:
+        if spec.queue_bytes < pool.slot_size:
+            raise ValueError(f"{name} queue of {spec.queue_bytes} bytes cannot hold one "
+                             f"{pool.slot_size}-byte slot")
+        if spec.batch_blocks < 1:
+            raise ValueError(f"{name} batches need at least one block")
+        self.pool = pool
+        self.spec = spec
+        self.name = name
+        self._write = write
+        self._done = done
+        self._queue: collections.deque[T] = collections.deque()
+        self._held = 0  # slot bytes of items queued or being written
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def depth(self) -> int:
+        """Items waiting for the writer (not counting a batch being written)."""
+        return len(self._queue)
+
+    def held_bytes(self) -> int:
+        """Slot bytes pinned by queued or in-flight items (<= queue_bytes, or one item)."""
+        return self._held
+
+    def offer(self, item: T, spend: Callable[[], bool] | None = None) -> Offered:
+        """Queues `item` without blocking. On QUEUED its slot is pinned until `done` reports
+        it; otherwise the slot is untouched. `spend` (a budget, under the queue's lock) is asked
+        only when the item fits; its False is REFUSED."""
+        size = self.pool.stride_of(item.slot)
+        with self._cv:
+            if self._closing:
+                return Offered.CLOSED
+            if self._held and self._held + size > self.spec.queue_bytes:
+                return Offered.FULL
+            if spend is not None and not spend():
+                return Offered.REFUSED
+            self.pool.pin(item.slot)
+            self._queue.append(item)
+            self._held += size
+            self._cv.notify()
+        return Offered.QUEUED
+
+    def _run(self) -> None:
+        spec = self.spec
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                if len(self._queue) < spec.batch_blocks and not self._closing and spec.linger_s:
+                    self._cv.wait(spec.linger_s)
+                n = min(len(self._queue), spec.batch_blocks)
+                if n == 0:
+                    continue
+                batch = [self._queue.popleft() for _ in range(n)]
+                held = sum(self.pool.stride_of(w.slot) for w in batch)  # pinned: allocated
+                self._busy = True
+            try:
+                self._finish(batch, self._attempt(batch))
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._held -= held
+                    self._cv.notify_all()
+
+    def _attempt(self, batch: list[T]) -> R | None:
+        try:
+            return self._write(batch)
+        except Exception:  # a bug or an I/O error: never let the writer thread die
+            log.exception("%s write of %d blocks failed", self.name, len(batch))
+            return None
+
+    def _finish(self, batch: list[T], result: R | None) -> None:
+        for w in batch:
+            self.pool.unpin(w.slot)
+        try:
+            self._done(batch, result)
+        except Exception:
+            log.exception("%s: completion of %d writes failed; their slots may leak",
+                          self.name, len(batch))
+
+    def flush(self, timeout: float) -> bool:
+        """Waits until every queued item is written; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float) -> int:
+        """Stops taking items, writes what is queued (up to `timeout`), stops the thread; what
+        is left goes to `done(left, None)`, slots unpinned. Returns how many were left."""
+        flushed = self.flush(timeout)
+        with self._cv:
+            self._closing = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._held -= sum(self.pool.stride_of(w.slot) for w in left)
+            self._cv.notify_all()
+        self._thread.join(timeout=max(timeout, 1.0))
+        if left:
+            log.warning("%s queue closed with %d writes unwritten (flushed=%s)",
+                        self.name, len(left), flushed)
+            self._finish(left, None)
+        return len(left)

