@@ -110,7 +110,8 @@ def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any
                                               "--ssd-bytes", a.ssd,
                                               "--ssd-admit-after", "1"]).start()
     eng = EngineProc(root / name, model, d.socket,
-                     extra={"retry_after_s": 0.5, "use_plan": True, **extra},
+                     extra={"retry_after_s": 0.5, "use_plan": True,
+                            **({"transfer": a.transfer} if a.transfer else {}), **extra},
                      threads=a.threads, engine_args=a.engine_args).start()
     rng = random.Random(1)
     try:
@@ -265,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-repeats", type=int, default=50)
     ap.add_argument("--lmcache-port", type=int, default=0, help="0 = a free port")
     ap.add_argument("--no-lmcache", action="store_true")
+    ap.add_argument("--transfer", choices=("auto", "engine", "torch"), default=None,
+                    help="the connector's `transfer` key for the kvtier runs (default: its own)")
     ap.add_argument("--json", type=Path, default=RESULTS / "vllm_ttft.json")
     a = ap.parse_args(argv)
     if a.quick:

@@ -287,3 +287,32 @@ def test_slot_array_over_a_segment_and_read_only_slots() -> None:
         assert eng.wait(eng.submit(TransferJob(Direction.LOAD, [2], [0]))).all_ok
     np.testing.assert_array_equal(seg, seg_before)
     np.testing.assert_array_equal(pool.chunks[0][0], pool.chunks[0][1])
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_chunk_ranges_move_only_their_chunks_of_a_paged_pool(direction: Direction) -> None:
+    gen = torch.Generator().manual_seed(21)
+    chunks = [_rand_tensor((NB, 40), torch.uint8, gen) for _ in range(5)]  # odd count: paged
+    pool = KVPool.paged(chunks)
+    slots = np.random.default_rng(22).integers(0, 256, (6, 5 * 40 + 3), dtype=np.uint8)
+    before_slots, before = slots.copy(), [c.clone() for c in chunks]
+    s, b = [4, 1], [7, 0]
+    with TransferEngine(pool, slots, backend="cpu") as eng:
+        res = eng.wait(eng.submit(TransferJob(direction, s, b, chunks=(1, 3))))
+        assert res.all_ok and res.nbytes == 2 * 2 * 40  # two pairs x two chunks
+        for bad in [(0, 0), (3, 6), (-1, 2), (2, 1), "ab"]:
+            with pytest.raises(ValueError, match="chunk"):
+                eng.submit(TransferJob(direction, s, b, chunks=bad))  # type: ignore[arg-type]
+    for c in range(5):
+        for si, bi in zip(s, b, strict=True):
+            moved = 1 <= c < 3
+            part, blk = _slot_part(slots, si, c, 40), _bytes(chunks[c][bi])
+            if direction is Direction.LOAD:
+                want = _slot_part(before_slots, si, c, 40) if moved else _bytes(before[c][bi])
+                np.testing.assert_array_equal(blk, want)
+            else:
+                want = _bytes(before[c][bi]) if moved else _slot_part(before_slots, si, c, 40)
+                np.testing.assert_array_equal(part, want)
+    np.testing.assert_array_equal(slots[:, 200:], before_slots[:, 200:])  # the tail: untouched
+    with pytest.raises(ValueError, match="paged pool"):
+        KVPool.paged([]).geometry()

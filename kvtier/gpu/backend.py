@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,7 @@ class CudaBackend:
         self._pool, self._slots = pool, slot_geom
         self._chunk_ptrs = [i.ptr for i in infos]
         self._bases = cupy.asarray(np.array(self._chunk_ptrs, dtype=np.uint64))
+        self._range_bases: dict[tuple[int, int], Any] = {}
         self._reg: hostmem.Registration | None = None
         sinfo = array_info(slots)
         if sinfo.device == "cuda":
@@ -136,15 +137,31 @@ class CudaBackend:
             self.calibration = calibrate_pool(self._pool)
         return self.calibration.choose(direction, ops)
 
+    def _sub_pool(self, chunks: tuple[int, int] | None) -> tuple[PoolGeometry, Any, int]:
+        """(geometry, device bases, slot byte offset) of chunk range `chunks` (None: all)."""
+        if chunks is None:
+            return self._pool, self._bases, 0
+        import cupy
+
+        lo, hi = chunks
+        bases = self._range_bases.get(chunks)
+        if bases is None:
+            bases = self._range_bases[chunks] = cupy.asarray(
+                np.array(self._chunk_ptrs[lo:hi], dtype=np.uint64))
+        return replace(self._pool, n_chunks=hi - lo), bases, lo * self._pool.chunk_bytes
+
     def start(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
-              after: object | None) -> _Pending:
+              after: object | None, chunks: tuple[int, int] | None = None) -> _Pending:
         import cupy
 
         n = slot_idx.size
         ok = np.ones(n, dtype=np.bool_)
         stream = self._streams[direction]
         order = sort_pairs(slot_idx, block_idx)
-        ops = copy_ops(merge_runs(slot_idx[order], block_idx[order]), self._pool, self._slots)
+        pool, bases, skip = self._sub_pool(chunks)
+        lo = chunks[0] if chunks is not None else 0
+        ops = [op._replace(chunk=op.chunk + lo, host_off=op.host_off + skip) for op in
+               copy_ops(merge_runs(slot_idx[order], block_idx[order]), pool, self._slots)]
         path, keep, error = "kernel", None, None
         try:
             path = self._choose(direction, ops)
@@ -152,8 +169,8 @@ class CudaBackend:
             with stream:
                 if path == "kernel":
                     keep = cupy.asarray(np.stack([slot_idx, block_idx], axis=1))
-                    kernels.launch(direction, self._slot_ptr, self._slots, self._bases,
-                                   self._pool, keep, stream)
+                    kernels.launch(direction, self._slot_ptr + skip, self._slots, bases,
+                                   pool, keep, stream)
                 else:
                     bad = dma.enqueue(direction, ops, self._slot_ptr, self._chunk_ptrs,
                                       stream.ptr)

@@ -10,6 +10,7 @@ CUDA stream); `start` returns at once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -114,10 +115,13 @@ def execute_ops(direction: Direction, ops: Sequence[Copy], slot_flat: U8,
 class Outcome:
     """Per-pair result of one job: `ok[i]` is True only if pair i was copied completely."""
 
-    __slots__ = ("error", "ok", "path")
+    __slots__ = ("done_at", "error", "ok", "path")
 
-    def __init__(self, ok: BoolArray, path: str, error: str | None) -> None:
+    def __init__(self, ok: BoolArray, path: str, error: str | None,
+                 done_at: float | None = None) -> None:
         self.ok, self.path, self.error = ok, path, error
+        self.done_at = done_at
+        """time.perf_counter() when the copies ended, where the backend knows it."""
 
 
 def _wait_after(after: object | None) -> None:
@@ -144,34 +148,48 @@ class CpuBackend:
         self._rows = slot_rows_view(slots, slot_geom)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-xfer")
 
-    def copy(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray) -> None:
-        """Copy a batch of pairs; raises if any copy fails (override point for fault tests)."""
-        reference_copy(direction, self._rows, self._chunks, self._pool, slot_idx, block_idx)
+    def copy(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
+             chunks: tuple[int, int] | None = None) -> None:
+        """Copy a batch of pairs (only chunks [lo, hi) with `chunks`); raises if any copy fails
+        (override point for fault tests)."""
+        if chunks is None:
+            reference_copy(direction, self._rows, self._chunks, self._pool, slot_idx, block_idx)
+            return
+        lo, hi = chunks
+        rows = self._rows[:, lo * self._pool.chunk_bytes:]
+        reference_copy(direction, rows, self._chunks[lo:hi], self._pool, slot_idx, block_idx)
+
+    def _copy(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
+              chunks: tuple[int, int] | None) -> None:
+        if chunks is None:  # subclasses overriding copy(direction, slots, blocks) keep working
+            self.copy(direction, slot_idx, block_idx)
+        else:
+            self.copy(direction, slot_idx, block_idx, chunks)
 
     def _run(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
-             after: object | None) -> Outcome:
+             after: object | None, chunks: tuple[int, int] | None = None) -> Outcome:
         ok = np.zeros(slot_idx.size, dtype=np.bool_)
         try:
             _wait_after(after)
         except Exception as exc:
             return Outcome(ok, self.name, f"wait failed: {exc}")
         try:
-            self.copy(direction, slot_idx, block_idx)
+            self._copy(direction, slot_idx, block_idx, chunks)
             ok[:] = True
-            return Outcome(ok, self.name, None)
+            return Outcome(ok, self.name, None, time.perf_counter())
         except Exception as exc:
             first = f"{type(exc).__name__}: {exc}"
         for i in range(slot_idx.size):
             try:
-                self.copy(direction, slot_idx[i:i + 1], block_idx[i:i + 1])
+                self._copy(direction, slot_idx[i:i + 1], block_idx[i:i + 1], chunks)
                 ok[i] = True
             except Exception:
                 ok[i] = False
-        return Outcome(ok, self.name, first)
+        return Outcome(ok, self.name, first, time.perf_counter())
 
     def start(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
-              after: object | None) -> Future[Outcome]:
-        return self._worker.submit(self._run, direction, slot_idx, block_idx, after)
+              after: object | None, chunks: tuple[int, int] | None = None) -> Future[Outcome]:
+        return self._worker.submit(self._run, direction, slot_idx, block_idx, after, chunks)
 
     def done(self, pending: Future[Outcome]) -> bool:
         return pending.done()

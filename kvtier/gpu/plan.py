@@ -29,6 +29,7 @@ class PoolKind(enum.StrEnum):
 
     LAYERED = "layered"  # (a) per-layer K and V tensors: one block = 2 x layers chunks
     CONTIGUOUS = "contiguous"  # (b) one block = one contiguous region across layers
+    PAGED = "paged"  # (c) any number of chunk tensors [num_blocks, ...], one chunk per block each
 
 
 class Direction(enum.StrEnum):

@@ -21,6 +21,10 @@ first `n_chunks * chunk_bytes` bytes of its slot; the rest of the slot is never 
         each chunk holds the block's [T, H, D] values in C order, native-endian, raw bytes.
     layout (b) CONTIGUOUS, one pool tensor whose block b is one contiguous region of B bytes:
         slot = the block's B bytes, unchanged.
+    layout (c) PAGED, n chunk tensors P_0..P_{n-1} of equal shape [num_blocks, ...], dtype and
+        block stride, each block's chunk one contiguous run of chunk_bytes:
+        slot = [P_0[b] | P_1[b] | ... | P_{n-1}[b]]   (vLLM's per-layer pages, see
+        kvtier.integrations.vllm.pages: one chunk per layer, or per head group of a layer).
 
 Llama-3-8B bf16, 16-token blocks: chunk = 16*8*128*2 B = 32 KiB (one layer's K or V);
 2*32 = 64 chunks; 64 * 32 KiB = 2 MiB per slot. Bytes are copied verbatim, so a block stored
@@ -34,6 +38,9 @@ fingerprint in the key covers it).
   `submit` and nothing is written.
 - Failures: a pair whose copy did not complete is reported `ok=False`; a failed copy is never
   reported as loaded. The engine recomputes failed LOAD blocks; a client aborts failed STORE slots.
+- Chunk ranges: a job with `chunks=(lo, hi)` copies only chunks lo..hi-1 of each pair (one
+  layer of a PAGED pool, say); the rest of the slot and block is untouched. `ok[i]` then means
+  those chunks of pair i were copied completely.
 - Ordering: jobs in one direction run in submission order. `after` (a CUDA stream or event, or on
   CPU any object with `.wait()`) is waited on before the job's copies start; pass the engine's
   compute stream so a STORE never reads a block the model is still writing. A LOAD's pool blocks
@@ -102,6 +109,13 @@ class KVPool:
     def contiguous(cls, pool: Any) -> KVPool:
         return cls(PoolKind.CONTIGUOUS, (pool,))
 
+    @classmethod
+    def paged(cls, chunks: Sequence[Any]) -> KVPool:
+        """Layout (c): chunk tensors [num_blocks, ...] laid back to back in each slot."""
+        if not chunks:
+            raise ValueError("a paged pool needs at least one chunk tensor")
+        return cls(PoolKind.PAGED, tuple(chunks))
+
     def geometry(self) -> PoolGeometry:
         """Check shapes, dtypes, devices and strides; ValueError names the first problem."""
         infos = [array_info(c) for c in self.chunks]
@@ -111,6 +125,8 @@ class KVPool:
                              f"{len(infos)} tensors of shape {first.shape}")
         if self.kind is PoolKind.CONTIGUOUS and len(infos) != 1:
             raise ValueError("contiguous pool is one tensor")
+        if self.kind is PoolKind.PAGED and len(first.shape) < 2:
+            raise ValueError(f"paged pool tensors need [blocks, ...] shapes, got {first.shape}")
         for i, info in enumerate(infos):
             same = (info.shape, info.dtype, info.device, info.strides[0]) == (
                 first.shape, first.dtype, first.device, first.strides[0])
@@ -153,6 +169,8 @@ class TransferJob:
     slots: Sequence[int] | npt.NDArray[np.integer[Any]]
     blocks: Sequence[int] | npt.NDArray[np.integer[Any]]
     after: object | None = None
+    chunks: tuple[int, int] | None = None
+    """Copy only chunks [lo, hi) of each pair (None: every chunk)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +189,7 @@ class TransferResult(NamedTuple):
     path: str  # "cpu" | "kernel" | "dma" | "none"
     error: str | None
     nbytes: int  # bytes of the pairs that completed
-    seconds: float  # submit to observed completion
+    seconds: float  # submit to completion (when the backend knows it: CPU), else to observed
 
     @property
     def all_ok(self) -> bool:
@@ -188,7 +206,7 @@ class Backend(Protocol):
     name: str
 
     def start(self, direction: Direction, slot_idx: IntArray, block_idx: IntArray,
-              after: object | None) -> Any: ...
+              after: object | None, chunks: tuple[int, int] | None = None) -> Any: ...
     def done(self, pending: Any) -> bool: ...
     def finish(self, pending: Any, timeout: float | None = None) -> Any: ...
     def close(self) -> None: ...
@@ -200,6 +218,7 @@ class _Inflight(NamedTuple):
     blocks: IntArray
     pending: Any
     t0: float
+    pair_bytes: int
 
 
 class TransferEngine:
@@ -225,10 +244,16 @@ class TransferEngine:
             raise ValueError("slot buffer is read-only: STORE needs a writable mapping")
         s, b = check_pairs(direction, job.slots, job.blocks, self.pool_geometry,
                            self.slot_geometry)
+        chunks = check_chunks(job.chunks, self.pool_geometry.n_chunks)
         handle = TransferHandle(next(self._ids))
         t0 = time.perf_counter()
-        pending = self.backend.start(direction, s, b, job.after) if s.size else None
-        self._inflight[handle] = _Inflight(direction, s, b, pending, t0)
+        pending = None
+        if s.size:  # `chunks` only when a range is asked for: whole-pair backends still work
+            pending = (self.backend.start(direction, s, b, job.after) if chunks is None else
+                       self.backend.start(direction, s, b, job.after, chunks=chunks))
+        lo, hi = chunks or (0, self.pool_geometry.n_chunks)
+        self._inflight[handle] = _Inflight(direction, s, b, pending, t0,
+                                           (hi - lo) * self.pool_geometry.chunk_bytes)
         return handle
 
     def poll(self) -> list[TransferResult]:
@@ -260,15 +285,30 @@ class TransferEngine:
 
     def _collect(self, handle: TransferHandle, timeout: float | None) -> TransferResult:
         f = self._inflight[handle]
+        done_at = None
         if f.pending is None:
             ok, path, error = np.ones(0, dtype=np.bool_), "none", None
         else:
             out = self.backend.finish(f.pending, timeout)
             ok, path, error = out.ok, out.path, out.error
+            done_at = getattr(out, "done_at", None)
         del self._inflight[handle]
-        nbytes = int(ok.sum()) * self.pool_geometry.payload_bytes
+        nbytes = int(ok.sum()) * f.pair_bytes
         return TransferResult(handle, f.direction, f.slots, f.blocks, ok, path, error, nbytes,
-                              time.perf_counter() - f.t0)
+                              (done_at or time.perf_counter()) - f.t0)
+
+
+def check_chunks(chunks: tuple[int, int] | None, n_chunks: int) -> tuple[int, int] | None:
+    """A job's chunk range as (lo, hi), None for every chunk; ValueError when out of range."""
+    if chunks is None:
+        return None
+    try:
+        lo, hi = (int(c) for c in chunks)
+    except (TypeError, ValueError):
+        raise ValueError(f"chunks must be a (lo, hi) pair of integers, got {chunks!r}") from None
+    if not 0 <= lo < hi <= n_chunks:
+        raise ValueError(f"chunk range [{lo}, {hi}) is not within the pool's {n_chunks} chunks")
+    return None if (lo, hi) == (0, n_chunks) else (lo, hi)
 
 
 def _make_backend(name: str, pool: KVPool, slots: Any, geom: PoolGeometry,

@@ -28,6 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.integrations.vllm.layout import Unsupported, default_model_id, engine_kv
 from kvtier.integrations.vllm.metadata import KvtierMetadata
+from kvtier.integrations.vllm.pages import PREFERRED_LAYOUT
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings
 from kvtier.integrations.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
@@ -106,13 +107,20 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.worker is not None and isinstance(connector_metadata, KvtierMetadata):
             self.worker.bind(connector_metadata)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return PREFERRED_LAYOUT  # pages in [H, N, C] order, one run per block (pages.py)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvtierMetadata):
-            self.worker.start_load_kv(meta)
+            # a full CUDA graph's replay skips wait_for_layer_load: wait for every layer here
+            mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+            self.worker.start_load_kv(meta, wait_all=getattr(mode, "name", "") == "FULL")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv copies every layer before the forward
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)  # that layer's copy only
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:

@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,7 +36,10 @@ class Staged:
     keys: list[bytes]
     parent: bytes
     blocks: torch.Tensor
-    """[len(keys), block_bytes] uint8 (CPU): the blocks' bytes as a slot holds them."""
+    """[chunks, len(keys), chunk_bytes] uint8 (CPU): chunk c of every block, the bytes a slot
+    holds at [c * chunk_bytes, (c + 1) * chunk_bytes) (`pages.py`)."""
+    ready: Any = None
+    """A CUDA event to synchronize before reading `blocks` (filled by an async copy)."""
 
 
 @dataclass(slots=True)

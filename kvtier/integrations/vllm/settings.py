@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+TRANSFERS = ("auto", "engine", "torch")
+
 
 class SettingsError(ValueError):
     """A bad `kv_connector_extra_config` (raised at engine start, naming the key)."""
@@ -52,6 +54,11 @@ class ConnectorSettings:
     prefill_report_s: float = 2.0
     """Report vLLM's measured prefill rate to the daemon's planner at most this often
     (0 = never)."""
+    transfer: str = "auto"
+    """How loads copy slots into vLLM's cache: "engine" (kvtier's TransferEngine, layer by
+    layer: CUDA kernels or batched DMA on a GPU, its CPU backend otherwise), "torch"
+    (synchronous torch indexing, every layer before the forward), "auto" (the engine: measured
+    faster on CPU too, docs/benchmarks.md; on CUDA without CuPy, torch with a warning)."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -65,6 +72,9 @@ class ConnectorSettings:
         for name, value in extra.items():
             values[name] = _coerce(name, value, type(known[name].default))
         s = cls(**values)
+        if s.transfer not in TRANSFERS:
+            raise SettingsError(f"kvtier connector: kv_connector_extra_config['transfer'] must "
+                                f"be one of {list(TRANSFERS)}, got {s.transfer!r}")
         if (s.timeout_s <= 0 or s.retry_after_s < 0 or s.lease_ttl_s < 0
                 or s.prefill_report_s < 0 or s.save_buffer_mib <= 0):
             raise SettingsError("kvtier connector: timeout_s and save_buffer_mib must be > 0, "

@@ -2,27 +2,42 @@
 and vLLM's paged KV cache, on each TP rank.
 
     start_load_kv     for each LoadJob: Acquire the job's keys on this rank's layout (a lease),
-                      copy the pinned blocks slots -> vLLM blocks, every layer, then Release
-                      (before the forward reads them: the load is synchronous). Blocks the
-                      daemon no longer has, and every block of a job whose copy or Release
-                      fails, go to the load-error set, so vLLM recomputes them (a failed Release
-                      means the lease expired or the daemon restarted: what was copied may be
-                      stale).
-    wait_for_save     for each SaveJob: with `async_save`, copy the blocks into a staging buffer
-                      and hand them to the "kvtier-save" thread, which Allocates (keys already
-                      cached are skipped), copies into the slots and Commits. vLLM's blocks are
-                      not read after `wait_for_save` returns, so nothing holds them (a preempted
-                      or finished request frees them at once). Without it, the same on this
-                      thread. Runs after the step's forward, so the blocks hold their final KV;
-                      errors only lose the store.
+                      then issue the step's copies slots -> vLLM blocks (`loads.py`). With the
+                      TransferEngine (`transfer: "engine"`, what "auto" picks) one LOAD job per
+                      layer runs on the engine's stream (CUDA: a side stream ordered after
+                      vLLM's compute stream; CPU: the engine's copy thread), and
+                      `wait_for_layer_load(layer)` waits for that layer only, so layer i's
+                      attention overlaps the copy of the layers after it (under a full CUDA
+                      graph, whose replay skips `wait_for_layer_load`, every layer is waited
+                      for within `start_load_kv`). With `transfer: "torch"` the copy is
+                      synchronous torch indexing (slower than the engine's CPU backend on the
+                      dev machine: docs/benchmarks.md). Leases are Released once every layer's
+                      copy completed, at `get_block_ids_with_load_errors` (after the forward).
+                      Blocks the
+                      daemon no longer has, pairs whose copy failed (`ok=False`), and every
+                      block of a job whose Release fails go to the load-error set, so vLLM
+                      recomputes them (a failed Release means the lease expired or the daemon
+                      restarted: what was copied may be stale).
+    wait_for_save     for each SaveJob: copy the blocks out of vLLM's cache into a staging
+                      buffer (`_stage`: one batched gather per chunk; on CUDA a non-blocking
+                      device->host copy per chunk into pinned memory on a side stream ordered
+                      after the compute stream, and the compute stream waits for it before
+                      anything can overwrite those blocks — the CPU does not). With
+                      `async_save` the "kvtier-save" thread then Allocates (keys already cached
+                      are skipped), copies into the slots and Commits; without it the same on
+                      this thread. vLLM's blocks are not read by the host after `wait_for_save`
+                      returns, so nothing holds them (a preempted or finished request frees
+                      them at once). Runs after the step's forward, so the blocks hold their
+                      final KV; errors only lose the store.
     prefill rate      `bind` (before the forward) to `wait_for_save` (after it) times the steps
                       the scheduler marked as one prompt chunk; rank 0 reports the latest to the
                       daemon's planner (ReportPrefill) at most every `prefill_report_s`.
 
-Pages: each layer's tensor is vLLM's standardized view [B, H, N, C] (blocks at dim 0); it is
-viewed as [B, page_bytes] bytes and a block's page is copied whole (`layout.py` draws the slot).
-On CUDA the same indexing copies between host memory and the device (torch copies; the batched
-TransferEngine path is not wired here), and the prefill rate is timed with CUDA events.
+Pages: each layer's tensor is vLLM's standardized view [B, H, N, C] (blocks at dim 0); `pages.py`
+cuts it into per-block contiguous chunks in the page's logical order (one per layer, or one per
+(layer, head) where head groups lie outside the block, as under LHBNC), and `layout.py` draws the
+slot. On CUDA the slot buffer is registered with the driver (cudaHostRegister, mapped) so the
+engine's kernels and DMA reach it, and the prefill rate is timed with CUDA events.
 Threading: vLLM's worker thread, plus the save thread (`saver.py`).
 """
 
@@ -38,23 +53,13 @@ import torch
 from kvtier.client.sync_client import SlotBuffer
 from kvtier.integrations.vllm.layout import EngineKV, Unsupported
 from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.vllm.loads import LayerLoads, Lease, Loads, TorchLoads
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.pages import Paged, paged
 from kvtier.integrations.vllm.saver import PrefillClock, Saver, Staged
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvtier.integrations.vllm")
-
-
-def page_view(kv: torch.Tensor, page_bytes: int) -> torch.Tensor:
-    """`kv` ([B, ...], blocks at dim 0) as [B, page_bytes] bytes sharing its memory."""
-    if kv.dim() < 2 or kv[0].numel() * kv.element_size() != page_bytes:
-        raise Unsupported(f"a KV tensor of shape {tuple(kv.shape)} ({kv.dtype}) does not have "
-                          f"pages of {page_bytes} bytes at dim 0")
-    flat = kv.flatten(1)
-    if flat.stride(1) != 1 or flat.data_ptr() != kv.data_ptr():
-        raise Unsupported(f"KV pages of shape {tuple(kv.shape)} with strides {kv.stride()} are "
-                          "not contiguous")
-    return flat.view(torch.uint8)
 
 
 class WorkerStats:
@@ -93,21 +98,57 @@ class WorkerSide:
         self.rank = rank
         self.settings = settings
         self.link = DaemonLink(settings, kv.decl(), f"worker {rank}")
-        self.pages: list[torch.Tensor] = []
+        self.paged: Paged | None = None
+        self.loads: Loads | None = None
+        self.layer_index = {name: i for i, name in enumerate(kv.layer_names)}
         self._rows_cache: tuple[int, torch.Tensor] | None = None
         self._errors: set[int] = set()
+        self._save_stream: Any = None
         self.stats = WorkerStats()
         self.clock = PrefillClock(settings.prefill_report_s if rank == 0 else 0.0)
         self.saver = Saver(self.link, self._store, int(settings.save_buffer_mib * 2**20),
                            settings.async_save, self.clock.retry)
 
+    @property
+    def layerwise(self) -> bool:
+        return isinstance(self.loads, LayerLoads)
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         missing = [n for n in self.kv.layer_names if n not in kv_caches]
         if missing:
             raise Unsupported(f"no KV tensor for layer(s) {missing[:3]}")
-        self.pages = [page_view(kv_caches[n], self.kv.page_bytes) for n in self.kv.layer_names]
-        self.clock.cuda = self.pages[0].is_cuda
+        self.paged = pg = paged([kv_caches[n] for n in self.kv.layer_names], self.kv.page_bytes)
+        cuda = pg.device.type == "cuda"
+        self.clock.cuda = cuda
+        self.loads = self._make_loads(pg, cuda)
+        if cuda:
+            self._save_stream = torch.cuda.Stream(device=pg.device)  # type: ignore[no-untyped-call]
+        log.info("kvtier worker %d: %d chunks of %d bytes per block (%d per layer), loads "
+                 "through %s", self.rank, len(pg.chunks), pg.chunk_bytes, pg.per_layer,
+                 "the TransferEngine, layer by layer" if self.layerwise else "torch copies")
         self.link.client()  # connect early (a missing daemon is one warning, not an error)
+
+    def _make_loads(self, pg: Paged, cuda: bool) -> Loads:
+        choice = "engine" if self.settings.transfer == "auto" else self.settings.transfer
+        if choice == "engine" and cuda:
+            from kvtier.gpu import available
+
+            if not available():
+                log.warning("kvtier worker %d: the TransferEngine's CUDA backend needs CuPy "
+                            "(pip install 'kvtier[gpu]'); loading with torch copies",
+                            self.rank)
+                choice = "torch"
+        if choice == "torch":
+            return TorchLoads(pg.chunks, pg.per_layer, self._release)
+        if cuda:
+            import cupy
+
+            # this thread issues every load: CuPy's streams and events on vLLM's device (a TP
+            # rank's GPU), not device 0
+            cupy.cuda.Device(pg.device.index or 0).use()
+        loads = LayerLoads(pg.chunks, pg.per_layer, self._release)
+        loads.calibrate()
+        return loads
 
     def _rows(self, buf: SlotBuffer) -> torch.Tensor:
         """The [slots, slot_bytes] tensor over the mapped pool (kept per pool generation)."""
@@ -123,50 +164,102 @@ class WorkerSide:
 
     # -- loads ---------------------------------------------------------------------------------
 
-    def start_load_kv(self, meta: KvtierMetadata) -> None:
+    def start_load_kv(self, meta: KvtierMetadata, wait_all: bool = False) -> None:
+        """Pins and issues this step's loads; with `wait_all` (or the torch copy) they are
+        complete on return, else layer i is once `wait_for_layer_load` of it returned."""
+        if self.loads is None:
+            return
+        self._finish_loads()  # a step whose forward never asked (a profile run, say)
+        leases: list[Lease] = []
+        buf: SlotBuffer | None = None
         for job in meta.loads:
             if not job.block_ids:
                 continue
-            pinned = self._load(job)
-            failed = job.block_ids[pinned:]
-            self._errors.update(failed)
-            self.stats.failed_blocks += len(failed)
+            got = self._acquire(job, buf)
+            if got is None:
+                self._fail(job.block_ids)
+                continue
+            lease, buf = got
+            leases.append(lease)
+            self._fail(job.block_ids[len(lease.blocks):])
+        if not leases or buf is None:
+            return
+        rows = self._rows(buf)
+        if self.layerwise:
+            after = None
+            if self.clock.cuda:
+                self._register_cuda()
+                after = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                after.record()  # vLLM zeroes new blocks on its stream before the loads
+            self.loads.start(rows.numpy(), buf.generation, leases, after)
+        else:
+            self.loads.start(rows, buf.generation, leases)
+        if wait_all or not self.layerwise:
+            self._finish_loads()
 
-    def _load(self, job: LoadJob) -> int:
-        """Acquires the job's keys, copies what is pinned (from keys[first]) into its blocks and
-        releases; how many of its blocks were loaded (0 on any failure)."""
-        started = time.perf_counter()
+    def _acquire(self, job: LoadJob, buf: SlotBuffer | None
+                 ) -> tuple[Lease, SlotBuffer] | None:
+        """Pins the job's keys; its lease over the pinned blocks (from keys[first]) and the slot
+        buffer they are in, or None (nothing pinned, or another pool than this step's)."""
         client = self.link.client()
         if client is None:
-            return 0
+            return None
         n = len(job.block_ids)
         try:
             got = client.acquire(job.keys)
             pinned = min(n, max(0, got.blocks - job.first))
             if not got.lease_id:
-                return 0
-            buf = client.slot_buffer_for(got.segment)
-            if buf is None or pinned == 0:
+                return None
+            mine = client.slot_buffer_for(got.segment)
+            if (mine is None or pinned == 0
+                    or (buf is not None and mine.generation != buf.generation)):
                 client.release(got.lease_id)
-                return 0
-            copying = time.perf_counter()  # the DRAM read rate the planner uses: the copy
-            rows = self._rows(buf)             # alone, not the Acquire (it may read SSD)
-            slots = torch.tensor(got.slots[job.first:job.first + pinned], dtype=torch.long)
-            blocks = torch.tensor(job.block_ids[:pinned], dtype=torch.long)
-            src = rows[slots]
-            page = self.kv.page_bytes
-            for i, dst in enumerate(self.pages):
-                dst[blocks] = src[:, i * page:(i + 1) * page].to(dst.device)
-            seconds = time.perf_counter() - copying
-            client.release(got.lease_id, pinned * self.kv.block_bytes, seconds)
+                return None
         except Exception as exc:
             self.link.failed(exc, "load")
-            return 0
-        self.stats.loaded_blocks += pinned
-        self.stats.load_seconds += time.perf_counter() - started
-        return pinned
+            return None
+        return Lease(got.lease_id, got.slots[job.first:job.first + pinned],
+                     job.block_ids[:pinned]), mine
+
+    def _register_cuda(self) -> None:
+        client = self.link.client()
+        if client is not None:
+            client.register_cuda()  # idempotent; else the engine registers the rows itself
+
+    def _release(self, lease_id: str, nbytes: int, seconds: float) -> bool:
+        client = self.link.client()
+        if client is None:
+            return False
+        try:
+            client.release(lease_id, nbytes, seconds)
+        except Exception as exc:
+            self.link.failed(exc, "load")
+            return False
+        return True
+
+    def _fail(self, blocks: list[int]) -> None:
+        self._errors.update(blocks)
+        self.stats.failed_blocks += len(blocks)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.loads is not None:
+            i = self.layer_index.get(layer_name)
+            if i is not None:
+                self.loads.wait_layer(i)
+
+    def _finish_loads(self) -> None:
+        if self.loads is None:
+            return
+        done = self.loads.finish()
+        if done.failed:
+            self._fail(sorted(done.failed))
+        self.stats.loaded_blocks += done.loaded
+        self.stats.load_seconds += done.seconds
 
     def take_load_errors(self) -> set[int]:
+        """Completes the step's loads (every layer), releases their leases; the vLLM blocks
+        that could not be loaded."""
+        self._finish_loads()
         errors, self._errors = self._errors, set()
         return errors
 
@@ -184,13 +277,30 @@ class WorkerSide:
             self.saver.submit(self._stage(job))
 
     def _stage(self, job: SaveJob) -> Staged:
-        """The job's blocks, every layer, copied out of vLLM's cache: [blocks, block_bytes]."""
+        """The job's blocks copied out of vLLM's cache, chunk-major: [chunks, blocks,
+        chunk_bytes] (CPU; pinned and filled asynchronously on CUDA: `Staged.ready`)."""
+        assert self.paged is not None
+        pg = self.paged
+        n = len(job.block_ids)
         blocks = torch.tensor(job.block_ids, dtype=torch.long)
-        page = self.kv.page_bytes
-        out = torch.empty((len(job.block_ids), page * len(self.pages)), dtype=torch.uint8)
-        for i, src in enumerate(self.pages):
-            out[:, i * page:(i + 1) * page] = src[blocks].cpu()
-        return Staged(job.req_id, job.keys, job.parent, out)
+        if pg.device.type != "cuda":
+            out = torch.empty((len(pg.chunks), n, pg.chunk_bytes), dtype=torch.uint8)
+            for c, src in enumerate(pg.chunks):
+                torch.index_select(src, 0, blocks, out=out[c])
+            return Staged(job.req_id, job.keys, job.parent, out)
+        out = torch.empty((len(pg.chunks), n, pg.chunk_bytes), dtype=torch.uint8,
+                          pin_memory=True)
+        compute = torch.cuda.current_stream(pg.device)
+        side = self._save_stream
+        side.wait_stream(compute)  # the forward wrote these blocks
+        with torch.cuda.stream(side):
+            idx = blocks.to(pg.device, non_blocking=True)
+            for c, src in enumerate(pg.chunks):
+                out[c].copy_(src.index_select(0, idx), non_blocking=True)
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(side)
+        compute.wait_event(ready)  # nothing overwrites the blocks before they are copied
+        return Staged(job.req_id, job.keys, job.parent, out, ready)
 
     def _store(self, staged: Staged) -> None:
         """Stores one staged job (on the save thread, or inline); raises on failure."""
@@ -198,6 +308,8 @@ class WorkerSide:
         if client is None:
             return
         started = time.perf_counter()
+        if staged.ready is not None:
+            staged.ready.synchronize()
         # vLLM's worker runs in inference mode, so the slot rows may be an inference tensor
         # (made by a load): in-place writes to it need inference mode on this thread too
         with torch.inference_mode(), client.store_into(staged.keys, staged.parent) as tx:
@@ -208,9 +320,14 @@ class WorkerSide:
                 rows = self._rows(buf)
                 slots = torch.tensor(tx.slot_ids, dtype=torch.long)
                 which = torch.tensor([i for i, _ in tx.slots], dtype=torch.long)
-                rows[slots, :staged.blocks.shape[1]] = staged.blocks[which]
+                cb = staged.blocks.shape[2]
+                for c in range(staged.blocks.shape[0]):
+                    rows[slots, c * cb:(c + 1) * cb] = staged.blocks[c][which]
         self.stats.stored(tx.committed, time.perf_counter() - started)
 
     def close(self) -> None:
+        if self.loads is not None:
+            self._finish_loads()
+            self.loads.close()
         self.saver.close()
         self.link.close()

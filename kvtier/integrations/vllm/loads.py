@@ -1,0 +1,288 @@
+"""The worker side's loads (daemon slots -> vLLM blocks), one step at a time, after the worker
+pinned each job's blocks (Acquire): `start` issues the copies, `wait_layer` makes one layer's
+copy complete, `finish` makes every copy complete and ends the leases (Release).
+
+    LayerLoads   through a `kvtier.gpu.transfer.TransferEngine` over vLLM's pages
+                 (`KVPool.paged`), backend "auto" (CUDA kernels or batched DMA when the cache
+                 is on a GPU, the CPU reference backend otherwise): one LOAD job per layer, all
+                 the step's pairs, issued in layer order on the engine's load stream (jobs of
+                 one direction run in submission order), so layer i is complete while layers
+                 after it are still copying; the first job waits for `after` (vLLM's compute
+                 stream: it zeroes new blocks before the loads). `wait_layer(i)` waits for
+                 job i only.
+    TorchLoads   the synchronous torch copy (`dst[blocks] = rows[slots]` per chunk) within
+                 `start`; `wait_layer` has nothing to wait for.
+
+A lease is released only once every layer's copy of it completed (`finish`). A pair whose copy
+failed in any layer (`ok=False`), every block of a lease whose Release failed (the lease expired
+or the daemon restarted: what was copied may be stale), and every block of a step that could not
+be issued are returned as failed: the worker reports them to vLLM as load errors (recomputed).
+Threading: vLLM's worker thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvtier.gpu.plan import Calibration, Direction
+from kvtier.gpu.transfer import Backend, KVPool, TransferEngine, TransferHandle, TransferJob
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+Release = Callable[[str, int, float], bool]
+"""release(lease_id, bytes copied, copy seconds) -> whether the daemon ended the lease."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One job's pinned blocks: slot rows `slots` go to vLLM blocks `blocks`."""
+
+    lease_id: str
+    slots: Sequence[int]
+    blocks: Sequence[int]
+
+
+@dataclass(slots=True)
+class Finished:
+    """What a step's loads did: blocks loaded, vLLM blocks failed, seconds of copying."""
+
+    loaded: int = 0
+    failed: set[int] = field(default_factory=set)
+    seconds: float = 0.0
+
+
+class Loads(Protocol):
+    def start(self, rows: Any, generation: int, leases: Sequence[Lease],
+              after: object | None = None) -> None: ...
+    def wait_layer(self, layer: int) -> None: ...
+    def finish(self) -> Finished: ...
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Step:
+    leases: list[Lease]
+    ok: np.ndarray
+    """Per pair of the step (leases' pairs back to back): copied in every layer so far."""
+    handles: list[TransferHandle | None]
+    t0: float
+    failed: set[int] = field(default_factory=set)
+    done_at: float = 0.0
+    """When the latest layer's copy ended (the CPU backend's own time; on CUDA when seen): the
+    copy time the daemon's planner gets is `done_at - t0`, not the forward the leases spanned."""
+
+
+def _finish_leases(step: _Step, release: Release, block_bytes: int) -> Finished:
+    """Release every lease of a step whose copies are all collected."""
+    out = Finished(failed=set(step.failed),
+                   seconds=(step.done_at or time.perf_counter()) - step.t0)
+    at = 0
+    for lease in step.leases:
+        n = len(lease.blocks)
+        ok = step.ok[at:at + n]
+        at += n
+        good = int(ok.sum())
+        if not release(lease.lease_id, good * block_bytes, out.seconds):
+            out.failed.update(lease.blocks)
+            continue
+        out.failed.update(b for b, fine in zip(lease.blocks, ok.tolist(), strict=True)
+                          if not fine)
+        out.loaded += good
+    return out
+
+
+class LayerLoads:
+    """Loads through a TransferEngine, layer by layer (see the module docstring)."""
+
+    def __init__(self, chunks: Sequence[Any], per_layer: int, release: Release, *,
+                 backend: str | Backend = "auto", calibration: Calibration | None = None
+                 ) -> None:
+        if not chunks or per_layer < 1 or len(chunks) % per_layer:
+            raise ValueError(f"{len(chunks)} chunks are not whole layers of {per_layer}")
+        self.pool = KVPool.paged(chunks)
+        self.geometry = self.pool.geometry()
+        self.per_layer = per_layer
+        self.layers = len(chunks) // per_layer
+        self.release = release
+        self.backend = backend
+        self.calibration = calibration
+        self.block_bytes = self.geometry.payload_bytes
+        self._engine: TransferEngine | None = None
+        self._generation: int | None = None
+        self._step: _Step | None = None
+        self._warned = False
+
+    def calibrate(self) -> None:
+        """On CUDA, measure the kernel-vs-DMA choice now (vLLM's engine start) rather than
+        within the first load; a calibration file ($KVTIER_TRANSFER_CALIBRATION) is used as is."""
+        if self.calibration is not None or self.pool.device != "cuda":
+            return
+        env = os.environ.get("KVTIER_TRANSFER_CALIBRATION")
+        if env:
+            from kvtier.gpu.backend import load_calibration
+
+            self.calibration = load_calibration(env)
+            return
+        from kvtier.gpu.measure import calibrate_pool
+
+        self.calibration = calibrate_pool(self.geometry)
+
+    def _engine_for(self, rows: Any, generation: int) -> TransferEngine:
+        if self._engine is None or self._generation != generation:
+            if self._engine is not None:
+                self._engine.close()  # the step before was finished: nothing is in flight
+                self._engine = None
+            self._engine = TransferEngine(self.pool, rows, backend=self.backend,
+                                          calibration=self.calibration)
+            self._generation = generation
+            cal = getattr(self._engine.backend, "calibration", None)
+            if cal is not None:
+                self.calibration = cal  # measured once, kept across pool generations
+        return self._engine
+
+    def start(self, rows: Any, generation: int, leases: Sequence[Lease],
+              after: object | None = None) -> None:
+        """Issues the copies of `leases` from slot buffer `rows` (the daemon's pool
+        `generation`), layer by layer. A step still unfinished is finished first."""
+        if self._step is not None:
+            raise RuntimeError("the previous step's loads are not finished")
+        leases = [lease for lease in leases if len(lease.blocks)]
+        if not leases:
+            return
+        slots = np.concatenate([np.asarray(lease.slots, dtype=np.int64) for lease in leases])
+        blocks = np.concatenate([np.asarray(lease.blocks, dtype=np.int64) for lease in leases])
+        step = _Step(list(leases), np.zeros(slots.size, dtype=np.bool_), [], time.perf_counter())
+        self._step = step
+        try:
+            engine = self._engine_for(rows, generation)
+            step.t0 = time.perf_counter()  # the copy's clock starts at the first submit
+            for i in range(self.layers):
+                lo = i * self.per_layer
+                step.handles.append(engine.submit(TransferJob(
+                    Direction.LOAD, slots, blocks, after=after if i == 0 else None,
+                    chunks=(lo, lo + self.per_layer))))
+        except Exception as exc:  # nothing issued is trusted: the step's blocks are recomputed
+            level = logging.DEBUG if self._warned else logging.WARNING
+            self._warned = True
+            log.log(level, "kvtier: loads not issued (%s: %s); recomputing them",
+                    type(exc).__name__, exc)
+            step.failed.update(int(b) for b in blocks)
+            step.handles = [h for h in step.handles if h is not None]
+            self._drain(step)
+            return
+        step.ok[:] = True
+
+    def _collect(self, step: _Step, i: int) -> None:
+        """Waits for layer i's job, then takes every other finished one (so each layer's end
+        is seen about when it happened, not when the forward reached it)."""
+        handle = step.handles[i]
+        if handle is None:
+            return
+        assert self._engine is not None
+        try:
+            results = [self._engine.wait(handle)]
+            step.handles[i] = None
+            results += self._engine.poll()
+        except Exception as exc:
+            log.warning("kvtier: waiting for a layer's load failed: %s", exc)
+            step.handles[i] = None
+            step.ok[:] = False
+            return
+        for res in results:  # submitted together at t0 (within microseconds)
+            step.done_at = max(step.done_at, step.t0 + res.seconds)
+            layer = i if res.handle == handle else step.handles.index(res.handle)
+            step.handles[layer] = None
+            if not res.all_ok:
+                log.warning("kvtier: %d of %d blocks failed to load in layer %d (%s); "
+                            "recomputing them", int((~res.ok).sum()), res.ok.size, layer,
+                            res.error)
+            step.ok &= res.ok
+
+    def _drain(self, step: _Step) -> None:
+        """Waits for every issued job of a step that failed midway (their results are void)."""
+        for i in range(len(step.handles)):
+            self._collect(step, i)
+        step.ok[:] = False
+
+    def wait_layer(self, layer: int) -> None:
+        """Blocks until layer `layer`'s copy of this step completed (no-op without loads)."""
+        step = self._step
+        if step is not None and 0 <= layer < len(step.handles):
+            self._collect(step, layer)
+
+    def finish(self) -> Finished:
+        """Completes every copy of the step, releases its leases; what it did."""
+        step, self._step = self._step, None
+        if step is None:
+            return Finished()
+        for i in range(len(step.handles)):
+            self._collect(step, i)
+        return _finish_leases(step, self.release, self.block_bytes)
+
+    def close(self) -> None:
+        if self._step is not None:
+            self.finish()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+class TorchLoads:
+    """The synchronous torch copy (see the module docstring); chunks are torch tensors."""
+
+    def __init__(self, chunks: Sequence[Any], per_layer: int, release: Release) -> None:
+        import torch
+
+        self.chunks = list(chunks)
+        self.per_layer = per_layer
+        self.chunk_bytes = int(self.chunks[0].shape[1])
+        self.block_bytes = self.chunk_bytes * len(self.chunks)
+        self.release = release
+        self._torch = torch
+        self._step: _Step | None = None
+
+    def start(self, rows: Any, generation: int, leases: Sequence[Lease],
+              after: object | None = None) -> None:
+        torch = self._torch
+        if self._step is not None:
+            raise RuntimeError("the previous step's loads are not finished")
+        leases = [lease for lease in leases if len(lease.blocks)]
+        if not leases:
+            return
+        slots = [int(s) for lease in leases for s in lease.slots]
+        blocks = [int(b) for lease in leases for b in lease.blocks]
+        step = _Step(list(leases), np.zeros(len(slots), dtype=np.bool_), [], time.perf_counter())
+        self._step = step
+        try:
+            src_rows = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(rows)
+            src = src_rows[torch.tensor(slots, dtype=torch.long)]
+            idx = torch.tensor(blocks, dtype=torch.long)
+            cb = self.chunk_bytes
+            for c, dst in enumerate(self.chunks):
+                dst[idx.to(dst.device)] = src[:, c * cb:(c + 1) * cb].to(dst.device)
+        except Exception as exc:
+            log.warning("kvtier: load copy failed (%s: %s); recomputing its blocks",
+                        type(exc).__name__, exc)
+            return
+        step.done_at = time.perf_counter()
+        step.ok[:] = True
+
+    def wait_layer(self, layer: int) -> None:
+        return  # `start` copied every layer
+
+    def finish(self) -> Finished:
+        step, self._step = self._step, None
+        if step is None:
+            return Finished()
+        return _finish_leases(step, self.release, self.block_bytes)
+
+    def close(self) -> None:
+        if self._step is not None:
+            self.finish()
