@@ -131,6 +131,7 @@ def test_hf_config(tmp_path, capsys):
     cfg.write_text(
         json.dumps(
             {
+                "model_type": "mistral",
                 "hidden_size": 4096,
                 "intermediate_size": 14336,
                 "num_attention_heads": 32,

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
-from kvtier.core.hfconfig import parse_config, spec_from_config
+from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
 from kvtier.core.layout import DType, KVLayout, LayerSpec, alternating
 from kvtier.core.presets import ModelSpec, get_preset, list_presets
 from kvtier.core.sizing import (
@@ -65,7 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (one of --preset, --hf-config, or the shape flags)")
     m.add_argument("--preset", metavar="NAME", help="a built-in model (see --list-presets)")
     m.add_argument("--list-presets", action="store_true", help="print the presets and exit")
-    m.add_argument("--hf-config", metavar="PATH", help="a local Hugging Face config.json")
+    m.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="a local Hugging Face config.json, or a model directory holding one",
+    )
     m.add_argument("--layers", metavar="N", help="custom model: number of layers")
     m.add_argument("--kv-heads", metavar="N", help="custom model: KV heads (MHA/GQA/MQA)")
     m.add_argument("--head-dim", metavar="N", help="custom model: head dimension")
@@ -401,13 +405,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def read_hf_config(path: str | Path) -> ModelSpec:
-    """The `ModelSpec` of a local `config.json` (read offline; named by its folder when the
-    config has no `_name_or_path`)."""
+    """The `ModelSpec` of a local `config.json` or model directory (see `read_hf_reading`)."""
+    return read_hf_reading(path).spec
+
+
+def read_hf_reading(path: str | Path) -> ConfigReading:
+    """A local `config.json`, or a model directory holding one, read the vLLM way (offline;
+    named by its folder when the config has no `_name_or_path`)."""
     p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+        if not p.is_file():
+            raise UsageError(f"model directory {str(path)!r} has no config.json")
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise UsageError(f"config {str(p)!r} is not UTF-8 text") from None
-    return spec_from_config(parse_config(text, str(p)), str(p), p.resolve().parent.name)
+    return read_config(parse_config(text, str(p)), str(p), p.resolve().parent.name)
