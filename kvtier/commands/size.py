@@ -15,6 +15,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from kvtier.commands import size_hybrid
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
 from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
@@ -148,6 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("host tiers")
     h.add_argument("--dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
     h.add_argument("--ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    size_hybrid.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -226,8 +228,9 @@ def _custom_model(a: argparse.Namespace) -> ModelSpec:
     )
 
 
-def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
+def _model(a: argparse.Namespace) -> tuple[ModelSpec, str, ConfigReading | None]:
     shape = [f for f in _SHAPE_FLAGS if getattr(a, f) is not None]
+    reading: ConfigReading | None = None
     sources = [s for s, given in (("--preset", a.preset), ("--hf-config", a.hf_config)) if given]
     if shape:
         sources.append("--" + shape[0].replace("_", "-"))
@@ -236,8 +239,8 @@ def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
     if a.preset is not None:
         spec, source = get_preset(a.preset), f"preset {a.preset}"
     elif a.hf_config is not None:
-
-        spec, source = read_hf_config(a.hf_config), f"HF config {a.hf_config}"
+        reading = read_hf_reading(a.hf_config)
+        spec, source = reading.spec, f"HF config {a.hf_config}"
     elif shape:
         spec, source = _custom_model(a), "flags"
     else:
@@ -245,7 +248,7 @@ def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
     if a.params is not None and not shape:
         n = _param_count(a.params)
         spec = ModelSpec(**{**_fields(spec), "total_params": n, "active_params": n})
-    return spec, source
+    return spec, source, reading
 
 
 def _fields(spec: ModelSpec) -> dict[str, Any]:
@@ -268,7 +271,7 @@ def _kv_formula(layout: KVLayout) -> str:
 
 def compute(a: argparse.Namespace) -> dict[str, Any]:
     """The whole answer as a JSON-ready dict (the `--json` output)."""
-    spec, source = _model(a)
+    spec, source, reading = _model(a)
     dtype = DType.parse(a.dtype)
     tp = _count(a.tp, "--tp", 1)
     layout = spec.layout(
@@ -278,6 +281,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         tp_rank=_count(a.tp_rank, "--tp-rank", 0),
         fp8_scale_bytes=_count(a.fp8_scale_bytes, "--fp8-scale-bytes", 0),
     )
+    layout, block_note = size_hybrid.align_block(layout)
     device = parse_size(a.gpu_mem, "--gpu-mem")
     if a.weights is not None:
         weights = parse_size(a.weights, "--weights").bytes
@@ -304,7 +308,8 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         _count(a.prefill_chunk, "--prefill-chunk", 0),
         _count(a.max_seqs, "--max-seqs", 1) if a.max_seqs is not None else concurrency,
     )
-    plan = plan_workload(layout, pool_pages, load)
+    state_pages = 2 if a.mamba_cache_mode == "align" else 1
+    plan = plan_workload(layout, pool_pages, load, state_pages)
     full_len = load.prompt_tokens + load.max_output_tokens
     groups = [
         {
@@ -313,9 +318,9 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
             "layers": g.layers,
             "group_size": g.group_size,
             "admission_pages_per_seq": group_pages(
-                layout, g.spec, load.prompt_tokens, load.admission_in_flight
+                layout, g.spec, load.prompt_tokens, load.admission_in_flight, state_pages
             ),
-            "full_growth_pages_per_seq": group_pages(layout, g.spec, full_len, 1),
+            "full_growth_pages_per_seq": group_pages(layout, g.spec, full_len, 1, state_pages),
         }
         for g in kv_groups(layout)
     ]
@@ -387,6 +392,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         "pages_left_at_max_seqs": plan.pages_left_at_cap,
         "dram": tiers["dram"],
         "ssd": tiers["ssd"],
+        "hybrid": size_hybrid.compute(layout, reading, a, block_note),
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.commands.size_hybrid import render as render_hybrid
 from kvtier.core.units import format_bytes
 
 
@@ -29,6 +30,7 @@ def render(r: dict[str, Any]) -> str:
     ]
     if r["state_bytes_per_sequence"]:
         lines.append(f"recurrent state per sequence (rank): {_b(r['state_bytes_per_sequence'])}")
+    lines += render_hybrid(r["hybrid"], r["block_tokens"])
     lines += [
         "",
         "GPU pool (one rank)",
