@@ -226,6 +226,10 @@ def test_hf_config_reproduces_preset(name, tmp_path):
     for kw in ({}, {"tp_size": 8, "tp_rank": 3}, {"block_tokens": 64}):
         assert spec.layout(**kw).fingerprint() == preset.layout(**kw).fingerprint()
     assert spec.d_attn == preset.d_attn
+    assert (spec.intermediate_size, spec.active_experts) == (
+        preset.intermediate_size,
+        preset.active_experts,
+    )
     assert spec.total_params == preset.total_params
     assert spec.active_params == preset.active_params
 

@@ -15,7 +15,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from kvtier.commands import size_hybrid
+from kvtier.commands import size_gpu, size_hybrid
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
 from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
@@ -128,8 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reserved",
         metavar="SIZE",
-        default="0",
-        help="other memory held on the rank: activations, CUDA graphs, other processes (0)",
+        help="other memory held on the rank: activations, CUDA graphs, non-torch buffers "
+        "(default: estimated, see the GPU memory options)",
     )
     w = p.add_argument_group("workload")
     w.add_argument("--concurrency", metavar="N", default="64", help="concurrent requests (64)")
@@ -149,6 +149,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("host tiers")
     h.add_argument("--dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
     h.add_argument("--ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    size_gpu.add_arguments(p)
     size_hybrid.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -292,11 +293,16 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         weights_note = f"{spec.total_params:,} params x {per:g} B / TP {tp}"
         if spec.total_params == 0:
             weights_note = "0: parameter count unknown (give --params or --weights)"
+    overheads = size_gpu.estimate(
+        spec, tp, device.bytes, _count(a.prefill_chunk, "--prefill-chunk", 0), a
+    )
+    reserved = (
+        parse_size(a.reserved, "--reserved").bytes
+        if a.reserved is not None
+        else overheads.in_request_bytes
+    )
     pool = GpuPool(
-        device.bytes,
-        _fraction(a.gpu_util, "--gpu-util", 0.0, 1.0),
-        weights,
-        parse_size(a.reserved, "--reserved").bytes,
+        device.bytes, _fraction(a.gpu_util, "--gpu-util", 0.0, 1.0), weights, reserved
     )
     page = page_bytes(layout)
     pool_pages = max(0, pool.usable_bytes) // page if page else 0
@@ -374,6 +380,9 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         "weights_bytes": pool.weights_bytes,
         "weights_note": weights_note,
         "reserved_bytes": pool.reserved_bytes,
+        "gpu_memory": size_gpu.to_json(
+            overheads, pool.budget_bytes, pool.device_bytes, a.reserved is not None
+        ),
         "usable_kv_bytes": pool.usable_bytes,
         "pool_pages": pool_pages,
         "concurrency": load.concurrency,

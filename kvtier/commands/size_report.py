@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.commands.size_gpu import render as render_gpu
 from kvtier.commands.size_hybrid import render as render_hybrid
 from kvtier.core.units import format_bytes
 
@@ -37,7 +38,7 @@ def render(r: dict[str, Any]) -> str:
         f"  device memory        {_b(r['gpu_bytes'])}  [{r['gpu_bytes_unit']}]",
         f"  x utilization {r['gpu_util']:<6g} {_b(r['gpu_budget_bytes'])}",
         f"  - weights            {_b(r['weights_bytes'])}  [{r['weights_note']}]",
-        f"  - other reserved     {_b(r['reserved_bytes'])}",
+        *render_gpu(r["gpu_memory"], f"  - other reserved     {_b(r['reserved_bytes'])}"),
         f"  = usable KV          {_b(r['usable_kv_bytes'])}"
         + ("  (weights do not fit)" if r["usable_kv_bytes"] < 0 else ""),
         f"  page                 {_b(r['page_bytes'])}",

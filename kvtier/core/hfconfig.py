@@ -230,6 +230,7 @@ def read_config(
             kinds = _layer_kinds(c, layers)
     vocab = c.count("vocab_size")
     total, active = estimate_params(c, layers, hidden, heads, kv_heads, head_dim, vocab)
+    inter, experts = _mlp_shape(c, hidden)
     name = str(c.get("_name_or_path") or default_name or "custom")
     spec = ModelSpec(
         name=name,
@@ -243,9 +244,24 @@ def read_config(
         total_params=total,
         active_params=active,
         vocab_size=vocab,
+        intermediate_size=inter,
+        active_experts=experts,
     )
     rules = tuple(dict.fromkeys(c.rules))
     return ConfigReading(spec, c.model_type, rules, chunked, chunk, state_bytes)
+
+
+def _mlp_shape(c: _Config, hidden: int) -> tuple[int, int]:
+    """(MLP width, experts per token): the expert width and routed + shared experts for MoE."""
+    inter = c.count("intermediate_size", default=4 * hidden)
+    experts = c.count("num_local_experts", "num_experts", "n_routed_experts", default=0, minimum=0)
+    if not experts:
+        return inter, 0
+    k = c.count("num_experts_per_tok", "experts_per_token")
+    k += c.count("n_shared_experts", default=0, minimum=0)
+    if c.model_type == "llama4_text" or c.get("shared_expert_intermediate_size"):
+        k += 1
+    return c.count("moe_intermediate_size", default=inter), k
 
 
 def _head_dim(c: _Config, hidden: int, heads: int) -> int:
