@@ -15,7 +15,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from kvtier.commands import size_gpu, size_hybrid
+from kvtier.commands import size_gpu, size_hybrid, size_tiers
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
 from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
@@ -151,6 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
     size_gpu.add_arguments(p)
     size_hybrid.add_arguments(p)
+    size_tiers.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -331,6 +332,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         for g in kv_groups(layout)
     ]
     tiers = {}
+    ssd_size = parse_size(a.ssd, "--ssd") if a.ssd is not None else None
     for name, text in (("dram", a.dram), ("ssd", a.ssd)):
         size: Size | None = parse_size(text, f"--{name}") if text is not None else None
         cap = tier_capacity(layout, size.bytes) if size else None
@@ -402,6 +404,15 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         "dram": tiers["dram"],
         "ssd": tiers["ssd"],
         "hybrid": size_hybrid.compute(layout, reading, a, block_note),
+        "tiers": size_tiers.compute(
+            spec,
+            layout,
+            load.prompt_tokens,
+            ssd_size.bytes if ssd_size else None,
+            a,
+        )
+        if a.tiers
+        else None,
     }
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvtier.commands.size_gpu import render as render_gpu
 from kvtier.commands.size_hybrid import render as render_hybrid
+from kvtier.commands.size_tiers import render as render_tiers
 from kvtier.core.units import format_bytes
 
 
@@ -76,4 +77,6 @@ def render(r: dict[str, Any]) -> str:
                 f"  holds {t['blocks']:,} blocks of {format_bytes(r['block_bytes'])} (one rank's "
                 f"layout) = {t['tokens']:,} tokens of the whole model (TP {tp})",
             ]
+    if r["tiers"]:
+        lines += render_tiers(r["tiers"])
     return "\n".join(lines)
