@@ -15,7 +15,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from kvtier.commands import size_gpu, size_hybrid, size_tiers
+from kvtier.commands import size_gpu, size_hybrid, size_pd, size_tiers
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
 from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
@@ -152,6 +152,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size_gpu.add_arguments(p)
     size_hybrid.add_arguments(p)
     size_tiers.add_arguments(p)
+    size_pd.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -413,7 +414,13 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         )
         if a.tiers
         else None,
+        "pd": _pd(spec, layout, load.prompt_tokens, a) if a.pd else None,
     }
+
+
+def _pd(spec: ModelSpec, layout: KVLayout, prompt: int, a: argparse.Namespace) -> dict[str, Any]:
+    rates, sources = size_tiers.planner_rates(a)
+    return size_pd.compute(spec, layout, prompt, rates["prefill_flops_per_s"], sources["prefill"])
 
 
 def run(args: argparse.Namespace) -> int:

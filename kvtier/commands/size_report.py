@@ -6,6 +6,7 @@ from typing import Any
 
 from kvtier.commands.size_gpu import render as render_gpu
 from kvtier.commands.size_hybrid import render as render_hybrid
+from kvtier.commands.size_pd import render as render_pd
 from kvtier.commands.size_tiers import render as render_tiers
 from kvtier.core.units import format_bytes
 
@@ -79,4 +80,6 @@ def render(r: dict[str, Any]) -> str:
             ]
     if r["tiers"]:
         lines += render_tiers(r["tiers"])
+    if r["pd"]:
+        lines += render_pd(r["pd"])
     return "\n".join(lines)

@@ -96,7 +96,7 @@ def _number(text: str, flag: str) -> float:
     return x
 
 
-def _rates(a: argparse.Namespace) -> tuple[dict[str, float], dict[str, str]]:
+def planner_rates(a: argparse.Namespace) -> tuple[dict[str, float], dict[str, str]]:
     path: Path | None = None
     if a.calibration is not None:
         path = Path(a.calibration)
@@ -169,7 +169,7 @@ def compute(
     a: argparse.Namespace,
 ) -> dict[str, Any]:
     """The `tiers` object of `--json` (see the module docstring)."""
-    rates, sources = _rates(a)
+    rates, sources = planner_rates(a)
     cost = CostModel.from_spec(spec, tp=layout.tp_size, dtype=layout.dtype)
     n = prompt_tokens
     f = rates["prefill_flops_per_s"]
