@@ -15,7 +15,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from kvtier.commands import size_gpu, size_hybrid, size_pd, size_tiers
+from kvtier.commands import size_gpu, size_hybrid, size_pd, size_samples, size_tiers
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
 from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
@@ -153,6 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size_hybrid.add_arguments(p)
     size_tiers.add_arguments(p)
     size_pd.add_arguments(p)
+    size_samples.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -415,6 +416,9 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         if a.tiers
         else None,
         "pd": _pd(spec, layout, load.prompt_tokens, a) if a.pd else None,
+        "samples": size_samples.compute(
+            layout, load.prompt_tokens, load.max_output_tokens, a, state_pages
+        ),
     }
 
 

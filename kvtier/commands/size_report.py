@@ -7,6 +7,7 @@ from typing import Any
 from kvtier.commands.size_gpu import render as render_gpu
 from kvtier.commands.size_hybrid import render as render_hybrid
 from kvtier.commands.size_pd import render as render_pd
+from kvtier.commands.size_samples import render as render_samples
 from kvtier.commands.size_tiers import render as render_tiers
 from kvtier.core.units import format_bytes
 
@@ -82,4 +83,6 @@ def render(r: dict[str, Any]) -> str:
         lines += render_tiers(r["tiers"])
     if r["pd"]:
         lines += render_pd(r["pd"])
+    if r["samples"]:
+        lines += render_samples(r["samples"], r["block_tokens"])
     return "\n".join(lines)

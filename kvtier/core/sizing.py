@@ -307,3 +307,62 @@ def window_saving(layout: KVLayout, tokens: int) -> WindowSaving:
         off = hybrid
     ratio = sliding / len(attention) if attention else 0.0
     return WindowSaving(tokens, all_full, hybrid, off, ratio)
+
+
+class Sampling(NamedTuple):
+    """`samples` completions of one prompt (vLLM `n` / parallel sampling), pages on one rank.
+
+    vLLM v1 fans the request out into `samples` children that share the prompt's blocks through
+    prefix caching: a child can hit at most `prompt - 1` tokens (`kv_cache_manager.py`:
+    max_cache_hit_length = num_tokens - 1), so `shared_blocks` = floor((prompt - 1) / B) per
+    full/MLA group, and every child keeps its own copy of the last prompt block and recomputes
+    `recomputed_tokens` = prompt - shared x B of it. A copy-on-write engine instead shares
+    floor(prompt / B) blocks and copies the partly filled last block when a sample writes its
+    first decode token into it (`cow_copies` = samples - 1 blocks, none when the prompt ends on a
+    block boundary). Sliding and recurrent groups are counted per sample (not shared).
+    """
+
+    samples: int
+    unshared_pages: int
+    shared_pages: int
+    shared_blocks: int
+    recomputed_tokens: int
+    cow_shared_blocks: int
+    cow_pages: int
+    cow_copies: int
+
+    @property
+    def saving(self) -> float:
+        return 1 - self.shared_pages / self.unshared_pages if self.unshared_pages else 0.0
+
+
+def parallel_sampling(
+    layout: KVLayout, prompt: int, output: int, samples: int, state_pages: int = 1
+) -> Sampling:
+    if prompt < 1 or output < 0 or samples < 1:
+        raise UsageError("parallel sampling needs prompt >= 1, output >= 0 and samples >= 1")
+    b = layout.block_tokens
+    full_len = prompt + output
+    shared = (prompt - 1) // b
+    cow_shared = prompt // b
+    unshared = with_prefix = with_cow = 0
+    for g in kv_groups(layout):
+        own = group_pages(layout, g.spec, full_len, 1, state_pages)
+        unshared += samples * own
+        if g.spec.kind in (AttentionKind.FULL, AttentionKind.MLA):
+            with_prefix += shared + samples * (own - shared)
+            with_cow += cow_shared + samples * (own - cow_shared)
+        else:
+            with_prefix += samples * own
+            with_cow += samples * own
+    copies = (samples - 1) if prompt % b else 0
+    return Sampling(
+        samples,
+        unshared,
+        with_prefix,
+        shared,
+        prompt - shared * b,
+        cow_shared,
+        with_cow,
+        copies,
+    )
