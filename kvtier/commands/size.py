@@ -15,7 +15,14 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from kvtier.commands import size_gpu, size_hybrid, size_pd, size_samples, size_tiers
+from kvtier.commands import (
+    size_gpu,
+    size_hybrid,
+    size_pd,
+    size_quant,
+    size_samples,
+    size_tiers,
+)
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
 from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
@@ -98,7 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--params", metavar="COUNT", help="total parameters (custom model, or override a preset)"
     )
     k = p.add_argument_group("KV layout")
-    k.add_argument("--dtype", default="bf16", help="KV dtype: fp32, bf16, fp16, fp8 (default bf16)")
+    k.add_argument(
+        "--dtype", default="bf16", help="KV dtype: fp32, bf16, fp16, fp8, int8 (default bf16)"
+    )
     k.add_argument(
         "--fp8-scale-bytes",
         metavar="N",
@@ -154,6 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size_tiers.add_arguments(p)
     size_pd.add_arguments(p)
     size_samples.add_arguments(p)
+    size_quant.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -276,14 +286,18 @@ def _kv_formula(layout: KVLayout) -> str:
 def compute(a: argparse.Namespace) -> dict[str, Any]:
     """The whole answer as a JSON-ready dict (the `--json` output)."""
     spec, source, reading = _model(a)
-    dtype = DType.parse(a.dtype)
+    dtype = DType.FP8 if size_quant.is_int8(a) else DType.parse(a.dtype)
     tp = _count(a.tp, "--tp", 1)
+    scale_bytes = _count(a.fp8_scale_bytes, "--fp8-scale-bytes", 0)
+    per_token = a.scale_layout is not None and a.scale_layout.strip().lower() == "per-token"
+    if per_token and dtype is DType.FP8:
+        scale_bytes = scale_bytes or _count(a.scale_bytes, "--scale-bytes", 1)
     layout = spec.layout(
         dtype=dtype,
         block_tokens=_count(a.block_tokens, "--block-tokens", 1),
         tp_size=tp,
         tp_rank=_count(a.tp_rank, "--tp-rank", 0),
-        fp8_scale_bytes=_count(a.fp8_scale_bytes, "--fp8-scale-bytes", 0),
+        fp8_scale_bytes=scale_bytes,
     )
     layout, block_note = size_hybrid.align_block(layout)
     device = parse_size(a.gpu_mem, "--gpu-mem")
@@ -362,7 +376,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
             "total_params": spec.total_params,
             "active_params": spec.active_params,
         },
-        "dtype": dtype.value,
+        "dtype": "int8" if size_quant.is_int8(a) else dtype.value,
         "fp8_scale_bytes": layout.fp8_scale_bytes,
         "block_tokens": layout.block_tokens,
         "tp_size": layout.tp_size,
@@ -416,6 +430,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         if a.tiers
         else None,
         "pd": _pd(spec, layout, load.prompt_tokens, a) if a.pd else None,
+        "quantized": size_quant.compute(layout, a),
         "samples": size_samples.compute(
             layout, load.prompt_tokens, load.max_output_tokens, a, state_pages
         ),

@@ -7,6 +7,7 @@ from typing import Any
 from kvtier.commands.size_gpu import render as render_gpu
 from kvtier.commands.size_hybrid import render as render_hybrid
 from kvtier.commands.size_pd import render as render_pd
+from kvtier.commands.size_quant import render as render_quant
 from kvtier.commands.size_samples import render as render_samples
 from kvtier.commands.size_tiers import render as render_tiers
 from kvtier.core.units import format_bytes
@@ -34,6 +35,8 @@ def render(r: dict[str, Any]) -> str:
     ]
     if r["state_bytes_per_sequence"]:
         lines.append(f"recurrent state per sequence (rank): {_b(r['state_bytes_per_sequence'])}")
+    if r["quantized"]:
+        lines += render_quant(r["quantized"])
     lines += render_hybrid(r["hybrid"], r["block_tokens"])
     lines += [
         "",
