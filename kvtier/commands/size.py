@@ -18,6 +18,7 @@ from typing import Any
 from kvtier.commands import (
     size_gpu,
     size_hybrid,
+    size_overload,
     size_pd,
     size_quant,
     size_samples,
@@ -164,6 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size_pd.add_arguments(p)
     size_samples.add_arguments(p)
     size_quant.add_arguments(p)
+    size_overload.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -431,10 +433,30 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         else None,
         "pd": _pd(spec, layout, load.prompt_tokens, a) if a.pd else None,
         "quantized": size_quant.compute(layout, a),
+        "overload": _overload(spec, layout, pool.weights_bytes, load, a),
         "samples": size_samples.compute(
             layout, load.prompt_tokens, load.max_output_tokens, a, state_pages
         ),
     }
+
+
+def _overload(
+    spec: ModelSpec, layout: KVLayout, weights: int, load: Workload, a: argparse.Namespace
+) -> dict[str, Any] | None:
+    if a.overload is None:
+        return None
+    rates, sources = size_tiers.planner_rates(a)
+    return size_overload.compute(
+        spec,
+        layout,
+        weights,
+        load.concurrency,
+        load.prompt_tokens,
+        load.max_output_tokens,
+        rates,
+        sources,
+        a,
+    )
 
 
 def _pd(spec: ModelSpec, layout: KVLayout, prompt: int, a: argparse.Namespace) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvtier.commands.size_gpu import render as render_gpu
 from kvtier.commands.size_hybrid import render as render_hybrid
+from kvtier.commands.size_overload import render as render_overload
 from kvtier.commands.size_pd import render as render_pd
 from kvtier.commands.size_quant import render as render_quant
 from kvtier.commands.size_samples import render as render_samples
@@ -86,6 +87,8 @@ def render(r: dict[str, Any]) -> str:
         lines += render_tiers(r["tiers"])
     if r["pd"]:
         lines += render_pd(r["pd"])
+    if r["overload"]:
+        lines += render_overload(r["overload"])
     if r["samples"]:
         lines += render_samples(r["samples"], r["block_tokens"])
     return "\n".join(lines)

@@ -104,7 +104,8 @@ def planner_rates(a: argparse.Namespace) -> tuple[dict[str, float], dict[str, st
         default = calibration_path(data_dir(os.environ))
         path = default if default.exists() else None
     cal = load_calibration(path) if path is not None else None
-    r = RateBook.from_calibration(cal).snapshot()
+    book = RateBook.from_calibration(cal)
+    r = book.snapshot()
     measured = set(cal.links) if cal else set()
     prefill_measured = bool(cal and cal.prefill_flops_per_s)
 
@@ -122,9 +123,12 @@ def planner_rates(a: argparse.Namespace) -> tuple[dict[str, float], dict[str, st
         "remote_bytes_per_s": r.remote_bytes_per_s,
         "remote_latency_s": r.remote_latency_s,
         "prefill_flops_per_s": r.prefill_flops_per_s,
+        "d2h_bytes_per_s": book.bandwidth(Link.DRAM_WRITE),
+        "d2h_latency_s": book.latency(Link.DRAM_WRITE),
     }
     sources = {
         "dram": src(Link.DRAM_READ),
+        "dram_write": src(Link.DRAM_WRITE),
         "ssd": src(Link.SSD_READ),
         "remote": src(Link.REMOTE_READ),
         "prefill": f"calibration {path}"
