@@ -244,3 +244,15 @@ def test_incomplete_config_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith("config lacks 'num_attention_heads'")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_section_as_json_for_every_preset(name, capsys, tmp_path, monkeypatch):
+    # gpt-oss/Mistral windows make the cost model return numpy floats: --json must still encode
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    args = ["--tiers", "--pd", "--samples", "4", "--overload", "6144", "--ssd", "4TB"]
+    args += ["--ssd-writes-per-day", "5TB", "--dtype", "fp8", "--scale-layout", "per-channel"]
+    r = size_json(capsys, "--preset", name, *args)
+    for key in ("tiers", "pd", "samples", "overload", "quantized", "hybrid", "gpu_memory"):
+        assert r[key], key
+    assert isinstance(r["tiers"]["tiers"]["dram"]["worth_it"], bool)

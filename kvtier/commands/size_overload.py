@@ -91,7 +91,7 @@ def compute(
     k = -(-pages // per_finished) if per_finished else 0
     wait = k * output / concurrency * step
     cost = CostModel.from_spec(spec, tp=layout.tp_size, dtype=layout.dtype)
-    flops = cost.prefill_flops(0, victim)
+    flops = float(cost.prefill_flops(0, victim))
     redo = flops / rates["prefill_flops_per_s"]
     moved = pages * page_bytes(layout)
     out = moved / rates["d2h_bytes_per_s"] + rates["d2h_latency_s"]

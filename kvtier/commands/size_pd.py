@@ -78,7 +78,7 @@ def request_bytes(layout: KVLayout, prompt: int) -> tuple[int, str]:
 def hide_bandwidth(layout: KVLayout, cost: CostModel, prompt: int, flops_per_s: float) -> float:
     """Bytes/s one rank's link needs so the transfer takes no longer than the prefill."""
     moved, _ = request_bytes(layout, prompt)
-    prefill_s = cost.prefill_flops(0, prompt) / flops_per_s
+    prefill_s = float(cost.prefill_flops(0, prompt)) / flops_per_s
     return moved / prefill_s
 
 
@@ -111,8 +111,8 @@ def compute(
         "bytes_per_request_rank": moved,
         "bytes_per_request_total": moved * layout.tp_size,
         "bytes_formula": formula,
-        "prefill_s": cost.prefill_flops(0, prompt) / flops_per_s,
-        "prefill_flops": cost.prefill_flops(0, prompt),
+        "prefill_s": float(cost.prefill_flops(0, prompt)) / flops_per_s,
+        "prefill_flops": float(cost.prefill_flops(0, prompt)),
         "flops_per_s": flops_per_s,
         "flops_source": flops_source,
         "hide_bytes_per_s": bw,

@@ -177,7 +177,8 @@ def compute(
     cost = CostModel.from_spec(spec, tp=layout.tp_size, dtype=layout.dtype)
     n = prompt_tokens
     f = rates["prefill_flops_per_s"]
-    recompute = cost.prefill_flops(0, n) / n / f
+    flops = float(cost.prefill_flops(0, n))
+    recompute = flops / n / f
     b = layout.bytes_per_token()
     h2d = b / rates["h2d_bytes_per_s"]
     fetch = {
@@ -191,7 +192,7 @@ def compute(
         name: {
             "fetch_s_per_token": s,
             "worth_s_per_token": recompute - s,
-            "worth_it": recompute > s,
+            "worth_it": bool(recompute > s),
             "break_even_active_params": s * f * layout.tp_size / 2,
             "rate_source": sources[name],
         }
@@ -203,7 +204,7 @@ def compute(
         "rates": rates,
         "prefill_source": sources["prefill"],
         "recompute_s_per_token": recompute,
-        "recompute_flops": cost.prefill_flops(0, n),
+        "recompute_flops": flops,
         "tiers": tiers,
         "ssd_wear": _wear(ssd_bytes, a),
     }

@@ -103,6 +103,8 @@ def activation_peak(spec: ModelSpec, tp: int, tokens: int, seqs: int) -> Activat
         f"{tokens:,} tokens x ({mlp}) x {e} B + 2 x {seqs} seqs x {spec.vocab_size:,} vocab "
         f"x {LOGIT_BYTES} B"
     )
+    if not width or not spec.vocab_size:
+        formula += " (MLP width or vocabulary unknown for this model: give --reserved)"
     return Activations(total, formula)
 
 
