@@ -72,6 +72,13 @@ def test_llama4_chunked_note(tmp_path, capsys):
     r = size_json(capsys, "--hf-config", write(tmp_path, "scout", LLAMA4_SCOUT))
     assert r["hybrid"]["chunked_layers"] == 36 and r["hybrid"]["chunk_size"] == 8192
     assert r["kv_bytes_per_token"] == 196_608
+    c = r["hybrid"]["chunked_if_enabled"]
+    # with the env var: 36 chunked + 12 full -> group size 12: 3 chunked groups holding
+    #   ceil((8,192 + 1) / 16) = 513 pages, 1 full group 8,192 pages at 131,072 tokens; page
+    #   16 x 12 x 4,096 B = 786,432: 9,731 x 786,432 = 7,652,769,792 B vs all full
+    #   8,192 x 16 x 48 x 4,096 = 25,769,803,776 B
+    assert (c["chunked_groups"], c["pages_per_chunked_group"], c["full_groups"]) == (3, 513, 1)
+    assert (c["hybrid_bytes"], c["all_full_bytes"]) == (7_652_769_792, 25_769_803_776)
 
 
 def test_text_prints_groups_and_saving(tmp_path):

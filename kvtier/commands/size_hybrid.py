@@ -17,6 +17,7 @@ from kvtier.core.hfconfig import ConfigReading
 from kvtier.core.layout import AttentionKind, KVLayout
 from kvtier.core.sizing import (
     KERNEL_BLOCK_ALIGNMENT,
+    cdiv,
     group_pages,
     hybrid_block_tokens,
     kv_groups,
@@ -97,7 +98,9 @@ def compute(
             }
         )
     saving = window_saving(layout, context)
+    chunked = _chunked_saving(layout, reading, context) if reading else None
     return {
+        "chunked_if_enabled": chunked,
         "config_rules": list(reading.rules) if reading else [],
         "chunked_layers": reading.chunked_layers if reading else 0,
         "chunk_size": reading.chunk_size if reading else 0,
@@ -117,6 +120,37 @@ def compute(
             ),
             "layer_ratio": round(saving.layer_ratio, 6),
         },
+    }
+
+
+def _chunked_saving(
+    layout: KVLayout, reading: ConfigReading, context: int
+) -> dict[str, Any] | None:
+    """Llama 4 with the hybrid manager allowed on (VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_
+    CACHE=1): a chunked-local layer holds at most ceil((chunk + 1) / B) pages in decode
+    (`ChunkedLocalAttentionSpec.max_admission_blocks_per_request`), grouped like any other kind."""
+    n, chunk = reading.chunked_layers, reading.chunk_size
+    if not n or not chunk:
+        return None
+    full = layout.num_layers - n
+    b = layout.block_tokens
+    per_layer = layout.layer_token_bytes(layout.layers[0])
+    counts = [c for c in (n, full) if c]
+    small, large = min(counts), max(counts)
+    size = large if large < small * 1.5 else small
+    need = cdiv(context, b)
+    held = min(need, cdiv(chunk + 1, b))
+    groups_chunk, groups_full = cdiv(n, size), cdiv(full, size) if full else 0
+    page = b * size * per_layer
+    hybrid = (groups_full * need + groups_chunk * held) * page
+    all_full = need * b * layout.num_layers * per_layer
+    return {
+        "pages_per_chunked_group": held,
+        "chunked_groups": groups_chunk,
+        "full_groups": groups_full,
+        "hybrid_bytes": hybrid,
+        "all_full_bytes": all_full,
+        "saving": round(1 - hybrid / all_full, 6) if all_full else 0.0,
     }
 
 
@@ -168,6 +202,14 @@ def render(h: dict[str, Any], block_tokens: int) -> list[str]:
             f"  {h['chunked_layers']} chunked-local layers ({h['chunk_size']} tokens) counted as "
             "full: vLLM keeps its hybrid manager off for them unless "
             "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1"
+        )
+    c = h.get("chunked_if_enabled")
+    if c:
+        lines.append(
+            f"  with it on: {c['chunked_groups']} chunked groups of {c['pages_per_chunked_group']}"
+            f" pages + {c['full_groups']} full group(s) at {w['context_tokens']:,} tokens = "
+            f"{_b(c['hybrid_bytes'])} instead of {_b(c['all_full_bytes'])}, saves "
+            f"{c['saving']:.1%}"
         )
     if not w["layer_ratio"]:
         return lines
