@@ -98,3 +98,18 @@ def test_default_pool_subtracts_the_estimate(capsys):
 def test_bad_gpu_options(capsys, args, message):
     assert main(["size", "--preset", "Llama-3-8B", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_gpt_oss_raises_the_capture_ceiling():
+    # GptOssForCausalLMConfig sets max_cudagraph_capture_size 1024: [1, 2, 4] + 31 + 49
+    #   multiples of 16 from 256 to 1024 = 83 sizes (vLLM's comment: "from 67 to 83" graphs)
+    assert len(capture_sizes(1024, 8192, max_capture=1024)) == 83
+    # + full decode graphs for the 83 sizes <= 1,024 seqs: 166
+    assert cuda_graph_count(1024, 8192, max_capture=1024) == 166
+    o = overheads(get_preset("gpt-oss-20b"), 1, 8192, 1024, max_capture=1024)
+    assert o.graph_count == 166
+
+
+def test_preset_gpt_oss_uses_its_ceiling(capsys):
+    r = size_json(capsys, "--preset", "gpt-oss-20b")
+    assert r["gpu_memory"]["cuda_graphs"] == 166

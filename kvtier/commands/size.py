@@ -313,7 +313,12 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         if spec.total_params == 0:
             weights_note = "0: parameter count unknown (give --params or --weights)"
     overheads = size_gpu.estimate(
-        spec, tp, device.bytes, _count(a.prefill_chunk, "--prefill-chunk", 0), a
+        spec,
+        tp,
+        device.bytes,
+        _count(a.prefill_chunk, "--prefill-chunk", 0),
+        a,
+        reading.model_type if reading else "",
     )
     reserved = (
         parse_size(a.reserved, "--reserved").bytes

@@ -48,7 +48,12 @@ def _positive(value: str, flag: str) -> int:
 
 
 def estimate(
-    spec: ModelSpec, tp: int, device_bytes: int, prefill_chunk: int, a: argparse.Namespace
+    spec: ModelSpec,
+    tp: int,
+    device_bytes: int,
+    prefill_chunk: int,
+    a: argparse.Namespace,
+    model_type: str = "",
 ) -> gpumem.Overheads:
     tokens, seqs = gpumem.vllm_serve_defaults(device_bytes)
     if a.max_num_batched_tokens is not None:
@@ -57,7 +62,10 @@ def estimate(
         tokens = prefill_chunk
     if a.max_num_seqs is not None:
         seqs = _positive(a.max_num_seqs, "--max-num-seqs")
-    return gpumem.overheads(spec, tp, tokens, seqs, eager=a.enforce_eager)
+    if not model_type and spec.hf_repo.startswith("openai/gpt-oss"):
+        model_type = "gpt_oss"
+    cap = gpumem.MODEL_MAX_CAPTURE.get(model_type)
+    return gpumem.overheads(spec, tp, tokens, seqs, eager=a.enforce_eager, max_capture=cap)
 
 
 def to_json(o: gpumem.Overheads, budget: int, device: int, reserved_given: bool) -> dict[str, Any]:

@@ -44,6 +44,8 @@ NON_TORCH_TP1 = 1_921_997_864
 NON_TORCH_TP2 = 3_843_995_729
 """3.58 GiB at TP 2, same run (vllm-project/vllm#10511); used for every TP > 1 (not measured
 beyond 2)."""
+MODEL_MAX_CAPTURE = {"gpt_oss": 1024}
+"""Models whose vLLM config raises max_cudagraph_capture_size (GptOssForCausalLMConfig: 1024)."""
 ACTIVATION_CHECK = "Llama-3-8B, 8,192 tokens, 256 seqs: 1.15 GiB here, 1.26 GiB measured (#10511)"
 
 
@@ -58,19 +60,28 @@ def vllm_serve_defaults(device_bytes: int) -> tuple[int, int]:
     return 2048, 256
 
 
-def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+def capture_sizes(
+    max_num_seqs: int, max_num_batched_tokens: int, max_capture: int | None = None
+) -> list[int]:
     """vLLM's default CUDA graph capture sizes: [1, 2, 4], multiples of 8 below 256, multiples
     of 16 from 256, up to min(2 x max_num_seqs, 512, max_num_batched_tokens)
-    (`config/vllm.py` `_set_cudagraph_sizes`; 1024 on data-center Blackwell is not modelled)."""
-    top = min(2 * max_num_seqs, 512, max_num_batched_tokens)
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+    (`config/vllm.py` `_set_cudagraph_sizes`; 1024 on data-center Blackwell is not modelled).
+    A model that sets max_cudagraph_capture_size (`max_capture`; gpt-oss: 1024,
+    `model_executor/models/config.py`) caps at min(max_capture, max_num_batched_tokens)."""
+    if max_capture is not None:
+        top = min(max_capture, max_num_batched_tokens)
+    else:
+        top = min(2 * max_num_seqs, 512, max_num_batched_tokens)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, max(top, 256) + 1, 16)]
     return [s for s in sizes if s <= top]
 
 
-def cuda_graph_count(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+def cuda_graph_count(
+    max_num_seqs: int, max_num_batched_tokens: int, max_capture: int | None = None
+) -> int:
     """Graphs in FULL_AND_PIECEWISE mode (vLLM's default): a piecewise graph per capture size
     and a full decode graph per size up to max_num_seqs (approximate: the backend decides)."""
-    sizes = capture_sizes(max_num_seqs, max_num_batched_tokens)
+    sizes = capture_sizes(max_num_seqs, max_num_batched_tokens, max_capture)
     return len(sizes) + sum(1 for s in sizes if s <= max_num_seqs)
 
 
@@ -132,8 +143,9 @@ def overheads(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     eager: bool = False,
+    max_capture: int | None = None,
 ) -> Overheads:
-    graphs = 0 if eager else cuda_graph_count(max_num_seqs, max_num_batched_tokens)
+    graphs = 0 if eager else cuda_graph_count(max_num_seqs, max_num_batched_tokens, max_capture)
     return Overheads(
         max_num_batched_tokens,
         max_num_seqs,
