@@ -85,6 +85,11 @@ def to_json(o: gpumem.Overheads, budget: int, device: int, reserved_given: bool)
         "non_torch_bytes": o.non_torch_bytes,
         "non_torch_source": "measured by vLLM (NCCL/all-reduce buffers, workspaces); here "
         "vllm-project/vllm#10511's 1.79 GiB at TP 1, 3.58 GiB at TP 2 (and beyond)",
+        "allocator_slack_bytes": 0,
+        "allocator_slack_source": "counted inside vLLM's measurement: it empties torch's caching "
+        "allocator before measuring (utils/mem_utils.py memory_profiling: gc.collect, "
+        "empty_cache) and splits no block above 20 MB during the profile run, so what stays "
+        "reserved is in the figures above; not estimated apart",
         "estimate_bytes": o.in_request_bytes,
         "reserved_from": "--reserved" if reserved_given else "estimate",
         "cuda_context_bytes": o.cuda_context_bytes,
@@ -110,6 +115,7 @@ def render(g: dict[str, Any], reserved_line: str) -> list[str]:
         f"                       ({g['activations_source']})",
         f"      CUDA graphs      {_b(g['cuda_graphs_bytes'])}  ({g['cuda_graphs_source']})",
         f"      non-torch        {_b(g['non_torch_bytes'])}  ({g['non_torch_source']})",
+        f"      allocator slack  {_b(g['allocator_slack_bytes'])}  ({g['allocator_slack_source']})",
         f"  outside the share    {_b(g['outside_budget_bytes'])} = device - device x utilization; "
         f"holds the CUDA context {_b(g['cuda_context_bytes'])} "
         + ("(fits)" if g["context_fits_outside"] else "(does NOT fit: lower --gpu-util)"),
