@@ -31,7 +31,7 @@ def size_json(capsys, *args):
 
 
 def test_json_llama3_8b_subprocess():
-    proc = kvtier("--preset", "Llama-3-8B", "--json", "--dram", "256GiB")
+    proc = kvtier("--preset", "Llama-3-8B", "--json", "--dram-bytes", "256GiB")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert set(r) >= REQUIRED_KEYS
@@ -148,7 +148,7 @@ def test_hf_config(tmp_path, capsys):
 
 
 def test_table_prints_formula_and_units():
-    proc = kvtier("--preset", "Llama-3-8B", "--gpu-mem", "80GB", "--ssd", "4TB")
+    proc = kvtier("--preset", "Llama-3-8B", "--gpu-mem", "80GB", "--ssd-bytes", "4TB")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "131,072 B (128 KiB) = 2 x 32 full layers x 8 heads x 128 x 2 B" in out
@@ -214,7 +214,7 @@ BAD = [
     ([], "no model"),
     (["--hf-config", "/nonexistent/config.json"], "cannot read config"),
     (["--preset", "Llama-3-8B", "--gpu-mem", "80G"], "ambiguous"),
-    (["--preset", "Llama-3-8B", "--dram=-1GB"], "negative"),
+    (["--preset", "Llama-3-8B", "--dram-bytes=-1GB"], "negative"),
     (["--preset", "Llama-3-8B", "--dtype", "int4"], "unknown dtype 'int4'"),
     (["--preset", "Llama-3-8B", "--tp-rank", "1"], "out of range"),
     (["--preset", "Llama-3-8B", "--params", "eight"], "--params must be a number"),

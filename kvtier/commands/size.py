@@ -142,8 +142,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-seqs", metavar="N", help="concurrency cap for 'pages left' (default: --concurrency)"
     )
     h = p.add_argument_group("host tiers")
-    h.add_argument("--dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
-    h.add_argument("--ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    h.add_argument("--dram-bytes", dest="dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
+    h.add_argument("--ssd-bytes", dest="ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    from kvtier.commands.flags import alias
+
+    alias(h, "--dram", "--dram-bytes", "dram")
+    alias(h, "--ssd", "--ssd-bytes", "ssd")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -317,7 +321,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
     ]
     tiers = {}
     for name, text in (("dram", a.dram), ("ssd", a.ssd)):
-        size: Size | None = parse_size(text, f"--{name}") if text is not None else None
+        size: Size | None = parse_size(text, f"--{name}-bytes") if text is not None else None
         cap = tier_capacity(layout, size.bytes) if size else None
         tiers[name] = (
             {
