@@ -192,8 +192,12 @@ def test_bad_tokens_files(tmp_path: Path, text: str, message: str) -> None:
 
 def test_deploy_examples_are_valid(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
-    cfg = config.load({}, {"HOME": str(tmp_path)}, str(root / "deploy" / "kvtier.toml"))
-    assert cfg.slot_bytes == 2 << 20 and cfg.ssd_admit_after == 2
+    import grp
+    import os
+
+    env = {"HOME": str(tmp_path), "KVTIER_GROUP": grp.getgrgid(os.getgid()).gr_name}
+    cfg = config.load({}, env, str(root / "deploy" / "kvtier.toml"))  # more: test_deploy.py
+    assert cfg.slot_bytes == 16 << 10 and cfg.ssd_admit_after == 2
     auth = Authenticator.from_file(root / "deploy" / "tokens.toml")
     assert [t.name for t in auth.tenants()] == ["team-chat", "team-agents"]
     assert auth.authenticate([("authorization", "Bearer foo")]).name == "team-chat"

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = s.default_doc
         if s.machine:
             default += f"; {exact_size(int(here[s.name]))} here"
-        metavar = {"size": "SIZE", "int": "N", "float": "X"}.get(s.kind, "VALUE")
+        metavar = {"size": "SIZE", "int": "N", "float": "X", "bool": "BOOL"}.get(s.kind, "VALUE")
         parser.add_argument(s.flag, dest=s.name, metavar=metavar,
                             help=f"{s.doc} (default: {default}; env {env_var(s.name)})")
 

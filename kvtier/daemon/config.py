@@ -44,6 +44,7 @@ import dataclasses
 import grp
 import json
 import os
+import re
 import shutil
 import tomllib
 from collections.abc import Callable, Mapping
@@ -66,7 +67,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-Kind = Literal["size", "int", "float", "text"]
+Kind = Literal["size", "int", "float", "bool", "text"]
 Check = Callable[[Any], "str | None"]
 """A check of one value (already of its kind): None when good, else why it is not."""
 
@@ -88,6 +89,12 @@ class Setting:
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def summary(self) -> str:
+        """The head of `doc` (up to its first '(', ',', ';' or ': '): what a comment on the
+        setting in a shipped config file begins with."""
+        return re.split(r"\s*(?:\(|,|;|: )", self.doc, maxsplit=1)[0]
 
     def default_value(self, env: Mapping[str, str]) -> object:
         return self.default(env) if callable(self.default) else self.default
@@ -166,13 +173,16 @@ SETTINGS: tuple[Setting, ...] = (
     _S("socket", "text", lambda env: str(runtime_dir(env) / SOCKET_NAME), "Unix socket path",
        "$XDG_RUNTIME_DIR/kvtier/kvtier.sock, else /tmp/kvtier-$UID/kvtier.sock", _not_empty),
     _S("group", "text", "", "group whose members may use the socket and the DRAM segment "
-       "(both 0660)", "none: the daemon's user only (0600)", _group),
+       "(both 0660)", "none: the daemon's user only (0600)"),  # checked on the merged value
     _S("tcp", "text", "", "also listen on HOST:PORT (TLS needed beyond loopback)", "off",
        _host_port),
     _S("tls_cert", "text", "", "PEM certificate for TCP", "none"),
     _S("tls_key", "text", "", "PEM private key for TCP", "none"),
     _S("dram_bytes", "size", _default_dram, "DRAM pool size, e.g. 4GiB",
        "min(RAM/8, free /dev/shm / 2, 4 GiB), whole slots", machine=True),
+    _S("dram_prefault", "bool", False, "allocate the whole DRAM pool at start (its pages then "
+       "count against the daemon's memory cgroup, and a full /dev/shm fails the start)",
+       "false: pages are taken as blocks are written"),
     _S("slot_bytes", "size", 16 * KiB, "smallest DRAM slot: smaller blocks round up to it "
        "(not the largest block: see --max-block-bytes)", "16KiB", _page_multiple),
     _S("max_block_bytes", "size", 8 * MiB, "largest block a layout may have (every size up to "
@@ -208,7 +218,7 @@ SETTINGS: tuple[Setting, ...] = (
        "applies", "0 = min(a day's budget, max(a quarter day's, 4 write-back queues))"),
     _S("writeback_queue_bytes", "size", 0, "DRAM held by queued write-backs",
        "0 = min(DRAM / 4, 1 GiB)"),
-    _S("log_level", "text", "info", "debug, info, warning or error", "info",
+    _S("log_level", "text", "info", "log level: debug, info, warning or error", "info",
        _one_of(lambda: LOG_LEVELS, fold=True)),
     _S("remote_url", "text", "", "shared remote tier: redis://HOST:PORT/DB, rediss:// (TLS), "
        "valkey://, unix://PATH", "off"),
@@ -251,6 +261,7 @@ class Config:
     tls_cert: str
     tls_key: str
     dram_bytes: int
+    dram_prefault: bool
     slot_bytes: int
     max_block_bytes: int
     dram_page_bytes: int
@@ -311,6 +322,18 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
     return {s.name: s.default_value(env) for s in SETTINGS}
 
 
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _boolean(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise UsageError(f"{where}: expected true or false, got {value!r}")
+
+
 def _coerce(name: str, value: object, origin: str) -> object:
     """`value` as its setting's kind, checked; a `UsageError` naming the setting and `origin`."""
     where = f"{name} (from {origin})"
@@ -318,6 +341,8 @@ def _coerce(name: str, value: object, origin: str) -> object:
     out: object
     if setting.kind == "size":
         out = parse_bytes(value, where)
+    elif setting.kind == "bool":
+        out = _boolean(value, where)
     elif setting.kind in ("int", "float"):
         number: int | float | None = None
         if isinstance(value, int | float | str) and not isinstance(value, bool):
@@ -437,6 +462,8 @@ def to_toml(cfg: Config) -> str:
             continue
         if setting.kind == "size":
             text = json.dumps(exact_size(int(value))) if value else "0"
+        elif setting.kind == "bool":
+            text = "true" if value else "false"
         elif setting.kind in ("int", "float"):
             text = str(value)
         else:
@@ -485,6 +512,9 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         raise bad("tcp", "listening beyond loopback needs tls_cert and tls_key")
     if bool(v["tls_cert"]) != bool(v["tls_key"]):
         raise bad("tls_cert", "tls_cert and tls_key go together")
+    missing = _group(str(v["group"]))  # the final value only: a file's may be overridden
+    if missing:
+        raise bad("group", missing)
     remote = _validate_remote(v, bad, slot, dram)
     return Config(
         socket=Path(str(v["socket"])).expanduser(),
@@ -493,6 +523,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         tls_cert=str(v["tls_cert"]),
         tls_key=str(v["tls_key"]),
         dram_bytes=dram,
+        dram_prefault=bool(v["dram_prefault"]),
         slot_bytes=slot,
         max_block_bytes=big,
         dram_page_bytes=page,
