@@ -108,6 +108,12 @@ def _between(low: float, high: float, unit: str = "", low_open: bool = False) ->
     return check
 
 
+def _at_least(low: int) -> Check:
+    def check(x: int) -> str | None:
+        return None if x >= low else f"must be >= {low}, got {x}"
+    return check
+
+
 def _one_of(names: Callable[[], Any], fold: bool = False) -> Check:
     def check(x: str) -> str | None:
         choices = sorted(names())
@@ -207,7 +213,7 @@ SETTINGS: tuple[Setting, ...] = (
     _S("max_blocks_per_request", "int", 4096, "largest key chain per request", "4096",
        _between(1, 1 << 20)),
     _S("ssd_admit_after", "int", 2, "write a block to SSD from its k-th access", "2",
-       _between(1, 1 << 16)),
+       _at_least(1)),
     _S("policy", "text", DEFAULT_POLICY, "prefix-index eviction/admission policy (kvtier, lru, "
        "vllm-arc, ...)", DEFAULT_POLICY, _one_of(lambda: POLICIES)),
     _S("ssd_dwpd", "float", 1.0, "SSD writes per day in units of --ssd-bytes", "1.0",
@@ -241,7 +247,7 @@ SETTINGS: tuple[Setting, ...] = (
     _S("remote_queue_bytes", "size", 0, "DRAM held by queued remote writes",
        "0 = min(DRAM / 8, 256 MiB)"),
     _S("remote_admit_after", "int", 1, "write a block to the remote store from its k-th access "
-       "(1 = at Commit)", "1", _between(1, 1 << 16)),
+       "(1 = at Commit)", "1", _at_least(1)),
     _S("remote_prefix", "text", "kvtier", "remote store key prefix (keys: "
        "PREFIX:TENANT/ns2:LAYOUT:KEY)", "kvtier"),
 )
