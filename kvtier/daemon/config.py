@@ -32,9 +32,10 @@ flag sets `ssd_bytes`, that kept size is the default (`--print-config` shows it,
 The TOML file is `--config PATH`, else $KVTIER_CONFIG, else the first kvtier.toml of the XDG config
 directories (`kvtier.core.paths`: ~/.config/kvtier, then /etc/xdg/kvtier); its keys are the setting
 names (top level, or under a `[serve]` table). Sizes accept integers or strings with a
-binary/decimal suffix ("4GiB", "512MB"). Any bad value raises `UsageError` naming the setting and
-where it came from (the flag, the variable, or the file). `to_toml` writes a configuration back
-as a file `--config` reads.
+binary/decimal unit ("4GiB", "512MB"), as `kvtier.core.units.parse_bytes` reads them everywhere
+(an ambiguous "4G" or a bare number under 4096 is refused). Any bad value raises `UsageError`
+naming the setting and where it came from (the flag, the variable, or the file). `to_toml`
+writes a configuration back as a file `--config` reads.
 """
 
 from __future__ import annotations
