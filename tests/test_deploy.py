@@ -311,3 +311,21 @@ def test_wheel_installs_in_a_fresh_venv_and_serves(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+def test_every_variable_and_flag_named_in_deploy_exists() -> None:
+    """A `KVTIER_*` variable or a `--flag` of `kvtier serve` named anywhere in deploy/ (values
+    and comments alike) is one `kvtier serve --help` lists: no comment promises a setting that
+    does not exist (as the unit's group-shared pools once did)."""
+    own = {"KVTIER_CONFIG", "KVTIER_MEMORY_LIMIT_BYTES", "KVTIER_BIN", "KVTIER_PIP_ARGS"}
+    known = {config.env_var(s.name) for s in config.SETTINGS} | own
+    flags = {s.flag for s in config.SETTINGS} | {"--config", "--print-config", "--help"}
+    files = [UNIT, DEPLOY / "kvtier.toml", DEPLOY / "tokens.toml", DEPLOY / "Dockerfile",
+             DEPLOY / "install.sh", DEPLOY / "entrypoint.sh", *MANIFESTS]
+    for path in files:
+        text = path.read_text()
+        for var in set(re.findall(r"\bKVTIER_[A-Z_]+\b", text)):
+            assert var in known, (path.name, var)
+        for flag in set(re.findall(r"kvtier serve((?: --[\w-]+(?:[= ]\S+)?)+)", text)):
+            for name in re.findall(r"--[\w-]+", flag):
+                assert name in flags, (path.name, name)
