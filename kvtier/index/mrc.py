@@ -48,7 +48,7 @@ says how many it has): with fewer, a hit ratio's sampling error alone can exceed
 ERROR = 0.03
 """The estimator's stated error in hit ratio: within 3 points of `kvtier simulate` replays of
 the shared trace (tests/test_mrc.py) and of the daemon's measured ratio at its own capacity
-(tests/test_stats_mrc.py), once `MIN_SAMPLES` references were sampled."""
+(tests/test_stats_top.py), once `MIN_SAMPLES` references were sampled."""
 
 DRAM_SHARE = 0.5
 """Of the admitted blocks DRAM holds, the share that does not also take SSD room: a block promoted
