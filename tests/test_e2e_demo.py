@@ -26,7 +26,7 @@ def run_demo(args: list[str], env_extra: dict[str, str], code: str | None = None
 
 def test_demo_starts_a_temporary_daemon_and_reports(tmp_path: Path) -> None:
     sock = tmp_path / "none" / "kvtier.sock"
-    proc = run_demo(["--model", "tiny", "--turns", "3", "--system-tokens", "64", "--json"],
+    proc = run_demo(["--preset", "tiny", "--turns", "3", "--system-tokens", "64", "--json"],
                     {"KVTIER_SOCKET": str(sock)})
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -45,7 +45,7 @@ def test_demo_starts_a_temporary_daemon_and_reports(tmp_path: Path) -> None:
 def test_demo_uses_a_running_daemon_and_prints_a_table(tmp_path: Path) -> None:
     d = DaemonProc(tmp_path / "d").start()
     try:
-        proc = run_demo(["--model", "tiny", "--turns", "2", "--system-tokens", "32",
+        proc = run_demo(["--preset", "tiny", "--turns", "2", "--system-tokens", "32",
                          "--socket", str(d.socket)], {})
         assert proc.returncode == 0, proc.stderr
         assert f"running daemon on {d.socket}" in proc.stdout
@@ -66,7 +66,7 @@ def test_demo_without_torch_is_a_one_line_error() -> None:
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--turns", "0"], "--turns must be"), (["--model", "huge"], "unknown engine model"),
+    [(["--turns", "0"], "--turns must be"), (["--preset", "huge"], "unknown engine model"),
      (["--system-tokens", "5"], "--system-tokens must be"),
      (["--socket", "/nonexistent/kvtier.sock"], "no kvtier daemon at")],
 )

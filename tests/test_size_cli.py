@@ -31,7 +31,7 @@ def size_json(capsys, *args):
 
 
 def test_json_llama3_8b_subprocess():
-    proc = kvtier("--preset", "Llama-3-8B", "--json", "--dram", "256GiB", "--reserved", "0")
+    proc = kvtier("--preset", "Llama-3-8B", "--json", "--dram-bytes", "256GiB", "--reserved", "0")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert set(r) >= REQUIRED_KEYS
@@ -152,7 +152,7 @@ def test_hf_config(tmp_path, capsys):
 
 
 def test_table_prints_formula_and_units():
-    proc = kvtier("--preset", "Llama-3-8B", "--gpu-mem", "80GB", "--ssd", "4TB")
+    proc = kvtier("--preset", "Llama-3-8B", "--gpu-mem", "80GB", "--ssd-bytes", "4TB")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "131,072 B (128 KiB) = 2 x 32 full layers x 8 heads x 128 x 2 B" in out
@@ -218,7 +218,7 @@ BAD = [
     ([], "no model"),
     (["--hf-config", "/nonexistent/config.json"], "cannot read config"),
     (["--preset", "Llama-3-8B", "--gpu-mem", "80G"], "ambiguous"),
-    (["--preset", "Llama-3-8B", "--dram=-1GB"], "negative"),
+    (["--preset", "Llama-3-8B", "--dram-bytes=-1GB"], "negative"),
     (["--preset", "Llama-3-8B", "--dtype", "int4"], "unknown dtype 'int4'"),
     (["--preset", "Llama-3-8B", "--tp-rank", "1"], "out of range"),
     (["--preset", "Llama-3-8B", "--params", "eight"], "--params must be a number"),
@@ -250,7 +250,7 @@ def test_incomplete_config_exit_2(tmp_path):
 def test_every_section_as_json_for_every_preset(name, capsys, tmp_path, monkeypatch):
     # gpt-oss/Mistral windows make the cost model return numpy floats: --json must still encode
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    args = ["--tiers", "--pd", "--samples", "4", "--overload", "6144", "--ssd", "4TB"]
+    args = ["--tiers", "--pd", "--samples", "4", "--overload", "6144", "--ssd-bytes", "4TB"]
     args += ["--ssd-writes-per-day", "5TB", "--dtype", "fp8", "--scale-layout", "per-channel"]
     r = size_json(capsys, "--preset", name, *args)
     for key in ("tiers", "pd", "samples", "overload", "quantized", "hybrid", "gpu_memory"):

@@ -66,7 +66,7 @@ def test_default_rates_and_their_sources(no_data_dir, capsys):
 
 
 def test_ssd_wear_stated_and_from_simulate(no_data_dir, capsys):
-    w = tiers(capsys, "--ssd", "4TB", "--ssd-writes-per-day", "10TB")["ssd_wear"]
+    w = tiers(capsys, "--ssd-bytes", "4TB", "--ssd-writes-per-day", "10TB")["ssd_wear"]
     # endurance 4e12 B x 1 DWPD x 365 x 5 = 7.3e15 B; at 1e13 B/day: 730 days
     assert w["endurance_bytes"] == 7.3e15 and w["days_to_endurance"] == pytest.approx(730)
     # serve's budget 4e12 B/day grants 40%, refuses 60%: the drive lasts its 1,825 days
@@ -75,7 +75,7 @@ def test_ssd_wear_stated_and_from_simulate(no_data_dir, capsys):
     sim = no_data_dir / "sim.json"
     sim.write_text(json.dumps({"ssd_bytes_written": 10**12}))
     w = tiers(
-        capsys, "--ssd", "4TB", "--simulate-json", str(sim), "--trace-seconds", "864"
+        capsys, "--ssd-bytes", "4TB", "--simulate-json", str(sim), "--trace-seconds", "864"
     )["ssd_wear"]
     # 1e12 B in 864 s = 1e14 B/day: 7.3e15 / 1e14 = 73 days; the budget refuses 96%
     assert w["write_bytes_per_day"] == pytest.approx(1e14)
@@ -84,7 +84,7 @@ def test_ssd_wear_stated_and_from_simulate(no_data_dir, capsys):
 
 
 def test_text_names_formula_and_sources(no_data_dir, capsys):
-    assert main(["size", "--preset", "Llama-3-8B", "--tiers", "--ssd", "4TB"]) == 0
+    assert main(["size", "--preset", "Llama-3-8B", "--tiers", "--ssd-bytes", "4TB"]) == 0
     out = capsys.readouterr().out
     assert "what each tier is worth per hit token (2,048-token prefix" in out
     assert "recompute  24.429 us = 2.969e+13 FLOPs / 2,048 tokens / 5.934e+14 FLOP/s" in out
@@ -96,8 +96,8 @@ def test_text_names_formula_and_sources(no_data_dir, capsys):
     ("args", "message"),
     [
         (["--ssd-writes-per-day", "1TB"], "needs the drive size"),
-        (["--ssd", "4TB", "--simulate-json", "x.json"], "needs --trace-seconds"),
-        (["--ssd", "4TB", "--simulate-json", "/nonexistent.json", "--trace-seconds", "5"],
+        (["--ssd-bytes", "4TB", "--simulate-json", "x.json"], "needs --trace-seconds"),
+        (["--ssd-bytes", "4TB", "--simulate-json", "/nonexistent.json", "--trace-seconds", "5"],
          "cannot read"),
         (["--ssd-dwpd", "0"], "--ssd-dwpd must be > 0"),
         (["--calibration", "/nonexistent/cal.json"], "no calibration at"),

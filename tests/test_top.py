@@ -106,9 +106,11 @@ def test_once_table_and_bad_sources(busy: DaemonProc, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "hit ratio" in out.stdout and "down" in out.stdout and "%" in out.stdout
     gone = kvtier("top", "--once", "--interval", "0.2", str(tmp_path / "nobody.sock"))
-    assert gone.returncode == 1 and "down" in gone.stdout
+    assert gone.returncode == 2 and gone.stdout == ""  # one line, as kvtier stats says it
+    assert gone.stderr.splitlines() == [f"kvtier top: error: no kvtier daemon at "
+                                        f"{tmp_path / 'nobody.sock'} (start one: kvtier serve)"]
     bad = kvtier("top", "--once", "ftp://x")
-    assert bad.returncode == 2 and "socket path or an http(s)://" in bad.stderr
+    assert bad.returncode == 2 and "socket path, HOST:PORT or an http(s)://" in bad.stderr
     assert kvtier("top", "--interval", "0").returncode == 2
 
 

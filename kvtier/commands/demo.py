@@ -30,8 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a temporary daemon is started when none answers on the default")
     parser.add_argument("--token", metavar="TOKEN",
                         help="bearer token of an existing daemon (else $KVTIER_TOKEN)")
-    parser.add_argument("--model", default="demo", metavar="NAME",
+    parser.add_argument("--preset", dest="model", default="demo", metavar="NAME",
                         help="reference model preset: tiny, demo (default) or bench")
+    from kvtier.commands.flags import alias
+
+    alias(parser, "--model", "--preset", "model")
     parser.add_argument("--turns", type=int, default=5, metavar="N",
                         help="conversation turns (default 5)")
     parser.add_argument("--system-tokens", type=int, default=1024, metavar="N",

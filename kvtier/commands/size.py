@@ -157,8 +157,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-seqs", metavar="N", help="concurrency cap for 'pages left' (default: --concurrency)"
     )
     h = p.add_argument_group("host tiers")
-    h.add_argument("--dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
-    h.add_argument("--ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    h.add_argument("--dram-bytes", dest="dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
+    h.add_argument("--ssd-bytes", dest="ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    from kvtier.commands.flags import alias
+
+    alias(h, "--dram", "--dram-bytes", "dram")
+    alias(h, "--ssd", "--ssd-bytes", "ssd")
     size_gpu.add_arguments(p)
     size_hybrid.add_arguments(p)
     size_tiers.add_arguments(p)
@@ -355,9 +359,9 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         for g in kv_groups(layout)
     ]
     tiers = {}
-    ssd_size = parse_size(a.ssd, "--ssd") if a.ssd is not None else None
+    ssd_size = parse_size(a.ssd, "--ssd-bytes") if a.ssd is not None else None
     for name, text in (("dram", a.dram), ("ssd", a.ssd)):
-        size: Size | None = parse_size(text, f"--{name}") if text is not None else None
+        size: Size | None = parse_size(text, f"--{name}-bytes") if text is not None else None
         cap = tier_capacity(layout, size.bytes) if size else None
         tiers[name] = (
             {

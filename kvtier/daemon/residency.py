@@ -87,7 +87,8 @@ class Tiers:
         self.pool = DramPool.create(DramSpec(
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
             slot_count=cfg.slots, replace_stale=True, max_block=cfg.max_block_bytes,
-            page_bytes=cfg.dram_page_bytes,
+            page_bytes=cfg.dram_page_bytes, group=cfg.group or None,
+            prefault=cfg.dram_prefault,
         ))
         # SSD blocks of every size: LMDB values (a slot file has one slot size) bounded in bytes
         # by `_make_ssd_room`; the index bounds their count at the smallest block's. A pool of

@@ -48,7 +48,7 @@ from grpc_reflection.v1alpha import reflection
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.errors import UsageError
 from kvtier.core.units import format_bytes
-from kvtier.daemon import memory
+from kvtier.daemon import memory, sharing
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.calibrate import calibration_path, load_calibration_if_present
@@ -169,6 +169,7 @@ class Daemon:
                 f"{format_bytes(guaranteed)}, more than the DRAM pool "
                 f"({format_bytes(cfg.dram_bytes)})"
             )
+        sharing.prepare_socket_dir(cfg.socket, cfg.group)
         _claim_socket(cfg.socket)
         reclaimed = segment_owner.reclaim(self.segment_record)
         if reclaimed:
@@ -246,7 +247,7 @@ class Daemon:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        old_umask = os.umask(0o177)  # the socket file is created 0600
+        old_umask = os.umask(sharing.socket_umask(cfg.group))  # created 0600 (0660: group)
         try:
             server.add_insecure_port(f"unix:{cfg.socket}")
         finally:
@@ -259,7 +260,7 @@ class Daemon:
             if not bound:
                 raise UsageError(f"cannot listen on tcp {cfg.tcp}")
         await server.start()
-        os.chmod(cfg.socket, 0o600)
+        sharing.share_socket(cfg.socket, cfg.group)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
