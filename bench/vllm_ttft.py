@@ -2,7 +2,8 @@
 `python -m bench.vllm_ttft [--quick]` (venv: `bench/setup_vllm_ttft.sh`; LMCache is measured
 when `lmcache` imports, else reported as not measured).
 
-Model: a Llama config with dummy weights (`--layers`, `--hidden`), sized so that an 8K-token
+Model: a local Llama checkpoint (`bench.model_weights`: its own initializer's weights, so the
+outputs checked depend on the loaded KV; `--layers`, `--hidden`), sized so that an 8K-token
 prefill takes seconds on the machine. Workloads (token ids from a fixed seed):
   docqa  `--docs` documents of `--doc-tokens` tokens, each + a 64-token question
   chat   one conversation of `--turns` turns: each turn the previous prompt, a 32-token reply and

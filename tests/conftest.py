@@ -9,10 +9,13 @@ writes into the repository (bench/results/, a stray config) leaves it behind for
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bench.model_weights import config_digest, llama_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHES = (".pytest_cache/", ".mypy_cache/", ".ruff_cache/", ".hypothesis/",
@@ -71,3 +74,23 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if _counts["tried"]:
         terminalreporter.write_line(
             f"hostile suite: {_counts['tried']} cases tried, failures: {_counts['failed']}")
+
+
+# -- model checkpoints for the engine tests (bench/model_weights.py) ---------------------------
+
+Checkpoint = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """`checkpoint(config=None, seed=0, auto_class="AutoModelForCausalLM")`: the directory of a
+    local checkpoint of HF config dict `config` (default: `llama_config()`, the engine tests'
+    model) with the model's own initializer's weights, written once per session and shared."""
+    root = tmp_path_factory.mktemp("weights")
+
+    def make(config: dict[str, Any] | None = None, seed: int = 0,
+             auto_class: str = "AutoModelForCausalLM") -> Path:
+        cfg = llama_config() if config is None else config
+        return write_checkpoint(root / config_digest(cfg, seed), cfg, seed=seed,
+                                auto_class=auto_class)
+    return make

@@ -17,9 +17,10 @@ from typing import NamedTuple
 
 import pytest
 
-from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, write_model
+from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
+from tests.conftest import Checkpoint
 from tests.daemon_fixture import DaemonProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
@@ -63,9 +64,10 @@ class Engines(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+def engines(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint
+            ) -> Iterator[Engines]:
     root = tmp_path_factory.mktemp("vllm")
-    model = write_model(root / "model")
+    model = checkpoint()
     daemon = Daemon(root / "daemon")
     procs = [EngineProc(root / "ref", model),
              EngineProc(root / "e1", model, daemon.socket),
@@ -93,7 +95,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def decl(model: Path) -> EngineKV:
     """The layout the connector declares for the test model (checked against the daemon)."""
-    return EngineKV(f"{model}@default#dummy-seed0", "bfloat16", BLOCK, LAYERS, PAGE_BYTES,
+    return EngineKV(f"{model}@default", "bfloat16", BLOCK, LAYERS, PAGE_BYTES,
                     KV_HEADS, HEAD_DIM, "cpu", Shard(0, 1, True))
 
 

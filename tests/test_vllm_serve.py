@@ -4,15 +4,16 @@ cannot read its own version) with the kvtier connector on one daemon. Server B a
 that only server A computed: its usage reports the cached prompt tokens and the completion equals
 A's (greedy).
 
-Both servers start side by side (~40-80 s here). The model is a local Llama config with dummy
-weights and a word-level tokenizer built with `tokenizers` (words "t0".."t1023"); nothing is
-downloaded.
+Both servers start side by side (~40-80 s here). The model is a local Llama checkpoint
+(`checkpoint` fixture: its own initializer's weights) and a word-level tokenizer built with
+`tokenizers` (words "t0".."t1023"); nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,9 +26,10 @@ from typing import Any
 
 import pytest
 
-from bench.vllm_engine import BLOCK, ROOT, write_model
+from bench.vllm_engine import BLOCK, ROOT
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
+from tests.conftest import Checkpoint
 from tests.daemon_fixture import DaemonProc
 
 pytest.importorskip("vllm.entrypoints.openai.api_server")
@@ -72,7 +74,7 @@ class Server:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                 "--model", str(model), "--load-format", "dummy", "--enforce-eager",
+                 "--model", str(model), "--enforce-eager",
                  "--block-size", str(BLOCK), "--max-model-len", "4096", "--dtype", "bfloat16",
                  "--seed", "0", "--prefix-caching-hash-algo", "sha256_cbor",
                  "--enable-prompt-tokens-details", "--host", "127.0.0.1",
@@ -124,9 +126,11 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, Path]]:
+def servers(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint
+            ) -> Iterator[tuple[Server, Server, Path]]:
     root = tmp_path_factory.mktemp("vllm-serve")
-    model = write_model(root / "model")
+    model = root / "model"  # its own copy: the tokenizer files go beside the weights
+    shutil.copytree(checkpoint(), model)
     write_tokenizer(model)
     daemon = DaemonProc(root / "daemon", ("--dram-bytes", "32MiB")).start()
     a = Server(root / "a", model, daemon.socket)

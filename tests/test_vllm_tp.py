@@ -17,10 +17,12 @@ from typing import NamedTuple
 
 import pytest
 
-from bench.vllm_engine import BLOCK, HEAD_DIM, LAYERS, EngineProc, write_model
+from bench.model_weights import llama_config
+from bench.vllm_engine import BLOCK, HEAD_DIM, LAYERS, EngineProc
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
+from tests.conftest import Checkpoint
 from tests.daemon_fixture import DaemonProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
@@ -40,11 +42,11 @@ class Setup(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def setup(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint) -> Iterator[Setup]:
     root = tmp_path_factory.mktemp("vllm-tp")
     daemon = DaemonProc(root / "daemon", ("--dram-bytes", "32MiB", "--slot-bytes", "64KiB")).start()
-    split_model = write_model(root / "split", kv_heads=2)
-    replica_model = write_model(root / "replica", kv_heads=1)
+    split_model = checkpoint(llama_config(kv_heads=2))
+    replica_model = checkpoint(llama_config(kv_heads=1))
     args = {"tensor_parallel_size": TP}
     procs = [EngineProc(root / "e-split", split_model, daemon.socket, engine_args=args),
              EngineProc(root / "e-replica", replica_model, daemon.socket, engine_args=args)]
@@ -64,7 +66,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 def rank_layout(model: Path, kv_heads_per_rank: int, shard: Shard) -> EngineKV:
     page = 2 * BLOCK * kv_heads_per_rank * HEAD_DIM * 2  # K and V, bf16
-    return EngineKV(f"{model}@default#dummy-seed0", "bfloat16", BLOCK, LAYERS, page,
+    return EngineKV(f"{model}@default", "bfloat16", BLOCK, LAYERS, page,
                     kv_heads_per_rank, HEAD_DIM, "cpu", shard)
 
 
