@@ -9,7 +9,8 @@ The system temp dir likewise: the session runs with TMPDIR (and `tempfile.tempdi
 fresh directory of its own inside it, inherited by every daemon, engine and tool the tests start
 (vLLM puts its IPC sockets there); whatever is left in it at the end fails the session, naming
 the paths, and the directory is then removed. pytest's own tmp_path dirs stay where they were
-(PYTEST_DEBUG_TEMPROOT: the real temp dir), so a failed test's files are kept as before.
+(PYTEST_DEBUG_TEMPROOT: the real temp dir), so a failed test's files are kept as before, and so
+does torch's compile cache (TORCHINDUCTOR_CACHE_DIR: its default place).
 
 No silent skips: with KVTIER_REQUIRE_ALL=1 (bin/test sets it) a skipped test, or a module skipped
 at collection (an `importorskip` of vllm, torch, redis...; a trace not found), is a failure,
@@ -19,6 +20,7 @@ a port taken by another program). The summary says how many tests ran of each ma
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import shutil
@@ -58,6 +60,9 @@ def own_tempdir() -> Path:
     """Points TMPDIR and `tempfile` at a fresh directory in the system temp dir (see above)."""
     system = tempfile.gettempdir()
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system)
+    # torch's compile cache stays where torch keeps it by default (a cache, kept across runs)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(system, f"torchinductor_{getpass.getuser()}"))
     own = Path(tempfile.mkdtemp(prefix="kvtier-tests-", dir=system))
     os.environ["TMPDIR"] = str(own)
     tempfile.tempdir = str(own)
