@@ -44,8 +44,12 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 def metric(d: DaemonProc, name: str, labels: str = "") -> float:
+    """The sum of `name`'s series whose labels contain `labels` (as exposed: sorted by name);
+    a name or labels matching no series is an error, not 0."""
     pat = re.compile(rf"^{name}(\{{[^}}]*\}})? (\S+)$", re.M)
-    return sum(float(v) for lab, v in pat.findall(d.metrics_text()) if labels in lab)
+    found = [float(v) for lab, v in pat.findall(d.metrics_text()) if labels in lab]
+    assert found, f"no series {name}{{{labels}}}"
+    return sum(found)
 
 
 def node(tmp: Path, name: str, url: str, *args: str) -> DaemonProc:
@@ -107,9 +111,10 @@ def test_block_stored_through_a_is_served_through_b_bit_exact(
     # the planner prices remote blocks with the link as measured: each check is a latency
     # sample (fetches of these small blocks are too short for a bandwidth sample)
     seed = 500e-6
-    measured = metric(b, "kvtier_rate_latency_seconds", 'tier="remote",direction="read"')
-    # the windowed median of real samples: a local Redis round trip, not the seed (which any
-    # value but 500 us would have passed before; a median landing on it exactly is no sample)
+    measured = metric(b, "kvtier_rate_latency_seconds", 'direction="read",tier="remote"')
+    # the windowed median of real samples: a local Redis round trip, not the seed. (Before, the
+    # labels were written in the other order, matched no series, and the sum of none, 0, passed
+    # `!= seed`.)
     assert measured != seed and 1e-6 < measured < 0.1, measured
 
 
