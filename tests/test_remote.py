@@ -261,15 +261,28 @@ def test_admission_after_k_accesses(tmp_path: Path, redis_server: RedisServer) -
     a = node(tmp_path, "a", redis_server.url, "--remote-admit-after", "2")
     try:
         keys, data = chain(16, 3), payloads(3, 16)
+        db = redis_server.client()
+
+        def sentinel(seed: int) -> None:
+            """A block admitted now (stored, then looked up: its 2nd access); once the store
+            holds it, the writer has passed what came before it (no sleep that a slow
+            machine would make vacuous)."""
+            before = db.dbsize()
+            one = chain(seed, 1)
+            assert kv.store(one, payloads(1, seed)).stored == 1
+            assert kv.lookup(one).hit_blocks == 1
+            wait_for(lambda: db.dbsize() == before + 1)
+
         with Client(a.socket, layout=LAYOUT) as kv:
             assert kv.store(keys, data).stored == 3  # access 1: not written
-            time.sleep(0.3)
-            assert redis_server.client().dbsize() == 0
+            sentinel(90)
+            assert db.dbsize() == 1  # the sentinel alone
             assert kv.lookup(keys[:2]).hit_blocks == 2  # access 2 of the first two blocks
-            wait_for(lambda: redis_server.client().dbsize() == 2)
+            wait_for(lambda: db.dbsize() == 3)
             kv.lookup(keys[:2])  # access 3: already written, not sent again
-            time.sleep(0.3)
-        assert metric(a, "kvtier_remote_blocks_written_total") == 2
+            sentinel(91)
+            assert db.dbsize() == 4
+        assert metric(a, "kvtier_remote_blocks_written_total") == 4  # 2 blocks + 2 sentinels
     finally:
         a.stop()
 
