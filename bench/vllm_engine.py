@@ -38,6 +38,9 @@ KV_HEADS, HEAD_DIM = 2, 64
 PAGE_BYTES = 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
 TOP_LOGPROBS = 5
 """How many of the first generated token's logprobs each output carries."""
+LOGPROB_TOLERANCE = 0.02
+"""The largest `logprob_distance` of a right load from the reference (tests/kv_controls.py:
+measured 0.0 for right loads, >= 0.058 for a changed context or wrong KV)."""
 
 
 def write_model(path: Path, *, hidden: int = 256, layers: int = len(LAYERS), heads: int = 4,

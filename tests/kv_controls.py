@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.vllm_engine import logprob_distance
+from bench.vllm_engine import LOGPROB_TOLERANCE, logprob_distance
 from kvtier.client.decl import LayoutDecl
 from kvtier.client.sync_client import Client
 
 VARIANTS = ("other_prompt", "layers_swapped", "k_v_swapped", "random")
-TOLERANCE = 0.02
+TOLERANCE = LOGPROB_TOLERANCE
 
 
 def read_blocks(socket: Path, layout: LayoutDecl, keys: Sequence[bytes]) -> list[bytes]:
