@@ -135,6 +135,10 @@ class RemoteTier:
             "remote")
         registry.register(_Gauges(self))
 
+    def retune_writes(self, bytes_per_s: float, burst_bytes: int) -> None:
+        """A new write-through rate and burst from now on (SIGHUP)."""
+        self._bucket.retune(bytes_per_s, burst_bytes)
+
     @property
     def held_bytes(self) -> int:
         """DRAM slot bytes held by queued or in-flight remote writes."""
