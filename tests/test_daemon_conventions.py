@@ -312,3 +312,15 @@ def test_log_is_in_timestamp_order(tmp_path: Path) -> None:
     stamps = [datetime.datetime.strptime(ln[:23], "%Y-%m-%d %H:%M:%S,%f") for ln in lines
               if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", ln)]
     assert len(stamps) >= 3 and stamps == sorted(stamps), lines
+
+
+def test_systemd_unit_waits_for_ready_and_reloads_with_sighup() -> None:
+    import configparser
+
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(ROOT / "deploy" / "kvtier.service")
+    service = unit["Service"]
+    assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
+    assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert service["KillSignal"] == "SIGTERM"

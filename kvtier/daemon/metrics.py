@@ -14,7 +14,8 @@ does with them (`PLAN_ACTIONS`), `kvtier_plans_total{reason}` plans by `planner.
 `kvtier_plan_fetch_time_ratio{link}` is the prediction error as realized / predicted time of
 the fetch part a lease actually did (1.0 = exact; see `observe_fetch`).
 
-Thread-safe (prometheus-client's primitives are).
+`serve` exposes the registry over HTTP with the probes (`kvtier.daemon.httpd`). Thread-safe
+(prometheus-client's primitives are).
 """
 
 from __future__ import annotations

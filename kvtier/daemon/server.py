@@ -1,20 +1,29 @@
 """Runs the daemon: gRPC on a Unix socket (mode 0600; optional TCP with TLS), health, reflection,
-/metrics, the lease reaper, and a draining shutdown on SIGTERM/SIGINT.
+/metrics with the /healthz and /readyz probes (`kvtier.daemon.httpd`), the lease reaper, a
+draining shutdown on SIGTERM/SIGINT/SIGQUIT and a live reload on SIGHUP (`kvtier.daemon.reload`).
 
-Planner rates: the `RateBook` is seeded from `<data_dir>/calibration.json` (`kvtier calibrate`)
-when present, else from the built-in defaults; a calibration file that cannot be read or parsed is
-logged as a one-line warning and ignored (defaults) — the daemon still starts, since the moving
-estimates replace any seed as samples arrive and a cache that refuses to start over a stale
-measurement takes the serving path down with it. The start log line says which seeded the rates.
+Planner rates (`kvtier.daemon.kept_rates`): the `RateBook` is seeded from the rates this daemon
+measured before its last restart (`<data_dir>/rates.json`, kept every minute and at shutdown),
+over `<data_dir>/calibration.json` (`kvtier calibrate`) when present, else the built-in defaults;
+a file that cannot be read or parsed is logged as a one-line warning and ignored — the daemon
+still starts, since the moving estimates replace any seed as samples arrive and a cache that
+refuses to start over a stale measurement takes the serving path down with it. The start log
+line says which seeded the rates.
 
-Shutdown order (SIGTERM): health goes NOT_SERVING and new Acquire/Allocate calls get UNAVAILABLE;
-Release/Commit/Abort keep working until every lease has ended or `grace_s` has passed; then the
-server stops, leftover leases are ended (pins dropped, allocations aborted), the write-back queue is
-flushed and the storage tiers are closed cleanly, and the socket is removed.
+Socket path: `kvtier.daemon.sockpath.claim` refuses anything there that is not a socket and paths
+Linux cannot bind (one line); only a stale socket is removed. Readiness: `/readyz` is 503 until
+the start completes and from the first moment of a drain; sd_notify READY=1 once serving.
+
+Shutdown order (SIGTERM, SIGINT, SIGQUIT): health goes NOT_SERVING and new Acquire/Allocate calls
+get UNAVAILABLE; Release/Commit/Abort keep working until every lease has ended or `grace_s` has
+passed; then the server stops, leftover leases are ended (pins dropped, allocations aborted), the
+rates are kept, the write-back queue is flushed and the storage tiers are closed cleanly (the
+segment unlinked), and the socket is removed.
 
 Start-up: the first log line says where and how much (socket, metrics, DRAM and SSD tiers,
 rates, tenants). Lines logged while starting (a reclaimed segment, a damaged SSD store moved
-aside, the SSD rebuild) are held and follow it. The data dir is locked for the daemon's life
+aside, the SSD rebuild) are held and follow it; the first line is stamped when the start began,
+so the log stays in timestamp order. The data dir is locked for the daemon's life
 (`kvtier.daemon.dirlock`): a second daemon on it is refused, naming the first (pid, socket).
 The SSD size it runs with is kept in the data dir (`config.write_kept`), so the next start
 without an explicit `ssd_bytes` keeps the tier's size.
