@@ -111,6 +111,23 @@ def test_socket_under_proc_is_one_line(tmp_path: Path) -> None:
     assert "/proc/kvtier-test.sock" in line
 
 
+def test_socket_directory_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "run").write_text("not a directory\n")
+    line = one_line_exit_2(serve(*refused_args(tmp_path, str(tmp_path / "run" / "kvtier.sock"))))
+    assert "cannot create its directory" in line
+    assert (tmp_path / "run").read_text() == "not a directory\n"
+
+
+def test_live_socket_is_refused(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d").start()
+    try:
+        line = one_line_exit_2(serve(*refused_args(tmp_path, str(d.socket))))
+        assert f"another daemon is listening on {d.socket}" in line
+        assert d.healthy()
+    finally:
+        assert d.stop() == 0
+
+
 def test_socket_path_over_the_limit_names_the_limit(tmp_path: Path) -> None:
     long = tmp_path / ("s" * (SOCKET_PATH_MAX + 1 - len(str(tmp_path)))) / "kvtier.sock"
     line = one_line_exit_2(serve(*refused_args(tmp_path, str(long))))
@@ -323,4 +340,4 @@ def test_systemd_unit_waits_for_ready_and_reloads_with_sighup() -> None:
     service = unit["Service"]
     assert service["Type"] == "notify" and service["NotifyAccess"] == "main"
     assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
-    assert service["KillSignal"] == "SIGTERM"
+    assert service["KillSignal"] == "SIGTERM" and int(service["TimeoutStartSec"]) >= 300
