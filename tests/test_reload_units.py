@@ -60,3 +60,20 @@ def test_prepare_refuses_guarantees_over_the_pool(tmp_path: Path) -> None:
                       'dram_quota = "2GiB"\n')
     with pytest.raises(UsageError, match="more than the DRAM pool"):
         prepare(source, running, auth, source.file_values())
+
+
+def test_secrets_never_reach_the_reload_line() -> None:
+    from kvtier.daemon.reload import _shown
+
+    assert _shown("remote_password", "hunter2") == "(changed)"
+    assert "s3cret" not in _shown("remote_url", "redis://u:s3cret@host:6379/0")
+    assert _shown("remote_url", "redis://u:s3cret@host:6379/0") == "'redis://…@host:6379/0'"
+
+
+def test_remote_tier_on_or_off_needs_a_restart(tmp_path: Path) -> None:
+    old = cfg(tmp_path)
+    on = dataclasses.replace(old, remote_url="redis://127.0.0.1:1/0")
+    assert changes(old, on, {}, {"remote_url": "redis://127.0.0.1:1/0"}).fixed == ["remote_url"]
+    moved = dataclasses.replace(on, remote_url="redis://127.0.0.1:2/0", remote_timeout_s=1.0)
+    found = changes(on, moved, {}, {})
+    assert found.fixed == [] and set(found.live) == {"remote_url", "remote_timeout_s"}

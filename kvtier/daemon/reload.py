@@ -11,6 +11,10 @@ applies it (nothing changes when anything is invalid: one ERROR line says why). 
     log_level              the root logger's level
     ssd_dwpd, ssd_write_bytes_per_day, ssd_write_burst_bytes     the SSD wear budget's rate/burst
     remote_write_bytes_per_s, remote_write_burst_bytes          the remote write-through rate
+    remote_url, remote_mode, remote_username, remote_password, remote_tls_*, remote_timeout_s,
+    remote_prefix          while the remote tier is on: it connects to the store so described
+                           from then on (calls under way on the old one end as an outage would);
+                           turning the tier on or off ("" <-> a URL) needs a restart
 
 Every other setting (the socket, the tiers' sizes and places, the remote store's address and
 credentials, ...) needs a restart: a change to one of them in the TOML file is named in one
@@ -43,8 +47,13 @@ log = logging.getLogger(__name__)
 
 LIVE_BUDGET = ("ssd_dwpd", "ssd_write_bytes_per_day", "ssd_write_burst_bytes")
 LIVE_REMOTE = ("remote_write_bytes_per_s", "remote_write_burst_bytes")
-LIVE = frozenset(("tokens_file", "log_level", *LIVE_BUDGET, *LIVE_REMOTE))
-"""Settings a SIGHUP applies; every other one needs a restart."""
+LIVE_REMOTE_STORE = ("remote_url", "remote_mode", "remote_username", "remote_password",
+                     "remote_tls_ca", "remote_tls_cert", "remote_tls_key", "remote_timeout_s",
+                     "remote_prefix")
+"""Live while a remote tier runs and stays on: the daemon connects to the store so described."""
+LIVE = frozenset(("tokens_file", "log_level", *LIVE_BUDGET, *LIVE_REMOTE, *LIVE_REMOTE_STORE))
+"""Settings a SIGHUP applies; every other one needs a restart (as does turning the remote tier
+on or off: `remote_url` from or to "")."""
 
 
 class ConfigSource:
@@ -89,7 +98,9 @@ def changes(old: Config, new: Config, old_file: Mapping[str, Any],
         was, now = getattr(old, f.name), getattr(new, f.name)
         if was == now:
             continue
-        if f.name in LIVE:
+        if f.name == "remote_url" and not (was and now):
+            fixed.append(f.name)  # the remote tier on or off: its queue and slots are sized
+        elif f.name in LIVE:
             live[f.name] = (was, now)
         elif f.name in in_file:
             fixed.append(f.name)
@@ -113,6 +124,11 @@ def tenant_changes(old: Authenticator, new: Authenticator) -> TenantChanges:
 
 
 def _shown(name: str, value: object) -> str:
+    if name in config_mod.SECRETS:
+        return "(changed)" if value else "(none)"
+    if name == "remote_url" and isinstance(value, str) and "@" in value:
+        scheme, _, rest = value.partition("://")
+        return repr(f"{scheme}://…@{rest.rpartition('@')[2]}")  # never a password in the log
     if isinstance(value, int) and name.endswith(("_bytes", "_bytes_per_day", "_bytes_per_s")):
         return format_bytes(value)
     return repr(value) if isinstance(value, str) else f"{value}"
@@ -173,3 +189,10 @@ def apply(r: Reloaded, running: Config, cache: Cache | None, old_auth: Authentic
     remote = cache.tiers.remote
     if remote is not None and any(getattr(r.cfg, k) != getattr(running, k) for k in LIVE_REMOTE):
         remote.retune_writes(r.cfg.remote_write_bytes_per_s, r.cfg.remote_write_burst_bytes)
+    if remote is not None and any(getattr(r.cfg, k) != getattr(running, k)
+                                  for k in LIVE_REMOTE_STORE):
+        from kvtier.tiers.remote import RemoteSpec, RemoteStore
+
+        args = config_mod.remote_spec_args({k: getattr(r.cfg, k) for k in LIVE_REMOTE_STORE})
+        remote.replace_store(RemoteStore(RemoteSpec(**args)))
+        log.info("remote tier: now %s (%s)", remote.store.where(), r.cfg.remote_mode)
