@@ -98,7 +98,7 @@ class _HeldLogs(logging.Handler):
         """Restores the handlers, logs `first` (INFO; stamped `stamp` when given, so the log
         stays in timestamp order), then the held records in order."""
         self._root.handlers = self._saved
-        for line in first:
+        for line in first if log.isEnabledFor(logging.INFO) else ():
             record = log.makeRecord(log.name, logging.INFO, __file__, 0, "%s", (line,), None)
             if stamp is not None:
                 record.created = stamp
