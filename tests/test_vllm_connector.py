@@ -303,11 +303,12 @@ def test_engine_reports_its_prefill_rate_to_the_planner(engines: Engines) -> Non
     assert recompute / 5 < predicted < recompute * 5, (predicted, recompute)
 
 
-def test_a_restarted_daemon_plans_with_the_rates_it_measured(engines: Engines) -> None:
-    """Issue 24 item 11: after a restart the planner starts from the rates the daemon measured
-    before it (`<data_dir>/rates.json`), not from the seeded GPU rate at which recomputing a small
-    model's prompt looks free — so the first prompt after the restart fetches what survived on
-    SSD (before the fix it got 0 cached tokens; the next prompts hit once a report arrived)."""
+def test_a_restarted_daemon_keeps_the_prefill_rate_the_engine_measured(engines: Engines) -> None:
+    """Issue 24 item 11: the prefill rate a real engine reported survives a daemon restart
+    (`<data_dir>/rates.json`): the new daemon starts from it (a seed: 0 samples), not from the
+    seeded H100 figure, and says so in its first line. (Here the first prompt after the restart
+    hit from SSD even on default rates — 1,792 of 1,792 tokens with rates.json ignored — so the
+    planner's flip is proven on a real daemon by tests/test_kept_rates.py, not here.)"""
     p = prompt(120, 1800)
     engines.e1.generate([p], max_tokens=1)
     stored(engines, p)
@@ -317,9 +318,6 @@ def test_a_restarted_daemon_plans_with_the_rates_it_measured(engines: Engines) -
     assert "planner rates from measured before the restart" in engines.daemon.proc.log()
     assert daemon_metric(engines.daemon, "kvtier_rate_prefill_samples") == 0  # kept: a seed
     assert daemon_metric(engines.daemon, "kvtier_rate_prefill_flops_per_second") < 1e14
-    with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
-        got = kv.lookup(block_keys(p, BLOCK), prompt_tokens=len(p), plan=True)
-    assert got.hit_blocks == len(p) // BLOCK and got.fetch_blocks == got.hit_blocks, got.plan
     time.sleep(1.2)  # the connector's retry_after_s in these tests
     first = engines.e2.generate([p])[0]
     assert first.cached >= full_blocks(len(p))
