@@ -51,6 +51,7 @@ def test_demo_uses_a_running_daemon_and_prints_a_table(tmp_path: Path) -> None:
         assert f"running daemon on {d.socket}" in proc.stdout
         assert "outputs identical: True" in proc.stdout
         assert "Traceback" not in proc.stderr
+        assert "turn/s" not in proc.stderr  # no progress bar into a pipe or a log
     finally:
         d.stop()
 

@@ -362,3 +362,35 @@ def test_reference_engine_output_identical_through_another_node(
     finally:
         on_a.close()
         on_b.close()
+
+
+def test_sighup_moves_the_remote_tier_to_another_store(tmp_path: Path) -> None:
+    """Issue 24: the remote settings change live. A SIGHUP after the TOML file names another
+    store: blocks stored from then on go there, the DRAM tier keeps its blocks, and the reload
+    line shows the change without the password."""
+    import signal
+
+    first, second = RedisServer(tmp_path / "r1").start(), RedisServer(tmp_path / "r2").start()
+    conf = tmp_path / "kvtier.toml"
+    conf.write_text(f'remote_url = "{first.url}"\nremote_timeout_s = 0.25\n')
+    d = DaemonProc(tmp_path / "d", ["--config", str(conf), "--ssd-bytes", "0"]).start()
+    try:
+        assert d.proc is not None
+        keys, data = chain(31, 3), payloads(3, 31)
+        store_and_publish(d, first, keys, data)
+        conf.write_text(f'remote_url = "{second.url}"\nremote_timeout_s = 0.5\n')
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "remote tier: now" in d.log())
+        line = next(ln for ln in d.log().splitlines() if "reloaded (SIGHUP)" in ln)
+        assert f"remote_url '{first.url}' -> '{second.url}'" in line
+        assert "remote_timeout_s 0.25 -> 0.5" in line
+        before = first.client().dbsize()
+        more, more_data = chain(32, 2), payloads(2, 32)
+        store_and_publish(d, second, more, more_data)
+        assert first.client().dbsize() == before
+        with Client(d.socket, layout=LAYOUT) as kv:
+            assert kv.lookup(keys).tiers == [Tier.DRAM] * 3
+    finally:
+        d.stop()
+        first.stop()
+        second.stop()

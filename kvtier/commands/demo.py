@@ -110,7 +110,8 @@ def _converse(args: argparse.Namespace, socket: Path, which: str) -> int:
 
     history = tokens(args.system_tokens)
     rows: list[dict[str, Any]] = []
-    bar = tqdm(total=args.turns, desc="kvtier demo", unit="turn", file=sys.stderr, leave=False)
+    bar = tqdm(total=args.turns, desc="kvtier demo", unit="turn", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())  # a bar only on a terminal, never in a log
     try:
         for turn in range(1, args.turns + 1):
             prompt = history + tokens(USER_TOKENS)

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config.to_toml(cfg), end="")
         return 0
+    from kvtier.daemon.reload import ConfigSource
     from kvtier.daemon.server import serve
 
-    return serve(cfg)
+    return serve(cfg, ConfigSource(flags, args.config))  # SIGHUP loads from the same sources

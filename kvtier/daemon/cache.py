@@ -35,7 +35,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import NamedTuple
 
@@ -518,6 +518,17 @@ class Cache:
     def flush(self, timeout: float) -> bool:
         """Waits for queued SSD write-backs (tests, drain)."""
         return self.tiers.flush(timeout)
+
+    def set_tenants(self, tenants: Iterable[Tenant], revoked: Iterable[str]) -> None:
+        """A reloaded tokens file (SIGHUP): the tenants' quotas and guarantees apply from now on;
+        a revoked tenant keeps its blocks (evicted like any, reachable again if it comes back)
+        but loses its DRAM guarantee. Nothing is dropped."""
+        with self._lock:
+            for tenant in tenants:
+                self.names.tenant(tenant.name, tenant)
+            for name in revoked:
+                if name in self.names.tenants:
+                    self.names.tenant(name, Tenant(name))
 
     def close(self, timeout: float = 10.0) -> None:
         """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment.

@@ -135,6 +135,17 @@ class RemoteTier:
             "remote")
         registry.register(_Gauges(self))
 
+    def retune_writes(self, bytes_per_s: float, burst_bytes: int) -> None:
+        """A new write-through rate and burst from now on (SIGHUP)."""
+        self._bucket.retune(bytes_per_s, burst_bytes)
+
+    def replace_store(self, store: RemoteStore) -> None:
+        """Points the tier at another store (address, credentials, TLS, timeout or prefix changed
+        by a SIGHUP reload) from now on, and closes the old one: a call under way on it ends as
+        an outage would (a bounded wait, counted, a miss), never with wrong data."""
+        old, self.store = self.store, store
+        old.close()
+
     @property
     def held_bytes(self) -> int:
         """DRAM slot bytes held by queued or in-flight remote writes."""
