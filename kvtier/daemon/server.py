@@ -55,6 +55,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.errors import UsageError
+from kvtier.core.paths import socket_path_problem
 from kvtier.core.units import format_bytes
 from kvtier.daemon import kept_rates, memory, reload, sdnotify, sharing, sockpath
 from kvtier.daemon.auth import Authenticator
@@ -159,7 +160,7 @@ class Daemon:
                 f"{format_bytes(guaranteed)}, more than the DRAM pool "
                 f"({format_bytes(cfg.dram_bytes)})"
             )
-        problem = sockpath.socket_path_problem(cfg.socket)
+        problem = socket_path_problem(cfg.socket)
         if problem:
             raise UsageError(problem)
         sharing.prepare_socket_dir(cfg.socket, cfg.group)  # 0750 of the group, if any
