@@ -64,6 +64,7 @@ def own_tempdir() -> Path:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                           os.path.join(system, f"torchinductor_{getpass.getuser()}"))
     own = Path(tempfile.mkdtemp(prefix="kvtier-tests-", dir=system))
+    own.chmod(0o711)  # other users may pass through (test_group_sharing's clients), not list
     os.environ["TMPDIR"] = str(own)
     tempfile.tempdir = str(own)
     return own
