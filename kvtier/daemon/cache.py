@@ -106,14 +106,13 @@ class Cache:
         self._mrc_lock = threading.Lock()  # the MRC sampler's own: off the cache lock
         self._leases = LeaseTable(clock)
         self.names = Namespaces(cfg.max_block_bytes, cfg.max_blocks_per_request)
-        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
-                           self.names.ssd_quota_ok, self.names.dram_holdings)
+        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names)
         self.pool = self.tiers.pool
         self.names.max_block_bytes = self.pool.max_block  # a small pool's pages may be smaller
         self.index = self.tiers.index
         self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
                                  self._claim)
-        self.allocator = Allocator(self.tiers, self._leases, self.events)
+        self.allocator = Allocator(self.tiers, self._leases)
         metrics.attach_pool(self.gauges)
         metrics.attach_rates(self.rates)
         self.mrc = new_sampler(cfg, self.index.capacity(Tier.SSD) or 0)
