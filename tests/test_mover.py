@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.core.wear import WriteBudget
 from kvtier.tiers.blockfmt import HEADER_SIZE
 from kvtier.tiers.dram import DramPool, DramSpec, SlotPinned
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdSpec, SsdStore
-from kvtier.tiers.wear import WriteBudget
 
 SLOT = 32 << 10
 FP = b"mover-layout"

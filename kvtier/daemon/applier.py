@@ -6,7 +6,8 @@ the journal in order and does, per entry, what the daemon owes it:
 
     ADD  DRAM   publish BlockStored (consecutive blocks of one chain: one event); the slot was
                 charged to its tenant when it was taken (`Tiers.take_slots`)
-    ADD  SSD    charge the tenant the stored bytes; publish BlockStored
+    ADD  SSD    charge the tenant the stored bytes (and count them in `ssd_bytes`); publish
+                BlockStored
     DROP DRAM   give the slot back to the pool and its bytes back to the tenant; count the
                 eviction under `why`; publish BlockRemoved
     DROP SSD    delete the key from the store (one batch per `apply`); give the bytes back;
@@ -57,6 +58,7 @@ class Applier:
         self.metrics = metrics
         self.ssd_cost = ssd_cost
         self.store: SsdStore | None = None
+        self.ssd_bytes = 0  # bytes of the SSD copies the index holds (payload + header)
 
     def apply(self, why: str = "capacity", publish: bool = True) -> None:
         """Acts on every journal entry since the last call. `why`: the eviction reason label
@@ -72,7 +74,9 @@ class Applier:
             ns = str(c.tenant)
             if c.op is _ADD:
                 if c.tier is _SSD:
-                    names.charge(namespace_tenant(ns), _SSD, self.ssd_cost(ns))
+                    cost = self.ssd_cost(ns)
+                    self.ssd_bytes += cost
+                    names.charge(namespace_tenant(ns), _SSD, cost)
                 if not publish:
                     continue
                 if run and not (c.tenant == run[-1].tenant and c.tier is run[-1].tier
@@ -93,7 +97,9 @@ class Applier:
                     pool.free(c.slot)
             else:
                 deletes.append((ns, c.key))
-                names.charge(tenant, _SSD, -self.ssd_cost(ns))
+                cost = self.ssd_cost(ns)
+                self.ssd_bytes -= cost
+                names.charge(tenant, _SSD, -cost)
             self.metrics.evictions.labels(c.tier.label, why).inc()
             if publish:
                 self.events.emit(tenant, namespace_layout(ns), False, c.tier, [c.key])

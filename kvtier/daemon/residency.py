@@ -39,6 +39,7 @@ from collections.abc import Callable
 from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
+from kvtier.core.wear import WriteBudget
 from kvtier.daemon.applier import Applier
 from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
@@ -46,13 +47,13 @@ from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import Namespaces, namespace_layout_id, namespace_tenant
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.remote_tier import RemoteTier, RemoteWrite
+from kvtier.index import placement
 from kvtier.index.prefix import Block as IndexBlock
-from kvtier.index.prefix import IndexStateError, PrefixIndex, Reason
+from kvtier.index.prefix import IndexStateError, PrefixIndex
 from kvtier.tiers import blockfmt
 from kvtier.tiers.dram import DramPool, DramSpec
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdSpec, SsdStore, open_store
-from kvtier.tiers.wear import WriteBudget
 
 log = logging.getLogger(__name__)
 
@@ -195,36 +196,33 @@ class Tiers:
         return self.pool.stride_for(self.block_bytes.get(ns, self.slot_bytes))
 
     def maybe_write_back(self, ns: str, blocks: list[IndexBlock]) -> None:
-        """Queues write-backs for admitted DRAM-only blocks of a looked-up chain (root first)."""
+        """Queues the write-backs the planner calls for (`placement.write_backs`: admitted
+        DRAM-only blocks of a looked-up or committed chain, root first), each after SSD room
+        (`placement.ssd_room`, then the byte bound), the tenant's SSD quota and the wear budget
+        (in `Mover.submit`); stops at the first that fails."""
         mover = self.mover
         if mover is None:
             return
-        for b in blocks:
-            if b.on_ssd or (ns, b.key) in self._queued:
-                continue
-            parent = b.parent
-            if parent is not None and not parent.on_ssd and (ns, parent.key) not in self._queued:
-                return
-            if not self.index.admits(b) or b.dram_slot is None:
-                return
-            if not self._make_ssd_room(1 + len(self._queued), self.ssd_bytes_of(ns)):
+        for w in placement.write_backs(self.index, ns, blocks, _Queued(ns, self._queued)):
+            assert w.slot is not None  # every daemon DRAM block has a slot
+            tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
+            if not self._make_ssd_room(1 + len(self._queued), cost):
                 self.metrics.writeback_dropped.inc()
                 return
-            tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
             if not self.names.ssd_quota_ok(tenant, cost):
                 self.metrics.writeback_dropped.inc()
                 return
             nbytes = self.block_bytes.get(ns, self.slot_bytes)
-            self.index.pin(ns, b.key)
-            got = mover.submit(WriteBack(ns, b.key, b.parent_key, b.dram_slot, nbytes))
+            self.index.pin(ns, w.key)
+            got = mover.submit(WriteBack(ns, w.key, w.parent, w.slot, nbytes))
             if got is Submitted.QUEUED:
-                self._queued.add((ns, b.key))
+                self._queued.add((ns, w.key))
                 self.names.charge(tenant, Tier.SSD, cost)  # reserved until written or refused
                 continue
-            self.index.unpin(ns, b.key)
+            self.index.unpin(ns, w.key)
             if got is Submitted.ALREADY_STORED:
                 try:
-                    self.index.add_tier(ns, b.key, Tier.SSD)
+                    self.index.add_tier(ns, w.key, Tier.SSD)
                     self.apply()
                     continue
                 except IndexStateError:
@@ -235,23 +233,22 @@ class Tiers:
     def _make_ssd_room(self, need: int, nbytes: int) -> bool:
         """Room on SSD for `need` blocks (the queued ones included) and `nbytes` more bytes on
         top of what is stored and queued: SSD victims in the index's order until both fit."""
-        free = self.index.free(Tier.SSD)
-        if free is not None and free < need:
-            self.index.evict(Tier.SSD, need - free)
-            self.apply("capacity")
-            if (self.index.free(Tier.SSD) or 0) < need:
-                return False
+        ok = placement.ssd_room(self.index, need)
+        self.apply("capacity")
+        if not ok:
+            return False
         if self.store is None:
             return True
+        # the index's SSD bytes (kept by the applier), not the store's: a batch the writer
+        # thread has stored but not yet reported would count twice, stored and queued
         queued = sum(self.ssd_bytes_of(ns) for ns, _ in self._queued)
-        over = self.store.stats().used_bytes + queued + nbytes - self.cfg.ssd_bytes
+        over = self.applier.ssd_bytes + queued + nbytes - self.cfg.ssd_bytes
         while over > 0:
-            gone = self.index.evict(Tier.SSD, 1)
-            if not gone:
+            before = self.applier.ssd_bytes
+            if not self.index.evict_count(Tier.SSD, 1):
                 return False
-            over -= sum(self.ssd_bytes_of(str(e.tenant)) for e in gone
-                        if e.tier is Tier.SSD and e.reason is not Reason.WRITTEN)
             self.apply("capacity")
+            over -= before - self.applier.ssd_bytes
         return True
 
     def on_written(self, batch: list[WriteBack], result: PutResult) -> None:
@@ -430,10 +427,15 @@ class Tiers:
                 if pool.can_alloc(n, nbytes) or short <= 0:
                     break
         while not pool.can_alloc(n, nbytes):
-            # one class: evict what is short at once; else one victim at a time, each one
-            # freeing a slot only its own class can use until a page empties
-            one = {c.stride for c in pool.stats().classes} == {stride}
-            if not self.index.evict_count(Tier.DRAM, max(1, n - pool.room(nbytes)) if one else 1):
+            # one class: a victim frees one slot, the planner's rule (`placement.dram_room`);
+            # else one victim at a time, each freeing a slot only its own class can use until a
+            # page empties
+            st = pool.stats()
+            if {c.stride for c in st.classes} == {stride}:
+                placement.dram_room(self.index, n, pool.room(nbytes), st.slots_pinned)
+                self.apply("capacity")
+                break
+            if not self.index.evict_count(Tier.DRAM, 1):
                 break
             self.apply("capacity")
             while wide and not pool.can_alloc(n, nbytes) and self._clear_row(nbytes):
@@ -524,6 +526,19 @@ class Tiers:
         if self.store is not None:
             self.store.close()
         self.pool.close()
+
+
+class _Queued:
+    """One namespace's keys among the queued write-backs, for `placement.write_backs`."""
+
+    __slots__ = ("ns", "queued")
+
+    def __init__(self, ns: str, queued: set[tuple[str, bytes]]) -> None:
+        self.ns = ns
+        self.queued = queued
+
+    def __contains__(self, key: object) -> bool:
+        return (self.ns, key) in self.queued
 
 
 def _open_remote(

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvtier.core.wear import WriteBudget
 from kvtier.tiers import blockfmt
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.ssd.store import PutItem, PutResult, SsdStore
-from kvtier.tiers.wear import WriteBudget
 from kvtier.tiers.writeq import Offered, QueueSpec, SlotWriteQueue
 
 log = logging.getLogger(__name__)
