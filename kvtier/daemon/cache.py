@@ -24,8 +24,9 @@ Invariants kept:
 
 `Cache` is the facade that takes the lock, validates requests against namespaces and owns the
 lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.daemon.acquire`
-(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers)
-and `kvtier.daemon.cache_stats` (what it reports).
+(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers),
+`kvtier.daemon.applier` (what a residency change entails) and `kvtier.daemon.cache_stats` (what it
+reports).
 """
 
 from __future__ import annotations
