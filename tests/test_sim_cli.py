@@ -115,9 +115,13 @@ def test_admission_history_flag_changes_admission():
     off, on = docs["0"], docs["20000"]
     assert off["admission_history"] == {"words": 0, "recalled": 0}
     assert on["admission_history"]["words"] == 20_000 and on["admission_history"]["recalled"] > 0
-    # blocks reused beyond DRAM now reach the 2nd access: more SSD writes, more SSD hits
-    assert on["ssd_blocks_written"] > off["ssd_blocks_written"]
-    assert on["hit_ratio_by_tier"]["ssd"] > off["hit_ratio_by_tier"]["ssd"]
+    # the same SSD write budget as `kvtier serve` (1 drive write a day, in blocks here) binds:
+    # both write what it grants; blocks committed again start at their remembered count and
+    # ask to be written at their Commit, so more write-backs are refused with the history
+    for doc in (off, on):
+        assert doc["ssd_write_budget"]["bytes_per_day"] == 16_000
+        assert doc["ssd_blocks_written"] == off["ssd_blocks_written"] < 4_000 + 200
+    assert on["ssd_write_budget"]["refused_writes"] > off["ssd_write_budget"]["refused_writes"] > 0
 
 
 def test_byte_capacities_with_a_model_preset():
@@ -235,3 +239,19 @@ def test_old_flags_are_deprecated_aliases_with_the_same_result():
     assert json.loads(model.stdout)["capacity"]["dram_blocks"] == 16
     for old_flag in ("--dram", "--ssd", "--model", "--ssd-admit-k"):  # hidden from --help
         assert old_flag + " " not in simulate("--help").stdout
+
+
+def test_simulate_applies_the_write_budget_serve_enforces():
+    """`kvtier serve` spends at most `ssd_dwpd` (1) drive writes a day with a quarter-day burst;
+    the replay refuses what that budget refuses, and says so."""
+    p = simulate("--workload", "docqa", "--requests", "1000", "--dram-blocks", "200", "--ssd-blocks", "2000",
+                 "--ssd-admit-after", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    budget = doc["ssd_write_budget"]
+    assert budget["bytes_per_day"] == 2000 and budget["burst_bytes"] == 500  # in blocks here
+    assert budget["refused_writes"] > 0
+    assert 500 <= doc["ssd_blocks_written"] < 520  # the burst, plus what the trace's time refills
+    p = simulate("--workload", "docqa", "--requests", "1000", "--dram-blocks", "200", "--ssd-blocks", "2000",
+                 "--ssd-admit-after", "1")
+    assert "SSD writes refused by the write budget" in p.stdout

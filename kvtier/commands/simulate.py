@@ -153,6 +153,25 @@ def _capacity(args: argparse.Namespace, tier: str, block_bytes: int | None,
     return parse_capacity(text, block_bytes, flag)
 
 
+def serve_write_budget(dram: int, ssd: int, block_bytes: int | None) -> dict[str, int]:
+    """The SSD write budget `kvtier serve` enforces on these tiers with its defaults (`ssd_dwpd`
+    drive writes a day, its default burst), as `TierConfig` fields; {} without an SSD tier.
+    Without a block size the budget is counted in blocks (a block write costs 1)."""
+    if not ssd:
+        return {}
+    from kvtier.daemon.config import default_burst, defaults
+    from kvtier.tiers.blockfmt import HEADER_SIZE
+
+    slot = block_bytes or 1
+    cost = slot + HEADER_SIZE if block_bytes else 1
+    dram_bytes = dram * slot
+    queue = max(slot, min(dram_bytes // 4, 1 << 30 if block_bytes else dram_bytes) // slot * slot)
+    per_day = int(ssd * slot * float(defaults(os.environ)["ssd_dwpd"]))
+    burst = max(default_burst(per_day, queue, slot), min(slot, dram_bytes) + cost - slot, cost)
+    return {"ssd_write_bytes_per_day": per_day, "ssd_write_burst_bytes": burst,
+            "ssd_block_bytes": cost}
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.sim.ceilings import belady, flatten, infinite_hits
     from kvtier.sim.config import TierConfig
@@ -167,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ssd-admit-after must be >= 1, got {args.ssd_admit_after}")
     if args.admission_history is not None and args.admission_history < 0:
         raise UsageError(f"--admission-history must be >= 0, got {args.admission_history}")
-    config = TierConfig(dram, ssd, args.policy, args.ssd_admit_after, args.admission_history)
+    config = TierConfig(dram, ssd, args.policy, args.ssd_admit_after, args.admission_history,
+                        **serve_write_budget(dram, ssd, block_bytes))
     if args.plot:
         from kvtier.sim.sweep import check_plot_target
 

@@ -42,11 +42,11 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.core.wear import TokenBucket
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.remote import RemoteStore, RemoteUnavailable
-from kvtier.tiers.wear import TokenBucket
 from kvtier.tiers.writeq import Offered, QueueSpec, SlotWriteQueue
 
 log = logging.getLogger(__name__)
