@@ -244,7 +244,8 @@ def test_old_flags_are_deprecated_aliases_with_the_same_result():
 def test_simulate_applies_the_write_budget_serve_enforces():
     """`kvtier serve` spends at most `ssd_dwpd` (1) drive writes a day with a quarter-day burst;
     the replay refuses what that budget refuses, and says so."""
-    p = simulate("--workload", "docqa", "--requests", "1000", "--dram-blocks", "200", "--ssd-blocks", "2000",
+    p = simulate("--workload", "docqa", "--requests", "1000", "--dram-blocks", "200",
+                 "--ssd-blocks", "2000",
                  "--ssd-admit-after", "1", "--json")
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
@@ -252,6 +253,7 @@ def test_simulate_applies_the_write_budget_serve_enforces():
     assert budget["bytes_per_day"] == 2000 and budget["burst_bytes"] == 500  # in blocks here
     assert budget["refused_writes"] > 0
     assert 500 <= doc["ssd_blocks_written"] < 520  # the burst, plus what the trace's time refills
-    p = simulate("--workload", "docqa", "--requests", "1000", "--dram-blocks", "200", "--ssd-blocks", "2000",
+    p = simulate("--workload", "docqa", "--requests", "1000", "--dram-blocks", "200",
+                 "--ssd-blocks", "2000",
                  "--ssd-admit-after", "1")
     assert "SSD writes refused by the write budget" in p.stdout
