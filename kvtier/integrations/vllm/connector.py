@@ -90,8 +90,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             _init_cpu_isa()
             self.worker = WorkerSide(self.settings, kv, rank)
         log.info("kvtier connector (%s): model %r, %d-byte blocks of %d tokens, shard %d/%d, "
-                 "daemon %s", role.name.lower(), model_id, kv.block_bytes, kv.block_tokens,
-                 kv.shard.number, kv.shard.of, self.settings.socket or "default socket")
+                 "daemon %s, layout %s (layers %s)", role.name.lower(), model_id,
+                 kv.block_bytes, kv.block_tokens, kv.shard.number, kv.shard.of,
+                 self.settings.socket or "default socket", kv.describe(),
+                 ",".join(kv.layer_names))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -64,6 +64,8 @@ class Finished:
     failed: set[int] = field(default_factory=set)
     seconds: float = 0.0
     failed_leases: set[str] = field(default_factory=set)
+    nbytes: int = 0
+    """Bytes copied into vLLM's pages (of the leases released)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,7 @@ def _finish_leases(step: _Step, release: Release, page_bytes: int) -> Finished:
         if good < n:
             out.failed_leases.add(lease.lease_id)
         out.loaded += good
+        out.nbytes += nbytes
     return out
 
 

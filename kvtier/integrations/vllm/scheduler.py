@@ -111,7 +111,8 @@ class SchedulerSide:
                                    ) -> tuple[int | None, bool]:
         started = time.perf_counter()
         try:
-            return self._match(request, num_computed_tokens), self.kv.hybrid
+            n = self._match(request, num_computed_tokens)
+            return n, bool(n) and self.kv.hybrid  # hybrid loads are asynchronous
         finally:
             self.cost.add(request.request_id, time.perf_counter() - started)
 

