@@ -47,6 +47,9 @@ PROMPT = 700  # > 5 windows; 21 full blocks before the last token
 ARGS = {**REAL_WEIGHTS, "disable_hybrid_kv_cache_manager": False}  # vLLM refuses to start
 # rather than turn the hybrid manager off
 TOKENS = 12
+SMALL_POOL = {"gemma3": {"num_gpu_blocks_override": 160, "max_model_len": 4096}}
+"""e2's pool, small enough that a batch of long generations is preempted (Gemma 3's full group
+grows while decoding; an all-sliding model's requests do not, so a small pool only queues)."""
 
 
 class Setup(NamedTuple):
@@ -85,7 +88,7 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     a = DaemonProc(root / "a", DAEMON_ARGS).start()
     b = DaemonProc(root / "b", DAEMON_ARGS).start()
     e1 = EngineProc(root / "e1", model, a.socket, engine_args=ARGS)
-    e2 = EngineProc(root / "e2", model, b.socket, engine_args=ARGS)
+    e2 = EngineProc(root / "e2", model, b.socket, engine_args={**ARGS, **SMALL_POOL.get(name, {})})
     try:
         for e in (e1, e2):
             e.launch()
@@ -176,6 +179,41 @@ def test_second_engine_serves_the_first_engines_prompts_and_wrong_kv_fails(setup
     loaded = s.e2.metric("vllm:kvtier_loaded_bytes") - loaded_before
     assert loaded == 3 * pages * s.kv.page_bytes
     assert loaded < 3 * full * s.kv.block_bytes * 0.6
+
+
+@pytest.mark.parametrize("setup", ["gemma3"], indirect=True)
+def test_preemption_in_a_small_pool(setup: Setup) -> None:
+    """Preempted requests are rescheduled and load their own saved blocks (asynchronously, per
+    group) when they resume; the answers stay e1's."""
+    s = setup
+    batch = [prompt(40 + i) for i in range(4)]
+    want = s.e1.generate(batch, max_tokens=200)
+    before = s.e2.preemptions()
+    got = s.e2.generate(batch, max_tokens=200)
+    assert s.e2.preemptions() > before, "the batch did not preempt: pool too large?"
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    with Client(s.b.socket, layout=s.kv.decl()) as c:
+        assert c.stats().active_leases == 0
+
+
+def test_daemon_sigkilled_during_a_request(setup: Setup) -> None:
+    """The daemon dies while e2 serves a batch from it (loads, saves in flight): every request
+    still answers as e1 did (a failed hybrid load is recomputed whole), nothing crashes."""
+    s = setup
+    batch = [prompt(70 + i) for i in range(3)]
+    want = s.e1.generate(batch, max_tokens=60)
+    for p in batch[:2]:
+        keys = stored(s.a.socket, s.kv, p)
+        put(s.b.socket, s.kv, keys, read(s.a.socket, s.kv, keys))
+    wait = s.e2.generate_async(batch, max_tokens=60)
+    time.sleep(0.3)
+    s.b.kill()
+    try:
+        assert [o.tokens for o in wait()] == [o.tokens for o in want]
+        again = s.e2.generate([prompt(79)], max_tokens=4)[0]  # the daemon is gone: computes
+        assert again.cached == 0
+    finally:
+        s.b.start()
 
 
 def test_mamba_hybrid_runs_with_the_hybrid_manager_and_stores_nothing(
