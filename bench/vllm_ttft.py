@@ -2,7 +2,8 @@
 `python -m bench.vllm_ttft [--quick]` (venv: `bench/setup_vllm_ttft.sh`; LMCache is measured
 when `lmcache` imports, else reported as not measured).
 
-Model: a Llama config with dummy weights (`--layers`, `--hidden`), sized so that an 8K-token
+Model: a local Llama checkpoint (`bench.model_weights`: its own initializer's weights, so the
+outputs checked depend on the loaded KV; `--layers`, `--hidden`), sized so that an 8K-token
 prefill takes seconds on the machine. Workloads (token ids from a fixed seed):
   docqa  `--docs` documents of `--doc-tokens` tokens, each + a 64-token question
   chat   one conversation of `--turns` turns: each turn the previous prompt, a 32-token reply and
@@ -50,7 +51,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bench.vllm_engine import EngineProc, write_model
+from bench.vllm_engine import LOGPROB_TOLERANCE, EngineProc, logprob_distance, write_model
 from kvtier.engine.local_daemon import LocalDaemon
 
 RESULTS = Path(__file__).parent / "results"
@@ -86,8 +87,27 @@ def ttfts(eng: EngineProc, work: dict[str, list[list[int]]], reset: bool = True
             if reset:
                 eng.reset_prefix_cache()
             o = eng.generate([p], max_tokens=1)[0]
-            rows.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p)})
+            rows.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p),
+                         "token": o.tokens[0], "logprobs": o.logprobs})
         out[name] = rows
+    return out
+
+
+def outputs_match(results: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per system: how many of its first tokens equal `alone`'s for the same prompt with
+    first-token logprobs within LOGPROB_TOLERANCE (the model's output depends on the KV, so
+    a system that loaded wrong KV answers differently)."""
+    out = {}
+    for system, per in results.items():
+        if system == "alone":
+            continue
+        n = ok = 0
+        for w, rows in per.items():
+            for got, ref in zip(rows, results["alone"][w], strict=True):
+                n += 1
+                ok += (got["token"] == ref["token"] and logprob_distance(
+                    got["logprobs"], ref["logprobs"]) <= LOGPROB_TOLERANCE)
+        out[system] = {"match": ok, "of": n}
     return out
 
 
@@ -412,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['cached_frac']:>7.0%}{ratio:>9.1f}x{lmr:>11}")
     if "lmcache" not in table:
         print("lmcache: not measured (lmcache not importable here, or --no-lmcache)")
+    matched = outputs_match(results)
+    for system, m in matched.items():
+        print(f"outputs of {system} vs alone: {m['match']} of {m['of']} the same first token "
+              f"and logprobs within {LOGPROB_TOLERANCE}"
+              + ("" if m["match"] == m["of"] else "  <- WRONG OUTPUTS"))
     for t, c in cost.items():
         tokens, mode = t.split("/")
         print(f"scheduler-side cost, {tokens}-token prompt, {mode} lookup: p50 "
@@ -422,10 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     a.json.write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(), "machine": platform.node(),
         "cpus": os.cpu_count(), "args": {k: v for k, v in vars(a).items() if k != "json"},
-        "summary": table, "raw": results, "scheduler_cost": cost}, indent=1, default=str))
+        "summary": table, "raw": results, "scheduler_cost": cost, "outputs_match": matched},
+        indent=1, default=str))
     print(f"wrote {a.json}", file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return 0 if all(m["match"] == m["of"] for m in matched.values()) else 1
 
 
 if __name__ == "__main__":

@@ -77,6 +77,24 @@ def test_demo_bad_flags_exit_2(args: list[str], message: str,
     assert message in err and err.count("\n") == 1
 
 
+def test_bench_e2e_short_run_is_bit_exact(tmp_path: Path) -> None:
+    """The default run's short version of the next test (~10 s): recompute against SSD hits
+    after a daemon restart, every logit bit-exact, the follow-ups really loaded from SSD."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.e2e", "--quick", "--modes", "recompute,ssd",
+         "--results", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads((tmp_path / "e2e.json").read_text())
+    assert out["all_bit_exact"] is True
+    assert {r["mode"] for r in out["records"]} == {"recompute", "ssd"}
+    assert all(r["exact"] for r in out["records"])
+    follow = [r for r in out["records"] if r["mode"] == "ssd" and r["cls"].endswith("/follow")
+              and not r["cls"].startswith("short")]
+    assert follow and all(r["ssd_blocks"] > 0 for r in follow), follow
+
+
 @pytest.mark.slow
 def test_bench_e2e_quick_run_is_bit_exact_and_complete(tmp_path: Path) -> None:
     proc = subprocess.run(

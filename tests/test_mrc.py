@@ -139,7 +139,6 @@ def test_estimate_within_3_points_of_replays(trace: list[Request]) -> None:
     check_against_replays(trace, 2000, 8000)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("dram", "ssd"), [(1000, 4000), (3000, 3000), (4000, 16000)])
 def test_estimate_within_3_points_of_replays_other_splits(
     trace: list[Request], dram: int, ssd: int

@@ -144,11 +144,10 @@ class Unsupported(ValueError):
 
 
 def default_model_id(model_config: Any, load_config: Any, seed: Any) -> str:
-    """vLLM's model and revision; dummy weights also depend on the seed."""
-    rid = f"{model_config.model}@{model_config.revision or 'default'}"
-    if str(getattr(load_config, "load_format", "")) == "dummy":
-        rid += f"#dummy-seed{seed}"
-    return rid
+    """Whose KV the engine computes, following its weights (`identity.default_model_id`)."""
+    from kvtier.integrations.vllm import identity
+
+    return identity.default_model_id(model_config, load_config, seed)
 
 
 def model_cost(hf_config: Any) -> ModelCost | None:
