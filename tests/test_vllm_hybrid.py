@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -27,7 +28,6 @@ from bench.hybrid_models import (
     ATTENTION_MODELS,
     BLOCK,
     MODELS,
-    REAL_WEIGHTS,
     WINDOW,
     write_config,
     write_hybrid,
@@ -36,6 +36,7 @@ from bench.vllm_engine import EngineProc
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests.daemon_fixture import DaemonProc
+from tests.kv_controls import differs, same
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # engine starts count as setup
@@ -44,7 +45,7 @@ from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402  (need
 
 DAEMON_ARGS = ("--dram-bytes", "48MiB", "--slot-bytes", "64KiB", "--ssd-bytes", "0")
 PROMPT = 700  # > 5 windows; 21 full blocks before the last token
-ARGS = {**REAL_WEIGHTS, "disable_hybrid_kv_cache_manager": False}  # vLLM refuses to start
+ARGS = {"disable_hybrid_kv_cache_manager": False}  # vLLM refuses to start
 # rather than turn the hybrid manager off
 TOKENS = 12
 SMALL_POOL = {"gemma3": {"num_gpu_blocks_override": 160, "max_model_len": 4096}}
@@ -74,7 +75,12 @@ def layout(model: Path, name: str) -> EngineKV:
             WINDOW if t == "sliding_attention" else 0 for t in cfg["layer_types"])
     else:
         groups, windows = tuple([0] * n), (WINDOW,)
-    return EngineKV(f"{model}@default", "bfloat16", BLOCK, names, page,
+    from kvtier.integrations.vllm.identity import default_model_id
+
+    mid = default_model_id(SimpleNamespace(model=str(model), dtype="torch.bfloat16",
+                                           quantization=None),
+                           SimpleNamespace(load_format="auto"), 0)
+    return EngineKV(mid, "bfloat16", BLOCK, names, page,
                     cfg["num_key_value_heads"], cfg["head_dim"], "cpu", Shard(0, 1, True),
                     layer_groups=groups, windows=windows, hash_tokens=BLOCK)
 
@@ -150,11 +156,12 @@ def test_hybrid_manager_stays_on(setup: Setup) -> None:
 def test_second_engine_serves_the_first_engines_prompts_and_wrong_kv_fails(setup: Setup) -> None:
     s = setup
     right, other, swapped, changed = prompt(1), prompt(2), prompt(3), prompt(1)
-    changed[-40] = changed[-40] % 997 + 3  # inside the last window
+    for i in range(-100, -84):  # 16 tokens inside the last window
+        changed[i] = changed[i] % 997 + 3
     ref = s.e1.generate([right, other, swapped, changed], max_tokens=TOKENS)
     assert [o.cached for o in ref] == [0, 0, 0, 0]  # a miss: vLLM computed every token
     # the oracle: the model's answer depends on its context, even on the last window only
-    assert ref[3].tokens != ref[0].tokens
+    assert differs(ref[3].tokens, ref[3].logprobs, ref[0].tokens, ref[0].logprobs)
     keys = {n: stored(s.a.socket, s.kv, p) for n, p in
             (("right", right), ("other", other), ("swapped", swapped))}
     put(s.b.socket, s.kv, keys["right"], read(s.a.socket, s.kv, keys["right"]))
@@ -167,9 +174,11 @@ def test_second_engine_serves_the_first_engines_prompts_and_wrong_kv_fails(setup
     got = s.e2.generate([right, other, swapped], max_tokens=TOKENS)
     full = (PROMPT - 1) // BLOCK
     assert [o.cached for o in got] == [full * BLOCK] * 3  # every block but the last one's
-    assert got[0].tokens == ref[0].tokens
-    assert got[1].tokens != ref[1].tokens, "another prompt's KV gave the right answer"
-    assert got[2].tokens != ref[2].tokens, "KV with two layers swapped gave the right answer"
+    assert same(got[0].tokens, got[0].logprobs, ref[0].tokens, ref[0].logprobs)
+    assert differs(got[1].tokens, got[1].logprobs, ref[1].tokens, ref[1].logprobs), (
+        "another prompt's KV gave the right answer")
+    assert differs(got[2].tokens, got[2].logprobs, ref[2].tokens, ref[2].logprobs), (
+        "KV with two layers swapped gave the right answer")
     # a sliding-window layer loads only the blocks vLLM keeps for the window before the hit
     # point: those holding its last window - 1 tokens
     cut = full * BLOCK
@@ -224,7 +233,7 @@ def test_mamba_hybrid_runs_with_the_hybrid_manager_and_stores_nothing(
     model = write_config(tmp_path / "model", "qwen3-next")
     d = DaemonProc(tmp_path / "d", DAEMON_ARGS).start()
     e = EngineProc(tmp_path / "e", model, d.socket,
-                   engine_args={"disable_hybrid_kv_cache_manager": False})
+                   engine_args={**ARGS, "load_format": "dummy"})
     try:
         e.start()
         assert e.hybrid_manager()
