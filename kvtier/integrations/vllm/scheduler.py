@@ -143,7 +143,11 @@ class SchedulerSide:
         rid = request.request_id
         hit = self._hits.pop(rid, None)
         self.lookups.forget(rid)  # a later ask (after preemption) looks up afresh
-        tracked = self._tracked[rid] = _Tracked(request, 0)
+        tracked = self._tracked.get(rid)
+        if tracked is None or tracked.request is not request:
+            # (kept when vLLM allocates again for the same request: after its asynchronous
+            # load, or after preemption, whose rewind `build_connector_meta` catches)
+            tracked = self._tracked[rid] = _Tracked(request, 0)
         if num_external_tokens <= 0 or hit is None:
             return
         started = time.perf_counter()
