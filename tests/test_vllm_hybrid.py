@@ -48,7 +48,7 @@ PROMPT = 700  # > 5 windows; 21 full blocks before the last token
 ARGS = {"disable_hybrid_kv_cache_manager": False}  # vLLM refuses to start
 # rather than turn the hybrid manager off
 TOKENS = 12
-SMALL_POOL = {"gemma3": {"num_gpu_blocks_override": 160, "max_model_len": 4096}}
+SMALL_POOL = {"gemma3": {"num_gpu_blocks_override": 160, "max_model_len": 1024}}
 """e2's pool, small enough that a batch of long generations is preempted (Gemma 3's full group
 grows while decoding; an all-sliding model's requests do not, so a small pool only queues)."""
 
