@@ -186,6 +186,14 @@ def test_second_engine_loads_first_engines_prompt(engines: Engines) -> None:
     # the connector's counters reach vLLM's Prometheus metrics (connector-stats hooks); they
     # travel with a step's output, so a save done in the background shows after e1's next step
     assert engines.e2.metric("vllm:kvtier_loaded_blocks") - loaded == len(p) // BLOCK
+    # a prompt sharing only the first half of those blocks: e2 serves them from its own prefix
+    # cache, where the load put them. Each page must sit in its own block: a load that put the
+    # right pages in the wrong blocks (permuted) answers `p` right (attention over the whole
+    # prefix does not see the order) but this one wrong
+    half = p[: len(p) // 2 // BLOCK * BLOCK] + prompt(3, 50)
+    got, want_half = engines.e2.generate([half])[0], engines.ref.generate([half])[0]
+    assert got.cached >= len(p) // 2 // BLOCK * BLOCK
+    assert same(got, want_half), (got, want_half)
     engines.e1.generate([prompt(2, 40)], max_tokens=1)
     assert engines.e1.metric("vllm:kvtier_stored_blocks") >= len(p) // BLOCK
     with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
