@@ -200,3 +200,43 @@ def test_saves_skip_blocks_a_group_holds_as_the_null_block() -> None:
     assert job.groups == ([22, 23, 24], [32, 33, 34]) and job.block_ids == [22, 23, 24]
     assert sch._saves(out) == []  # saved once
     sch.close()
+
+
+def vllm_config() -> Any:
+    mc = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 1,
+                         hf_config=SimpleNamespace(to_dict=dict))
+    return SimpleNamespace(model_config=mc,
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256_cbor"))
+
+
+def test_engine_kv_from_vllms_kv_cache_groups() -> None:
+    """vLLM's own spec and config types in; the layers group after group, each group's window,
+    vLLM's hash block size; Mamba state refused (the connector then does nothing)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvtier.integrations.vllm.layout import Unsupported, engine_kv
+
+    shape = dict(block_size=BT, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    swa = KVCacheGroupSpec(["l0", "l2"], SlidingWindowSpec(**shape, sliding_window=128))
+    full = KVCacheGroupSpec(["l1", "l3"], FullAttentionSpec(**shape))
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[swa, full],
+                        hash_block_size=BT)
+    k = engine_kv(vllm_config(), cfg, 0, "m@1")
+    assert k.layer_names == ("l0", "l2", "l1", "l3") and k.layer_groups == (0, 0, 1, 1)
+    assert k.windows == (128, 0) and k.hash_step() == 1 and k.hybrid
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[full],
+                        hash_block_size=BT)
+    assert not engine_kv(vllm_config(), one, 0, "m@1").hybrid  # plain: the old layout
+    mamba = KVCacheGroupSpec(["m0"], MambaSpec(block_size=BT, shapes=((4, 64),),
+                                               dtypes=(torch.bfloat16,)))
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[mamba, full],
+                        hash_block_size=BT)
+    with pytest.raises(Unsupported, match="Mamba"):
+        engine_kv(vllm_config(), cfg, 0, "m@1")
