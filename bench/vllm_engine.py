@@ -166,6 +166,11 @@ class EngineProc:
         self._send({"op": "metric", "name": name})
         return float(self._read()["value"])
 
+    def hybrid_manager(self) -> bool:
+        """vLLM's hybrid KV cache manager is on (its resolved `disable_hybrid_kv_cache_manager`)."""
+        self._send({"op": "info"})
+        return bool(self._read()["hybrid_manager"])
+
     def preemptions(self) -> int:
         return int(self.metric("vllm:num_preemptions"))
 
@@ -197,6 +202,10 @@ class EngineProc:
 def _serve(spec: dict[str, Any]) -> None:
     proto = os.fdopen(os.dup(1), "w")  # replies; vLLM logs to stdout: send that to the log
     os.dup2(2, 1)
+    import logging
+
+    logging.basicConfig(stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("kvtier").setLevel(logging.INFO)  # the connector's layout, in the log
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -226,6 +235,9 @@ def _serve(spec: dict[str, Any]) -> None:
         if cmd["op"] == "reset":
             llm.reset_prefix_cache()
             reply({})
+        elif cmd["op"] == "info":  # what vLLM resolved (hybrid KV cache manager on or off)
+            sc = llm.llm_engine.vllm_config.scheduler_config
+            reply({"hybrid_manager": not sc.disable_hybrid_kv_cache_manager})
         elif cmd["op"] == "metric":
             reply({"value": sum(getattr(m, "value", 0) for m in llm.get_metrics()
                                 if m.name == cmd["name"])})
