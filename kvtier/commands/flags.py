@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.core.errors import UsageError
 from kvtier.core.suggest import closest
 
 
@@ -56,3 +57,14 @@ def unrecognized(parser: argparse.ArgumentParser, extra: Sequence[str]) -> str:
     near = closest(word, flags)
     hint = f"; did you mean {flags[near]}?" if near else ""
     return f"unrecognized argument {word}{hint}"
+
+
+def whole(value: object, flag: str, minimum: int = 0, what: str = "an integer") -> int:
+    """A flag's whole-number value, >= `minimum`; `UsageError` (exit 2) naming the flag."""
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise UsageError(f"{flag} must be {what}, got {value!r}") from None
+    if n < minimum:
+        raise UsageError(f"{flag} must be >= {minimum}, got {n}")
+    return n

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.commands.flags import whole
 from kvtier.core.errors import UsageError
 
 if TYPE_CHECKING:
@@ -136,13 +137,7 @@ def _capacity(args: argparse.Namespace, tier: str, block_bytes: int | None,
         return 0
     flag, text = named[0], given[named[0]]
     if flag.endswith("-blocks"):
-        try:
-            n = int(text.strip())
-        except ValueError:
-            raise UsageError(f"{flag} must be a whole number of blocks, got {text!r}") from None
-        if n < 0:
-            raise UsageError(f"{flag} must be >= 0, got {n}")
-        return n
+        return whole(text, flag, 0, what="a whole number of blocks")
     if flag.endswith("-bytes"):
         size = parse_size(text, flag).bytes
         if block_bytes is None:

@@ -24,6 +24,7 @@ from kvtier.commands import (
     size_samples,
     size_tiers,
 )
+from kvtier.commands.flags import whole
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
 from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
@@ -176,13 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _count(value: str | None, flag: str, minimum: int = 0) -> int:
     if value is None:
         raise UsageError(f"this model needs {flag}")
-    try:
-        n = int(value.strip())
-    except ValueError:
-        raise UsageError(f"{flag} must be an integer, got {value!r}") from None
-    if n < minimum:
-        raise UsageError(f"{flag} must be >= {minimum}, got {n}")
-    return n
+    return whole(value, flag, minimum)
 
 
 def _param_count(value: str) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvtier.commands.flags import whole
 from kvtier.core import gpumem
-from kvtier.core.errors import UsageError
 from kvtier.core.presets import ModelSpec
 from kvtier.core.units import format_bytes
 
@@ -37,16 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive(value: str, flag: str) -> int:
-    try:
-        n = int(value.strip())
-    except ValueError:
-        raise UsageError(f"{flag} must be an integer, got {value!r}") from None
-    if n < 1:
-        raise UsageError(f"{flag} must be >= 1, got {n}")
-    return n
-
-
 def estimate(
     spec: ModelSpec,
     tp: int,
@@ -57,11 +47,11 @@ def estimate(
 ) -> gpumem.Overheads:
     tokens, seqs = gpumem.vllm_serve_defaults(device_bytes)
     if a.max_num_batched_tokens is not None:
-        tokens = _positive(a.max_num_batched_tokens, "--max-num-batched-tokens")
+        tokens = whole(a.max_num_batched_tokens, "--max-num-batched-tokens", 1)
     elif prefill_chunk:
         tokens = prefill_chunk
     if a.max_num_seqs is not None:
-        seqs = _positive(a.max_num_seqs, "--max-num-seqs")
+        seqs = whole(a.max_num_seqs, "--max-num-seqs", 1)
     if not model_type and spec.hf_repo.startswith("openai/gpt-oss"):
         model_type = "gpt_oss"
     cap = gpumem.MODEL_MAX_CAPTURE.get(model_type)

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from kvtier.core.errors import UsageError
+from kvtier.commands.flags import whole
 from kvtier.core.hfconfig import ConfigReading
 from kvtier.core.layout import AttentionKind, KVLayout
 from kvtier.core.sizing import (
@@ -64,13 +64,7 @@ def align_block(layout: KVLayout) -> tuple[KVLayout, str | None]:
 
 
 def _context(a: argparse.Namespace) -> int:
-    try:
-        n = int(str(a.context).strip())
-    except ValueError:
-        raise UsageError(f"--context must be an integer, got {a.context!r}") from None
-    if n < 1:
-        raise UsageError(f"--context must be >= 1, got {n}")
-    return n
+    return whole(a.context, "--context", 1)
 
 
 def compute(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvtier.commands.flags import whole
 from kvtier.core.errors import UsageError
 from kvtier.core.kvquant import ScaleLayout, quantized_bytes
 from kvtier.core.layout import KVLayout
@@ -41,12 +42,7 @@ def compute(layout: KVLayout, a: argparse.Namespace) -> dict[str, Any] | None:
     if dtype not in QUANTIZED and dtype != "fp8_e4m3":
         raise UsageError(f"--scale-layout needs --dtype fp8 or int8, not {a.dtype}")
     scales = ScaleLayout.parse(a.scale_layout or "per-tensor")
-    try:
-        sb = int(str(a.scale_bytes).strip())
-    except ValueError:
-        raise UsageError(f"--scale-bytes must be an integer, got {a.scale_bytes!r}") from None
-    if sb < 1:
-        raise UsageError(f"--scale-bytes must be >= 1, got {sb}")
+    sb = whole(a.scale_bytes, "--scale-bytes", 1)
     q = quantized_bytes(layout, scales, 1, sb)
     return {
         "dtype": "int8" if dtype == "int8" else "fp8",

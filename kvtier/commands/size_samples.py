@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvtier.core.errors import UsageError
+from kvtier.commands.flags import whole
 from kvtier.core.layout import KVLayout
 from kvtier.core.sizing import page_bytes, parallel_sampling
 from kvtier.core.units import format_bytes
@@ -49,12 +49,7 @@ def compute(
 ) -> dict[str, Any] | None:
     if a.samples is None:
         return None
-    try:
-        n = int(a.samples.strip())
-    except ValueError:
-        raise UsageError(f"--samples must be an integer, got {a.samples!r}") from None
-    if n < 1:
-        raise UsageError(f"--samples must be >= 1, got {n}")
+    n = whole(a.samples, "--samples", 1)
     s = parallel_sampling(layout, prompt, output, n, state_pages)
     page = page_bytes(layout)
     return {
