@@ -243,13 +243,18 @@ class AdaptiveQueue(EvictionQueue):
     reached no counter (the index counts them in `Block.stamp`). The block named by `cold_next`
     (set by the policy just before the index queues a new block) enters S's cold end."""
 
-    __slots__ = ("_m", "_s", "cold_next", "share")
+    __slots__ = ("_m", "_s", "cold_next", "lru_main", "share")
     name = "adaptive"
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, lru_main: bool = False) -> None:
         self._s = BlockList()
         self._m = BlockList()
         self.share = share
+        self.lru_main = lru_main
+        """In LRU order a hit moves a main block to main's hot end too, so the older of the two
+        cold ends is the least recently used block (the DRAM queue of a policy whose modes
+        include plain LRU; the SSD queue and a DRAM recency buffer keep main in CLOCK order, as
+        measured before issue 29)."""
         self.cold_next: Block | None = None
 
     def push(self, b: Block, cold: bool = False) -> None:
@@ -276,7 +281,7 @@ class AdaptiveQueue(EvictionQueue):
             b.flags = f = f + (1 << COUNT_SHIFT)
         if not f & PROTECTED:
             self._s.move_to_end(b)
-        elif self.share >= 1.0:  # LRU order: main in recency order too (the older head leaves)
+        elif self.lru_main and self.share >= 1.0:  # LRU order: main by recency too
             self._m.move_to_end(b)
 
     def first(self) -> Block | None:
@@ -338,6 +343,7 @@ class AdaptivePolicy(Policy):
             q = self.dram
             assert isinstance(q, AdaptiveQueue)
             q.share = 1.0
+            q.lru_main = False
             self.bypass = -1.0
         self.predictor = ReusePredictor()
         self._pending: dict[tuple[Tenant, BlockKey], int] = {}
@@ -350,7 +356,7 @@ class AdaptivePolicy(Policy):
                                  seen=self._seen_size)
 
     def make_queue(self, capacity: int | None) -> EvictionQueue:
-        return AdaptiveQueue(SHARES[0])
+        return AdaptiveQueue(SHARES[0], lru_main=True)
 
     def resize(self, dram_blocks: int) -> None:
         """New mini caches at a fraction of the new capacity (their sample starts again; the
