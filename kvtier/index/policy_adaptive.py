@@ -65,13 +65,13 @@ them in a cache under 512 blocks) are kept for the mini simulations, which run t
 (the daemon's Allocate): one fingerprint per missed key gives its sketch slot, its seen-table
 word and whether it is in the mini simulations' sample; then a bucket index and one dict
 operation per stored block (a control block or a pending placement). The sketch's halving is
-O(slots) every 10 x slots references. Memory: the seen table (4 B a word, 2 words per block of
-DRAM, at least 1 MB), 4 B of sketch per block of the larger tier (>= 64 KiB), the admission
-history (4 B a word, one word per block of DRAM + SSD: the ghosts), at most `TRACKED_MAX` control
-blocks x ~50 B, the pending placements of the requests in flight, 576 x 8 B per tenant, and the
-mini simulations (~75 B per block of DRAM up to 32K blocks, at most ~2.4 MB, plus their seen
-table at 1/rate of the policy's) — `nbytes` counts the predictor's part; bench.index and
-bench.policies measure them.
+O(slots) every 10 x slots references. Memory: the seen table (4 B a word, one word per block of
+DRAM, at least 1 MB) or, in front of a larger SSD, 4 B of sketch per block of the larger tier
+(>= 64 KiB) instead; the admission history (4 B a word, one word per block of DRAM + SSD: the
+ghosts), at most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in
+flight, 576 x 8 B per tenant, and the mini simulations (~75 B per block of DRAM up to 32K
+blocks, at most ~2.4 MB, plus their seen table at 1/rate of the policy's) — `nbytes` counts the
+predictor's part; bench.index and bench.policies measure them.
 
 Threading: none; the index's owner serialises calls.
 """
@@ -134,8 +134,9 @@ SEEN_MIN = 1 << 18
 """Keys the reuse filter's `SeenTable` remembers at least (vLLM's filter tracks 64,000)..."""
 DEFER_MAX = 1 << 13
 """Sampled lookup hits held for the next `admit` at most; past this the lookup feeds them."""
-SEEN_PER_BLOCK = 2
-"""...and this many per block of DRAM (8 bytes a block)."""
+SEEN_PER_BLOCK = 1
+"""...and this many per block of DRAM (4 bytes a block, the sketch's share, which only a DRAM in
+front of a larger SSD allocates: index memory at 1M blocks stays under 300 B/block)."""
 
 
 def bucket(depth: int, tail: int, hit: int, since: int, seen: int) -> int:
@@ -335,10 +336,14 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, dram_blocks: int | None, ssd_blocks: int | None, admission_k: int) -> None:
         cap = max(dram_blocks or 0, ssd_blocks or 0)
-        self.sketch = FrequencySketch(max(SKETCH_SLOTS * cap, SKETCH_MIN))
+        self._front = (ssd_blocks or 0) > (dram_blocks or 0)
+        # "seen before": the sketch in front of a larger SSD, else the seen table (one of them
+        # is allocated: the other stays at its minimum, 64 B / 4 B)
+        self.sketch = FrequencySketch(max(SKETCH_SLOTS * cap, SKETCH_MIN) if self._front else 64)
+        self._seen_size = 1 if self._front else max(SEEN_MIN, SEEN_PER_BLOCK * (dram_blocks or 0))
+        self.seen = SeenTable(self._seen_size)
         super().__init__(dram_blocks, ssd_blocks, admission_k)
         self.ssd = AdaptiveQueue(1.0)  # SSD: recency order (measured: S3-FIFO order lost hits)
-        self._front = (ssd_blocks or 0) > (dram_blocks or 0)
         if self._front:  # DRAM in front of a larger SSD: a recency buffer (measured)
             q = self.dram
             assert isinstance(q, AdaptiveQueue)
@@ -350,8 +355,6 @@ class AdaptivePolicy(Policy):
         self._tracked: dict[Block, int] = {}
         self._deferred: list[BlockKey] = []
         self._n = 0
-        self._seen_size = max(SEEN_MIN, SEEN_PER_BLOCK * (dram_blocks or 0))
-        self.seen = SeenTable(self._seen_size)
         self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, SHARES[0],
                                  seen=self._seen_size)
 
@@ -390,12 +393,13 @@ class AdaptivePolicy(Policy):
             pending.clear()
         missed = keys[start:]
         fps = fingerprints(tenant, missed)
-        seen = self.sketch.add_hashed(fps)
         th, sh = self.minisims.threshold, self.sample_shift
         end = len(keys)
         lo, bypass = self.lo, self.bypass
         control = SAMPLE
-        if not self._front:
+        if self._front:
+            seen = self.sketch.add_hashed(fps)
+        else:
             sampled = [k for k, h in zip(missed, fps, strict=True) if h >> sh & 255 < th]
             if self._deferred:
                 sampled = self._deferred + sampled
