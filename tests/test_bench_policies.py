@@ -20,7 +20,7 @@ def test_quick_run_writes_results(tmp_path: Path) -> None:
     assert "shared trace is skipped" in proc.stdout
     doc = json.loads((out / "policies.json").read_text())
     workloads = {s["workload"] for s in doc["summary"]}
-    assert workloads == {"chat", "docqa", "agentic", "rag"}
+    assert workloads == {"chat", "docqa", "agentic", "rag", "longreuse", "docchat", "tenants"}
     assert {r["policy"] for r in doc["rows"]} >= {"lru", "kvtier", "vllm-arc", "sieve"}
     assert all(r["stranded_blocks"] == 0 for r in doc["rows"])
     assert any(r["ssd_blocks_written"] for r in doc["rows"] if r["tiers"] == "dram+ssd")
@@ -37,3 +37,13 @@ def test_quick_run_writes_results(tmp_path: Path) -> None:
     small = {f"{s['workload']} {s['fraction']:.0%}" for s in doc["summary"]
              if s["tiers"] == "dram" and s["belady_vs_lru"] < 1.2}
     assert set(doc["goals"]["cells_1_5pct_where_belady_under_1_2x_lru"]) == small
+    # the summary row: kvtier / max(LRU, every peer), minimum over the DRAM-only cells
+    dram = [s for s in doc["summary"] if s["tiers"] == "dram"]
+    for s in dram:
+        best = max(s["hit"][p] for p in s["hit"] if p != "kvtier" and p != "slru")
+        assert abs(s["vs_peer"] - s["kvtier"] / best) < 1e-9
+    lo = doc["goals"]["min_row"]
+    assert lo["vs_peer"] == min(s["vs_peer"] for s in dram) == doc["goals"][
+        "min_vs_best_peer_anywhere"]
+    assert lo["vs_lru"] == min(s["vs_lru"] for s in dram)
+    assert "| **min** (DRAM cells) |" in md

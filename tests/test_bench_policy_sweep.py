@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvtier.sim.workloads import WORKLOADS
 from tests.daemon_fixture import ROOT
 
 
@@ -26,8 +27,8 @@ def test_lru_against_itself_is_one_everywhere(tmp_path: Path) -> None:
     proc, out = _sweep(tmp_path, "--policy", "lru")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
-    assert {r["workload"] for r in doc["summary"]} == {"chat", "docqa", "agentic", "rag"}
-    assert len(doc["summary"]) == 4 * 6  # 5 DRAM-only capacities + the two-tier run
+    assert {r["workload"] for r in doc["summary"]} == set(WORKLOADS)
+    assert len(doc["summary"]) == len(WORKLOADS) * 6  # 5 DRAM-only capacities + two-tier
     assert all(r["vs_lru"] == 1.0 for r in doc["summary"])
     assert doc["totals"]["min_vs_lru"] == 1.0
 
@@ -37,6 +38,12 @@ def test_a_patch_changes_the_policy_under_test_only(tmp_path: Path) -> None:
     assert base.returncode == 0, base.stderr
     plain = {(r["workload"], r["cell"]): r for r in json.loads(out.read_text())["summary"]}
     proc, out = _sweep(tmp_path, "--patch", "bench/variants/ghost_share.py", env={"MODE": "arc"})
+    assert proc.returncode == 0, proc.stderr
+    patched = {(r["workload"], r["cell"]): r for r in json.loads(out.read_text())["summary"]}
+    assert all(patched[k]["lru"] == plain[k]["lru"] for k in plain)  # LRU runs unpatched
+    assert any(patched[k]["hit"] != plain[k]["hit"] for k in plain)
+    proc, out = _sweep(tmp_path, "--patch", "bench/variants/knockout.py",
+                       env={"OFF": "choice-lru"})
     assert proc.returncode == 0, proc.stderr
     patched = {(r["workload"], r["cell"]): r for r in json.loads(out.read_text())["summary"]}
     assert all(patched[k]["lru"] == plain[k]["lru"] for k in plain)  # LRU runs unpatched

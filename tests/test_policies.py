@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.core.types import Tier
-from kvtier.index.policy_adaptive import AdaptivePolicy, FrequencySketch
-from kvtier.index.policy_minisim import MiniSims
+from kvtier.index.policy_adaptive import AdaptivePolicy, AdaptiveQueue, FrequencySketch
+from kvtier.index.policy_minisim import FILTER, MiniSims, SeenTable
 from kvtier.index.policy_registry import DEFAULT_POLICY, PEERS, POLICIES, make_policy
 from kvtier.index.prefix import PrefixIndex
 
@@ -160,16 +160,18 @@ def test_minisims_pick_the_better_share() -> None:
 def test_kvtier_lookup_work_is_a_sample_whatever_the_keys() -> None:
     """Keys with a constant last byte (as bench.daemon's): a lookup still hands the mini
     simulations only about 1 in 16 of its hits, a lookup that misses counts nothing, and
-    `admit` counts the missed keys in the sketch once."""
+    `admit` remembers the missed keys in the seen table once."""
     ix = PrefixIndex(dram_blocks=40_000, ssd_blocks=0, policy="kvtier")
     pol = ix._policy
     assert isinstance(pol, AdaptivePolicy)
     keys = [i.to_bytes(4, "little") + bytes(28) for i in range(4096)]
-    sketch_before = sum(pol.sketch._counts)
+    def remembered() -> int:
+        return sum(1 for w in pol.seen._words if w)
+
     assert ix.lookup(0, keys).blocks == []
-    assert sum(pol.sketch._counts) == sketch_before and pol.minisims._seen == 0
+    assert remembered() == 0 and pol.minisims._seen == 0
     assert ix.admit(0, keys, 0) == len(keys)
-    assert sum(pol.sketch._counts) == sketch_before + len(keys)
+    assert 0.95 * len(keys) < remembered() <= len(keys)  # a word collision overwrites
     fed_at_admit = pol.minisims._seen
     assert 4096 // 32 < fed_at_admit < 4096 // 8
     parent = None
@@ -177,7 +179,10 @@ def test_kvtier_lookup_work_is_a_sample_whatever_the_keys() -> None:
         ix.insert(0, key, parent)
         parent = key
     assert len(ix.lookup(0, keys).blocks) == len(keys)
-    assert pol.minisims._seen == 2 * fed_at_admit  # the same sample: hits of the sampled keys
+    # the same sample (hits of the sampled keys), held off the Lookup path for the next admit
+    assert pol.minisims._seen == fed_at_admit and len(pol._deferred) == fed_at_admit
+    assert ix.admit(0, [b"other"], 0) <= 1
+    assert pol.minisims._seen >= 2 * fed_at_admit and not pol._deferred
 
 
 def test_kvtier_inner_block_hits_count_once_it_is_evictable() -> None:
@@ -196,3 +201,44 @@ def test_kvtier_inner_block_hits_count_once_it_is_evictable() -> None:
     hot, cold = ix.get(0, k(1)), ix.get(0, k(3))
     assert hot is not None and cold is not None
     assert hot.flags & COUNT_BITS == COUNT_BITS and not cold.flags & COUNT_BITS
+
+
+def test_minisims_pick_the_reuse_filter_when_one_shot_keys_flush_the_cache() -> None:
+    """Each round references a reused set once and a fresh scan twice as long as the cache: LRU
+    and the small probation list store the scan (it pushes the reused set out of LRU, and into a
+    probation list that turns over before the next round); the filter stores only the keys seen
+    before, so the reused set stays."""
+    ms = MiniSims(256, (0.1, 1.0, FILTER), 1.0, rate=1, min_cap=1, seen=1 << 14)
+    hot = [k(i) for i in range(200)]
+    n = 10_000
+    for _ in range(40):
+        ms.add(hot)
+        ms.add([k(n + j) for j in range(600)])
+        n += 600
+    assert ms.best == FILTER
+    by = {c.share: c.hits for c in ms.caches}
+    assert by[FILTER] > 1.5 * max(by[0.1], by[1.0])
+
+
+def test_seen_table_remembers_recent_keys_and_forgets_overwritten_ones() -> None:
+    t = SeenTable(8)
+    assert not t.check(5) and t.check(5)  # the second reference is seen
+    assert not t.check(5 + (8 << 40))  # the same word, another tag: overwrites
+    assert not t.check(5)
+    assert t.nbytes() == 32
+
+
+def test_kvtier_in_filter_mode_stores_only_keys_seen_before() -> None:
+    """The reuse filter mode (the mini simulations chose it): a chain's first Allocate stores
+    nothing, the second stores up to the first key never seen before."""
+    ix = PrefixIndex(dram_blocks=1000, ssd_blocks=0, policy="kvtier")
+    pol = ix._policy
+    assert isinstance(pol, AdaptivePolicy)
+    q = pol.dram
+    assert isinstance(q, AdaptiveQueue)
+    pol.minisims.best = q.share = FILTER
+    pol._feed = lambda sampled: None  # type: ignore[method-assign]  # hold the mode
+    keys = [k(i) for i in range(6)]
+    assert ix.admit(0, keys[:4], 0) == 0
+    assert ix.admit(0, keys, 0) == 4  # keys 4 and 5 were not seen before
+    assert ix.admit(0, keys, 0) == 6

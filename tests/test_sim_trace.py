@@ -136,3 +136,34 @@ def test_generators_reject_nonsense_specs():
         workloads.chat(workloads.ChatSpec(requests=0))
     with pytest.raises(ValueError, match="unknown workload"):
         workloads.generate("nope", 10, 0)
+
+
+def test_merge_keeps_streams_apart_and_in_time_order():
+    a = workloads.chat(workloads.ChatSpec(requests=100, seed=1))
+    b = workloads.docqa(workloads.DocQASpec(requests=100, seed=1))
+    m = workloads.merge(a, b)
+    assert len(m) == 200 and [r.timestamp for r in m] == sorted(r.timestamp for r in m)
+    ids_a = {h for r in m for h in r.hash_ids if h % 2 == 0}
+    assert ids_a == {h * 2 for r in a for h in r.hash_ids}  # stream 0 kept, apart from stream 1
+
+
+def _median_reuse_distance(reqs):
+    last, dists, t = {}, [], 0
+    for r in reqs:
+        for h in r.hash_ids:
+            if h in last:
+                dists.append(t - last[h])
+            last[h] = t
+            t += 1
+    dists.sort()
+    return (dists[len(dists) // 2] if dists else 0), len(dists) / t
+
+
+def test_new_shapes_have_the_reuse_they_claim():
+    long_d, _ = _median_reuse_distance(workloads.generate("longreuse", 600, 0))
+    doc_d, _ = _median_reuse_distance(workloads.generate("docqa", 600, 0))
+    assert long_d > 3 * doc_d  # reuse comes back much later
+    reqs = workloads.generate("tenants", 600, 0)
+    by_stream = [[r for r in reqs if r.hash_ids[0] % 3 == j] for j in range(3)]
+    reuse = [_median_reuse_distance(s)[1] for s in by_stream]
+    assert reuse[0] > 2 * reuse[1] > 0 and reuse[2] == 0  # hot chat, cold RAG, one-shot scan

@@ -10,15 +10,17 @@ from kvtier.index import policy_minisim as pm
 STREAK = int(os.environ.get("STREAK", "3"))
 _streak: dict[int, int] = {}
 edited(pm.MiniSims, "feed",
-       [("""        if cur is None or top.hits > cur.hits * self.margin:
-            self.best = top.share""",
-         """        if cur is None or top.hits > cur.hits * self.margin:
+       [("""
+            self.best = top.share
+""",
+         """
             n = _streak[id(self)] = _streak.get(id(self), 0) + 1
             if n >= STREAK:
                 self.best = top.share
                 _streak[id(self)] = 0
         else:
-            _streak[id(self)] = 0""")],
+            _streak[id(self)] = 0
+""")],
        {"STREAK": STREAK, "_streak": _streak})
 _init = pm.MiniSims.__init__
 

@@ -7,10 +7,18 @@ its oldest block leaves — or moves to M if it was hit twice since it was store
 block with a count goes round again one lower and the first without one leaves. A ghost hit (the
 admission history remembers the key of a block that left: it came back within about a cache's
 worth of drops) enters M directly. With share 0.1 that is S3-FIFO-like (frequency first, scans
-stay in S); with share 1.0 the queue is plain LRU (the older of the two cold ends leaves). Which
-one the workload wants is measured online: `kvtier.index.policy_minisim` runs both on a sample of
-the keys at a fraction of the capacity and the queue follows the one with more hits — the
-split between recency and frequency adapts like ARC's, from measured hits.
+stay in S); with share 1.0 the queue is plain LRU (a hit moves a block to the hot end of its
+list, M's too, and the older of the two cold ends leaves). The policy has three modes, its
+*candidates*: share 0.1 with the predictor below placing blocks; plain LRU (every missed block
+stored at the hot end, no predictor: the `lru` policy's order and admission); and `FILTER`, LRU
+behind the reuse filter (vLLM's store-after-two-lookups, the `vllm-reuse` peer: a missed block is
+stored only if its key was seen before, in a `SeenTable` of the last ~`SEEN_MIN` or 2 x capacity
+missed keys, and a chain's blocks only up to the first key not seen). Which one the workload
+wants is measured online: `kvtier.index.policy_minisim` runs all three on a sample of the keys at
+a fraction of the capacity and the queue follows the one with more hits, LRU unless another wins
+by 5% — so the policy is bounded below by the better of its candidates LRU and the reuse filter,
+up to the mini simulations' error (issue 29: the share-0.1 mode with the predictor alone fell
+3-7% under LRU at 10-20% on shapes it was not tuned on, and under the reuse filter at 1-5%).
 
 `FrequencySketch`: one saturating byte per slot (4 slots per block of the larger tier, at least 64
 KiB), indexed by the XXH3 fingerprint of (tenant, key); every key `admit` is asked about (the
@@ -24,14 +32,17 @@ when it is stored —
 
     depth in the chain (log2, 8 classes) x tail (partial last / full last / inner block)
     x prefix hit of the request (none / parent hit for the first time / parent reused before)
-    x blocks since the hit boundary (0, 1, 2-3, 4+) x key seen before (sketch) = 576 buckets
+    x blocks since the hit boundary (0, 1, 2-3, 4+) x key seen before (the seen table; the sketch
+    in front of a larger SSD) = 576 buckets
 
 (prompt length as a further x3 — under 16 / 64 / more blocks — was measured and dropped: no gain
 on any workload, -5% on the sample trace at 5%), and per tenant (the daemon's tenant is the
 namespace: tenant + model) a table of (reused, stored)
 counts per bucket, with a prior from the tenant's overall rate and halving when a bucket's count
-reaches 256 (so it follows drift). A block with estimate p < `lo` enters S's cold end (evicted
-first); a partial last block with p < `bypass` is not stored at all. One block in `SAMPLE`
+reaches 256 (so it follows drift). In the share-0.1 mode (and in front of a larger SSD) a block
+with estimate p < `lo` enters S's cold end (evicted first); a partial last block with p < `bypass`
+is not stored at all. In the LRU modes the predictor only learns (measured, issue 29: its cold
+placement under LRU order cost up to 7% of LRU's hits at 20%). One block in `SAMPLE`
 (while fewer than `TRACKED_MAX` are tracked) is a control: stored whatever p says and tracked
 until it leaves the cache; whether it was hit meanwhile is the label its bucket learns, so
 learning never starves a bucket and the labels do not depend on the predictions.
@@ -48,16 +59,19 @@ sketch had seen k times wrote 1.3-3.1x the blocks for 0.96-1.01x the hits, and S
 on SSD lost up to 8% of the hits; so the rule stays the k-th access.
 
 Cost: O(1) per block, and almost nothing on the Lookup path. A lookup's hit blocks are scanned
-once at C speed for the `SAMPLED` bit (set at insert) and only the sampled ones (1 in 8 or
-fewer) go to the mini simulations; a miss costs nothing. Everything else happens in `admit` (the
-daemon's Allocate): one fingerprint per missed key gives both its sketch slot and whether it is in
-the mini simulations' sample; then a bucket index and one dict operation per stored block (a
-control block or a pending placement). The sketch's halving is O(slots) every 10 x slots
-references. Memory: 4 B of sketch per block of the larger tier
-(>= 64 KiB), the admission history (4 B a word, one word per block of DRAM + SSD: the ghosts), at
-most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in flight,
-576 x 8 B per tenant, and the mini simulations (~50 B per block of DRAM up to 32K blocks, at most
-1.6 MB) — `nbytes` counts the predictor's part; bench.index and bench.policies measure them.
+once for the `SAMPLED` bit (set at insert) and only the sampled ones (1 in 8 or fewer; all of
+them in a cache under 512 blocks) are kept for the mini simulations, which run them at the next
+`admit` (or once `DEFER_MAX` are kept); a miss costs nothing. Everything else happens in `admit`
+(the daemon's Allocate): one fingerprint per missed key gives its sketch slot, its seen-table
+word and whether it is in the mini simulations' sample; then a bucket index and one dict
+operation per stored block (a control block or a pending placement). The sketch's halving is
+O(slots) every 10 x slots references. Memory: the seen table (4 B a word, one word per block of
+DRAM, at least 1 MB) or, in front of a larger SSD, 4 B of sketch per block of the larger tier
+(>= 64 KiB) instead; the admission history (4 B a word, one word per block of DRAM + SSD: the
+ghosts), at most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in
+flight, 576 x 8 B per tenant, and the mini simulations (~75 B per block of DRAM up to 32K
+blocks, at most ~2.4 MB, plus their seen table at 1/rate of the policy's) — `nbytes` counts the
+predictor's part; bench.index and bench.policies measure them.
 
 Threading: none; the index's owner serialises calls.
 """
@@ -80,7 +94,7 @@ from kvtier.index.policies import (
     EvictionQueue,
     Policy,
 )
-from kvtier.index.policy_minisim import MiniSims
+from kvtier.index.policy_minisim import FILTER, MiniSims, SeenTable
 from kvtier.index.types import HITS_BITS, HITS_MAX
 
 if TYPE_CHECKING:
@@ -112,8 +126,17 @@ SAMPLED = MARK
 """`Block.flags` bit (the policy's `MARK`): the key is in the mini simulations' sample."""
 _P_COLD, _P_CONTROL, _P_SAMPLED = 1, 2, 4
 """Bits of a pending placement; the feature bucket is above them (``code >> 3``)."""
-SHARES = (0.1, 1.0)
-"""Candidate shares of the probation list (1.0 = plain LRU), ranked by `MiniSims`."""
+SHARES = (0.1, 1.0, FILTER)
+"""Candidate modes, ranked by `MiniSims`: probation share 0.1 (S3-FIFO-like, with the predictor's
+cold placement and tail bypass), 1.0 (plain LRU: every missed block stored at the hot end) and
+`FILTER` (LRU behind the reuse filter: a missed block is stored only if its key was seen before)."""
+SEEN_MIN = 1 << 18
+"""Keys the reuse filter's `SeenTable` remembers at least (vLLM's filter tracks 64,000)..."""
+DEFER_MAX = 1 << 13
+"""Sampled lookup hits held for the next `admit` at most; past this the lookup feeds them."""
+SEEN_PER_BLOCK = 1
+"""...and this many per block of DRAM (4 bytes a block, the sketch's share, which only a DRAM in
+front of a larger SSD allocates: index memory at 1M blocks stays under 300 B/block)."""
 
 
 def _seed(tenant: Tenant) -> int:
@@ -208,13 +231,18 @@ class AdaptiveQueue(EvictionQueue):
     reached no counter (the index counts them in `Block.stamp`). The block named by `cold_next`
     (set by the policy just before the index queues a new block) enters S's cold end."""
 
-    __slots__ = ("_m", "_s", "cold_next", "share")
+    __slots__ = ("_m", "_s", "cold_next", "lru_main", "share")
     name = "adaptive"
 
-    def __init__(self, share: float) -> None:
+    def __init__(self, share: float, lru_main: bool = False) -> None:
         self._s = BlockList()
         self._m = BlockList()
         self.share = share
+        self.lru_main = lru_main
+        """In LRU order a hit moves a main block to main's hot end too, so the older of the two
+        cold ends is the least recently used block (the DRAM queue of a policy whose modes
+        include plain LRU; the SSD queue and a DRAM recency buffer keep main in CLOCK order, as
+        measured before issue 29)."""
         self.cold_next: Block | None = None
 
     def push(self, b: Block, cold: bool = False) -> None:
@@ -241,6 +269,8 @@ class AdaptiveQueue(EvictionQueue):
             b.flags = f = f + (1 << COUNT_SHIFT)
         if not f & PROTECTED:
             self._s.move_to_end(b)
+        elif self.lru_main and self.share >= 1.0:  # LRU order: main by recency too
+            self._m.move_to_end(b)
 
     def first(self) -> Block | None:
         s, m = self._s, self._m
@@ -293,35 +323,48 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, dram_blocks: int | None, ssd_blocks: int | None, admission_k: int) -> None:
         cap = max(dram_blocks or 0, ssd_blocks or 0)
-        self.sketch = FrequencySketch(max(SKETCH_SLOTS * cap, SKETCH_MIN))
+        self._front = (ssd_blocks or 0) > (dram_blocks or 0)
+        # "seen before": the sketch in front of a larger SSD, else the seen table (one of them
+        # is allocated: the other stays at its minimum, 64 B / 4 B)
+        self.sketch = FrequencySketch(max(SKETCH_SLOTS * cap, SKETCH_MIN) if self._front else 64)
+        self._seen_size = 1 if self._front else max(SEEN_MIN, SEEN_PER_BLOCK * (dram_blocks or 0))
+        self.seen = SeenTable(self._seen_size)
         super().__init__(dram_blocks, ssd_blocks, admission_k)
         self.ssd = AdaptiveQueue(1.0)  # SSD: recency order (measured: S3-FIFO order lost hits)
-        self._front = (ssd_blocks or 0) > (dram_blocks or 0)
         if self._front:  # DRAM in front of a larger SSD: a recency buffer (measured)
             q = self.dram
             assert isinstance(q, AdaptiveQueue)
             q.share = 1.0
+            q.lru_main = False
             self.bypass = -1.0
         self.predictor = ReusePredictor()
         self._pending: dict[tuple[Tenant, BlockKey], int] = {}
         self._tracked: dict[Block, int] = {}
+        self._deferred: list[BlockKey] = []
         self._n = 0
-        self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, SHARES[0])
+        self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, SHARES[0],
+                                 seen=self._seen_size)
 
     def make_queue(self, capacity: int | None) -> EvictionQueue:
-        return AdaptiveQueue(SHARES[0])
+        return AdaptiveQueue(SHARES[0], lru_main=True)
 
     def resize(self, dram_blocks: int) -> None:
         """New mini caches at a fraction of the new capacity (their sample starts again; the
         share in use stays until they pick one)."""
-        self.minisims = MiniSims(max(1, dram_blocks), SHARES, self.minisims.best)
+        self.minisims = MiniSims(max(1, dram_blocks), SHARES, self.minisims.best,
+                                 seen=self._seen_size)
+        self._deferred = []
 
     def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], blocks: list[Block]) -> None:
         if not blocks or self._front:
             return
         sampled = [b.key for b in blocks if b.flags & SAMPLED]
-        if sampled:
-            self._feed(sampled)
+        if sampled:  # fed to the mini simulations at the next `admit`, off the Lookup path
+            deferred = self._deferred
+            deferred.extend(sampled)
+            if len(deferred) > DEFER_MAX:
+                self._deferred = []
+                self._feed(deferred)
 
     def _feed(self, sampled: list[BlockKey]) -> None:
         ms = self.minisims
@@ -337,31 +380,49 @@ class AdaptivePolicy(Policy):
             pending.clear()
         missed = keys[start:]
         fps = fingerprints(tenant, missed)
-        seen = self.sketch.add_hashed(fps)
         th, sh = self.minisims.threshold, self.sample_shift
-        if not self._front:
+        end = len(keys)
+        lo, bypass = self.lo, self.bypass
+        control = SAMPLE
+        if self._front:
+            seen = self.sketch.add_hashed(fps)
+        else:
             sampled = [k for k, h in zip(missed, fps, strict=True) if h >> sh & 255 < th]
+            if self._deferred:
+                sampled = self._deferred + sampled
+                self._deferred = []
             if sampled:
                 self._feed(sampled)
+            check = self.seen.check
+            seen = [2 if check(h) else 0 for h in fps]  # the predictor's "seen before" too
+            unseen = [j for j, x in enumerate(seen) if not x]
+            q = self.dram
+            assert isinstance(q, AdaptiveQueue)
+            share = q.share
+            if share >= 1.0:  # plain LRU or the reuse filter: no predictor placement
+                lo = bypass = -1.0
+                if share > 1.0:  # the reuse filter: up to the first key not seen before
+                    control = 0
+                    if unseen:
+                        end = start + unseen[0]
         last = len(keys) - 1
         hit = 0 if parent is None else 1 if parent.stamp & HITS_MAX <= 2 else 2
         reused, stored, total = self.predictor.table(tenant)
         prior = _PRIOR * total[0] / total[1]
-        lo, bypass = self.lo, self.bypass
         n = start
         # per block, its feature bucket b: depth (bit length of its position) x `tail` (0 inner,
         # 1 full last, 2 partial last) x `hit` (0 no prefix hit, 1 the parent hit for the first
         # time, 2 the parent reused before) x `since` (blocks since the hit boundary: 0, 1, 2-3,
         # 4+) x seen by the sketch before; and its reuse estimate p = (reused + prior) /
         # (stored + _PRIOR), the prior being the tenant's overall rate. Inline: per stored block.
-        for i in range(start, len(keys)):
+        for i in range(start, end):
             tail = 0 if i < last else 2 if partial_last else 1
             since = i - start
             b = (((min(i.bit_length(), 7) * 3 + tail) * 3 + hit) * 4
                  + (since if since < 2 else 2 if since < 4 else 3)) * 2 + (seen[since] >= 2)
             code = b << 3 | (_P_SAMPLED if fps[since] >> sh & 255 < th else 0)
             self._n = r = (self._n * 1103515245 + 12345) & 0x7FFFFFFF
-            if (r >> 16) % SAMPLE == 0 and len(self._tracked) < TRACKED_MAX:
+            if control and (r >> 16) % control == 0 and len(self._tracked) < TRACKED_MAX:
                 code |= _P_CONTROL
             else:
                 p = (reused[b] + prior) / (stored[b] + _PRIOR)
@@ -400,6 +461,7 @@ class AdaptivePolicy(Policy):
     def nbytes(self) -> int:
         """Bytes of the policy's state besides the index's history: sketch, predictor tables,
         tracker, pending placements, mini simulations (dict slots at estimated sizes)."""
-        return (self.sketch.nbytes() + self.predictor.nbytes()
-                + _TRACKER * (len(self._tracked) + len(self._pending))
+        return (self.sketch.nbytes() + self.predictor.nbytes() + self.seen.nbytes()
+                + self.minisims.nbytes_fixed()
+                + _TRACKER * (len(self._tracked) + len(self._pending)) + 8 * len(self._deferred)
                 + _MINI_ENTRY * self.minisims.entries())

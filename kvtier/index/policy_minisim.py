@@ -1,26 +1,34 @@
-"""Miniature simulations: which window share would have hit more, measured on a sample of keys.
+"""Miniature simulations: which queue mode would have hit more, measured on a sample of keys.
 
-Each candidate share runs a small block-level copy of
-`kvtier.index.policy_adaptive.AdaptiveQueue`'s algorithm (probation S in LRU order with a 2-bit
-frequency, main M as a CLOCK on that frequency, S's oldest moving to M when its frequency is > 1, a
-key dropped from S remembered as a ghost that re-enters in M; share 1.0 = plain LRU) over the
-references of a spatial sample of the keys (1 in `rate`: those whose 64-bit XXH3 fingerprint has
-its top byte below `threshold` = 256 / rate; the caller, which fingerprints each key once anyway,
-samples and calls `feed`; `add` fingerprints for itself; deterministic, no `hash()`), at 1/`rate`
-of the real capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature
-Simulations", USENIX ATC 2017). Hits decay by half each epoch; `best` is the candidate with the
-most. The mini caches ignore the prefix rule (a block hits if it is cached), so they rank shares,
-they do not predict hit ratios.
+Each candidate runs a small block-level copy of one mode of
+`kvtier.index.policy_adaptive.AdaptiveQueue` over the references of a spatial sample of the keys:
+a probation share < 1 (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on that
+frequency, S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as a
+ghost that re-enters in M), share 1.0 (plain LRU) or `FILTER` (LRU behind the reuse filter: a
+missed key is stored only if a `SeenTable` saw it before, vLLM's store-after-two-lookups). The
+sample is 1 key in `rate`: those whose 64-bit XXH3 fingerprint has its top byte below `threshold`
+= 256 / rate; the caller, which fingerprints each key once anyway, samples and calls `feed`; `add`
+fingerprints for itself; deterministic, no `hash()`. The mini caches are 1/`rate` of the real
+capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
+USENIX ATC 2017). Hits decay by `DECAY` each epoch; `best` moves to the candidate with the most
+only when it wins by `margin` and by `Z` standard deviations of the counts (two Poisson counts:
+a small cache's few hits an epoch do not flip the mode on noise), and a probation-share candidate
+must beat the LRU ones by `LRU_MARGIN` (LRU is the bound the policy must not fall under: the
+copies ignore the prefix rule and the predictor, so a near tie in them is no gain in the real
+cache; measured, issue 29). The mini caches rank modes, they do not predict hit ratios.
 
 Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
-~100 B): with 2 candidates and rate 8, ~50 B per block of real capacity up to 32K blocks (the
-mini caches stop growing at `MINI_MAX` entries: ~13 B per block at 128K, 1.6 MB in all; the
-rate falls to 4 below 256 blocks: a small cache's mini copies stay at least 32 blocks). Work:
-O(1) per sampled reference and candidate.
+~100 B) plus the filter candidate's seen table (4 B a word, the policy's table / rate): with 3
+candidates and rate 8, ~75 B per block of real capacity up to 32K blocks (the mini caches stop
+growing at `MINI_MAX` entries: ~20 B per block at 128K, ~2.4 MB in all; below `MIN_CAP` x 8
+blocks the rate falls, down to 1 under 2 x `MIN_CAP`: a small cache's copies are the whole cache,
+so its few hits are all counted). Work: O(1) per sampled reference and candidate.
 """
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -29,8 +37,26 @@ from xxhash import xxh3_64_intdigest
 from kvtier.core.types import BlockKey
 
 _FREQ_MAX = 3
+FILTER = 2.0
+"""A candidate's share above 1: LRU order behind the reuse filter (vLLM's store-after-two-lookups,
+`kvtier.index.policy_peers.ReuseFilterPolicy`): a missed key is stored only if it was seen before,
+in a direct-mapped table of fingerprint tags (`SeenTable`)."""
 MINI_MAX = 4096
 """Largest mini cache: beyond 4096 x rate blocks of real capacity the sample thins instead."""
+MIN_CAP = 256
+"""Smallest mini cache while the rate can fall (to 1: the whole cache simulated)."""
+Z = 1.0
+"""Standard deviations by which a candidate must win to be chosen (measured: 2 kept a small
+cache in the start mode too long, 0 flipped it on noise)."""
+LRU_MARGIN = 1.05
+"""Factor by which a probation-share candidate must beat the others' hits (measured, issue 29:
+1.0-1.03 left agentic at 10-20% 1-3% under LRU; its small-cache wins are 10% and more). The
+filter candidate competes at par: its copy leaves out less (no predictor), and a margin kept the
+real cache out of it at 2-5% on tenants and chat, 1-3% under vllm-reuse."""
+EPOCH = 4
+"""Sampled references per epoch, per entry of a mini cache (measured: 2 gained nowhere)."""
+DECAY = 0.8
+"""Hits kept per epoch (0.5 before issue 29: two epochs' memory was too few hits to rank)."""
 RATE = 8
 """Default sample: 1 key in 8. Measured (docs/benchmarks.md, "Policies, fourth pass", over 4 key
 samples on every workload): the sample trace at 1% and 5% 1.086x / 1.035x LRU instead of 1.047x /
@@ -38,23 +64,49 @@ samples on every workload): the sample trace at 1% and 5% 1.086x / 1.035x LRU in
 there (the choice flips with a 1-in-16 sample's luck)."""
 
 
+class SeenTable:
+    """Which keys were referenced recently: a direct-mapped table of `size` 32-bit words, word
+    ``h % size`` holding the top 31 bits of the key's 64-bit fingerprint `h` (| 1: never 0). It
+    remembers about the last `size` distinct keys (a later key on the same word overwrites), in
+    4 bytes a word, O(1) per key; a tag collision only admits a block early."""
+
+    __slots__ = ("_words", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self._words = array("I", bytes(4 * self.size))
+
+    def check(self, h: int) -> bool:
+        """Whether fingerprint `h` was seen before; remembers it either way."""
+        words, i, tag = self._words, h % self.size, (h >> 33) | 1
+        if words[i] == tag:
+            return True
+        words[i] = tag
+        return False
+
+    def nbytes(self) -> int:
+        return 4 * self.size
+
+
 class MiniCache:
-    """One candidate's block-level cache (module docstring)."""
+    """One candidate's block-level cache (module docstring); `seen` for a `FILTER` candidate."""
 
-    __slots__ = ("cap", "ghosts", "hits", "m", "s", "share")
+    __slots__ = ("cap", "ghosts", "hits", "m", "s", "seen", "share")
 
-    def __init__(self, cap: int, share: float) -> None:
+    def __init__(self, cap: int, share: float, seen: int = 0) -> None:
         self.cap = cap
         self.share = share
         self.s: OrderedDict[BlockKey, int] = OrderedDict()
         self.m: OrderedDict[BlockKey, int] = OrderedDict()
         self.ghosts: OrderedDict[BlockKey, None] = OrderedDict()
+        self.seen = SeenTable(seen) if share > 1.0 else None
         self.hits = 0.0
 
     def access(self, keys: Sequence[BlockKey]) -> None:
         """Reference `keys` in order."""
         s, m, ghosts, cap = self.s, self.m, self.ghosts, self.cap
         lru = self.share >= 1.0
+        seen = self.seen
         hits = 0
         for key in keys:
             f = s.get(key)
@@ -70,6 +122,8 @@ class MiniCache:
                 if f < _FREQ_MAX:
                     m[key] = f + 1
                 continue
+            if seen is not None and not seen.check(xxh3_64_intdigest(key)):
+                continue  # the reuse filter: not stored on its first reference
             if ghosts.pop(key, 0) is None and not lru:
                 m[key] = 0
             else:
@@ -105,12 +159,13 @@ class MiniSims:
     __slots__ = ("_epoch", "_seen", "best", "caches", "margin", "threshold")
 
     def __init__(self, capacity: int, shares: Sequence[float], start: float,
-                 rate: int = RATE, min_cap: int = 32, margin: float = 1.01) -> None:
-        rate = max(4, min(max(rate, capacity // MINI_MAX), capacity // min_cap))
+                 rate: int = RATE, min_cap: int = MIN_CAP, margin: float = 1.01,
+                 seen: int = 0) -> None:
+        rate = max(1, min(max(rate, capacity // MINI_MAX), capacity // min_cap))
         cap = max(1, capacity // rate)
         self.threshold = max(1, 256 // rate)
-        self.caches = [MiniCache(cap, s) for s in shares]
-        self._epoch = 4 * cap
+        self.caches = [MiniCache(cap, s, max(64, seen // rate)) for s in shares]
+        self._epoch = EPOCH * cap
         self._seen = 0
         self.best = start
         self.margin = margin
@@ -128,12 +183,19 @@ class MiniSims:
         self._seen += len(keys)
         if self._seen >= self._epoch:
             self._seen = 0
-            top = max(caches, key=lambda c: c.hits)
+            def score(c: MiniCache) -> float:
+                return c.hits if c.share >= 1.0 else c.hits / LRU_MARGIN
+            top = max(caches, key=score)
             cur = next((c for c in caches if c.share == self.best), None)
-            if cur is None or top.hits > cur.hits * self.margin:
+            if cur is None or (score(top) > score(cur) * self.margin and score(top) - score(cur)
+                               > Z * math.sqrt(top.hits + cur.hits)):
                 self.best = top.share
             for c in caches:
-                c.hits *= 0.5
+                c.hits *= DECAY
 
     def entries(self) -> int:
         return sum(len(c.s) + len(c.m) + len(c.ghosts) for c in self.caches)
+
+    def nbytes_fixed(self) -> int:
+        """Bytes of the filter candidates' seen tables (allocated once)."""
+        return sum(c.seen.nbytes() for c in self.caches if c.seen is not None)

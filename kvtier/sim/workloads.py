@@ -1,5 +1,10 @@
 """Built-in workload generators: multi-turn chat, long-document QA, agentic tool calling and a RAG
-mix, as Mooncake-style traces.
+mix, as Mooncake-style traces; and three shapes for checking a policy on traffic it was not tuned
+on: `longreuse` (a large, flat-popularity document set: reuse distances of a large fraction of the
+distinct blocks, where recency wins as the cache grows), `docchat` (long documents and chat
+sessions interleaved: two reuse scales in one stream) and `tenants` (three tenants' streams in one
+trace with disjoint ids — a hot chat, a cold flat-popularity RAG and a one-shot document scan —
+each with its own reuse).
 
 All produce `Request`s with chained 512-token block ids exactly like a Mooncake trace, so every
 part of the simulator treats them alike. Output is a pure function of the spec (seeded
@@ -260,7 +265,56 @@ def rag(spec: RagSpec = RagSpec()) -> list[Request]:
     return out
 
 
-WORKLOADS = ("chat", "docqa", "agentic", "rag")
+def merge(*streams: list[Request]) -> list[Request]:
+    """Several traces as one, in arrival order, with each stream's ids kept apart (stream j's id
+    i becomes ``i * len(streams) + j``): the streams share no block, like separate tenants."""
+    n = len(streams)
+    tagged = [(r.timestamp, j, i, r._replace(hash_ids=tuple(h * n + j for h in r.hash_ids)))
+              for j, reqs in enumerate(streams) for i, r in enumerate(reqs)]
+    tagged.sort(key=lambda x: x[:3])
+    return [x[3] for x in tagged]
+
+
+def longreuse(requests: int, seed: int) -> list[Request]:
+    """Document QA over many documents of flat popularity (Zipf 0.6 over 4,000): most reuse comes
+    back after a large share of the distinct blocks, so a cache ranks by recency as it grows."""
+    return docqa(DocQASpec(requests=requests, seed=seed, documents=4000, zipf_s=0.6,
+                           document_tokens=(2000, 20000)))
+
+
+def docchat(requests: int, seed: int) -> list[Request]:
+    """Long documents and chat interleaved over the same time span: half the requests each."""
+    docs = docqa(DocQASpec(requests=requests // 2, seed=seed, documents=1500, zipf_s=0.8,
+                           requests_per_s=1.0))
+    talk = chat(ChatSpec(requests=requests - requests // 2, seed=seed + 1, sessions_per_s=0.17))
+    return merge(docs, talk)
+
+
+def tenants(requests: int, seed: int) -> list[Request]:
+    """Three tenants with different reuse in one stream: hot chat (40%), cold RAG over many
+    flat-popularity topics (40%) and a one-shot document scan that never recurs (20%)."""
+    a, b = requests * 2 // 5, requests * 2 // 5
+    hot = chat(ChatSpec(requests=a, seed=seed, sessions_per_s=0.2))
+    cold = rag(RagSpec(requests=b, seed=seed + 1, topics=20000, zipf_s=0.7, requests_per_s=1.2))
+    return merge(hot, cold, _scan(requests - a - b, seed + 2, 0.6))
+
+
+def _scan(requests: int, seed: int, per_s: float) -> list[Request]:
+    """One-shot documents (2,000-12,000 tokens) behind a short shared instruction prefix."""
+    rng = random.Random(seed)
+    ids = _Ids()
+    out: list[Request] = []
+    t = 0.0
+    for i in range(requests):
+        t += rng.expovariate(per_s)
+        prompt = 300 + rng.randint(2000, 12000)
+        segs: list[tuple[Hashable, int]] = [("instructions", 300), (("scan", i), prompt - 50)]
+        out.append(Request(round(t * 1000.0, 3), prompt, rng.randint(20, 400),
+                           ids.chain(segs, prompt)))
+    return out
+
+
+WORKLOADS = ("chat", "docqa", "agentic", "rag", "longreuse", "docchat", "tenants")
 
 
 def generate(name: str, requests: int, seed: int) -> list[Request]:
@@ -273,4 +327,10 @@ def generate(name: str, requests: int, seed: int) -> list[Request]:
         return agentic(AgenticSpec(requests=requests, seed=seed))
     if name == "rag":
         return rag(RagSpec(requests=requests, seed=seed))
+    if name == "longreuse":
+        return longreuse(requests, seed)
+    if name == "docchat":
+        return docchat(requests, seed)
+    if name == "tenants":
+        return tenants(requests, seed)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
