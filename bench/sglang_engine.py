@@ -121,7 +121,8 @@ class SglangServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--random-seed", "0",
                 "--mem-fraction-static", "0.2", "--max-total-tokens", str(max_tokens),
                 "--page-size", str(PAGE), "--chunked-prefill-size", str(max_tokens),
-                "--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                "--enable-hierarchical-cache", "--hicache-ratio", "2",
+                "--hicache-io-backend", "direct",
                 "--hicache-mem-layout", "layer_first",
                 "--hicache-storage-prefetch-policy", "wait_complete"]
         env = {**os.environ, "PYTHONPATH": f"{SHIMS}{os.pathsep}{ROOT}",

@@ -100,16 +100,19 @@ def test_page_keys_are_sglang_digests_else_hashed() -> None:
 
 def test_chain_memory_walks_back_to_the_first_page_and_forgets_oldest() -> None:
     keys = page_keys(sglang_keys(5))
-    m = ChainMemory(capacity=3)
+    m = ChainMemory(capacity=10)
     m.remember(keys[:2])
-    m.remember(keys[2:4], parent=keys[1])
-    assert m.prefix(keys[3]) == []  # keys[0] was forgotten: the chain is broken, not guessed
-    assert m.prefix(keys[2]) == [] and m.parent(keys[2]) == keys[1]
-    m2 = ChainMemory(capacity=10)
-    m2.remember(keys[:2])
-    m2.remember(keys[2:5], parent=keys[1])
-    assert m2.prefix(keys[4]) == keys[:4]
-    assert m2.parent(keys[0]) == b"" and m2.prefix(b"x" * 32) == []
+    m.remember(keys[2:5], parent=keys[1])
+    assert m.prefix(keys[4]) == keys[:4] and m.prefix(keys[0]) == []
+    assert m.parent(keys[0]) == b"" and m.prefix(b"x" * 32) is None
+    small = ChainMemory(capacity=3)
+    small.remember(keys[:2])
+    small.remember(keys[2:4], parent=keys[1])  # keys[0] forgotten: the chain is broken
+    assert small.prefix(keys[3]) is None and small.parent(keys[2]) == keys[1]
+    links = ChainMemory(capacity=10)
+    links.remember(keys[1:3], parent=None)  # keys[1]'s parent unknown: only the inner link
+    assert links.parent(keys[2]) == keys[1] and links.parent(keys[1]) is None
+    assert links.prefix(keys[2]) is None
     assert len(ChainMemory(0)) == 0
 
 
@@ -199,12 +202,18 @@ def test_store_saves_then_loads_pages_through_dram_slots(daemon: DaemonProc) -> 
     b.close()
 
 
-def test_store_chain_memory_serves_calls_without_prefix(daemon: DaemonProc) -> None:  # noqa: F811
+def test_store_chain_memory_serves_calls_without_prefix(
+        daemon: DaemonProc, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     s, pages, pool = make_store(daemon.socket)
     fill(pool, 2)
     keys = page_keys(sglang_keys(3, salt="m"))
-    assert s.save(keys[:1], [], lambda i, v: pages.copy_out(0, v))
-    # no prefix given: the memory knows keys[0] from the save above
+    with caplog.at_level(logging.WARNING, "kvtier.integrations.sglang"):
+        # an unknown chain is never stored (it could be a mid-prompt batch)
+        assert not s.save(keys[1:], None, lambda i, v: pytest.fail("not stored"))
+        assert not s.save(keys[2:], None, lambda i, v: pytest.fail("not stored"))
+    assert caplog.text.count("refused to store") == 1 and s.stats.unanchored == 2
+    assert s.exists(keys, []) == 0  # as SGLang asks before it computes: the chain is learnt
+    assert s.save(keys[:1], None, lambda i, v: pages.copy_out(0, v))
     assert s.save(keys[1:], None, lambda i, v: pages.copy_out((1 + i) * PAGE, v))
     assert s.exists(keys[2:], None) == 1
     out = []

@@ -6,7 +6,9 @@ cut), loading them out of mapped DRAM slots, storing them through Allocate/Commi
     save(keys, prefix, source)      source(i, slot view) fills each page kvtier lacks; stored?
 
 `prefix` is the keys of the pages before `keys` from the prompt's first (SGLang's
-`prefix_keys`); None = not given: the chain memory's, else `keys` start a prompt.
+`prefix_keys`); None = not given: the chain memory's (`chains.ChainMemory`). When that is not
+known either, `exists` and `load` try `keys` as a prompt's first pages (at worst a miss) and
+`save` refuses (False, one warning): a page stored under a wrong parent could never be hit.
 
 Failures (DESIGN invariant 7): the daemon down (`DaemonLink`: one warning per outage, a retry
 after `retry_after_s`) or refusing makes `exists` and `load` answer 0 (a miss: SGLang
@@ -46,6 +48,8 @@ class StoreStats:
     skipped_pages: int = 0
     """Pages a save found already cached."""
     failures: int = 0
+    unanchored: int = 0
+    """Saves refused because the pages before them were not known."""
     load_pages: list[int] = field(default_factory=list)
     load_gbps: list[float] = field(default_factory=list)
     save_pages: list[int] = field(default_factory=list)
@@ -70,17 +74,19 @@ class PageStore:
         self._chains = ChainMemory(settings.chain_memory)
         self._lock = threading.Lock()
 
-    def _chain(self, keys: list[bytes], prefix: list[bytes] | None) -> list[bytes]:
+    def _chain(self, keys: list[bytes], prefix: list[bytes] | None) -> list[bytes] | None:
+        """The pages before `keys` (None: not known), learning the chain."""
         with self._lock:
             if prefix is None:
-                prefix = self._chains.prefix(keys[0]) if keys else []
-            self._chains.remember(keys, prefix[-1] if prefix else b"")
+                prefix = self._chains.prefix(keys[0])
+            parent = None if prefix is None else prefix[-1] if prefix else b""
+            self._chains.remember(keys, parent)
             return prefix
 
     def exists(self, keys: list[bytes], prefix: list[bytes] | None) -> int:
         if not keys:
             return 0
-        before = self._chain(keys, prefix)
+        before = self._chain(keys, prefix) or []
         client = self.link.client()
         if client is None:
             return 0
@@ -101,7 +107,7 @@ class PageStore:
              sink: Callable[[int, U8], None]) -> int:
         if not keys:
             return 0
-        before = self._chain(keys, prefix)
+        before = self._chain(keys, prefix) or []
         client = self.link.client()
         if client is None:
             return 0
@@ -126,6 +132,16 @@ class PageStore:
         if not keys:
             return True
         before = self._chain(keys, prefix)
+        if before is None:
+            with self._lock:
+                self.stats.unanchored += 1
+                first = self.stats.unanchored == 1
+            if first:
+                log.warning("kvtier sglang backend: refused to store pages whose preceding "
+                            "pages are unknown (launch SGLang with "
+                            "\"hicache_storage_pass_prefix_keys\": true in "
+                            "--hicache-storage-backend-extra-config); warned once")
+            return False
         client = self.link.client()
         if client is None:
             return False
