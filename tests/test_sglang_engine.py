@@ -1,6 +1,7 @@
 """kvtier as the HiCache L3 of real SGLang servers (SGLang 0.5.23 from .venv-sglang, on this
 CPU with the test-only shims of tests/sglang_shims/), through SGLang's dynamic backend loader
-and the zero-copy v1 path. One daemon, three servers:
+and the zero-copy v1 path. First the backend class alone in the SGLang venv
+(tests/test_sglang_backend.py), then one daemon, three servers:
 
 - A1 computes prompts and stores their pages; A2 (same model, up at the same time on the same
   daemon) serves them from kvtier: SGLang reports them as storage hits
@@ -18,13 +19,14 @@ Takes ~6-10 minutes here (three SGLang starts of ~1-3 min each on a loaded 2-cor
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.sglang_engine import PAGE, SglangServer, sglang_python, write_model
+from bench.sglang_engine import PAGE, ROOT, SglangServer, sglang_python, write_model
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client, LayoutDecl
 from tests.daemon_fixture import DaemonProc
@@ -68,6 +70,19 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
             d.stop()
 
 
+def test_backend_class_in_the_sglang_venv() -> None:
+    """tests/test_sglang_backend.py (SGLang's factory builds `KvtierStorage`; both paths) in the
+    SGLang venv, where SGLang imports."""
+    python = sglang_python()
+    assert python is not None
+    run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-W", "ignore", "tests/test_sglang_backend.py"],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "2 passed" in run.stdout, run.stdout[-2000:]
+
+
 def test_servers_share_pages_through_kvtier(daemon: DaemonProc, tmp_path: Path) -> None:
     model_a = write_model(tmp_path / "model-a", seed=0)
     model_b = write_model(tmp_path / "model-b", seed=1)
@@ -103,11 +118,14 @@ def test_servers_share_pages_through_kvtier(daemon: DaemonProc, tmp_path: Path) 
         assert own.tokens != wrong.tokens, "the output does not depend on the loaded KV"
         b.generate(prompts[1])  # still down: served, no second warning
         assert b.log().count("daemon unavailable or refusing") == 1, b.tail()
-        # a restarted daemon (empty DRAM) is used again after retry_after_s
+        # a restarted daemon (empty DRAM) is used again after retry_after_s; SGLang backs a
+        # page up to L3 once, when it enters L2, so B's L2 is emptied for it to store again
         daemon.start()
         time.sleep(2)
-        b.generate(prompts[0])  # stores B's own pages now (the restarted daemon had none)
+        b.flush()
+        b.generate(prompts[0])
         assert wait_pages(daemon, len(prompts[0]) // PAGE) >= len(prompts[0]) // PAGE
         b.flush()
         back = b.generate(prompts[0])
         assert back.storage > 0 and back.tokens == own.tokens, back
+        assert "reachable again" in b.log()
