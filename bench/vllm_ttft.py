@@ -2,7 +2,8 @@
 `python -m bench.vllm_ttft [--quick]` (venv: `bench/setup_vllm_ttft.sh`; LMCache is measured
 when `lmcache` imports, else reported as not measured).
 
-Model: a Llama config with dummy weights (`--layers`, `--hidden`), sized so that an 8K-token
+Model: a local Llama checkpoint (`bench.model_weights`: its own initializer's weights, so the
+outputs checked depend on the loaded KV; `--layers`, `--hidden`), sized so that an 8K-token
 prefill takes seconds on the machine. Workloads (token ids from a fixed seed):
   docqa  `--docs` documents of `--doc-tokens` tokens, each + a 64-token question
   chat   one conversation of `--turns` turns: each turn the previous prompt, a 32-token reply and
@@ -20,6 +21,13 @@ Systems, one engine process at a time (so they do not share the CPU):
   kvtier-dram-sync  `async_lookup: false, async_save: false, use_plan: false` (the Lookup on the
                     scheduler thread, saves within the step, every hit fetched), DRAM hits
   lmcache           LMCacheMPConnector + `lmcache server`, measured like kvtier-dram
+With `--hybrid`: instead, the gpt-oss-like shape (`bench.hybrid_models`' Gemma 3 architecture
+with gpt-oss's pattern: sliding window 128 and full attention alternating, vLLM's hybrid KV cache
+manager on), one engine with the connector: each document first computed whole (a miss: the
+recompute baseline), then, after vLLM's prefix cache is reset, served from kvtier's DRAM; also
+the bytes each hit copied
+(`vllm:kvtier_loaded_bytes_total`) against every layer's full-length KV of the same blocks.
+Writes bench/results/vllm_ttft_hybrid.json.
 TTFT = wall time of `LLM.generate(max_tokens=1)` for one prompt. Also: the scheduler side's cost
 per request (seconds on the calling thread inside the connector's calls, in process against a
 real daemon), at 1K and 32K tokens, with `async_lookup` on and off, and how long until the
@@ -44,7 +52,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bench.vllm_engine import EngineProc, write_model
+from bench.vllm_engine import LOGPROB_TOLERANCE, EngineProc, logprob_distance, write_model
 from kvtier.engine.local_daemon import LocalDaemon
 
 RESULTS = Path(__file__).parent / "results"
@@ -80,8 +88,27 @@ def ttfts(eng: EngineProc, work: dict[str, list[list[int]]], reset: bool = True
             if reset:
                 eng.reset_prefix_cache()
             o = eng.generate([p], max_tokens=1)[0]
-            rows.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p)})
+            rows.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p),
+                         "token": o.tokens[0], "logprobs": o.logprobs})
         out[name] = rows
+    return out
+
+
+def outputs_match(results: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per system: how many of its first tokens equal `alone`'s for the same prompt with
+    first-token logprobs within LOGPROB_TOLERANCE (the model's output depends on the KV, so
+    a system that loaded wrong KV answers differently)."""
+    out = {}
+    for system, per in results.items():
+        if system == "alone":
+            continue
+        n = ok = 0
+        for w, rows in per.items():
+            for got, ref in zip(rows, results["alone"][w], strict=True):
+                n += 1
+                ok += (got["token"] == ref["token"] and logprob_distance(
+                    got["logprobs"], ref["logprobs"]) <= LOGPROB_TOLERANCE)
+        out[system] = {"match": ok, "of": n}
     return out
 
 
@@ -252,6 +279,81 @@ def scheduler_cost(root: Path, tokens: int, repeats: int, async_lookup: bool
         d.stop()
 
 
+def run_hybrid(a: Any) -> int:
+    """The `--hybrid` run (see the module docstring)."""
+    from bench.hybrid_models import MODELS, WINDOW
+
+    layers = a.layers
+    heads = max(1, a.hidden // 64)
+    kv_heads = max(1, heads // 2)
+    cfg = {**MODELS["gemma3"], "hidden_size": a.hidden, "intermediate_size": a.hidden * 3,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "num_hidden_layers": layers, "vocab_size": 4096,
+           "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+           "max_position_embeddings": a.doc_tokens + 1024}
+    root = Path(tempfile.mkdtemp(prefix="kvtier-vllm-ttft-hybrid-"))
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    page = 2 * BLOCK * kv_heads * 64 * 2
+    block_bytes = page * layers
+    docs = prompts(a)["docqa"]
+    dram = f"{max(64, block_bytes * (a.doc_tokens // BLOCK + 64) * (a.docs + 2) >> 20)}MiB"
+    args = {**a.engine_args, "load_format": "dummy", "disable_hybrid_kv_cache_manager": False}
+    print(f"hybrid model (gpt-oss-like): {layers} layers alternating sliding window {WINDOW} "
+          f"and full, hidden {a.hidden}, {heads} heads ({kv_heads} KV), {block_bytes // 1024} "
+          f"KiB per {BLOCK}-token block; docs of {a.doc_tokens} tokens x {a.docs}",
+          file=sys.stderr)
+    d = LocalDaemon(root / "daemon", ["--dram-bytes", dram, "--slot-bytes",
+                                      f"{block_bytes // 1024}KiB", "--ssd-bytes", "0"]).start()
+    recompute, rows = [], []
+    try:
+        eng = EngineProc(root / "kvtier", model, d.socket,
+                         extra={"retry_after_s": 0.5, "use_plan": False}, threads=a.threads,
+                         engine_args=args).start()
+        try:
+            eng.generate([docs[0][:256][::-1]], max_tokens=1)  # warm-up: no prefix of a doc
+            for p in docs:
+                o = eng.generate([p], max_tokens=1)[0]  # a miss: vLLM computes it all
+                recompute.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p)})
+            time.sleep(2.0)  # saves run in the background after each request
+            for p in docs:
+                eng.reset_prefix_cache()  # vLLM's own cache: only kvtier can serve it now
+                before = eng.metric("vllm:kvtier_loaded_bytes")
+                o = eng.generate([p], max_tokens=1)[0]
+                loaded = eng.metric("vllm:kvtier_loaded_bytes") - before
+                rows.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p),
+                             "loaded_bytes": loaded,
+                             "full_length_bytes": o.cached // BLOCK * block_bytes})
+        finally:
+            eng.close()
+    finally:
+        d.stop()
+    hit, miss = summary(rows), summary(recompute)
+    ratio = sum(r["loaded_bytes"] for r in rows) / max(1, sum(r["full_length_bytes"]
+                                                             for r in rows))
+    speedup = miss["p50_s"] / hit["p50_s"]
+    print(f"\n{'request':<22}{'TTFT p50':>10}{'p90':>9}{'cached':>8}{'vs miss':>10}")
+    print(f"{'miss (recompute)':<22}{miss['p50_s'] * 1e3:>8.0f}ms{miss['p90_s'] * 1e3:>7.0f}ms"
+          f"{miss['cached_frac']:>7.0%}{1.0:>9.1f}x")
+    print(f"{'kvtier-dram (hit)':<22}{hit['p50_s'] * 1e3:>8.0f}ms{hit['p90_s'] * 1e3:>7.0f}ms"
+          f"{hit['cached_frac']:>7.0%}{speedup:>9.1f}x")
+    print(f"bytes copied per hit: {ratio:.3f}x every layer's full-length KV of the hit "
+          f"(goal <= 0.6x: {'reached' if ratio <= 0.6 else 'NOT reached'}); hit vs recompute "
+          f"{speedup:.1f}x (goal >= 5x: {'reached' if speedup >= 5 else 'NOT reached'})")
+    out = a.json if a.json != RESULTS / "vllm_ttft.json" else RESULTS / "vllm_ttft_hybrid.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "date": datetime.now(UTC).isoformat(), "machine": platform.node(),
+        "cpus": os.cpu_count(), "shape": "gpt-oss-like", "config": cfg,
+        "summary": {"miss": miss, "kvtier-dram": hit, "bytes_ratio": ratio,
+                    "speedup": speedup}, "raw": {"miss": recompute, "kvtier-dram": rows}},
+        indent=1, default=str))
+    print(f"wrote {out}", file=sys.stderr)
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.vllm_ttft", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -269,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer", choices=("auto", "engine", "torch"), default=None,
                     help="the connector's `transfer` key for the kvtier runs (default: its own)")
     ap.add_argument("--json", type=Path, default=RESULTS / "vllm_ttft.json")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="the gpt-oss-like hybrid shape instead (see above)")
     a = ap.parse_args(argv)
     if a.quick:
         a.doc_tokens, a.docs, a.turns, a.layers, a.cost_repeats = 1024, 2, 3, 2, 10
@@ -280,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     a.lmcache_args = ["--l1-size-gb", "2", "--l1-init-size-gb", "1", "--eviction-policy", "LRU"]
     max_len = a.doc_tokens + 1024
     a.engine_args = {"max_model_len": max_len, "max_num_batched_tokens": max_len}
+    if a.hybrid:
+        return run_hybrid(a)
     heads = max(1, a.hidden // 64)
     kv_heads = max(1, heads // 2)
     block_bytes = 2 * BLOCK * kv_heads * 64 * 2 * a.layers
@@ -316,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['cached_frac']:>7.0%}{ratio:>9.1f}x{lmr:>11}")
     if "lmcache" not in table:
         print("lmcache: not measured (lmcache not importable here, or --no-lmcache)")
+    matched = outputs_match(results)
+    for system, m in matched.items():
+        print(f"outputs of {system} vs alone: {m['match']} of {m['of']} the same first token "
+              f"and logprobs within {LOGPROB_TOLERANCE}"
+              + ("" if m["match"] == m["of"] else "  <- WRONG OUTPUTS"))
     for t, c in cost.items():
         tokens, mode = t.split("/")
         print(f"scheduler-side cost, {tokens}-token prompt, {mode} lookup: p50 "
@@ -326,10 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     a.json.write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(), "machine": platform.node(),
         "cpus": os.cpu_count(), "args": {k: v for k, v in vars(a).items() if k != "json"},
-        "summary": table, "raw": results, "scheduler_cost": cost}, indent=1, default=str))
+        "summary": table, "raw": results, "scheduler_cost": cost, "outputs_match": matched},
+        indent=1, default=str))
     print(f"wrote {a.json}", file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return 0 if all(m["match"] == m["of"] for m in matched.values()) else 1
 
 
 if __name__ == "__main__":

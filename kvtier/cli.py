@@ -7,7 +7,9 @@ Each subcommand lives in `kvtier/commands/<name>.py` and exposes
     def run(args: argparse.Namespace) -> int     # exit code
 
 Modules are imported lazily, so `kvtier size` never imports gRPC, LMDB or torch. A `UsageError`
-escaping `run` is printed as `kvtier <cmd>: error: <message>` and exits 2 (never a traceback).
+escaping `run` is printed as `kvtier <cmd>: error: <message>` and exits 2 (never a traceback);
+a flag the subcommand does not have is one such line naming the closest one it has
+(`kvtier.commands.flags`).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _parser=p)
     return parser
 
 
@@ -76,7 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in args_list if not a.startswith("-")), None)
     parser = build_parser(first if first in COMMANDS else None)
-    args = parser.parse_args(args_list)
+    args, extra = parser.parse_known_args(args_list)
+    if extra:
+        from kvtier.commands.flags import unrecognized
+
+        sub: argparse.ArgumentParser = getattr(args, "_parser", parser)
+        sub.error(unrecognized(sub, extra))
     run = getattr(args, "_run", None)
     if run is None:
         parser.print_help()

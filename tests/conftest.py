@@ -1,18 +1,39 @@
-"""Suite-wide guard: tests write only under their temporary directories; and the hostile suite's
-counts (cases tried, failures) at the end of a run.
+"""Suite-wide guards: tests write only under their temporary directories; the hostile suite's
+counts (cases tried, failures) at the end of a run; the `checkpoint` fixture.
 
 At the end of the session, any file or directory that appeared in the checkout during the run
 (untracked or git-ignored, tool caches aside) fails the session, naming the paths: a test that
 writes into the repository (bench/results/, a stray config) leaves it behind for every later run.
+
+The system temp dir likewise: the session runs with TMPDIR (and `tempfile.tempdir`) set to a
+fresh directory of its own inside it, inherited by every daemon, engine and tool the tests start
+(vLLM puts its IPC sockets there); whatever is left in it at the end fails the session, naming
+the paths, and the directory is then removed. pytest's own tmp_path dirs stay where they were
+(PYTEST_DEBUG_TEMPROOT: the real temp dir), so a failed test's files are kept as before, and so
+does torch's compile cache (TORCHINDUCTOR_CACHE_DIR: its default place).
+
+No silent skips: with KVTIER_REQUIRE_ALL=1 (bin/test sets it) a skipped test, or a module skipped
+at collection (an `importorskip` of vllm, torch, redis...; a trace not found), is a failure,
+unless its reason is one this machine cannot change (MAY_SKIP: no CUDA device, no CuPy, no nvcc,
+a port taken by another program). The summary says how many tests ran of each marker.
 """
 
 from __future__ import annotations
 
+import getpass
+import os
+import re
+import shutil
 import subprocess
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bench.model_weights import config_digest, llama_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHES = (".pytest_cache/", ".mypy_cache/", ".ruff_cache/", ".hypothesis/",
@@ -32,6 +53,32 @@ def untracked() -> set[str] | None:
 
 
 _BEFORE: set[str] | None = None
+_TMP: Path | None = None
+
+
+def own_tempdir() -> Path:
+    """Points TMPDIR and `tempfile` at a fresh directory in the system temp dir (see above)."""
+    system = tempfile.gettempdir()
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", system)
+    # torch's compile cache stays where torch keeps it by default (a cache, kept across runs)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(system, f"torchinductor_{getpass.getuser()}"))
+    own = Path(tempfile.mkdtemp(prefix="kvtier-tests-", dir=system))
+    own.chmod(0o711)  # other users may pass through (test_group_sharing's clients), not list
+    os.environ["TMPDIR"] = str(own)
+    tempfile.tempdir = str(own)
+    return own
+
+
+def left_in(tmp: Path) -> list[str]:
+    return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if not p.is_dir()
+                  or not any(p.iterdir()))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _TMP
+    if _TMP is None and not hasattr(config, "workerinput"):
+        _TMP = own_tempdir()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -39,18 +86,98 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _BEFORE = untracked()
 
 
+def _fail(session: pytest.Session, text: str) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(text, red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _TMP is not None and _TMP.exists():
+        left = left_in(_TMP)
+        shutil.rmtree(_TMP, ignore_errors=True)
+        if left:
+            _fail(session, f"tests left files in the system temp dir ({_TMP}, removed now): "
+                  + ", ".join(left[:40]) + (f" and {len(left) - 40} more" if len(left) > 40
+                                            else ""))
     after = untracked()
     if _BEFORE is None or after is None:
         return
     left = sorted(after - _BEFORE)
     if left:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        text = "tests left files in the checkout (write under tmp_path instead): " + ", ".join(
-            left)
-        if reporter is not None:
-            reporter.write_line(text, red=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        _fail(session, "tests left files in the checkout (write under tmp_path instead): "
+              + ", ".join(left))
+
+
+# -- no silent skips; runs per marker ----------------------------------------------------------
+
+REQUIRE_ALL = os.environ.get("KVTIER_REQUIRE_ALL") == "1"
+MAY_SKIP = re.compile(r"CUDA|CuPy|cupy installed|nvcc|on a GPU machine|port \d+ is in use|"
+                      r"PYTHONHASHSEED is set")
+"""Skip reasons bin/test cannot do anything about on this machine (hardware, the environment)."""
+MARKERS = ("vllm", "slow", "gpu")
+_markers: dict[str, str] = {}
+_ran: Counter[tuple[str, str]] = Counter()
+_skipped: Counter[str] = Counter()
+
+
+def _skip_reason(longrepr: Any) -> str:
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+def _refuse_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Under KVTIER_REQUIRE_ALL a skip not allowed by MAY_SKIP becomes a failure."""
+    if not (REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail")):
+        return
+    reason = _skip_reason(report.longrepr)
+    if MAY_SKIP.search(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped under bin/test (KVTIER_REQUIRE_ALL=1), which makes a skip of a "
+                       f"test that should run here a failure: {reason}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
+    outcome = yield
+    _refuse_skip(outcome.get_result())  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _refuse_skip(outcome.get_result())  # type: ignore[attr-defined]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = [m for m in MARKERS if item.get_closest_marker(m) is not None]
+        _markers[item.nodeid] = names[0] if names else "unmarked"
+
+
+def _count(report: pytest.TestReport) -> None:
+    marker = _markers.get(report.nodeid, "unmarked")
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        if report.skipped:
+            _skipped[_skip_reason(report.longrepr)[:80]] += 1
+        _ran[(marker, report.outcome)] += 1
+
+
+def _summary(terminalreporter: Any) -> None:
+    parts = []
+    for marker in (*MARKERS, "unmarked"):
+        outcomes = {o: n for (m, o), n in _ran.items() if m == marker}
+        if outcomes:
+            detail = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
+            parts.append(f"{marker} {sum(outcomes.values())} ({detail})")
+    if parts:
+        terminalreporter.write_line("tests by marker: " + "; ".join(parts))
+    if _skipped:
+        terminalreporter.write_line("skipped: " + "; ".join(
+            f"{n} x {reason}" for reason, n in _skipped.most_common()))
 
 
 # -- the hostile suite's counts (tests/test_service_hostile.py) ---------------------------------
@@ -60,6 +187,7 @@ _counts = {"tried": 0, "failed": 0}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _count(report)
     if HOSTILE not in report.nodeid:
         return
     if report.when == "call" or (report.when == "setup" and not report.passed):
@@ -68,6 +196,27 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    _summary(terminalreporter)
     if _counts["tried"]:
         terminalreporter.write_line(
             f"hostile suite: {_counts['tried']} cases tried, failures: {_counts['failed']}")
+
+
+# -- model checkpoints for the engine tests (bench/model_weights.py) ---------------------------
+
+Checkpoint = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    """`checkpoint(config=None, seed=0, auto_class="AutoModelForCausalLM")`: the directory of a
+    local checkpoint of HF config dict `config` (default: `llama_config()`, the engine tests'
+    model) with the model's own initializer's weights, written once per session and shared."""
+    root = tmp_path_factory.mktemp("weights")
+
+    def make(config: dict[str, Any] | None = None, seed: int = 0,
+             auto_class: str = "AutoModelForCausalLM") -> Path:
+        cfg = llama_config() if config is None else config
+        return write_checkpoint(root / config_digest(cfg, seed), cfg, seed=seed,
+                                auto_class=auto_class)
+    return make

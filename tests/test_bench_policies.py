@@ -30,8 +30,10 @@ def test_quick_run_writes_results(tmp_path: Path) -> None:
     md = (out / "policies.md").read_text()
     assert "| chat | dram | 2% |" in md
     assert "| Belady ×LRU |" in md.splitlines()[0]
-    for s in doc["summary"]:  # the clairvoyant bound on x LRU, per cell
-        assert abs(s["belady_vs_lru"] * s["lru"] - s["belady"]) < 1e-9
+    for s in doc["summary"]:  # the clairvoyant bound is above every online policy, per cell
+        if s["tiers"] == "dram":
+            assert s["belady"] >= max(s["hit"].values()) - 1e-9, s
+            assert s["belady"] > 0 and s["lru"] > 0, s
     small = {f"{s['workload']} {s['fraction']:.0%}" for s in doc["summary"]
              if s["tiers"] == "dram" and s["belady_vs_lru"] < 1.2}
     assert set(doc["goals"]["cells_1_5pct_where_belady_under_1_2x_lru"]) == small

@@ -150,3 +150,38 @@ def test_seed_links_add_the_control_round_trip():
     # unmeasured links keep the physics defaults
     assert book.bandwidth(Link.DRAM_READ) == 48e9
     assert math.isclose(book.prefill_flops_per_s(), 1e14)
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    """A log (stderr to a file or pipe) gets no tqdm carriage returns; a terminal gets the bar."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    args = ["--quick", "--skip", "copy", "--skip", "prefill", "--no-save",
+            "--data-dir", str(tmp_path)]
+    piped = _cli(*args)
+    assert piped.returncode == 0, piped.stderr
+    assert "step/s" not in piped.stderr and "calibrate" not in piped.stderr  # (text mode: no \r)
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    seen = b""
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier", "calibrate", *args],
+                                stdout=subprocess.DEVNULL, stderr=follower)
+        os.close(follower)
+        while select.select([leader], [], [], 60)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert proc.wait(60) == 0
+    finally:
+        os.close(leader)
+    assert b"calibrate" in seen and b"\r" in seen

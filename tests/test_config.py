@@ -52,8 +52,11 @@ def test_serve_table_and_kvtier_config_env(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flags,message", [
-    ({"dram_bytes": "lots"}, "dram_bytes (from flag --dram-bytes): expected a size"),
-    ({"slot_bytes": "1000"}, "multiple of 4096"),
+    ({"dram_bytes": "lots"}, "dram_bytes (from flag --dram-bytes): cannot read 'lots'"),
+    ({"slot_bytes": "1000B"}, "multiple of 4096"),
+    ({"slot_bytes": "1000"}, "1000 without a unit"),
+    ({"dram_bytes": "1.5g"}, "ambiguous; write GB (10^9 B) or GiB (2^30 B)"),
+    ({"group": "no-such-group-kvtier"}, "no group named 'no-such-group-kvtier'"),
     ({"dram_bytes": "4KiB", "slot_bytes": "8KiB"}, "at least one slot"),
     ({"lease_ttl_s": "0"}, "lease_ttl_s"),
     ({"lease_ttl_s": "700"}, "must not exceed max_lease_ttl_s"),
@@ -79,17 +82,20 @@ def test_bad_toml_and_unknown_keys(tmp_path: Path) -> None:
         config.load({}, {"HOME": str(tmp_path)}, str(bad))
     unknown = tmp_path / "u.toml"
     unknown.write_text("dram = 3")
-    with pytest.raises(UsageError, match="unknown setting 'dram'"):
+    with pytest.raises(UsageError, match=r"unknown setting 'dram' .*; did you mean 'dram_bytes'"):
         config.load({}, {"HOME": str(tmp_path)}, str(unknown))
     with pytest.raises(UsageError, match="does not exist"):
         config.load({}, {"HOME": str(tmp_path)}, str(tmp_path / "missing.toml"))
 
 
-def test_parse_bytes() -> None:
+def test_parse_bytes_is_the_one_in_core_units() -> None:
+    from kvtier.core import units
+
+    assert config.parse_bytes is units.parse_bytes
     assert config.parse_bytes("4GiB") == 4 * GiB
     assert config.parse_bytes("512 MB") == 512 * 10**6
-    assert config.parse_bytes(123) == 123
-    for bad in ("-1", "1 parsec", True, -5, 1.5):
+    assert config.parse_bytes(8192) == 8192 and config.parse_bytes(0) == 0
+    for bad in ("-1", "1 parsec", True, -5, 1.5, 123, "1.5g", "16G"):
         with pytest.raises(UsageError):
             config.parse_bytes(bad)
 
@@ -102,8 +108,8 @@ def test_cli_reports_bad_flag_in_one_line(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "kvtier serve: error: dram_bytes (from flag --dram-bytes): expected a size like 4GiB or "
-        "512MB, got 'lots'"
+        "kvtier serve: error: dram_bytes (from flag --dram-bytes): cannot read 'lots' as a size "
+        "(examples: 80GB, 16GiB, 55.54e9)"
     ]
 
 
@@ -114,6 +120,42 @@ def test_print_config(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 0 and "grace_s = 3.0" in proc.stdout
+
+
+def test_one_declaration_generates_keys_variables_flags_and_print_config(tmp_path: Path) -> None:
+    """Every setting of `SETTINGS` is a Config field, a TOML key, a variable and a flag; adding
+    one there is the only step."""
+    import dataclasses
+
+    from kvtier.commands.serve import add_arguments
+
+    names = [s.name for s in config.SETTINGS]
+    assert names == [f.name for f in dataclasses.fields(config.Config)]
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = {a.dest: a for a in parser._actions if a.option_strings}
+    for s in config.SETTINGS:
+        assert flags[s.name].option_strings == [s.flag]
+        assert s.doc in (flags[s.name].help or "") and config.env_var(s.name) in (
+            flags[s.name].help or "")
+    printed = config.to_toml(config.load({}, {"HOME": str(tmp_path)}))
+    keys = [ln.split(" = ")[0] for ln in printed.splitlines() if " = " in ln and ln[0] != "#"]
+    assert keys == names
+
+
+def test_print_config_writes_sizes_with_units_and_round_trips(tmp_path: Path) -> None:
+    env = {"HOME": str(tmp_path)}
+    cfg = config.load({"dram_bytes": "64GiB", "ssd_bytes": "3840GB", "slot_bytes": "64KiB",
+                       "ssd_write_burst_bytes": "1234567B"}, env)
+    text = config.to_toml(cfg)
+    assert 'dram_bytes = "64GiB"' in text and 'ssd_bytes = "3840GB"' in text
+    assert 'slot_bytes = "64KiB"' in text and 'ssd_write_burst_bytes = "1234567B"' in text
+    assert "dram_page_bytes = 0 " in text
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    assert config.load({}, env, str(path)) == cfg
 
 
 def test_tokens_file_maps_tokens_to_tenants(tmp_path: Path) -> None:
@@ -150,8 +192,12 @@ def test_bad_tokens_files(tmp_path: Path, text: str, message: str) -> None:
 
 def test_deploy_examples_are_valid(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
-    cfg = config.load({}, {"HOME": str(tmp_path)}, str(root / "deploy" / "kvtier.toml"))
-    assert cfg.slot_bytes == 2 << 20 and cfg.ssd_admit_after == 2
+    import grp
+    import os
+
+    env = {"HOME": str(tmp_path), "KVTIER_GROUP": grp.getgrgid(os.getgid()).gr_name}
+    cfg = config.load({}, env, str(root / "deploy" / "kvtier.toml"))  # more: test_deploy.py
+    assert cfg.slot_bytes == 16 << 10 and cfg.ssd_admit_after == 2
     auth = Authenticator.from_file(root / "deploy" / "tokens.toml")
     assert [t.name for t in auth.tenants()] == ["team-chat", "team-agents"]
     assert auth.authenticate([("authorization", "Bearer foo")]).name == "team-chat"

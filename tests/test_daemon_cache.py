@@ -251,3 +251,31 @@ def test_an_allocation_that_cannot_fit_evicts_nothing(cache: Cache) -> None:
     assert cache.lookup(T, LID, keys(1, 3), 32).tiers == [Tier.DRAM] * 3  # nothing evicted
     cache.abort(T, held.lease_id)
     assert cache.leaked_slots() == 0
+
+
+def test_applier_keeps_tenant_usage_equal_to_a_recount(tmp_path: Path, clock: Clock) -> None:
+    """Stores, evictions, write-backs, promotions and SSD evictions all reach the tenant's usage
+    through the index's journal: after each round the journal is empty (every operation applied
+    it) and the usage equals a recount of what the index holds."""
+    c = make(tmp_path, clock, slots=8, ssd=str(10 * (BLOCK + 64)), ssd_admit_after="1")
+    try:
+        for _ in range(3):
+            for tag in range(1, 6):
+                store(c, keys(tag, 3))
+                c.flush(10)
+                got = c.acquire(T, LID, keys((tag % 5) + 1, 3), 32, 0)
+                if got.lease_id:
+                    c.release(T, got.lease_id)
+                with c._lock:
+                    assert c.index.take_changes() == []
+                    blocks = list(c.index.iter_blocks())
+                    state = c.names.tenants["t"]
+                    dram = sum(c.pool.stride_of(b.dram_slot) for b in blocks
+                               if b.dram_slot is not None)
+                    ssd = sum(c.tiers.ssd_bytes_of(str(b.tenant)) for b in blocks if b.on_ssd)
+                    assert (state.dram_bytes, state.ssd_bytes) == (dram, ssd)
+        assert c.stats().ssd_blocks > 0
+        assert c.metrics.value("kvtier_evictions_total", tier="ssd", reason="capacity") > 0
+        assert c.leaked_slots() == 0
+    finally:
+        c.close()

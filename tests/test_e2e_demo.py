@@ -26,7 +26,7 @@ def run_demo(args: list[str], env_extra: dict[str, str], code: str | None = None
 
 def test_demo_starts_a_temporary_daemon_and_reports(tmp_path: Path) -> None:
     sock = tmp_path / "none" / "kvtier.sock"
-    proc = run_demo(["--model", "tiny", "--turns", "3", "--system-tokens", "64", "--json"],
+    proc = run_demo(["--preset", "tiny", "--turns", "3", "--system-tokens", "64", "--json"],
                     {"KVTIER_SOCKET": str(sock)})
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -45,12 +45,13 @@ def test_demo_starts_a_temporary_daemon_and_reports(tmp_path: Path) -> None:
 def test_demo_uses_a_running_daemon_and_prints_a_table(tmp_path: Path) -> None:
     d = DaemonProc(tmp_path / "d").start()
     try:
-        proc = run_demo(["--model", "tiny", "--turns", "2", "--system-tokens", "32",
+        proc = run_demo(["--preset", "tiny", "--turns", "2", "--system-tokens", "32",
                          "--socket", str(d.socket)], {})
         assert proc.returncode == 0, proc.stderr
         assert f"running daemon on {d.socket}" in proc.stdout
         assert "outputs identical: True" in proc.stdout
         assert "Traceback" not in proc.stderr
+        assert "turn/s" not in proc.stderr  # no progress bar into a pipe or a log
     finally:
         d.stop()
 
@@ -66,7 +67,7 @@ def test_demo_without_torch_is_a_one_line_error() -> None:
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--turns", "0"], "--turns must be"), (["--model", "huge"], "unknown engine model"),
+    [(["--turns", "0"], "--turns must be"), (["--preset", "huge"], "unknown engine model"),
      (["--system-tokens", "5"], "--system-tokens must be"),
      (["--socket", "/nonexistent/kvtier.sock"], "no kvtier daemon at")],
 )
@@ -75,6 +76,24 @@ def test_demo_bad_flags_exit_2(args: list[str], message: str,
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_bench_e2e_short_run_is_bit_exact(tmp_path: Path) -> None:
+    """The default run's short version of the next test (~10 s): recompute against SSD hits
+    after a daemon restart, every logit bit-exact, the follow-ups really loaded from SSD."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.e2e", "--quick", "--modes", "recompute,ssd",
+         "--results", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads((tmp_path / "e2e.json").read_text())
+    assert out["all_bit_exact"] is True
+    assert {r["mode"] for r in out["records"]} == {"recompute", "ssd"}
+    assert all(r["exact"] for r in out["records"])
+    follow = [r for r in out["records"] if r["mode"] == "ssd" and r["cls"].endswith("/follow")
+              and not r["cls"].startswith("short")]
+    assert follow and all(r["ssd_blocks"] > 0 for r in follow), follow
 
 
 @pytest.mark.slow

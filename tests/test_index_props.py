@@ -5,7 +5,9 @@ promote, drop, remove and HBM reports over two tenants and two capacity-limited 
 (plain dicts and sets) predicts every outcome, including which calls must raise, and every block's
 access count, with the admission history (counts of dropped blocks kept in a direct-mapped table
 and given back on reinsertion) modelled as a dict word -> (tenant, key, count); after every step
-the index is compared with it and the invariants are re-derived by brute force.
+the index is compared with it and the invariants are re-derived by brute force. The index keeps
+its journal: the copies it lists, replayed from the start, are exactly the model's copies (with
+their DRAM slots) after every step, so no residency change escapes it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvtier.index.prefix import (
     IndexStateError,
     MissingParent,
     NotEvictable,
+    Op,
     PinnedBlock,
     PrefixIndex,
     Reason,
@@ -57,7 +60,9 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.ix = PrefixIndex(dram_blocks=DRAM_CAP, ssd_blocks=SSD_CAP, policy=self.policy,
-                              admission_k=self.admission_k, admission_history=self.history)
+                              admission_k=self.admission_k, admission_history=self.history,
+                              journal=True)
+        self.copies: dict[tuple[int | str, bytes, Tier], int | None] = {}  # journal replayed
         self.m: dict[tuple[int | str, bytes], Entry] = {}
         self.evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
         self.ssd_writes = 0
@@ -439,6 +444,21 @@ class IndexMachine(RuleBasedStateMachine):
             want = {tk for tk in self.m if self.evictable(tk, tier)}
             got = {(b.tenant, b.key) for b in self.ix.victims(tier, 100)}
             assert got == want and n == len(want)
+        for c in self.ix.take_changes():
+            where = (c.tenant, c.key, c.tier)
+            if c.op is Op.ADD:
+                assert where not in self.copies, "added twice"
+                self.copies[where] = c.slot
+                b = blocks.get((c.tenant, c.key))
+                assert b is None or c.parent == b.parent_key
+            elif c.op is Op.DROP:
+                assert self.copies.pop(where) == c.slot, "dropped what was not there"
+            else:
+                assert c.tier is D and self.copies[where] == c.old_slot
+                self.copies[where] = c.slot
+        assert self.copies == {(t, k, tier): e.slot if tier is D else None
+                               for (t, k), e in self.m.items() for tier in e.tiers}
+        assert self.ix.take_changes() == []
 
 
 class SlruMachine(IndexMachine):

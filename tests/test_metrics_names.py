@@ -31,6 +31,13 @@ def test_names_and_types() -> None:
         if kind == "counter":
             # the parser strips _total from counter family names; the unit comes before it
             assert not name.endswith(("_total", "_bytes_written", "_seconds_saved")), name
+    # every gauge and histogram names its unit last (counters: before the _total the parser
+    # strips); a counter's `_created` timestamp family goes with its counter
+    for name, kind in fams.items():
+        if kind == "counter" or (name.endswith("_created") and name[:-8] in fams):
+            continue
+        assert name.endswith(UNITS), (name, kind)
+    assert sum(k != "counter" for k in fams.values()) >= 3  # the rule above checked something
     text = generate_latest(m.registry).decode()
     for old in OLD:
         assert f"{old} " not in text and f"{old}{{" not in text, old

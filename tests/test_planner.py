@@ -241,3 +241,13 @@ def test_4096_block_chain_plans_fast():
     # goal <= 1 ms (bench/planner.py measures it); a loose bound here so a shared CI box passes,
     # tight enough that an O(n²) planner (~4096² steps) cannot.
     assert float(np.median(times)) < 5e-3
+
+
+def test_bench_planner_agrees_with_brute_force_on_interior_optima():
+    """bench.planner's `same_cut` on cases whose best cut is neither 0 nor everything (its
+    4096-block timing case fetches everything, where any always-fetch plan would agree)."""
+    from bench.planner import interior_cuts
+
+    got = interior_cuts()
+    assert got["interior_cases"] >= 10, got
+    assert got["same_cut"] == got["interior_cases"], got["differ"]

@@ -226,6 +226,10 @@ def test_hf_config_reproduces_preset(name, tmp_path):
     for kw in ({}, {"tp_size": 8, "tp_rank": 3}, {"block_tokens": 64}):
         assert spec.layout(**kw).fingerprint() == preset.layout(**kw).fingerprint()
     assert spec.d_attn == preset.d_attn
+    assert (spec.intermediate_size, spec.active_experts) == (
+        preset.intermediate_size,
+        preset.active_experts,
+    )
     assert spec.total_params == preset.total_params
     assert spec.active_params == preset.active_params
 
@@ -246,9 +250,10 @@ def test_d_attn():
     assert get_preset("DeepSeek-V3").d_attn == 20480
 
 
-def test_qwen2_style_window_layers_and_text_config():
+def test_qwen2_window_on_some_layers_is_refused_as_vllm_does_and_text_config_merges():
     doc = {
         "text_config": {
+            "model_type": "qwen2",
             "hidden_size": 1024,
             "num_attention_heads": 8,
             "num_hidden_layers": 4,
@@ -258,8 +263,13 @@ def test_qwen2_style_window_layers_and_text_config():
             "max_window_layers": 2,
         }
     }
-    spec = spec_from_config(doc | doc["text_config"])
-    assert [spec.window_of(i) for i in range(4)] == [None, None, 256, 256]
+    # transformers would slide layers 2 and 3 only; vLLM 0.32's qwen2.py asserts against it
+    with pytest.raises(UsageError, match="refused by vLLM"):
+        spec_from_config(doc | doc["text_config"])
+    # with max_window_layers = layers vLLM gives every layer the model-level window
+    every = doc["text_config"] | {"max_window_layers": 4}
+    spec = spec_from_config(every)
+    assert [spec.window_of(i) for i in range(4)] == [256] * 4
     assert spec.num_kv_heads == 8 and spec.head_dim == 128
 
 

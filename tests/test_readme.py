@@ -186,3 +186,27 @@ def test_readme_examples_write_only_where_they_run() -> None:
     for section in SECTIONS:
         for block in section.blocks:
             assert not re.search(r"(?<![\w$])/tmp/", block.code), (block.line, block.code)
+
+
+def test_vllm_example_reaches_kvtier_serve_on_its_defaults(tmp_path: Path) -> None:
+    """The README's `vllm serve` example, copied as written, finds the daemon `kvtier serve`
+    starts with no configuration (same user and environment): the connector's socket is
+    serve's default socket. The systemd form names the unit's socket."""
+    import json
+
+    from kvtier.core.paths import default_socket
+    from kvtier.daemon import config
+    from kvtier.integrations.vllm.settings import ConnectorSettings
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Using kvtier with vLLM", 1)[1].split("\n## ", 1)[0]
+    example = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    transfer = json.loads(example.split("--kv-transfer-config '", 1)[1].split("'", 1)[0])
+    settings = ConnectorSettings.from_extra(transfer["kv_connector_extra_config"])
+    env = {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "xdg")}
+    engine_socket = Path(settings.socket) if settings.socket else default_socket(env)
+    assert engine_socket == config.load({}, env).socket
+    systemd = re.search(r'"kv_connector_extra_config": (\{"socket": "[^"]+"\})', section)
+    assert systemd is not None
+    unit = (ROOT / "deploy" / "kvtier.service").read_text()
+    assert f"KVTIER_SOCKET={json.loads(systemd.group(1))['socket']}" in unit

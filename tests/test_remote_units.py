@@ -103,7 +103,7 @@ def test_remote_settings_validate(tmp_path: Path) -> None:
         ({"remote_url": "redis://x:1", "remote_tls_ca": "/ca"}, "need a rediss://"),
         ({"remote_url": "rediss://x:1", "remote_tls_cert": "/c"}, "go together"),
         ({"remote_mode": "sharded"},
-         "remote_mode (from flag --remote-mode): must be standalone or cluster"),
+         "remote_mode (from flag --remote-mode): must be one of cluster, standalone"),
         ({"remote_url": "redis://x:1", "remote_timeout_s": "0"}, "remote_timeout_s"),
         ({"remote_admit_after": "0"},
          "remote_admit_after (from flag --remote-admit-after): must be >= 1"),

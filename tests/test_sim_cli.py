@@ -45,7 +45,7 @@ def simulate(*args, **kw):
 def test_bad_trace_line_exits_2_with_line_number(tmp_path, bad, needle):
     trace = tmp_path / "t.jsonl"
     trace.write_text(f"{GOOD}\n{GOOD}\n{bad}\n{GOOD}\n")
-    p = simulate("--trace", str(trace), "--dram", "10")
+    p = simulate("--trace", str(trace), "--dram-blocks", "10")
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert "t.jsonl:3: " in p.stderr and needle in p.stderr
@@ -56,19 +56,21 @@ def test_bad_trace_line_exits_2_with_line_number(tmp_path, bad, needle):
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--dram", "64GiB"], "give --model"),
-        (["--dram", "10", "--model", "no-such-model"], "unknown preset"),
-        (["--dram", "ten"], "cannot read"),
-        (["--dram", "-3"], "negative"),
-        (["--dram", "10", "--ssd-admit-k", "0"], "--ssd-admit-k"),
-        (["--dram", "10", "--admission-history", "-1"], "--admission-history"),
-        (["--dram", "10", "--plot", "out.txt"], ".png"),
-        (["--dram", "10", "--plot", "/no/such/dir/x.png"], "does not exist"),
-        (["--dram", "10", "--requests", "0"], "--requests"),
-        (["--dram", "10", "--plot", "x.png", "--sweep-points", "1"], "--sweep-points"),
-        (["--dram", "1.5"], "whole block count"),
-        (["--dram", "1GiB", "--model", "Llama-3-8B", "--tp", "3"], "TP size 3"),
-        (["--dram", "1GiB", "--model", "Llama-3-8B", "--block-bytes", "2MiB"], "not both"),
+        (["--dram-bytes", "64GiB"], "give --preset NAME, --hf-config PATH"),
+        (["--dram-blocks", "10", "--preset", "no-such-model"], "unknown preset"),
+        (["--dram-blocks", "ten"], "whole number of blocks"),
+        (["--dram-blocks", "-3"], ">= 0"),
+        (["--dram-blocks", "10", "--ssd-admit-after", "0"], "--ssd-admit-after"),
+        (["--dram-blocks", "10", "--admission-history", "-1"], "--admission-history"),
+        (["--dram-blocks", "10", "--plot", "out.txt"], ".png"),
+        (["--dram-blocks", "10", "--plot", "/no/such/dir/x.png"], "does not exist"),
+        (["--dram-blocks", "10", "--requests", "0"], "--requests"),
+        (["--dram-blocks", "10", "--plot", "x.png", "--sweep-points", "1"], "--sweep-points"),
+        (["--dram-blocks", "1.5"], "whole number of blocks"),
+        (["--dram-bytes", "1.5"], "without a unit"),
+        (["--dram-blocks", "1", "--dram-bytes", "1GiB"], "one DRAM capacity"),
+        (["--dram-bytes", "1GiB", "--preset", "Llama-3-8B", "--tp", "3"], "TP size 3"),
+        (["--dram-bytes", "1GiB", "--preset", "Llama-3-8B", "--block-bytes", "2MiB"], "not both"),
     ],
 )
 def test_bad_flags_exit_2_without_traceback(args, needle):
@@ -78,16 +80,16 @@ def test_bad_flags_exit_2_without_traceback(args, needle):
 
 
 def test_missing_trace_file_and_workload_flags_with_a_trace_exit_2(tmp_path):
-    p = simulate("--trace", str(tmp_path / "none.jsonl"), "--dram", "10")
+    p = simulate("--trace", str(tmp_path / "none.jsonl"), "--dram-blocks", "10")
     assert p.returncode == 2 and "cannot read trace" in p.stderr
-    p = simulate("--trace", str(tmp_path / "none.jsonl"), "--dram", "10", "--seed", "3")
+    p = simulate("--trace", str(tmp_path / "none.jsonl"), "--dram-blocks", "10", "--seed", "3")
     assert p.returncode == 2 and "shape a --workload" in p.stderr
 
 
 def test_json_on_sample_trace_has_the_promised_keys_and_values():
     if not SAMPLE.exists():
         pytest.skip("sample trace not present")
-    p = simulate("--trace", str(SAMPLE), "--dram", "4000", "--ssd", "16000", "--json")
+    p = simulate("--trace", str(SAMPLE), "--dram-blocks", "4000", "--ssd-blocks", "16000", "--json")
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc.keys() >= JSON_KEYS
@@ -106,16 +108,20 @@ def test_admission_history_flag_changes_admission():
         pytest.skip("sample trace not present")
     docs = {}
     for n in ("0", "20000"):
-        p = simulate("--trace", str(SAMPLE), "--dram", "4000", "--ssd", "16000", "--json",
-                     "--admission-history", n)
+        p = simulate("--trace", str(SAMPLE), "--dram-blocks", "4000", "--ssd-blocks", "16000",
+                     "--json", "--admission-history", n)
         assert p.returncode == 0, p.stderr
         docs[n] = json.loads(p.stdout)
     off, on = docs["0"], docs["20000"]
     assert off["admission_history"] == {"words": 0, "recalled": 0}
     assert on["admission_history"]["words"] == 20_000 and on["admission_history"]["recalled"] > 0
-    # blocks reused beyond DRAM now reach the 2nd access: more SSD writes, more SSD hits
-    assert on["ssd_blocks_written"] > off["ssd_blocks_written"]
-    assert on["hit_ratio_by_tier"]["ssd"] > off["hit_ratio_by_tier"]["ssd"]
+    # the same SSD write budget as `kvtier serve` (1 drive write a day, in blocks here) binds:
+    # both write what it grants; blocks committed again start at their remembered count and
+    # ask to be written at their Commit, so more write-backs are refused with the history
+    for doc in (off, on):
+        assert doc["ssd_write_budget"]["bytes_per_day"] == 16_000
+        assert doc["ssd_blocks_written"] == off["ssd_blocks_written"] < 4_000 + 200
+    assert on["ssd_write_budget"]["refused_writes"] > off["ssd_write_budget"]["refused_writes"] > 0
 
 
 def test_byte_capacities_with_a_model_preset():
@@ -126,11 +132,11 @@ def test_byte_capacities_with_a_model_preset():
         "docqa",
         "--requests",
         "200",
-        "--dram",
+        "--dram-bytes",
         "1GiB",
-        "--ssd",
+        "--ssd-bytes",
         "2GiB",
-        "--model",
+        "--preset",
         "Llama-3-8B",
         "--json",
     )
@@ -152,9 +158,9 @@ def test_table_output_and_plot(tmp_path):
         "chat",
         "--requests",
         "300",
-        "--dram",
+        "--dram-blocks",
         "200",
-        "--ssd",
+        "--ssd-blocks",
         "400",
         "--plot",
         str(out),
@@ -170,7 +176,7 @@ def test_table_output_and_plot(tmp_path):
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
     code = (
         "import sys; sys.modules['matplotlib'] = None; from kvtier.cli import main; "
-        f"sys.exit(main(['simulate', '--workload', 'chat', '--dram', '10', '--plot', "
+        f"sys.exit(main(['simulate', '--workload', 'chat', '--dram-blocks', '10', '--plot', "
         f"{str(tmp_path / 'x.png')!r}]))"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -186,3 +192,68 @@ def test_progress_bar_draws_on_stderr_only_when_shown(capsys):
     with progress_bar(10, "replay", show=False) as advance:
         advance(10)
     assert capsys.readouterr() == ("", "")
+
+
+LLAMA3_8B_CONFIG = {  # published config.json fields of meta-llama/Meta-Llama-3-8B
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+def test_hf_config_gives_the_presets_byte_capacities(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA3_8B_CONFIG))
+    common = ("--workload", "docqa", "--requests", "100", "--dram-bytes", "1GiB",
+              "--ssd-bytes", "2GiB", "--json")
+    by_file = simulate(*common, "--hf-config", str(cfg))
+    by_preset = simulate(*common, "--preset", "Llama-3-8B")
+    assert by_file.returncode == 0 and by_preset.returncode == 0, by_file.stderr
+    assert json.loads(by_file.stdout)["capacity"] == json.loads(by_preset.stdout)["capacity"]
+    assert json.loads(by_file.stdout)["capacity"]["block_bytes"] == 64 * 2**20
+    both = simulate(*common, "--hf-config", str(cfg), "--preset", "Llama-3-8B")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    missing = simulate(*common, "--hf-config", str(tmp_path / "none.json"))
+    assert missing.returncode == 2 and "cannot read config" in missing.stderr
+
+
+def test_old_flags_are_deprecated_aliases_with_the_same_result():
+    new = simulate("--workload", "chat", "--requests", "200", "--dram-blocks", "100",
+                   "--ssd-blocks", "400", "--ssd-admit-after", "1", "--json")
+    old = simulate("--workload", "chat", "--requests", "200", "--dram", "100", "--ssd", "400",
+                   "--ssd-admit-k", "1", "--json")
+    assert new.returncode == 0 and old.returncode == 0, old.stderr
+    timing = ("replay_seconds", "replay_cpu_seconds")
+    a, b = ({k: v for k, v in json.loads(p.stdout).items() if k not in timing} for p in (new, old))
+    assert a == b
+    assert new.stderr == ""
+    assert old.stderr.splitlines() == [
+        "kvtier simulate: warning: --dram is deprecated, use --dram-blocks N or --dram-bytes SIZE",
+        "kvtier simulate: warning: --ssd is deprecated, use --ssd-blocks N or --ssd-bytes SIZE",
+        "kvtier simulate: warning: --ssd-admit-k is deprecated, use --ssd-admit-after",
+    ]
+    model = simulate("--workload", "chat", "--requests", "50", "--dram", "1GiB", "--model",
+                     "Llama-3-8B", "--json")
+    assert model.returncode == 0 and "--model is deprecated, use --preset" in model.stderr
+    assert json.loads(model.stdout)["capacity"]["dram_blocks"] == 16
+    for old_flag in ("--dram", "--ssd", "--model", "--ssd-admit-k"):  # hidden from --help
+        assert old_flag + " " not in simulate("--help").stdout
+
+
+def test_simulate_applies_the_write_budget_serve_enforces():
+    """`kvtier serve` spends at most `ssd_dwpd` (1) drive writes a day with a quarter-day burst;
+    the replay refuses what that budget refuses, and says so."""
+    p = simulate("--workload", "docqa", "--requests", "1000", "--dram-blocks", "200",
+                 "--ssd-blocks", "2000",
+                 "--ssd-admit-after", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    budget = doc["ssd_write_budget"]
+    assert budget["bytes_per_day"] == 2000 and budget["burst_bytes"] == 500  # in blocks here
+    assert budget["refused_writes"] > 0
+    assert 500 <= doc["ssd_blocks_written"] < 520  # the burst, plus what the trace's time refills
+    p = simulate("--workload", "docqa", "--requests", "1000", "--dram-blocks", "200",
+                 "--ssd-blocks", "2000",
+                 "--ssd-admit-after", "1")
+    assert "SSD writes refused by the write budget" in p.stdout

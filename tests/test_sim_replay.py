@@ -56,10 +56,11 @@ def test_worked_example_dram_only():
 
 
 def test_worked_example_with_ssd_and_admission_on_first_access():
-    # DRAM 2, SSD 2, k = 1. B needs room: victim 2 is admitted, written back with its DRAM-only
-    # parent 1 (SSD stays prefix-closed): 2 SSD writes, 2 leaves DRAM (1 demotion). DRAM {1, 3},
-    # SSD {1, 2}. A again: 1 hits in DRAM, 2 on SSD (2 hits); promoting 2 needs a slot: 3 is the
-    # victim, admitted but SSD is full of pinned/DRAM-resident blocks -> dropped. 2 promoted.
+    # DRAM 2, SSD 2, k = 1: A's blocks are written back at their Commit (first access): SSD
+    # {1, 2}, 2 writes. B needs room: the coldest DRAM victim is 1 (on SSD: demoted, its child
+    # stays reachable); DRAM {2, 3}. 3's write-back finds SSD full with no SSD-only leaf to evict
+    # (1 has a child, 2 is in DRAM): not written. A again: 1 hits on SSD, 2 in DRAM; promoting 1
+    # needs a slot: the victim is 3 (not on SSD) -> dropped.
     s = replay([A, B, A], TierConfig(dram_blocks=2, ssd_blocks=2, ssd_admit_k=1))
     assert (s.hits_dram, s.hits_ssd) == (1, 1)
     assert (s.ssd_blocks_written, s.demotions, s.promotions, s.dropped_dram) == (2, 1, 1, 1)
@@ -123,19 +124,20 @@ def test_belady_bounds_replay_on_generated_workloads(generated):
         assert s.stranded_blocks == 0
 
 
-def test_admission_history_recovers_most_of_k1_hits_at_a_fraction_of_its_writes(sample):
-    """At DRAM 4,000 + SSD 16,000 without history, k=2 only admits blocks hit while still in
-    DRAM (34.9% vs k=1's 54.2%, measured); remembering dropped blocks' counts lets blocks
-    reused beyond DRAM reach k=2."""
+def test_admission_history_admits_blocks_committed_again(sample):
+    """At DRAM 4,000 + SSD 16,000, with the daemon's rule (write-back at the lookup that makes
+    the k-th access, or at Commit): k=2 without history writes only blocks hit while still in
+    DRAM; with it, a block committed again starts at its remembered count and is written at
+    its Commit. It writes more, a fraction of k=1's writes. (Measured on this trace the hit
+    ratio does not rise with it — 40.7% vs 41.7%, k=1 52.8% — see docs/benchmarks.md.)"""
     k1 = replay(sample, TierConfig(4000, 16_000, ssd_admit_k=1))
     off = replay(sample, TierConfig(4000, 16_000, ssd_admit_k=2, admission_history=0))
     on = replay(sample, TierConfig(4000, 16_000, ssd_admit_k=2))
     assert (off.history_size, off.history_recalled) == (0, 0)
     assert on.history_size == 20_000 and on.history_recalled > 0
-    assert on.hit_ratio > off.hit_ratio + 0.10
-    assert on.hit_ratio > 0.9 * k1.hit_ratio
-    assert on.ssd_blocks_written < 0.4 * k1.ssd_blocks_written
-    assert on.stranded_blocks == 0
+    assert off.ssd_blocks_written < on.ssd_blocks_written < 0.3 * k1.ssd_blocks_written
+    assert k1.hit_ratio > max(on.hit_ratio, off.hit_ratio)
+    assert on.stranded_blocks == off.stranded_blocks == 0
 
 
 def test_stricter_admission_writes_less_to_ssd(sample):
@@ -212,3 +214,17 @@ def test_replay_leaves_a_consistent_real_index(sample):
     assert idx.blocks(Tier.DRAM) == 3000
     with pytest.raises(ValueError, match="empty index"):
         replay(sample[:1], cfg, index=idx)
+
+
+def test_write_budget_refuses_and_refills_on_the_trace_clock():
+    # one block write a second, a burst of two; k = 1 writes each root block at its Commit
+    cfg = TierConfig(10, 10, "lru", 1, ssd_write_bytes_per_day=86_400,
+                     ssd_write_burst_bytes=2, ssd_block_bytes=1)
+    reqs = [Request(t, 512, 1, (i,)) for t, i in ((0, 1), (0, 2), (0, 3), (10_000, 4),
+                                                  (10_000, 5), (10_000, 6))]
+    idx = new_index(cfg)
+    s = replay(reqs, cfg, index=idx)
+    assert (s.ssd_blocks_written, s.ssd_writes_refused) == (4, 2)
+    assert [i for i in range(1, 7) if idx.get(0, key_of(i)).on_ssd] == [1, 2, 4, 5]
+    with pytest.raises(ValueError, match="burst"):
+        TierConfig(10, 10, ssd_write_bytes_per_day=1, ssd_write_burst_bytes=1, ssd_block_bytes=2)

@@ -11,12 +11,14 @@ from kvtier.core.sizing import (
     GpuPool,
     Workload,
     cdiv,
+    hybrid_block_tokens,
     kv_groups,
     page_bytes,
     pages_needed,
     plan_workload,
     sequence_pages,
     tier_capacity,
+    window_saving,
 )
 
 LLAMA8 = get_preset("Llama-3-8B").layout()
@@ -80,11 +82,12 @@ def test_window_caps_only_its_own_layers():
 
 
 def test_group_size_heuristic_matches_vllm():
-    # 52 sliding + 10 full (Gemma-3-27B-like): 52 >= 1.5 * 10, group size 10 -> 6 + 1 groups
+    # 52 sliding + 10 full (Gemma-3-27B-like): 52 >= 1.5 * 10, group size 10 -> 6 + 1 groups;
+    # vLLM deals the 52 out as layers[i::6]: 9, 9, 9, 9, 8, 8 (8 padding slots in all)
     layers = (LayerSpec.sliding(1024),) * 52 + (LayerSpec.full(),) * 10
     layout = KVLayout(layers, 16, 128)
     groups = kv_groups(layout)
-    assert [g.layers for g in groups] == [10, 10, 10, 10, 10, 2, 10]
+    assert [g.layers for g in groups] == [9, 9, 9, 9, 8, 8, 10]
     assert {g.group_size for g in groups} == {10}
     # 12 sliding + 13 full: 13 < 1.5 * 12, pad both to 13
     layout = KVLayout((LayerSpec.sliding(128),) * 12 + (LayerSpec.full(),) * 13, 8, 64)
@@ -188,3 +191,44 @@ def test_host_tiers():
 def test_bad_inputs(make, message):
     with pytest.raises(UsageError, match=message):
         make()
+
+
+def test_hybrid_block_tokens_qwen3_next():
+    # Qwen3-Next: attention page per token and layer 2 x 2 heads x 256 x 2 B = 2,048 B; state
+    # page 1,097,728 B. 16 x ceil(1,097,728 / (16 x 2,048)) = 16 x ceil(33.5) = 16 x 34 = 544
+    layers = alternating([LayerSpec.recurrent(1_097_728, 16)] * 3 + [LayerSpec.full()], 48)
+    layout = KVLayout(layers, 2, 256)
+    assert hybrid_block_tokens(layout) == 544
+    # a larger block the user asked for is kept when it already holds the state (64 x ... = 576)
+    assert hybrid_block_tokens(KVLayout(layers, 2, 256, block_tokens=576)) == 576
+    # a = 64: 64 x ceil(1,097,728 / (64 x 2,048)) = 64 x 9 = 576
+    assert hybrid_block_tokens(KVLayout(layers, 2, 256, block_tokens=64)) == 576
+    # no recurrent layers: unchanged
+    assert hybrid_block_tokens(OSS20) == 16
+
+
+def test_recurrent_state_pages_in_align_mode():
+    layers = alternating([LayerSpec.recurrent(4096)] * 3 + [LayerSpec.full()], 8)
+    layout = KVLayout(layers, 4, 64)
+    # align mode: 2 pages per recurrent group (running state + checkpoint): 3 * 2 + 7 = 13
+    assert sequence_pages(layout, 100, state_pages=2) == 13
+
+
+def test_window_saving_by_hand():
+    # gpt-oss-20b at 131,072 tokens: every layer full = 131,072 x 24 x 2,048 B = 6,442,450,944;
+    # hybrid: (8,192 full + min(8,192, ceil(128/16) + 1 = 9) window) pages x 393,216 B
+    #   = 8,201 x 393,216 = 3,224,764,416 B; saving 1 - 8,201/16,384 = 49.945...%
+    s = window_saving(OSS20, 131_072)
+    assert (s.all_full_bytes, s.hybrid_bytes) == (6_442_450_944, 3_224_764_416)
+    assert s.hybrid_off_bytes == 6_442_450_944  # window promoted to full: saves nothing
+    assert s.layer_ratio == 0.5 and round(s.hybrid_saving, 5) == 0.49945
+    # Mistral (all sliding, window 4096): with the manager off the window is kept:
+    #   min(8,192, ceil(4,096/16) + 1 = 257) pages x 16 x 32 x 4,096 B = 538,968,064 B
+    mistral = get_preset("Mistral-7B-v0.1").layout()
+    s = window_saving(mistral, 131_072)
+    assert s.hybrid_bytes == s.hybrid_off_bytes == 257 * 16 * 32 * 4096 == 538_968_064
+    # a recurrent model does not start with the manager off
+    rec = KVLayout(alternating([LayerSpec.recurrent(4096), LayerSpec.full()], 4), 2, 64)
+    assert window_saving(rec, 1000).hybrid_off_bytes is None
+    with pytest.raises(UsageError, match="context"):
+        window_saving(OSS20, 0)

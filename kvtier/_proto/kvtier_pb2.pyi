@@ -355,7 +355,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "active_leases", "lookups", "blocks_hit", "blocks_missed", "tenant_dram_bytes", "tenant_ssd_bytes", "tenant_dram_quota_bytes", "tenant_ssd_quota_bytes", "segment", "uptime_seconds", "layouts", "writeback_dropped", "checksum_failures", "version", "mrc", "node_wide", "tenant_dram_guarantee_bytes")
+    __slots__ = ("tiers", "active_leases", "lookups", "blocks_hit", "blocks_missed", "tenant_dram_bytes", "tenant_ssd_bytes", "tenant_dram_quota_bytes", "tenant_ssd_quota_bytes", "segment", "uptime_seconds", "layouts", "writeback_dropped", "checksum_failures", "version", "mrc", "node_wide", "tenant_dram_guarantee_bytes", "mrc_sampled_blocks")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,7 @@ class StatsResponse(_message.Message):
     MRC_FIELD_NUMBER: _ClassVar[int]
     NODE_WIDE_FIELD_NUMBER: _ClassVar[int]
     TENANT_DRAM_GUARANTEE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MRC_SAMPLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     active_leases: int
     lookups: int
@@ -392,7 +393,8 @@ class StatsResponse(_message.Message):
     mrc: _containers.RepeatedCompositeFieldContainer[MrcPoint]
     node_wide: bool
     tenant_dram_guarantee_bytes: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., active_leases: _Optional[int] = ..., lookups: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., blocks_missed: _Optional[int] = ..., tenant_dram_bytes: _Optional[int] = ..., tenant_ssd_bytes: _Optional[int] = ..., tenant_dram_quota_bytes: _Optional[int] = ..., tenant_ssd_quota_bytes: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., layouts: _Optional[int] = ..., writeback_dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., mrc: _Optional[_Iterable[_Union[MrcPoint, _Mapping]]] = ..., node_wide: _Optional[bool] = ..., tenant_dram_guarantee_bytes: _Optional[int] = ...) -> None: ...
+    mrc_sampled_blocks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., active_leases: _Optional[int] = ..., lookups: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., blocks_missed: _Optional[int] = ..., tenant_dram_bytes: _Optional[int] = ..., tenant_ssd_bytes: _Optional[int] = ..., tenant_dram_quota_bytes: _Optional[int] = ..., tenant_ssd_quota_bytes: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., layouts: _Optional[int] = ..., writeback_dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., mrc: _Optional[_Iterable[_Union[MrcPoint, _Mapping]]] = ..., node_wide: _Optional[bool] = ..., tenant_dram_guarantee_bytes: _Optional[int] = ..., mrc_sampled_blocks: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ()

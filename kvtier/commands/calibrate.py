@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if len(set(args.skip)) == 3:
         raise UsageError("nothing to measure: every step is skipped")
     cal = run_calibration(data_dir, quick=args.quick, skip=tuple(args.skip),
-                          progress=sys.stderr.isatty() or not args.json)
+                          progress=sys.stderr.isatty())  # a bar only on a terminal
     saved = None
     if not args.no_save:
         saved = calibration_path(data_dir)

@@ -30,8 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a temporary daemon is started when none answers on the default")
     parser.add_argument("--token", metavar="TOKEN",
                         help="bearer token of an existing daemon (else $KVTIER_TOKEN)")
-    parser.add_argument("--model", default="demo", metavar="NAME",
+    parser.add_argument("--preset", dest="model", default="demo", metavar="NAME",
                         help="reference model preset: tiny, demo (default) or bench")
+    from kvtier.commands.flags import alias
+
+    alias(parser, "--model", "--preset", "model")
     parser.add_argument("--turns", type=int, default=5, metavar="N",
                         help="conversation turns (default 5)")
     parser.add_argument("--system-tokens", type=int, default=1024, metavar="N",
@@ -107,7 +110,8 @@ def _converse(args: argparse.Namespace, socket: Path, which: str) -> int:
 
     history = tokens(args.system_tokens)
     rows: list[dict[str, Any]] = []
-    bar = tqdm(total=args.turns, desc="kvtier demo", unit="turn", file=sys.stderr, leave=False)
+    bar = tqdm(total=args.turns, desc="kvtier demo", unit="turn", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())  # a bar only on a terminal, never in a log
     try:
         for turn in range(1, args.turns + 1):
             prompt = history + tokens(USER_TOKENS)

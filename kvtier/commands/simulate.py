@@ -17,17 +17,20 @@ if TYPE_CHECKING:
 HELP = "replay a request trace through the prefix index and report hit ratios and tier traffic"
 
 _EPILOG = """\
-capacities: a whole number is 512-token trace blocks ("4000"); a size with a unit ("64GiB",
-"500GB") is bytes and needs --model (KV bytes of a 512-token block from a preset) or --block-bytes.
+capacities: --dram-blocks/--ssd-blocks count 512-token trace blocks; --dram-bytes/--ssd-bytes are
+sizes ("64GiB", "500GB"; as in `kvtier serve` and `kvtier size`, a size needs its unit) and need
+the bytes of a 512-token block: from --preset, --hf-config or --block-bytes.
 
 examples:
-  kvtier simulate --trace trace.jsonl --dram 4000 --ssd 16000
-  kvtier simulate --workload chat --dram 64GiB --ssd 1TiB --model Llama-3-8B --json
-  kvtier simulate --trace trace.jsonl --dram 4000 --ssd 16000 --plot hit_ratio.png
+  kvtier simulate --trace trace.jsonl --dram-blocks 4000 --ssd-blocks 16000
+  kvtier simulate --workload chat --dram-bytes 64GiB --ssd-bytes 1TiB --preset Llama-3-8B --json
+  kvtier simulate --workload chat --dram-bytes 64GiB --hf-config ./my-model/config.json
+  kvtier simulate --trace trace.jsonl --dram-blocks 4000 --ssd-blocks 16000 --plot hit_ratio.png
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvtier.commands.flags import alias
     from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
     from kvtier.sim.workloads import WORKLOADS
 
@@ -38,29 +41,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", choices=WORKLOADS, help="built-in generated workload")
     parser.add_argument("--requests", type=int, metavar="N", help="--workload size (4000)")
     parser.add_argument("--seed", type=int, metavar="N", help="--workload seed (0)")
+    for tier in ("dram", "ssd"):
+        dflt = "" if tier == "dram" else " (default 0: no SSD tier)"
+        parser.add_argument(f"--{tier}-blocks", metavar="N",
+                            help=f"{tier.upper()} capacity in 512-token blocks{dflt}")
+        parser.add_argument(f"--{tier}-bytes", metavar="SIZE",
+                            help=f"{tier.upper()} capacity as a size, e.g. 64GiB{dflt}")
+        alias(parser, f"--{tier}", f"--{tier}-blocks N or --{tier}-bytes SIZE", f"old_{tier}")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--preset", metavar="NAME", help="model preset for byte capacities "
+                       "(as in kvtier size --preset)")
+    model.add_argument("--hf-config", metavar="PATH", help="a local Hugging Face config.json "
+                       "for byte capacities (as in kvtier size --hf-config)")
+    alias(model, "--model", "--preset", "preset")
+    parser.add_argument("--dtype", default="bf16", help="KV dtype with a model (bf16)")
     parser.add_argument(
-        "--dram", metavar="CAP", required=True, help="DRAM capacity: blocks or a size"
-    )
-    parser.add_argument(
-        "--ssd", metavar="CAP", default="0", help="SSD capacity: blocks or a size (0)"
-    )
-    parser.add_argument("--model", metavar="PRESET", help="model preset for byte capacities")
-    parser.add_argument("--dtype", default="bf16", help="KV dtype with --model (bf16)")
-    parser.add_argument(
-        "--tp", type=int, default=1, metavar="N", help="tensor-parallel size with --model (1)"
+        "--tp", type=int, default=1, metavar="N", help="tensor-parallel size with a model (1)"
     )
     parser.add_argument("--block-bytes", metavar="SIZE", help="bytes of one 512-token block")
     parser.add_argument(
         "--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
         help=f"eviction and admission policy ({DEFAULT_POLICY})",
     )
-    parser.add_argument(
-        "--ssd-admit-k",
-        type=int,
-        default=2,
-        metavar="K",
-        help="admit to SSD on the K-th access (2)",
-    )
+    parser.add_argument("--ssd-admit-after", type=int, default=2, metavar="K",
+                        help="write a block to SSD from its K-th access (2; as in kvtier serve)")
+    alias(parser, "--ssd-admit-k", "--ssd-admit-after", "ssd_admit_after", type=int)
     parser.add_argument(
         "--admission-history",
         type=int,
@@ -93,22 +98,96 @@ def _load(args: argparse.Namespace) -> tuple[list[Request], str]:
     return generate(args.workload, n, seed), f"workload {args.workload} (seed {seed})"
 
 
+def _block_bytes(args: argparse.Namespace) -> int | None:
+    """Bytes of one 512-token trace block, from --block-bytes, --preset or --hf-config."""
+    from kvtier.sim.capacity import trace_block_bytes
+
+    if args.hf_config is None:
+        return trace_block_bytes(args.preset, args.dtype, args.tp, args.block_bytes)
+    if args.block_bytes is not None:
+        raise UsageError("give either --hf-config or --block-bytes, not both")
+    from kvtier.commands.size import read_hf_config
+    from kvtier.core.layout import DType
+    from kvtier.sim.trace import TRACE_BLOCK_TOKENS
+
+    if args.tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    spec = read_hf_config(args.hf_config)
+    n = spec.layout(DType.parse(args.dtype), TRACE_BLOCK_TOKENS, args.tp).block_bytes_total()
+    if n < 1:
+        raise UsageError(f"{args.hf_config} stores no per-token KV; byte capacities mean nothing")
+    return n
+
+
+def _capacity(args: argparse.Namespace, tier: str, block_bytes: int | None,
+              required: bool) -> int:
+    """A tier's capacity in trace blocks from --TIER-blocks, --TIER-bytes or the old --TIER."""
+    from kvtier.core.units import parse_size
+    from kvtier.sim.capacity import parse_capacity
+
+    given = {f"--{tier}-{k}": getattr(args, f"{tier}_{k}") for k in ("blocks", "bytes")}
+    given[f"--{tier}"] = getattr(args, f"old_{tier}")
+    named = [flag for flag, v in given.items() if v is not None]
+    if len(named) > 1:
+        raise UsageError(f"give one {tier.upper()} capacity, not {' and '.join(named)}")
+    if not named:
+        if required:
+            raise UsageError(f"give --{tier}-blocks N or --{tier}-bytes SIZE")
+        return 0
+    flag, text = named[0], given[named[0]]
+    if flag.endswith("-blocks"):
+        try:
+            n = int(text.strip())
+        except ValueError:
+            raise UsageError(f"{flag} must be a whole number of blocks, got {text!r}") from None
+        if n < 0:
+            raise UsageError(f"{flag} must be >= 0, got {n}")
+        return n
+    if flag.endswith("-bytes"):
+        size = parse_size(text, flag).bytes
+        if block_bytes is None:
+            raise UsageError(f"{flag} {text} is a size; give --preset NAME, --hf-config PATH or "
+                             "--block-bytes SIZE to turn it into 512-token blocks (or give "
+                             f"--{tier}-blocks N)")
+        return size // block_bytes
+    return parse_capacity(text, block_bytes, flag)
+
+
+def serve_write_budget(dram: int, ssd: int, block_bytes: int | None) -> dict[str, int]:
+    """The SSD write budget `kvtier serve` enforces on these tiers with its defaults (`ssd_dwpd`
+    drive writes a day, its default burst), as `TierConfig` fields; {} without an SSD tier.
+    Without a block size the budget is counted in blocks (a block write costs 1)."""
+    if not ssd:
+        return {}
+    from kvtier.daemon.config import default_burst, defaults
+    from kvtier.tiers.blockfmt import HEADER_SIZE
+
+    slot = block_bytes or 1
+    cost = slot + HEADER_SIZE if block_bytes else 1
+    dram_bytes = dram * slot
+    queue = max(slot, min(dram_bytes // 4, 1 << 30 if block_bytes else dram_bytes) // slot * slot)
+    per_day = int(ssd * slot * float(defaults(os.environ)["ssd_dwpd"]))
+    burst = max(default_burst(per_day, queue, slot), min(slot, dram_bytes) + cost - slot, cost)
+    return {"ssd_write_bytes_per_day": per_day, "ssd_write_burst_bytes": burst,
+            "ssd_block_bytes": cost}
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvtier.sim.capacity import parse_capacity, trace_block_bytes
     from kvtier.sim.ceilings import belady, flatten, infinite_hits
     from kvtier.sim.config import TierConfig
     from kvtier.sim.progress import progress_bar
     from kvtier.sim.replay import replay
     from kvtier.sim.report import SimReport, format_table, to_json
 
-    block_bytes = trace_block_bytes(args.model, args.dtype, args.tp, args.block_bytes)
-    dram = parse_capacity(args.dram, block_bytes, "--dram")
-    ssd = parse_capacity(args.ssd, block_bytes, "--ssd")
-    if args.ssd_admit_k < 1:
-        raise UsageError(f"--ssd-admit-k must be >= 1, got {args.ssd_admit_k}")
+    block_bytes = _block_bytes(args)
+    dram = _capacity(args, "dram", block_bytes, required=True)
+    ssd = _capacity(args, "ssd", block_bytes, required=False)
+    if args.ssd_admit_after < 1:
+        raise UsageError(f"--ssd-admit-after must be >= 1, got {args.ssd_admit_after}")
     if args.admission_history is not None and args.admission_history < 0:
         raise UsageError(f"--admission-history must be >= 0, got {args.admission_history}")
-    config = TierConfig(dram, ssd, args.policy, args.ssd_admit_k, args.admission_history)
+    config = TierConfig(dram, ssd, args.policy, args.ssd_admit_after, args.admission_history,
+                        **serve_write_budget(dram, ssd, block_bytes))
     if args.plot:
         from kvtier.sim.sweep import check_plot_target
 

@@ -15,9 +15,18 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from kvtier.commands import (
+    size_gpu,
+    size_hybrid,
+    size_overload,
+    size_pd,
+    size_quant,
+    size_samples,
+    size_tiers,
+)
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
-from kvtier.core.hfconfig import parse_config, spec_from_config
+from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
 from kvtier.core.layout import DType, KVLayout, LayerSpec, alternating
 from kvtier.core.presets import ModelSpec, get_preset, list_presets
 from kvtier.core.sizing import (
@@ -65,7 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (one of --preset, --hf-config, or the shape flags)")
     m.add_argument("--preset", metavar="NAME", help="a built-in model (see --list-presets)")
     m.add_argument("--list-presets", action="store_true", help="print the presets and exit")
-    m.add_argument("--hf-config", metavar="PATH", help="a local Hugging Face config.json")
+    m.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="a local Hugging Face config.json, or a model directory holding one",
+    )
     m.add_argument("--layers", metavar="N", help="custom model: number of layers")
     m.add_argument("--kv-heads", metavar="N", help="custom model: KV heads (MHA/GQA/MQA)")
     m.add_argument("--head-dim", metavar="N", help="custom model: head dimension")
@@ -93,7 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--params", metavar="COUNT", help="total parameters (custom model, or override a preset)"
     )
     k = p.add_argument_group("KV layout")
-    k.add_argument("--dtype", default="bf16", help="KV dtype: fp32, bf16, fp16, fp8 (default bf16)")
+    k.add_argument(
+        "--dtype", default="bf16", help="KV dtype: fp32, bf16, fp16, fp8, int8 (default bf16)"
+    )
     k.add_argument(
         "--fp8-scale-bytes",
         metavar="N",
@@ -123,8 +138,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reserved",
         metavar="SIZE",
-        default="0",
-        help="other memory held on the rank: activations, CUDA graphs, other processes (0)",
+        help="other memory held on the rank: activations, CUDA graphs, non-torch buffers "
+        "(default: estimated, see the GPU memory options)",
     )
     w = p.add_argument_group("workload")
     w.add_argument("--concurrency", metavar="N", default="64", help="concurrent requests (64)")
@@ -142,8 +157,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-seqs", metavar="N", help="concurrency cap for 'pages left' (default: --concurrency)"
     )
     h = p.add_argument_group("host tiers")
-    h.add_argument("--dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
-    h.add_argument("--ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    h.add_argument("--dram-bytes", dest="dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
+    h.add_argument("--ssd-bytes", dest="ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
+    from kvtier.commands.flags import alias
+
+    alias(h, "--dram", "--dram-bytes", "dram")
+    alias(h, "--ssd", "--ssd-bytes", "ssd")
+    size_gpu.add_arguments(p)
+    size_hybrid.add_arguments(p)
+    size_tiers.add_arguments(p)
+    size_pd.add_arguments(p)
+    size_samples.add_arguments(p)
+    size_quant.add_arguments(p)
+    size_overload.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -222,8 +248,9 @@ def _custom_model(a: argparse.Namespace) -> ModelSpec:
     )
 
 
-def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
+def _model(a: argparse.Namespace) -> tuple[ModelSpec, str, ConfigReading | None]:
     shape = [f for f in _SHAPE_FLAGS if getattr(a, f) is not None]
+    reading: ConfigReading | None = None
     sources = [s for s, given in (("--preset", a.preset), ("--hf-config", a.hf_config)) if given]
     if shape:
         sources.append("--" + shape[0].replace("_", "-"))
@@ -232,8 +259,8 @@ def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
     if a.preset is not None:
         spec, source = get_preset(a.preset), f"preset {a.preset}"
     elif a.hf_config is not None:
-
-        spec, source = read_hf_config(a.hf_config), f"HF config {a.hf_config}"
+        reading = read_hf_reading(a.hf_config)
+        spec, source = reading.spec, f"HF config {a.hf_config}"
     elif shape:
         spec, source = _custom_model(a), "flags"
     else:
@@ -241,7 +268,7 @@ def _model(a: argparse.Namespace) -> tuple[ModelSpec, str]:
     if a.params is not None and not shape:
         n = _param_count(a.params)
         spec = ModelSpec(**{**_fields(spec), "total_params": n, "active_params": n})
-    return spec, source
+    return spec, source, reading
 
 
 def _fields(spec: ModelSpec) -> dict[str, Any]:
@@ -264,16 +291,21 @@ def _kv_formula(layout: KVLayout) -> str:
 
 def compute(a: argparse.Namespace) -> dict[str, Any]:
     """The whole answer as a JSON-ready dict (the `--json` output)."""
-    spec, source = _model(a)
-    dtype = DType.parse(a.dtype)
+    spec, source, reading = _model(a)
+    dtype = DType.FP8 if size_quant.is_int8(a) else DType.parse(a.dtype)
     tp = _count(a.tp, "--tp", 1)
+    scale_bytes = _count(a.fp8_scale_bytes, "--fp8-scale-bytes", 0)
+    per_token = a.scale_layout is not None and a.scale_layout.strip().lower() == "per-token"
+    if per_token and dtype is DType.FP8:
+        scale_bytes = scale_bytes or _count(a.scale_bytes, "--scale-bytes", 1)
     layout = spec.layout(
         dtype=dtype,
         block_tokens=_count(a.block_tokens, "--block-tokens", 1),
         tp_size=tp,
         tp_rank=_count(a.tp_rank, "--tp-rank", 0),
-        fp8_scale_bytes=_count(a.fp8_scale_bytes, "--fp8-scale-bytes", 0),
+        fp8_scale_bytes=scale_bytes,
     )
+    layout, block_note = size_hybrid.align_block(layout)
     device = parse_size(a.gpu_mem, "--gpu-mem")
     if a.weights is not None:
         weights = parse_size(a.weights, "--weights").bytes
@@ -284,11 +316,21 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         weights_note = f"{spec.total_params:,} params x {per:g} B / TP {tp}"
         if spec.total_params == 0:
             weights_note = "0: parameter count unknown (give --params or --weights)"
-    pool = GpuPool(
+    overheads = size_gpu.estimate(
+        spec,
+        tp,
         device.bytes,
-        _fraction(a.gpu_util, "--gpu-util", 0.0, 1.0),
-        weights,
-        parse_size(a.reserved, "--reserved").bytes,
+        _count(a.prefill_chunk, "--prefill-chunk", 0),
+        a,
+        reading.model_type if reading else "",
+    )
+    reserved = (
+        parse_size(a.reserved, "--reserved").bytes
+        if a.reserved is not None
+        else overheads.in_request_bytes
+    )
+    pool = GpuPool(
+        device.bytes, _fraction(a.gpu_util, "--gpu-util", 0.0, 1.0), weights, reserved
     )
     page = page_bytes(layout)
     pool_pages = max(0, pool.usable_bytes) // page if page else 0
@@ -300,7 +342,8 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         _count(a.prefill_chunk, "--prefill-chunk", 0),
         _count(a.max_seqs, "--max-seqs", 1) if a.max_seqs is not None else concurrency,
     )
-    plan = plan_workload(layout, pool_pages, load)
+    state_pages = 2 if a.mamba_cache_mode == "align" else 1
+    plan = plan_workload(layout, pool_pages, load, state_pages)
     full_len = load.prompt_tokens + load.max_output_tokens
     groups = [
         {
@@ -309,15 +352,16 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
             "layers": g.layers,
             "group_size": g.group_size,
             "admission_pages_per_seq": group_pages(
-                layout, g.spec, load.prompt_tokens, load.admission_in_flight
+                layout, g.spec, load.prompt_tokens, load.admission_in_flight, state_pages
             ),
-            "full_growth_pages_per_seq": group_pages(layout, g.spec, full_len, 1),
+            "full_growth_pages_per_seq": group_pages(layout, g.spec, full_len, 1, state_pages),
         }
         for g in kv_groups(layout)
     ]
     tiers = {}
+    ssd_size = parse_size(a.ssd, "--ssd-bytes") if a.ssd is not None else None
     for name, text in (("dram", a.dram), ("ssd", a.ssd)):
-        size: Size | None = parse_size(text, f"--{name}") if text is not None else None
+        size: Size | None = parse_size(text, f"--{name}-bytes") if text is not None else None
         cap = tier_capacity(layout, size.bytes) if size else None
         tiers[name] = (
             {
@@ -343,7 +387,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
             "total_params": spec.total_params,
             "active_params": spec.active_params,
         },
-        "dtype": dtype.value,
+        "dtype": "int8" if size_quant.is_int8(a) else dtype.value,
         "fp8_scale_bytes": layout.fp8_scale_bytes,
         "block_tokens": layout.block_tokens,
         "tp_size": layout.tp_size,
@@ -365,6 +409,9 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         "weights_bytes": pool.weights_bytes,
         "weights_note": weights_note,
         "reserved_bytes": pool.reserved_bytes,
+        "gpu_memory": size_gpu.to_json(
+            overheads, pool.budget_bytes, pool.device_bytes, a.reserved is not None
+        ),
         "usable_kv_bytes": pool.usable_bytes,
         "pool_pages": pool_pages,
         "concurrency": load.concurrency,
@@ -383,7 +430,47 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         "pages_left_at_max_seqs": plan.pages_left_at_cap,
         "dram": tiers["dram"],
         "ssd": tiers["ssd"],
+        "hybrid": size_hybrid.compute(layout, reading, a, block_note),
+        "tiers": size_tiers.compute(
+            spec,
+            layout,
+            load.prompt_tokens,
+            ssd_size.bytes if ssd_size else None,
+            a,
+        )
+        if a.tiers
+        else None,
+        "pd": _pd(spec, layout, load.prompt_tokens, a) if a.pd else None,
+        "quantized": size_quant.compute(layout, a),
+        "overload": _overload(spec, layout, pool.weights_bytes, load, a),
+        "samples": size_samples.compute(
+            layout, load.prompt_tokens, load.max_output_tokens, a, state_pages
+        ),
     }
+
+
+def _overload(
+    spec: ModelSpec, layout: KVLayout, weights: int, load: Workload, a: argparse.Namespace
+) -> dict[str, Any] | None:
+    if a.overload is None:
+        return None
+    rates, sources = size_tiers.planner_rates(a)
+    return size_overload.compute(
+        spec,
+        layout,
+        weights,
+        load.concurrency,
+        load.prompt_tokens,
+        load.max_output_tokens,
+        rates,
+        sources,
+        a,
+    )
+
+
+def _pd(spec: ModelSpec, layout: KVLayout, prompt: int, a: argparse.Namespace) -> dict[str, Any]:
+    rates, sources = size_tiers.planner_rates(a)
+    return size_pd.compute(spec, layout, prompt, rates["prefill_flops_per_s"], sources["prefill"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -401,13 +488,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def read_hf_config(path: str | Path) -> ModelSpec:
-    """The `ModelSpec` of a local `config.json` (read offline; named by its folder when the
-    config has no `_name_or_path`)."""
+    """The `ModelSpec` of a local `config.json` or model directory (see `read_hf_reading`)."""
+    return read_hf_reading(path).spec
+
+
+def read_hf_reading(path: str | Path) -> ConfigReading:
+    """A local `config.json`, or a model directory holding one, read the vLLM way (offline;
+    named by its folder when the config has no `_name_or_path`)."""
     p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+        if not p.is_file():
+            raise UsageError(f"model directory {str(path)!r} has no config.json")
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read config {str(p)!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise UsageError(f"config {str(p)!r} is not UTF-8 text") from None
-    return spec_from_config(parse_config(text, str(p)), str(p), p.resolve().parent.name)
+    return read_config(parse_config(text, str(p)), str(p), p.resolve().parent.name)

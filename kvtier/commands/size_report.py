@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.commands.size_gpu import render as render_gpu
+from kvtier.commands.size_hybrid import render as render_hybrid
+from kvtier.commands.size_overload import render as render_overload
+from kvtier.commands.size_pd import render as render_pd
+from kvtier.commands.size_quant import render as render_quant
+from kvtier.commands.size_samples import render as render_samples
+from kvtier.commands.size_tiers import render as render_tiers
 from kvtier.core.units import format_bytes
 
 
@@ -29,13 +36,16 @@ def render(r: dict[str, Any]) -> str:
     ]
     if r["state_bytes_per_sequence"]:
         lines.append(f"recurrent state per sequence (rank): {_b(r['state_bytes_per_sequence'])}")
+    if r["quantized"]:
+        lines += render_quant(r["quantized"])
+    lines += render_hybrid(r["hybrid"], r["block_tokens"])
     lines += [
         "",
         "GPU pool (one rank)",
         f"  device memory        {_b(r['gpu_bytes'])}  [{r['gpu_bytes_unit']}]",
         f"  x utilization {r['gpu_util']:<6g} {_b(r['gpu_budget_bytes'])}",
         f"  - weights            {_b(r['weights_bytes'])}  [{r['weights_note']}]",
-        f"  - other reserved     {_b(r['reserved_bytes'])}",
+        *render_gpu(r["gpu_memory"], f"  - other reserved     {_b(r['reserved_bytes'])}"),
         f"  = usable KV          {_b(r['usable_kv_bytes'])}"
         + ("  (weights do not fit)" if r["usable_kv_bytes"] < 0 else ""),
         f"  page                 {_b(r['page_bytes'])}",
@@ -73,4 +83,12 @@ def render(r: dict[str, Any]) -> str:
                 f"  holds {t['blocks']:,} blocks of {format_bytes(r['block_bytes'])} (one rank's "
                 f"layout) = {t['tokens']:,} tokens of the whole model (TP {tp})",
             ]
+    if r["tiers"]:
+        lines += render_tiers(r["tiers"])
+    if r["pd"]:
+        lines += render_pd(r["pd"])
+    if r["overload"]:
+        lines += render_overload(r["overload"])
+    if r["samples"]:
+        lines += render_samples(r["samples"], r["block_tokens"])
     return "\n".join(lines)

@@ -190,39 +190,66 @@ def _bytes_rate(v: float) -> str:
     return f"{format_bytes(int(v))}/s"
 
 
-def render(rows: Sequence[Row], interval_s: float) -> Any:
-    """A rich Table: one line per daemon (see the module docstring for the columns)."""
+WIDE = 120
+"""Terminals at least this wide get one table line per daemon; narrower ones (80 columns) a
+block of labelled lines per daemon."""
+COLUMNS = ("daemon", "hit ratio", "trend", "fill", "lookups/s", "traffic", "leases", "planner",
+           "MRC headroom", "problems")
+
+
+def _cells(r: Row) -> list[str]:
+    """A daemon's values in `COLUMNS` order (after the daemon itself)."""
+    if not r.ok:
+        return ["[red]down[/red]", "", "", "", "", "", "", "", r.error]
+    fill = " ".join(f"{k} {v:.0%}" for k, v in r.fill.items())
+    if r.traffic_bytes_per_s is None:
+        traffic = "(metrics URL)"
+    else:
+        out = r.traffic_bytes_per_s.get("dram/to_client", 0.0)
+        inn = r.traffic_bytes_per_s.get("dram/from_client", 0.0)
+        traffic = f"out {_bytes_rate(out)} in {_bytes_rate(inn)}"
+    leases = " ".join(f"{k} {v:g}" for k, v in r.leases.items())
+    if r.plan_share is None:
+        planner = "(metrics URL)"
+    else:
+        planner = " ".join(f"{a.removeprefix('fetch_')} {r.plan_share[a]:.0%}"
+                           for a in ACTIONS if r.plan_share[a])
+    head = " ".join(f"{k} x2+: {100 * v:+.1f} pts" for k, v in r.mrc_headroom.items())
+    problems = []
+    if r.writeback_dropped:
+        problems.append(f"{r.writeback_dropped:g} write-backs dropped")
+    if r.checksum_failures:
+        problems.append(f"[red]{r.checksum_failures:g} checksum failures[/red]")
+    return [f"{_pct(r.hit_ratio)} (total {_pct(r.hit_ratio_total)})", sparkline(r.trend), fill,
+            f"{r.lookups_per_s:.1f}", traffic, leases, planner or "-", head or "-",
+            ", ".join(problems) or "none"]
+
+
+def render(rows: Sequence[Row], interval_s: float, width: int = WIDE) -> Any:
+    """A rich renderable: a table of one line per daemon at `WIDE` columns or more, else one
+    block of labelled lines per daemon (fits 80 columns)."""
+    from rich.console import Group
     from rich.table import Table
 
-    t = Table(title=f"kvtier top — every {interval_s:g} s", expand=True)
-    for col in ("daemon", "hit ratio", "trend", "fill", "lookups/s", "traffic", "leases",
-                "planner", "MRC headroom", "problems"):
-        t.add_column(col, overflow="fold")
+    title = f"kvtier top — every {interval_s:g} s"
+    if width >= WIDE:
+        t = Table(title=title, expand=True)
+        for col in COLUMNS:
+            t.add_column(col, overflow="fold")
+        for r in rows:
+            cells = _cells(r)
+            if r.ok:
+                cells[0] = cells[0].replace(" (total", "\n(total")
+            t.add_row(f"{r.source}\n{r.version}" if r.ok else r.source, *cells)
+        return t
+    blocks: list[Any] = [title]
     for r in rows:
-        if not r.ok:
-            t.add_row(r.source, "[red]down[/red]", "", "", "", "", "", "", "", r.error)
-            continue
-        fill = " ".join(f"{k} {v:.0%}" for k, v in r.fill.items())
-        if r.traffic_bytes_per_s is None:
-            traffic = "(metrics URL)"
-        else:
-            out = r.traffic_bytes_per_s.get("dram/to_client", 0.0)
-            inn = r.traffic_bytes_per_s.get("dram/from_client", 0.0)
-            traffic = f"out {_bytes_rate(out)} in {_bytes_rate(inn)}"
-        leases = " ".join(f"{k} {v:g}" for k, v in r.leases.items())
-        if r.plan_share is None:
-            planner = "(metrics URL)"
-        else:
-            planner = " ".join(f"{a.removeprefix('fetch_')} {r.plan_share[a]:.0%}"
-                               for a in ACTIONS if r.plan_share[a])
-        head = " ".join(f"{k} x2+: {100 * v:+.1f} pts" for k, v in r.mrc_headroom.items())
-        problems = []
-        if r.writeback_dropped:
-            problems.append(f"{r.writeback_dropped:g} write-backs dropped")
-        if r.checksum_failures:
-            problems.append(f"[red]{r.checksum_failures:g} checksum failures[/red]")
-        t.add_row(f"{r.source}\n{r.version}", f"{_pct(r.hit_ratio)}\n(total "
-                  f"{_pct(r.hit_ratio_total)})", sparkline(r.trend), fill,
-                  f"{r.lookups_per_s:.1f}", traffic, leases, planner or "-", head or "-",
-                  ", ".join(problems) or "none")
-    return t
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold", no_wrap=True)
+        t.add_column(overflow="fold")
+        t.add_row("daemon", f"{r.source} {r.version}".strip())
+        for name, value in zip(COLUMNS[1:], _cells(r), strict=True):
+            if value:
+                t.add_row(name, value)
+        blocks.append(t)
+    return Group(*blocks)

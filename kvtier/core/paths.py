@@ -59,3 +59,18 @@ def cache_dir(env: Mapping[str, str]) -> Path:
 def default_socket(env: Mapping[str, str]) -> Path:
     """The daemon's socket when none is named: `$KVTIER_SOCKET`, else the runtime dir's."""
     return Path(env.get("KVTIER_SOCKET") or runtime_dir(env) / SOCKET_NAME)
+
+
+SOCKET_PATH_MAX = 107
+"""Longest Unix socket path Linux accepts: `sun_path` is 108 bytes, one for the NUL."""
+
+
+def socket_path_problem(path: Path) -> str | None:
+    """Why `path` cannot be a Unix socket's path (too long, or empty), or None."""
+    size = len(os.fsencode(path))
+    if not str(path):
+        return "the socket path is empty"
+    if size > SOCKET_PATH_MAX:
+        return (f"socket path {path} is {size} bytes; Unix socket paths are limited to "
+                f"{SOCKET_PATH_MAX} bytes (choose a shorter one, e.g. under $XDG_RUNTIME_DIR)")
+    return None

@@ -26,8 +26,11 @@ class ModelSpec:
     """A model's KV-relevant architecture. Pure data; `layout()` validates TP against it.
 
     `head_dim` is the query/key head dimension (MLA: qk_nope + qk_rope); `v_head_dim` the value
-    head dimension (equal to head_dim except for MLA). For FULL/SLIDING layers a token stores
-    K and V of `num_kv_heads` heads of `head_dim`; MLA layers carry their own latent dims.
+    head dimension (equal to head_dim except for MLA). `intermediate_size` is the MLP width (an
+    expert's for MoE) and `active_experts` the experts one token passes through (routed top-k
+    plus shared; 0 = dense); they size activations (`kvtier.core.gpumem`), 0 = unknown. For
+    FULL/SLIDING layers a token stores K and V of `num_kv_heads` heads of `head_dim`; MLA layers
+    carry their own latent dims.
     """
 
     name: str
@@ -41,6 +44,8 @@ class ModelSpec:
     active_params: int
     vocab_size: int
     v_head_dim: int = 0
+    intermediate_size: int = 0
+    active_experts: int = 0
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "num_attention_heads", "num_kv_heads", "head_dim"):
@@ -129,6 +134,7 @@ _PRESETS: dict[str, ModelSpec] = {
             total_params=8_030_261_248,
             active_params=8_030_261_248 - 128_256 * 4096,
             vocab_size=128_256,
+            intermediate_size=14336,
         ),
         ModelSpec(
             name="Llama-3-70B",
@@ -141,6 +147,7 @@ _PRESETS: dict[str, ModelSpec] = {
             total_params=70_553_706_496,
             active_params=70_553_706_496 - 128_256 * 8192,
             vocab_size=128_256,
+            intermediate_size=28672,
         ),
         ModelSpec(
             name="Qwen3-8B",
@@ -153,6 +160,7 @@ _PRESETS: dict[str, ModelSpec] = {
             total_params=8_190_735_360,
             active_params=8_190_735_360 - 151_936 * 4096,
             vocab_size=151_936,
+            intermediate_size=12288,
         ),
         ModelSpec(
             name="Qwen3-32B",
@@ -165,6 +173,7 @@ _PRESETS: dict[str, ModelSpec] = {
             total_params=32_762_123_264,
             active_params=32_762_123_264 - 151_936 * 5120,
             vocab_size=151_936,
+            intermediate_size=25600,
         ),
         ModelSpec(
             name="DeepSeek-V3",
@@ -178,6 +187,8 @@ _PRESETS: dict[str, ModelSpec] = {
             total_params=671_026_419_200,
             active_params=36_625_618_432,
             vocab_size=129_280,
+            intermediate_size=2048,
+            active_experts=9,
         ),
         ModelSpec(
             name="Mistral-7B-v0.1",
@@ -190,6 +201,7 @@ _PRESETS: dict[str, ModelSpec] = {
             total_params=7_241_732_096,
             active_params=7_241_732_096 - 32_000 * 4096,
             vocab_size=32_000,
+            intermediate_size=14336,
         ),
         ModelSpec(
             name="gpt-oss-20b",
@@ -202,6 +214,8 @@ _PRESETS: dict[str, ModelSpec] = {
             total_params=20_914_757_184,
             active_params=3_608_307_264,
             vocab_size=201_088,
+            intermediate_size=2880,
+            active_experts=4,
         ),
         ModelSpec(
             name="gpt-oss-120b",
@@ -214,6 +228,8 @@ _PRESETS: dict[str, ModelSpec] = {
             total_params=116_829_156_672,
             active_params=5_132_849_472,
             vocab_size=201_088,
+            intermediate_size=2880,
+            active_experts=4,
         ),
     )
 }

@@ -1,9 +1,14 @@
 """Byte sizes written by people: parse '80GB', '16GiB', '55.54e9'; format counts back.
 
-Decimal units are powers of 1000 (GB = 10^9 B), binary units powers of 1024 (GiB = 2^30 B); a
-bare number is bytes. Single letters ('16G') are refused as ambiguous rather than guessed.
-Parsing is exact (decimal arithmetic): '55.54e9' is 55,540,000,000 bytes, never a float near it;
-a fractional byte count is rounded down.
+The only size parser of kvtier: flags of every subcommand, `KVTIER_*` variables, the TOML config
+and the tokens file all read sizes through `parse_size` / `parse_bytes`, so a size means the same
+everywhere. Decimal units are powers of 1000 (GB = 10^9 B), binary units powers of 1024 (GiB =
+2^30 B); a bare number is bytes. Single letters ('16G') are refused as ambiguous rather than
+guessed. A bare number from 1 to `BARE_MIN` - 1 is refused as implausible (`--gpu-mem 80` is
+not 80 bytes anybody meant): write the unit, `80GiB`, or `80B` for bytes indeed. Parsing is exact
+(decimal arithmetic): '55.54e9' is 55,540,000,000 bytes, never a float near it; a fractional byte
+count is rounded down. `exact_size` writes a count back as the shortest text that parses to it
+('64GiB', '3840GB'), which is what `kvtier serve --print-config` prints.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ _POWER = {
     "PIB": "2^50 B",
 }
 MAX_BYTES = 2**64
+BARE_MIN = 4096
+"""The smallest size accepted without a unit (0 is accepted too): every size kvtier takes is a
+page or more, so a smaller bare number is a unit left out."""
 _RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -76,7 +84,50 @@ def parse_size(text: str, what: str = "size") -> Size:
         raise UsageError(f"{what}: cannot read {text!r} as a size") from None
     if value >= MAX_BYTES:
         raise UsageError(f"{what}: {text!r} is too large (limit 2^64 B)")
+    _check_bare(int(value), unit, what)
     return Size(int(value), label, _POWER[unit])
+
+
+def _check_bare(n: int, unit: str, what: str) -> None:
+    if not unit and 0 < n < BARE_MIN:
+        raise UsageError(
+            f"{what}: {n} without a unit would be {n} bytes, which no size here means; "
+            f"write the unit ({n}GiB, {n}GB, ...; {n}B for bytes)"
+        )
+
+
+def parse_bytes(value: object, what: str = "size") -> int:
+    """A size as bytes, from text (`parse_size`) or a whole number (a TOML integer, bytes, under
+    the same `BARE_MIN` rule). Raises `UsageError` naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise UsageError(f"{what}: expected a size like 4GiB or 512MB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise UsageError(f"{what}: {value} is negative; sizes must be >= 0")
+        if value >= MAX_BYTES:
+            raise UsageError(f"{what}: {value} is too large (limit 2^64 B)")
+        _check_bare(value, "", what)
+        return value
+    return parse_size(value, what).bytes
+
+
+def exact_size(n: int) -> str:
+    """The shortest text `parse_size` reads back as exactly `n` bytes: the largest binary unit
+    that divides it, else the largest decimal one, else bytes ('64GiB', '3840GB', '4097B')."""
+    if n == 0:
+        return "0"
+    for unit in ("PiB", "TiB", "GiB", "MiB", "KiB"):
+        scale = _BINARY[unit.upper()]
+        if n % scale == 0:
+            binary = f"{n // scale}{unit}"
+            break
+    else:
+        binary = f"{n}B"
+    for unit in ("PB", "TB", "GB", "MB", "KB"):
+        if n % _DECIMAL[unit] == 0:
+            decimal = f"{n // _DECIMAL[unit]}{unit}"
+            return decimal if len(decimal) < len(binary) else binary
+    return binary
 
 
 def format_bytes(n: int | float) -> str:

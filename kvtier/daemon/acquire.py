@@ -229,7 +229,6 @@ class Acquirer:
         got = a.remote_got or [None] * len(a.remote_slots)
         parent = a.blocks[-1].key if a.blocks else None
         ok = whole
-        stored: list[bytes] = []
         for key, slot, n in zip(a.remote_keys, a.remote_slots, got, strict=True):
             if ok and n is not None:
                 try:
@@ -241,16 +240,11 @@ class Acquirer:
                     tiers.pool.pin(slot)
                     pinned.append(block)
                     sources.append(Tier.REMOTE)
-                    stored.append(key)
                     parent = key
                     continue
             ok = False
             tiers.unclaim(name, slot)
-        if stored:
-            lay = a.ns.layout
-            first_parent = a.blocks[-1].key if a.blocks else b""
-            tiers.events.emit(a.tenant.name, lay.id, True, Tier.DRAM, stored, first_parent,
-                              lay.block_tokens)
+        tiers.apply()  # BlockStored for the new blocks (one run), and the promotions before
 
     def release(self, r: ReadLease) -> None:
         """Unpins a READ lease's blocks (Release, expiry, shutdown; its lease left the table).

@@ -25,9 +25,8 @@ from typing import NamedTuple
 from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.events import EventLog
 from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.namespaces import Namespace, TenantState
+from kvtier.daemon.namespaces import Namespace, TenantUsage
 from kvtier.daemon.residency import Tiers
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 
@@ -49,7 +48,7 @@ class AllocateResult(NamedTuple):
     ttl_s: float
 
 
-def quota_room(tiers: Tiers, state: TenantState, n: int, stride: int) -> bool:
+def quota_room(tiers: Tiers, state: TenantUsage, n: int, stride: int) -> bool:
     """Whether `n` more slots of `stride` bytes fit the tenant's DRAM quota, after evicting its
     own unpinned DRAM blocks for them if needed."""
     quota, more = state.tenant.dram_quota_bytes, n * stride
@@ -63,10 +62,9 @@ def quota_room(tiers: Tiers, state: TenantState, n: int, stride: int) -> bool:
 class Allocator:
     """Allocate / Commit / Abort over the cache's tiers and lease table (module docstring)."""
 
-    def __init__(self, tiers: Tiers, leases: LeaseTable, events: EventLog) -> None:
+    def __init__(self, tiers: Tiers, leases: LeaseTable) -> None:
         self.tiers = tiers
         self._leases = leases
-        self._events = events
 
     def allocate(
         self, tenant: Tenant, ns: Namespace, chain: list[bytes], parent: bytes, ttl: float,
@@ -92,7 +90,7 @@ class Allocator:
             need = need[:self._admitted(ns, chain, need)]
         if not need:
             return AllocateResult("", [], [], ttl)
-        slots = self._take_slots(ns.tenant, len(need), ns.layout.block_bytes)
+        slots = self._take_slots(ns.usage, len(need), ns.layout.block_bytes)
         lease = self._leases.grant(
             tenant.name, LeaseKind.WRITE, ttl,
             WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))), session,
@@ -113,7 +111,7 @@ class Allocator:
             return len(need)
         return sum(1 for i in need if i < start + n)
 
-    def _take_slots(self, state: TenantState, n: int, nbytes: int) -> list[int]:
+    def _take_slots(self, state: TenantUsage, n: int, nbytes: int) -> list[int]:
         stride = self.tiers.pool.stride_for(nbytes)
         if not quota_room(self.tiers, state, n, stride):
             raise ResourceExhausted(
@@ -127,14 +125,13 @@ class Allocator:
                 f"DRAM pool full: {n} slots of {stride} bytes wanted, "
                 f"{self.tiers.pool.room(nbytes)} free, the rest pinned by leases or being written"
             )
-        state.dram_bytes += n * stride
         return slots
 
     def commit(self, tenant: Tenant, w: WriteLease) -> int:
-        """Inserts the lease's blocks (its lease already left the table); returns how many."""
+        """Inserts the lease's blocks (its lease already left the table); returns how many.
+        The applier publishes them (one BlockStored per run of consecutive blocks) before any
+        SSD event of the same blocks."""
         ns, index = w.ns, self.tiers.index
-        runs: list[list[bytes]] = []  # [parent, key, key, ...] per run of consecutive blocks
-        run: list[bytes] = []
         inserted: list[Block] = []
         for i, slot in w.todo:
             key = w.keys[i]
@@ -144,18 +141,8 @@ class Allocator:
                 inserted.append(index.insert(ns.name, key, parent or None, Tier.DRAM,
                                              dram_slot=slot))
             except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
-                self._give_back(ns.tenant, slot)
-                continue
-            if run and run[-1] != parent:
-                runs.append(run)
-                run = []
-            run = run or [parent]
-            run.append(key)
-        if run:
-            runs.append(run)
-        for r in runs:  # under the lock: before any SSD event of the same blocks
-            self._events.emit(tenant.name, ns.layout.id, True, Tier.DRAM, r[1:], r[0],
-                              ns.layout.block_tokens)
+                self.tiers.give_back(ns.usage.tenant.name, slot)
+        self.tiers.apply()
         self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
         self.tiers.maybe_write_remote(ns.name, inserted, committed=True)
         return len(inserted)
@@ -164,13 +151,9 @@ class Allocator:
         """Frees the slots of a lease that ends without Commit (its lease left the table)."""
         for i, slot in w.todo:
             w.ns.pending.pop(w.keys[i], None)
-            self._give_back(w.ns.tenant, slot)
+            self.tiers.give_back(w.ns.usage.tenant.name, slot)
 
     def slots_held(self) -> int:
         """Slots held by live WRITE leases."""
         return sum(len(lease.payload.todo) for lease in self._leases
                    if isinstance(lease.payload, WriteLease))
-
-    def _give_back(self, state: TenantState, slot: int) -> None:
-        state.dram_bytes -= self.tiers.pool.stride_of(slot)
-        self.tiers.pool.free(slot)

@@ -16,7 +16,8 @@ are namespaced by that tenant, never by anything the client claims. The tokens f
     token_sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
 Tokens are compared as SHA-256 digests in constant time. Immutable after construction; safe to
-share between threads.
+share between threads. A SIGHUP reload (`kvtier.daemon.reload`) builds a new one from the file and
+swaps it in whole, so a call sees either the old tenants or the new ones, never a mix.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ class Authenticator:
                 guarantee, admin,
             )
         return cls(by_digest)
+
+    def digests(self) -> dict[str, bytes]:
+        """Tenant name -> its token's SHA-256 digest (empty without a tokens file)."""
+        return {t.name: d for d, t in self._by_digest.items()}
 
     def tenants(self) -> list[Tenant]:
         return list(self._by_digest.values()) if self.required else [self._default]

@@ -24,8 +24,9 @@ Invariants kept:
 
 `Cache` is the facade that takes the lock, validates requests against namespaces and owns the
 lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.daemon.acquire`
-(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers)
-and `kvtier.daemon.cache_stats` (what it reports).
+(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers),
+`kvtier.daemon.applier` (what a residency change entails) and `kvtier.daemon.cache_stats` (what it
+reports).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import NamedTuple
 
@@ -106,14 +107,13 @@ class Cache:
         self._mrc_lock = threading.Lock()  # the MRC sampler's own: off the cache lock
         self._leases = LeaseTable(clock)
         self.names = Namespaces(cfg.max_block_bytes, cfg.max_blocks_per_request)
-        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names.charge,
-                           self.names.ssd_quota_ok, self.names.dram_holdings)
+        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names)
         self.pool = self.tiers.pool
         self.names.max_block_bytes = self.pool.max_block  # a small pool's pages may be smaller
         self.index = self.tiers.index
         self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
                                  self._claim)
-        self.allocator = Allocator(self.tiers, self._leases, self.events)
+        self.allocator = Allocator(self.tiers, self._leases)
         metrics.attach_pool(self.gauges)
         metrics.attach_rates(self.rates)
         self.mrc = new_sampler(cfg, self.index.capacity(Tier.SSD) or 0)
@@ -221,14 +221,14 @@ class Cache:
         prompt_tokens: int, want_plan: bool,
     ) -> LookupResult:
         with self._lock:
-            mine = ns.tenant
+            mine = ns.usage
             mine.lookups += 1
             mine.lookup_hits += bool(tiers)
             mine.blocks_hit += len(tiers)
             mine.blocks_missed += len(chain) - len(tiers)
         m = self.metrics
         hits = {t.label: n for t in Tier if (n := tiers.count(t))}  # list.count: C speed
-        m.record_lookup(ns.tenant.tenant.name, ns.layout.model_id, hits, len(chain) - len(tiers))
+        m.record_lookup(ns.usage.tenant.name, ns.layout.model_id, hits, len(chain) - len(tiers))
         the_plan = None
         lay = ns.layout
         if want_plan and lay.cost is not None:
@@ -239,7 +239,7 @@ class Cache:
             prefix = Prefix.uniform([int(t) for t in tiers], lay.block_tokens, lay.block_bytes,
                                     start_token)
             # its own reports + the daemon's SSD and remote links
-            rates = self.tenant_rates.plan_rates(ns.tenant.tenant.name)
+            rates = self.tenant_rates.plan_rates(ns.usage.tenant.name)
             the_plan = plan(prefix, lay.cost, rates, suffix_tokens=suffix)
             m.record_plan(the_plan)
         return LookupResult(tiers, the_plan)
@@ -293,7 +293,7 @@ class Cache:
 
     def _claim(self, ns: Namespace) -> int | None:
         return self.tiers.claim(ns.name) if quota_room(
-            self.tiers, ns.tenant, 1, self.tiers.dram_bytes_of(ns.name)) else None
+            self.tiers, ns.usage, 1, self.tiers.dram_bytes_of(ns.name)) else None
 
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
@@ -518,6 +518,17 @@ class Cache:
     def flush(self, timeout: float) -> bool:
         """Waits for queued SSD write-backs (tests, drain)."""
         return self.tiers.flush(timeout)
+
+    def set_tenants(self, tenants: Iterable[Tenant], revoked: Iterable[str]) -> None:
+        """A reloaded tokens file (SIGHUP): the tenants' quotas and guarantees apply from now on;
+        a revoked tenant keeps its blocks (evicted like any, reachable again if it comes back)
+        but loses its DRAM guarantee. Nothing is dropped."""
+        with self._lock:
+            for tenant in tenants:
+                self.names.tenant(tenant.name, tenant)
+            for name in revoked:
+                if name in self.names.tenants:
+                    self.names.tenant(name, Tenant(name))
 
     def close(self, timeout: float = 10.0) -> None:
         """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment.

@@ -1,52 +1,13 @@
 """Daemon configuration: embedded defaults < TOML file < environment (KVTIER_*) < flags.
 
-Every setting has a default that works on any machine, so `kvtier serve` needs no configuration.
-Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYTES, ...).
+Every setting is declared once, in `SETTINGS` (name, kind, default, doc, check): its TOML key is
+the name, its environment variable KVTIER_ + the name in upper case, its flag --the-name (all
+three generated, with `kvtier serve --help` and `--print-config`, from that declaration). Every
+setting has a default that works on any machine, so `kvtier serve` needs no configuration;
+`kvtier serve --help` lists each with its default (on this machine where it depends on it).
+Sizes are read by `kvtier.core.units.parse_bytes`, the one size parser of kvtier.
 
-    socket                 $XDG_RUNTIME_DIR/kvtier/kvtier.sock, else /tmp/kvtier-$UID/kvtier.sock
-    tcp                    "" (off); "HOST:PORT" listens on TCP as well
-    tls_cert, tls_key      PEM paths; required for TCP beyond loopback
-    dram_bytes             min(RAM / 8, free /dev/shm / 2, 4 GiB), rounded down to whole slots
-    slot_bytes             16 KiB: the smallest DRAM slot (smaller blocks are rounded up to it)
-    max_block_bytes        8 MiB: the largest block a layout may have; one daemon serves every
-                           block size from 1 B to this at once (size classes on pages of the
-                           pool, `kvtier.tiers.dram_pages`); at least slot_bytes
-    dram_page_bytes        0 = automatic: the pages size classes take (a block larger than a
-                           page spans adjacent pages; see `kvtier.tiers.dram.DramSpec.geometry`)
-    data_dir               $XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier (the SSD tier)
-    ssd_bytes              the size kept in <data_dir>/kept.toml, else (the first start)
-                           min(free disk under data_dir / 4, 16 GiB); 0 = no SSD tier
-    metrics                127.0.0.1:9464 ("" = off; port 0 = any free port)
-    tokens_file            "" = one tenant "default" without authentication (see kvtier.daemon.auth)
-    lease_ttl_s            30; a client may ask for up to max_lease_ttl_s (600)
-    grace_s                10: on SIGTERM, leases may finish for this long
-    max_blocks_per_request 4096
-    ssd_admit_after        2: write a DRAM evictee to SSD from its k-th access on
-    policy                 kvtier.index.policy_registry.DEFAULT_POLICY: eviction and admission
-                           policy of the prefix index (any name of its POLICIES: lru, vllm-arc,
-                           sglang-lfu, lmcache-s3fifo, sieve, kvtier, ...)
-    ssd_dwpd               1.0: SSD writes per day, in units of ssd_bytes (see below)
-    ssd_write_bytes_per_day 0 = ssd_bytes * ssd_dwpd: the long-run SSD write rate (token bucket)
-    ssd_write_burst_bytes  0 = min(a day's budget, max(a quarter day's, 4 write-back queues)),
-                           at least one largest block: what may be written at once before the
-                           rate applies (a block larger than it never reaches SSD)
-    writeback_queue_bytes  0 = min(dram_bytes / 4, 1 GiB): DRAM pinned by queued write-backs
-    log_level              info (debug, info, warning, error)
-
-Remote tier (off unless `remote_url` is set; see README "Sharing across nodes"):
-
-    remote_url             "" = off; redis://HOST:PORT/DB, rediss:// (TLS), valkey://, unix://PATH
-    remote_mode            standalone | cluster (Redis Cluster / Valkey cluster via redis-py)
-    remote_username        "" (ACL user; overrides the url's)
-    remote_password        "" (prefer KVTIER_REMOTE_PASSWORD or the TOML file to a flag)
-    remote_tls_ca          PEM CA bundle to verify the store (rediss:// only)
-    remote_tls_cert, remote_tls_key   client certificate + key for mutual TLS (rediss:// only)
-    remote_timeout_s       0.25: bounded wait per socket operation (connect, send, receive)
-    remote_write_bytes_per_s 0 = 200 MB/s: long-run write-through rate (token bucket)
-    remote_write_burst_bytes 0 = max(a second's budget, 16 slots)
-    remote_queue_bytes     0 = min(dram_bytes / 8, 256 MiB): DRAM pinned by queued remote writes
-    remote_admit_after     1: write a block to the store from its k-th access (1 = at Commit)
-    remote_prefix          kvtier: the store's key prefix (keys: PREFIX:TENANT/ns2:LAYOUT:KEY)
+The remote tier is off unless `remote_url` is set (see README "Sharing across nodes").
 
 Write-back sizing. A write-back pins its DRAM slot until written; `writeback_queue_bytes` bounds
 those slots, and a write-back that finds the queue full is dropped and counted (the load path
@@ -71,14 +32,17 @@ flag sets `ssd_bytes`, that kept size is the default (`--print-config` shows it,
 The TOML file is `--config PATH`, else $KVTIER_CONFIG, else the first kvtier.toml of the XDG config
 directories (`kvtier.core.paths`: ~/.config/kvtier, then /etc/xdg/kvtier); its keys are the setting
 names (top level, or under a `[serve]` table). Sizes accept integers or strings with a
-binary/decimal suffix ("4GiB", "512MB"). Any bad value raises `UsageError` naming the setting and
-where it came from (the flag, the variable, or the file). `to_toml` writes a configuration back
-as a file `--config` reads.
+binary/decimal unit ("4GiB", "512MB"), as `kvtier.core.units.parse_bytes` reads them everywhere
+(an ambiguous "4G" or a bare number under 4096 is refused). Any bad value raises `UsageError`
+naming the setting and where it came from (the flag, the variable, or the file). `to_toml`
+writes a configuration back as a file `--config` reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import grp
 import json
 import os
 import re
@@ -87,39 +51,224 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import CONFIG_FILE, SOCKET_NAME, config_dirs, runtime_dir
 from kvtier.core.paths import data_dir as default_data_dir
+from kvtier.core.suggest import closest
+from kvtier.core.units import exact_size, parse_bytes
 from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
+
+__all__ = ["SETTINGS", "Config", "Setting", "env_var", "load", "parse_bytes", "to_toml"]
 
 GiB = 1 << 30
 KiB = 1 << 10
 MiB = 1 << 20
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
-_SUFFIX = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "ki": 1 << 10, "kib": 1 << 10,
-    "m": 10**6, "mb": 10**6, "mi": MiB, "mib": MiB,
-    "g": 10**9, "gb": 10**9, "gi": GiB, "gib": GiB,
-    "t": 10**12, "tb": 10**12, "ti": 1 << 40, "tib": 1 << 40,
-    "p": 10**15, "pb": 10**15, "pi": 1 << 50, "pib": 1 << 50,
-}
-_LOG_LEVELS = ("debug", "info", "warning", "error")
+Kind = Literal["size", "int", "float", "bool", "text"]
+Check = Callable[[Any], "str | None"]
+"""A check of one value (already of its kind): None when good, else why it is not."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One daemon setting, declared once. TOML key `name`, variable `env_var(name)`, flag
+    `flag`; `--help` says `doc` and `default_doc`; `secret` ones are never printed."""
+
+    name: str
+    kind: Kind
+    default: object | Callable[[Mapping[str, str]], object]
+    doc: str
+    default_doc: str
+    check: Check | None = None
+    machine: bool = False  # the default depends on this machine: --help shows its value here
+    secret: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def summary(self) -> str:
+        """The head of `doc` (up to its first '(', ',', ';' or ': '): what a comment on the
+        setting in a shipped config file begins with."""
+        return re.split(r"\s*(?:\(|,|;|: )", self.doc, maxsplit=1)[0]
+
+    def default_value(self, env: Mapping[str, str]) -> object:
+        return self.default(env) if callable(self.default) else self.default
+
+
+def _between(low: float, high: float, unit: str = "", low_open: bool = False) -> Check:
+    def check(x: float) -> str | None:
+        ok = (low < x if low_open else low <= x) and x <= high
+        where = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        return None if ok else f"must be in {where}{unit}, got {x:g}"
+    return check
+
+
+def _at_least(low: int) -> Check:
+    def check(x: int) -> str | None:
+        return None if x >= low else f"must be >= {low}, got {x}"
+    return check
+
+
+def _one_of(names: Callable[[], Any], fold: bool = False) -> Check:
+    def check(x: str) -> str | None:
+        choices = sorted(names())
+        ok = (x.lower() if fold else x) in choices
+        return None if ok else f"must be one of {', '.join(choices)}, got {x!r}"
+    return check
+
+
+def _host_port(x: str) -> str | None:
+    if not x:
+        return None
+    _, sep, port = x.rpartition(":")
+    ok = sep and port.isdigit() and int(port) <= 65535
+    return None if ok else f"expected HOST:PORT, got {x!r}"
+
+
+def _page_multiple(x: int) -> str | None:
+    return None if x >= 4096 and x % 4096 == 0 else f"must be a positive multiple of 4096, got {x}"
+
+
+def _group(x: str) -> str | None:
+    if not x:
+        return None
+    try:
+        grp.getgrnam(x)
+    except KeyError:
+        return f"no group named {x!r} on this machine (create it, or leave group empty)"
+    return None
+
+
+def _not_empty(x: str) -> str | None:
+    return None if x else "must not be empty"
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _free_bytes(path: Path) -> int:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def default_ssd_bytes(data_dir: Path) -> int:
+    """The first start's SSD size: a quarter of the free disk under `data_dir`, at most 16 GiB."""
+    return min(_free_bytes(data_dir) // 4, 16 * GiB)
+
+
+def _data_dir(env: Mapping[str, str]) -> Path:
+    return Path(env["KVTIER_DATA_DIR"]) if env.get("KVTIER_DATA_DIR") else default_data_dir(env)
+
+
+def _default_dram(env: Mapping[str, str]) -> int:
+    shm = Path("/dev/shm")
+    shm_free = shutil.disk_usage(shm).free if shm.exists() else _ram_bytes()
+    return min(_ram_bytes() // 8, shm_free // 2, 4 * GiB)
+
+
+_S = Setting
+SETTINGS: tuple[Setting, ...] = (
+    _S("socket", "text", lambda env: str(runtime_dir(env) / SOCKET_NAME), "Unix socket path",
+       "$XDG_RUNTIME_DIR/kvtier/kvtier.sock, else /tmp/kvtier-$UID/kvtier.sock", _not_empty),
+    _S("group", "text", "", "group whose members may use the socket and the DRAM segment "
+       "(both 0660)", "none: the daemon's user only (0600)"),  # checked on the merged value
+    _S("tcp", "text", "", "also listen on HOST:PORT (TLS needed beyond loopback)", "off",
+       _host_port),
+    _S("tls_cert", "text", "", "PEM certificate for TCP", "none"),
+    _S("tls_key", "text", "", "PEM private key for TCP", "none"),
+    _S("dram_bytes", "size", _default_dram, "DRAM pool size, e.g. 4GiB",
+       "min(RAM/8, free /dev/shm / 2, 4 GiB), whole slots", machine=True),
+    _S("dram_prefault", "bool", False, "allocate the whole DRAM pool at start (its pages then "
+       "count against the daemon's memory cgroup, and a full /dev/shm fails the start)",
+       "false: pages are taken as blocks are written"),
+    _S("slot_bytes", "size", 16 * KiB, "smallest DRAM slot: smaller blocks round up to it "
+       "(not the largest block: see --max-block-bytes)", "16KiB", _page_multiple),
+    _S("max_block_bytes", "size", 8 * MiB, "largest block a layout may have (every size up to "
+       "it is served at once)", "8MiB"),
+    _S("dram_page_bytes", "size", 0, "pages of the DRAM pool that size classes take",
+       "0 = automatic"),
+    _S("data_dir", "text", lambda env: str(_data_dir(env)), "directory of the SSD tier",
+       "$XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier", _not_empty),
+    _S("ssd_bytes", "size", lambda env: default_ssd_bytes(_data_dir(env)),
+       "SSD tier cap, e.g. 64GiB (0 = no SSD tier)",
+       "the size kept in <data-dir>/kept.toml, else min(free disk / 4, 16 GiB)", machine=True),
+    _S("metrics", "text", "127.0.0.1:9464", "HOST:PORT of /metrics ('' = off, port 0 = any)",
+       "127.0.0.1:9464", _host_port),
+    _S("tokens_file", "text", "", "TOML file of tenants and tokens (see kvtier.daemon.auth)",
+       "none: one tenant 'default', no authentication"),
+    _S("lease_ttl_s", "float", 30.0, "default lease TTL in seconds", "30",
+       _between(0, 86400, " seconds", low_open=True)),
+    _S("max_lease_ttl_s", "float", 600.0, "largest lease TTL a client may ask for", "600",
+       _between(0, 86400, " seconds", low_open=True)),
+    _S("grace_s", "float", 10.0, "SIGTERM drain period in seconds", "10",
+       _between(0, 86400, " seconds")),
+    _S("max_blocks_per_request", "int", 4096, "largest key chain per request", "4096",
+       _between(1, 1 << 20)),
+    _S("ssd_admit_after", "int", 2, "write a block to SSD from its k-th access", "2",
+       _at_least(1)),
+    _S("policy", "text", DEFAULT_POLICY, "prefix-index eviction/admission policy (kvtier, lru, "
+       "vllm-arc, ...)", DEFAULT_POLICY, _one_of(lambda: POLICIES)),
+    _S("ssd_dwpd", "float", 1.0, "SSD writes per day in units of --ssd-bytes", "1.0",
+       _between(0, 100, " drive writes per day", low_open=True)),
+    _S("ssd_write_bytes_per_day", "size", 0, "SSD write budget, e.g. 500GiB",
+       "0 = ssd-bytes x ssd-dwpd"),
+    _S("ssd_write_burst_bytes", "size", 0, "SSD writes allowed at once before the daily rate "
+       "applies", "0 = min(a day's budget, max(a quarter day's, 4 write-back queues))"),
+    _S("writeback_queue_bytes", "size", 0, "DRAM held by queued write-backs",
+       "0 = min(DRAM / 4, 1 GiB)"),
+    _S("log_level", "text", "info", "log level: debug, info, warning or error", "info",
+       _one_of(lambda: LOG_LEVELS, fold=True)),
+    _S("remote_url", "text", "", "shared remote tier: redis://HOST:PORT/DB, rediss:// (TLS), "
+       "valkey://, unix://PATH", "off"),
+    _S("remote_mode", "text", "standalone", "standalone or cluster (Redis/Valkey cluster)",
+       "standalone", _one_of(lambda: ("standalone", "cluster"), fold=True)),
+    _S("remote_username", "text", "", "remote store ACL user (overrides the url's)", "none"),
+    _S("remote_password", "text", "", "remote store password (prefer the env var or the TOML "
+       "file)", "none", secret=True),
+    _S("remote_tls_ca", "text", "", "PEM CA bundle to verify the remote store (rediss://)",
+       "system CAs"),
+    _S("remote_tls_cert", "text", "", "PEM client certificate for the remote store (mutual "
+       "TLS)", "none"),
+    _S("remote_tls_key", "text", "", "PEM client key for the remote store (mutual TLS)", "none"),
+    _S("remote_timeout_s", "float", 0.25, "bounded wait per remote socket operation", "0.25",
+       _between(0, 3600, " seconds", low_open=True)),
+    _S("remote_write_bytes_per_s", "size", 0, "remote write-through rate per second, e.g. "
+       "200MB", "0 = 200MB"),
+    _S("remote_write_burst_bytes", "size", 0, "remote writes allowed at once before the rate "
+       "applies", "0 = max(one second's rate, 16 slots)"),
+    _S("remote_queue_bytes", "size", 0, "DRAM held by queued remote writes",
+       "0 = min(DRAM / 8, 256 MiB)"),
+    _S("remote_admit_after", "int", 1, "write a block to the remote store from its k-th access "
+       "(1 = at Commit)", "1", _at_least(1)),
+    _S("remote_prefix", "text", "kvtier", "remote store key prefix (keys: "
+       "PREFIX:TENANT/ns2:LAYOUT:KEY)", "kvtier"),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+SECRETS = frozenset(s.name for s in SETTINGS if s.secret)
+"""Settings `to_toml` (`--print-config`) never prints."""
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """A validated daemon configuration. Build it with `load()`."""
+    """A validated daemon configuration, one field per `SETTINGS` entry (in that order). Build
+    it with `load()`."""
 
     socket: Path
+    group: str
     tcp: str
     tls_cert: str
     tls_key: str
     dram_bytes: int
+    dram_prefault: bool
     slot_bytes: int
     max_block_bytes: int
     dram_page_bytes: int
@@ -164,19 +313,8 @@ class Config:
         return host or "127.0.0.1", int(port)
 
 
-def parse_bytes(value: object, name: str = "size") -> int:
-    """An int or a size string ("4GiB", "512 MB", "1.5g") → bytes. Raises UsageError."""
-    if isinstance(value, bool):
-        raise UsageError(f"{name}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise UsageError(f"{name}: must be >= 0, got {value}")
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and (m.group(2) or "").lower() in _SUFFIX:
-            return int(float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()])
-    raise UsageError(f"{name}: expected a size like 4GiB or 512MB, got {value!r}")
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+assert list(_FIELDS) == [s.name for s in SETTINGS], "Config and SETTINGS must list the same names"
 
 
 def default_burst(bytes_per_day: int, queue_bytes: int, slot_bytes: int) -> int:
@@ -186,94 +324,48 @@ def default_burst(bytes_per_day: int, queue_bytes: int, slot_bytes: int) -> int:
     return max(min(bytes_per_day, max(bytes_per_day // 4, 4 * queue_bytes)), 16 * slot_bytes)
 
 
-def _ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _free_bytes(path: Path) -> int:
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
-def default_ssd_bytes(data_dir: Path) -> int:
-    """The first start's SSD size: a quarter of the free disk under `data_dir`, at most 16 GiB."""
-    return min(_free_bytes(data_dir) // 4, 16 * GiB)
-
-
 def defaults(env: Mapping[str, str]) -> dict[str, Any]:
     """The embedded defaults, sized for this machine."""
-    data_dir = Path(env["KVTIER_DATA_DIR"]) if env.get("KVTIER_DATA_DIR") else (
-        default_data_dir(env)
-    )
-    shm = Path("/dev/shm")
-    shm_free = shutil.disk_usage(shm).free if shm.exists() else _ram_bytes()
-    dram = min(_ram_bytes() // 8, shm_free // 2, 4 * GiB)
-    return {
-        "socket": str(runtime_dir(env) / SOCKET_NAME),
-        "tcp": "",
-        "tls_cert": "",
-        "tls_key": "",
-        "dram_bytes": dram,
-        "slot_bytes": 16 * KiB,
-        "max_block_bytes": 8 * MiB,
-        "dram_page_bytes": 0,
-        "data_dir": str(data_dir),
-        "ssd_bytes": default_ssd_bytes(data_dir),
-        "metrics": "127.0.0.1:9464",
-        "tokens_file": "",
-        "lease_ttl_s": 30.0,
-        "max_lease_ttl_s": 600.0,
-        "grace_s": 10.0,
-        "max_blocks_per_request": 4096,
-        "ssd_admit_after": 2,
-        "policy": DEFAULT_POLICY,
-        "ssd_dwpd": 1.0,
-        "ssd_write_bytes_per_day": 0,
-        "ssd_write_burst_bytes": 0,
-        "writeback_queue_bytes": 0,
-        "log_level": "info",
-        "remote_url": "",
-        "remote_mode": "standalone",
-        "remote_username": "",
-        "remote_password": "",
-        "remote_tls_ca": "",
-        "remote_tls_cert": "",
-        "remote_tls_key": "",
-        "remote_timeout_s": 0.25,
-        "remote_write_bytes_per_s": 0,
-        "remote_write_burst_bytes": 0,
-        "remote_queue_bytes": 0,
-        "remote_admit_after": 1,
-        "remote_prefix": "kvtier",
-    }
+    return {s.name: s.default_value(env) for s in SETTINGS}
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-_SIZES = {"dram_bytes", "slot_bytes", "max_block_bytes", "dram_page_bytes", "ssd_bytes",
-          "ssd_write_bytes_per_day", "ssd_write_burst_bytes", "writeback_queue_bytes",
-          "remote_write_bytes_per_s", "remote_write_burst_bytes", "remote_queue_bytes"}
-_INTS = {"max_blocks_per_request", "ssd_admit_after", "remote_admit_after"}
-_FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s", "ssd_dwpd", "remote_timeout_s"}
-SECRETS = frozenset({"remote_password"})
-"""Settings `to_toml` (`--print-config`) never prints."""
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _boolean(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise UsageError(f"{where}: expected true or false, got {value!r}")
 
 
 def _coerce(name: str, value: object, origin: str) -> object:
+    """`value` as its setting's kind, checked; a `UsageError` naming the setting and `origin`."""
     where = f"{name} (from {origin})"
-    if name in _SIZES:
-        return parse_bytes(value, where)
-    if name in _INTS or name in _FLOATS:
+    setting = BY_NAME[name]
+    out: object
+    if setting.kind == "size":
+        out = parse_bytes(value, where)
+    elif setting.kind == "bool":
+        out = _boolean(value, where)
+    elif setting.kind in ("int", "float"):
+        number: int | float | None = None
         if isinstance(value, int | float | str) and not isinstance(value, bool):
-            try:
-                return int(value) if name in _INTS else float(value)
-            except ValueError:
-                pass
-        raise UsageError(f"{where}: expected a number, got {value!r}")
-    if not isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = int(value) if setting.kind == "int" else float(value)
+        if number is None:
+            raise UsageError(f"{where}: expected a number, got {value!r}")
+        out = number
+    elif not isinstance(value, str):
         raise UsageError(f"{where}: expected a string, got {value!r}")
-    return value
+    else:
+        out = value
+    why = setting.check(out) if setting.check else None
+    if why:
+        raise UsageError(f"{where}: {why}")
+    return out
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -331,7 +423,9 @@ def env_var(setting: str) -> str:
 def _set(merged: dict[str, object], origin: dict[str, str], key: str, value: object,
          where: str) -> None:
     if key not in _FIELDS:
-        raise UsageError(f"unknown setting {key!r} (from {where})")
+        near = closest(key, _FIELDS)
+        hint = f"; did you mean {near!r}?" if near else ""
+        raise UsageError(f"unknown setting {key!r} (from {where}){hint}")
     merged[key] = _coerce(key, value, where)
     origin[key] = where
 
@@ -368,14 +462,20 @@ def write_kept(data_dir: Path, ssd_bytes: int) -> None:
 def to_toml(cfg: Config) -> str:
     """`cfg` as a TOML file that `load(config_path=...)` reads back into an equal Config."""
     lines = ["# kvtier serve configuration (kvtier serve --print-config); use with --config"]
-    for field in dataclasses.fields(cfg):
-        value = getattr(cfg, field.name)
-        if value and field.name in SECRETS:
-            lines.append(f"# {field.name} is set (not printed; give it again to use this file)")
+    for setting in SETTINGS:
+        value = getattr(cfg, setting.name)
+        if value and setting.secret:
+            lines.append(f"# {setting.name} is set (not printed; give it again to use this file)")
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            value = json.dumps(str(value))  # a JSON string is a valid TOML basic string
-        lines.append(f"{field.name} = {value}")
+        if setting.kind == "size":
+            text = json.dumps(exact_size(int(value))) if value else "0"
+        elif setting.kind == "bool":
+            text = "true" if value else "false"
+        elif setting.kind in ("int", "float"):
+            text = str(value)
+        else:
+            text = json.dumps(str(value))  # a JSON string is a valid TOML basic string
+        lines.append(f"{setting.name} = {text}  # {setting.doc}")
     return "\n".join(lines) + "\n"
 
 
@@ -390,8 +490,6 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         return float(cast(float, v[name]))
 
     slot = i("slot_bytes")
-    if slot < 4096 or slot % 4096:
-        raise bad("slot_bytes", f"must be a positive multiple of 4096, got {slot}")
     dram = i("dram_bytes")
     if dram < slot:
         raise bad("dram_bytes", f"must hold at least one slot of {slot} bytes, got {dram}")
@@ -403,21 +501,8 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     if page and (page % 4096 or page < slot or page > dram):
         raise bad("dram_page_bytes", f"must be 0 (automatic) or a multiple of 4096 from "
                   f"slot_bytes ({slot}) to dram_bytes ({dram}), got {page}")
-    for name in ("lease_ttl_s", "max_lease_ttl_s"):
-        if not 0 < f(name) <= 86400:
-            raise bad(name, f"must be in (0, 86400] seconds, got {v[name]}")
     if f("lease_ttl_s") > f("max_lease_ttl_s"):
         raise bad("lease_ttl_s", "must not exceed max_lease_ttl_s")
-    if f("grace_s") < 0:
-        raise bad("grace_s", "must be >= 0")
-    if not 1 <= i("max_blocks_per_request") <= 1 << 20:
-        raise bad("max_blocks_per_request", "must be in [1, 1048576]")
-    if i("ssd_admit_after") < 1:
-        raise bad("ssd_admit_after", "must be >= 1")
-    if str(v["policy"]) not in POLICIES:
-        raise bad("policy", f"must be one of {', '.join(sorted(POLICIES))}, got {v['policy']!r}")
-    if not 0 < f("ssd_dwpd") <= 100:
-        raise bad("ssd_dwpd", f"must be in (0, 100] drive writes per day, got {v['ssd_dwpd']}")
     queue = i("writeback_queue_bytes") or max(slot, min(dram // 4, GiB) // slot * slot)
     if not slot <= queue <= dram:
         raise bad("writeback_queue_bytes", f"must hold one slot ({slot} bytes) and fit the DRAM "
@@ -428,29 +513,24 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     if burst < slot + BLOCK_HEADER_BYTES:  # blocks above an explicit burst never reach SSD
         raise bad("ssd_write_burst_bytes", f"must hold one block ({slot} + "
                   f"{BLOCK_HEADER_BYTES} header bytes), got {burst}")
-    if str(v["log_level"]).lower() not in _LOG_LEVELS:
-        raise bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
-    for name in ("metrics", "tcp"):
-        text = str(v[name])
-        if text:
-            _, sep, port = text.rpartition(":")
-            if not sep or not port.isdigit() or int(port) > 65535:
-                raise bad(name, f"expected HOST:PORT, got {text!r}")
     tcp_host = str(v["tcp"]).rpartition(":")[0]
     loopback = tcp_host in ("127.0.0.1", "localhost", "::1", "[::1]")
     if v["tcp"] and not loopback and not (v["tls_cert"] and v["tls_key"]):
         raise bad("tcp", "listening beyond loopback needs tls_cert and tls_key")
     if bool(v["tls_cert"]) != bool(v["tls_key"]):
         raise bad("tls_cert", "tls_cert and tls_key go together")
-    if not str(v["socket"]):
-        raise bad("socket", "must not be empty")
+    missing = _group(str(v["group"]))  # the final value only: a file's may be overridden
+    if missing:
+        raise bad("group", missing)
     remote = _validate_remote(v, bad, slot, dram)
     return Config(
         socket=Path(str(v["socket"])).expanduser(),
+        group=str(v["group"]),
         tcp=str(v["tcp"]),
         tls_cert=str(v["tls_cert"]),
         tls_key=str(v["tls_key"]),
         dram_bytes=dram,
+        dram_prefault=bool(v["dram_prefault"]),
         slot_bytes=slot,
         max_block_bytes=big,
         dram_page_bytes=page,
@@ -478,13 +558,8 @@ def _validate_remote(
 ) -> dict[str, Any]:
     """The remote_* settings, validated (the URL and TLS combination by `RemoteSpec`)."""
     out: dict[str, Any] = {name: v[name] for name in _FIELDS if name.startswith("remote_")}
-    mode = str(v["remote_mode"]).lower()
-    if mode not in ("standalone", "cluster"):
-        raise bad("remote_mode", f"must be standalone or cluster, got {v['remote_mode']!r}")
-    out["remote_mode"] = mode
+    out["remote_mode"] = str(v["remote_mode"]).lower()
     out["remote_timeout_s"] = float(cast(float, v["remote_timeout_s"]))
-    if int(cast(int, v["remote_admit_after"])) < 1:
-        raise bad("remote_admit_after", "must be >= 1")
     rate = int(cast(int, v["remote_write_bytes_per_s"])) or 200_000_000
     out["remote_write_bytes_per_s"] = rate
     burst = int(cast(int, v["remote_write_burst_bytes"])) or max(rate, 16 * slot)

@@ -14,7 +14,8 @@ does with them (`PLAN_ACTIONS`), `kvtier_plans_total{reason}` plans by `planner.
 `kvtier_plan_fetch_time_ratio{link}` is the prediction error as realized / predicted time of
 the fetch part a lease actually did (1.0 = exact; see `observe_fetch`).
 
-Thread-safe (prometheus-client's primitives are).
+`serve` exposes the registry over HTTP with the probes (`kvtier.daemon.httpd`). Thread-safe
+(prometheus-client's primitives are).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier._version import __version__
 from kvtier.core.planner import Plan, Reason
+from kvtier.daemon.httpd import HttpEndpoint, Readiness
 from kvtier.daemon.rates import Link, RateBook
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
@@ -300,7 +302,7 @@ class DaemonMetrics:
             "kvtier_client_copy_seconds", "Client-reported copy time per lease", ["direction"],
             registry=r, buckets=(1e-4, 1e-3, 5e-3, 2e-2, 0.1, 0.5, 2.0),
         )
-        self._http: object | None = None
+        self._http: HttpEndpoint | None = None
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of one sample (0 when it was never set), e.g. for the Stats RPC."""
@@ -354,15 +356,13 @@ class DaemonMetrics:
             return
         self.fetch_time_ratio.labels(link.value).observe(realized_s / predicted_s)
 
-    def serve(self, host: str, port: int) -> int:
-        """Starts /metrics on a daemon thread; returns the bound port (useful when port is 0)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http = server
-        return int(server.server_port)
+    def serve(self, host: str, port: int, readiness: Readiness = lambda: None) -> int:
+        """Starts the HTTP endpoint (/metrics and the probes, `kvtier.daemon.httpd`) on a daemon
+        thread; returns the bound port (useful when port is 0)."""
+        self._http = HttpEndpoint(host, port, self.registry, readiness)
+        return self._http.port
 
     def close(self) -> None:
-        server = self._http
-        if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
+        if self._http is not None:
+            self._http.close()
             self._http = None

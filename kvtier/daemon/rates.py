@@ -14,8 +14,10 @@ such samples at most twice that latency say little about bandwidth and are skipp
 Nonsense — non-positive, NaN or infinite values, or a rate beyond any hardware (> 10 TB/s,
 > 100 PFLOP/s per GPU) — is rejected and counted, never stored.
 
-Until a link has samples its estimate is the seed: `kvtier calibrate` results if given, else the
-DESIGN.md physics defaults (documented on `DEFAULT_LINKS` / `DEFAULT_PREFILL_FLOPS_PER_S`).
+Until a link has samples its estimate is the seed: the rates the daemon measured before its last
+restart (`kvtier.daemon.kept_rates`: `measured()` out, `reseeded()` in), else `kvtier calibrate`
+results, else the DESIGN.md physics defaults (documented on `DEFAULT_LINKS` /
+`DEFAULT_PREFILL_FLOPS_PER_S`).
 
 Contract: `RateBook` is thread-safe (one lock; every method is O(window) at most) and never raises
 on bad samples — `observe_*` return False instead. Reads return the current estimates.
@@ -83,6 +85,14 @@ DEFAULT_PREFILL_FLOPS_PER_S = 0.6 * 989e12
 
 MAX_BYTES_PER_S = 1e13
 MAX_FLOPS_PER_S = 1e17
+
+
+class Measured(NamedTuple):
+    """What a book measured (from samples, not seeds): the links with samples (their current
+    bandwidth and latency) and the prefill rate, None when it has no prefill samples."""
+
+    links: dict[Link, LinkRate]
+    prefill_flops_per_s: float | None
 
 
 class CalibrationLike(Protocol):
@@ -160,6 +170,22 @@ class RateBook:
     def fork(self) -> RateBook:
         """A new book with this one's seeds and no samples (one per tenant in the daemon)."""
         return RateBook(self._seed, self._prefill_seed, self._window)
+
+    def reseeded(self, measured: Measured) -> RateBook:
+        """A new book whose seeds are this one's with `measured` laid over them; no samples."""
+        seeds = {**self._seed, **measured.links}
+        return RateBook(seeds, measured.prefill_flops_per_s or self._prefill_seed, self._window)
+
+    def measured(self) -> Measured:
+        """The estimates that come from samples (for keeping across a restart)."""
+        links = {link: LinkRate(self.bandwidth(link), self.latency(link)) for link in Link
+                 if self.samples(link) or self._latency_samples(link)}
+        prefill = self.prefill_flops_per_s() if self.samples(None) else None
+        return Measured(links, prefill)
+
+    def _latency_samples(self, link: Link) -> int:
+        with self._lock:
+            return len(self._lat[link])
 
     def observe_transfer(
         self, link: Link, nbytes: float, seconds: float, *, includes_latency: bool = False

@@ -42,11 +42,11 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.core.wear import TokenBucket
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.remote import RemoteStore, RemoteUnavailable
-from kvtier.tiers.wear import TokenBucket
 from kvtier.tiers.writeq import Offered, QueueSpec, SlotWriteQueue
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,17 @@ class RemoteTier:
             pool, QueueSpec(spec.queue_bytes, spec.batch_blocks), self._write, self._written,
             "remote")
         registry.register(_Gauges(self))
+
+    def retune_writes(self, bytes_per_s: float, burst_bytes: int) -> None:
+        """A new write-through rate and burst from now on (SIGHUP)."""
+        self._bucket.retune(bytes_per_s, burst_bytes)
+
+    def replace_store(self, store: RemoteStore) -> None:
+        """Points the tier at another store (address, credentials, TLS, timeout or prefix changed
+        by a SIGHUP reload) from now on, and closes the old one: a call under way on it ends as
+        an outage would (a bounded wait, counted, a miss), never with wrong data."""
+        old, self.store = self.store, store
+        old.close()
 
     @property
     def held_bytes(self) -> int:

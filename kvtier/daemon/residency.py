@@ -1,14 +1,20 @@
 """Where blocks live: the prefix index (B1) over the DRAM slot pool and the SSD store + mover (E).
 
 `Tiers` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
-`ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing:
+`ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing. Deciding is the placement
+planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`); the index journals
+every residency change and the `Applier` (`kvtier.daemon.applier`) acts on it (slots freed,
+tenants charged, SSD keys deleted, events); what is left here is moving:
 
 - index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot;
-- DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists);
-- write-back (mover) starts when a DRAM-only block is admitted (k-th access, index rule) and its
-  parent is on SSD or queued, so SSD stays prefix-closed; the block is pinned while queued;
-- SSD room is made *before* a write-back is queued, by index SSD eviction + store deletes, so the
-  store never refuses for capacity; the index bounds SSD blocks at ssd_bytes / (slot + header);
+- DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists):
+  `placement.dram_room` with one size class, one victim at a time with several;
+- write-back (mover) starts when the planner says so (`placement.write_backs`: a DRAM-only block
+  admitted by the k-th access whose parent is on SSD or queued, so SSD stays prefix-closed); the
+  block is pinned while queued;
+- SSD room is made *before* a write-back is queued, by index SSD eviction (`placement.ssd_room`,
+  then the byte bound) + store deletes, so the store never refuses for capacity; the index
+  bounds SSD blocks at ssd_bytes / (slot + header);
 - promotion copies a verified SSD payload into a fresh slot; a failed verification is a miss,
   a counter, and the block's removal. It runs in three steps so the read can leave the event
   loop and the cache lock: `claim` a slot (lock held; the tenant is charged now, so concurrent
@@ -34,25 +40,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable
 
 from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
+from kvtier.core.wear import WriteBudget
+from kvtier.daemon.applier import Applier
 from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import namespace_layout, namespace_layout_id, namespace_tenant
+from kvtier.daemon.namespaces import Namespaces, namespace_layout_id, namespace_tenant
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.remote_tier import RemoteTier, RemoteWrite
+from kvtier.index import placement
 from kvtier.index.prefix import Block as IndexBlock
-from kvtier.index.prefix import Evicted, IndexStateError, PrefixIndex, Reason
+from kvtier.index.prefix import IndexStateError, PrefixIndex
 from kvtier.tiers import blockfmt
 from kvtier.tiers.dram import DramPool, DramSpec
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdSpec, SsdStore, open_store
-from kvtier.tiers.wear import WriteBudget
 
 log = logging.getLogger(__name__)
 
@@ -60,34 +67,23 @@ STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 """The SSD store's own layout tag; each block's namespace (tenant + layout id) is in its key."""
 
 
-class Removed(NamedTuple):
-    """A DRAM/SSD copy that went away (for events and tenant accounting)."""
-
-    ns: str
-    key: bytes
-    tier: Tier
-
-
 class Tiers:
     def __init__(
         self, cfg: Config, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
-        lock: threading.RLock, charge: Callable[[str, Tier, int], None],
-        ssd_quota_ok: Callable[[str, int], bool],
-        holdings: Callable[[], Mapping[str, tuple[int, int]]] = dict,
+        lock: threading.RLock, names: Namespaces,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.events = events
         self.rates = rates
         self._lock = lock
-        self._charge = charge  # (tenant, tier, +-bytes): the cache's per-tenant accounting
-        self._ssd_quota_ok = ssd_quota_ok  # (tenant, more bytes) -> within its SSD quota?
-        self._holdings = holdings  # tenant -> (DRAM bytes held, guarantee bytes): fair shares
+        self.names = names  # tenants' usage (charged here and by the applier), quotas, shares
         self.slot_bytes = cfg.slot_bytes  # the smallest slot: a block's default size
         self.pool = DramPool.create(DramSpec(
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
             slot_count=cfg.slots, replace_stale=True, max_block=cfg.max_block_bytes,
-            page_bytes=cfg.dram_page_bytes,
+            page_bytes=cfg.dram_page_bytes, group=cfg.group or None,
+            prefault=cfg.dram_prefault,
         ))
         # SSD blocks of every size: LMDB values (a slot file has one slot size) bounded in bytes
         # by `_make_ssd_room`; the index bounds their count at the smallest block's. A pool of
@@ -96,8 +92,10 @@ class Tiers:
         ssd_blocks = cfg.ssd_bytes // self.ssd_block_bytes
         self.index = PrefixIndex(
             dram_blocks=self.pool.slot_ids, ssd_blocks=ssd_blocks,
-            admission_k=cfg.ssd_admit_after, policy=cfg.policy,
+            admission_k=cfg.ssd_admit_after, policy=cfg.policy, journal=True,
         )
+        self.applier = Applier(self.index, self.pool, names, events, metrics, self.ssd_bytes_of)
+        self.apply = self.applier.apply
         self.moved = 0  # blocks moved to free a page for another size class
         self.store: SsdStore | None = None
         self.mover: Mover | None = None
@@ -126,7 +124,7 @@ class Tiers:
             **({"slot_size": cfg.slot_bytes} if cfg.slot_bytes == cfg.max_block_bytes
                else {"payload": "lmdb"}),
         ))
-        self.store = opened.store
+        self.store = self.applier.store = opened.store
         if opened.moved_aside:
             self.metrics.ssd_damage.labels("store_moved_aside").inc()
         damaged = self.store.counters.undecodable + self.store.dropped_at_open.damaged
@@ -177,9 +175,9 @@ class Tiers:
                     no_room = True
                     continue  # over the block count: the same
                 room -= cost
-                self._charge(namespace_tenant(ns), Tier.SSD, cost)
                 stack.extend(kids.get(key, ()))
             doomed.extend((ns, k) for k in parents if self.index.get(ns, k) is None)
+        self.apply(publish=False)  # charges the tenants; nobody subscribes before serving
         shrunk = self.store.dropped_at_open
         if shrunk.shrunk_blocks or no_room:
             evicted = shrunk.shrunk_blocks + len(doomed)
@@ -205,37 +203,34 @@ class Tiers:
         return self.pool.stride_for(self.block_bytes.get(ns, self.slot_bytes))
 
     def maybe_write_back(self, ns: str, blocks: list[IndexBlock]) -> None:
-        """Queues write-backs for admitted DRAM-only blocks of a looked-up chain (root first)."""
+        """Queues the write-backs the planner calls for (`placement.write_backs`: admitted
+        DRAM-only blocks of a looked-up or committed chain, root first), each after SSD room
+        (`placement.ssd_room`, then the byte bound), the tenant's SSD quota and the wear budget
+        (in `Mover.submit`); stops at the first that fails."""
         mover = self.mover
         if mover is None:
             return
-        for b in blocks:
-            if b.on_ssd or (ns, b.key) in self._queued:
-                continue
-            parent = b.parent
-            if parent is not None and not parent.on_ssd and (ns, parent.key) not in self._queued:
-                return
-            if not self.index.admits(b) or b.dram_slot is None:
-                return
-            if not self._make_ssd_room(1 + len(self._queued), self.ssd_bytes_of(ns)):
+        for w in placement.write_backs(self.index, ns, blocks, _Queued(ns, self._queued)):
+            assert w.slot is not None  # every daemon DRAM block has a slot
+            tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
+            if not self._make_ssd_room(1 + len(self._queued), cost):
                 self.metrics.writeback_dropped.inc()
                 return
-            tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
-            if not self._ssd_quota_ok(tenant, cost):
+            if not self.names.ssd_quota_ok(tenant, cost):
                 self.metrics.writeback_dropped.inc()
                 return
             nbytes = self.block_bytes.get(ns, self.slot_bytes)
-            self.index.pin(ns, b.key)
-            got = mover.submit(WriteBack(ns, b.key, b.parent_key, b.dram_slot, nbytes))
+            self.index.pin(ns, w.key)
+            got = mover.submit(WriteBack(ns, w.key, w.parent, w.slot, nbytes))
             if got is Submitted.QUEUED:
-                self._queued.add((ns, b.key))
-                self._charge(tenant, Tier.SSD, cost)  # reserved now, returned if refused
+                self._queued.add((ns, w.key))
+                self.names.charge(tenant, Tier.SSD, cost)  # reserved until written or refused
                 continue
-            self.index.unpin(ns, b.key)
+            self.index.unpin(ns, w.key)
             if got is Submitted.ALREADY_STORED:
                 try:
-                    self.index.add_tier(ns, b.key, Tier.SSD)
-                    self._charge(tenant, Tier.SSD, cost)
+                    self.index.add_tier(ns, w.key, Tier.SSD)
+                    self.apply()
                     continue
                 except IndexStateError:
                     return
@@ -245,22 +240,22 @@ class Tiers:
     def _make_ssd_room(self, need: int, nbytes: int) -> bool:
         """Room on SSD for `need` blocks (the queued ones included) and `nbytes` more bytes on
         top of what is stored and queued: SSD victims in the index's order until both fit."""
-        free = self.index.free(Tier.SSD)
-        if free is not None and free < need:
-            self._removed(self.index.evict(Tier.SSD, need - free), "capacity")
-            if (self.index.free(Tier.SSD) or 0) < need:
-                return False
+        ok = placement.ssd_room(self.index, need)
+        self.apply("capacity")
+        if not ok:
+            return False
         if self.store is None:
             return True
+        # the index's SSD bytes (kept by the applier), not the store's: a batch the writer
+        # thread has stored but not yet reported would count twice, stored and queued
         queued = sum(self.ssd_bytes_of(ns) for ns, _ in self._queued)
-        over = self.store.stats().used_bytes + queued + nbytes - self.cfg.ssd_bytes
+        over = self.applier.ssd_bytes + queued + nbytes - self.cfg.ssd_bytes
         while over > 0:
-            gone = self.index.evict(Tier.SSD, 1)
-            if not gone:
+            before = self.applier.ssd_bytes
+            if not self.index.evict_count(Tier.SSD, 1):
                 return False
-            over -= sum(self.ssd_bytes_of(str(e.tenant)) for e in gone
-                        if e.tier is Tier.SSD and e.reason is not Reason.WRITTEN)
-            self._removed(gone, "capacity")
+            self.apply("capacity")
+            over -= before - self.applier.ssd_bytes
         return True
 
     def on_written(self, batch: list[WriteBack], result: PutResult) -> None:
@@ -273,19 +268,17 @@ class Tiers:
                 if self.index.get(w.tenant, w.key) is None:  # cannot happen: it was pinned
                     continue
                 self.index.unpin(w.tenant, w.key)
-                cost = self.ssd_bytes_of(w.tenant)
+                # the reservation ends; the applier charges the copy the index now records
+                self.names.charge(namespace_tenant(w.tenant), Tier.SSD,
+                                  -self.ssd_bytes_of(w.tenant))
                 if (w.tenant, w.key) not in stored:
                     self.metrics.writeback_dropped.inc()
-                    self._charge(namespace_tenant(w.tenant), Tier.SSD, -cost)
                     continue
                 try:
                     self.index.add_tier(w.tenant, w.key, Tier.SSD)
                 except IndexStateError:  # parent's copy was refused: keep SSD prefix-closed
                     undo.append((w.tenant, w.key))
-                    self._charge(namespace_tenant(w.tenant), Tier.SSD, -cost)
-                    continue
-                self.events.emit(namespace_tenant(w.tenant), namespace_layout(w.tenant), True,
-                                 Tier.SSD, [w.key], w.parent or b"")
+            self.apply()
             if undo and self.store is not None:
                 self.store.delete_many(undo)
         self.metrics.ssd_bytes_written.inc(result.bytes_written)
@@ -302,18 +295,17 @@ class Tiers:
         slots = self.take_slots(1, namespace_tenant(ns), nbytes)
         if not slots:
             return None
-        self._charge(namespace_tenant(ns), Tier.DRAM, self.dram_bytes_of(ns))
         self.claimed += 1
         return slots[0]
 
     def unclaim(self, ns: str, slot: int) -> None:
         """Gives a claimed slot back (the read failed, or the block is no longer wanted)."""
-        self._charge(namespace_tenant(ns), Tier.DRAM, -self.pool.stride_of(slot))
-        self.pool.free(slot)
+        self.give_back(namespace_tenant(ns), slot)
         self.claimed -= 1
 
     def settle(self, ns: str, block: IndexBlock, slot: int, nbytes: int) -> None:
-        """The claimed slot holds the block's verified payload: it is the block's DRAM copy."""
+        """The claimed slot holds the block's verified payload: it is the block's DRAM copy
+        (journaled; the caller applies before it lets the lock go)."""
         self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
         self.claimed -= 1
         self.metrics.bytes_moved.labels("ssd", "promote").inc(nbytes)
@@ -348,10 +340,10 @@ class Tiers:
         if block.in_dram or block.pins:
             return
         try:
-            gone = self.index.remove_subtree(ns, block.key)
+            self.index.remove_subtree(ns, block.key)
         except IndexStateError:  # a pinned descendant
             return
-        self._removed(gone, "checksum")
+        self.apply("checksum")
 
     # -- remote -------------------------------------------------------------------------------
 
@@ -376,7 +368,8 @@ class Tiers:
 
     def settle_remote(self, ns: str, key: bytes, parent: bytes | None, slot: int) -> IndexBlock:
         """A claimed slot holds a verified remote payload: it becomes a new DRAM block (raises
-        the index's DuplicateBlock / MissingParent / TierFull; the caller then unclaims)."""
+        the index's DuplicateBlock / MissingParent / TierFull; the caller then unclaims).
+        Journaled; the caller applies before it lets the lock go."""
         block = self.index.insert(ns, key, parent, Tier.DRAM, dram_slot=slot)
         self.claimed -= 1
         self.metrics.bytes_moved.labels("remote", "promote").inc(self.block_bytes.get(
@@ -392,8 +385,15 @@ class Tiers:
 
     # -- DRAM ---------------------------------------------------------------------------------
 
+    def give_back(self, tenant: str, slot: int) -> None:
+        """Frees a slot that holds no block (an unfilled WRITE lease slot, an unsettled claim)
+        and gives its bytes back to `tenant`."""
+        self.names.charge(tenant, Tier.DRAM, -self.pool.stride_of(slot))
+        self.pool.free(slot)
+
     def take_slots(self, n: int, tenant: str, nbytes: int) -> list[int]:
-        """`n` free slots for `tenant`'s blocks of `nbytes`, evicting unpinned DRAM blocks as
+        """`n` free slots for `tenant`'s blocks of `nbytes`, charged to it (until the applier
+        or `give_back` frees them), evicting unpinned DRAM blocks as
         needed: LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
         [] when impossible (when even every unpinned block would not make room, nothing is
         evicted). Slots come in size classes on pages (`kvtier.tiers.dram_pages`): a victim of
@@ -414,6 +414,8 @@ class Tiers:
             self._gather(stride, n, nbytes)
         slots = pool.alloc_many(n, nbytes)
         if slots is not None:
+            self.names.charge(tenant, Tier.DRAM, n * stride)
+            self.apply()  # slot moves of `_gather`
             return slots
         stats = pool.stats()
         evictable = self.index.blocks(Tier.DRAM) - stats.slots_pinned
@@ -421,7 +423,7 @@ class Tiers:
             return []
         if {c.stride for c in stats.classes} == {stride} and evictable < n - pool.room(nbytes):
             return []  # one class: even every unpinned block would not make room
-        holdings = self._holdings()
+        holdings = self.names.dram_holdings()
         held = {t: b // stride for t, (b, _) in holdings.items() if b}
         if not set(held) <= {tenant}:
             short = n - pool.room(nbytes)
@@ -432,17 +434,25 @@ class Tiers:
                 if pool.can_alloc(n, nbytes) or short <= 0:
                     break
         while not pool.can_alloc(n, nbytes):
-            # one class: evict what is short at once; else one victim at a time, each one
-            # freeing a slot only its own class can use until a page empties
-            one = {c.stride for c in pool.stats().classes} == {stride}
-            gone = self.index.evict(Tier.DRAM, max(1, n - pool.room(nbytes)) if one else 1)
-            if not gone:
+            # one class: a victim frees one slot, the planner's rule (`placement.dram_room`);
+            # else one victim at a time, each freeing a slot only its own class can use until a
+            # page empties
+            st = pool.stats()
+            if {c.stride for c in st.classes} == {stride}:
+                placement.dram_room(self.index, n, pool.room(nbytes), st.slots_pinned)
+                self.apply("capacity")
                 break
-            self._removed(gone, "capacity")
+            if not self.index.evict_count(Tier.DRAM, 1):
+                break
+            self.apply("capacity")
             while wide and not pool.can_alloc(n, nbytes) and self._clear_row(nbytes):
                 pass
             self._gather(stride, n, nbytes)
-        return pool.alloc_many(n, nbytes) or []
+        slots = pool.alloc_many(n, nbytes) or []
+        if slots:
+            self.names.charge(tenant, Tier.DRAM, n * stride)
+        self.apply()
+        return slots
 
     def _gather(self, stride: int, n: int, nbytes: int) -> None:
         """Free slots other classes hold (left by earlier victims): empties a page of each
@@ -502,26 +512,10 @@ class Tiers:
             if not mine:
                 break
             for b in mine:
-                self._removed([self.index.drop(b.tenant, b.key, Tier.DRAM)], reason)
+                self.index.drop(b.tenant, b.key, Tier.DRAM)
+            self.apply(reason)
             done += len(mine)
         return done
-
-    def _removed(self, gone: list[Evicted], reason: str) -> None:
-        ssd_deletes: list[tuple[str, bytes]] = []
-        for e in gone:
-            ns = str(e.tenant)
-            if e.reason is Reason.WRITTEN:
-                continue
-            if e.tier is Tier.DRAM and e.dram_slot is not None:
-                self._charge(namespace_tenant(ns), Tier.DRAM, -self.pool.stride_of(e.dram_slot))
-                self.pool.free(e.dram_slot)
-            if e.tier is Tier.SSD:
-                ssd_deletes.append((ns, e.key))
-                self._charge(namespace_tenant(ns), Tier.SSD, -self.ssd_bytes_of(ns))
-            self.metrics.evictions.labels(e.tier.label, reason).inc()
-            self.events.emit(namespace_tenant(ns), namespace_layout(ns), False, e.tier, [e.key])
-        if ssd_deletes and self.store is not None:
-            self.store.delete_many(ssd_deletes)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -539,6 +533,19 @@ class Tiers:
         if self.store is not None:
             self.store.close()
         self.pool.close()
+
+
+class _Queued:
+    """One namespace's keys among the queued write-backs, for `placement.write_backs`."""
+
+    __slots__ = ("ns", "queued")
+
+    def __init__(self, ns: str, queued: set[tuple[str, bytes]]) -> None:
+        self.ns = ns
+        self.queued = queued
+
+    def __contains__(self, key: object) -> bool:
+        return (self.ns, key) in self.queued
 
 
 def _open_remote(

@@ -1,20 +1,29 @@
 """Runs the daemon: gRPC on a Unix socket (mode 0600; optional TCP with TLS), health, reflection,
-/metrics, the lease reaper, and a draining shutdown on SIGTERM/SIGINT.
+/metrics with the /healthz and /readyz probes (`kvtier.daemon.httpd`), the lease reaper, a
+draining shutdown on SIGTERM/SIGINT/SIGQUIT and a live reload on SIGHUP (`kvtier.daemon.reload`).
 
-Planner rates: the `RateBook` is seeded from `<data_dir>/calibration.json` (`kvtier calibrate`)
-when present, else from the built-in defaults; a calibration file that cannot be read or parsed is
-logged as a one-line warning and ignored (defaults) — the daemon still starts, since the moving
-estimates replace any seed as samples arrive and a cache that refuses to start over a stale
-measurement takes the serving path down with it. The start log line says which seeded the rates.
+Planner rates (`kvtier.daemon.kept_rates`): the `RateBook` is seeded from the rates this daemon
+measured before its last restart (`<data_dir>/rates.json`, kept every minute and at shutdown),
+over `<data_dir>/calibration.json` (`kvtier calibrate`) when present, else the built-in defaults;
+a file that cannot be read or parsed is logged as a one-line warning and ignored — the daemon
+still starts, since the moving estimates replace any seed as samples arrive and a cache that
+refuses to start over a stale measurement takes the serving path down with it. The start log
+line says which seeded the rates.
 
-Shutdown order (SIGTERM): health goes NOT_SERVING and new Acquire/Allocate calls get UNAVAILABLE;
-Release/Commit/Abort keep working until every lease has ended or `grace_s` has passed; then the
-server stops, leftover leases are ended (pins dropped, allocations aborted), the write-back queue is
-flushed and the storage tiers are closed cleanly, and the socket is removed.
+Socket path: `kvtier.daemon.sockpath.claim` refuses anything there that is not a socket and paths
+Linux cannot bind (one line); only a stale socket is removed. Readiness: `/readyz` is 503 until
+the start completes and from the first moment of a drain; sd_notify READY=1 once serving.
+
+Shutdown order (SIGTERM, SIGINT, SIGQUIT): health goes NOT_SERVING and new Acquire/Allocate calls
+get UNAVAILABLE; Release/Commit/Abort keep working until every lease has ended or `grace_s` has
+passed; then the server stops, leftover leases are ended (pins dropped, allocations aborted), the
+rates are kept, the write-back queue is flushed and the storage tiers are closed cleanly (the
+segment unlinked), and the socket is removed.
 
 Start-up: the first log line says where and how much (socket, metrics, DRAM and SSD tiers,
 rates, tenants). Lines logged while starting (a reclaimed segment, a damaged SSD store moved
-aside, the SSD rebuild) are held and follow it. The data dir is locked for the daemon's life
+aside, the SSD rebuild) are held and follow it; the first line is stamped when the start began,
+so the log stays in timestamp order. The data dir is locked for the daemon's life
 (`kvtier.daemon.dirlock`): a second daemon on it is refused, naming the first (pid, socket).
 The SSD size it runs with is kept in the data dir (`config.write_kept`), so the next start
 without an explicit `ssd_bytes` keeps the tier's size.
@@ -33,7 +42,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,16 +55,15 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.errors import UsageError
+from kvtier.core.paths import socket_path_problem
 from kvtier.core.units import format_bytes
-from kvtier.daemon import memory
+from kvtier.daemon import kept_rates, memory, reload, sdnotify, sharing, sockpath
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache import Cache
-from kvtier.daemon.calibrate import calibration_path, load_calibration_if_present
 from kvtier.daemon.config import Config, write_kept
 from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import KEY_WIDTHS
-from kvtier.daemon.rates import RateBook
 from kvtier.daemon.rpc_guard import Limits, add_service
 from kvtier.daemon.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
 from kvtier.tiers import segment_owner
@@ -64,39 +71,6 @@ from kvtier.tiers import segment_owner
 log = logging.getLogger("kvtier.daemon.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvTier"].full_name
 REAP_INTERVAL_S = 0.25
-
-
-def _claim_socket(path: Path) -> None:
-    """Creates the socket's directory (0700) and removes a stale socket; refuses a live one."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if not path.exists() and not path.is_symlink():
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink()  # nobody listens: a crashed daemon's leftover
-        return
-    finally:
-        probe.close()
-    raise UsageError(f"another daemon is listening on {path}")
-
-
-def load_rates(data_dir: Path) -> tuple[RateBook, str]:
-    """The planner's RateBook seeded from the data dir's calibration, and where its seeds came
-    from (for the start log line). An unreadable or malformed file: a warning and defaults."""
-    path = calibration_path(data_dir)
-    try:
-        cal = load_calibration_if_present(data_dir)
-        book = RateBook.from_calibration(cal)
-    except (UsageError, ValueError) as exc:
-        reason = " ".join(str(exc).split())
-        log.warning("ignoring the calibration file (planner uses default rates): %s", reason)
-        return RateBook(), f"defaults (calibration {path} unreadable)"
-    if cal is None:
-        return book, "defaults (no calibration; run `kvtier calibrate`)"
-    created = cal.details.get("created_utc") or "undated"
-    return book, f"calibration {path} ({created})"
 
 
 def _tls_credentials(cfg: Config) -> grpc.ServerCredentials:
@@ -121,21 +95,35 @@ class _HeldLogs(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
-    def replay(self, first: Sequence[str] = ()) -> None:
-        """Restores the handlers, logs `first` (INFO), then the held records in order."""
+    def replay(self, first: Sequence[str] = (), stamp: float | None = None) -> None:
+        """Restores the handlers, logs `first` (INFO; stamped `stamp` when given, so the log
+        stays in timestamp order), then the held records in order."""
         self._root.handlers = self._saved
-        for line in first:
-            log.info("%s", line)
+        for line in first if log.isEnabledFor(logging.INFO) else ():
+            record = log.makeRecord(log.name, logging.INFO, __file__, 0, "%s", (line,), None)
+            if stamp is not None:
+                record.created = stamp
+                record.msecs = (stamp - int(stamp)) * 1000
+            log.handle(record)
         for record in self.records:
             logging.getLogger(record.name).handle(record)
         self.records.clear()
 
 
-class Daemon:
-    """One running daemon. `start()`, then `wait()`; `stop()` drains (also on SIGTERM)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 
-    def __init__(self, cfg: Config) -> None:
+
+class Daemon:
+    """One running daemon. `start()`, then `wait()`; `stop()` drains (also on SIGTERM, SIGINT
+    and SIGQUIT); `reload()` on SIGHUP (`kvtier.daemon.reload`)."""
+
+    def __init__(self, cfg: Config, source: reload.ConfigSource | None = None) -> None:
         self.cfg = cfg
+        self.source = source
+        self._file_values = source.file_values() if source is not None else {}
+        self._not_ready: str | None = "starting: the storage tiers are not open yet"
+        self._rates_saved = time.monotonic()
+        self._stop_task: asyncio.Future[None] | None = None
         self.auth = Authenticator.from_file(cfg.tokens_file)
         self.metrics = DaemonMetrics()
         self.cache: Cache | None = None
@@ -150,6 +138,7 @@ class Daemon:
 
     async def start(self) -> None:
         """Starts serving; the where-and-how-much line is the first line logged."""
+        began = time.time()
         held = _HeldLogs()
         try:
             line = await self._start()
@@ -158,7 +147,9 @@ class Daemon:
             if self._dir_lock is not None:
                 self._dir_lock.release()
             raise
-        held.replay([line])
+        held.replay([line], stamp=began)  # stamped when the start began: before the held lines
+        self._not_ready = None
+        sdnotify.notify("READY=1\nSTATUS=serving")
 
     async def _start(self) -> str:
         cfg = self.cfg
@@ -169,7 +160,13 @@ class Daemon:
                 f"{format_bytes(guaranteed)}, more than the DRAM pool "
                 f"({format_bytes(cfg.dram_bytes)})"
             )
-        _claim_socket(cfg.socket)
+        problem = socket_path_problem(cfg.socket)
+        if problem:
+            raise UsageError(problem)
+        sharing.prepare_socket_dir(cfg.socket, cfg.group)  # 0750 of the group, if any
+        removed = sockpath.claim(cfg.socket)
+        if removed:
+            log.warning("%s", removed)
         reclaimed = segment_owner.reclaim(self.segment_record)
         if reclaimed:
             log.warning("%s", reclaimed)
@@ -182,13 +179,14 @@ class Daemon:
         addr = self.cfg.metrics_address()
         if addr is not None:
             try:
-                self.metrics_port = self.metrics.serve(*addr)
+                self.metrics_port = self.metrics.serve(*addr, readiness=lambda: self._not_ready)
             except OSError as exc:
                 raise UsageError(f"metrics address {cfg.metrics}: {exc}") from None
         try:
             self._dir_lock = DataDirLock.acquire(cfg.data_dir, cfg.socket)  # before any file in it
-            rates, rates_from = load_rates(cfg.data_dir)
-            self.cache = cache = Cache(cfg, self.metrics, rates=rates)
+            rates = kept_rates.start_rates(cfg.data_dir)
+            self.cache = cache = Cache(cfg, self.metrics, rates=rates.book)
+            cache.tenant_rates.seed(rates.tenants)
             if cache.tiers.store is not None:
                 write_kept(cfg.data_dir, cfg.ssd_bytes)
         except (OSError, lmdb.Error) as exc:
@@ -221,7 +219,7 @@ class Daemon:
                 f"{format_bytes(cfg.dram_bytes)} (blocks up to "
                 f"{format_bytes(cfg.max_block_bytes)} in size classes, slots from "
                 f"{format_bytes(cfg.slot_bytes)}); SSD tier {ssd}; planner rates from "
-                f"{rates_from}; tenants: {tenants} ({auth})")
+                f"{rates.described}; tenants: {tenants} ({auth})")
 
     @property
     def segment_record(self) -> Path:
@@ -246,9 +244,11 @@ class Daemon:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        old_umask = os.umask(0o177)  # the socket file is created 0600
+        old_umask = os.umask(sharing.socket_umask(cfg.group))  # created 0600 (0660: group)
         try:
             server.add_insecure_port(f"unix:{cfg.socket}")
+        except RuntimeError:
+            raise UsageError(f"socket {cfg.socket}: cannot listen on it") from None
         finally:
             os.umask(old_umask)
         if cfg.tcp:
@@ -259,7 +259,7 @@ class Daemon:
             if not bound:
                 raise UsageError(f"cannot listen on tcp {cfg.tcp}")
         await server.start()
-        os.chmod(cfg.socket, 0o600)
+        sharing.share_socket(cfg.socket, cfg.group)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -272,11 +272,60 @@ class Daemon:
             if time.monotonic() - trimmed >= memory.TRIM_EVERY_S:
                 memory.trim()
                 trimmed = time.monotonic()
+            if time.monotonic() - self._rates_saved >= kept_rates.SAVE_EVERY_S:
+                await asyncio.to_thread(self.save_rates)
+
+    def save_rates(self) -> None:
+        """Keeps the measured planner rates in the data dir (`kvtier.daemon.kept_rates`)."""
+        self._rates_saved = time.monotonic()
+        cache = self.cache
+        if cache is None:
+            return
+        try:
+            kept_rates.save(self.cfg.data_dir, cache.rates, cache.tenant_rates.books())
+        except OSError as exc:
+            log.warning("cannot keep the planner rates in %s: %s", self.cfg.data_dir, exc)
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM, SIGINT and SIGQUIT drain; SIGHUP reloads. None of them kills the daemon
+        without its cleanup (socket and shared-memory segment removed)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+
+    def _on_stop_signal(self, sig: signal.Signals) -> None:
+        if not self._stopping.is_set():
+            log.info("%s received", sig.name)
+            self._stop_task = asyncio.ensure_future(self.stop())
+
+    def reload(self) -> bool:
+        """Re-reads the configuration and the tokens file and applies what can change live
+        (see `kvtier.daemon.reload`); whether it applied. Runs on the event loop."""
+        if self._stopping.is_set() or self._not_ready is not None:
+            log.warning("SIGHUP ignored: the daemon is %s", "draining" if self._stopping.is_set()
+                        else "still starting")
+            return False
+        if self.source is None:
+            log.warning("SIGHUP ignored: this daemon was not started from a configuration source")
+            return False
+        sdnotify.notify("RELOADING=1")
+        try:
+            done, file_values = reload.prepare(self.source, self.cfg, self.auth,
+                                               self._file_values)
+        except UsageError as exc:
+            log.error("reload (SIGHUP) refused, nothing changed: %s", exc)
+            sdnotify.notify("READY=1")
+            return False
+        reload.apply(done, self.cfg, self.cache, self.auth)
+        self.cfg, self.auth, self._file_values = done.cfg, done.auth, file_values
+        if self.service is not None:
+            self.service.auth = done.auth
+        log.info("%s", done.summary)
+        if done.kept:
+            log.warning("%s", done.kept)
+        sdnotify.notify("READY=1")
+        return True
 
     async def stop(self) -> None:
         """Drains and shuts down; safe to call more than once (later calls wait for the first)."""
@@ -284,6 +333,8 @@ class Daemon:
             await self._done.wait()
             return
         self._stopping.set()
+        self._not_ready = "draining: shutting down"
+        sdnotify.notify("STOPPING=1")
         cache = self.cache
         log.info("kvtier draining (grace %.1f s)", self.cfg.grace_s)
         await self.health.enter_graceful_shutdown()
@@ -303,6 +354,7 @@ class Daemon:
                 await self._reaper
         if cache is not None:
             left = cache.active_leases()
+            self.save_rates()
             self._close_cache(cache)
             log.info("kvtier stopped (%d lease(s) ended at shutdown)", left)
         self.metrics.close()
@@ -316,18 +368,27 @@ class Daemon:
         await self._done.wait()
 
 
-async def run(cfg: Config) -> None:
-    daemon = Daemon(cfg)
+async def run(cfg: Config, source: reload.ConfigSource | None = None) -> None:
+    daemon = Daemon(cfg, source)
+    loop = asyncio.get_running_loop()
+    # until the handlers are in place (start-up): a stop signal stops right after the start,
+    # a SIGHUP is ignored — none of them may kill the process half-started
+    early: list[signal.Signals] = []
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, early.append, sig)
+    loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP ignored: the daemon is starting")
     await daemon.start()
     daemon.install_signal_handlers()
+    if early:
+        daemon._on_stop_signal(early[0])
     await daemon.wait()
 
 
-def serve(cfg: Config) -> int:
+def serve(cfg: Config, source: reload.ConfigSource | None = None) -> int:
     """Blocking entry point of `kvtier serve`; returns the exit code."""
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(run(cfg))
+    asyncio.run(run(cfg, source))
     return 0

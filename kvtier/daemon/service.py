@@ -315,6 +315,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                     pb.MrcPoint(scaled=p.scaled, factor=p.factor, dram_blocks=p.dram_blocks,
                                 ssd_blocks=p.ssd_blocks, dram_hit_ratio=p.dram_hit_ratio,
                                 hit_ratio=p.hit_ratio) for p in self.cache.mrc_gauges().points)
+                reply.mrc_sampled_blocks = self.cache.mrc.sampled_refs
             return reply
 
         return await self._unary("Stats", request, context, go)

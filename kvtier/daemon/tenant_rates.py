@@ -6,16 +6,19 @@ plan) and to the node's book, which feeds the `kvtier_rate_*` gauges. A tenant's
 DRAM copy and prefill rates and the SSD read rates the daemon measured itself (`plan_rates`), so a
 tenant reporting absurd prefills or copies only misleads its own planner.
 
+Seeds kept from before a restart (`kvtier.daemon.kept_rates`) seed a tenant's book when it is made;
+`books()` is what is kept in turn.
+
 Thread-safe (a lock around the table; each `RateBook` locks itself).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvtier.core.planner import PlanRates
-from kvtier.daemon.rates import Link, RateBook
+from kvtier.daemon.rates import Link, Measured, RateBook
 
 
 class TenantRates:
@@ -23,13 +26,26 @@ class TenantRates:
         self.node = node
         self._lock = threading.Lock()
         self._books: dict[str, RateBook] = {}
+        self._seeds: dict[str, Measured] = {}
+
+    def seed(self, seeds: Mapping[str, Measured]) -> None:
+        """Seeds for tenants' books made from now on (kept rates, before serving starts)."""
+        with self._lock:
+            self._seeds.update(seeds)
 
     def book(self, tenant: str) -> RateBook:
         with self._lock:
             book = self._books.get(tenant)
             if book is None:
-                book = self._books[tenant] = self.node.fork()
+                seed = self._seeds.get(tenant)
+                book = self.node.fork() if seed is None else self.node.reseeded(seed)
+                self._books[tenant] = book
             return book
+
+    def books(self) -> dict[str, RateBook]:
+        """Every tenant's book so far (a copy of the table)."""
+        with self._lock:
+            return dict(self._books)
 
     def observe(self, tenant: str, sample: Callable[[RateBook], bool]) -> bool:
         """Feeds one client-reported sample to the node's book and the tenant's; whether the

@@ -41,6 +41,15 @@ from xxhash import xxh3_64_intdigest
 FACTORS = (0.25, 0.5, 2.0, 4.0, 8.0)
 """Capacity multiples the daemon reports (of its DRAM, and of its SSD)."""
 
+MIN_SAMPLES = 1000
+"""Sampled block references below which the curve is not reported as a number (`kvtier stats`
+says how many it has): with fewer, a hit ratio's sampling error alone can exceed `ERROR`
+(binomial: 2 x 0.5 / sqrt(1000) = 0.032)."""
+ERROR = 0.03
+"""The estimator's stated error in hit ratio: within 3 points of `kvtier simulate` replays of
+the shared trace (tests/test_mrc.py) and of the daemon's measured ratio at its own capacity
+(tests/test_stats_top.py), once `MIN_SAMPLES` references were sampled."""
+
 DRAM_SHARE = 0.5
 """Of the admitted blocks DRAM holds, the share that does not also take SSD room: a block promoted
 from SSD keeps its SSD copy, one that reached k accesses while in DRAM has none yet. 0.5 is

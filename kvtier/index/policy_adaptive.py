@@ -116,15 +116,6 @@ SHARES = (0.1, 1.0)
 """Candidate shares of the probation list (1.0 = plain LRU), ranked by `MiniSims`."""
 
 
-def bucket(depth: int, tail: int, hit: int, since: int, seen: int) -> int:
-    """Feature bucket: `tail` 0 inner / 1 full last / 2 partial last; `hit` 0 no prefix hit /
-    1 the parent was hit for the first time / 2 the parent was reused before; `since` = blocks
-    between the hit boundary and this one; `seen` 1 if the sketch saw the key before."""
-    d = depth.bit_length()
-    b = ((min(d, 7) * 3 + tail) * 3 + hit) * 4 + (since if since < 2 else 2 if since < 4 else 3)
-    return b * 2 + seen
-
-
 def _seed(tenant: Tenant) -> int:
     return (tenant if isinstance(tenant, int) else xxh3_64_intdigest(tenant.encode())) & _MASK64
 
@@ -189,10 +180,6 @@ class ReusePredictor:
             t = self._tables[tenant] = (array("I", bytes(4 * BUCKETS)),
                                         array("I", bytes(4 * BUCKETS)), [1, 2])
         return t
-
-    def estimate(self, tenant: Tenant, b: int) -> float:
-        reused, stored, total = self.table(tenant)
-        return (reused[b] + _PRIOR * total[0] / total[1]) / (stored[b] + _PRIOR)
 
     def learn(self, tenant: Tenant, b: int, was_reused: bool) -> None:
         reused, stored, total = self.table(tenant)
@@ -362,6 +349,11 @@ class AdaptivePolicy(Policy):
         prior = _PRIOR * total[0] / total[1]
         lo, bypass = self.lo, self.bypass
         n = start
+        # per block, its feature bucket b: depth (bit length of its position) x `tail` (0 inner,
+        # 1 full last, 2 partial last) x `hit` (0 no prefix hit, 1 the parent hit for the first
+        # time, 2 the parent reused before) x `since` (blocks since the hit boundary: 0, 1, 2-3,
+        # 4+) x seen by the sketch before; and its reuse estimate p = (reused + prior) /
+        # (stored + _PRIOR), the prior being the tenant's overall rate. Inline: per stored block.
         for i in range(start, len(keys)):
             tail = 0 if i < last else 2 if partial_last else 1
             since = i - start

@@ -27,7 +27,8 @@ Invariants (checked by tests/test_index_props.py after every step):
 
 Eviction structure: one queue per managed tier holds exactly the blocks that may leave it now, so
 a victim is a queue's cold end, never a scan (`kvtier.index.state`); `kvtier.index.evict` picks
-and evicts victims, with write-back at eviction.
+and evicts victims (with an optional write-back at eviction); `kvtier.index.placement` decides
+write-backs and room for the daemon and the simulator alike.
 
 Access statistics: `hits` counts accesses (the commit is the first, each lookup hit adds one);
 `last` is the index's logical clock at the last access (one tick per insert and per touching
@@ -38,7 +39,12 @@ history still remembers it starts at that count + 1, so a block reused at a dist
 DRAM can still reach the k-th access that admits it to SSD. The history holds no key and never
 grows (4 bytes a word, one word per block of DRAM + SSD capacity by default).
 
-Exceptions are `IndexStateError` subclasses; a call that raises has changed nothing.
+Journal: with ``journal=True`` every copy added to or dropped from a tier and every DRAM slot move
+is a `Change`, whichever call made it; `take_changes` hands them out oldest first. The owner acts
+on them in one place (the daemon's applier) instead of after each call.
+
+Exceptions are `IndexStateError` subclasses; a call that raises has changed nothing (and journals
+nothing).
 Threading: not thread-safe; the owner serialises calls (the daemon holds one lock around it).
 Block objects returned are live views: read them, never write them, and don't keep them across
 calls that may remove the entry.
@@ -65,12 +71,14 @@ from kvtier.index.types import (
     SLOT_SHIFT,
     BadSlot,
     Block,
+    Change,
     DuplicateBlock,
     Evicted,
     IndexStateError,
     IndexStats,
     MissingParent,
     NotEvictable,
+    Op,
     PinnedBlock,
     Prefix,
     Reason,
@@ -80,8 +88,9 @@ from kvtier.index.types import (
 )
 
 __all__ = [
-    "ADMISSION_HISTORY_PER_BLOCK", "EVICTION_COUNTERS", "BadSlot", "Block", "DuplicateBlock",
-    "Evicted", "IndexStateError", "IndexStats", "MissingParent", "NotEvictable", "PinnedBlock",
+    "ADMISSION_HISTORY_PER_BLOCK", "EVICTION_COUNTERS", "BadSlot", "Block", "Change",
+    "DuplicateBlock", "Evicted", "IndexStateError", "IndexStats", "MissingParent", "NotEvictable",
+    "Op", "PinnedBlock",
     "Prefix", "PrefixIndex", "Reason", "Tenant", "TierFull", "UnknownBlock",
 ]
 
@@ -100,7 +109,8 @@ class PrefixIndex(Eviction, HbmReports):
     `kvtier.index.policies.AdmissionHistory` that keeps the access counts of dropped blocks (4 bytes
     each; 0 = off, a reinserted block starts again at 1); None = `ADMISSION_HISTORY_PER_BLOCK` x
     (dram_blocks + ssd_blocks) when both are bounded and ssd_blocks > 0 or the policy reads
-    ghosts (`Policy.ghosts`: vllm-arc, lmcache-s3fifo, kvtier), else 0.
+    ghosts (`Policy.ghosts`: vllm-arc, lmcache-s3fifo, kvtier), else 0. `journal`: keep the
+    journal of residency changes that `take_changes` hands out (`kvtier.index.state`).
 
     Queries, `stats` and the constructor: `kvtier.index.state.IndexState`; `victims`, `evict`,
     `evict_count`, `admits`: `kvtier.index.evict`; `hbm_add`, `hbm_drop`, `drop_replica`:
@@ -320,6 +330,8 @@ class PrefixIndex(Eviction, HbmReports):
         self._slot_used[old] = 0
         self._slot_used[slot] = 1
         b.flags = b.flags & FLAG_BITS | (slot + 1) << SLOT_SHIFT
+        if self._journal is not None:
+            self._journal.append(Change(Op.MOVE, tenant, key, _DRAM, slot, None, old))
         return b
 
     # ---------------------------------------------------------------- leases

@@ -22,6 +22,14 @@ gone, an SSD copy added, demoted) goes to the cold end if it was last used no la
 queue's coldest block, else to the hot end; so a chain used together drains tail-first, and the
 order is exact LRU whenever entering blocks are older than all or newer than all.
 
+Journal. With `journal=True` every residency change — a copy added to or dropped from a tier
+(`_add`/`_drop`), a DRAM copy moved to another slot — is appended to a list of `Change` entries in
+the order it happened, whatever public call made it; `take_changes` hands them out and starts a new
+list (as SGLang's radix cache hands out its KV events with `take_events`). The daemon's applier
+(`kvtier.daemon.applier`) acts on them — frees slots, charges tenants, deletes SSD keys, publishes
+events — so no caller of the index repeats that bookkeeping. Off by default (the simulator and the
+benchmarks do not read it), so the request path pays one `is None` test per change.
+
 Threading: none; the owner serialises calls (see `kvtier.index.prefix`).
 """
 
@@ -46,9 +54,11 @@ from kvtier.index.types import (
     STORED,
     BadSlot,
     Block,
+    Change,
     Evicted,
     IndexStats,
     MissingParent,
+    Op,
     PinnedBlock,
     Reason,
     Tenant,
@@ -60,6 +70,7 @@ from kvtier.index.types import (
 _HBM, _DRAM, _SSD = Tier.HBM, Tier.DRAM, Tier.SSD
 _DEMOTED, _WRITTEN_BACK, _COPY_DROPPED, _DROPPED = (
     Reason.DEMOTED, Reason.WRITTEN_BACK, Reason.COPY_DROPPED, Reason.DROPPED)
+_ADD, _DROP = Op.ADD, Op.DROP
 
 
 def short(key: BlockKey) -> str:
@@ -84,6 +95,7 @@ class IndexState:
         policy: str = DEFAULT_POLICY,
         admission_k: int = 2,
         admission_history: int | None = None,
+        journal: bool = False,
     ) -> None:
         for name, cap in (("dram_blocks", dram_blocks), ("ssd_blocks", ssd_blocks)):
             if cap is not None and cap < 0:
@@ -116,6 +128,17 @@ class IndexState:
         self._pins = 0
         self._ssd_writes = 0
         self._evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
+        self._journal: list[Change] | None = [] if journal else None
+
+    # ---------------------------------------------------------------- journal
+    def take_changes(self) -> list[Change]:
+        """The residency changes since the last call, oldest first, and a fresh journal ([]
+        when the index keeps none: `journal=False`)."""
+        j = self._journal
+        if not j:
+            return []
+        self._journal = []
+        return j
 
     # ---------------------------------------------------------------- queries
     def get(self, tenant: Tenant, key: BlockKey) -> Block | None:
@@ -230,6 +253,10 @@ class IndexState:
             b.flags |= (slot + 1) << SLOT_SHIFT
             self._slot_used[slot] = 1
         self._requeue(b)
+        if self._journal is not None:
+            p = b.parent
+            self._journal.append(Change(_ADD, b.tenant, b.key, tier, slot,
+                                        None if p is None else p.key))
 
     def _drop(self, b: Block, tier: Tier, out: list[Evicted] | None, *,
               written_back: bool = False, count: bool = True) -> None:
@@ -261,6 +288,8 @@ class IndexState:
             self._unlink(b)
         if count:
             self._evictions[name] += 1
+        if self._journal is not None:
+            self._journal.append(Change(_DROP, b.tenant, b.key, tier, slot))
         if out is not None:
             out.append(Evicted(b.tenant, b.key, tier, reason, slot))
 

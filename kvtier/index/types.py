@@ -141,6 +141,32 @@ class Evicted(NamedTuple):
     dram_slot: int | None
 
 
+class Op(enum.Enum):
+    """What a journal entry (`Change`) did to one block's copy in one tier."""
+
+    ADD = "add"
+    """A copy now lives in `tier` (insert, promotion, write-back, demotion's SSD copy)."""
+    DROP = "drop"
+    """The copy in `tier` is gone (eviction, demotion's DRAM copy, drop, remove)."""
+    MOVE = "move"
+    """The DRAM copy now lives in another slot (`slot`; the pool moved its bytes)."""
+
+
+class Change(NamedTuple):
+    """One entry of the index's journal (`PrefixIndex.take_changes`), in the order the changes
+    happened. `slot`: the DRAM slot taken (ADD), freed (DROP) or moved to (MOVE); None when no
+    slot is tracked or the tier is SSD. `parent`: the block's parent key (ADD only; None for a
+    root and for DROP/MOVE). `old_slot`: the slot a MOVE left (else None)."""
+
+    op: Op
+    tenant: Tenant
+    key: BlockKey
+    tier: Tier
+    slot: int | None
+    parent: BlockKey | None = None
+    old_slot: int | None = None
+
+
 class Prefix(NamedTuple):
     """The longest cached prefix of a key chain: its blocks and each one's best tier."""
 

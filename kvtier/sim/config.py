@@ -10,14 +10,19 @@ from kvtier.index.policy_registry import DEFAULT_POLICY
 
 @dataclass(frozen=True)
 class TierConfig:
-    """Capacities in trace blocks, the index's eviction policy, the SSD admission threshold and
-    the admission history's size in words (None = the index's default; 0 = no history)."""
+    """Capacities in trace blocks, the index's eviction policy, the SSD admission threshold, the
+    admission history's size in words (None = the index's default; 0 = no history) and the SSD
+    write budget as the daemon enforces it (`kvtier.core.wear.WriteBudget`: bytes a day, burst
+    bytes, bytes one block write costs — payload and header; None = no budget)."""
 
     dram_blocks: int
     ssd_blocks: int = 0
     policy: str = DEFAULT_POLICY
     ssd_admit_k: int = 2
     admission_history: int | None = None
+    ssd_write_bytes_per_day: float | None = None
+    ssd_write_burst_bytes: int = 0
+    ssd_block_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.dram_blocks < 0 or self.ssd_blocks < 0:
@@ -26,6 +31,12 @@ class TierConfig:
             raise ValueError(f"SSD admission k must be >= 1, got {self.ssd_admit_k}")
         if self.admission_history is not None and self.admission_history < 0:
             raise ValueError(f"admission history must be >= 0, got {self.admission_history}")
+        if self.ssd_write_bytes_per_day is not None and not (
+                self.ssd_write_bytes_per_day >= 0
+                and 0 < self.ssd_block_bytes <= self.ssd_write_burst_bytes):
+            raise ValueError("an SSD write budget needs bytes per day >= 0 and a burst that "
+                             f"holds one block write (burst {self.ssd_write_burst_bytes}, "
+                             f"block {self.ssd_block_bytes})")
 
     @property
     def total_blocks(self) -> int:
@@ -48,6 +59,7 @@ class ReplayStats(NamedTuple):
     seconds / cpu_seconds: wall and process CPU time of the replay loop.
     history_size: words of the index's admission history (0 = off); history_recalled: missed
     blocks committed again that got their earlier access count back from it.
+    ssd_writes_refused: write-backs the SSD write budget refused (the block stayed DRAM-only).
     """
 
     requests: int
@@ -69,6 +81,7 @@ class ReplayStats(NamedTuple):
     history_size: int = 0
     history_recalled: int = 0
     bypassed: int = 0
+    ssd_writes_refused: int = 0
 
     @property
     def hits(self) -> int:

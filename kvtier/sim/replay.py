@@ -1,32 +1,39 @@
-"""Replay a trace through the real `kvtier.index.prefix.PrefixIndex`, tier by tier.
+"""Replay a trace through the real `kvtier.index.prefix.PrefixIndex` and the daemon's placement
+planner (`kvtier.index.placement`), step by step as the daemon serves a request.
 
 Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian key of block i):
 
-  1. lookup: `index.lookup` returns the longest cached prefix and each block's best tier; those
-     blocks are the request's hits (by tier), and the lookup counts an access on each.
-  2. lease: the hit blocks are pinned until the request ends, so nothing the request uses is
-     evicted under it. (A simplification of the daemon, which holds the Acquire lease while the
-     engine loads and then its Allocate slots until Commit.)
-  3. admission: `index.admit` says how many of the missed blocks the policy stores (all, for
-     LRU; a prefix of them for policies with DRAM admission, e.g. without a partial last block);
-     the rest count as not stored.
-  4. room: one `index.evict_count(DRAM, n, write_back=True)` makes room for the SSD hits and the
-     missed blocks; the index demotes admitted victims (k-th access, counting accesses before an
-     earlier drop while its admission history remembers them) to SSD, evicting SSD leaves for
-     them, and drops the rest, leaf-first. All eviction for the request happens here, so the
-     blocks committed next cannot be evicted before the request ends either.
-  5. promote: SSD-only hits are copied into DRAM (`index.promote`; the SSD copy stays).
-  6. commit: the admitted missed blocks are inserted into DRAM in chain order (`index.insert`).
-     When DRAM has too few evictable blocks (the request is longer than DRAM), only the first
-     missed blocks are stored: the rest is a suffix, so nothing is stranded.
-  7. release: the pins are dropped.
+  1. Lookup: `index.lookup` returns the longest cached prefix and each block's best tier; those
+     blocks are the request's hits (by tier), and the lookup counts an access on each. Then the
+     write-backs the planner calls for (`placement.write_backs`: DRAM-only blocks that reached
+     the k-th access, under a parent on SSD), each after SSD room (`placement.ssd_room`) and
+     the SSD write budget; a write-back the budget refuses ends the chain's write-backs
+     (counted in `ssd_writes_refused`).
+  2. Acquire: the prefix is pinned until the request ends; each SSD-only block is promoted
+     into DRAM (`index.promote`; the SSD copy stays) after `placement.dram_room` made a slot;
+     the prefix ends before a block that gets none.
+  3. Allocate: `index.admit` says how many of the missed blocks the policy stores (all, for
+     LRU; a prefix of them for policies with DRAM admission, e.g. without a partial last
+     block); `placement.dram_room` makes room for them. A request longer than what DRAM can
+     give it stores the first blocks that fit (the rest is a suffix: nothing is stranded): what
+     an engine that saves chunk by chunk gets, where the daemon refuses a single Allocate of
+     the whole run — the one place the simulator is not the daemon.
+  4. Commit: the admitted missed blocks are inserted into DRAM in chain order (`index.insert`),
+     then the planner's write-backs of the new blocks (k = 1, or a count the admission history
+     gave back), as in 1.
+  5. Release: the pins are dropped.
+
+This is the daemon's order and its rules (tests/test_sim_equals_daemon.py replays one trace
+through both and compares hits and SSD writes exactly). The write budget is the daemon's token
+bucket (`kvtier.core.wear.WriteBudget`) on the trace's clock (its timestamps, ms).
 
 Movement counters come from the index's own eviction counters; `stranded_blocks` is recounted on
 the index after the replay, never assumed.
 
-Model limits: requests are served one at a time in trace order (timestamps only order them; no
-overlap between requests, no lease expiry, no HBM tier), and every missed block is committed at
-once, as if its prefill had finished before the next request arrives.
+Model limits: requests are served one at a time in trace order (timestamps order them and drive
+the budget's clock; no overlap between requests, no lease expiry, no HBM tier); every missed
+block is committed at once, as if its prefill had finished before the next request arrives; a
+write-back is on SSD at once (the daemon's queue is drained between requests).
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvtier.core.types import Tier
-from kvtier.index.prefix import Block, PrefixIndex
+from kvtier.core.wear import WriteBudget
+from kvtier.index import placement
+from kvtier.index.prefix import Block, PrefixIndex, Tenant
 from kvtier.sim.config import ReplayStats, TierConfig
 from kvtier.sim.trace import TRACE_BLOCK_TOKENS, Request
 
@@ -58,59 +67,125 @@ def new_index(config: TierConfig) -> PrefixIndex:
     )
 
 
+class _Writer:
+    """Applies the planner's write-back intents at once, under the SSD write budget."""
+
+    def __init__(self, idx: PrefixIndex, config: TierConfig, now: list[float],
+                 tenant: Tenant) -> None:
+        self.idx = idx
+        self.tenant = tenant
+        self.cost = config.ssd_block_bytes
+        self.budget = None if config.ssd_write_bytes_per_day is None else WriteBudget(
+            config.ssd_write_bytes_per_day, config.ssd_write_burst_bytes,
+            clock=lambda: now[0] / 1000.0)
+        self.refused = 0
+
+    def write(self, blocks: list[Block]) -> bool:
+        """Writes back what the planner calls for, as the daemon does: each write-back is
+        pinned while it waits (room is made for it and those before it), then all are
+        recorded on SSD in order, each unpinned first. True if SSD victims were evicted for
+        room (they may have been blocks of `blocks`' own chain)."""
+        idx, tenant, evicted = self.idx, self.tenant, False
+        queued: list[bytes] = []
+        for w in placement.write_backs(idx, tenant, blocks):
+            need = 1 + len(queued)
+            free = idx.free(Tier.SSD)
+            evicted = evicted or (free is not None and free < need)
+            if not placement.ssd_room(idx, need):
+                break
+            if self.budget is not None and not self.budget.try_spend(self.cost):
+                self.refused += 1
+                break
+            idx.pin(tenant, w.key)
+            queued.append(w.key)
+        for key in queued:
+            idx.unpin(tenant, key)
+            idx.add_tier(tenant, key, Tier.SSD)
+        return evicted
+
+
 def replay(
     requests: Sequence[Request],
     config: TierConfig,
     progress: Callable[[int], None] | None = None,
     index: PrefixIndex | None = None,
+    *,
+    tenant: Tenant = TENANT,
+    key_bytes: int = 8,
 ) -> ReplayStats:
     """Replay `requests` (see the module docstring). `index`, if given, must be empty and is left
-    in its final state for inspection; `progress(n)` is called every few hundred requests."""
+    in its final state for inspection; `progress(n)` is called every few hundred requests.
+    `tenant` and `key_bytes` (trace id i is the big-endian key of that width) name the blocks
+    in the index; a daemon's own names make its admission history and policy hashes the same
+    (the equality test)."""
     idx = new_index(config) if index is None else index
     if len(idx):
         raise ValueError("replay needs an empty index")
     dram, ssd = Tier.DRAM, Tier.SSD
     lookup, insert, promote, admit = idx.lookup, idx.insert, idx.promote, idx.admit
-    pin, unpin, evict, free = idx.pin, idx.unpin, idx.evict_count, idx.free
+    pin, unpin, free = idx.pin, idx.unpin, idx.free
+    dram_room = placement.dram_room
+    now = [0.0]
+    writer = _Writer(idx, config, now, tenant)
+    write = writer.write if config.ssd_blocks else None
     hits_dram = hits_ssd = promotions = inserted = not_stored = bypassed = refs = 0
     t0, c0 = time.perf_counter(), time.process_time()
     for n, req in enumerate(requests, start=1):
-        keys = [i.to_bytes(8, "big") for i in req.hash_ids]
+        now[0] = req.timestamp
+        keys = [i.to_bytes(key_bytes, "big") for i in req.hash_ids]
         refs += len(keys)
-        prefix = lookup(TENANT, keys)
+        # Lookup
+        prefix = lookup(tenant, keys)
         tiers = prefix.tiers
         h = len(tiers)
         on_ssd = tiers.count(ssd)
         hits_ssd += on_ssd
         hits_dram += h - on_ssd
-        pinned = keys[:h]
-        for k in pinned:
-            pin(TENANT, k)
-        missing = len(keys) - h
-        admitted = admit(TENANT, keys, h,
-                         partial_last=req.input_length < len(keys) * TRACE_BLOCK_TOKENS)
-        bypassed += missing - admitted
-        want = on_ssd + admitted
-        room = free(dram)
-        assert room is not None
-        if want > room:
-            evict(dram, want - room, write_back=True)
-            room = free(dram) or 0
+        held = prefix.blocks
+        if write is not None and h and write(held):
+            held = lookup(tenant, keys, touch=False).blocks  # as Acquire looks again
+        start = len(held)
+        # Acquire
+        for b in held:
+            pin(tenant, b.key)
+        promoted = 0
         if on_ssd:
-            for b, t in zip(prefix.blocks, tiers, strict=True):
-                if t is ssd and room:
-                    promote(TENANT, b.key, dram)
-                    promotions += 1
-                    room -= 1
-        stored = min(admitted, room)
-        not_stored += missing - stored
-        inserted += stored
-        parent = keys[h - 1] if h else None
-        for k in keys[h : h + stored]:
-            insert(TENANT, k, parent)
-            parent = k
-        for k in pinned:
-            unpin(TENANT, k)
+            for i, b in enumerate(held):
+                if b.in_dram:
+                    continue
+                # the daemon's pool counts claimed slots as pinned only from the lease's grant
+                if dram_room(idx, 1, free(dram) or 0, promoted) < 1:
+                    for rest in held[i:]:
+                        unpin(tenant, rest.key)
+                    del held[i:]
+                    break
+                promote(tenant, b.key, dram)
+                promoted += 1
+            promotions += promoted
+        # Allocate + Commit
+        missing = len(keys) - start
+        if missing:
+            admitted = admit(tenant, keys, start,
+                             partial_last=req.input_length < len(keys) * TRACE_BLOCK_TOKENS)
+            bypassed += missing - admitted
+            stored = 0
+            if admitted:
+                room = free(dram) or 0
+                fit = min(admitted, room + idx.blocks(dram) - len(held))
+                stored = min(fit, dram_room(idx, fit, room, len(held)))
+            if stored:
+                parent = keys[start - 1] if start else None
+                new: list[Block] = []
+                for k in keys[start : start + stored]:
+                    new.append(insert(tenant, k, parent))
+                    parent = k
+                if write is not None:
+                    write(new)
+            not_stored += missing - stored
+            inserted += stored
+        # Release
+        for b in held:
+            unpin(tenant, b.key)
         if progress is not None and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -138,6 +213,7 @@ def replay(
         history_size=st.history_size,
         history_recalled=st.history_recalled,
         bypassed=bypassed,
+        ssd_writes_refused=writer.refused,
     )
 
 

@@ -56,6 +56,9 @@ def to_json(r: SimReport) -> dict[str, Any]:
         "demotions": s.demotions,
         "ssd_blocks_written": s.ssd_blocks_written,
         "ssd_bytes_written": _bytes(s.ssd_blocks_written, r.block_bytes),
+        "ssd_write_budget": None if c.ssd_write_bytes_per_day is None else {
+            "bytes_per_day": c.ssd_write_bytes_per_day, "burst_bytes": c.ssd_write_burst_bytes,
+            "block_write_bytes": c.ssd_block_bytes, "refused_writes": s.ssd_writes_refused},
         "dropped_dram": s.dropped_dram,
         "evicted_ssd": s.evicted_ssd,
         "inserted": s.inserted,
@@ -71,6 +74,15 @@ def to_json(r: SimReport) -> dict[str, Any]:
 def _cap(blocks: int, block_bytes: int | None) -> str:
     text = f"{blocks:,} blocks"
     return text if block_bytes is None else f"{text} ({format_bytes(blocks * block_bytes)})"
+
+
+def _budget(c: TierConfig, block_bytes: int | None) -> str:
+    per_day = c.ssd_write_bytes_per_day
+    if per_day is None:
+        return "no budget"
+    if block_bytes is None:
+        return f"budget {per_day:,.0f} blocks/day"
+    return f"budget {format_bytes(int(per_day))}/day"
 
 
 def format_table(r: SimReport) -> str:
@@ -101,7 +113,9 @@ def format_table(r: SimReport) -> str:
             f"{s.ssd_blocks_written:,}",
             "" if bb is None else format_bytes(s.ssd_blocks_written * bb),
         ),
-        ("dropped from DRAM (not admitted)", f"{s.dropped_dram:,}", ""),
+        ("SSD writes refused by the write budget", f"{s.ssd_writes_refused:,}",
+         _budget(c, bb)),
+        ("dropped from DRAM (not on SSD)", f"{s.dropped_dram:,}", ""),
         ("evicted from SSD", f"{s.evicted_ssd:,}", ""),
         ("committed again with a remembered count", f"{s.history_recalled:,}", ""),
         ("missed blocks stored / not stored", f"{s.inserted:,} / {s.not_stored:,}", ""),

@@ -94,6 +94,7 @@ class DramSpec:
     slot_size: int
     slot_count: int
     group: str | None = None
+    prefault: bool = False  # allocate every page at creation (charged to this process's cgroup)
     mlock: bool = False
     huge_pages: bool = False
     replace_stale: bool = False
@@ -241,6 +242,8 @@ class DramPool:
         self._fd = self._create_file()
         try:
             os.ftruncate(self._fd, self.size)
+            if spec.prefault:
+                self._allocate()
             self._map = SegmentMapping(self._fd, self.size)
         except BaseException:
             os.close(self._fd)
@@ -253,6 +256,16 @@ class DramPool:
             self.huge_pages = self._advise_huge()
         if spec.mlock:
             self.mlocked = self._mlock()
+
+    def _allocate(self) -> None:
+        """Every page of the segment now (tmpfs fallocate): a full /dev/shm fails here, not as
+        SIGBUS at a later write, and the pages are charged to the daemon's memory cgroup rather
+        than to the first client that writes them."""
+        try:
+            os.posix_fallocate(self._fd, 0, self.size)
+        except OSError as exc:
+            raise UsageError(f"cannot allocate the DRAM pool ({self.size} bytes) in "
+                             f"{self.spec.shm_dir}: {exc.strerror or exc}") from None
 
     @classmethod
     def create(cls, spec: DramSpec) -> DramPool:

@@ -2,17 +2,19 @@
 
 Write-back (asynchronous):
 
-    daemon evicts block in slot s ──submit()──▶ [admission · wear budget · bounded queue]
+    daemon admits block in slot s ──submit()──▶ [wear budget · bounded queue]
                                                    │ (the mover pins s: it cannot be reused)
                        writer thread ◀─────────────┘ batches of up to `batch_blocks`
                        SsdStore.put_many(batch)  (one LMDB transaction, zero-copy from slots)
-                       unpin each slot, then on_written(batch, result)  → daemon frees the slots
-                                                                          and updates residency
+                       unpin each slot, then on_written(batch, result)  → the daemon records
+                                                                          the SSD copies
 
-The queue and its writer thread are `kvtier.tiers.writeq.SlotWriteQueue` (shared with the remote
-tier's write-through). `submit` never blocks: a write-back that is not admitted (fewer than k
-accesses), over the wear budget, or finds the queue full (`MoverSpec.queue_bytes` of slots
-already held) is dropped and counted; the caller then frees the slot itself (or retries it).
+What is written back, and when, is the placement planner's decision (`kvtier.index.placement`:
+the k-th access, prefix closure, SSD room), made before `submit`. The queue and its writer thread
+are `kvtier.tiers.writeq.SlotWriteQueue` (shared with the remote tier's write-through). `submit`
+never blocks: a write-back over the wear budget, or that finds the queue full
+(`MoverSpec.queue_bytes` of slots already held), is dropped and counted; the caller keeps the
+slot.
 
 Promotion (synchronous, on the caller's thread): `promote(tenant, key, slot)` copies a verified
 SSD payload into a DRAM slot the caller allocated and has not published yet.
@@ -25,20 +27,16 @@ close the store (`SsdStore.close`), then the pool.
 
 from __future__ import annotations
 
-import collections
 import enum
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvtier.core.types import Tier
-from kvtier.index.prefix import PrefixIndex
+from kvtier.core.wear import WriteBudget
 from kvtier.tiers import blockfmt
 from kvtier.tiers.dram import DramPool
-from kvtier.tiers.ssd.store import Evictor, PutItem, PutResult, SsdStore, TenantKey
-from kvtier.tiers.wear import WriteBudget
+from kvtier.tiers.ssd.store import PutItem, PutResult, SsdStore
 from kvtier.tiers.writeq import Offered, QueueSpec, SlotWriteQueue
 
 log = logging.getLogger(__name__)
@@ -55,60 +53,12 @@ class WriteBack(NamedTuple):
 class Submitted(enum.Enum):
     QUEUED = "queued"
     ALREADY_STORED = "already_stored"
-    NOT_ADMITTED = "not_admitted"
     OVER_BUDGET = "over_budget"
     QUEUE_FULL = "queue_full"
     CLOSED = "closed"
 
 
 OnWritten = Callable[[list[WriteBack], PutResult], None]
-Admit = Callable[[str, bytes], bool]
-
-
-class AccessCounter:
-    """SSD admission on the k-th access, for when the prefix index does not count accesses.
-
-    Remembers at most `max_tracked` keys (least recently counted forgotten first).
-    """
-
-    def __init__(self, k: int, max_tracked: int = 1 << 20) -> None:
-        if k < 1:
-            raise ValueError("admission needs k >= 1")
-        self.k = k
-        self.max_tracked = max_tracked
-        self._counts: collections.OrderedDict[tuple[str, bytes], int] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def note_access(self, tenant: str, key: bytes) -> int:
-        tk = (tenant, key)
-        with self._lock:
-            n = self._counts.pop(tk, 0) + 1
-            self._counts[tk] = n
-            if len(self._counts) > self.max_tracked:
-                self._counts.popitem(last=False)
-            return n
-
-    def admit(self, tenant: str, key: bytes) -> bool:
-        with self._lock:
-            return self._counts.get((tenant, key), 0) >= self.k
-
-
-def index_evictor(
-    index: PrefixIndex, lock: threading.Lock | threading.RLock, stored_block_bytes: int
-) -> Evictor:
-    """An `SsdStore` evictor that asks the prefix index for SSD victims (leaf-first).
-
-    The index drops the victims' SSD residency when it picks them; the store then deletes them
-    in the same transaction as the puts that needed the room. Takes `lock` (the daemon's index
-    lock); the store calls it with no store lock held.
-    """
-
-    def evict(need_bytes: int) -> list[TenantKey]:
-        n = -(-need_bytes // stored_block_bytes)
-        with lock:
-            return [(str(e.tenant), e.key) for e in index.evict(Tier.SSD, n)]
-
-    return evict
 
 
 @dataclass(frozen=True)
@@ -127,7 +77,6 @@ class MoverStats(NamedTuple):
     queue_depth: int  # blocks waiting for the writer
     queued_total: int
     dropped_queue_full_total: int
-    dropped_not_admitted_total: int
     dropped_budget_total: int
     written_blocks_total: int
     written_bytes_total: int
@@ -142,7 +91,6 @@ class MoverStats(NamedTuple):
 class _Counts:
     queued: int = 0
     full: int = 0
-    not_admitted: int = 0
     budget: int = 0
     written_blocks: int = 0
     written_bytes: int = 0
@@ -159,14 +107,12 @@ class Mover:
         store: SsdStore,
         budget: WriteBudget,
         spec: MoverSpec = MoverSpec(),
-        admit: Admit | None = None,
         on_written: OnWritten | None = None,
     ) -> None:
         self.pool = pool
         self.store = store
         self.budget = budget
         self.spec = spec
-        self.admit = admit
         self.on_written = on_written
         self._c = _Counts()
         self._q: SlotWriteQueue[WriteBack, PutResult] = SlotWriteQueue(
@@ -185,9 +131,6 @@ class Mover:
         if not 0 < item.nbytes <= self.pool.max_block:
             raise ValueError(f"write-back of {item.nbytes} bytes (blocks are 1..."
                              f"{self.pool.max_block} B)")
-        if self.admit is not None and not self.admit(item.tenant, item.key):
-            self._c.not_admitted += 1
-            return Submitted.NOT_ADMITTED
         if self.store.contains(item.tenant, item.key):
             return Submitted.ALREADY_STORED
         size = self.pool.stride_of(item.slot)
@@ -267,7 +210,7 @@ class Mover:
     def stats(self) -> MoverStats:
         c = self._c
         return MoverStats(
-            self._q.depth(), c.queued, c.full, c.not_admitted, c.budget, c.written_blocks,
+            self._q.depth(), c.queued, c.full, c.budget, c.written_blocks,
             c.written_bytes, c.refused, c.promoted, c.promoted_bytes, c.promote_misses,
             self._q.held_bytes(),
         )

@@ -6,8 +6,12 @@
 
 vLLM builds one instance per role: in the scheduler (`scheduler.py`: lookups, leases, what to
 store) and in each worker (`worker.py`: the copies). This class only routes vLLM's calls to the
-side of its role. A configuration kvtier cannot serve (hybrid attention, ...) logs one warning
-and the connector does nothing; an unreachable daemon makes it do nothing until it is back.
+side of its role. A configuration kvtier cannot serve (Mamba state, ...) logs one warning and
+the connector does nothing; an unreachable daemon makes it do nothing until it is back.
+
+The connector supports vLLM's hybrid KV cache manager (`SupportsHMA`): with it vLLM keeps that
+manager on (sliding-window layers keep only their window; Mamba hybrids start at all), and
+models with several KV cache groups or a sliding window are served per group (`layout.py`).
 
 Load failures are recomputed: the connector sets vLLM's `kv_load_failure_policy` to
 "recompute" (a cache miss must never fail a request).
@@ -23,6 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -55,7 +61,7 @@ def _tp_rank() -> int:
         return 0
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -84,8 +90,10 @@ class KvtierConnector(KVConnectorBase_V1):
             _init_cpu_isa()
             self.worker = WorkerSide(self.settings, kv, rank)
         log.info("kvtier connector (%s): model %r, %d-byte blocks of %d tokens, shard %d/%d, "
-                 "daemon %s", role.name.lower(), model_id, kv.block_bytes, kv.block_tokens,
-                 kv.shard.number, kv.shard.of, self.settings.socket or "default socket")
+                 "daemon %s, layout %s (layers %s)", role.name.lower(), model_id,
+                 kv.block_bytes, kv.block_tokens, kv.shard.number, kv.shard.of,
+                 self.settings.socket or "default socket", kv.describe(),
+                 ",".join(kv.layer_names))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -130,6 +138,15 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvtierMetadata):
             self.worker.wait_for_save(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.worker is not None:
+            done, failed = self.worker.transfer_results()
+        else:  # disabled on this worker only: the scheduler's hybrid loads must still end
+            meta = self._connector_metadata
+            done = failed = ({job.req_id for job in meta.loads if job.groups}
+                             if isinstance(meta, KvtierMetadata) else set())
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
@@ -181,6 +198,12 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             return False, None
         return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request)  # nothing is held past a step
 
 
 def _init_cpu_isa() -> None:

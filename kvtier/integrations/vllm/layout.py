@@ -3,6 +3,15 @@ layer, the layers' pages back to back in `layer_names` order.
 
     slot: | layer 0 page (page_bytes) | layer 1 page | ... | layer L-1 page |
 
+Hybrid models (vLLM's hybrid KV cache manager, several KV cache groups, or one sliding-window
+group): the layers are taken group after group (vLLM's group order), and one kvtier block still
+holds one block of every layer, full-attention and sliding-window alike, keyed by vLLM's block
+hash at the block's end. So every group's pages for a block boundary live and die together in the
+daemon (no group can be evicted without the others; one Lookup answers for all groups), and a hit
+of n blocks is servable by every group: the full groups load all n blocks, a sliding group only
+the last `window_blocks(g)` of them (vLLM drops the others). Mamba / linear-attention state groups
+are refused (`Unsupported`) for now. The groups (kind, window) are in the fingerprint.
+
 A page is one block of one layer in vLLM's standardized per-layer view `kv[block]` ([B, H, N, C],
 blocks at dim 0), in its logical element order whatever the physical layout (LBHNC, ...): the
 fingerprint names everything that shapes those bytes (dtype, block size, heads on this rank,
@@ -62,10 +71,42 @@ class EngineKV:
     cost: ModelCost | None = None
     key_width: int = 32
     """Bytes of vLLM's block hashes: 32 (sha256, sha256_cbor) or 16 (xxhash, xxhash_cbor)."""
+    layer_groups: tuple[int, ...] = ()
+    """The KV cache group of each layer (empty: one group, every layer)."""
+    windows: tuple[int, ...] = (0,)
+    """Each group's sliding window in tokens (0: full attention)."""
+    hash_tokens: int = 0
+    """Tokens per vLLM block hash (`KVCacheConfig.hash_block_size`); 0: `block_tokens`."""
 
     @property
     def block_bytes(self) -> int:
         return self.page_bytes * len(self.layer_names)
+
+    @property
+    def hybrid(self) -> bool:
+        """Several groups or a sliding window: loads are per group and asynchronous (vLLM takes
+        load failures per request only then; a block-level rewind cannot rebuild a window)."""
+        return len(self.windows) > 1 or any(self.windows)
+
+    def group_of(self, layer: int) -> int:
+        return self.layer_groups[layer] if self.layer_groups else 0
+
+    def window_blocks(self, group: int) -> int:
+        """Blocks before a hit point that `group` needs: all (0) for full attention, else
+        ceil(window / block) + 1 (a superset of what vLLM's sliding-window manager keeps)."""
+        w = self.windows[group]
+        return 0 if w == 0 else -(-w // self.block_tokens) + 1
+
+    def hash_step(self) -> int:
+        """vLLM block hashes per kvtier block (the key is the last one's)."""
+        return max(1, self.block_tokens // (self.hash_tokens or self.block_tokens))
+
+    def group_bytes(self) -> list[int]:
+        """Each group's bytes in one block (per-group accounting from the layout)."""
+        out = [0] * len(self.windows)
+        for i in range(len(self.layer_names)):
+            out[self.group_of(i)] += self.page_bytes
+        return out
 
     def layer_offset(self, i: int) -> int:
         return i * self.page_bytes
@@ -75,7 +116,13 @@ class EngineKV:
         layers = hashlib.sha256("\0".join(self.layer_names).encode()).hexdigest()[:16]
         return (f"{FORMAT}/{self.dtype}/bt{self.block_tokens}/L{len(self.layer_names)}:{layers}"
                 f"/kvh{self.kv_heads}/hd{self.head_size}/page{self.page_bytes}/{self.backend}"
-                f"/shard{self.shard.number}of{self.shard.of}/key{self.key_width}")
+                f"/shard{self.shard.number}of{self.shard.of}/key{self.key_width}"
+                + (self._describe_groups() if self.hybrid else ""))
+
+    def _describe_groups(self) -> str:
+        kinds = ",".join(f"swa{w}" if w else "full" for w in self.windows)
+        layers = ",".join(str(self.group_of(i)) for i in range(len(self.layer_names)))
+        return f"/groups[{kinds}]/layer-groups[{layers}]/hash{self.hash_tokens}"
 
     def fingerprint(self) -> bytes:
         """The daemon's layout fingerprint (8..64 bytes): a digest of `describe()`."""
@@ -88,7 +135,8 @@ class EngineKV:
     def for_shard(self, shard: Shard) -> EngineKV:
         return EngineKV(self.model_id, self.dtype, self.block_tokens, self.layer_names,
                         self.page_bytes, self.kv_heads, self.head_size, self.backend, shard,
-                        self.cost, self.key_width)
+                        self.cost, self.key_width, self.layer_groups, self.windows,
+                        self.hash_tokens)
 
 
 class Unsupported(ValueError):
@@ -96,11 +144,10 @@ class Unsupported(ValueError):
 
 
 def default_model_id(model_config: Any, load_config: Any, seed: Any) -> str:
-    """vLLM's model and revision; dummy weights also depend on the seed."""
-    rid = f"{model_config.model}@{model_config.revision or 'default'}"
-    if str(getattr(load_config, "load_format", "")) == "dummy":
-        rid += f"#dummy-seed{seed}"
-    return rid
+    """Whose KV the engine computes, following its weights (`identity.default_model_id`)."""
+    from kvtier.integrations.vllm import identity
+
+    return identity.default_model_id(model_config, load_config, seed)
 
 
 def model_cost(hf_config: Any) -> ModelCost | None:
@@ -118,16 +165,23 @@ def model_cost(hf_config: Any) -> ModelCost | None:
 def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) -> EngineKV:
     """The layout of this engine's KV on TP rank `rank`, from vLLM's KV cache config (the same
     on the scheduler and on every worker). Raises `Unsupported` for what kvtier cannot hold:
-    several KV cache groups (hybrid models), non-attention layers, unequal pages."""
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise Unsupported(f"{len(groups)} KV cache groups (hybrid attention) are not supported")
-    spec = groups[0].kv_cache_spec
-    for attr in ("num_kv_heads", "head_size", "dtype", "page_size_bytes"):
-        if not hasattr(spec, attr):
-            raise Unsupported(f"KV cache spec {type(spec).__name__} has no {attr}")
-    if getattr(spec, "sliding_window", None):
-        raise Unsupported("sliding-window attention is not supported")
+    Mamba / linear-attention state, chunked-local attention, groups of unequal block size,
+    unequal pages."""
+    groups = [kv_cache_config.kv_cache_groups[g] for g in _transfer_groups(kv_cache_config)]
+    if not groups:
+        raise Unsupported("no KV cache group takes part in KV transfer")
+    specs = [g.kv_cache_spec for g in groups]
+    windows = tuple(_window(spec) for spec in specs)
+    spec = specs[0]
+    for s in specs:
+        for attr in ("num_kv_heads", "head_size", "dtype", "page_size_bytes"):
+            if not hasattr(s, attr):
+                raise Unsupported(f"KV cache spec {type(s).__name__} has no {attr}")
+        shape = (s.block_size, s.num_kv_heads, s.head_size, s.dtype, s.page_size_bytes)
+        if shape != (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
+                     spec.page_size_bytes):
+            raise Unsupported(f"KV cache groups of different shapes ({type(s).__name__} "
+                              f"{shape} vs {type(spec).__name__})")
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
     is_mla = bool(getattr(mc, "use_mla", False))
@@ -135,11 +189,18 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) 
     shard = kv_shard(int(pc.tensor_parallel_size), rank, max(total_heads, 1), replicated=is_mla)
     from vllm.platforms import current_platform
 
+    names = tuple(n for g in groups for n in g.layer_names)
+    layer_groups = tuple(i for i, g in enumerate(groups) for _ in g.layer_names)
+    hybrid = len(groups) > 1 or any(windows)
+    hash_tokens = int(getattr(kv_cache_config, "hash_block_size", None) or spec.block_size)
+    if int(spec.block_size) % hash_tokens:
+        raise Unsupported(f"block size {spec.block_size} is not a multiple of vLLM's hash "
+                          f"block size {hash_tokens}")
     return EngineKV(
         model_id=model_id,
         dtype=str(spec.dtype).removeprefix("torch."),
         block_tokens=int(spec.block_size),
-        layer_names=tuple(groups[0].layer_names),
+        layer_names=names,
         page_bytes=int(spec.page_size_bytes),
         kv_heads=int(spec.num_kv_heads),
         head_size=int(spec.head_size),
@@ -147,7 +208,36 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) 
         shard=shard,
         cost=model_cost(mc.hf_config),
         key_width=hash_width(str(vllm_config.cache_config.prefix_caching_hash_algo)),
+        layer_groups=layer_groups if hybrid else (),
+        windows=windows,
+        hash_tokens=hash_tokens if hybrid else 0,
     )
+
+
+def _transfer_groups(kv_cache_config: Any) -> list[int]:
+    ids = getattr(kv_cache_config, "transfer_group_ids", None)
+    return list(ids) if ids is not None else list(range(len(kv_cache_config.kv_cache_groups)))
+
+
+def _window(spec: Any) -> int:
+    """A group's sliding window in tokens (0: full attention); `Unsupported` for the rest."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    if isinstance(spec, MambaSpec):
+        raise Unsupported("Mamba / linear-attention state groups are not stored yet (the "
+                          "connector keeps vLLM's hybrid manager on and does nothing)")
+    if isinstance(spec, SlidingWindowSpec):
+        return int(spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        raise Unsupported("chunked local attention is not supported")
+    if isinstance(spec, FullAttentionSpec):
+        return 0  # a windowed layer under a full spec (hybrid manager off) keeps every block
+    raise Unsupported(f"KV cache spec {type(spec).__name__} is not supported")
 
 
 def hash_width(algo: str) -> int:

@@ -13,6 +13,10 @@ copy complete, `finish` makes every copy complete and ends the leases (Release).
     TorchLoads   the synchronous torch copy (`dst[blocks] = rows[slots]` per chunk) within
                  `start`; `wait_layer` has nothing to wait for.
 
+Hybrid models: a lease may name, per KV cache group, its own vLLM blocks (`Lease.groups`, -1
+where that group needs none, as outside a sliding window); each layer's job then copies only its
+group's pairs (`layer_groups`: the group of each layer).
+
 A lease is released only once every layer's copy of it completed (`finish`). A pair whose copy
 failed in any layer (`ok=False`), every block of a lease whose Release failed (the lease expired
 or the daemon restarted: what was copied may be stale), and every block of a step that could not
@@ -47,15 +51,51 @@ class Lease:
     lease_id: str
     slots: Sequence[int]
     blocks: Sequence[int]
+    groups: tuple[Sequence[int], ...] = ()
+    """Hybrid: per group, the vLLM block of each slot (-1: none); empty: `blocks` for all."""
 
 
 @dataclass(slots=True)
 class Finished:
-    """What a step's loads did: blocks loaded, vLLM blocks failed, seconds of copying."""
+    """What a step's loads did: blocks loaded, vLLM blocks failed, seconds of copying, and the
+    leases not loaded whole (a failed pair or Release)."""
 
     loaded: int = 0
     failed: set[int] = field(default_factory=set)
     seconds: float = 0.0
+    failed_leases: set[str] = field(default_factory=set)
+    nbytes: int = 0
+    """Bytes copied into vLLM's pages (of the leases released)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPairs:
+    """One layer's share of a step: pair indices (into the step's pairs, leases back to back),
+    their slots and their vLLM blocks."""
+
+    sel: np.ndarray
+    slots: np.ndarray
+    blocks: np.ndarray
+
+
+def layer_pairs(leases: Sequence[Lease], layer_groups: Sequence[int]
+                ) -> tuple[list[LayerPairs], np.ndarray]:
+    """Each layer's pairs, and the bytes-per-page count of each lease (pages copied)."""
+    slots = np.concatenate([np.asarray(lease.slots, dtype=np.int64) for lease in leases])
+    groups = max(layer_groups, default=0) + 1
+    per_group = []
+    for g in range(groups):
+        ids = np.concatenate([np.asarray(lease.groups[g] if lease.groups else lease.blocks,
+                                         dtype=np.int64) for lease in leases])
+        sel = np.flatnonzero(ids >= 0)
+        per_group.append(LayerPairs(sel, slots[sel], ids[sel]))
+    owner = np.repeat(np.arange(len(leases)), [len(lease.blocks) for lease in leases])
+    pages = np.zeros(len(leases), dtype=np.int64)
+    out = []
+    for g in layer_groups:
+        out.append(per_group[g])
+        pages += np.bincount(owner[per_group[g].sel], minlength=len(leases))
+    return out, pages
 
 
 class Loads(Protocol):
@@ -73,28 +113,36 @@ class _Step:
     """Per pair of the step (leases' pairs back to back): copied in every layer so far."""
     handles: list[TransferHandle | None]
     t0: float
+    pages: np.ndarray
+    """Per lease, the pages its copies write (over all layers)."""
+    layers: list[LayerPairs] = field(default_factory=list)
     failed: set[int] = field(default_factory=set)
     done_at: float = 0.0
     """When the latest layer's copy ended (the CPU backend's own time; on CUDA when seen): the
     copy time the daemon's planner gets is `done_at - t0`, not the forward the leases spanned."""
 
 
-def _finish_leases(step: _Step, release: Release, block_bytes: int) -> Finished:
+def _finish_leases(step: _Step, release: Release, page_bytes: int) -> Finished:
     """Release every lease of a step whose copies are all collected."""
-    out = Finished(failed=set(step.failed),
+    out = Finished(failed={b for b in step.failed if b >= 0},
                    seconds=(step.done_at or time.perf_counter()) - step.t0)
     at = 0
-    for lease in step.leases:
+    for k, lease in enumerate(step.leases):
         n = len(lease.blocks)
         ok = step.ok[at:at + n]
         at += n
         good = int(ok.sum())
-        if not release(lease.lease_id, good * block_bytes, out.seconds):
-            out.failed.update(lease.blocks)
+        nbytes = int(step.pages[k]) * page_bytes * good // n
+        if not release(lease.lease_id, nbytes, out.seconds):
+            out.failed.update(b for b in lease.blocks if b >= 0)
+            out.failed_leases.add(lease.lease_id)
             continue
         out.failed.update(b for b, fine in zip(lease.blocks, ok.tolist(), strict=True)
-                          if not fine)
+                          if not fine and b >= 0)
+        if good < n:
+            out.failed_leases.add(lease.lease_id)
         out.loaded += good
+        out.nbytes += nbytes
     return out
 
 
@@ -102,18 +150,20 @@ class LayerLoads:
     """Loads through a TransferEngine, layer by layer (see the module docstring)."""
 
     def __init__(self, chunks: Sequence[Any], per_layer: int, release: Release, *,
-                 backend: str | Backend = "auto", calibration: Calibration | None = None
-                 ) -> None:
+                 backend: str | Backend = "auto", calibration: Calibration | None = None,
+                 layer_groups: Sequence[int] = ()) -> None:
         if not chunks or per_layer < 1 or len(chunks) % per_layer:
             raise ValueError(f"{len(chunks)} chunks are not whole layers of {per_layer}")
         self.pool = KVPool.paged(chunks)
         self.geometry = self.pool.geometry()
         self.per_layer = per_layer
         self.layers = len(chunks) // per_layer
+        self.layer_groups = list(layer_groups) or [0] * self.layers
         self.release = release
         self.backend = backend
         self.calibration = calibration
         self.block_bytes = self.geometry.payload_bytes
+        self.page_bytes = self.block_bytes // self.layers
         self._engine: TransferEngine | None = None
         self._generation: int | None = None
         self._step: _Step | None = None
@@ -156,24 +206,29 @@ class LayerLoads:
         leases = [lease for lease in leases if len(lease.blocks)]
         if not leases:
             return
-        slots = np.concatenate([np.asarray(lease.slots, dtype=np.int64) for lease in leases])
-        blocks = np.concatenate([np.asarray(lease.blocks, dtype=np.int64) for lease in leases])
-        step = _Step(list(leases), np.zeros(slots.size, dtype=np.bool_), [], time.perf_counter())
+        pairs, pages = layer_pairs(leases, self.layer_groups)
+        n = sum(len(lease.blocks) for lease in leases)
+        step = _Step(list(leases), np.zeros(n, dtype=np.bool_), [], time.perf_counter(), pages,
+                     pairs)
         self._step = step
         try:
             engine = self._engine_for(rows, generation)
             step.t0 = time.perf_counter()  # the copy's clock starts at the first submit
-            for i in range(self.layers):
+            for i, lp in enumerate(pairs):
+                if not lp.sel.size:  # this layer's group needs none of the step's blocks
+                    step.handles.append(None)
+                    continue
                 lo = i * self.per_layer
                 step.handles.append(engine.submit(TransferJob(
-                    Direction.LOAD, slots, blocks, after=after if i == 0 else None,
+                    Direction.LOAD, lp.slots, lp.blocks, after=after,
                     chunks=(lo, lo + self.per_layer))))
+                after = None  # the first job waits for vLLM's stream; the rest follow it
         except Exception as exc:  # nothing issued is trusted: the step's blocks are recomputed
             level = logging.DEBUG if self._warned else logging.WARNING
             self._warned = True
             log.log(level, "kvtier: loads not issued (%s: %s); recomputing them",
                     type(exc).__name__, exc)
-            step.failed.update(int(b) for b in blocks)
+            step.failed.update(int(b) for lease in leases for b in lease.blocks)
             step.handles = [h for h in step.handles if h is not None]
             self._drain(step)
             return
@@ -203,7 +258,8 @@ class LayerLoads:
                 log.warning("kvtier: %d of %d blocks failed to load in layer %d (%s); "
                             "recomputing them", int((~res.ok).sum()), res.ok.size, layer,
                             res.error)
-            step.ok &= res.ok
+            sel = step.layers[layer].sel
+            step.ok[sel] &= res.ok
 
     def _drain(self, step: _Step) -> None:
         """Waits for every issued job of a step that failed midway (their results are void)."""
@@ -224,7 +280,7 @@ class LayerLoads:
             return Finished()
         for i in range(len(step.handles)):
             self._collect(step, i)
-        return _finish_leases(step, self.release, self.block_bytes)
+        return _finish_leases(step, self.release, self.page_bytes)
 
     def close(self) -> None:
         if self._step is not None:
@@ -237,13 +293,15 @@ class LayerLoads:
 class TorchLoads:
     """The synchronous torch copy (see the module docstring); chunks are torch tensors."""
 
-    def __init__(self, chunks: Sequence[Any], per_layer: int, release: Release) -> None:
+    def __init__(self, chunks: Sequence[Any], per_layer: int, release: Release,
+                 layer_groups: Sequence[int] = ()) -> None:
         import torch
 
         self.chunks = list(chunks)
         self.per_layer = per_layer
         self.chunk_bytes = int(self.chunks[0].shape[1])
         self.block_bytes = self.chunk_bytes * len(self.chunks)
+        self.layer_groups = list(layer_groups) or [0] * (len(self.chunks) // per_layer)
         self.release = release
         self._torch = torch
         self._step: _Step | None = None
@@ -256,17 +314,20 @@ class TorchLoads:
         leases = [lease for lease in leases if len(lease.blocks)]
         if not leases:
             return
-        slots = [int(s) for lease in leases for s in lease.slots]
-        blocks = [int(b) for lease in leases for b in lease.blocks]
-        step = _Step(list(leases), np.zeros(len(slots), dtype=np.bool_), [], time.perf_counter())
+        pairs, pages = layer_pairs(leases, self.layer_groups)
+        n = sum(len(lease.blocks) for lease in leases)
+        step = _Step(list(leases), np.zeros(n, dtype=np.bool_), [], time.perf_counter(), pages,
+                     pairs)
         self._step = step
         try:
             src_rows = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(rows)
-            src = src_rows[torch.tensor(slots, dtype=torch.long)]
-            idx = torch.tensor(blocks, dtype=torch.long)
             cb = self.chunk_bytes
             for c, dst in enumerate(self.chunks):
-                dst[idx.to(dst.device)] = src[:, c * cb:(c + 1) * cb].to(dst.device)
+                lp = pairs[c // self.per_layer]
+                if not lp.sel.size:
+                    continue
+                src = src_rows[torch.from_numpy(lp.slots), c * cb:(c + 1) * cb]
+                dst[torch.from_numpy(lp.blocks).to(dst.device)] = src.to(dst.device)
         except Exception as exc:
             log.warning("kvtier: load copy failed (%s: %s); recomputing its blocks",
                         type(exc).__name__, exc)
@@ -281,7 +342,7 @@ class TorchLoads:
         step, self._step = self._step, None
         if step is None:
             return Finished()
-        return _finish_leases(step, self.release, self.block_bytes)
+        return _finish_leases(step, self.release, self.block_bytes // len(self.layer_groups))
 
     def close(self) -> None:
         if self._step is not None:

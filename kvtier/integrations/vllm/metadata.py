@@ -4,8 +4,11 @@
               Acquires `keys` (a prefix from the prompt's first block) on its own layout,
               copies what it pinned and reports the rest through
               `get_block_ids_with_load_errors`, so vLLM recomputes them.
+              Hybrid models (`groups` given): per KV cache group its own vLLM blocks
+              (-1 where the group needs none: outside a sliding window); the load is
+              asynchronous and succeeds or fails per request (`get_finished`).
     SaveJob   store vLLM blocks `block_ids` under `keys` (a chain after `parent`), computed by
-              the end of this step.
+              the end of this step; hybrid models: per group its blocks (`groups`).
     prefill_tokens / prefill_context
               the step's scheduled prompt tokens and the cached context they attend to (summed
               over requests), for the prefill rate the workers measure.
@@ -25,6 +28,9 @@ class LoadJob:
     """vLLM blocks of keys[first], keys[first + 1], ..."""
     keys: list[bytes]
     first: int
+    groups: tuple[list[int], ...] = ()
+    """Hybrid: per KV cache group, its vLLM block for each of keys[first:], -1 for none
+    (`block_ids` is then group 0's list: one entry per block)."""
 
 
 @dataclass(slots=True)
@@ -33,6 +39,8 @@ class SaveJob:
     block_ids: list[int]
     keys: list[bytes]
     parent: bytes
+    groups: tuple[list[int], ...] = ()
+    """Hybrid: per KV cache group, its vLLM block for each key (every one a real block)."""
 
 
 @dataclass

@@ -20,6 +20,16 @@ Per request (vLLM calls, in order):
                                  leases in the worker during the step, saves copy the blocks
                                  out within it).
 
+Hybrid models (several KV cache groups or a sliding window, `EngineKV.hybrid`): one kvtier block
+holds every group's pages for one block, keyed by vLLM's block hash at its end (`hash_step`
+hashes per block), so one Lookup answers for every group. A load fills, per group, the blocks
+that group needs: a full group all of them, a sliding group the last `window_blocks` before the
+hit point that vLLM allocated (it hands the null block for the others, which are never written).
+Such loads are asynchronous (vLLM then takes a failure per request and recomputes the whole
+prompt: block-level rewinds are refused with several groups, and could not rebuild a window).
+A save stores only blocks every group holds (not the null block): blocks vLLM's own prefix cache
+had, out of a window, are not stored again (they were stored when computed).
+
 Preemption needs nothing special: a preempted request is allocated again (update_state_after_alloc
 resets it), and no lease outlives the step that loads. Leases a worker never released (it died)
 expire after their TTL. Any daemon failure: the affected request just gets fewer (or no) tokens
@@ -42,6 +52,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+NULL_BLOCK = 0
+"""vLLM's null block (the block pool's first): what a group holds where it keeps nothing."""
 
 MIN_PREFILL_SAMPLE = 128
 """A step's prefill is timed for the planner only when it computes at least this many tokens."""
@@ -78,7 +91,9 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, kv: EngineKV, tp_size: int,
                  total_kv_heads: int, replicated: bool) -> None:
         self.settings = settings
+        self.kv = kv
         self.bt = kv.block_tokens
+        self.step = kv.hash_step()
         rank_shard = [kv_shard(tp_size, r, total_kv_heads, replicated).number
                       for r in range(tp_size)]
         self.links = [DaemonLink(settings, kv.for_shard(
@@ -96,18 +111,18 @@ class SchedulerSide:
                                    ) -> tuple[int | None, bool]:
         started = time.perf_counter()
         try:
-            return self._match(request, num_computed_tokens), False
+            n = self._match(request, num_computed_tokens)
+            return n, bool(n) and self.kv.hybrid  # hybrid loads are asynchronous
         finally:
             self.cost.add(request.request_id, time.perf_counter() - started)
 
     def _match(self, request: Request, num_computed: int) -> int | None:
         rid = request.request_id
         self._hits.pop(rid, None)
-        hashes = request.block_hashes
-        usable = min(len(hashes), (request.num_tokens - 1) // self.bt)
+        usable = min(len(request.block_hashes) // self.step, (request.num_tokens - 1) // self.bt)
         if usable * self.bt <= num_computed:
             return 0
-        keys: list[bytes] = list(hashes[:usable])  # BlockHash is bytes: no copy
+        keys = self._keys(request, 0, usable)
         fetch = self.lookups.fetch_blocks(rid, keys, request.num_tokens)
         if fetch is None:
             return None  # the Lookup is running: vLLM asks again next step
@@ -116,21 +131,49 @@ class SchedulerSide:
         self._hits[rid] = _Hit(num_computed, keys, fetch)
         return fetch * self.bt - num_computed
 
+    def _keys(self, request: Request, start: int, stop: int) -> list[bytes]:
+        """The kvtier keys of blocks [start, stop): vLLM's hash at each block's end."""
+        hashes = request.block_hashes
+        if self.step == 1:
+            return [bytes(h) for h in hashes[start:stop]]
+        return [bytes(hashes[(i + 1) * self.step - 1]) for i in range(start, stop)]
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         hit = self._hits.pop(rid, None)
         self.lookups.forget(rid)  # a later ask (after preemption) looks up afresh
-        tracked = self._tracked[rid] = _Tracked(request, 0)
+        tracked = self._tracked.get(rid)
+        if tracked is None or tracked.request is not request:
+            # (kept when vLLM allocates again for the same request: after its asynchronous
+            # load, or after preemption, whose rewind `build_connector_meta` catches)
+            tracked = self._tracked[rid] = _Tracked(request, 0)
         if num_external_tokens <= 0 or hit is None:
             return
         started = time.perf_counter()
         first = hit.computed // self.bt
         last = min(hit.fetch, first + num_external_tokens // self.bt)
-        block_ids = list(blocks.get_block_ids()[0][first:last])
         tracked.saved = last  # not saved in the load's own step, whether or not it loads
-        self._loads.append(LoadJob(rid, block_ids, hit.keys[:last], first))
+        if self.kv.hybrid:
+            groups = self._load_groups(blocks, first, last)
+            job = LoadJob(rid, groups[0], hit.keys[:last], first, groups)
+        else:
+            job = LoadJob(rid, list(blocks.get_block_ids()[0][first:last]), hit.keys[:last],
+                          first)
+        self._loads.append(job)
         self.cost.add(rid, time.perf_counter() - started)
+
+    def _load_groups(self, blocks: KVCacheBlocks, first: int, last: int
+                     ) -> tuple[list[int], ...]:
+        """Per group, the vLLM block to fill for each of blocks [first, last), -1 for none: a
+        sliding group fills only its window before `last`, and never vLLM's null block."""
+        out = []
+        for g, group in enumerate(blocks.blocks[:len(self.kv.windows)]):
+            win = self.kv.window_blocks(g)
+            lo = max(first, last - win) if win else first
+            out.append([-1 if j < lo or group[j].is_null else group[j].block_id
+                        for j in range(first, last)])
+        return tuple(out)
 
     def build_connector_meta(self, out: SchedulerOutput) -> KvtierMetadata:
         for t in self._tracked.values():
@@ -168,12 +211,25 @@ class SchedulerSide:
             if full <= t.saved:
                 continue
             ids = state.get_block_ids(rid) if state is not None else None
-            if ids is None or len(ids[0]) < full:
+            if ids is None or any(len(g) < full for g in ids[:len(self.kv.windows)]):
                 continue
-            keys = [bytes(h) for h in r.block_hashes[t.saved:full]]
-            parent = bytes(r.block_hashes[t.saved - 1]) if t.saved else b""
-            saves.append(SaveJob(rid, list(ids[0][t.saved:full]), keys, parent))
+            start = t.saved
+            groups: tuple[list[int], ...] = ()
+            if self.kv.hybrid:
+                groups = tuple(list(g[start:full]) for g in ids[:len(self.kv.windows)])
+                # a block some group holds as vLLM's null block (out of a window, from vLLM's
+                # own prefix cache) cannot be stored: store from after the last such block
+                held = [all(g[j] != NULL_BLOCK for g in groups) for j in range(full - start)]
+                skip = next((j + 1 for j in range(len(held) - 1, -1, -1) if not held[j]), 0)
+                start += skip
+                groups = tuple(g[skip:] for g in groups)
             t.saved = full
+            if start == full:
+                continue
+            keys = self._keys(r, start, full)
+            parent = self._keys(r, start - 1, start)[0] if start else b""
+            saves.append(SaveJob(rid, groups[0] if groups else list(ids[0][start:full]), keys,
+                                 parent, groups))
         return saves
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

@@ -29,8 +29,9 @@ class ConnectorSettings:
     token: str = ""
     """Bearer token of the tenant ("" = the daemon's default tenant)."""
     model_id: str = ""
-    """Whose KV the blocks hold; "" = vLLM's model name and revision (plus the seed with
-    `load_format="dummy"`, whose random weights depend on it)."""
+    """Whose KV the blocks hold; "" = an id that follows the weights (`identity.py`: a cheap
+    digest of a local directory's weight files, a hub model's snapshot commit, the seed of
+    dummy weights; plus dtype and quantization)."""
     timeout_s: float = 1.0
     """Bound on each call to the daemon; a slow or dead daemon costs a step at most this."""
     retry_after_s: float = 10.0

@@ -14,6 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 FIELDS = {
     "loaded_blocks": "Blocks loaded from kvtier into vLLM's KV cache",
+    "loaded_bytes": "Bytes copied from kvtier into vLLM's KV cache (hybrid models: only the "
+                    "pages each KV cache group needs, such as a sliding window's)",
     "load_failed_blocks": "Blocks kvtier promised but could not load (vLLM recomputed them)",
     "stored_blocks": "Blocks stored into kvtier",
     "load_seconds": "Seconds spent copying blocks from kvtier (and releasing leases)",

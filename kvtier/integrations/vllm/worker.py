@@ -33,6 +33,13 @@ and vLLM's paged KV cache, on each TP rank.
                       the scheduler marked as one prompt chunk; rank 0 reports the latest to the
                       daemon's planner (ReportPrefill) at most every `prefill_report_s`.
 
+Hybrid models (`EngineKV.hybrid`): each layer loads and stores its own KV cache group's blocks
+(`LoadJob.groups`, `SaveJob.groups`); loads are asynchronous for vLLM: issued after the step's
+forward, completed in `transfer_results` (vLLM's `get_transfer_results`, in the same step), and
+a request whose blocks were not all pinned or copied is reported failed (`failed_recving`: vLLM
+recomputes it from the start). Every hybrid load's request is reported finished exactly once,
+whatever happened (a request never reported would wait forever).
+
 Pages: each layer's tensor is vLLM's standardized view [B, H, N, C] (blocks at dim 0); `pages.py`
 cuts it into per-block contiguous chunks in the page's logical order (one per layer, or one per
 (layer, head) where head groups lie outside the block, as under LHBNC), and `layout.py` draws the
@@ -67,6 +74,7 @@ class WorkerStats:
 
     def __init__(self) -> None:
         self.loaded_blocks = 0
+        self.loaded_bytes = 0
         self.failed_blocks = 0
         self.stored_blocks = 0
         self.load_seconds = 0.0
@@ -75,7 +83,8 @@ class WorkerStats:
         self.lock = threading.Lock()
 
     def totals(self) -> dict[str, float]:
-        return {"loaded_blocks": self.loaded_blocks, "load_failed_blocks": self.failed_blocks,
+        return {"loaded_blocks": self.loaded_blocks, "loaded_bytes": self.loaded_bytes,
+                "load_failed_blocks": self.failed_blocks,
                 "stored_blocks": self.stored_blocks, "load_seconds": self.load_seconds,
                 "store_seconds": self.store_seconds}
 
@@ -103,6 +112,10 @@ class WorkerSide:
         self.layer_index = {name: i for i, name in enumerate(kv.layer_names)}
         self._rows_cache: tuple[int, torch.Tensor] | None = None
         self._errors: set[int] = set()
+        self._lease_req: dict[str, str] = {}
+        """Hybrid loads in flight: lease id -> request id."""
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
         self._save_stream: Any = None
         self.stats = WorkerStats()
         self.clock = PrefillClock(settings.prefill_report_s if rank == 0 else 0.0)
@@ -138,15 +151,16 @@ class WorkerSide:
                             "(pip install 'kvtier[gpu]'); loading with torch copies",
                             self.rank)
                 choice = "torch"
+        groups = [self.kv.group_of(i) for i in range(len(self.kv.layer_names))]
         if choice == "torch":
-            return TorchLoads(pg.chunks, pg.per_layer, self._release)
+            return TorchLoads(pg.chunks, pg.per_layer, self._release, groups)
         if cuda:
             import cupy
 
             # this thread issues every load: CuPy's streams and events on vLLM's device (a TP
             # rank's GPU), not device 0
             cupy.cuda.Device(pg.device.index or 0).use()
-        loads = LayerLoads(pg.chunks, pg.per_layer, self._release)
+        loads = LayerLoads(pg.chunks, pg.per_layer, self._release, layer_groups=groups)
         loads.calibrate()
         return loads
 
@@ -168,20 +182,30 @@ class WorkerSide:
         """Pins and issues this step's loads; with `wait_all` (or the torch copy) they are
         complete on return, else layer i is once `wait_for_layer_load` of it returned."""
         if self.loads is None:
+            for job in meta.loads:
+                self._fail_job(job, job.block_ids)
             return
         self._finish_loads()  # a step whose forward never asked (a profile run, say)
         leases: list[Lease] = []
         buf: SlotBuffer | None = None
         for job in meta.loads:
             if not job.block_ids:
+                self._recv_done.add(job.req_id)
                 continue
             got = self._acquire(job, buf)
             if got is None:
-                self._fail(job.block_ids)
+                self._fail_job(job, job.block_ids)
                 continue
             lease, buf = got
+            if job.groups and len(lease.blocks) < len(job.block_ids):
+                self._release(lease.lease_id, 0, 0.0)  # hybrid: a request loads whole or not
+                self._fail_job(job, job.block_ids)
+                continue
             leases.append(lease)
-            self._fail(job.block_ids[len(lease.blocks):])
+            if job.groups:
+                self._lease_req[lease.lease_id] = job.req_id
+            else:
+                self._fail(job.block_ids[len(lease.blocks):])
         if not leases or buf is None:
             return
         rows = self._rows(buf)
@@ -219,7 +243,7 @@ class WorkerSide:
             self.link.failed(exc, "load")
             return None
         return Lease(got.lease_id, got.slots[job.first:job.first + pinned],
-                     job.block_ids[:pinned]), mine
+                     job.block_ids[:pinned], tuple(g[:pinned] for g in job.groups)), mine
 
     def _register_cuda(self) -> None:
         client = self.link.client()
@@ -241,6 +265,15 @@ class WorkerSide:
         self._errors.update(blocks)
         self.stats.failed_blocks += len(blocks)
 
+    def _fail_job(self, job: LoadJob, blocks: list[int]) -> None:
+        """A job not loaded: its blocks (one group) or its request (hybrid) fail."""
+        if not job.groups:
+            self._fail(blocks)
+            return
+        self.stats.failed_blocks += len(job.block_ids)
+        self._recv_done.add(job.req_id)
+        self._recv_failed.add(job.req_id)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.loads is not None:
             i = self.layer_index.get(layer_name)
@@ -251,10 +284,26 @@ class WorkerSide:
         if self.loads is None:
             return
         done = self.loads.finish()
-        if done.failed:
+        hybrid, self._lease_req = self._lease_req, {}
+        for lease_id, rid in hybrid.items():  # hybrid: failures are per request
+            self._recv_done.add(rid)
+            if lease_id in done.failed_leases:
+                self._recv_failed.add(rid)
+        if self.kv.hybrid:
+            self.stats.failed_blocks += len(done.failed)
+        elif done.failed:
             self._fail(sorted(done.failed))
         self.stats.loaded_blocks += done.loaded
+        self.stats.loaded_bytes += done.nbytes
         self.stats.load_seconds += done.seconds
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """Completes the step's loads; the hybrid loads' requests finished since the last call,
+        and those of them that failed (a subset)."""
+        self._finish_loads()
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return done, failed
 
     def take_load_errors(self) -> set[int]:
         """Completes the step's loads (every layer), releases their leases; the vLLM blocks
@@ -282,11 +331,14 @@ class WorkerSide:
         assert self.paged is not None
         pg = self.paged
         n = len(job.block_ids)
-        blocks = torch.tensor(job.block_ids, dtype=torch.long)
+        lists = job.groups or (job.block_ids,)
+        per_group = [torch.tensor(ids, dtype=torch.long) for ids in lists]
+        which = [per_group[self.kv.group_of(c // pg.per_layer) if job.groups else 0]
+                 for c in range(len(pg.chunks))]
         if pg.device.type != "cuda":
             out = torch.empty((len(pg.chunks), n, pg.chunk_bytes), dtype=torch.uint8)
             for c, src in enumerate(pg.chunks):
-                torch.index_select(src, 0, blocks, out=out[c])
+                torch.index_select(src, 0, which[c], out=out[c])
             return Staged(job.req_id, job.keys, job.parent, out)
         out = torch.empty((len(pg.chunks), n, pg.chunk_bytes), dtype=torch.uint8,
                           pin_memory=True)
@@ -294,8 +346,9 @@ class WorkerSide:
         side = self._save_stream
         side.wait_stream(compute)  # the forward wrote these blocks
         with torch.cuda.stream(side):
-            idx = blocks.to(pg.device, non_blocking=True)
+            on_device = [ids.to(pg.device, non_blocking=True) for ids in per_group]
             for c, src in enumerate(pg.chunks):
+                idx = on_device[self.kv.group_of(c // pg.per_layer) if job.groups else 0]
                 out[c].copy_(src.index_select(0, idx), non_blocking=True)
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(side)

@@ -20,6 +20,7 @@ What to do with a damaged store (move it aside) is the caller's policy
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -182,8 +183,7 @@ def open_files(spec: SsdSpec) -> StoreFiles:
         env = open_env(spec)
     slots: SlotFile | None = None
     try:
-        if spec.writemap:
-            preallocate(os.path.join(spec.path, "data.mdb"), spec.map_size())
+        preallocate(os.path.join(spec.path, "data.mdb"), spec.map_size())
         if spec.mode() == "slots":
             slots = SlotFile(os.path.join(spec.path, SLOT_FILE), spec.slot_size,
                              spec.slot_count())
@@ -296,16 +296,29 @@ def discard(path: str) -> None:
 
 
 def preallocate(path: str, size: int) -> None:
-    """Reserve the whole map on disk before LMDB maps it writable.
+    """Reserve the whole map on disk at open, so a full disk is found at start.
 
     With writemap, LMDB writes through a shared mapping of a sparse file; if the filesystem then
-    runs out of space the write faults with SIGBUS and kills the process. Allocating the blocks
-    up front turns a full disk into a clean error at open instead.
+    runs out of space the write faults with SIGBUS and kills the process. Without it, a sparse
+    file would fail a write-back with ENOSPC hours later, against a tier the daemon sized at
+    start. Allocating the blocks up front turns a full disk into a clean error at open instead.
+    The free space is checked first (nothing is allocated when it cannot all fit), and an
+    allocation that still fails gives back what it took.
     """
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
-        if os.fstat(fd).st_blocks * 512 < size:
+        st = os.fstat(fd)
+        missing = size - st.st_blocks * 512
+        if missing <= 0:
+            return
+        free = os.statvfs(path)
+        if free.f_bavail * free.f_frsize < missing:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        try:
             os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.ftruncate(fd, st.st_size)  # give back a partial allocation
+            raise
     except OSError as exc:
         raise UsageError(
             f"cannot reserve {size} bytes for the SSD store at {path}: {exc.strerror} "

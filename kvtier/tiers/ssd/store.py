@@ -33,8 +33,8 @@ Reads verify everything (header checksum, format, layout digest, key digest, len
 checksum of the bytes actually served); a mismatch is a miss, a counter and the entry deleted.
 
 Capacity: `capacity_bytes` bounds the stored bytes (headers included); in slots mode also the
-slot count. The slot file (and with `writemap=True` the LMDB map) is reserved on disk at open,
-so a full disk is a clean error at open, never a SIGBUS or ENOSPC in a write. A put that would
+slot count. The slot file and the LMDB map (with or without `writemap`) are reserved on disk at
+open, so a full disk is a clean error at open, never a SIGBUS or ENOSPC in a write. A put that would
 exceed the capacity asks the `evictor` callback for victims (leaf-first from the prefix index);
 what still does not fit is refused. `lmdb.MapFullError` never escapes.
 

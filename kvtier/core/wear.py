@@ -93,6 +93,14 @@ class TokenBucket:
         """Give back tokens for bytes that were granted but not written."""
         self._tokens = min(self.burst, self._tokens + n)
 
+    def retune(self, rate: float, burst: float) -> None:
+        """New rate and size from now on (a live reload); the tokens held stay, up to `burst`."""
+        if rate < 0 or burst <= 0:
+            raise UsageError(f"token bucket needs rate >= 0 and burst > 0 (got {rate}, {burst})")
+        self._refill()
+        self.rate, self.burst = float(rate), float(burst)
+        self._tokens = min(self._tokens, self.burst)
+
 
 class WriteBudget:
     """Token bucket of `bytes_per_day` (see `Endurance.bytes_per_day`) with counters."""
@@ -131,6 +139,11 @@ class WriteBudget:
     def refund(self, nbytes: int) -> None:
         self._bucket.refund(nbytes)
         self.granted_bytes -= nbytes
+
+    def retune(self, bytes_per_day: float, burst_bytes: int) -> None:
+        """A new daily rate and burst from now on (SIGHUP); counters and held tokens stay."""
+        self._bucket.retune(float(bytes_per_day) / SECONDS_PER_DAY, burst_bytes)
+        self.bytes_per_day = float(bytes_per_day)
 
     def stats(self) -> BudgetStats:
         return BudgetStats(

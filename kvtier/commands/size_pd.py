@@ -1,0 +1,152 @@
+"""`kvtier size --pd`: prefill/decode disaggregation, the KV a request moves and the link that
+keeps the move off the critical path (issue 28 item 4).
+
+Per request, the decode instance needs every full-attention (and MLA) layer's KV of the whole
+prompt, a sliding layer's last `window` tokens and recurrent layers' state:
+
+    bytes = P x (full-layer bytes per token) + min(P, W) x (sliding bytes per token) + state
+
+Each TP rank sends its own share over its own NIC, so per rank (b = one rank's bytes per token):
+
+    transfer = P x b / link            prefill = P x FLOPs per token / F     (one rank's share)
+    hidden when transfer <= prefill  <=>  link >= b x F / FLOPs per token
+
+so the prompt length cancels except through attention's share of the FLOPs (averaged over the
+prompt here). F: the prefill rate (the planner's, or `--gpu` peak x MFU for the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtier.core.costmodel import CostModel
+from kvtier.core.errors import UsageError
+from kvtier.core.layout import AttentionKind, DType, KVLayout
+from kvtier.core.presets import ModelSpec, get_preset, list_presets
+
+MFU = 0.6
+"""Prefill model-FLOP utilization assumed for the GPU table (the planner's default uses it too:
+kvtier.daemon.rates DEFAULT_PREFILL_FLOPS_PER_S)."""
+GPUS: dict[str, float] = {
+    "A100": 312e12,
+    "L40S": 362.05e12,
+    "H100": 989.4e12,
+    "H200": 989.4e12,
+    "B200": 2250e12,
+}
+"""Dense bf16 tensor peak per GPU, FLOP/s (NVIDIA datasheets; B200 = half the 4.5 PF sparse)."""
+LINKS: dict[str, float] = {
+    "25 Gb/s": 25e9 / 8,
+    "100 Gb/s": 100e9 / 8,
+    "200 Gb/s": 200e9 / 8,
+    "400 Gb/s": 400e9 / 8,
+    "NVLink 4": 450e9,
+}
+"""Per-GPU link bandwidth one way, bytes/s (NICs at line rate; NVLink 4 = 900 GB/s both ways)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("prefill/decode disaggregation (--pd)")
+    d.add_argument(
+        "--pd",
+        action="store_true",
+        help="KV bytes a request moves from prefill to decode and the link that hides it, for "
+        "this model and for the presets on common GPUs",
+    )
+
+
+def request_bytes(layout: KVLayout, prompt: int) -> tuple[int, str]:
+    """One rank's bytes for one request of `prompt` tokens, and the formula."""
+    parts, total = [], 0
+    for spec, n in layout.kinds().items():
+        per = layout.layer_token_bytes(spec) * n
+        if spec.kind is AttentionKind.RECURRENT:
+            state = layout.layer_state_bytes(spec) * n
+            total += state
+            parts.append(f"{state:,} B state")
+        elif spec.kind is AttentionKind.SLIDING:
+            kept = min(prompt, spec.window)
+            total += kept * per
+            parts.append(f"min({prompt:,}, {spec.window}) x {per:,} B")
+        else:
+            total += prompt * per
+            parts.append(f"{prompt:,} x {per:,} B")
+    return total, " + ".join(parts)
+
+
+def hide_bandwidth(layout: KVLayout, cost: CostModel, prompt: int, flops_per_s: float) -> float:
+    """Bytes/s one rank's link needs so the transfer takes no longer than the prefill."""
+    moved, _ = request_bytes(layout, prompt)
+    prefill_s = float(cost.prefill_flops(0, prompt)) / flops_per_s
+    return moved / prefill_s
+
+
+def _links_ok(bw: float) -> list[str]:
+    return [name for name, rate in LINKS.items() if rate >= bw]
+
+
+def compute(
+    spec: ModelSpec, layout: KVLayout, prompt: int, flops_per_s: float, flops_source: str
+) -> dict[str, Any]:
+    cost = CostModel.from_spec(spec, tp=layout.tp_size, dtype=layout.dtype)
+    moved, formula = request_bytes(layout, prompt)
+    bw = hide_bandwidth(layout, cost, prompt, flops_per_s)
+    table = []
+    for name in list_presets():
+        m = get_preset(name)
+        try:
+            lay = m.layout(dtype=DType.BF16)
+        except UsageError:
+            continue
+        c = CostModel.from_spec(m)
+        row: dict[str, Any] = {"model": name, "gbps": {}, "hidden_by": {}}
+        for gpu, peak in GPUS.items():
+            need = hide_bandwidth(lay, c, prompt, peak * MFU)
+            row["gbps"][gpu] = need * 8 / 1e9
+            row["hidden_by"][gpu] = _links_ok(need)
+        table.append(row)
+    return {
+        "prompt_tokens": prompt,
+        "bytes_per_request_rank": moved,
+        "bytes_per_request_total": moved * layout.tp_size,
+        "bytes_formula": formula,
+        "prefill_s": float(cost.prefill_flops(0, prompt)) / flops_per_s,
+        "prefill_flops": float(cost.prefill_flops(0, prompt)),
+        "flops_per_s": flops_per_s,
+        "flops_source": flops_source,
+        "hide_bytes_per_s": bw,
+        "hide_gbps": bw * 8 / 1e9,
+        "hidden_by": _links_ok(bw),
+        "links": {k: v * 8 / 1e9 for k, v in LINKS.items()},
+        "mfu": MFU,
+        "gpus_tflops": {k: v / 1e12 for k, v in GPUS.items()},
+        "table": table,
+    }
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    p = d["prompt_tokens"]
+    lines = [
+        "",
+        f"prefill/decode disaggregation ({p:,}-token prompt)",
+        f"  KV moved per request, one rank  {d['bytes_per_request_rank']:,} B = "
+        f"{d['bytes_formula']}  (all ranks {d['bytes_per_request_total']:,} B)",
+        f"  prefill on one rank             {d['prefill_s'] * 1e3:.3f} ms = "
+        f"{d['prefill_flops']:.4g} FLOPs / {d['flops_per_s']:.4g} FLOP/s  [{d['flops_source']}]",
+        f"  link per rank that hides it     {d['hide_gbps']:.1f} Gb/s = bytes / prefill seconds "
+        f"(the prompt cancels but for attention's FLOPs); hidden by: "
+        + (", ".join(d["hidden_by"]) or "none of " + ", ".join(d["links"])),
+        f"  presets on common GPUs (bf16, TP 1, {d['mfu']:.0%} of dense bf16 peak: "
+        + ", ".join(f"{g} {t:g}" for g, t in d["gpus_tflops"].items())
+        + " TFLOP/s): Gb/s per GPU needed / the slowest link that hides it",
+        "    " + f"{'model':<16}" + "".join(f"{g:>16}" for g in d["gpus_tflops"]),
+    ]
+    for row in d["table"]:
+        cells = ""
+        for gpu, need in row["gbps"].items():
+            ok = row["hidden_by"][gpu]
+            cell = f"{need:.1f} / {ok[0].removesuffix(' Gb/s') if ok else 'none'}"
+            cells += f"{cell:>16}"
+        lines.append(f"    {row['model']:<16}{cells}")
+    return lines

@@ -1,0 +1,331 @@
+"""What deploy/ ships, loaded as a user would: every config and unit file through kvtier's own
+loaders (with each comment checked against `kvtier serve --help`), the Kubernetes manifests
+against the Kubernetes schemas (kubernetes-validate, offline, strict), and the image's install
+steps and entry point in a fresh venv from a wheel built with `python -m build`, up to a
+`kvtier serve` that answers."""
+
+from __future__ import annotations
+
+import grp
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvtier.core.units import parse_bytes
+from kvtier.daemon import config
+from kvtier.daemon.auth import Authenticator
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+KEY_LINE = re.compile(r"^#?\s*(\w+)\s*=\s*(\"[^\"]*\"|[^#\s]+)\s*(?:#\s*(.*))?$")
+UNIT = DEPLOY / "kvtier.service"
+
+
+def _this_group() -> str:
+    return grp.getgrgid(os.getgid()).gr_name
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+
+
+def test_every_shipped_file_is_covered() -> None:
+    shipped = {p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.is_file()
+               and p.suffix in (".toml", ".service", ".yaml", ".sh", "")}
+    covered = {"kvtier.toml", "tokens.toml", "kvtier.service", "Dockerfile", "install.sh",
+               "entrypoint.sh", *(p.relative_to(DEPLOY).as_posix() for p in MANIFESTS)}
+    others = {p for p in shipped if p.startswith(("grafana/", "prometheus/"))}  # own tests
+    assert shipped - others == covered
+
+
+def check_comments(path: Path) -> list[str]:
+    """Each `key = value  # comment` line (commented out or not) of a setting: the comment must
+    begin with the setting's --help text (`Setting.summary`). Returns the lines that do not."""
+    bad = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        m = KEY_LINE.match(line.strip())
+        if not m or m.group(1) not in config.BY_NAME:
+            continue
+        summary = config.BY_NAME[m.group(1)].summary
+        if not (m.group(3) or "").startswith(summary):
+            bad.append(f"{path.name}:{n}: {m.group(1)}: comment {m.group(3)!r} does not begin "
+                       f"with --help's {summary!r}")
+    return bad
+
+
+def test_example_config_loads_and_its_comments_agree_with_help(tmp_path: Path) -> None:
+    path = DEPLOY / "kvtier.toml"
+    assert check_comments(path) == []
+    env = {**_env(tmp_path), "KVTIER_GROUP": _this_group()}  # group kvtier: on the node only
+    cfg = config.load({}, env, str(path))
+    assert cfg.slot_bytes < cfg.max_block_bytes  # the smallest slot, not the largest block
+    assert cfg.dram_bytes == 64 << 30 and cfg.ssd_bytes == 1 << 40
+    assert 'group = "kvtier"' in path.read_text()
+
+
+def test_the_comment_check_catches_the_old_slot_bytes_comment(tmp_path: Path) -> None:
+    old = tmp_path / "old.toml"
+    old.write_text('slot_bytes = "2MiB"           # largest block of any layout served\n'
+                   '# grace_s = 5  # SIGTERM drain period in seconds\n')
+    assert len(check_comments(old)) == 1 and "slot_bytes" in check_comments(old)[0]
+
+
+def test_example_tokens_file_loads() -> None:
+    auth = Authenticator.from_file(DEPLOY / "tokens.toml")
+    assert {t.name for t in auth.tenants()} == {"team-chat", "team-agents"}
+
+
+def _unit() -> dict[str, list[str]]:
+    entries: dict[str, list[str]] = {}
+    section = ""
+    for line in UNIT.read_text().splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            entries.setdefault(f"{section}.{key}", []).append(value)
+    return entries
+
+
+def test_systemd_unit_loads_as_the_daemon_would(tmp_path: Path) -> None:
+    unit = _unit()
+    env = dict(v.split("=", 1) for v in unit["Service.Environment"])
+    for var in env:
+        assert var == "KVTIER_CONFIG" or var.removeprefix("KVTIER_").lower() in config.BY_NAME
+    assert env["KVTIER_CONFIG"] == "/etc/kvtier/kvtier.toml"  # where the header installs it
+    run = {**_env(tmp_path), **env, "KVTIER_CONFIG": str(DEPLOY / "kvtier.toml"),
+           "KVTIER_GROUP": _this_group(), "KVTIER_DATA_DIR": str(tmp_path / "data")}
+    cfg = config.load({}, run)
+    assert cfg.socket == Path("/run/kvtier/kvtier.sock")
+    # a group-shared socket needs a runtime dir the group can enter, and the daemon in the group
+    assert env["KVTIER_GROUP"] == unit["Service.Group"][0] == "kvtier"
+    assert int(unit["Service.RuntimeDirectoryMode"][0], 8) & 0o050 == 0o050
+    assert "/dev/shm" in unit["Service.ReadWritePaths"][0]
+    exe, *args = unit["Service.ExecStart"][0].split()
+    assert exe == "/opt/kvtier/bin/kvtier"  # deploy/install.sh's prefix
+    from kvtier.cli import build_parser
+
+    parsed, extra = build_parser("serve").parse_known_args(args)
+    assert parsed.command == "serve" and extra == []
+    text = UNIT.read_text()
+    assert "SupplementaryGroups" not in text or "KVTIER_GROUP" in text
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="no systemd-analyze")
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    kvtier = tmp_path / "kvtier"
+    kvtier.write_text(f"#!/bin/sh\nexec {sys.executable} -m kvtier \"$@\"\n")
+    kvtier.chmod(0o755)
+    unit = tmp_path / "kvtier.service"
+    unit.write_text(UNIT.read_text().replace("/opt/kvtier/bin/kvtier", str(kvtier)))
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+
+
+def _docs() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p in MANIFESTS for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def test_manifests_validate_against_the_kubernetes_schemas() -> None:
+    import kubernetes_validate
+
+    assert {p.name for p in MANIFESTS} == {"daemonset.yaml", "sidecar.yaml"}
+    kinds = []
+    for path, doc in _docs():
+        kubernetes_validate.validate(doc, "1.37.0", strict=True)
+        kinds.append((path.name, doc["kind"]))
+    assert ("daemonset.yaml", "DaemonSet") in kinds and ("sidecar.yaml", "Deployment") in kinds
+    broken = yaml.safe_load_all((DEPLOY / "kubernetes" / "sidecar.yaml").read_text()
+                                .replace("volumeMounts:", "volumeMount:", 1))
+    with pytest.raises(kubernetes_validate.ValidationError):  # the validator is not lenient
+        kubernetes_validate.validate(next(iter(broken)), "1.37.0", strict=True)
+
+
+def _kvtier_containers() -> list[tuple[Path, dict[str, Any], dict[str, Any]]]:
+    out = []
+    for path, doc in _docs():
+        if doc["kind"] not in ("DaemonSet", "Deployment"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            if c["name"] == "kvtier":
+                out.append((path, pod, c))
+    return out
+
+
+def _entrypoint(args: list[str], env: dict[str, str], kvtier_bin: str,
+                **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["/bin/sh", str(DEPLOY / "entrypoint.sh"), *args],
+                          env={"PATH": "/usr/bin:/bin", **env, "KVTIER_BIN": kvtier_bin},
+                          capture_output=True, text=True, timeout=120, check=False, **kw)
+
+
+@pytest.fixture
+def kvtier_bin(tmp_path: Path) -> str:
+    exe = tmp_path / "bin" / "kvtier"
+    exe.parent.mkdir()
+    exe.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {sys.executable} -m kvtier \"$@\"\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_manifests_tie_the_pool_to_the_memory_limit(tmp_path: Path, kvtier_bin: str) -> None:
+    """The kvtier container: probes on /readyz and /healthz of the metrics port, settings the
+    daemon knows, Guaranteed memory, and the pool the entry point derives from the limit fits
+    the shm volume (the sidecar's emptyDir) and leaves the daemon its reserve."""
+    found = _kvtier_containers()
+    assert len(found) == 2
+    for path, pod, c in found:
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        for name in env:
+            assert name == "KVTIER_MEMORY_LIMIT_BYTES" or \
+                name.removeprefix("KVTIER_").lower() in config.BY_NAME, (path.name, name)
+        ref = next(e for e in c["env"] if e["name"] == "KVTIER_MEMORY_LIMIT_BYTES")
+        assert ref["valueFrom"]["resourceFieldRef"] == {"containerName": "kvtier",
+                                                        "resource": "limits.memory"}
+        port = next(p for p in c["ports"] if p["name"] == "metrics")["containerPort"]
+        assert env["KVTIER_METRICS"] == f"0.0.0.0:{port}"
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+        assert c["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+        assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+        assert limits["memory"] == requests["memory"]
+        limit = parse_bytes(limits["memory"] + "B")  # 36Gi -> "36GiB"
+        printed = _entrypoint(["serve", "--print-config"],
+                              {**_env(tmp_path), "KVTIER_MEMORY_LIMIT_BYTES": str(limit),
+                               "KVTIER_SSD_BYTES": "0"}, kvtier_bin)
+        assert printed.returncode == 0, printed.stderr
+        line = next(x for x in printed.stdout.splitlines() if x.startswith("dram_bytes = "))
+        pool = parse_bytes(line.split('"')[1])
+        assert 'dram_prefault = true' in printed.stdout
+        assert pool <= limit - (512 << 20) - limit // 16 and pool > limit * 0.9 - (512 << 20)
+        assert f"{pool / 2**30:g} GiB" in path.read_text().replace("\n# ", " ")  # the comment
+        shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+        if "emptyDir" in shm:
+            assert shm["emptyDir"]["medium"] == "Memory"
+            assert pool + (1 << 20) <= parse_bytes(shm["emptyDir"]["sizeLimit"] + "B") < limit
+        else:
+            assert shm["hostPath"]["path"] == "/dev/shm"
+        assert pod["securityContext"].get("runAsNonRoot", c.get("securityContext", {}).get(
+            "runAsNonRoot")) is True
+
+
+def test_entrypoint_refuses_a_limit_with_no_room_and_keeps_an_explicit_pool(
+        tmp_path: Path, kvtier_bin: str) -> None:
+    small = _entrypoint(["serve", "--print-config"],
+                        {**_env(tmp_path), "KVTIER_MEMORY_LIMIT_BYTES": str(512 << 20)},
+                        kvtier_bin)
+    assert small.returncode == 2 and "leaves no room for a DRAM pool" in small.stderr
+    explicit = _entrypoint(["serve", "--print-config"],
+                           {**_env(tmp_path), "KVTIER_MEMORY_LIMIT_BYTES": str(8 << 30),
+                            "KVTIER_DRAM_BYTES": "1GiB", "KVTIER_DRAM_PREFAULT": "false"},
+                           kvtier_bin)
+    assert explicit.returncode == 0, explicit.stderr
+    assert 'dram_bytes = "1GiB"' in explicit.stdout
+    assert "dram_prefault = false" in explicit.stdout
+
+
+def test_dockerfile_builds_one_wheel_and_runs_as_a_non_root_user() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?$", text, flags=re.M)
+    assert len(stages) == 2 and stages[0][1] == "build" and stages[1][1] == ""
+    assert "python -m build --wheel" in text and "COPY --from=build /wheels" in text
+    assert "install.sh /tmp/wheels /opt/kvtier" in text
+    assert re.search(r"^USER 10001:10001$", text, flags=re.M)
+    assert 'ENTRYPOINT ["/bin/sh", "/usr/local/lib/kvtier/entrypoint.sh"]' in text
+    assert "build==1.3.0" in text and "build==1.3.0" in (ROOT / "pyproject.toml").read_text()
+
+
+@pytest.mark.timeout(600)
+def test_wheel_installs_in_a_fresh_venv_and_serves(tmp_path: Path) -> None:
+    """`python -m build --wheel`, deploy/install.sh into a fresh venv (offline: the venv sees
+    this environment's dependencies, so pip resolves them without a registry), then
+    deploy/entrypoint.sh runs the installed `kvtier serve`, which answers and drains."""
+    src = tmp_path / "src"  # a copy: building leaves build/ and *.egg-info in the source
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "kvtier", src / "kvtier",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    dist = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation",
+                            "--outdir", str(dist), str(src)], capture_output=True, text=True,
+                           timeout=300, check=False)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    assert len(list(dist.glob("kvtier-*.whl"))) == 1
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c",
+                                   "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "KVTIER_PIP_ARGS": "--no-index"}
+    installed = subprocess.run(["sh", str(DEPLOY / "install.sh"), str(dist), str(venv)],
+                               env=env, capture_output=True, text=True, timeout=300,
+                               check=False, cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr
+    assert installed.stdout.strip().splitlines()[-1].startswith("kvtier ")
+    where = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import kvtier; print(kvtier.__file__)"], capture_output=True,
+                           text=True, check=True, cwd=tmp_path, env=env).stdout
+    assert where.startswith(str(purelib))  # the wheel's copy, not this checkout
+    sock = tmp_path / "run" / "kvtier.sock"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ["/bin/sh", str(DEPLOY / "entrypoint.sh"), "serve", "--socket", str(sock),
+             "--data-dir", str(tmp_path / "data"), "--ssd-bytes", "0", "--metrics", ""],
+            env={**env, "KVTIER_BIN": str(venv / "bin" / "kvtier"),
+                 "KVTIER_MEMORY_LIMIT_BYTES": str(640 << 20)},
+            stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        import numpy as np
+
+        from kvtier import Client, LayoutDecl, block_keys
+
+        deadline = time.monotonic() + 60
+        while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, log.read_text()
+        layout = LayoutDecl(fingerprint=b"wheel-test/v1", block_bytes=4096, block_tokens=16,
+                            model_id="test/wheel@1")
+        keys = block_keys(list(range(32)), 16)
+        with Client(sock, layout=layout) as kv:  # the installed daemon stores and serves
+            assert kv.store(keys, [np.full(4096, 7, dtype=np.uint8)] * 2).stored == 2
+            assert kv.lookup(keys).hit_blocks == 2
+        first = log.read_text().splitlines()[0]
+        assert f"unix:{sock}" in first and "DRAM pool 88 MiB" in first, first
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+def test_every_variable_and_flag_named_in_deploy_exists() -> None:
+    """A `KVTIER_*` variable or a `--flag` of `kvtier serve` named anywhere in deploy/ (values
+    and comments alike) is one `kvtier serve --help` lists: no comment promises a setting that
+    does not exist (as the unit's group-shared pools once did)."""
+    own = {"KVTIER_CONFIG", "KVTIER_MEMORY_LIMIT_BYTES", "KVTIER_BIN", "KVTIER_PIP_ARGS"}
+    known = {config.env_var(s.name) for s in config.SETTINGS} | own
+    flags = {s.flag for s in config.SETTINGS} | {"--config", "--print-config", "--help"}
+    files = [UNIT, DEPLOY / "kvtier.toml", DEPLOY / "tokens.toml", DEPLOY / "Dockerfile",
+             DEPLOY / "install.sh", DEPLOY / "entrypoint.sh", *MANIFESTS]
+    for path in files:
+        text = path.read_text()
+        for var in set(re.findall(r"\bKVTIER_[A-Z_]+\b", text)):
+            assert var in known, (path.name, var)
+        for flag in set(re.findall(r"kvtier serve((?: --[\w-]+(?:[= ]\S+)?)+)", text)):
+            for name in re.findall(r"--[\w-]+", flag):
+                assert name in flags, (path.name, name)
