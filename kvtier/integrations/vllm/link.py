@@ -81,7 +81,7 @@ class DaemonLink:
             self._client = None
             self._mark_down(ConnectionError(
                 "the daemon's shared-memory segment cannot be mapped from this process "
-                "(another host or user?); the vLLM connector needs it"))
+                "(another host or user?); the engine integration needs it"))
             return None
         if self._down:
             log.warning("kvtier %s: daemon on %s reachable again", self.role, self.socket)
@@ -103,7 +103,7 @@ class DaemonLink:
     def _mark_down(self, exc: BaseException) -> None:
         if not self._down:
             self.outages += 1
-            log.warning("kvtier %s: daemon unavailable or refusing (%s: %s); vLLM runs "
+            log.warning("kvtier %s: daemon unavailable or refusing (%s: %s); the engine runs "
                         "without kvtier, retrying every %g s", self.role, type(exc).__name__,
                         exc, self.settings.retry_after_s)
         self._down = True
