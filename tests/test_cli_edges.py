@@ -149,8 +149,8 @@ def test_serve_help_shows_every_default_and_variable(tmp_path: Path) -> None:
     parser = build_parser("serve")
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     options = [o for o in _long_options(sub.choices["serve"]) if o != "--help"]
-    # 22 + policy + 13 remote_* + max_block_bytes + dram_page_bytes
-    assert len(options) == 38 and set(entries) == set(options)
+    # 22 + policy + 13 remote_* + max_block_bytes + dram_page_bytes + 4 kv_events*
+    assert len(options) == 42 and set(entries) == set(options)
     for option in options:
         helptext = entries[option]
         assert "(default: " in helptext, option

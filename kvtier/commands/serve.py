@@ -38,6 +38,13 @@ _FLAGS = (
      "min(a day's budget, max(a quarter day's, 4 write-back queues))"),
     ("--writeback-queue-bytes", "DRAM held by queued write-backs", "min(DRAM / 4, 1 GiB)"),
     ("--log-level", "debug, info, warning or error", "info"),
+    ("--kv-events", "publish the node's tier changes as vLLM KV events on this ZMQ endpoint, "
+     "e.g. tcp://127.0.0.1:5557", "off"),
+    ("--kv-events-replay", "ZMQ endpoint answering replay requests (vLLM's replay_endpoint)",
+     "off"),
+    ("--kv-events-topic", "topic frame of the KV-event messages", "kvtier"),
+    ("--kv-events-hwm", "messages queued per KV-event subscriber before they are dropped",
+     "100000"),
     ("--remote-url", "shared remote tier: redis://HOST:PORT/DB, rediss:// (TLS), valkey://",
      "off"),
     ("--remote-mode", "standalone or cluster (Redis/Valkey cluster)", "standalone"),

@@ -32,6 +32,14 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
                            rate applies (a block larger than it never reaches SSD)
     writeback_queue_bytes  0 = min(dram_bytes / 4, 1 GiB): DRAM pinned by queued write-backs
     log_level              info (debug, info, warning, error)
+    kv_events              "" = off; tcp://HOST:PORT (PORT * = any), ipc://PATH: publish the
+                           node's tier changes there for KV-aware routers (vLLM's KV-event
+                           format over ZMQ; no authentication: bind loopback or a trusted
+                           network)
+    kv_events_replay       "" = no replay; tcp://HOST:PORT: vLLM's replay endpoint (ROUTER)
+    kv_events_topic        "kvtier": the topic frame of every message
+    kv_events_hwm          100000: messages queued per subscriber before sends to it fail (the
+                           batch is counted as dropped; it stays replayable)
 
 Remote tier (off unless `remote_url` is set; see README "Sharing across nodes"):
 
@@ -138,6 +146,10 @@ class Config:
     ssd_write_burst_bytes: int
     writeback_queue_bytes: int
     log_level: str
+    kv_events: str
+    kv_events_replay: str
+    kv_events_topic: str
+    kv_events_hwm: int
     remote_url: str
     remote_mode: str
     remote_username: str
@@ -234,6 +246,10 @@ def defaults(env: Mapping[str, str]) -> dict[str, Any]:
         "ssd_write_burst_bytes": 0,
         "writeback_queue_bytes": 0,
         "log_level": "info",
+        "kv_events": "",
+        "kv_events_replay": "",
+        "kv_events_topic": "kvtier",
+        "kv_events_hwm": 100_000,
         "remote_url": "",
         "remote_mode": "standalone",
         "remote_username": "",
@@ -254,7 +270,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _SIZES = {"dram_bytes", "slot_bytes", "max_block_bytes", "dram_page_bytes", "ssd_bytes",
           "ssd_write_bytes_per_day", "ssd_write_burst_bytes", "writeback_queue_bytes",
           "remote_write_bytes_per_s", "remote_write_burst_bytes", "remote_queue_bytes"}
-_INTS = {"max_blocks_per_request", "ssd_admit_after", "remote_admit_after"}
+_INTS = {"max_blocks_per_request", "ssd_admit_after", "remote_admit_after", "kv_events_hwm"}
 _FLOATS = {"lease_ttl_s", "max_lease_ttl_s", "grace_s", "ssd_dwpd", "remote_timeout_s"}
 SECRETS = frozenset({"remote_password"})
 """Settings `to_toml` (`--print-config`) never prints."""
@@ -321,6 +337,15 @@ def load(
         else:
             merged["ssd_bytes"] = default_ssd_bytes(data)
     return _validate(merged, origin)
+
+
+def _zmq_endpoint(text: str) -> bool:
+    if text.startswith("ipc://"):
+        return len(text) > len("ipc://")
+    if not text.startswith("tcp://"):
+        return False
+    host, sep, port = text[len("tcp://"):].rpartition(":")
+    return bool(host and sep and (port == "*" or (port.isdigit() and int(port) <= 65535)))
 
 
 def env_var(setting: str) -> str:
@@ -444,6 +469,17 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         raise bad("tls_cert", "tls_cert and tls_key go together")
     if not str(v["socket"]):
         raise bad("socket", "must not be empty")
+    for name in ("kv_events", "kv_events_replay"):
+        text = str(v[name])
+        if text and not _zmq_endpoint(text):
+            raise bad(name, f"expected tcp://HOST:PORT or ipc://PATH, got {text!r}")
+    if v["kv_events_replay"] and not v["kv_events"]:
+        raise bad("kv_events_replay", "needs kv_events")
+    pub = str(v["kv_events"])
+    if pub and pub == v["kv_events_replay"] and "*" not in pub:
+        raise bad("kv_events_replay", "must differ from kv_events")
+    if i("kv_events_hwm") < 1:
+        raise bad("kv_events_hwm", f"must be at least 1, got {i('kv_events_hwm')}")
     remote = _validate_remote(v, bad, slot, dram)
     return Config(
         socket=Path(str(v["socket"])).expanduser(),
@@ -468,6 +504,10 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         ssd_write_bytes_per_day=per_day,
         ssd_write_burst_bytes=burst,
         writeback_queue_bytes=queue,
+        kv_events=str(v["kv_events"]),
+        kv_events_replay=str(v["kv_events_replay"]),
+        kv_events_topic=str(v["kv_events_topic"]),
+        kv_events_hwm=i("kv_events_hwm"),
         log_level=str(v["log_level"]).lower(),
         **remote,
     )
