@@ -22,8 +22,8 @@ import msgspec
 
 from kvtier.core.types import Tier
 
-MEDIUM = {Tier.HBM: "GPU", Tier.DRAM: "CPU", Tier.SSD: "STORAGE", Tier.REMOTE: "REMOTE"}
-LOCALITY = {Tier.HBM: "LOCAL", Tier.DRAM: "LOCAL", Tier.SSD: "LOCAL", Tier.REMOTE: "REMOTE"}
+MEDIUM = ("GPU", "CPU", "STORAGE", "REMOTE")  # by Tier value: HBM, DRAM, SSD, REMOTE
+LOCALITY = ("LOCAL", "LOCAL", "LOCAL", "REMOTE")
 OWNERSHIP = "kvtier"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -71,12 +71,12 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 def stored(tier: Tier, hashes: list[BlockHash], parent: BlockHash | None,
            block_size: int) -> BlockStored:
     """kvtier's BlockStored for blocks now held in `tier` (no token ids: kvtier keeps hashes)."""
-    return BlockStored(hashes, parent, [], block_size, None, MEDIUM[tier], None,
-                       locality=LOCALITY[tier], ownership=OWNERSHIP)
+    return BlockStored(hashes, parent, [], block_size, None, MEDIUM[tier], None, None, None,
+                       None, None, LOCALITY[tier], OWNERSHIP)
 
 
 def removed(tier: Tier, hashes: list[BlockHash]) -> BlockRemoved:
-    return BlockRemoved(hashes, MEDIUM[tier], locality=LOCALITY[tier], ownership=OWNERSHIP)
+    return BlockRemoved(hashes, MEDIUM[tier], None, LOCALITY[tier], OWNERSHIP)
 
 
 _encoder = msgspec.msgpack.Encoder()
