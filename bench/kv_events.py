@@ -44,13 +44,17 @@ LAYOUT = LayoutDecl(b"bench-kvevents-layout", 4096, 16, model_id="bench-model")
 CHAIN = 16
 
 
-def _subscriber(endpoint: str, want: int, ready: Any, out: Any, stop: Any = None) -> None:
+def _subscriber(endpoint: str, want: int, ready: Any, out: Any, stop: Any = None,
+                bind: bool = False) -> None:
     """Counts decoded blocks until `want`; `want` 0: counts messages (not decoded, so this
     process takes little of the machine's CPU from the daemon) until `stop` is set."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
-    sub.connect(endpoint)
+    if bind:  # a collector's address the daemon connects to
+        sub.bind(endpoint)
+    else:
+        sub.connect(endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     ready.set()
     blocks = messages = 0
@@ -88,7 +92,7 @@ def daemon_cost(rounds: int, per_round: int) -> dict[str, Any]:
         on, on_sock = start_daemon(Path(tmp) / "on", "4KiB", "8MiB", "--kv-events", endpoint)
         try:
             ready, out, stop = mp.Event(), mp.Queue(), mp.Event()
-            sub = mp.Process(target=_subscriber, args=(endpoint, 0, ready, out, stop))
+            sub = mp.Process(target=_subscriber, args=(endpoint, 0, ready, out, stop, True))
             sub.start()
             ready.wait(30)
             time.sleep(0.5)

@@ -171,3 +171,25 @@ def test_a_subscriber_that_never_reads_is_dropped_at_the_hwm_not_waited_for() ->
         sub.close(0)
         ctx.term()
         publisher.close()
+
+
+def test_a_plain_address_is_a_collectors_to_connect_to_as_in_vllm() -> None:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)  # llm-d's indexer binds; publishers connect
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    publisher = KvEventPublisher(f"tcp://127.0.0.1:{port}", "", "kv@node@m", hwm=100)
+    try:
+        deadline = time.monotonic() + 10
+        while not sub.poll(100):
+            assert time.monotonic() < deadline
+            publisher.offer(_event(1))  # until the connection is up (a PUB drops before)
+        topic, seq, payload = sub.recv_multipart()
+        (event,) = wire.decode(payload).events
+        assert topic == b"kv@node@m" and wire.sequence(seq) >= 0
+        assert isinstance(event, wire.BlockStored) and event.block_hashes == [
+            (1).to_bytes(32, "big")]
+    finally:
+        publisher.close()
+        sub.close(0)
+        ctx.term()

@@ -35,7 +35,8 @@ Environment variable = KVTIER_ + the setting name in upper case (KVTIER_DRAM_BYT
     kv_events              "" = off; tcp://HOST:PORT (PORT * = any), ipc://PATH: publish the
                            node's tier changes there for KV-aware routers (vLLM's KV-event
                            format over ZMQ; no authentication: bind loopback or a trusted
-                           network)
+                           network). vLLM's rule: `*` in it, `::` or ipc:// binds; any other
+                           address is a collector's (llm-d's indexer) that it connects to
     kv_events_replay       "" = no replay; tcp://HOST:PORT: vLLM's replay endpoint (ROUTER)
     kv_events_topic        "kvtier": the topic frame of every message
     kv_events_hwm          100000: messages queued per subscriber before sends to it fail (the

@@ -46,9 +46,16 @@ REPLAY_BATCHES = 10_000
 FLUSH_S = 0.005
 
 
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard host or port (`*`), `::`, ipc:// or inproc:// binds; any other
+    address is a subscriber's to connect to."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 class KvEventPublisher:
-    """Binds `endpoint` (PUB side) and `replay` ("" = no replay) at once: a bad or busy address is
-    a UsageError at start-up. `close()` publishes what is pending, then closes the sockets."""
+    """Binds (or connects, by `binds`) `endpoint`, binds `replay` ("" = no replay), at once: a
+    bad or busy address is a UsageError at start-up. `close()` publishes what is pending, then
+    closes the sockets."""
 
     def __init__(self, endpoint: str, replay: str, topic: str, hwm: int,
                  metrics: DaemonMetrics | None = None) -> None:
@@ -59,7 +66,10 @@ class KvEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket[bytes] | None = None
         try:
-            self._pub.bind(endpoint)
+            if binds(endpoint):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)  # to a collector that binds (llm-d's indexer)
             if replay:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
@@ -68,7 +78,8 @@ class KvEventPublisher:
             self._close_sockets()
             raise UsageError(f"kv_events: cannot bind {endpoint}"
                              f"{' / ' + replay if replay else ''}: {exc}") from None
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = (self._pub.getsockopt_string(zmq.LAST_ENDPOINT) if binds(endpoint)
+                         else endpoint)
         self.replay_endpoint = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
                                 if self._replay is not None else "")
         self._topic = topic.encode()
