@@ -26,7 +26,7 @@ from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExha
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.namespaces import Namespace, TenantState
+from kvtier.daemon.namespaces import Namespace, TenantUsage
 from kvtier.daemon.residency import Tiers
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 
@@ -48,7 +48,7 @@ class AllocateResult(NamedTuple):
     ttl_s: float
 
 
-def quota_room(tiers: Tiers, state: TenantState, n: int, stride: int) -> bool:
+def quota_room(tiers: Tiers, state: TenantUsage, n: int, stride: int) -> bool:
     """Whether `n` more slots of `stride` bytes fit the tenant's DRAM quota, after evicting its
     own unpinned DRAM blocks for them if needed."""
     quota, more = state.tenant.dram_quota_bytes, n * stride
@@ -90,7 +90,7 @@ class Allocator:
             need = need[:self._admitted(ns, chain, need)]
         if not need:
             return AllocateResult("", [], [], ttl)
-        slots = self._take_slots(ns.tenant, len(need), ns.layout.block_bytes)
+        slots = self._take_slots(ns.usage, len(need), ns.layout.block_bytes)
         lease = self._leases.grant(
             tenant.name, LeaseKind.WRITE, ttl,
             WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))), session,
@@ -111,7 +111,7 @@ class Allocator:
             return len(need)
         return sum(1 for i in need if i < start + n)
 
-    def _take_slots(self, state: TenantState, n: int, nbytes: int) -> list[int]:
+    def _take_slots(self, state: TenantUsage, n: int, nbytes: int) -> list[int]:
         stride = self.tiers.pool.stride_for(nbytes)
         if not quota_room(self.tiers, state, n, stride):
             raise ResourceExhausted(
@@ -141,7 +141,7 @@ class Allocator:
                 inserted.append(index.insert(ns.name, key, parent or None, Tier.DRAM,
                                              dram_slot=slot))
             except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
-                self.tiers.give_back(ns.tenant.tenant.name, slot)
+                self.tiers.give_back(ns.usage.tenant.name, slot)
         self.tiers.apply()
         self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
         self.tiers.maybe_write_remote(ns.name, inserted, committed=True)
@@ -151,7 +151,7 @@ class Allocator:
         """Frees the slots of a lease that ends without Commit (its lease left the table)."""
         for i, slot in w.todo:
             w.ns.pending.pop(w.keys[i], None)
-            self.tiers.give_back(w.ns.tenant.tenant.name, slot)
+            self.tiers.give_back(w.ns.usage.tenant.name, slot)
 
     def slots_held(self) -> int:
         """Slots held by live WRITE leases."""

@@ -24,8 +24,9 @@ Invariants kept:
 
 `Cache` is the facade that takes the lock, validates requests against namespaces and owns the
 lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.daemon.acquire`
-(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers)
-and `kvtier.daemon.cache_stats` (what it reports).
+(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers),
+`kvtier.daemon.applier` (what a residency change entails) and `kvtier.daemon.cache_stats` (what it
+reports).
 """
 
 from __future__ import annotations
@@ -220,14 +221,14 @@ class Cache:
         prompt_tokens: int, want_plan: bool,
     ) -> LookupResult:
         with self._lock:
-            mine = ns.tenant
+            mine = ns.usage
             mine.lookups += 1
             mine.lookup_hits += bool(tiers)
             mine.blocks_hit += len(tiers)
             mine.blocks_missed += len(chain) - len(tiers)
         m = self.metrics
         hits = {t.label: n for t in Tier if (n := tiers.count(t))}  # list.count: C speed
-        m.record_lookup(ns.tenant.tenant.name, ns.layout.model_id, hits, len(chain) - len(tiers))
+        m.record_lookup(ns.usage.tenant.name, ns.layout.model_id, hits, len(chain) - len(tiers))
         the_plan = None
         lay = ns.layout
         if want_plan and lay.cost is not None:
@@ -238,7 +239,7 @@ class Cache:
             prefix = Prefix.uniform([int(t) for t in tiers], lay.block_tokens, lay.block_bytes,
                                     start_token)
             # its own reports + the daemon's SSD and remote links
-            rates = self.tenant_rates.plan_rates(ns.tenant.tenant.name)
+            rates = self.tenant_rates.plan_rates(ns.usage.tenant.name)
             the_plan = plan(prefix, lay.cost, rates, suffix_tokens=suffix)
             m.record_plan(the_plan)
         return LookupResult(tiers, the_plan)
@@ -292,7 +293,7 @@ class Cache:
 
     def _claim(self, ns: Namespace) -> int | None:
         return self.tiers.claim(ns.name) if quota_room(
-            self.tiers, ns.tenant, 1, self.tiers.dram_bytes_of(ns.name)) else None
+            self.tiers, ns.usage, 1, self.tiers.dram_bytes_of(ns.name)) else None
 
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:

@@ -79,7 +79,11 @@ class LayoutInfo:
 
 
 @dataclass(slots=True)
-class TenantState:
+class TenantUsage:
+    """What one tenant holds and did: DRAM and SSD bytes charged to it (slots from their taking
+    until freed, SSD copies and queued write-backs; see `kvtier.daemon.applier`) and its Lookup
+    counts. `tenant`: its authenticated identity and quotas (`kvtier.daemon.auth.Tenant`)."""
+
     tenant: Tenant
     dram_bytes: int = 0
     ssd_bytes: int = 0
@@ -92,7 +96,7 @@ class TenantState:
 @dataclass(slots=True, eq=False)
 class Namespace:
     name: str  # the index/SSD namespace string
-    tenant: TenantState
+    usage: TenantUsage  # its tenant's
     layout: LayoutInfo
     pending: dict[bytes, str] = field(default_factory=dict)  # key -> WRITE lease id
 
@@ -105,7 +109,7 @@ class Namespaces:
         self.max_block_bytes = max_block_bytes  # the pool's largest block (its size classes)
         self.max_blocks = max_blocks_per_request
         self.layouts: dict[tuple[str, bytes], LayoutInfo] = {}
-        self.tenants: dict[str, TenantState] = {}
+        self.tenants: dict[str, TenantUsage] = {}
         self._namespaces: dict[tuple[str, bytes], Namespace] = {}
 
     def register(
@@ -161,11 +165,11 @@ class Namespaces:
             self._namespaces[(tenant.name, lid)] = ns
         return ns
 
-    def tenant(self, name: str, tenant: Tenant | None = None) -> TenantState:
-        """The usage record of a tenant (created on first sight; quotas from `tenant`)."""
+    def tenant(self, name: str, tenant: Tenant | None = None) -> TenantUsage:
+        """The usage of a tenant (created on first sight; quotas from `tenant`)."""
         state = self.tenants.get(name)
         if state is None:
-            state = self.tenants[name] = TenantState(tenant or Tenant(name))
+            state = self.tenants[name] = TenantUsage(tenant or Tenant(name))
         elif tenant is not None and state.tenant != tenant:
             state.tenant = tenant
         return state

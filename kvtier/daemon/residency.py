@@ -1,14 +1,20 @@
 """Where blocks live: the prefix index (B1) over the DRAM slot pool and the SSD store + mover (E).
 
 `Tiers` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
-`ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing:
+`ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing. Deciding is the placement
+planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`); the index journals
+every residency change and the `Applier` (`kvtier.daemon.applier`) acts on it (slots freed,
+tenants charged, SSD keys deleted, events); what is left here is moving:
 
 - index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot;
-- DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists);
-- write-back (mover) starts when a DRAM-only block is admitted (k-th access, index rule) and its
-  parent is on SSD or queued, so SSD stays prefix-closed; the block is pinned while queued;
-- SSD room is made *before* a write-back is queued, by index SSD eviction + store deletes, so the
-  store never refuses for capacity; the index bounds SSD blocks at ssd_bytes / (slot + header);
+- DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists):
+  `placement.dram_room` with one size class, one victim at a time with several;
+- write-back (mover) starts when the planner says so (`placement.write_backs`: a DRAM-only block
+  admitted by the k-th access whose parent is on SSD or queued, so SSD stays prefix-closed); the
+  block is pinned while queued;
+- SSD room is made *before* a write-back is queued, by index SSD eviction (`placement.ssd_room`,
+  then the byte bound) + store deletes, so the store never refuses for capacity; the index
+  bounds SSD blocks at ssd_bytes / (slot + header);
 - promotion copies a verified SSD payload into a fresh slot; a failed verification is a miss,
   a counter, and the block's removal. It runs in three steps so the read can leave the event
   loop and the cache lock: `claim` a slot (lock held; the tenant is charged now, so concurrent
