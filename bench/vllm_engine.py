@@ -109,7 +109,8 @@ class EngineProc:
         self._tmp = self._own_tmpdir()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                "TMPDIR": str(self._tmp), "VLLM_RPC_BASE_PATH": str(self._tmp),
-               "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
+               "VLLM_LOGGING_LEVEL": os.environ.get("KVTIER_TEST_VLLM_LOG", "WARNING"),
+               "TOKENIZERS_PARALLELISM": "false",
                # several engines share the test machine's cores: no pinning, no OMP spinning
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads)}
         log = open(self.log_path, "a")  # noqa: SIM115 (owned by the child)
@@ -221,6 +222,10 @@ def _serve(spec: dict[str, Any]) -> None:
             "block_size": BLOCK, "max_model_len": 8192, "dtype": "bfloat16", "seed": 0,
             "prefix_caching_hash_algo": "sha256_cbor", "disable_log_stats": False,
             **spec["engine_args"]}
+    if isinstance(args.get("kv_events_config"), dict):  # LLM() takes the object only
+        from vllm.config import KVEventsConfig
+
+        args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
     llm = LLM(model=spec["model"], kv_transfer_config=ktc, **args)
 
     def reply(obj: dict[str, Any]) -> None:

@@ -145,6 +145,18 @@ def _group(x: str) -> str | None:
     return None
 
 
+def _zmq_endpoint(x: str) -> str | None:
+    if not x:
+        return None  # off
+    if x.startswith("ipc://") and len(x) > len("ipc://"):
+        return None
+    host, sep, port = x.removeprefix("tcp://").rpartition(":")
+    if x.startswith("tcp://") and host and sep and (
+            port == "*" or (port.isdigit() and int(port) <= 65535)):
+        return None
+    return f"expected tcp://HOST:PORT or ipc://PATH, got {x!r}"
+
+
 def _not_empty(x: str) -> str | None:
     return None if x else "must not be empty"
 
@@ -227,6 +239,15 @@ SETTINGS: tuple[Setting, ...] = (
        "0 = min(DRAM / 4, 1 GiB)"),
     _S("log_level", "text", "info", "log level: debug, info, warning or error", "info",
        _one_of(lambda: LOG_LEVELS, fold=True)),
+    _S("kv_events", "text", "", "publish the node's tier changes as vLLM KV events on this ZMQ "
+       "endpoint, e.g. tcp://127.0.0.1:5557 (no authentication: bind loopback or a trusted "
+       "network; `*`, `::` or ipc:// binds, any other address is a collector's to connect to)",
+       "off", _zmq_endpoint),
+    _S("kv_events_replay", "text", "", "ZMQ endpoint answering replay requests (vLLM's "
+       "replay_endpoint)", "off", _zmq_endpoint),
+    _S("kv_events_topic", "text", "kvtier", "topic frame of the KV-event messages", "kvtier"),
+    _S("kv_events_hwm", "int", 100_000, "messages queued per KV-event subscriber before they "
+       "are dropped (counted; they stay replayable)", "100000", _at_least(1)),
     _S("remote_url", "text", "", "shared remote tier: redis://HOST:PORT/DB, rediss:// (TLS), "
        "valkey://, unix://PATH", "off"),
     _S("remote_mode", "text", "standalone", "standalone or cluster (Redis/Valkey cluster)",
@@ -287,6 +308,10 @@ class Config:
     ssd_write_burst_bytes: int
     writeback_queue_bytes: int
     log_level: str
+    kv_events: str
+    kv_events_replay: str
+    kv_events_topic: str
+    kv_events_hwm: int
     remote_url: str
     remote_mode: str
     remote_username: str
@@ -522,6 +547,11 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     missing = _group(str(v["group"]))  # the final value only: a file's may be overridden
     if missing:
         raise bad("group", missing)
+    if v["kv_events_replay"] and not v["kv_events"]:
+        raise bad("kv_events_replay", "needs kv_events")
+    pub = str(v["kv_events"])
+    if pub and pub == v["kv_events_replay"] and "*" not in pub:
+        raise bad("kv_events_replay", "must differ from kv_events")
     remote = _validate_remote(v, bad, slot, dram)
     return Config(
         socket=Path(str(v["socket"])).expanduser(),
@@ -549,6 +579,10 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         ssd_write_burst_bytes=burst,
         writeback_queue_bytes=queue,
         log_level=str(v["log_level"]).lower(),
+        kv_events=pub,
+        kv_events_replay=str(v["kv_events_replay"]),
+        kv_events_topic=str(v["kv_events_topic"]),
+        kv_events_hwm=i("kv_events_hwm"),
         **remote,
     )
 

@@ -3,7 +3,9 @@
 `EventLog.emit` is called by the cache from any thread; it appends to a bounded ring (for replay
 after a reconnect, `since`) and wakes subscribers. A subscriber is an asyncio queue bound to its
 event loop; a subscriber that falls `max_queue` events behind is dropped (its stream ends with a
-gap it can detect from the sequence numbers) rather than slowing the cache down.
+gap it can detect from the sequence numbers) rather than slowing the cache down. `sink`, when
+set, also gets every event, in node order, under the log's lock (the ZMQ KV-event publisher,
+`kvtier.daemon.kv_publisher`: it must only queue).
 
 Sequence numbers are per tenant (a tenant's stream counts only its own events, so it has no gaps
 made by anyone else's); each event also carries a node-wide number, which the streams of admin
@@ -16,6 +18,7 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.core.types import Tier
@@ -57,6 +60,7 @@ class EventLog:
         self._seq = 0
         self._tenant_seq: dict[str, int] = {}
         self._max_queue = max_queue
+        self.sink: Callable[[BlockEvent], None] | None = None
 
     @property
     def sequence(self) -> int:
@@ -80,6 +84,8 @@ class EventLog:
                 block_tokens,
             )
             self._ring.append(event)
+            if self.sink is not None:
+                self.sink(event)
             subs = [s for s in self._subs if s.tenant in (tenant, None)]
         for sub in subs:
             self._deliver(sub, event)

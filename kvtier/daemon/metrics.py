@@ -43,6 +43,7 @@ MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("s
 PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "fetch_remote", "recompute", "use_hbm")
 """Per looked-up block: fetch it from DRAM / from SSD / from the remote store, recompute it, or
 use the replica's own GPU copy (an HBM block inside the cut costs nothing)."""
+KV_EVENT_RESULTS = ("published", "dropped_queue", "dropped_hwm")
 SSD_DAMAGE = ("store_moved_aside", "undecodable_entry")
 FETCH_LINKS = (Link.DRAM_READ, Link.SSD_READ, Link.REMOTE_READ)
 RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, 10.0)
@@ -260,6 +261,13 @@ class DaemonMetrics:
         )
         for kind in SSD_DAMAGE:
             self.ssd_damage.labels(kind)
+        self.kv_events = Counter(
+            "kvtier_kv_event_blocks", "Blocks in the KV events of the ZMQ stream (--kv-events): "
+            "published, or dropped (publisher queue full; a subscriber at the high-water mark)",
+            ["result"], registry=r,
+        )
+        for result in KV_EVENT_RESULTS:
+            self.kv_events.labels(result)
         self.leases_expired = Counter(
             "kvtier_leases_expired",
             "Leases reclaimed after their TTL or with their client's session", ["kind"], registry=r

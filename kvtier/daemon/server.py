@@ -62,6 +62,7 @@ from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.config import Config, write_kept
 from kvtier.daemon.dirlock import DataDirLock
+from kvtier.daemon.kv_publisher import KvEventPublisher
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import KEY_WIDTHS
 from kvtier.daemon.rpc_guard import Limits, add_service
@@ -135,6 +136,7 @@ class Daemon:
         self._done = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
         self._dir_lock: DataDirLock | None = None
+        self.kv_events: KvEventPublisher | None = None
 
     async def start(self) -> None:
         """Starts serving; the where-and-how-much line is the first line logged."""
@@ -196,6 +198,11 @@ class Daemon:
             self.metrics.close()
             raise
         try:
+            if cfg.kv_events:
+                self.kv_events = KvEventPublisher(cfg.kv_events, cfg.kv_events_replay,
+                                                  cfg.kv_events_topic, cfg.kv_events_hwm,
+                                                  self.metrics)
+                cache.events.sink = self.kv_events.offer
             pool = cache.pool
             segment_owner.write_record(self.segment_record, segment_owner.this_process(
                 pool.spec.shm_dir, pool.spec.name, pool.generation))
@@ -213,13 +220,17 @@ class Daemon:
                    f"{format_bytes(cfg.ssd_write_burst_bytes)}))")
         tcp = f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else ""
         metrics = f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off"
+        events = "off"
+        if self.kv_events is not None:
+            events = self.kv_events.endpoint + (f" (replay {self.kv_events.replay_endpoint})"
+                                                if self.kv_events.replay_endpoint else "")
         tenants = ", ".join(t.name for t in self.auth.tenants())
         auth = "token auth" if self.auth.required else "no auth"
         return (f"kvtier serving on unix:{cfg.socket}{tcp}; metrics {metrics}; DRAM pool "
                 f"{format_bytes(cfg.dram_bytes)} (blocks up to "
                 f"{format_bytes(cfg.max_block_bytes)} in size classes, slots from "
                 f"{format_bytes(cfg.slot_bytes)}); SSD tier {ssd}; planner rates from "
-                f"{rates.described}; tenants: {tenants} ({auth})")
+                f"{rates.described}; KV events {events}; tenants: {tenants} ({auth})")
 
     @property
     def segment_record(self) -> Path:
@@ -228,6 +239,9 @@ class Daemon:
     def _close_cache(self, cache: Cache) -> None:
         """Closes the tiers (the segment is unlinked), then drops the segment's owner record."""
         cache.close()
+        if self.kv_events is not None:  # after the cache: its last events go out
+            self.kv_events.close()
+            self.kv_events = None
         segment_owner.remove_record(self.segment_record, cache.pool.generation)
 
     async def _start_server(self, cache: Cache) -> None:

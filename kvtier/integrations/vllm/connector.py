@@ -20,6 +20,7 @@ Load failures are recomputed: the connector sets vLLM's `kv_load_failure_policy`
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.integrations.vllm.events import TierEvents, tier_events
 from kvtier.integrations.vllm.layout import Unsupported, default_model_id, engine_kv
 from kvtier.integrations.vllm.metadata import KvtierMetadata
 from kvtier.integrations.vllm.pages import PREFERRED_LAYOUT
@@ -43,6 +45,7 @@ from kvtier.integrations.vllm.worker import WorkerSide
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -72,6 +75,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         ktc.kv_load_failure_policy = "recompute"
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.tier_events: TierEvents | None = None
         mc = vllm_config.model_config
         model_id = self.settings.model_id or default_model_id(
             mc, vllm_config.load_config, mc.seed)
@@ -86,6 +90,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = SchedulerSide(
                 self.settings, kv, int(pc.tensor_parallel_size),
                 max(int(mc.get_total_num_kv_heads()), 1), bool(getattr(mc, "use_mla", False)))
+            self.tier_events = tier_events(vllm_config, self.scheduler.links[0])
         else:
             _init_cpu_isa()
             self.worker = WorkerSide(self.settings, kv, rank)
@@ -168,7 +173,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
                            ) -> KvtierPromMetrics:
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvtier's tier events since the last step (`events.py`), beside vLLM's own."""
+        return self.tier_events.take() if self.tier_events is not None else ()
+
     def shutdown(self) -> None:
+        if self.tier_events is not None:
+            self.tier_events.close()
         if self.worker is not None:
             self.worker.close()
         if self.scheduler is not None:
