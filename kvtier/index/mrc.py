@@ -62,9 +62,10 @@ HISTORY_REACH = 0.1
 the index's history (`ADMISSION_HISTORY_PER_BLOCK` x (C_d + C_s) words, direct-mapped: a count is
 lost to a later drop on its word). The drops since a block left are estimated as (d - C_d) x the
 miss ratio so far, which undercounts them (a block dropped and reinserted counts once in d, and
-SSD victims and ancestors add drops); 0.1 is fitted: it puts every point of the four DRAM/SSD
-splits of tests/test_mrc.py within 1.8 points of the replays but one (2.6), where 1 (no fit) is
-off by up to 13 points and 0.05 or 0.2 by up to 4 and 12 (docs/benchmarks.md)."""
+SSD victims and ancestors add drops); 0.1 is fitted on the shared trace: every point of the
+four DRAM/SSD splits of tests/test_mrc.py is then within 2.6 points of the replays (k = 2; 2.4
+with k = 1), where on the 2,000 + 8,000 grid 1 is off by up to 13 points, 0.05 by 4.4, 0.2 by 6.9
+(docs/benchmarks.md)."""
 _MASK = (1 << 64) - 1
 _CAP_BITS = 8
 _CAP_MAX = (1 << _CAP_BITS) - 1
