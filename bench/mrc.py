@@ -38,7 +38,6 @@ from typing import Any
 from kvtier.core.types import Tier
 from kvtier.daemon.cache_stats import INDEX_BYTES_PER_BLOCK, MRC_MIN_KEYS
 from kvtier.index.mrc import (
-    KEY_BYTES,
     ReuseSampler,
     capacity_grid,
     keys_for_budget,
@@ -112,8 +111,9 @@ def index_bytes(blocks: int) -> int:
 
 def cost(dram: int, ssd: int, lookups: int) -> dict[str, Any]:
     budget = (dram + ssd) * INDEX_BYTES_PER_BLOCK // 100
-    max_keys = max(MRC_MIN_KEYS, keys_for_budget(budget))
-    sampler = ReuseSampler(capacity_grid(dram, ssd), max_keys=max_keys)
+    grid = capacity_grid(dram, ssd)
+    max_keys = max(MRC_MIN_KEYS, keys_for_budget(budget, sum(1 for _d, s in grid if s)))
+    sampler = ReuseSampler(grid, max_keys=max_keys)
     index = PrefixIndex(dram_blocks=dram + ssd, ssd_blocks=0)
     est_times, peer_times = [], []
     chunk = 4000
@@ -156,9 +156,9 @@ def cost(dram: int, ssd: int, lookups: int) -> dict[str, Any]:
         "tracked_keys": sampler.tracked_keys, "rate_end": sampler.rate,
         "sampled_refs": sampler.sampled_refs, "lookups": sampler.lookups,
         "estimator_bytes": exact, "estimator_bytes_gauge": memory_bytes(sampler),
-        "estimator_bound_bytes": max_keys * KEY_BYTES + sampler.tree_bytes(),
+        "estimator_bound_bytes": max_keys * sampler.key_bytes + sampler.tree_bytes(),
         "index_bytes": full_index, "memory_share": exact / full_index,
-        "bound_share": (max_keys * KEY_BYTES + sampler.tree_bytes()) / full_index,
+        "bound_share": (max_keys * sampler.key_bytes + sampler.tree_bytes()) / full_index,
         "observe_us_per_lookup": est_s * 1e6, "index_lookup_us": peer_s * 1e6,
         "cpu_share_at_2000_per_s": est_s * RATE, "ratio_to_index_lookup": est_s / peer_s,
         "index_bytes_per_block": full_index / (dram + ssd),

@@ -139,22 +139,10 @@ def test_dram_estimate_within_3_points_of_replays(trace: list[Request]) -> None:
     check_against_replays(trace, 2000, 0)
 
 
-# The replays now run the daemon's placement (write-back at the lookup that makes the k-th
-# access, or at Commit; kvtier.index.placement). The estimator's two-tier model (admission
-# counted across DRAM drops) was validated against the simulator's old write-back at eviction
-# and is off by up to 23 points (DRAM 500 + SSD 8,000: est 0.394, replay 0.168) against the
-# daemon's rule: a finding for the estimator, recorded in docs/benchmarks.md. strict: this
-# fails once the estimator models the daemon again, so the mark must then go.
-_TWO_TIER_MODEL = pytest.mark.xfail(
-    strict=True, reason="the MRC's two-tier model is not the daemon's write-back rule")
-
-
-@_TWO_TIER_MODEL
 def test_estimate_within_3_points_of_replays(trace: list[Request]) -> None:
     check_against_replays(trace, 2000, 8000)
 
 
-@_TWO_TIER_MODEL
 @pytest.mark.parametrize(("dram", "ssd"), [(1000, 4000), (3000, 3000), (4000, 16000)])
 def test_estimate_within_3_points_of_replays_other_splits(
     trace: list[Request], dram: int, ssd: int

@@ -101,8 +101,10 @@ def new_sampler(cfg: Config, ssd_blocks: int, dram_blocks: int | None = None) ->
     index's (but at least `MRC_MIN_KEYS` keys)."""
     dram = cfg.slots if dram_blocks is None else dram_blocks
     budget = (dram + ssd_blocks) * INDEX_BYTES_PER_BLOCK // 100
-    return ReuseSampler(capacity_grid(dram, ssd_blocks), admit_k=cfg.ssd_admit_after,
-                        max_keys=max(MRC_MIN_KEYS, keys_for_budget(budget)))
+    grid = capacity_grid(dram, ssd_blocks)
+    ssd_points = sum(1 for _d, s in grid if s)
+    return ReuseSampler(grid, admit_k=cfg.ssd_admit_after,
+                        max_keys=max(MRC_MIN_KEYS, keys_for_budget(budget, ssd_points)))
 
 
 def mrc_gauges(sampler: ReuseSampler) -> MrcGauges:

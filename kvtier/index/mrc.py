@@ -14,22 +14,27 @@ Method — SHARDS (Waldspurger et al., FAST'15), spatially hashed sampling of LR
 - A lookup of the chain ``k0 .. kn`` touches its blocks root-last, so a parent is always more
   recent than its child; the LRU stack is then prefix-closed at every size, and "the block hits
   at size C" (reuse distance < C) agrees with the prefix rule of a prefix cache.
-- Two tiers, as the index runs them (DRAM over all traffic, SSD fed by DRAM victims admitted on
-  the k-th access, see `kvtier.index.policies.KthAccess`): a reference hits DRAM of C_d blocks
-  when its distance d < C_d; it hits DRAM + SSD of C_s blocks when it hits DRAM, or when its
-  block had already been accessed k times before (so its last DRAM eviction wrote it to SSD)
-  and its distance among such admitted blocks is < C_s + `DRAM_SHARE` x C_d (DRAM and SSD share the
-  admitted blocks' recency; about half the admitted blocks in DRAM also hold SSD room).
+- Two tiers, as the daemon places blocks (`kvtier.index.placement`: a DRAM block is copied to
+  SSD at the Lookup or Commit that makes its k-th access, `kvtier.index.policies.KthAccess`, and
+  keeps its DRAM copy; SSD holds the admitted blocks, DRAM's included, in LRU order). Admission
+  depends on the capacity, so each capacity with an SSD tier keeps its own access count per key
+  and its own set of SSD-resident keys: a reference hits DRAM of C_d blocks when its distance
+  d < C_d; it hits DRAM + SSD of C_s blocks when it hits DRAM, or when its block is on SSD there
+  (it reached k accesses) and its distance among that capacity's SSD blocks is < C_s. The count
+  grows on every access of a cached block; a block gone from both tiers keeps it only while the
+  index's admission history still remembers it (`_remembered`), else it starts again at 1.
 - Distances come from a Fenwick tree over logical access times of the tracked keys: the keys
   touched since this key's last access are a range sum. Times are renumbered when the tree is
   full, which is also when keys beyond the largest capacity of interest (`horizon`) are dropped:
   they miss at every capacity the curve reports.
 
-Cost per lookup: one vectorised hash of its keys (numpy) plus O(log n) per sampled key.
+Cost per lookup: one vectorised hash of its keys (numpy) plus O(log n) per sampled key and
+capacity with SSD.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 from collections.abc import Sequence
@@ -37,6 +42,8 @@ from typing import NamedTuple
 
 import numpy as np
 from xxhash import xxh3_64_intdigest
+
+from kvtier.index.policies import ADMISSION_HISTORY_PER_BLOCK
 
 FACTORS = (0.25, 0.5, 2.0, 4.0, 8.0)
 """Capacity multiples the daemon reports (of its DRAM, and of its SSD)."""
@@ -50,19 +57,24 @@ ERROR = 0.03
 the shared trace (tests/test_mrc.py) and of the daemon's measured ratio at its own capacity
 (tests/test_stats_top.py), once `MIN_SAMPLES` references were sampled."""
 
-DRAM_SHARE = 0.5
-"""Of the admitted blocks DRAM holds, the share that does not also take SSD room: a block promoted
-from SSD keeps its SSD copy, one that reached k accesses while in DRAM has none yet. 0.5 is
-within 3 points of replays at four DRAM/SSD splits of the shared trace (tests/test_mrc.py,
-docs/benchmarks.md); 0 (SSD only) and 1 (DRAM + SSD) are each off by up to 5 points."""
+HISTORY_REACH = 0.1
+"""The admission history's reach, as the words a dropped count survives on average, per word of
+the index's history (`ADMISSION_HISTORY_PER_BLOCK` x (C_d + C_s) words, direct-mapped: a count is
+lost to a later drop on its word). The drops since a block left are estimated as (d - C_d) x the
+miss ratio so far, which undercounts them (a block dropped and reinserted counts once in d, and
+SSD victims and ancestors add drops); 0.1 is fitted on the shared trace: every point of the
+four DRAM/SSD splits of tests/test_mrc.py is then within 2.6 points of the replays (k = 2; 2.4
+with k = 1), where on the 2,000 + 8,000 grid 1 is off by up to 13 points, 0.05 by 4.4, 0.2 by 6.9
+(docs/benchmarks.md)."""
 _MASK = (1 << 64) - 1
-_COUNT_BITS = 8
-_COUNT_MAX = (1 << _COUNT_BITS) - 1
+_CAP_BITS = 8
+_CAP_MAX = (1 << _CAP_BITS) - 1
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio multiplicative hash (odd)
 KEY_BYTES = 120
-"""Bytes per tracked key, an upper bound: a dict slot (30-50 B) and two ints (the 64-bit hash,
-36 B; the packed time and count, 32 B). The Fenwick trees add 2 x 4 B x 2 per key of
-`max_keys`."""
+"""Bytes per tracked key without SSD capacities, an upper bound: a dict slot (30-50 B) and two
+ints (the 64-bit hash, 36 B; the packed time and counts, 32 B; `key_bytes` adds the counts of
+capacities with SSD). The Fenwick trees add 2 x 4 B per key of `max_keys` each: one over all
+keys, one per capacity with SSD."""
 
 
 class Point(NamedTuple):
@@ -107,9 +119,16 @@ class _Fenwick:
         return s
 
 
-def keys_for_budget(budget_bytes: int) -> int:
-    """How many tracked keys fit in `budget_bytes` (at least 64)."""
-    return max(64, budget_bytes // (KEY_BYTES + 16))
+def key_bytes(ssd_points: int = 0) -> int:
+    """Bytes per tracked key with `ssd_points` capacities that have an SSD tier: `KEY_BYTES` plus
+    the packed int's `_CAP_BITS` per such capacity (4 bytes per 30-bit digit)."""
+    return KEY_BYTES + 4 * -(-_CAP_BITS * ssd_points // 30)
+
+
+def keys_for_budget(budget_bytes: int, ssd_points: int = 0) -> int:
+    """How many tracked keys fit in `budget_bytes` (at least 64) with `ssd_points` capacities
+    that have an SSD tier (each adds a Fenwick tree: 2 x 4 B per key)."""
+    return max(64, budget_bytes // (key_bytes(ssd_points) + 8 * (1 + ssd_points)))
 
 
 class ReuseSampler:
@@ -147,17 +166,21 @@ class ReuseSampler:
         if rate is None:  # as many keys as the bound allows over the horizon
             rate = min(1.0, max_keys / max(1, self.horizon))
         self._threshold = max(1, min(_MASK, int(rate * (1 << 64))))
-        self._rooms = [(d, s + DRAM_SHARE * d) for d, s in self.capacities]
+        self._dram_caps = [d for d, _s in self.capacities]
+        # the capacities with an SSD tier: (index, dram, ssd, history reach)
+        self._tiered = [(i, d, s, HISTORY_REACH * ADMISSION_HISTORY_PER_BLOCK * (d + s))
+                        for i, (d, s) in enumerate(self.capacities) if s]
+        self._shift = _CAP_BITS * max(1, len(self._tiered))
         self._salts: dict[object, int] = {}
         self._np_salts: dict[object, np.uint64] = {}
         self._np_threshold = np.uint64(self._threshold)
-        # tracked key hash -> last access time << _COUNT_BITS | accesses so far (capped)
+        # tracked key hash -> last access time << _shift | per SSD capacity: accesses (capped)
         self._keys: dict[int, int] = {}
         self._size = max(64, 2 * min(max_keys, int(self.horizon * rate * 1.25) + 64))
         self._all = _Fenwick(self._size)
-        self._admitted = _Fenwick(self._size)
+        self._adm = [_Fenwick(self._size) for _ in self._tiered]
+        self._adm_count = [0] * len(self._tiered)
         self._now = 0
-        self._admitted_count = 0
         self.refs = 0.0  # references seen, in block units (each sampled one weighs 1 / rate)
         self._dram_hits = [0.0] * len(self.capacities)
         self._hits = [0.0] * len(self.capacities)
@@ -172,8 +195,13 @@ class ReuseSampler:
     def tracked_keys(self) -> int:
         return len(self._keys)
 
+    @property
+    def key_bytes(self) -> int:
+        """`key_bytes` of this sampler's capacities."""
+        return key_bytes(len(self._tiered))
+
     def tree_bytes(self) -> int:
-        return 2 * 4 * (self._size + 1)
+        return (1 + len(self._tiered)) * 4 * (self._size + 1)
 
     # ------------------------------------------------------------------ feeding
     def observe(self, tenant: object, keys: Sequence[bytes]) -> None:
@@ -233,35 +261,66 @@ class ReuseSampler:
         now = self._now
         k = self.admit_k
         keys = self._keys
+        shift = self._shift
+        tiered = self._tiered
         entry = keys.get(h)
         if entry is None:
-            keys[h] = now << _COUNT_BITS | 1
+            packed = 0
+            for j, (_i, _cd, _cs, _keep) in enumerate(tiered):
+                packed |= 1 << (_CAP_BITS * j)
+                if k <= 1:
+                    self._adm[j].add(now, 1)
+                    self._adm_count[j] += 1
+            keys[h] = now << shift | packed
             self._all.add(now, 1)
-            if k <= 1:
-                self._admitted.add(now, 1)
-                self._admitted_count += 1
             if len(keys) > self.max_keys:
                 self._compact()
             return
-        last, count = entry >> _COUNT_BITS, entry & _COUNT_MAX
+        last = entry >> shift
         scale = 1.0 / self.rate
         d = (len(keys) - self._all.prefix(last)) * scale
-        eligible = count >= k
-        da = (self._admitted_count - self._admitted.prefix(last)) * scale if eligible else 0.0
         hits, dram_hits = self._hits, self._dram_hits
-        for i, (cd, room) in enumerate(self._rooms):
+        for i, cd in enumerate(self._dram_caps):
             if d < cd:
                 dram_hits[i] += weight
                 hits[i] += weight
-            elif eligible and da < room:
-                hits[i] += weight
+        packed = 0
+        for j, (i, cd, cs, keep) in enumerate(tiered):
+            cnt = entry >> (_CAP_BITS * j) & _CAP_MAX
+            adm = self._adm[j]
+            on = cnt >= k
+            if d < cd:  # a DRAM hit: one more access of a cached block
+                cached = True
+            elif on and (self._adm_count[j] - adm.prefix(last)) * scale < cs:
+                hits[i] += weight  # an SSD hit
+                cached = True
+            else:
+                cached = False
+            if cached or self._remembered(h, now, (d - cd) * (1.0 - hits[i] / self.refs), keep):
+                cnt = cnt + 1 if cnt < _CAP_MAX else cnt
+            else:  # gone from every tier and forgotten by the admission history
+                cnt = 1
+            if on:
+                if cnt >= k:
+                    adm.move(last, now)
+                else:
+                    adm.add(last, -1)
+                    self._adm_count[j] -= 1
+            elif cnt >= k:  # the k-th access: written back at this Lookup or Commit
+                adm.add(now, 1)
+                self._adm_count[j] += 1
+            packed |= cnt << (_CAP_BITS * j)
         self._all.move(last, now)
-        if eligible:
-            self._admitted.move(last, now)
-        elif count + 1 >= k:
-            self._admitted.add(now, 1)
-            self._admitted_count += 1
-        keys[h] = now << _COUNT_BITS | (count + 1 if count < _COUNT_MAX else count)
+        keys[h] = now << shift | packed
+
+    @staticmethod
+    def _remembered(h: int, now: int, drops: float, words: float) -> bool:
+        """Whether a direct-mapped history of `words` words still holds a count after `drops`
+        later drops: with probability exp(-drops / words), drawn from a hash of (key, time)."""
+        if drops <= 0:
+            return True
+        u = ((h ^ now * 0x9E3779B97F4A7C15) * 0xBF58476D1CE4E5B9 & _MASK) >> 11
+        return u < math.exp(-drops / words) * (1 << 53)
 
     def _compact(self) -> None:
         """Renumber access times 1..n (oldest first), forget keys beyond the horizon, and halve
@@ -273,22 +332,26 @@ class ReuseSampler:
             thr = self._threshold
             for h in [h for h in keys if h >= thr]:
                 del keys[h]
-        order = sorted(keys.items(), key=lambda kv: kv[1])  # by last access time
+        shift = self._shift
+        order = sorted(keys.items(), key=lambda kv: kv[1] >> shift)  # by last access time
         limit = max(1, int(self.horizon * self.rate * 1.25) + 1)
         for h, _v in order[: max(0, len(order) - limit)]:
             del keys[h]
         order = order[max(0, len(order) - limit) :]
         self._all = _Fenwick(self._size)
-        self._admitted = _Fenwick(self._size)
-        self._admitted_count = 0
+        n = len(self._tiered)
+        self._adm = [_Fenwick(self._size) for _ in range(n)]
+        self._adm_count = [0] * n
         k = self.admit_k
+        mask = (1 << shift) - 1
         for t, (h, v) in enumerate(order, start=1):
-            count = v & _COUNT_MAX
-            keys[h] = t << _COUNT_BITS | count
+            packed = v & mask
+            keys[h] = t << shift | packed
             self._all.add(t, 1)
-            if count >= k:
-                self._admitted.add(t, 1)
-                self._admitted_count += 1
+            for j in range(n):
+                if packed >> (_CAP_BITS * j) & _CAP_MAX >= k:
+                    self._adm[j].add(t, 1)
+                    self._adm_count[j] += 1
         self._now = len(order)
 
     # ------------------------------------------------------------------ reading
@@ -302,9 +365,9 @@ class ReuseSampler:
 
 
 def memory_bytes(sampler: ReuseSampler) -> int:
-    """An upper bound of the sampler's tables' bytes, O(1): `KEY_BYTES` per tracked key plus the
-    two Fenwick trees (`measure_bytes` counts them object by object)."""
-    return sampler.tracked_keys * KEY_BYTES + sampler.tree_bytes()
+    """An upper bound of the sampler's tables' bytes, O(1): `key_bytes` per tracked key plus the
+    Fenwick trees (`measure_bytes` counts them object by object)."""
+    return sampler.tracked_keys * sampler.key_bytes + sampler.tree_bytes()
 
 
 def measure_bytes(sampler: ReuseSampler) -> int:
