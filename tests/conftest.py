@@ -82,7 +82,10 @@ def left_in(tmp: Path) -> list[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     global _TMP
-    if _TMP is None and not hasattr(config, "workerinput"):
+    # a pytest run by a test (KVTIER_NESTED_PYTEST=1, in that test's tmp_path) leaves its temp
+    # files to the test that runs it
+    nested = os.environ.get("KVTIER_NESTED_PYTEST") == "1"
+    if _TMP is None and not hasattr(config, "workerinput") and not nested:
         _TMP = own_tempdir()
 
 
@@ -121,7 +124,7 @@ REQUIRE_ALL = os.environ.get("KVTIER_REQUIRE_ALL") == "1"
 MAY_SKIP = re.compile(r"CUDA|CuPy|cupy installed|nvcc|on a GPU machine|port \d+ is in use|"
                       r"PYTHONHASHSEED is set")
 """Skip reasons bin/test cannot do anything about on this machine (hardware, the environment)."""
-MARKERS = ("vllm", "slow", "gpu")
+MARKERS = ("vllm", "sglang", "slow", "gpu")
 _markers: dict[str, str] = {}
 _ran: Counter[tuple[str, str]] = Counter()
 _skipped: Counter[str] = Counter()

@@ -71,14 +71,17 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
             d.stop()
 
 
-def test_backend_class_in_the_sglang_venv() -> None:
+def test_backend_class_in_the_sglang_venv(tmp_path: Path) -> None:
     """tests/test_sglang_backend.py (SGLang's factory builds `KvtierStorage`; both paths) in the
-    SGLang venv, where SGLang imports."""
+    SGLang venv, where SGLang imports. Its temp files (SGLang's CuTe DSL cache, ...) go to this
+    test's tmp_path."""
     python = sglang_python()
     assert python is not None
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path),
+           "KVTIER_NESTED_PYTEST": "1"}
     run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-W", "ignore", "tests/test_sglang_backend.py"],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "2 passed" in run.stdout, run.stdout[-2000:]
