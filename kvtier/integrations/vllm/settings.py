@@ -9,14 +9,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from kvtier.integrations.common.extra import SettingsError, parse_extra
+
+__all__ = ["ConnectorSettings", "SettingsError"]
+
 TRANSFERS = ("auto", "engine", "torch")
-
-
-class SettingsError(ValueError):
-    """A bad `kv_connector_extra_config` (raised at engine start, naming the key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +63,7 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
-        extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known))
-        if unknown:
-            raise SettingsError(f"kvtier connector: unknown kv_connector_extra_config key(s) "
-                                f"{unknown}; known: {sorted(known)}")
-        values: dict[str, Any] = {}
-        for name, value in extra.items():
-            values[name] = _coerce(name, value, type(known[name].default))
-        s = cls(**values)
+        s = parse_extra(cls, extra, where="kv_connector_extra_config")
         if s.transfer not in TRANSFERS:
             raise SettingsError(f"kvtier connector: kv_connector_extra_config['transfer'] must "
                                 f"be one of {list(TRANSFERS)}, got {s.transfer!r}")
@@ -81,23 +72,3 @@ class ConnectorSettings:
             raise SettingsError("kvtier connector: timeout_s and save_buffer_mib must be > 0, "
                                 "retry_after_s, lease_ttl_s and prefill_report_s >= 0")
         return s
-
-
-def _coerce(name: str, value: Any, kind: type) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-    elif kind is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif isinstance(value, str):
-        return value
-    raise SettingsError(f"kvtier connector: kv_connector_extra_config[{name!r}] must be a "
-                        f"{kind.__name__}, got {value!r}")
