@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket as _socket
 import subprocess
@@ -27,6 +28,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from bench.child_tmp import child_tmpdir
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIMS = ROOT / "tests" / "sglang_shims"
@@ -125,7 +128,9 @@ class SglangServer:
                 "--hicache-io-backend", "direct",
                 "--hicache-mem-layout", "layer_first",
                 "--hicache-storage-prefetch-policy", "wait_complete"]
-        env = {**os.environ, "PYTHONPATH": f"{SHIMS}{os.pathsep}{ROOT}",
+        # its own TMPDIR (SGLang's ZMQ IPC files, the CuTe DSL cache), removed by close()
+        self.tmp = child_tmpdir(workdir)
+        env = {**os.environ, "PYTHONPATH": f"{SHIMS}{os.pathsep}{ROOT}", "TMPDIR": str(self.tmp),
                "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         if storage == "kvtier":
             cfg = {**BACKEND, "prefetch_threshold": PAGE, "socket": str(socket),
@@ -141,6 +146,7 @@ class SglangServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 600.0) -> SglangServer:
+        self.tmp.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env, cwd=self.workdir,
@@ -195,16 +201,17 @@ class SglangServer:
         raise RuntimeError(f"SGLang did not flush its cache:\n{self.tail()}")
 
     def close(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
+        """Stops the server (its whole process group) and removes its TMPDIR."""
+        if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> SglangServer:
         return self

@@ -25,11 +25,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from bench.child_tmp import child_tmpdir
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 32  # vLLM's CPU backend needs a multiple of 32
@@ -90,23 +91,13 @@ class EngineProc:
         self._exiting = False
         self._tmp: Path | None = None
 
-    def _own_tmpdir(self) -> Path:
-        """The child's TMPDIR: under `workdir`, unless that path is too long for the Unix
-        sockets vLLM creates there (107 bytes with its names), then a fresh one in the
-        system temp dir; removed by `close()`."""
-        own = self.workdir / "tmp"
-        if len(str(own)) > 60:
-            own = Path(tempfile.mkdtemp(prefix="kvtier-eng-"))
-        own.mkdir(parents=True, exist_ok=True)
-        return own
-
     def start(self) -> EngineProc:
         self.launch()
         return self.wait_ready()
 
     def launch(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._tmp = self._own_tmpdir()
+        self._tmp = child_tmpdir(self.workdir)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                "TMPDIR": str(self._tmp), "VLLM_RPC_BASE_PATH": str(self._tmp),
                "VLLM_LOGGING_LEVEL": os.environ.get("KVTIER_TEST_VLLM_LOG", "WARNING"),

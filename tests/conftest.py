@@ -101,14 +101,35 @@ def _fail(session: pytest.Session, text: str) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+_SEEN_IN: dict[str, str] = {}
+"""Top-level entry of the session's temp dir -> the test during which it first appeared."""
+
+
+def _listing() -> set[str]:
+    try:
+        return set(os.listdir(_TMP)) if _TMP is not None else set()
+    except OSError:
+        return set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    before = _listing()
+    yield
+    for name in _listing() - before:
+        _SEEN_IN.setdefault(name, item.nodeid)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _TMP is not None and _TMP.exists():
         left = left_in(_TMP)
         shutil.rmtree(_TMP, ignore_errors=True)
         if left:
+            tops = Counter(_SEEN_IN.get(p.split("/")[0], "outside any test") for p in left)
             _fail(session, f"tests left files in the system temp dir ({_TMP}, removed now): "
                   + ", ".join(left[:40]) + (f" and {len(left) - 40} more" if len(left) > 40
-                                            else ""))
+                                            else "")
+                  + "; appeared during: " + "; ".join(f"{t} ({n})" for t, n in tops.items()))
     after = untracked()
     if _BEFORE is None or after is None:
         return

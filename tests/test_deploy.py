@@ -271,8 +271,9 @@ def test_wheel_installs_in_a_fresh_venv_and_serves(tmp_path: Path) -> None:
                                    "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   capture_output=True, text=True, check=True).stdout.strip())
     (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (tmp_path / "tmp").mkdir()
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),
-           "KVTIER_PIP_ARGS": "--no-index"}
+           "TMPDIR": str(tmp_path / "tmp"), "KVTIER_PIP_ARGS": "--no-index"}
     installed = subprocess.run(["sh", str(DEPLOY / "install.sh"), str(dist), str(venv)],
                                env=env, capture_output=True, text=True, timeout=300,
                                check=False, cwd=tmp_path)

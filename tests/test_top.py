@@ -114,10 +114,12 @@ def test_once_table_and_bad_sources(busy: DaemonProc, tmp_path: Path) -> None:
     assert kvtier("top", "--interval", "0").returncode == 2
 
 
-def test_live_view_in_tmux(busy: DaemonProc) -> None:
+def test_live_view_in_tmux(busy: DaemonProc, tmp_path: Path) -> None:
     if shutil.which("tmux") is None:
         pytest.skip("tmux not found: apt-get install -y tmux (bin/test does)")
     server = f"kvtier-top-{uuid.uuid4().hex[:8]}"
+    # tmux's socket dir (TMUX_TMPDIR, else /tmp/tmux-UID) under this test's own tmp_path
+    os.environ["TMUX_TMPDIR"] = str(tmp_path)
     tmux = ["tmux", "-L", server]
     url = f"http://127.0.0.1:{busy.metrics_port}"
     cmd = (f"unset COLUMNS LINES; cd {ROOT} && PYTHONPATH={ROOT} {sys.executable} -m kvtier top "
