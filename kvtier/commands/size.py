@@ -21,6 +21,7 @@ from kvtier.commands import (
     size_overload,
     size_pd,
     size_quant,
+    size_rates,
     size_samples,
     size_tiers,
 )
@@ -168,6 +169,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size_hybrid.add_arguments(p)
     size_tiers.add_arguments(p)
     size_pd.add_arguments(p)
+    size_rates.add_arguments(p)
     size_samples.add_arguments(p)
     size_quant.add_arguments(p)
     size_overload.add_arguments(p)
@@ -449,7 +451,7 @@ def _overload(
 ) -> dict[str, Any] | None:
     if a.overload is None:
         return None
-    rates, sources = size_tiers.planner_rates(a)
+    rates, sources = size_rates.planner_rates(a)
     return size_overload.compute(
         spec,
         layout,
@@ -457,6 +459,7 @@ def _overload(
         load.concurrency,
         load.prompt_tokens,
         load.max_output_tokens,
+        load.prefill_chunk,
         rates,
         sources,
         a,
@@ -464,7 +467,7 @@ def _overload(
 
 
 def _pd(spec: ModelSpec, layout: KVLayout, prompt: int, a: argparse.Namespace) -> dict[str, Any]:
-    rates, sources = size_tiers.planner_rates(a)
+    rates, sources = size_rates.planner_rates(a)
     return size_pd.compute(spec, layout, prompt, rates["prefill_flops_per_s"], sources["prefill"])
 
 
