@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -78,6 +79,42 @@ def test_a_flag_typo_names_the_closest_flag(tmp_path: Path, args: list[str], lin
     assert proc.stderr.splitlines() == [line]
 
 
+def test_size_old_flags_are_deprecated_aliases_with_the_same_result(tmp_path: Path) -> None:
+    env = {**clean_env(tmp_path), "XDG_DATA_HOME": str(tmp_path / "data")}
+    base = ["size", "--preset", "Llama-3-8B", "--json"]
+    new = kvtier(*base, "--gpu-bytes", "48GB", "--dram-bytes", "256GiB", "--ssd-bytes", "4TB",
+                 env=env)
+    old = kvtier(*base, "--gpu-mem", "48GB", "--dram", "256GiB", "--ssd", "4TB", env=env)
+    assert new.returncode == 0 and old.returncode == 0, old.stderr
+    assert json.loads(old.stdout) == json.loads(new.stdout)
+    assert json.loads(old.stdout)["gpu_bytes"] == 48_000_000_000  # the old flag's value is used
+    assert json.loads(old.stdout)["dram"]["bytes"] == 256 << 30
+    assert new.stderr == ""
+    assert old.stderr.splitlines() == [
+        "kvtier size: warning: --gpu-mem is deprecated, use --gpu-bytes",
+        "kvtier size: warning: --dram is deprecated, use --dram-bytes",
+        "kvtier size: warning: --ssd is deprecated, use --ssd-bytes",
+    ]
+    shown = kvtier("size", "--help", env=env).stdout
+    assert "--gpu-bytes SIZE" in shown
+    for old_flag in ("--gpu-mem", "--dram", "--ssd"):  # hidden from --help
+        assert old_flag + " " not in shown
+
+
+def test_demo_model_is_a_deprecated_alias_of_preset(tmp_path: Path) -> None:
+    """`demo --model tiny` still picks the tiny model (its 4,096-position limit is what refuses
+    this long a conversation, before any daemon or engine starts) and says to use --preset."""
+    too_long = ["--turns", "50", "--system-tokens", "4096"]
+    refused = ("kvtier demo: error: the conversation reaches 13296 tokens; model 'tiny' holds "
+               "4096: use fewer --turns or --system-tokens")
+    new = kvtier("demo", "--preset", "tiny", *too_long, env=clean_env(tmp_path))
+    old = kvtier("demo", "--model", "tiny", *too_long, env=clean_env(tmp_path))
+    assert new.returncode == 2 and new.stderr.splitlines() == [refused]
+    assert old.returncode == 2 and old.stderr.splitlines() == [
+        "kvtier demo: warning: --model is deprecated, use --preset", refused]
+    assert "--model " not in kvtier("demo", "--help", env=clean_env(tmp_path)).stdout
+
+
 def test_implausible_bare_sizes_are_refused_everywhere(tmp_path: Path) -> None:
     """A size without a unit means bytes in every subcommand, flag, variable and file; one that
     small is a unit left out, refused with the same hint."""
@@ -85,7 +122,7 @@ def test_implausible_bare_sizes_are_refused_everywhere(tmp_path: Path) -> None:
     toml.write_text("dram_bytes = 64\n")
     env = clean_env(tmp_path)
     cases = [
-        (["size", "--preset", "Llama-3-8B", "--gpu-mem", "80"], env, "--gpu-mem: 80 without"),
+        (["size", "--preset", "Llama-3-8B", "--gpu-bytes", "80"], env, "--gpu-bytes: 80 without"),
         (["size", "--preset", "Llama-3-8B", "--dram-bytes", "256"], env, "--dram-bytes: 256 "),
         (["simulate", "--workload", "chat", "--dram-bytes", "64", "--preset", "Llama-3-8B"], env,
          "--dram-bytes: 64 without"),

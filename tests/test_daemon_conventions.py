@@ -166,6 +166,30 @@ def test_sighup_does_not_kill_the_daemon(tmp_path: Path) -> None:
         assert d.stop() == 0
 
 
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2])
+def test_usr_signals_are_logged_and_ignored(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGUSR1/2 would end the process by default, leaving the socket and the segment; kvtier
+    gives them no job: one WARNING, the daemon keeps serving, and a later stop cleans up."""
+    d = DaemonProc(tmp_path / "d").start()
+    assert d.proc is not None
+    record = segment_owner.read_record(segment_owner.record_path(d.socket))
+    assert record is not None
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            kv.store(keys(4, 2), blocks(2, 4))
+            d.proc.send_signal(sig)
+            wait_for(lambda: f"{sig.name} ignored" in d.log())
+            assert d.healthy()
+            assert kv.lookup(keys(4, 2)).hit_blocks == 2
+        line = next(ln for ln in d.log().splitlines() if f"{sig.name} ignored" in ln)
+        assert "WARNING" in line and "SIGHUP" in line and "SIGTERM" in line
+    finally:
+        assert d.stop() == 0, d.log()
+    assert not d.socket.exists()
+    assert not Path(record.path).exists(), "shared-memory segment left behind"
+    assert not segment_owner.record_path(d.socket).exists()
+
+
 # ---- SIGHUP reload --------------------------------------------------------------------------
 
 
@@ -287,6 +311,59 @@ def test_http_probes_and_404(tmp_path: Path) -> None:
         assert d.proc.wait(30) == 0
     finally:
         d.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_readyz_is_503_while_starting(tmp_path: Path) -> None:
+    """The metrics endpoint answers from before the tiers open. The data dir's calibration file
+    is a FIFO here, so opening the tiers blocks on reading it, as a start does on a data dir on
+    a stalled network mount: no test hook, the real start path, held for as long as the test
+    likes. /readyz says 503 "starting" all that time and 200 once the file arrives and the daemon
+    serves; /healthz is 200 throughout."""
+    port = free_port()
+    d = DaemonProc(tmp_path / "d", ["--metrics", f"127.0.0.1:{port}"])
+    d.data_dir.mkdir(parents=True)
+    fifo = d.data_dir / "calibration.json"
+    os.mkfifo(fifo)
+    d.metrics_port = port
+    log = open(d.log_path, "ab")  # noqa: SIM115 (owned by the child)
+    d.proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", *d.args], stdout=log,
+                              stderr=subprocess.STDOUT, env=d.env, cwd=d.workdir)
+    log.close()
+    try:
+        def answered() -> bool:
+            assert d.proc is not None and d.proc.poll() is None, d.log()
+            try:
+                return http(d, "/healthz")[0] == 200
+            except OSError:
+                return False
+
+        wait_for(answered, timeout=30)
+        for _ in range(3):  # and it stays so: the start is held on the FIFO
+            code, body = http(d, "/readyz")
+            assert (code, body) == (503, "not ready: starting: the storage tiers are not open "
+                                         "yet\n")
+            assert not d.socket.exists()
+            time.sleep(0.2)
+        with open(fifo, "w") as w:  # the file arrives: a valid, empty calibration
+            w.write('{"version": 1, "links": {}}')
+        wait_for(lambda: http(d, "/readyz") == (200, "ready\n"), timeout=30)
+        assert d.healthy()
+    finally:
+        try:  # a start still held on the FIFO is let go, so the stop below drains and cleans up
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            pass  # no reader any more: the daemon read it
+        else:
+            os.write(fd, b'{"version": 1, "links": {}}')
+            os.close(fd)
+        d.stop()
+        fifo.unlink()
 
 
 def test_sd_notify_ready_reloading_stopping(tmp_path: Path) -> None:

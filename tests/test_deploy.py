@@ -122,6 +122,29 @@ def test_systemd_unit_loads_as_the_daemon_would(tmp_path: Path) -> None:
     assert "SupplementaryGroups" not in text or "KVTIER_GROUP" in text
 
 
+def test_systemd_unit_header_installs_as_the_readme_does() -> None:
+    header = [ln for ln in UNIT.read_text().splitlines() if ln.startswith("#")]
+    readme = (ROOT / "README.md").read_text()
+    for command in ("python -m build --wheel", "sh deploy/install.sh dist /opt/kvtier"):
+        assert command in readme
+        assert any(command in ln for ln in header), command
+    assert not any("pip install kvtier-" in ln for ln in header)
+
+
+def test_systemd_unit_reload_comment_names_every_live_setting() -> None:
+    from kvtier.daemon.reload import LIVE
+
+    lines = UNIT.read_text().splitlines()
+    at = next(n for n, ln in enumerate(lines) if ln.startswith("ExecReload="))
+    start = at
+    while lines[start - 1].startswith("#"):
+        start -= 1
+    comment = " ".join(lines[start:at])
+    assert "systemctl reload kvtier" in comment
+    for name in sorted(LIVE):
+        assert (name.replace("_", " ") if name == "tokens_file" else name) in comment, name
+
+
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="no systemd-analyze")
 def test_systemd_unit_verifies(tmp_path: Path) -> None:
     kvtier = tmp_path / "kvtier"

@@ -1,5 +1,6 @@
 """`kvtier size` end to end: real processes, exit codes, one-line errors, --json, --help."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def test_weights_override_and_fraction(capsys):
         capsys,
         "--preset",
         "Llama-3-8B",
-        "--gpu-mem",
+        "--gpu-bytes",
         "80GB",
         "--gpu-util",
         "0.5",
@@ -75,7 +76,7 @@ def test_weights_override_and_fraction(capsys):
 
 
 def test_weights_that_do_not_fit(capsys):
-    r = size_json(capsys, "--preset", "Llama-3-70B", "--gpu-mem", "80GB")
+    r = size_json(capsys, "--preset", "Llama-3-70B", "--gpu-bytes", "80GB")
     # 70.55e9 params * 2 B = 141 GB > 72 GB budget: nothing usable, nothing fits
     assert r["usable_kv_bytes"] < 0
     assert r["pool_pages"] == 0 and r["concurrency_ceiling"] == 0
@@ -152,7 +153,7 @@ def test_hf_config(tmp_path, capsys):
 
 
 def test_table_prints_formula_and_units():
-    proc = kvtier("--preset", "Llama-3-8B", "--gpu-mem", "80GB", "--ssd-bytes", "4TB")
+    proc = kvtier("--preset", "Llama-3-8B", "--gpu-bytes", "80GB", "--ssd-bytes", "4TB")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "131,072 B (128 KiB) = 2 x 32 full layers x 8 heads x 128 x 2 B" in out
@@ -172,7 +173,8 @@ def test_help_documents_every_option():
     assert proc.returncode == 0
     parser = build_parser("size")
     sub = next(a for a in parser._actions if a.dest == "command").choices["size"]
-    flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--")]
+    shown = [a for a in sub._actions if a.help != argparse.SUPPRESS]  # not the old aliases
+    flags = [s for a in shown for s in a.option_strings if s.startswith("--")]
     assert len(flags) > 25
     for flag in flags:
         assert flag in proc.stdout
@@ -217,7 +219,7 @@ BAD = [
     (["--preset", "Llama-3-8B", "--layers", "4"], "give one model source"),
     ([], "no model"),
     (["--hf-config", "/nonexistent/config.json"], "cannot read config"),
-    (["--preset", "Llama-3-8B", "--gpu-mem", "80G"], "ambiguous"),
+    (["--preset", "Llama-3-8B", "--gpu-bytes", "80G"], "ambiguous"),
     (["--preset", "Llama-3-8B", "--dram-bytes=-1GB"], "negative"),
     (["--preset", "Llama-3-8B", "--dtype", "int4"], "unknown dtype 'int4'"),
     (["--preset", "Llama-3-8B", "--tp-rank", "1"], "out of range"),

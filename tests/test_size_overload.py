@@ -37,13 +37,74 @@ def test_llama3_8b_6k_victim_default_rates(capsys):
     assert o["spill"]["back_s"] == pytest.approx(0.016977216)
 
 
+def test_p99_effect_per_option(capsys):
+    o = overload(capsys)
+    assert "more than 1% of requests pay it" in o["p99_condition"]
+    ad, rc, sp = o["admission"], o["recompute"], o["spill"]
+    # admission: the arriving request's TTFT waits the 24 steps, 0.253525 s
+    assert "arriving request's time to first token" in ad["p99_on"]
+    assert ad["p99_effect_s"] == pytest.approx(0.253525077, rel=1e-6)
+    assert ad["p99_also"] == []
+    # recompute: the victim waits for the same 3 completions, then redoes 0.161211 s of prefill:
+    #   0.253525 + 0.161211 = 0.414736 s between two of its tokens
+    assert "victim's inter-token gap" in rc["p99_on"]
+    assert rc["p99_effect_s"] == pytest.approx(0.414735717, rel=1e-6)
+    # the whole prompt in one step (--prefill-chunk 0): that one step of every running request
+    #   is 10.5635 + 161.2110 = 171.7745 ms, x16.26 a plain decode step
+    slow = rc["step_slowdown"]
+    assert slow["prefill_steps"] == 1
+    assert slow["shared_step_s"] == pytest.approx(0.1717745, rel=1e-5)
+    assert slow["factor"] == pytest.approx(16.261, rel=1e-4)
+    (running,) = rc["p99_also"]
+    assert "every running request's inter-token gap" in running["on"]
+    assert running["effect_s"] == pytest.approx(0.161211, rel=1e-5)
+    # spill: the victim is out of the pool from its eviction until the 3 completions (0.2535 s,
+    #   longer than the 16.98 ms way out), then 16.98 ms back: 0.270502 s
+    assert "victim's inter-token gap" in sp["p99_on"]
+    assert sp["p99_effect_s"] == pytest.approx(0.270502293, rel=1e-6)
+    # and the arriving request waits for the way out before the pages are free: 16.977 ms
+    (arriving,) = sp["p99_also"]
+    assert "arriving request's time to first token" in arriving["on"]
+    assert arriving["effect_s"] == pytest.approx(0.016977216)
+
+
+def test_chunked_prefill_spreads_the_recompute(capsys):
+    o = overload(capsys, "--prefill-chunk", "2048")
+    slow = o["recompute"]["step_slowdown"]
+    # ceil(6,144 / 2,048) = 3 shared steps, each 161.2110 / 3 = 53.7369 ms longer:
+    #   10.5635 + 53.7369 = 64.3004 ms, x6.087
+    assert slow["prefill_steps"] == 3
+    assert o["recompute"]["p99_also"][0]["effect_s"] == pytest.approx(0.0537369, rel=1e-5)
+    assert slow["shared_step_s"] == pytest.approx(0.0643004, rel=1e-5)
+    assert slow["factor"] == pytest.approx(6.0870, rel=1e-4)
+    # the victim's own gap is the same: it still redoes all of it
+    assert o["recompute"]["p99_effect_s"] == pytest.approx(0.414735717, rel=1e-6)
+
+
+def test_spill_when_the_way_out_outlasts_the_wait(capsys):
+    # a 0.0001 ms step: the wait is 24 x 1e-7 s = 2.4 us, shorter than the 16.977 ms way out, so
+    #   the victim's gap is out + back = 2 x 16.977216 ms = 33.954432 ms
+    o = overload(capsys, "--decode-step-ms", "0.0001")
+    assert o["admission"]["wait_s"] == pytest.approx(2.4e-6)
+    assert o["spill"]["p99_effect_s"] == pytest.approx(0.033954432)
+
+
 def test_stated_step_and_text(capsys):
     o = overload(capsys, "--decode-step-ms", "20")
     assert o["admission"]["wait_s"] == pytest.approx(24 * 0.020)
+    # 0.48 s wait + 0.161211 s redo
+    assert o["recompute"]["p99_effect_s"] == pytest.approx(0.641211, rel=1e-5)
     assert main(["size", "--preset", "Llama-3-8B", "--overload", "6144"]) == 0
     out = capsys.readouterr().out
     assert "admission control  wait 0.254 s = ceil(384 / 160) = 3 completions" in out
-    assert "p99 latency rises" in out
+    assert "p99: the arriving request's time to first token +0.254 s" in out
+    assert "p99: the victim's inter-token gap (and end-to-end) +0.415 s = re-admission wait " \
+        "0.254 s (the same 3 completions) + redo 0.161 s" in out
+    assert "a shared step 10.564 ms + 161.211 ms / 1 [the whole prompt in one step " \
+        "(--prefill-chunk 0)] = 171.774 ms (x16.26)" in out
+    assert "p99: the victim's inter-token gap (and end-to-end) +0.271 s = max(out 0.0170 s, " \
+        "re-admission wait 0.254 s) + back 0.0170 s" in out
+    assert "more than 1% of requests pay it" in out
 
 
 @pytest.mark.parametrize(

@@ -21,10 +21,11 @@ from kvtier.commands import (
     size_overload,
     size_pd,
     size_quant,
+    size_rates,
     size_samples,
     size_tiers,
 )
-from kvtier.commands.flags import whole
+from kvtier.commands.flags import alias, whole
 from kvtier.commands.size_report import render
 from kvtier.core.errors import UsageError
 from kvtier.core.hfconfig import ConfigReading, parse_config, read_config
@@ -121,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--tp", metavar="N", default="1", help="tensor-parallel size (default 1)")
     k.add_argument("--tp-rank", metavar="N", default="0", help="rank to describe (default 0)")
     g = p.add_argument_group("GPU pool (one rank)")
-    g.add_argument("--gpu-mem", metavar="SIZE", default="80GiB", help="device memory (80GiB)")
+    g.add_argument("--gpu-bytes", metavar="SIZE", default="80GiB", help="device memory (80GiB)")
     g.add_argument(
         "--gpu-util", metavar="FRACTION", default="0.9", help="share for the engine, (0,1] (0.9)"
     )
@@ -160,14 +161,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group("host tiers")
     h.add_argument("--dram-bytes", dest="dram", metavar="SIZE", help="DRAM tier size, e.g. 256GiB")
     h.add_argument("--ssd-bytes", dest="ssd", metavar="SIZE", help="SSD tier size, e.g. 4TB")
-    from kvtier.commands.flags import alias
-
+    alias(g, "--gpu-mem", "--gpu-bytes", "gpu_bytes")
     alias(h, "--dram", "--dram-bytes", "dram")
     alias(h, "--ssd", "--ssd-bytes", "ssd")
     size_gpu.add_arguments(p)
     size_hybrid.add_arguments(p)
     size_tiers.add_arguments(p)
     size_pd.add_arguments(p)
+    size_rates.add_arguments(p)
     size_samples.add_arguments(p)
     size_quant.add_arguments(p)
     size_overload.add_arguments(p)
@@ -301,7 +302,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         fp8_scale_bytes=scale_bytes,
     )
     layout, block_note = size_hybrid.align_block(layout)
-    device = parse_size(a.gpu_mem, "--gpu-mem")
+    device = parse_size(a.gpu_bytes, "--gpu-bytes")
     if a.weights is not None:
         weights = parse_size(a.weights, "--weights").bytes
         weights_note = f"--weights {a.weights}"
@@ -397,7 +398,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         "page_bytes": page,
         "kv_groups": groups,
         "gpu_bytes": pool.device_bytes,
-        "gpu_bytes_unit": f"{a.gpu_mem}: "
+        "gpu_bytes_unit": f"{a.gpu_bytes}: "
         + (f"{device.unit} = {device.meaning}" if device.unit else device.meaning),
         "gpu_util": pool.utilization,
         "gpu_budget_bytes": pool.budget_bytes,
@@ -449,7 +450,7 @@ def _overload(
 ) -> dict[str, Any] | None:
     if a.overload is None:
         return None
-    rates, sources = size_tiers.planner_rates(a)
+    rates, sources = size_rates.planner_rates(a)
     return size_overload.compute(
         spec,
         layout,
@@ -457,6 +458,7 @@ def _overload(
         load.concurrency,
         load.prompt_tokens,
         load.max_output_tokens,
+        load.prefill_chunk,
         rates,
         sources,
         a,
@@ -464,7 +466,7 @@ def _overload(
 
 
 def _pd(spec: ModelSpec, layout: KVLayout, prompt: int, a: argparse.Namespace) -> dict[str, Any]:
-    rates, sources = size_tiers.planner_rates(a)
+    rates, sources = size_rates.planner_rates(a)
     return size_pd.compute(spec, layout, prompt, rates["prefill_flops_per_s"], sources["prefill"])
 
 

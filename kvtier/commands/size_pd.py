@@ -36,6 +36,14 @@ GPUS: dict[str, float] = {
     "B200": 2250e12,
 }
 """Dense bf16 tensor peak per GPU, FLOP/s (NVIDIA datasheets; B200 = half the 4.5 PF sparse)."""
+GPU_SOURCES: dict[str, str] = {
+    "A100": "A100 SXM datasheet: BF16 tensor 312 TFLOPS dense",
+    "L40S": "L40S datasheet: BF16 tensor 362.05 TFLOPS dense (733 with sparsity)",
+    "H100": "H100 SXM datasheet: BF16 tensor 1,979 TFLOPS with sparsity / 2",
+    "H200": "H200 SXM datasheet: BF16 tensor 1,979 TFLOPS with sparsity / 2 (H100's compute)",
+    "B200": "HGX B200 datasheet: FP16/BF16 tensor 4.5 PFLOPS with sparsity per GPU / 2",
+}
+"""Where each `GPUS` figure comes from (printed with the table)."""
 LINKS: dict[str, float] = {
     "25 Gb/s": 25e9 / 8,
     "100 Gb/s": 100e9 / 8,
@@ -44,6 +52,15 @@ LINKS: dict[str, float] = {
     "NVLink 4": 450e9,
 }
 """Per-GPU link bandwidth one way, bytes/s (NICs at line rate; NVLink 4 = 900 GB/s both ways)."""
+LINK_SOURCES: dict[str, str] = {
+    "25 Gb/s": "Ethernet line rate / 8 bits, one way, no protocol overhead",
+    "100 Gb/s": "Ethernet/InfiniBand EDR line rate / 8 bits, one way",
+    "200 Gb/s": "Ethernet/InfiniBand HDR line rate / 8 bits, one way",
+    "400 Gb/s": "Ethernet/InfiniBand NDR line rate / 8 bits, one way",
+    "NVLink 4": "H100 SXM datasheet: NVLink 900 GB/s per GPU both ways / 2",
+}
+"""Where each `LINKS` figure comes from (printed with the table)."""
+MFU_SOURCE = "assumed, as the planner's default prefill rate (kvtier.daemon.rates)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,8 +136,11 @@ def compute(
         "hide_gbps": bw * 8 / 1e9,
         "hidden_by": _links_ok(bw),
         "links": {k: v * 8 / 1e9 for k, v in LINKS.items()},
+        "link_sources": dict(LINK_SOURCES),
         "mfu": MFU,
+        "mfu_source": MFU_SOURCE,
         "gpus_tflops": {k: v / 1e12 for k, v in GPUS.items()},
+        "gpu_sources": dict(GPU_SOURCES),
         "table": table,
     }
 
@@ -149,4 +169,9 @@ def render(d: dict[str, Any]) -> list[str]:
             cell = f"{need:.1f} / {ok[0].removesuffix(' Gb/s') if ok else 'none'}"
             cells += f"{cell:>16}"
         lines.append(f"    {row['model']:<16}{cells}")
+    lines.append(f"  where the table's figures come from: MFU {d['mfu']:.0%} [{d['mfu_source']}]")
+    for gpu, tflops in d["gpus_tflops"].items():
+        lines.append(f"    {gpu:<9} {tflops:g} TFLOP/s  [{d['gpu_sources'][gpu]}]")
+    for link, gbps in d["links"].items():
+        lines.append(f"    {link:<9} {gbps * 1e9 / 8:.4g} B/s  [{d['link_sources'][link]}]")
     return lines

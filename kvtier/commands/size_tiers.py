@@ -15,11 +15,11 @@ Break-even: a model whose KV per token is b pays the same to fetch as to recompu
 linear FLOPs 2 x P / TP equal fetch x rate, so below P = fetch x rate x TP / 2 active parameters
 (attention FLOPs ignored) the tier should not exist for it.
 
-Rates: the calibration file (`--calibration`, else `<data dir>/calibration.json` when present,
-as `serve` seeds its planner), else `kvtier.daemon.rates`' defaults; each is printed with its
-source. SSD wear: the drive's rated endurance (`--ssd-dwpd`, `--ssd-warranty-years`) over the
-write rate a workload implies (`--ssd-writes-per-day`, or a `kvtier simulate --json` file with
-`--trace-seconds`), against the budget `serve` enforces (ssd_bytes x ssd_dwpd a day).
+Rates: `kvtier.commands.size_rates` (stated flags, else the calibration file, else the planner's
+defaults); each is printed with its source. SSD wear: the drive's rated endurance (`--ssd-dwpd`,
+`--ssd-warranty-years`) over the write rate a workload implies (`--ssd-writes-per-day`, or a
+`kvtier simulate --json` file with `--trace-seconds`), against the budget `serve` enforces
+(ssd_bytes x ssd_dwpd a day).
 """
 
 from __future__ import annotations
@@ -27,18 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
+from kvtier.commands.size_rates import planner_rates
 from kvtier.core.costmodel import CostModel
 from kvtier.core.errors import UsageError
 from kvtier.core.layout import KVLayout
-from kvtier.core.paths import data_dir
 from kvtier.core.presets import ModelSpec
 from kvtier.core.units import format_bytes, parse_size
-from kvtier.daemon.calibrate import calibration_path, load_calibration
-from kvtier.daemon.rates import DEFAULT_LINKS, DEFAULT_PREFILL_FLOPS_PER_S, Link, RateBook
 
 SECONDS_PER_DAY = 86_400
 
@@ -49,12 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tiers",
         action="store_true",
         help="price a hit token from DRAM, SSD and the remote tier against recomputing it",
-    )
-    t.add_argument(
-        "--calibration",
-        metavar="PATH",
-        help="a `kvtier calibrate` file (default: <data dir>/calibration.json when present, "
-        "else the planner's default rates)",
     )
     t.add_argument(
         "--ssd-dwpd",
@@ -94,49 +85,6 @@ def _number(text: str, flag: str) -> float:
     if not math.isfinite(x) or x <= 0:
         raise UsageError(f"{flag} must be > 0, got {text}")
     return x
-
-
-def planner_rates(a: argparse.Namespace) -> tuple[dict[str, float], dict[str, str]]:
-    path: Path | None = None
-    if a.calibration is not None:
-        path = Path(a.calibration)
-    else:
-        default = calibration_path(data_dir(os.environ))
-        path = default if default.exists() else None
-    cal = load_calibration(path) if path is not None else None
-    book = RateBook.from_calibration(cal)
-    r = book.snapshot()
-    measured = set(cal.links) if cal else set()
-    prefill_measured = bool(cal and cal.prefill_flops_per_s)
-
-    def src(link: Link) -> str:
-        if link in measured:
-            return f"calibration {path}"
-        d = DEFAULT_LINKS[link]
-        return f"default ({d.bytes_per_s:g} B/s, {d.latency_s:g} s; kvtier.daemon.rates)"
-
-    rates = {
-        "h2d_bytes_per_s": r.h2d_bytes_per_s,
-        "h2d_latency_s": r.h2d_latency_s,
-        "ssd_bytes_per_s": r.ssd_bytes_per_s,
-        "ssd_latency_s": r.ssd_latency_s,
-        "remote_bytes_per_s": r.remote_bytes_per_s,
-        "remote_latency_s": r.remote_latency_s,
-        "prefill_flops_per_s": r.prefill_flops_per_s,
-        "d2h_bytes_per_s": book.bandwidth(Link.DRAM_WRITE),
-        "d2h_latency_s": book.latency(Link.DRAM_WRITE),
-    }
-    sources = {
-        "dram": src(Link.DRAM_READ),
-        "dram_write": src(Link.DRAM_WRITE),
-        "ssd": src(Link.SSD_READ),
-        "remote": src(Link.REMOTE_READ),
-        "prefill": f"calibration {path}"
-        if prefill_measured
-        else f"default ({DEFAULT_PREFILL_FLOPS_PER_S:g} FLOP/s = 60% of H100 bf16 peak; "
-        "kvtier.daemon.rates)",
-    }
-    return rates, sources
 
 
 def _write_rate(a: argparse.Namespace) -> tuple[float | None, str]:

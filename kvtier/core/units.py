@@ -4,7 +4,7 @@ The only size parser of kvtier: flags of every subcommand, `KVTIER_*` variables,
 and the tokens file all read sizes through `parse_size` / `parse_bytes`, so a size means the same
 everywhere. Decimal units are powers of 1000 (GB = 10^9 B), binary units powers of 1024 (GiB =
 2^30 B); a bare number is bytes. Single letters ('16G') are refused as ambiguous rather than
-guessed. A bare number from 1 to `BARE_MIN` - 1 is refused as implausible (`--gpu-mem 80` is
+guessed. A bare number from 1 to `BARE_MIN` - 1 is refused as implausible (`--gpu-bytes 80` is
 not 80 bytes anybody meant): write the unit, `80GiB`, or `80B` for bytes indeed. Parsing is exact
 (decimal arithmetic): '55.54e9' is 55,540,000,000 bytes, never a float near it; a fractional byte
 count is rounded down. `exact_size` writes a count back as the shortest text that parses to it

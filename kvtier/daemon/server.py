@@ -1,6 +1,9 @@
 """Runs the daemon: gRPC on a Unix socket (mode 0600; optional TCP with TLS), health, reflection,
 /metrics with the /healthz and /readyz probes (`kvtier.daemon.httpd`), the lease reaper, a
 draining shutdown on SIGTERM/SIGINT/SIGQUIT and a live reload on SIGHUP (`kvtier.daemon.reload`).
+SIGUSR1 and SIGUSR2, whose default action would end the process without its cleanup, have no
+meaning here: each is logged (one WARNING naming the signals kvtier does use) and ignored, from
+the start of `run` on, as daemons that give them no job commonly do.
 
 Planner rates (`kvtier.daemon.kept_rates`): the `RateBook` is seeded from the rates this daemon
 measured before its last restart (`<data_dir>/rates.json`, kept every minute and at shutdown),
@@ -112,6 +115,13 @@ class _HeldLogs(logging.Handler):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+"""Signals kvtier gives no job whose default action would kill it without its cleanup."""
+
+
+def _ignore(sig: signal.Signals) -> None:
+    log.warning("%s ignored: kvtier reloads on SIGHUP and drains and stops on SIGTERM, SIGINT "
+                "or SIGQUIT", sig.name)
 
 
 class Daemon:
@@ -391,6 +401,8 @@ async def run(cfg: Config, source: reload.ConfigSource | None = None) -> None:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, early.append, sig)
     loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP ignored: the daemon is starting")
+    for sig in IGNORED_SIGNALS:  # for the daemon's whole life
+        loop.add_signal_handler(sig, _ignore, sig)
     await daemon.start()
     daemon.install_signal_handlers()
     if early:
