@@ -226,7 +226,7 @@ def test_store_refuses_a_chain_whose_parent_is_not_cached(
         daemon: DaemonProc, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     s, pages, _ = make_store(daemon.socket)
     keys = page_keys(sglang_keys(2, salt="orphan"))
-    with caplog.at_level(logging.WARNING, "kvtier.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, "kvtier.integrations"):
         assert not s.save(keys[1:], keys[:1], lambda i, v: pages.copy_out(0, v))
     assert s.exists(keys, []) == 0 and s.stats.failures == 1
     assert "store failed" in caplog.text
@@ -237,7 +237,7 @@ def test_store_with_the_daemon_down_misses_and_warns_once(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     s = make_store(tmp_path / "nobody.sock", retry_after_s=30)[0]
     keys = page_keys(sglang_keys(2))
-    with caplog.at_level(logging.WARNING, "kvtier.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, "kvtier.integrations"):
         for _ in range(3):
             assert s.exists(keys, []) == 0
             assert s.load(keys, [], lambda i, v: pytest.fail("nothing to load")) == 0

@@ -1,6 +1,6 @@
 """The connector's background threads against a real daemon, without a vLLM engine: the
-scheduler side's Lookups (`lookup.py`) and the worker side's loads and background saves
-(`worker.py`, `saver.py`) over real KV tensors laid out as vLLM's CPU backend lays them."""
+scheduler side's Lookups (`common/lookup.py`) and the worker side's loads and background saves
+(`worker.py`, `common/saver.py`) over real KV tensors laid out as vLLM's CPU backend lays them."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401  (the fixture)
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
+from kvtier.integrations.common.link import DaemonLink  # noqa: E402
+from kvtier.integrations.common.lookup import Lookups  # noqa: E402
 from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402
-from kvtier.integrations.vllm.link import DaemonLink  # noqa: E402
-from kvtier.integrations.vllm.lookup import Lookups  # noqa: E402
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob  # noqa: E402
 from kvtier.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
@@ -95,7 +95,7 @@ def test_lookup_with_the_daemon_gone_answers_zero_with_one_warning(
     try:
         assert answer(lk, "a", keys)[0] == 8
         daemon.kill()
-        with caplog.at_level(logging.WARNING, "kvtier.integrations.vllm"):
+        with caplog.at_level(logging.WARNING, "kvtier.integrations"):
             assert answer(lk, "b", keys)[0] == 0
             assert lk.fetch_blocks("c", keys, 0) == 0  # down: answered at once, no Lookup
         assert sum("daemon unavailable" in r.message for r in caplog.records) == 1
@@ -150,7 +150,7 @@ def test_daemon_killed_during_saves_is_one_warning(
     w = WorkerSide(settings(daemon, timeout_s=0.5), KV, 0)
     w.register_kv_caches(src)
     keys = block_keys(tokens(5, 60 * BT + 1), BT)
-    with caplog.at_level(logging.WARNING, "kvtier.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, "kvtier.integrations"):
         w.wait_for_save(KvtierMetadata(saves=[SaveJob("r", list(range(4)), keys[:4], b"")]))
         assert w.saver.idle(10)
         daemon.kill()
@@ -165,7 +165,7 @@ def test_daemon_killed_during_saves_is_one_warning(
 
 
 def test_prefill_clock_reports_at_a_bounded_rate_and_retries() -> None:
-    from kvtier.integrations.vllm.saver import PrefillClock
+    from kvtier.integrations.common.saver import PrefillClock
 
     clock = PrefillClock(every_s=30.0)
     assert clock.due() is None  # nothing timed yet
@@ -187,3 +187,5 @@ def test_prefill_clock_reports_at_a_bounded_rate_and_retries() -> None:
     off.start()
     off.stop(512, 0)
     assert off.due() is None
+
+
