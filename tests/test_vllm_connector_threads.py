@@ -189,3 +189,36 @@ def test_prefill_clock_reports_at_a_bounded_rate_and_retries() -> None:
     assert off.due() is None
 
 
+
+def test_worker_stats_change_only_under_their_lock() -> None:
+    """Loads count on vLLM's worker thread, stores on the save thread, and vLLM takes the deltas
+    on the worker thread: every counter changes under `WorkerStats.lock`, so a `take` sees each
+    update whole (a load's blocks, bytes and seconds together) and none twice."""
+    import threading
+
+    from kvtier.integrations.vllm.worker import WorkerStats
+
+    stats = WorkerStats()
+    updates = [lambda: stats.loaded(2, 10, 0.5), lambda: stats.failed(1),
+               lambda: stats.stored(3, 0.25)]
+    started = [threading.Event() for _ in updates]
+
+    def run(i: int) -> None:
+        started[i].set()
+        updates[i]()
+
+    with stats.lock:  # held: no update can land
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(updates))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(5) for e in started)
+        for t in threads:
+            t.join(0.5)  # an update not taking the lock would be done by now
+        assert all(t.is_alive() for t in threads)  # each waits for the lock
+        assert (stats.loaded_blocks, stats.failed_blocks, stats.stored_blocks) == (0, 0, 0)
+    for t in threads:
+        t.join(5)
+    assert stats.take() == {"loaded_blocks": 2, "loaded_bytes": 10, "load_failed_blocks": 1,
+                            "stored_blocks": 3, "load_seconds": 0.5, "store_seconds": 0.25}
+    assert set(stats.take().values()) == {0}  # taken once
+    assert stats.totals()["loaded_blocks"] == 2

@@ -69,7 +69,9 @@ log = logging.getLogger("kvtier.integrations.vllm")
 
 
 class WorkerStats:
-    """Totals since start; `take()` returns what changed since the previous call. Thread-safe."""
+    """Totals since start; `take()` returns what changed since the previous call. Thread-safe:
+    every counter changes and is read under `lock` (loads count on vLLM's worker thread, stores
+    on the save thread, `take` runs on the worker thread)."""
 
     def __init__(self) -> None:
         self.loaded_blocks = 0
@@ -82,10 +84,24 @@ class WorkerStats:
         self.lock = threading.Lock()
 
     def totals(self) -> dict[str, float]:
+        with self.lock:
+            return self._totals()
+
+    def _totals(self) -> dict[str, float]:
         return {"loaded_blocks": self.loaded_blocks, "loaded_bytes": self.loaded_bytes,
                 "load_failed_blocks": self.failed_blocks,
                 "stored_blocks": self.stored_blocks, "load_seconds": self.load_seconds,
                 "store_seconds": self.store_seconds}
+
+    def loaded(self, blocks: int, nbytes: int, seconds: float) -> None:
+        with self.lock:
+            self.loaded_blocks += blocks
+            self.loaded_bytes += nbytes
+            self.load_seconds += seconds
+
+    def failed(self, blocks: int) -> None:
+        with self.lock:
+            self.failed_blocks += blocks
 
     def stored(self, blocks: int, seconds: float) -> None:
         with self.lock:
@@ -94,9 +110,9 @@ class WorkerStats:
 
     def take(self) -> dict[str, float]:
         with self.lock:
-            now = self.totals()
-        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
-        self._reported = now
+            now = self._totals()
+            delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+            self._reported = now
         return delta
 
 
@@ -262,14 +278,14 @@ class WorkerSide:
 
     def _fail(self, blocks: list[int]) -> None:
         self._errors.update(blocks)
-        self.stats.failed_blocks += len(blocks)
+        self.stats.failed(len(blocks))
 
     def _fail_job(self, job: LoadJob, blocks: list[int]) -> None:
         """A job not loaded: its blocks (one group) or its request (hybrid) fail."""
         if not job.groups:
             self._fail(blocks)
             return
-        self.stats.failed_blocks += len(job.block_ids)
+        self.stats.failed(len(job.block_ids))
         self._recv_done.add(job.req_id)
         self._recv_failed.add(job.req_id)
 
@@ -289,12 +305,10 @@ class WorkerSide:
             if lease_id in done.failed_leases:
                 self._recv_failed.add(rid)
         if self.kv.hybrid:
-            self.stats.failed_blocks += len(done.failed)
+            self.stats.failed(len(done.failed))
         elif done.failed:
             self._fail(sorted(done.failed))
-        self.stats.loaded_blocks += done.loaded
-        self.stats.loaded_bytes += done.nbytes
-        self.stats.load_seconds += done.seconds
+        self.stats.loaded(done.loaded, done.nbytes, done.seconds)
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """Completes the step's loads; the hybrid loads' requests finished since the last call,
