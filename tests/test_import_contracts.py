@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LINT = Path(sys.executable).with_name("lint-imports")
 
@@ -67,3 +69,23 @@ def test_a_cycle_between_modules_is_refused(tmp_path: Path) -> None:
     out = _lint(root)
     assert out.returncode != 0
     assert "No cycles are allowed in kvtier.gpu" in out.stdout
+
+
+@pytest.mark.parametrize(("module", "line", "message"), [
+    # the SGLang backend reaching into vLLM's connector (what store.py did before common/)
+    ("sglang/store.py", "from kvtier.integrations.vllm import settings",
+     "kvtier.integrations.sglang is not allowed to import kvtier.integrations.vllm"),
+    ("vllm/worker.py", "from kvtier.integrations.sglang import chains",
+     "kvtier.integrations.vllm is not allowed to import kvtier.integrations.sglang"),
+    ("common/link.py", "from kvtier.integrations.vllm import settings",
+     "kvtier.integrations.common is not allowed to import kvtier.integrations.vllm"),
+    ("common/loads.py", "import vllm",
+     "kvtier.integrations.common is not allowed to import vllm"),
+], ids=["sglang->vllm", "vllm->sglang", "common->vllm connector", "common->vllm package"])
+def test_engines_stay_apart_and_common_knows_no_engine(tmp_path: Path, module: str, line: str,
+                                                       message: str) -> None:
+    root = _copy(tmp_path)
+    _append(root / "kvtier/integrations" / module, line)
+    out = _lint(root)
+    assert out.returncode != 0
+    assert message in out.stdout, out.stdout

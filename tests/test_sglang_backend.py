@@ -2,7 +2,8 @@
 run this file there, `test_sglang_engine.py::test_backend_class_in_the_sglang_venv`; the main
 venv skips it): built from a real `HiCacheStorageConfig` and loaded by SGLang's own
 `StorageBackendFactory`, over a layer_first host pool's page API and a real daemon. The v1
-path, the generic path and their equal bytes; None never returned; the daemon down."""
+path, the generic path and their equal bytes; None never returned; the daemon down; the
+default model id following the weights SGLang was launched with, and `model_id` pinning it."""
 
 from __future__ import annotations
 
@@ -95,3 +96,34 @@ def test_daemon_down_gives_lists_not_none(tmp_path: Path) -> None:
     assert not b.batch_set(keys, [pool.get_data_page(0), pool.get_data_page(PAGE)])
     assert b.batch_get(keys) == [None, None]
     b.close()
+
+
+def test_model_id_follows_the_published_weights_unless_pinned(
+        daemon: DaemonProc, tmp_path: Path) -> None:  # noqa: F811
+    """Inside a server, SGLang has published its launch arguments: the default id follows the
+    weights at `model_path`, so a server on weights rewritten in place misses the old pages;
+    `model_id` in the extra config pins the id."""
+    from sglang.srt.runtime_context import get_context
+
+    from tests.test_sglang_units import write_weights
+
+    m = write_weights(tmp_path / "tiny", 0)
+    keys = sglang_keys(2, salt="ident")
+    first = HiCacheStorageExtraInfo(prefix_keys=[])
+    pool = LayerFirstPool()
+    fill(pool, 5)
+    with get_context().override_server_args(model_path=str(m), dtype="bfloat16"):
+        a = backend(daemon.socket, pool)
+        assert a.model_id.startswith("tiny@w:") and a.model_id.endswith("/bfloat16")
+        assert a.batch_set_v1(keys, slots(0, 2), first) == [True, True]
+        pinned = backend(daemon.socket, LayerFirstPool(), model_id="team/tiny@v1")
+        assert pinned.model_id == "team/tiny@v1" and pinned.batch_exists(keys, first) == 0
+        write_weights(m, 1)  # same names and sizes, other values
+        b = backend(daemon.socket, LayerFirstPool())
+        assert b.model_id.startswith("tiny@w:") and b.model_id != a.model_id
+        assert b.batch_exists(keys, first) == 0
+        write_weights(m, 0)
+        c = backend(daemon.socket, LayerFirstPool())
+        assert c.model_id == a.model_id and c.batch_exists(keys, first) == 2
+    for s in (a, pinned, b, c):
+        s.close()

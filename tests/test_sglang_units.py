@@ -19,7 +19,7 @@ import torch
 from kvtier.client.decl import LayoutDecl
 from kvtier.integrations.common.extra import SettingsError
 from kvtier.integrations.sglang.chains import ChainMemory, page_key, page_keys
-from kvtier.integrations.sglang.layout import declare, model_cost, shard
+from kvtier.integrations.sglang.layout import declare, default_model_id, model_cost, shard
 from kvtier.integrations.sglang.pool import HostPages, fingerprint, geometry
 from kvtier.integrations.sglang.settings import StorageSettings
 from kvtier.integrations.sglang.store import PageStore
@@ -157,13 +157,68 @@ def test_model_cost_from_a_local_config(tmp_path: Path) -> None:
     assert cost is not None and cost.num_layers == 2 and cost.active_params > 0
 
 
+# -- model identity: the default id follows the weights ---------------------------------------
+
+def write_weights(path: Path, seed: int) -> Path:
+    """A local checkpoint: config.json and one safetensors file of three fp16 tensors drawn from
+    `seed` (the same names, shapes and file size for every seed)."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    save_file({f"layers.{i}.w": (rng.standard_normal((64, 32)) * 0.02).astype(np.float16)
+               for i in range(3)}, str(path / "model.safetensors"))
+    (path / "config.json").write_text('{"model_type": "llama", "hidden_size": 32}')
+    return path
+
+
+def args(model: Path | str, **over: Any) -> dict[str, Any]:
+    """The fields of SGLang's resolved server args the default id reads."""
+    return {"model_path": str(model), "revision": None, "load_format": "auto",
+            "random_seed": 0, "dtype": "bfloat16", "quantization": None, **over}
+
+
+def test_default_model_id_follows_the_weights_not_the_path(tmp_path: Path) -> None:
+    m = write_weights(tmp_path / "a" / "tiny", 0)
+    first = default_model_id(args(m), "ignored")
+    assert first.startswith("tiny@w:") and first.endswith("/bfloat16")
+    assert default_model_id(args(m), "ignored") == first  # the same weights: the same id
+    copy = tmp_path / "b" / "tiny"
+    copy.mkdir(parents=True)
+    for f in m.iterdir():
+        copy.joinpath(f.name).write_bytes(f.read_bytes())
+    assert default_model_id(args(copy), None) == first  # the same files elsewhere: same KV
+    size = (m / "model.safetensors").stat().st_size
+    write_weights(m, 1)  # rewritten in place: same names, sizes and header, other values
+    assert (m / "model.safetensors").stat().st_size == size
+    rewritten = default_model_id(args(m), "ignored")
+    assert rewritten.startswith("tiny@w:") and rewritten != first
+    write_weights(m, 0)
+    assert default_model_id(args(m), "ignored") == first
+
+
+def test_default_model_id_names_dtype_quantization_and_dummy_weights(tmp_path: Path) -> None:
+    m = write_weights(tmp_path / "tiny", 0)
+    first = default_model_id(args(m), None)
+    digest = first.removesuffix("/bfloat16")
+    assert default_model_id(args(m, quantization="fp8"), None) == digest + "/bfloat16/q:fp8"
+    assert default_model_id(args(m, dtype="float16"), None) == digest + "/float16"
+    assert default_model_id(args(m, load_format="dummy", random_seed=3), None) \
+        == f"{m}@dummy-seed3/bfloat16"
+    # not published in this process (a backend built by hand): the storage config's model path
+    assert default_model_id(None, str(m)) == digest
+    with pytest.raises(ValueError, match="set model_id in hicache_storage_backend_extra_config"):
+        default_model_id(None, None)
+
+
 # -- PageStore against a real daemon ---------------------------------------------------------
 
-def make_store(socket: Path, **extra: Any) -> tuple[PageStore, HostPages, LayerFirstPool]:
+def make_store(socket: Path, model_id: str = "test/sglang-units", **extra: Any
+               ) -> tuple[PageStore, HostPages, LayerFirstPool]:
     pool = LayerFirstPool()
     pages = HostPages(pool)
     settings = StorageSettings.from_extra({"socket": str(socket), "retry_after_s": 0.2, **extra})
-    decl = declare(pages.geometry, Config(), pool, "test/sglang-units", None)
+    decl = declare(pages.geometry, Config(), pool, model_id, None)
     return PageStore(settings, decl), pages, pool
 
 
@@ -202,6 +257,27 @@ def test_store_saves_then_loads_pages_through_dram_slots(daemon: DaemonProc) -> 
     b.close()
 
 
+def test_weights_rewritten_in_place_miss_the_old_pages(daemon: DaemonProc,  # noqa: F811
+                                                       tmp_path: Path) -> None:
+    """A server restarted on weights rewritten under the same path must not load the KV the old
+    weights computed: its default id differs, so kvtier has none of its pages; the old weights
+    back, the pages are hits again."""
+    m = write_weights(tmp_path / "tiny", 0)
+    a, pa, pool = make_store(daemon.socket, default_model_id(args(m), None))
+    fill(pool, 3)
+    keys = page_keys(sglang_keys(3, salt="weights"))
+    assert a.save(keys, [], lambda i, v: pa.copy_out(i * PAGE, v))
+    write_weights(m, 1)
+    b = make_store(daemon.socket, default_model_id(args(m), None))[0]
+    assert b.exists(keys, []) == 0
+    assert b.load(keys, [], lambda i, v: pytest.fail("no page of the old weights")) == 0
+    write_weights(m, 0)
+    c = make_store(daemon.socket, default_model_id(args(m), None))[0]
+    assert c.exists(keys, []) == 3
+    for s in (a, b, c):
+        s.close()
+
+
 def test_store_chain_memory_serves_calls_without_prefix(
         daemon: DaemonProc, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     s, pages, pool = make_store(daemon.socket)
@@ -226,7 +302,7 @@ def test_store_refuses_a_chain_whose_parent_is_not_cached(
         daemon: DaemonProc, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     s, pages, _ = make_store(daemon.socket)
     keys = page_keys(sglang_keys(2, salt="orphan"))
-    with caplog.at_level(logging.WARNING, "kvtier.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, "kvtier.integrations"):
         assert not s.save(keys[1:], keys[:1], lambda i, v: pages.copy_out(0, v))
     assert s.exists(keys, []) == 0 and s.stats.failures == 1
     assert "store failed" in caplog.text
@@ -237,7 +313,7 @@ def test_store_with_the_daemon_down_misses_and_warns_once(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     s = make_store(tmp_path / "nobody.sock", retry_after_s=30)[0]
     keys = page_keys(sglang_keys(2))
-    with caplog.at_level(logging.WARNING, "kvtier.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, "kvtier.integrations"):
         for _ in range(3):
             assert s.exists(keys, []) == 0
             assert s.load(keys, [], lambda i, v: pytest.fail("nothing to load")) == 0

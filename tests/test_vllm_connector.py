@@ -113,7 +113,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def model_id(model: Path) -> str:
     """The connector's default id of the test model as its files are now (bf16, unquantized)."""
-    from kvtier.integrations.vllm.identity import default_model_id
+    from kvtier.integrations.vllm.layout import default_model_id
 
     return default_model_id(SimpleNamespace(model=str(model), dtype="torch.bfloat16",
                                             quantization=None),

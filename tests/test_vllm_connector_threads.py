@@ -1,6 +1,6 @@
 """The connector's background threads against a real daemon, without a vLLM engine: the
-scheduler side's Lookups (`lookup.py`) and the worker side's loads and background saves
-(`worker.py`, `saver.py`) over real KV tensors laid out as vLLM's CPU backend lays them."""
+scheduler side's Lookups (`common/lookup.py`) and the worker side's loads and background saves
+(`worker.py`, `common/saver.py`) over real KV tensors laid out as vLLM's CPU backend lays them."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401  (the fixture)
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
+from kvtier.integrations.common.link import DaemonLink  # noqa: E402
+from kvtier.integrations.common.lookup import Lookups  # noqa: E402
 from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402
-from kvtier.integrations.vllm.link import DaemonLink  # noqa: E402
-from kvtier.integrations.vllm.lookup import Lookups  # noqa: E402
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob  # noqa: E402
 from kvtier.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
@@ -95,7 +95,7 @@ def test_lookup_with_the_daemon_gone_answers_zero_with_one_warning(
     try:
         assert answer(lk, "a", keys)[0] == 8
         daemon.kill()
-        with caplog.at_level(logging.WARNING, "kvtier.integrations.vllm"):
+        with caplog.at_level(logging.WARNING, "kvtier.integrations"):
             assert answer(lk, "b", keys)[0] == 0
             assert lk.fetch_blocks("c", keys, 0) == 0  # down: answered at once, no Lookup
         assert sum("daemon unavailable" in r.message for r in caplog.records) == 1
@@ -150,7 +150,7 @@ def test_daemon_killed_during_saves_is_one_warning(
     w = WorkerSide(settings(daemon, timeout_s=0.5), KV, 0)
     w.register_kv_caches(src)
     keys = block_keys(tokens(5, 60 * BT + 1), BT)
-    with caplog.at_level(logging.WARNING, "kvtier.integrations.vllm"):
+    with caplog.at_level(logging.WARNING, "kvtier.integrations"):
         w.wait_for_save(KvtierMetadata(saves=[SaveJob("r", list(range(4)), keys[:4], b"")]))
         assert w.saver.idle(10)
         daemon.kill()
@@ -165,7 +165,7 @@ def test_daemon_killed_during_saves_is_one_warning(
 
 
 def test_prefill_clock_reports_at_a_bounded_rate_and_retries() -> None:
-    from kvtier.integrations.vllm.saver import PrefillClock
+    from kvtier.integrations.common.saver import PrefillClock
 
     clock = PrefillClock(every_s=30.0)
     assert clock.due() is None  # nothing timed yet
@@ -187,3 +187,38 @@ def test_prefill_clock_reports_at_a_bounded_rate_and_retries() -> None:
     off.start()
     off.stop(512, 0)
     assert off.due() is None
+
+
+
+def test_worker_stats_change_only_under_their_lock() -> None:
+    """Loads count on vLLM's worker thread, stores on the save thread, and vLLM takes the deltas
+    on the worker thread: every counter changes under `WorkerStats.lock`, so a `take` sees each
+    update whole (a load's blocks, bytes and seconds together) and none twice."""
+    import threading
+
+    from kvtier.integrations.vllm.worker import WorkerStats
+
+    stats = WorkerStats()
+    updates = [lambda: stats.loaded(2, 10, 0.5), lambda: stats.failed(1),
+               lambda: stats.stored(3, 0.25)]
+    started = [threading.Event() for _ in updates]
+
+    def run(i: int) -> None:
+        started[i].set()
+        updates[i]()
+
+    with stats.lock:  # held: no update can land
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(updates))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(5) for e in started)
+        for t in threads:
+            t.join(0.5)  # an update not taking the lock would be done by now
+        assert all(t.is_alive() for t in threads)  # each waits for the lock
+        assert (stats.loaded_blocks, stats.failed_blocks, stats.stored_blocks) == (0, 0, 0)
+    for t in threads:
+        t.join(5)
+    assert stats.take() == {"loaded_blocks": 2, "loaded_bytes": 10, "load_failed_blocks": 1,
+                            "stored_blocks": 3, "load_seconds": 0.5, "store_seconds": 0.25}
+    assert set(stats.take().values()) == {0}  # taken once
+    assert stats.totals()["loaded_blocks"] == 2

@@ -75,7 +75,7 @@ def layout(model: Path, name: str) -> EngineKV:
             WINDOW if t == "sliding_attention" else 0 for t in cfg["layer_types"])
     else:
         groups, windows = tuple([0] * n), (WINDOW,)
-    from kvtier.integrations.vllm.identity import default_model_id
+    from kvtier.integrations.vllm.layout import default_model_id
 
     mid = default_model_id(SimpleNamespace(model=str(model), dtype="torch.bfloat16",
                                            quantization=None),

@@ -20,8 +20,8 @@ from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401  (the fixture)
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.v1.kv_cache_interface")
 
+from kvtier.integrations.common.loads import LayerLoads, Lease, TorchLoads  # noqa: E402
 from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402
-from kvtier.integrations.vllm.loads import LayerLoads, Lease, TorchLoads  # noqa: E402
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob  # noqa: E402
 from kvtier.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.integrations.vllm.settings import ConnectorSettings  # noqa: E402

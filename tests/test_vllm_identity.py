@@ -1,4 +1,5 @@
-"""The connector's default model id follows the weights (`kvtier.integrations.vllm.identity`).
+"""The vLLM connector's default model id follows the weights (`kvtier.integrations.common.identity`,
+through vLLM's adapter `kvtier.integrations.vllm.layout.default_model_id`).
 
 Real files: safetensors checkpoints written with `safetensors`, a Hugging Face cache laid out as
 huggingface_hub lays it out. The engine-level proof (weights rewritten in place, engine
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from kvtier.integrations.vllm.identity import default_model_id, hub_revision, weights_digest
+from kvtier.integrations.common.identity import hub_revision, weights_digest
+from kvtier.integrations.vllm.layout import default_model_id
 
 
 def write(path: Path, seed: int, shape: tuple[int, int] = (64, 32)) -> Path:
@@ -112,6 +114,7 @@ def test_unresolvable_hub_revision_warns(tmp_path: Path, monkeypatch: pytest.Mon
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
-        assert hub_revision("org/absent", "main") == "main"
-    assert "moves with the branch" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="kvtier.integrations"):
+        assert hub_revision("org/absent", "main", "kv_connector_extra_config") == "main"
+    assert "moves with the branch: pin it with model_id in kv_connector_extra_config" \
+        in caplog.text

@@ -1,4 +1,4 @@
-"""The connector's loads (`pages.py`, `loads.py`, the worker's layer-by-layer path) over KV
+"""The connector's loads (`pages.py`, `common/loads.py`, the worker's layer-by-layer path) over KV
 views built by vLLM's own code (`create_kv_cache_views`) for each of its physical layouts: on
 the TransferEngine's CPU backend, on the fake CUDA of tests/test_transfer_fakecuda.py (the
 CUDA backend's real plumbing over host memory), and in a `WorkerSide` against a real daemon."""
@@ -31,8 +31,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvtier.integrations.common.loads import LayerLoads, Lease, TorchLoads  # noqa: E402
 from kvtier.integrations.vllm.layout import EngineKV, Shard, Unsupported  # noqa: E402
-from kvtier.integrations.vllm.loads import LayerLoads, Lease, TorchLoads  # noqa: E402
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob  # noqa: E402
 from kvtier.integrations.vllm.pages import Paged, paged  # noqa: E402
 from kvtier.integrations.vllm.settings import ConnectorSettings  # noqa: E402
@@ -381,7 +381,7 @@ def test_loads_that_cannot_be_issued_are_all_recomputed(caplog: pytest.LogCaptur
     rel = Releases()
     loads = LayerLoads(pg.chunks, pg.per_layer, rel, backend="cpu")
     small = np.zeros((8, PAGE), dtype=np.uint8)  # a slot of one page cannot hold 3 layers
-    with caplog.at_level("WARNING", "kvtier.integrations.vllm"):
+    with caplog.at_level("WARNING", "kvtier.integrations"):
         for _ in range(2):
             loads.start(small, 1, LEASES)
             done = loads.finish()

@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.integrations.sglang.chains import page_key, page_keys
-from kvtier.integrations.sglang.layout import declare, model_cost
+from kvtier.integrations.sglang.layout import declare, default_model_id, model_cost
 from kvtier.integrations.sglang.pool import U8, HostPages
 from kvtier.integrations.sglang.settings import StorageSettings
 from kvtier.integrations.sglang.store import PageStore
@@ -48,10 +48,10 @@ class KvtierStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         self.config = storage_config
         self.settings = StorageSettings.from_extra(storage_config.extra_config)
-        self.model_id = self.settings.model_id or str(storage_config.model_name or "")
-        if not self.model_id:
-            raise ValueError("kvtier: SGLang gave no model name; set model_id in "
-                             "hicache_storage_backend_extra_config")
+        args = _server_args()
+        self.model_path = str(args["model_path"]) if args else storage_config.model_name
+        self.model_id = self.settings.model_id or default_model_id(args,
+                                                                   storage_config.model_name)
         self.writer = bool(storage_config.is_storage_writer)
         self.pages: HostPages | None = None
         self._store: PageStore | None = None
@@ -60,7 +60,7 @@ class KvtierStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         pages = HostPages(mem_pool_host)
         decl = declare(pages.geometry, self.config, mem_pool_host, self.model_id,
-                       model_cost(self.config.model_name))
+                       model_cost(self.model_path))
         if self._store is not None:
             self._store.close()
         self.pages, self._store = pages, PageStore(self.settings, decl)
@@ -165,6 +165,18 @@ class KvtierStorage(HiCacheStorage):
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
+
+
+def _server_args() -> dict[str, Any] | None:
+    """SGLang's resolved launch arguments, published in the scheduler process that builds the
+    backend; None where they were not (a backend built outside a server)."""
+    try:
+        from sglang.srt.runtime_context import get_context
+
+        args: dict[str, Any] = get_context().resolved_server_args_dict()
+    except (ImportError, ValueError):
+        return None
+    return args
 
 
 def _prefix(extra_info: HiCacheStorageExtraInfo | None) -> list[bytes] | None:

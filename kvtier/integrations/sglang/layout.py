@@ -1,5 +1,6 @@
 """The kvtier layout of one SGLang rank's pages: fingerprint from the host pool's geometry and
-the model shard the rank holds, model id, and the planner's cost parameters.
+the model shard the rank holds, model id (by default one that follows the weights:
+`default_model_id`), and the planner's cost parameters.
 
 Every TP rank builds its own backend (SGLang's `HiCacheStorageConfig`). An MHA rank holds its
 heads only, so its pages are its own layout (TP rank and size in the fingerprint). An MLA
@@ -12,12 +13,33 @@ share pages too (dp_rank is not in the fingerprint). A PP stage holds its layers
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvtier.client.decl import LayoutDecl, ModelCost
+from kvtier.integrations.common import identity
 from kvtier.integrations.sglang.chains import KEY_BYTES
 from kvtier.integrations.sglang.pool import PageGeometry, fingerprint
+from kvtier.integrations.sglang.settings import WHERE
+
+
+def default_model_id(args: Mapping[str, Any] | None, model_name: str | None) -> str:
+    """Whose KV the rank computes, following its weights (`integrations/common/identity.py`),
+    from SGLang's resolved launch arguments `args` (`model_path`, `revision`, `load_format`,
+    `random_seed`, `dtype` — "auto" follows config.json, which the weights' digest covers — and
+    `quantization`). Where they were not published in this process (None), from the storage
+    config's `model_name` (SGLang's model path) alone."""
+    if args is None:
+        if not model_name:
+            raise ValueError(f"kvtier: SGLang gave no model name; set model_id in {WHERE}")
+        return identity.model_id(model_name, where=WHERE)
+    quant = args.get("quantization")
+    return identity.model_id(
+        str(args["model_path"]), load_format=str(args.get("load_format") or ""),
+        seed=args.get("random_seed"), revision=args.get("revision"),
+        dtype=str(args.get("dtype") or ""), quantization=str(quant) if quant else None,
+        where=WHERE)
 
 
 def shard(config: Any, pool: Any) -> dict[str, int]:

@@ -35,7 +35,9 @@ class StorageSettings:
     token: str = ""
     """Bearer token of the tenant ("" = the daemon's default tenant)."""
     model_id: str = ""
-    """Whose KV the pages hold; "" = SGLang's model path (`--model-path`)."""
+    """Whose KV the pages hold; "" = an id that follows the weights (`layout.default_model_id`:
+    a cheap digest of a local directory's weight files, a hub model's snapshot commit, the
+    seed of dummy weights; plus dtype and quantization)."""
     timeout_s: float = 1.0
     """Bound on each call to the daemon; a slow or dead daemon costs a storage call at most
     this."""

@@ -26,11 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.client.sync_client import LayoutDecl
+from kvtier.integrations.common.link import DaemonLink
 from kvtier.integrations.sglang.chains import ChainMemory
 from kvtier.integrations.sglang.pool import U8
 from kvtier.integrations.sglang.settings import StorageSettings
-from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvtier.integrations.sglang")
 
@@ -66,10 +65,7 @@ class PageStore:
     def __init__(self, settings: StorageSettings, decl: LayoutDecl) -> None:
         self.settings = settings
         self.decl = decl
-        self.link = DaemonLink(ConnectorSettings(
-            socket=settings.socket, token=settings.token, timeout_s=settings.timeout_s,
-            retry_after_s=settings.retry_after_s, lease_ttl_s=settings.lease_ttl_s),
-            decl, "sglang backend")
+        self.link = DaemonLink(settings, decl, "sglang backend")
         self.stats = StoreStats()
         self._chains = ChainMemory(settings.chain_memory)
         self._lock = threading.Lock()

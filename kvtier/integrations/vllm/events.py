@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.client.sync_client import TIER_FROM_PB, Client, LayoutDecl
 from kvtier.core import kv_events as wire
-from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.common.link import DaemonLink
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

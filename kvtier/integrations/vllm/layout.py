@@ -144,10 +144,16 @@ class Unsupported(ValueError):
 
 
 def default_model_id(model_config: Any, load_config: Any, seed: Any) -> str:
-    """Whose KV the engine computes, following its weights (`identity.default_model_id`)."""
-    from kvtier.integrations.vllm import identity
+    """Whose KV the engine computes, following its weights (`integrations/common/identity.py`),
+    from vLLM's `ModelConfig` (model, revision, dtype, quantization) and `LoadConfig`."""
+    from kvtier.integrations.common import identity
 
-    return identity.default_model_id(model_config, load_config, seed)
+    quant = getattr(model_config, "quantization", None)
+    return identity.model_id(
+        str(model_config.model), load_format=str(getattr(load_config, "load_format", "")),
+        seed=seed, revision=getattr(model_config, "revision", None),
+        dtype=str(getattr(model_config, "dtype", "")), quantization=str(quant) if quant else None,
+        where="kv_connector_extra_config")
 
 
 def model_cost(hf_config: Any) -> ModelCost | None:

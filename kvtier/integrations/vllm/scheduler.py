@@ -5,8 +5,9 @@ Per request (vLLM calls, in order):
 
     get_num_new_matched_tokens   Lookup (with the daemon's plan) of vLLM's own block hashes
                                  (`request.block_hashes`: equal to `kvtier.core.keys.block_keys`),
-                                 on a background thread (`lookup.py`): until its answer is in,
-                                 vLLM is told "not known yet" (None) and asks again next step.
+                                 on a background thread (`common/lookup.py`): until its answer
+                                 is in, vLLM is told "not known yet" (None) and asks again next
+                                 step.
                                  Answers the tokens beyond `num_computed_tokens` worth fetching,
                                  at most up to the last full block before the prompt's last token.
                                  Side-effect free for vLLM (asking again gives the same answer).
@@ -33,7 +34,7 @@ had, out of a window, are not stored again (they were stored when computed).
 Preemption needs nothing special: a preempted request is allocated again (update_state_after_alloc
 resets it), and no lease outlives the step that loads. Leases a worker never released (it died)
 expire after their TTL. Any daemon failure: the affected request just gets fewer (or no) tokens
-from kvtier. Threading: vLLM's scheduler thread, plus the lookup thread of `lookup.py`.
+from kvtier. Threading: vLLM's scheduler thread, plus the lookup thread of `common/lookup.py`.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtier.integrations.common.link import DaemonLink
+from kvtier.integrations.common.lookup import Lookups
 from kvtier.integrations.vllm.layout import EngineKV, kv_shard
-from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.lookup import Lookups
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.settings import ConnectorSettings
 

@@ -29,7 +29,7 @@ class ConnectorSettings:
     token: str = ""
     """Bearer token of the tenant ("" = the daemon's default tenant)."""
     model_id: str = ""
-    """Whose KV the blocks hold; "" = an id that follows the weights (`identity.py`: a cheap
+    """Whose KV the blocks hold; "" = an id that follows the weights (`common/identity.py`: a cheap
     digest of a local directory's weight files, a hub model's snapshot commit, the seed of
     dummy weights; plus dtype and quantization)."""
     timeout_s: float = 1.0

@@ -1,23 +1,22 @@
 """The connector's worker side: copies between the daemon's DRAM slots (mapped shared memory)
 and vLLM's paged KV cache, on each TP rank.
 
-    start_load_kv     for each LoadJob: Acquire the job's keys on this rank's layout (a lease),
-                      then issue the step's copies slots -> vLLM blocks (`loads.py`). With the
+    start_load_kv     for each LoadJob: Acquire the job's keys on this rank's layout (a lease), then
+                      issue the step's copies slots -> vLLM blocks (`common/loads.py`). With the
                       TransferEngine (`transfer: "engine"`, what "auto" picks) one LOAD job per
-                      layer runs on the engine's stream (CUDA: a side stream ordered after
-                      vLLM's compute stream; CPU: the engine's copy thread), and
-                      `wait_for_layer_load(layer)` waits for that layer only, so layer i's
-                      attention overlaps the copy of the layers after it (under a full CUDA
-                      graph, whose replay skips `wait_for_layer_load`, every layer is waited
-                      for within `start_load_kv`). With `transfer: "torch"` the copy is
-                      synchronous torch indexing (slower than the engine's CPU backend on the
-                      dev machine: docs/benchmarks.md). Leases are Released once every layer's
-                      copy completed, at `get_block_ids_with_load_errors` (after the forward).
-                      Blocks the
-                      daemon no longer has, pairs whose copy failed (`ok=False`), and every
-                      block of a job whose Release fails go to the load-error set, so vLLM
-                      recomputes them (a failed Release means the lease expired or the daemon
-                      restarted: what was copied may be stale).
+                      layer runs on the engine's stream (CUDA: a side stream ordered after vLLM's
+                      compute stream; CPU: the engine's copy thread), and
+                      `wait_for_layer_load(layer)` waits for that layer only, so layer i's attention
+                      overlaps the copy of the layers after it (under a full CUDA graph, whose
+                      replay skips `wait_for_layer_load`, every layer is waited for within
+                      `start_load_kv`). With `transfer: "torch"` the copy is synchronous torch
+                      indexing (slower than the engine's CPU backend on the dev machine:
+                      docs/benchmarks.md). Leases are Released once every layer's copy completed, at
+                      `get_block_ids_with_load_errors` (after the forward). Blocks the daemon no
+                      longer has, pairs whose copy failed (`ok=False`), and every block of a job
+                      whose Release fails go to the load-error set, so vLLM recomputes them (a
+                      failed Release means the lease expired or the daemon restarted: what was
+                      copied may be stale).
     wait_for_save     for each SaveJob: copy the blocks out of vLLM's cache into a staging
                       buffer (`_stage`: one batched gather per chunk; on CUDA a non-blocking
                       device->host copy per chunk into pinned memory on a side stream ordered
@@ -45,7 +44,7 @@ cuts it into per-block contiguous chunks in the page's logical order (one per la
 (layer, head) where head groups lie outside the block, as under LHBNC), and `layout.py` draws the
 slot. On CUDA the slot buffer is registered with the driver (cudaHostRegister, mapped) so the
 engine's kernels and DMA reach it, and the prefill rate is timed with CUDA events.
-Threading: vLLM's worker thread, plus the save thread (`saver.py`).
+Threading: vLLM's worker thread, plus the save thread (`common/saver.py`).
 """
 
 from __future__ import annotations
@@ -58,19 +57,21 @@ from typing import Any
 import torch
 
 from kvtier.client.sync_client import SlotBuffer
+from kvtier.integrations.common.link import DaemonLink
+from kvtier.integrations.common.loads import LayerLoads, Lease, Loads, TorchLoads
+from kvtier.integrations.common.saver import PrefillClock, Saver, Staged
 from kvtier.integrations.vllm.layout import EngineKV, Unsupported
-from kvtier.integrations.vllm.link import DaemonLink
-from kvtier.integrations.vllm.loads import LayerLoads, Lease, Loads, TorchLoads
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.pages import Paged, paged
-from kvtier.integrations.vllm.saver import PrefillClock, Saver, Staged
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
 
 class WorkerStats:
-    """Totals since start; `take()` returns what changed since the previous call. Thread-safe."""
+    """Totals since start; `take()` returns what changed since the previous call. Thread-safe:
+    every counter changes and is read under `lock` (loads count on vLLM's worker thread, stores
+    on the save thread, `take` runs on the worker thread)."""
 
     def __init__(self) -> None:
         self.loaded_blocks = 0
@@ -83,10 +84,24 @@ class WorkerStats:
         self.lock = threading.Lock()
 
     def totals(self) -> dict[str, float]:
+        with self.lock:
+            return self._totals()
+
+    def _totals(self) -> dict[str, float]:
         return {"loaded_blocks": self.loaded_blocks, "loaded_bytes": self.loaded_bytes,
                 "load_failed_blocks": self.failed_blocks,
                 "stored_blocks": self.stored_blocks, "load_seconds": self.load_seconds,
                 "store_seconds": self.store_seconds}
+
+    def loaded(self, blocks: int, nbytes: int, seconds: float) -> None:
+        with self.lock:
+            self.loaded_blocks += blocks
+            self.loaded_bytes += nbytes
+            self.load_seconds += seconds
+
+    def failed(self, blocks: int) -> None:
+        with self.lock:
+            self.failed_blocks += blocks
 
     def stored(self, blocks: int, seconds: float) -> None:
         with self.lock:
@@ -95,9 +110,9 @@ class WorkerStats:
 
     def take(self) -> dict[str, float]:
         with self.lock:
-            now = self.totals()
-        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
-        self._reported = now
+            now = self._totals()
+            delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+            self._reported = now
         return delta
 
 
@@ -263,14 +278,14 @@ class WorkerSide:
 
     def _fail(self, blocks: list[int]) -> None:
         self._errors.update(blocks)
-        self.stats.failed_blocks += len(blocks)
+        self.stats.failed(len(blocks))
 
     def _fail_job(self, job: LoadJob, blocks: list[int]) -> None:
         """A job not loaded: its blocks (one group) or its request (hybrid) fail."""
         if not job.groups:
             self._fail(blocks)
             return
-        self.stats.failed_blocks += len(job.block_ids)
+        self.stats.failed(len(job.block_ids))
         self._recv_done.add(job.req_id)
         self._recv_failed.add(job.req_id)
 
@@ -290,12 +305,10 @@ class WorkerSide:
             if lease_id in done.failed_leases:
                 self._recv_failed.add(rid)
         if self.kv.hybrid:
-            self.stats.failed_blocks += len(done.failed)
+            self.stats.failed(len(done.failed))
         elif done.failed:
             self._fail(sorted(done.failed))
-        self.stats.loaded_blocks += done.loaded
-        self.stats.loaded_bytes += done.nbytes
-        self.stats.load_seconds += done.seconds
+        self.stats.loaded(done.loaded, done.nbytes, done.seconds)
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """Completes the step's loads; the hybrid loads' requests finished since the last call,

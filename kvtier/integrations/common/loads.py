@@ -1,27 +1,30 @@
-"""The worker side's loads (daemon slots -> vLLM blocks), one step at a time, after the worker
-pinned each job's blocks (Acquire): `start` issues the copies, `wait_layer` makes one layer's
-copy complete, `finish` makes every copy complete and ends the leases (Release).
+"""Loads from the daemon's slots into an engine's paged KV cache (daemon slots -> engine
+blocks), one step at a time, after the engine's worker pinned each job's blocks (Acquire):
+`start` issues the copies, `wait_layer` makes one layer's copy complete, `finish` makes every
+copy complete and ends the leases (Release). The engine's side gives its cache as contiguous
+per-block chunks in layer order, `per_layer` to a layer (vLLM's are cut by
+`integrations/vllm/pages.py`), and a `Release`; vLLM's connector workers use it.
 
-    LayerLoads   through a `kvtier.gpu.transfer.TransferEngine` over vLLM's pages
+    LayerLoads   through a `kvtier.gpu.transfer.TransferEngine` over the engine's pages
                  (`KVPool.paged`), backend "auto" (CUDA kernels or batched DMA when the cache
                  is on a GPU, the CPU reference backend otherwise): one LOAD job per layer, all
                  the step's pairs, issued in layer order on the engine's load stream (jobs of
                  one direction run in submission order), so layer i is complete while layers
-                 after it are still copying; the first job waits for `after` (vLLM's compute
-                 stream: it zeroes new blocks before the loads). `wait_layer(i)` waits for
-                 job i only.
+                 after it are still copying; the first job waits for `after` (the engine's
+                 compute stream: vLLM zeroes new blocks there before the loads).
+                 `wait_layer(i)` waits for job i only.
     TorchLoads   the synchronous torch copy (`dst[blocks] = rows[slots]` per chunk) within
                  `start`; `wait_layer` has nothing to wait for.
 
-Hybrid models: a lease may name, per KV cache group, its own vLLM blocks (`Lease.groups`, -1
+Hybrid models: a lease may name, per KV cache group, its own engine blocks (`Lease.groups`, -1
 where that group needs none, as outside a sliding window); each layer's job then copies only its
 group's pairs (`layer_groups`: the group of each layer).
 
 A lease is released only once every layer's copy of it completed (`finish`). A pair whose copy
 failed in any layer (`ok=False`), every block of a lease whose Release failed (the lease expired
 or the daemon restarted: what was copied may be stale), and every block of a step that could not
-be issued are returned as failed: the worker reports them to vLLM as load errors (recomputed).
-Threading: vLLM's worker thread only.
+be issued are returned as failed: the engine's worker reports them as load errors (vLLM
+recomputes them). Threading: the engine's worker thread only.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import numpy as np
 from kvtier.gpu.plan import Calibration, Direction
 from kvtier.gpu.transfer import Backend, KVPool, TransferEngine, TransferHandle, TransferJob
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("kvtier.integrations.common")
 
 Release = Callable[[str, int, float], bool]
 """release(lease_id, bytes copied, copy seconds) -> whether the daemon ended the lease."""
@@ -46,18 +49,18 @@ Release = Callable[[str, int, float], bool]
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """One job's pinned blocks: slot rows `slots` go to vLLM blocks `blocks`."""
+    """One job's pinned blocks: slot rows `slots` go to engine blocks `blocks`."""
 
     lease_id: str
     slots: Sequence[int]
     blocks: Sequence[int]
     groups: tuple[Sequence[int], ...] = ()
-    """Hybrid: per group, the vLLM block of each slot (-1: none); empty: `blocks` for all."""
+    """Hybrid: per group, the engine block of each slot (-1: none); empty: `blocks` for all."""
 
 
 @dataclass(slots=True)
 class Finished:
-    """What a step's loads did: blocks loaded, vLLM blocks failed, seconds of copying, and the
+    """What a step's loads did: blocks loaded, engine blocks failed, seconds of copying, and the
     leases not loaded whole (a failed pair or Release)."""
 
     loaded: int = 0
@@ -65,13 +68,13 @@ class Finished:
     seconds: float = 0.0
     failed_leases: set[str] = field(default_factory=set)
     nbytes: int = 0
-    """Bytes copied into vLLM's pages (of the leases released)."""
+    """Bytes copied into the engine's pages (of the leases released)."""
 
 
 @dataclass(frozen=True, slots=True)
 class LayerPairs:
     """One layer's share of a step: pair indices (into the step's pairs, leases back to back),
-    their slots and their vLLM blocks."""
+    their slots and their engine blocks."""
 
     sel: np.ndarray
     slots: np.ndarray
@@ -170,7 +173,7 @@ class LayerLoads:
         self._warned = False
 
     def calibrate(self) -> None:
-        """On CUDA, measure the kernel-vs-DMA choice now (vLLM's engine start) rather than
+        """On CUDA, measure the kernel-vs-DMA choice now (at the engine's start) rather than
         within the first load; a calibration file ($KVTIER_TRANSFER_CALIBRATION) is used as is."""
         if self.calibration is not None or self.pool.device != "cuda":
             return
@@ -222,7 +225,7 @@ class LayerLoads:
                 step.handles.append(engine.submit(TransferJob(
                     Direction.LOAD, lp.slots, lp.blocks, after=after,
                     chunks=(lo, lo + self.per_layer))))
-                after = None  # the first job waits for vLLM's stream; the rest follow it
+                after = None  # the first job waits for the engine's stream; the rest follow it
         except Exception as exc:  # nothing issued is trusted: the step's blocks are recomputed
             level = logging.DEBUG if self._warned else logging.WARNING
             self._warned = True

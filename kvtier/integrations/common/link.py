@@ -1,7 +1,14 @@
-"""The connector's connection to the daemon, for one layout, with the failure rule of DESIGN
-invariant 7: an unreachable daemon makes `client()` answer None (the engine recomputes) for
-`retry_after_s`, with one warning per outage, then it reconnects. Thread-safe (a worker's loads
-and its background saves share one link)."""
+"""An engine integration's connection to the daemon, for one layout, with the failure rule of
+DESIGN invariant 7: an unreachable daemon makes `client()` answer None (the engine recomputes)
+for `retry_after_s`, with one warning per outage, then it reconnects. Thread-safe (a vLLM
+worker's loads and its background saves share one link; SGLang calls a backend from several
+threads).
+
+    link = DaemonLink(settings, decl, "worker 0")   # settings: any `LinkSettings` (both
+                                                    # engines' extra-config dataclasses)
+    client = link.client()                          # None while the daemon is down
+    link.failed(exc, "Lookup")                      # a call failed: outage or one warning
+"""
 
 from __future__ import annotations
 
@@ -11,13 +18,29 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, default_socket
-from kvtier.integrations.vllm.settings import ConnectorSettings
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("kvtier.integrations.common")
+
+
+class LinkSettings(Protocol):
+    """The keys of an engine's extra config that the link reads (each engine's settings
+    dataclass has them, with the same meaning and defaults)."""
+
+    @property
+    def socket(self) -> str: ...
+    @property
+    def token(self) -> str: ...
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def retry_after_s(self) -> float: ...
+    @property
+    def lease_ttl_s(self) -> float: ...
 
 
 def unreachable(exc: BaseException) -> bool:
@@ -40,7 +63,7 @@ def listening(path: Path) -> bool:
 
 
 class DaemonLink:
-    def __init__(self, settings: ConnectorSettings, decl: LayoutDecl, role: str) -> None:
+    def __init__(self, settings: LinkSettings, decl: LayoutDecl, role: str) -> None:
         self.settings = settings
         self.decl = decl
         self.role = role

@@ -1,20 +1,22 @@
-"""The scheduler side's Lookups, off vLLM's scheduler thread.
+"""Lookups off the engine scheduler's thread, for a scheduler that asks again at its next step
+when told "not known yet" (vLLM's `get_num_new_matched_tokens` answering None).
 
     fetch_blocks(rid, keys, prompt_tokens)   the blocks of `keys` worth fetching (the daemon's
                                              plan), or None while that Lookup is still running
     forget(rid)                              drop the request's answer (or its Lookup in flight)
 
-vLLM asks `get_num_new_matched_tokens` for a waiting request at every step until it schedules
-it, and a None answer means "not known yet, ask again". So the first ask queues a Lookup for one
-background thread and answers None; later asks answer None until the thread has the result, then
-the result (every time: asking twice is side-effect free). The answer is kept until vLLM
-allocates the request (`forget`); a preempted request is looked up again. With `run_inline`
-(setting `async_lookup: false`) the Lookup runs within the ask, on the caller's thread.
+The scheduler asks for a waiting request at every step until it schedules it. So the first ask
+queues a Lookup for one background thread and answers None; later asks answer None until the
+thread has the result, then the result (every time: asking twice is side-effect free). The
+answer is kept until the engine allocates the request (`forget`); a preempted request is looked
+up again. Without `background` (vLLM's setting `async_lookup: false`) the Lookup runs within
+the ask, on the caller's thread. One Lookup per link (a layout: one per TP shard); the answer is
+the least of them.
 
 A daemon marked down (`DaemonLink.down`) answers 0 at once: no Lookup, no step lost. A failed
-Lookup answers 0 (the request is computed). Threading: `fetch_blocks` and `forget` on vLLM's
-scheduler thread, the Lookups on the "kvtier-lookup" thread; the links are used by one of them
-only (the thread, or the caller with `run_inline`).
+Lookup answers 0 (the request is computed). Threading: `fetch_blocks` and `forget` on the
+scheduler's thread, the Lookups on the "kvtier-lookup" thread; the links are used by one of
+them only (the thread, or the caller without `background`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from kvtier.integrations.vllm.link import DaemonLink
+from kvtier.integrations.common.link import DaemonLink
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("kvtier.integrations.common")
 
 _STOP: tuple[str, list[bytes], int] = ("", [], 0)
 
@@ -93,7 +95,7 @@ class Lookups:
             try:
                 fetch = self.lookup(keys, prompt_tokens)
             except Exception:  # a bug must not kill the thread: that request computes
-                log.exception("kvtier scheduler: Lookup failed")
+                log.exception("kvtier: Lookup failed")
                 fetch = 0
             with self._lock:
                 if rid in self._running:

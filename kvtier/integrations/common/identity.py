@@ -1,4 +1,5 @@
-"""Whose KV a vLLM engine computes: the connector's default `model_id`, which follows the weights.
+"""Whose KV an engine computes: the default model id of both engines' integrations, which
+follows the weights.
 
 Blocks are shared only under equal model ids (and layouts), so the id must change whenever the
 weights do, or an engine whose weights were replaced under the same name loads the KV of the
@@ -13,12 +14,14 @@ old ones (wrong from the first token, silently, and for as long as a persistent 
     hub model         "<repo>@<commit>": the snapshot commit the revision resolves to in the
                       local Hugging Face cache (a branch like "main" moves; its commit does
                       not); "<repo>@<revision>" with a warning when the cache cannot say.
-    dummy weights     "<name>@dummy-seed<seed>" (`load_format="dummy"`: random, from the seed).
+    dummy weights     "<name>@dummy-seed<seed>" (load format "dummy": random, from the seed).
 
-Then "/<dtype>" (the weights' compute dtype changes every K and V) and "/q:<method>" when vLLM
-quantizes. The KV cache dtype, block size and shard are the layout fingerprint's, not the id's.
-Pin the id by hand with `kv_connector_extra_config["model_id"]` (README). Pure apart from reading
-the model's files; no vLLM import.
+Then "/<dtype>" (the weights' compute dtype changes every K and V) and "/q:<method>" when the
+engine quantizes. The KV cache dtype, block size and shard are the layout fingerprint's, not the
+id's. Each engine's adapter reads these from its own configuration (vLLM:
+`integrations/vllm/layout.default_model_id`; SGLang: `integrations/sglang/layout.default_model_id`)
+and the id is pinned by hand with the `model_id` key of its extra config (README). Pure apart
+from reading the model's files; no engine import.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("kvtier.vllm")
+log = logging.getLogger("kvtier.integrations.common")
 
 WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|npz|msgpack|h5)$")
 WHOLE = ("config.json", "quant_config.json", "quantize_config.json", "hf_quant_config.json",
@@ -45,18 +48,20 @@ MAX_HEADER = 100 << 20
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-def default_model_id(model_config: Any, load_config: Any, seed: Any) -> str:
-    """The id of the KV that vLLM's `model_config` computes (module docstring)."""
-    model = str(model_config.model)
-    if str(getattr(load_config, "load_format", "")) == "dummy":
+def model_id(model: str, *, load_format: str = "", seed: Any = None, revision: str | None = None,
+             dtype: str = "", quantization: str | None = None,
+             where: str = "the engine's extra config") -> str:
+    """The id of the KV that `model` (a local directory or a hub repo id) computes when loaded
+    with these settings (module docstring). `where` names the engine's extra config in the
+    warning of an unresolvable hub revision."""
+    if load_format == "dummy":
         base = f"{_short(model)}@dummy-seed{seed}"
     elif Path(model).is_dir():
         base = f"{_short(Path(model).resolve().name)}@w:{weights_digest(Path(model))}"
     else:
-        base = f"{model}@{hub_revision(model, getattr(model_config, 'revision', None))}"
-    dtype = str(getattr(model_config, "dtype", "")).removeprefix("torch.")
-    quant = getattr(model_config, "quantization", None)
-    return base + (f"/{dtype}" if dtype else "") + (f"/q:{quant}" if quant else "")
+        base = f"{model}@{hub_revision(model, revision, where)}"
+    dtype = dtype.removeprefix("torch.")
+    return base + (f"/{dtype}" if dtype else "") + (f"/q:{quantization}" if quantization else "")
 
 
 def _short(name: str) -> str:
@@ -113,7 +118,8 @@ def _safetensors(f: Any, size: int, h: Any) -> None:
             h.update(f.read(min(SAMPLE, hi - lo)))
 
 
-def hub_revision(repo: str, revision: str | None) -> str:
+def hub_revision(repo: str, revision: str | None,
+                 where: str = "the engine's extra config") -> str:
     """The commit `revision` (default "main") of hub model `repo` resolves to in the local
     Hugging Face cache; `revision` itself, with a warning, when the cache cannot say."""
     rev = revision or "main"
@@ -129,7 +135,7 @@ def hub_revision(repo: str, revision: str | None) -> str:
         commit = Path(found).parent.name
         if COMMIT.match(commit):
             return commit
-    log.warning("kvtier connector: cannot resolve %s@%s to a commit in the Hugging Face cache; "
-                "model id %s@%s moves with the branch: pin kv_connector_extra_config"
-                "['model_id']", repo, rev, repo, rev)
+    log.warning("kvtier: cannot resolve %s@%s to a commit in the Hugging Face cache; model id "
+                "%s@%s moves with the branch: pin it with model_id in %s", repo, rev, repo, rev,
+                where)
     return rev

@@ -1,16 +1,19 @@
-"""The worker side's background work: stores (`Saver`) and the prefill clock (`PrefillClock`).
+"""An engine's background stores (`Saver`) and its prefill clock (`PrefillClock`), on the
+worker side (vLLM's connector workers use them).
 
-    Saver          staged blocks (copied out of vLLM's cache within `wait_for_save`) are
-                   stored by one "kvtier-save" thread, in submission order (a chain's parent is
-                   committed before its children). At most `max_bytes` staged bytes wait: a
-                   step that would exceed it waits for the saves before it (backpressure, never
-                   a drop). A store that fails is one warning and a future miss (an unreachable
-                   daemon: the link's one warning per outage; later stores are skipped until
-                   it is back), and the request's later saves are skipped (their parent is not
-                   stored, the daemon would refuse them). With `background=False` everything
-                   runs on the caller's thread.
+    Saver          staged blocks (copied out of the engine's KV cache on its own thread: vLLM's
+                   `wait_for_save`) are stored by one "kvtier-save" thread, in submission order
+                   (a chain's parent is committed before its children). At most `max_bytes`
+                   staged bytes wait: a step that would exceed it waits for the saves before it
+                   (backpressure, never a drop). A store that fails is one warning and a future
+                   miss (an unreachable daemon: the link's one warning per outage; later stores
+                   are skipped until it is back), and the request's later saves are skipped
+                   (their parent is not stored, the daemon would refuse them). With
+                   `background=False` everything runs on the caller's thread. How a staged job
+                   reaches the slots is the engine's (`store`, given by the owner).
     PrefillClock   times the steps that compute one prompt chunk (wall clock on CPU, CUDA events
-                   on a GPU) and hands out the latest at most every `every_s` seconds.
+                   on a GPU) and hands out the latest at most every `every_s` seconds (for the
+                   daemon planner's ReportPrefill).
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from typing import Any
 
 import torch
 
-from kvtier.integrations.vllm.link import DaemonLink, unreachable
+from kvtier.integrations.common.link import DaemonLink, unreachable
 
-log = logging.getLogger("kvtier.integrations.vllm")
+log = logging.getLogger("kvtier.integrations.common")
 
 
 @dataclass(slots=True)
@@ -37,7 +40,7 @@ class Staged:
     parent: bytes
     blocks: torch.Tensor
     """[chunks, len(keys), chunk_bytes] uint8 (CPU): chunk c of every block, the bytes a slot
-    holds at [c * chunk_bytes, (c + 1) * chunk_bytes) (`pages.py`)."""
+    holds at [c * chunk_bytes, (c + 1) * chunk_bytes) (vLLM: `integrations/vllm/pages.py`)."""
     ready: Any = None
     """A CUDA event to synchronize before reading `blocks` (filled by an async copy)."""
 
