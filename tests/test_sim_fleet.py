@@ -117,10 +117,20 @@ def test_a_shared_remote_tier_lets_another_node_hit_what_one_stored():
     assert r.assignment == [0, 1, 0, 1]
     assert hits(r) == 6
     assert [n.stats.hits_remote for n in r.nodes] == [0, 2]
-    assert (r.remote_reads, r.remote_writes, r.remote_evicted) == (2, 6, 0)
+    assert (r.remote_reads, r.remote_writes, r.remote_evicted, r.remote_dropped) == (2, 6, 0, 0)
     assert [n.stats.stranded_blocks for n in r.nodes] == [0, 0]
     none = replay_fleet(SHARED, fleet("round-robin"))
     assert (none.remote_reads, none.remote_writes) == (None, None)
+
+
+def test_each_nodes_remote_write_rate_drops_what_it_cannot_write():
+    # 100 bytes a block, 100 bytes/s per node (a burst of one block). r0 (t = 0, node 0)
+    # writes block 0 and drops 1 and 2 (1 is refused, 2 would sit behind the hole). r1 (t = 1 s,
+    # node 1) finds 0 in the store (1 remote hit), commits 1 and 3: writes 1, drops 3.
+    r = replay_fleet(SHARED[:2], fleet("round-robin", remote_blocks=100,
+                                       remote_write_bytes_per_s=100.0, block_bytes=100))
+    assert (r.remote_writes, r.remote_dropped, r.remote_reads) == (2, 3, 1)
+    assert hits(r) == 1
 
 
 def test_remote_store_is_lru_and_an_existence_check_is_no_access():
@@ -247,7 +257,16 @@ def test_cli_json_has_the_hand_worked_counts(shared_trace):
     assert remote["hits"] == 6
     assert remote["network"] == {
         "remote_blocks_read": 2, "remote_blocks_written": 6, "remote_bytes_read": 2 << 20,
-        "remote_bytes_written": 6 << 20, "remote_blocks_evicted": 0}
+        "remote_bytes_written": 6 << 20, "remote_blocks_evicted": 0,
+        "remote_writes_dropped": 0, "remote_write_bytes_per_s": 200_000_000.0}
+    # 1 MiB/s per node, one block a second: r0 writes 0 and drops 1, 2; r1 fetches 0 (1 remote
+    # hit), writes 1, drops 3; r2 (node 0, 2 s later) hits 0, 1 and writes 4; r3 hits 0, 1 on
+    # node 1 and writes 5: 5 hits, 4 writes, 3 dropped.
+    slow = json.loads(simulate(*base, "--routing", "round-robin", "--remote-blocks", "100",
+                               "--block-bytes", "1MiB", "--remote-write-rate", "1MiB").stdout)
+    assert slow["hits"] == 5
+    assert (slow["network"]["remote_blocks_written"], slow["network"]["remote_writes_dropped"],
+            slow["network"]["remote_blocks_read"]) == (4, 3, 1)
 
 
 def test_cli_one_node_equals_single_node_simulate():
@@ -294,6 +313,11 @@ def test_cli_table_with_a_model_and_plot(tmp_path):
         (["--nodes", "2", "--balance", "fair"], "--balance must be"),
         (["--nodes", "2", "--prefill-rate", "0"], "--prefill-rate must be"),
         (["--nodes", "2", "--remote-bandwidth", "10GB"], "give --preset NAME"),
+        (["--nodes", "2", "--remote-write-rate", "1GB"], "give --remote-bytes SIZE"),
+        (["--nodes", "2", "--remote-blocks", "9", "--remote-write-rate", "1GB"],
+         "give --preset NAME"),
+        (["--nodes", "2", "--remote-blocks", "9", "--block-bytes", "1MiB",
+          "--remote-write-rate", "fast"], "--remote-write-rate"),
         (["--routing", "prefix-aware"], "give --nodes N"),
         (["--remote-blocks", "10"], "give --nodes N"),
     ],

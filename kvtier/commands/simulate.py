@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     fleet = None
     if simulate_fleet.wanted(args):
         remote = capacity(args, "remote", block_bytes, required=False)
-        fleet = simulate_fleet.fleet_config(args, config, remote)
+        fleet = simulate_fleet.fleet_config(args, config, remote, block_bytes)
     if args.plot:
         from kvtier.sim.sweep import check_plot_target
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvtier.sim.trace import Request
 
 FLEET_FLAGS = ("routing", "remote_blocks", "remote_bytes", "event_lag", "balance",
-               "prefill_rate", "remote_bandwidth")
+               "prefill_rate", "remote_bandwidth", "remote_write_rate")
 _LAG = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)?\s*$")
 
 
@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-rate", metavar="TOKENS",
                    help=f"prefill tokens per second of one node, the clock of each node's "
                    f"queue (least-loaded; {DEFAULT_PREFILL_TOKENS_PER_S:,.0f})")
+    g.add_argument("--remote-write-rate", metavar="SIZE",
+                   help="bytes per second each node may write to the remote tier, as kvtier "
+                   "serve's remote_write_bytes_per_s (its default, 200MB; off = no limit; "
+                   "needs the block's bytes)")
     g.add_argument("--remote-bandwidth", metavar="SIZE",
                    help="bytes per second of a fetch from the remote tier, for the planner's "
                    "prefill seconds (default: kvtier serve's seed, 1.2GB)")
@@ -77,7 +81,8 @@ def _number(text: str, flag: str, what: str) -> float:
         raise UsageError(f"{flag} must be {what}, got {text!r}") from None
 
 
-def fleet_config(args: argparse.Namespace, tiers: TierConfig, remote: int) -> FleetConfig:
+def fleet_config(args: argparse.Namespace, tiers: TierConfig, remote: int,
+                 block_bytes: int | None) -> FleetConfig:
     """The fleet from the flags (`remote`: the remote tier's blocks from --remote-bytes or
     --remote-blocks, 0 = none); bad values are a `UsageError` naming the flag."""
     from kvtier.sim.fleet import (
@@ -107,7 +112,37 @@ def fleet_config(args: argparse.Namespace, tiers: TierConfig, remote: int) -> Fl
         raise UsageError(f"--event-lag is what prefix-aware routing sees; {args.routing} "
                          "routing sees no node contents")
     routing = args.routing or "prefix-aware"
-    return FleetConfig(tiers, nodes, routing, remote, lag, balance, rate)
+    write_rate = remote_write_rate(args, remote, block_bytes)
+    return FleetConfig(tiers, nodes, routing, remote, lag, balance, rate, write_rate,
+                       block_bytes or 0)
+
+
+def remote_write_rate(args: argparse.Namespace, remote: int,
+                      block_bytes: int | None) -> float | None:
+    """Each node's remote write budget in bytes/s: --remote-write-rate, else kvtier serve's
+    default when block sizes are known; None: no budget (off, no remote tier, or no sizes)."""
+    from kvtier.core.units import parse_size
+    from kvtier.daemon.config import DEFAULT_REMOTE_WRITE_BYTES_PER_S
+
+    text = args.remote_write_rate
+    if text is not None and not remote:
+        raise UsageError("--remote-write-rate limits writes to the remote tier; give "
+                         "--remote-bytes SIZE or --remote-blocks N with it")
+    if text is not None and text.strip().lower() == "off":
+        return None
+    if block_bytes is None:
+        if text is not None:
+            raise UsageError("--remote-write-rate is bytes per second; give --preset NAME, "
+                             "--hf-config PATH or --block-bytes SIZE for the block's bytes")
+        return None
+    if not remote:
+        return None
+    if text is None:
+        return float(DEFAULT_REMOTE_WRITE_BYTES_PER_S)
+    rate = parse_size(text, "--remote-write-rate").bytes
+    if rate < 1:
+        raise UsageError(f"--remote-write-rate must be > 0 bytes/s (or off), got {text!r}")
+    return float(rate)
 
 
 def saving(args: argparse.Namespace, block_bytes: int | None) -> tuple[Saving | None, str | None]:

@@ -10,8 +10,10 @@ tier with `remote_admit_after` 1 — every node writes each block it commits, a 
 prefix ends before the chain does fetches the blocks the store holds after it (`Node`). The
 store evicts least-recently-used first at its capacity, where Redis's `allkeys-lru` samples an
 approximate LRU; an existence check (EXISTS) is no access, a fetch (GET) and a write (SET) are.
-No write budget or queue: every write reaches the store at once. Bytes over the network are the
-blocks fetched and written, times the block size.
+Each node writes through its own byte-rate budget (`remote_write_bytes_per_s`, kvtier serve's
+setting; a burst of one second's, at least one block) on the trace's clock, and drops what the
+budget refuses, as the daemon does; no write queue: a write the budget allows is in the store at
+once. Bytes over the network are the blocks fetched and written, times the block size.
 
 Load (what least-loaded balances and prefix-aware breaks ties on): each node prefills at
 `prefill_tokens_per_s`, first come first served. A request adds its missed tokens (prompt tokens
@@ -129,6 +131,10 @@ class FleetConfig(NamedTuple):
     event_lag_s: float = 0.0
     balance: float = DEFAULT_BALANCE
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    remote_write_bytes_per_s: float | None = None
+    block_bytes: int = 0
+    """One block's bytes, the cost of a remote write under `remote_write_bytes_per_s` (None:
+    no budget, every write is made)."""
 
     def check(self) -> None:
         """`ValueError` naming the first field out of range."""
@@ -143,6 +149,9 @@ class FleetConfig(NamedTuple):
                              f"{self.event_lag_s}")
         if not self.balance >= 1:
             raise ValueError(f"balance must be >= 1 (x the mean), got {self.balance}")
+        if self.remote_write_bytes_per_s is not None and not (
+                self.remote_write_bytes_per_s > 0 and self.block_bytes > 0):
+            raise ValueError("a remote write budget needs a rate > 0 and the block's bytes")
         if not (self.prefill_tokens_per_s > 0 and math.isfinite(self.prefill_tokens_per_s)):
             raise ValueError(f"prefill rate must be > 0 tokens/s, got "
                              f"{self.prefill_tokens_per_s}")
@@ -161,7 +170,8 @@ class NodeResult(NamedTuple):
 
 class FleetResult(NamedTuple):
     """A fleet replay: per node results, the node each request went to (trace order), the
-    remote store's counters (blocks read, written, evicted; None without one)."""
+    remote store's counters (blocks read, written, evicted, and the writes the nodes' budgets
+    dropped; None without one)."""
 
     config: FleetConfig
     nodes: list[NodeResult]
@@ -169,6 +179,7 @@ class FleetResult(NamedTuple):
     remote_reads: int | None
     remote_writes: int | None
     remote_evicted: int | None
+    remote_dropped: int | None
     seconds: float
     cpu_seconds: float
 
@@ -256,8 +267,10 @@ def replay_fleet(
     n_nodes, routing = fleet.nodes, fleet.routing
     remote = RemoteStore(fleet.remote_blocks) if fleet.remote_blocks else None
     aware = routing == "prefix-aware"
-    nodes = [Node(fleet.tiers, new_index(fleet.tiers, journal=aware), remote=remote)
-             for _ in range(n_nodes)]
+    rate = fleet.remote_write_bytes_per_s
+    budget = None if remote is None or rate is None else (rate, fleet.block_bytes)
+    nodes = [Node(fleet.tiers, new_index(fleet.tiers, journal=aware), remote=remote,
+                  remote_budget=budget) for _ in range(n_nodes)]
     view = _View(n_nodes, fleet.event_lag_s * 1000.0) if aware else None
     rate_ms = fleet.prefill_tokens_per_s / 1000.0
     backlog = [0.0] * n_nodes
@@ -314,6 +327,7 @@ def replay_fleet(
         None if remote is None else remote.reads,
         None if remote is None else remote.writes,
         None if remote is None else remote.evicted,
+        None if remote is None else sum(n.remote_writes_dropped for n in nodes),
         seconds, cpu,
     )
 

@@ -83,6 +83,8 @@ def to_json(r: FleetReport) -> dict[str, Any]:
         "remote_bytes_read": _bytes(res.remote_reads, bb),
         "remote_bytes_written": _bytes(res.remote_writes, bb),
         "remote_blocks_evicted": res.remote_evicted,
+        "remote_writes_dropped": res.remote_dropped,
+        "remote_write_bytes_per_s": cfg.remote_write_bytes_per_s,
     }
     return {
         "source": r.source,
@@ -147,8 +149,11 @@ def format_table(r: FleetReport) -> str:
     """The human report of `kvtier simulate --nodes` without `--json`."""
     res, cfg, refs, bb = r.result, r.result.config, r.refs, r.block_bytes
     t = cfg.tiers
-    remote = (f"shared remote tier {_cap(cfg.remote_blocks, bb)}" if cfg.remote_blocks
-              else "no shared remote tier")
+    remote = "no shared remote tier"
+    if cfg.remote_blocks:
+        rate = cfg.remote_write_bytes_per_s
+        remote = (f"shared remote tier {_cap(cfg.remote_blocks, bb)}, written at " + (
+            "any rate" if rate is None else f"up to {format_bytes(int(rate))}/s per node"))
     head = [
         f"{r.source}: {len(res.assignment):,} requests, {refs:,} block refs (512 tokens each), "
         f"{r.distinct_blocks:,} distinct blocks",
@@ -200,6 +205,7 @@ def format_table(r: FleetReport) -> str:
             ("network: blocks written to the remote tier", f"{res.remote_writes:,}",
              "" if bb is None or res.remote_writes is None
              else format_bytes(res.remote_writes * bb)),
+            ("remote writes dropped by the write rate", f"{res.remote_dropped:,}", ""),
             ("evicted from the remote tier", f"{res.remote_evicted:,}", ""),
         ]
     lines += [

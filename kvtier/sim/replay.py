@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from kvtier.core.types import Tier
-from kvtier.core.wear import WriteBudget
+from kvtier.core.wear import TokenBucket, WriteBudget
 from kvtier.index import placement
 from kvtier.index.prefix import Block, PrefixIndex, Tenant
 from kvtier.sim.config import ReplayStats, TierConfig
@@ -147,17 +147,25 @@ class Node:
     whole local prefix (each claims a DRAM slot as a promotion does; the prefix ends before a
     block that gets none) as new DRAM blocks pinned for the request, and Commit writes each
     committed block to it. Fetched blocks are not written back to SSD at fetch (the daemon's
-    `settle_remote` does not either)."""
+    `settle_remote` does not either). `remote_budget`: the node's remote write-through rate
+    (`remote_write_bytes_per_s`) and the bytes of one block write, a token bucket on the trace's
+    clock (seconds) with a burst of one second's (at least one block); a write it refuses is
+    dropped with the rest of that commit's blocks (which would sit behind a hole in the store's
+    chain), as the daemon drops them (`remote_writes_dropped`)."""
 
     def __init__(self, config: TierConfig, index: PrefixIndex | None = None, *,
                  tenant: Tenant = TENANT, key_bytes: int = 8, remote: RemoteLike | None = None,
-                 ) -> None:
+                 remote_budget: tuple[float, int] | None = None) -> None:
         idx = new_index(config) if index is None else index
         if len(idx):
             raise ValueError("replay needs an empty index")
         self.index, self.config, self.tenant, self.key_bytes = idx, config, tenant, key_bytes
         self.remote = remote
         self._now = [0.0]
+        self._remote_budget = None if remote_budget is None else (TokenBucket(
+            remote_budget[0], max(remote_budget[0], remote_budget[1]),
+            clock=lambda: self._now[0] / 1000.0), remote_budget[1])
+        self.remote_writes_dropped = 0
         self._writer = _Writer(idx, config, self._now, tenant)
         self._write = self._writer.write if config.ssd_blocks else None
         self.requests = self.refs = 0
@@ -242,14 +250,21 @@ class Node:
                 if write is not None:
                     write(new)
                 if remote is not None:
-                    for k in committed:
-                        remote.store(k)
+                    self._write_remote(remote, committed)
             self.not_stored += missing - stored
             self.inserted += stored
         # Release
         for b in held:
             unpin(tenant, b.key)
         return Served(got, committed)
+
+    def _write_remote(self, remote: RemoteLike, keys: list[bytes]) -> None:
+        budget = self._remote_budget
+        for i, k in enumerate(keys):
+            if budget is not None and not budget[0].take(budget[1]):
+                self.remote_writes_dropped += len(keys) - i
+                return
+            remote.store(k)
 
     def stats(self) -> ReplayStats:
         """The counters so far (`stranded_blocks` recounted on the index now)."""
