@@ -27,8 +27,10 @@ examples:
   kvtier simulate --workload chat --dram-bytes 64GiB --ssd-bytes 1TiB --preset Llama-3-8B --json
   kvtier simulate --workload chat --dram-bytes 64GiB --hf-config ./my-model/config.json
   kvtier simulate --trace trace.jsonl --dram-blocks 4000 --ssd-blocks 16000 --plot hit_ratio.png
-  kvtier simulate --trace trace.jsonl --dram-blocks 512 --ssd-blocks 2048 --nodes 8 \
-      --routing prefix-aware --remote-blocks 16384 --event-lag 250ms --plot fleet.png
+  kvtier simulate --trace trace.jsonl --dram-blocks 512 --ssd-blocks 2048 --nodes 8
+  kvtier simulate --trace trace.jsonl --dram-blocks 512 --nodes 8 --routing round-robin
+  kvtier simulate --workload chat --preset Llama-3-8B --dram-bytes 32GiB --nodes 4 \\
+      --remote-bytes 1TiB --event-lag 250ms --plot fleet.png
 """
 
 
