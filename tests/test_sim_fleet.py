@@ -98,6 +98,21 @@ def test_event_lag_hides_a_store_from_the_next_request():
     assert hits(now) == 4
 
 
+def test_a_router_that_never_sees_events_routes_as_least_loaded():
+    # Events later than the whole trace: every view stays empty, every prefix ties at 0, and
+    # the tie-break is least-loaded's order, so the two routings pick the same nodes.
+    reqs = generate("chat", 300, 2)
+    tiers = TierConfig(40, 80)
+    blind = replay_fleet(reqs, fleet("prefix-aware", nodes=3, tiers=tiers, balance=math.inf,
+                                     event_lag_s=1e9, prefill_tokens_per_s=2000.0))
+    loaded = replay_fleet(reqs, fleet("least-loaded", nodes=3, tiers=tiers,
+                                      prefill_tokens_per_s=2000.0))
+    assert blind.assignment == loaded.assignment
+    seeing = replay_fleet(reqs, fleet("prefix-aware", nodes=3, tiers=tiers, balance=math.inf,
+                                      prefill_tokens_per_s=2000.0))
+    assert seeing.assignment != loaded.assignment and hits(seeing) > hits(loaded)
+
+
 def test_evictions_reach_the_router():
     # DRAM of 2 blocks. r0 [0,1] -> node 0; r1 [5,6] -> node 1 (fewer requests); r2 [8,9] ->
     # node 0 (tie), which evicts [0,1]. r3 [0,1]: node 0's view lost [0,1] with the removal
@@ -267,6 +282,20 @@ def test_cli_json_has_the_hand_worked_counts(shared_trace):
     assert slow["hits"] == 5
     assert (slow["network"]["remote_blocks_written"], slow["network"]["remote_writes_dropped"],
             slow["network"]["remote_blocks_read"]) == (4, 3, 1)
+
+
+def test_cli_plot_compares_every_routing(shared_trace, tmp_path):
+    # The plot replays all three routings: round-robin and least-loaded (empty queues at
+    # every arrival: fewest requests, then node 0) split the shared prefix (4 of 12), unguarded
+    # prefix-aware keeps it on node 0 (6 of 12).
+    out = tmp_path / "cmp.png"
+    p = simulate("--trace", str(shared_trace), "--dram-blocks", "10", "--policy", "lru",
+                 "--nodes", "2", "--balance", "inf", "--json", "--plot", str(out))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert [(r["routing"], r["hit_ratio"], r["imbalance"]) for r in doc["routings"]] == [
+        ("round-robin", 4 / 12, 1.0), ("least-loaded", 4 / 12, 1.0), ("prefix-aware", 0.5, 2.0)]
+    assert doc["plot"] == str(out) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_one_node_equals_single_node_simulate():
