@@ -27,6 +27,10 @@ examples:
   kvtier simulate --workload chat --dram-bytes 64GiB --ssd-bytes 1TiB --preset Llama-3-8B --json
   kvtier simulate --workload chat --dram-bytes 64GiB --hf-config ./my-model/config.json
   kvtier simulate --trace trace.jsonl --dram-blocks 4000 --ssd-blocks 16000 --plot hit_ratio.png
+  kvtier simulate --trace trace.jsonl --dram-blocks 512 --ssd-blocks 2048 --nodes 8
+  kvtier simulate --trace trace.jsonl --dram-blocks 512 --nodes 8 --routing round-robin
+  kvtier simulate --workload chat --preset Llama-3-8B --dram-bytes 32GiB --nodes 4 \\
+      --remote-bytes 1TiB --event-lag 250ms --plot fleet.png
 """
 
 
@@ -80,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep-points", type=int, default=8, metavar="N", help="capacities in --plot (8)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    from kvtier.commands import simulate_fleet
+
+    simulate_fleet.add_arguments(parser)
 
 
 def _load(args: argparse.Namespace) -> tuple[list[Request], str]:
@@ -120,7 +127,7 @@ def _block_bytes(args: argparse.Namespace) -> int | None:
     return n
 
 
-def _capacity(args: argparse.Namespace, tier: str, block_bytes: int | None,
+def capacity(args: argparse.Namespace, tier: str, block_bytes: int | None,
               required: bool) -> int:
     """A tier's capacity in trace blocks from --TIER-blocks, --TIER-bytes or the old --TIER."""
     from kvtier.core.units import parse_size
@@ -175,14 +182,20 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.sim.report import SimReport, format_table, to_json
 
     block_bytes = _block_bytes(args)
-    dram = _capacity(args, "dram", block_bytes, required=True)
-    ssd = _capacity(args, "ssd", block_bytes, required=False)
+    dram = capacity(args, "dram", block_bytes, required=True)
+    ssd = capacity(args, "ssd", block_bytes, required=False)
     if args.ssd_admit_after < 1:
         raise UsageError(f"--ssd-admit-after must be >= 1, got {args.ssd_admit_after}")
     if args.admission_history is not None and args.admission_history < 0:
         raise UsageError(f"--admission-history must be >= 0, got {args.admission_history}")
     config = TierConfig(dram, ssd, args.policy, args.ssd_admit_after, args.admission_history,
                         **serve_write_budget(dram, ssd, block_bytes))
+    from kvtier.commands import simulate_fleet
+
+    fleet = None
+    if simulate_fleet.wanted(args):
+        remote = capacity(args, "remote", block_bytes, required=False)
+        fleet = simulate_fleet.fleet_config(args, config, remote, block_bytes)
     if args.plot:
         from kvtier.sim.sweep import check_plot_target
 
@@ -191,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--sweep-points must be >= 2, got {args.sweep_points}")
     requests, source = _load(args)
     show = not args.quiet and sys.stderr.isatty()
+    if fleet is not None:
+        return _print(simulate_fleet.run(args, fleet, requests, source, block_bytes, show))
 
     refs = flatten(requests)
     with progress_bar(len(requests), "replay", show) as bar:
@@ -222,6 +237,10 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(doc, indent=2) if args.json else format_table(report)
     if args.plot and not args.json:
         text += f"\nplot: {args.plot} ({len(doc['sweep'])} capacities)"
+    return _print(text)
+
+
+def _print(text: str) -> int:
     try:
         print(text, flush=True)
     except BrokenPipeError:  # e.g. `| head`: the reader is gone, nothing left to report to

@@ -587,6 +587,10 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     )
 
 
+DEFAULT_REMOTE_WRITE_BYTES_PER_S = 200_000_000
+"""`remote_write_bytes_per_s` when unset (0): the remote write-through rate of one node."""
+
+
 def _validate_remote(
     v: dict[str, object], bad: Callable[[str, str], UsageError], slot: int, dram: int,
 ) -> dict[str, Any]:
@@ -594,7 +598,7 @@ def _validate_remote(
     out: dict[str, Any] = {name: v[name] for name in _FIELDS if name.startswith("remote_")}
     out["remote_mode"] = str(v["remote_mode"]).lower()
     out["remote_timeout_s"] = float(cast(float, v["remote_timeout_s"]))
-    rate = int(cast(int, v["remote_write_bytes_per_s"])) or 200_000_000
+    rate = int(cast(int, v["remote_write_bytes_per_s"])) or DEFAULT_REMOTE_WRITE_BYTES_PER_S
     out["remote_write_bytes_per_s"] = rate
     burst = int(cast(int, v["remote_write_burst_bytes"])) or max(rate, 16 * slot)
     if burst < slot:

@@ -60,6 +60,8 @@ class ReplayStats(NamedTuple):
     history_size: words of the index's admission history (0 = off); history_recalled: missed
     blocks committed again that got their earlier access count back from it.
     ssd_writes_refused: write-backs the SSD write budget refused (the block stayed DRAM-only).
+    hits_remote: blocks after the local prefix fetched from the shared remote tier (a fleet
+    replay, `kvtier.sim.fleet`; 0 on one node without it).
     """
 
     requests: int
@@ -82,10 +84,11 @@ class ReplayStats(NamedTuple):
     history_recalled: int = 0
     bypassed: int = 0
     ssd_writes_refused: int = 0
+    hits_remote: int = 0
 
     @property
     def hits(self) -> int:
-        return self.hits_dram + self.hits_ssd
+        return self.hits_dram + self.hits_ssd + self.hits_remote
 
     @property
     def hit_ratio(self) -> float:

@@ -23,8 +23,14 @@ Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian k
      gave back), as in 1.
   5. Release: the pins are dropped.
 
-This is the daemon's order and its rules (tests/test_sim_equals_daemon.py replays one trace
-through both and compares hits and SSD writes exactly). The write budget is the daemon's token
+With a shared remote tier (a fleet, `kvtier.sim.fleet`; `Node`'s docstring): Lookup also asks
+it for the blocks after the local prefix, Acquire fetches them into DRAM after a whole local
+prefix, and Commit writes the committed blocks to it.
+
+`Node` holds one node's state and serves one request (`Node.serve`); `replay` is one node
+serving the whole trace. This is the daemon's order and its rules
+(tests/test_sim_equals_daemon.py replays one trace through both and compares hits and SSD
+writes exactly). The write budget is the daemon's token
 bucket (`kvtier.core.wear.WriteBudget`) on the trace's clock (its timestamps, ms).
 
 Movement counters come from the index's own eviction counters; `stranded_blocks` is recounted on
@@ -40,9 +46,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 from kvtier.core.types import Tier
-from kvtier.core.wear import WriteBudget
+from kvtier.core.wear import TokenBucket, WriteBudget
 from kvtier.index import placement
 from kvtier.index.prefix import Block, PrefixIndex, Tenant
 from kvtier.sim.config import ReplayStats, TierConfig
@@ -52,18 +59,34 @@ TENANT = 0
 _PROGRESS_EVERY = 256
 
 
+class RemoteLike(Protocol):
+    """The shared remote tier as a `Node` uses it (`kvtier.sim.fleet.RemoteStore`)."""
+
+    def present(self, keys: Sequence[bytes], start: int) -> int:
+        """How many of `keys[start:]`, from the first, it holds (an existence check)."""
+
+    def fetch(self, key: bytes) -> None:
+        """One block read from it (an access)."""
+
+    def store(self, key: bytes) -> None:
+        """One block written to it."""
+
+
 def key_of(block_id: int) -> bytes:
     """The index key standing for trace block id `block_id`."""
     return block_id.to_bytes(8, "big")
 
 
-def new_index(config: TierConfig) -> PrefixIndex:
+def new_index(config: TierConfig, journal: bool = False) -> PrefixIndex:
+    """An empty index at `config`'s capacities; `journal`: keep its residency changes (the
+    events a fleet's router learns node contents from, `kvtier.sim.fleet`)."""
     return PrefixIndex(
         dram_blocks=config.dram_blocks,
         ssd_blocks=config.ssd_blocks,
         policy=config.policy,
         admission_k=config.ssd_admit_k,
         admission_history=config.admission_history,
+        journal=journal,
     )
 
 
@@ -104,47 +127,74 @@ class _Writer:
         return evicted
 
 
-def replay(
-    requests: Sequence[Request],
-    config: TierConfig,
-    progress: Callable[[int], None] | None = None,
-    index: PrefixIndex | None = None,
-    *,
-    tenant: Tenant = TENANT,
-    key_bytes: int = 8,
-) -> ReplayStats:
-    """Replay `requests` (see the module docstring). `index`, if given, must be empty and is left
-    in its final state for inspection; `progress(n)` is called every few hundred requests.
-    `tenant` and `key_bytes` (trace id i is the big-endian key of that width) name the blocks
-    in the index; a daemon's own names make its admission history and policy hashes the same
-    (the equality test)."""
-    idx = new_index(config) if index is None else index
-    if len(idx):
-        raise ValueError("replay needs an empty index")
-    dram, ssd = Tier.DRAM, Tier.SSD
-    lookup, insert, promote, admit = idx.lookup, idx.insert, idx.promote, idx.admit
-    pin, unpin, free = idx.pin, idx.unpin, idx.free
-    dram_room = placement.dram_room
-    now = [0.0]
-    writer = _Writer(idx, config, now, tenant)
-    write = writer.write if config.ssd_blocks else None
-    hits_dram = hits_ssd = promotions = inserted = not_stored = bypassed = refs = 0
-    t0, c0 = time.perf_counter(), time.process_time()
-    for n, req in enumerate(requests, start=1):
-        now[0] = req.timestamp
-        keys = [i.to_bytes(key_bytes, "big") for i in req.hash_ids]
-        refs += len(keys)
+class Served(NamedTuple):
+    """What one request got on a node: the tier each hit block came from (the local prefix, then
+    `Tier.REMOTE` for each block fetched from the shared remote tier), and the missed blocks the
+    node committed (the `Node.remote` writes, one per block, in chain order)."""
+
+    tiers: list[Tier]
+    committed: list[bytes]
+
+
+class Node:
+    """One node's tiers: the real index and the daemon's placement planner, serving requests one
+    at a time (`serve`, the steps of the module docstring). `replay` is one node serving a whole
+    trace; `kvtier.sim.fleet` routes a trace over several.
+
+    `remote`: the shared remote tier (`kvtier.sim.fleet.RemoteStore`, or anything with its
+    `present`/`fetch`/`store`), as the daemon uses it with `remote_admit_after` 1: Lookup asks it
+    for the blocks after the local prefix (no access), Acquire fetches them into DRAM after a
+    whole local prefix (each claims a DRAM slot as a promotion does; the prefix ends before a
+    block that gets none) as new DRAM blocks pinned for the request, and Commit writes each
+    committed block to it. Fetched blocks are not written back to SSD at fetch (the daemon's
+    `settle_remote` does not either). `remote_budget`: the node's remote write-through rate
+    (`remote_write_bytes_per_s`) and the bytes of one block write, a token bucket on the trace's
+    clock (seconds) with a burst of one second's (at least one block); a write it refuses is
+    dropped with the rest of that commit's blocks (which would sit behind a hole in the store's
+    chain), as the daemon drops them (`remote_writes_dropped`)."""
+
+    def __init__(self, config: TierConfig, index: PrefixIndex | None = None, *,
+                 tenant: Tenant = TENANT, key_bytes: int = 8, remote: RemoteLike | None = None,
+                 remote_budget: tuple[float, int] | None = None) -> None:
+        idx = new_index(config) if index is None else index
+        if len(idx):
+            raise ValueError("replay needs an empty index")
+        self.index, self.config, self.tenant, self.key_bytes = idx, config, tenant, key_bytes
+        self.remote = remote
+        self._now = [0.0]
+        self._remote_budget = None if remote_budget is None else (TokenBucket(
+            remote_budget[0], max(remote_budget[0], remote_budget[1]),
+            clock=lambda: self._now[0] / 1000.0), remote_budget[1])
+        self.remote_writes_dropped = 0
+        self._writer = _Writer(idx, config, self._now, tenant)
+        self._write = self._writer.write if config.ssd_blocks else None
+        self.requests = self.refs = 0
+        self.hits_dram = self.hits_ssd = self.hits_remote = 0
+        self.promotions = self.inserted = self.not_stored = self.bypassed = 0
+        self.seconds = self.cpu_seconds = 0.0
+
+    def serve(self, req: Request) -> Served:
+        """Lookup, Acquire, Allocate + Commit and Release of one request (module docstring)."""
+        idx, tenant, remote, write = self.index, self.tenant, self.remote, self._write
+        dram, ssd = Tier.DRAM, Tier.SSD
+        pin, unpin, free, dram_room = idx.pin, idx.unpin, idx.free, placement.dram_room
+        self._now[0] = req.timestamp
+        width = self.key_bytes
+        keys = [i.to_bytes(width, "big") for i in req.hash_ids]
+        self.requests += 1
+        self.refs += len(keys)
         # Lookup
-        prefix = lookup(tenant, keys)
+        prefix = idx.lookup(tenant, keys)
         tiers = prefix.tiers
         h = len(tiers)
         on_ssd = tiers.count(ssd)
-        hits_ssd += on_ssd
-        hits_dram += h - on_ssd
+        self.hits_ssd += on_ssd
+        self.hits_dram += h - on_ssd
         held = prefix.blocks
         if write is not None and h and write(held):
-            held = lookup(tenant, keys, touch=False).blocks  # as Acquire looks again
+            held = idx.lookup(tenant, keys, touch=False).blocks  # as Acquire looks again
         start = len(held)
+        there = remote.present(keys, h) if remote is not None and h < len(keys) else 0
         # Acquire
         for b in held:
             pin(tenant, b.key)
@@ -159,15 +209,31 @@ def replay(
                         unpin(tenant, rest.key)
                     del held[i:]
                     break
-                promote(tenant, b.key, dram)
+                idx.promote(tenant, b.key, dram)
                 promoted += 1
-            promotions += promoted
+            self.promotions += promoted
+        got: list[Tier] = list(tiers)
+        if there and len(held) == start and remote is not None:
+            parent = keys[start - 1] if start else None
+            fetched = 0
+            for k in keys[start : start + there]:
+                if dram_room(idx, 1, free(dram) or 0, promoted + fetched) < 1:
+                    break
+                remote.fetch(k)
+                held.append(idx.insert(tenant, k, parent))
+                pin(tenant, k)
+                parent = k
+                fetched += 1
+            self.hits_remote += fetched
+            start += fetched
+            got += [Tier.REMOTE] * fetched
         # Allocate + Commit
         missing = len(keys) - start
+        committed: list[bytes] = []
         if missing:
-            admitted = admit(tenant, keys, start,
-                             partial_last=req.input_length < len(keys) * TRACE_BLOCK_TOKENS)
-            bypassed += missing - admitted
+            admitted = idx.admit(tenant, keys, start,
+                                 partial_last=req.input_length < len(keys) * TRACE_BLOCK_TOKENS)
+            self.bypassed += missing - admitted
             stored = 0
             if admitted:
                 room = free(dram) or 0
@@ -176,45 +242,85 @@ def replay(
             if stored:
                 parent = keys[start - 1] if start else None
                 new: list[Block] = []
+                insert = idx.insert
                 for k in keys[start : start + stored]:
                     new.append(insert(tenant, k, parent))
                     parent = k
+                committed = keys[start : start + stored]
                 if write is not None:
                     write(new)
-            not_stored += missing - stored
-            inserted += stored
+                if remote is not None:
+                    self._write_remote(remote, committed)
+            self.not_stored += missing - stored
+            self.inserted += stored
         # Release
         for b in held:
             unpin(tenant, b.key)
+        return Served(got, committed)
+
+    def _write_remote(self, remote: RemoteLike, keys: list[bytes]) -> None:
+        budget = self._remote_budget
+        for i, k in enumerate(keys):
+            if budget is not None and not budget[0].take(budget[1]):
+                self.remote_writes_dropped += len(keys) - i
+                return
+            remote.store(k)
+
+    def stats(self) -> ReplayStats:
+        """The counters so far (`stranded_blocks` recounted on the index now)."""
+        idx = self.index
+        st = idx.stats()
+        ev = st.evictions
+        return ReplayStats(
+            requests=self.requests,
+            block_refs=self.refs,
+            hits_dram=self.hits_dram,
+            hits_ssd=self.hits_ssd,
+            promotions=self.promotions,
+            demotions=ev["dram_written_back"] + ev["dram_demoted"],
+            ssd_blocks_written=st.ssd_writes,
+            dropped_dram=ev["dram_dropped"],
+            evicted_ssd=ev["ssd_dropped"] + ev["ssd_copy_dropped"],
+            inserted=self.inserted,
+            not_stored=self.not_stored,
+            stranded_blocks=count_stranded(idx),
+            dram_blocks_end=idx.blocks(Tier.DRAM),
+            ssd_blocks_end=idx.blocks(Tier.SSD),
+            seconds=self.seconds,
+            cpu_seconds=self.cpu_seconds,
+            history_size=st.history_size,
+            history_recalled=st.history_recalled,
+            bypassed=self.bypassed,
+            ssd_writes_refused=self._writer.refused,
+            hits_remote=self.hits_remote,
+        )
+
+
+def replay(
+    requests: Sequence[Request],
+    config: TierConfig,
+    progress: Callable[[int], None] | None = None,
+    index: PrefixIndex | None = None,
+    *,
+    tenant: Tenant = TENANT,
+    key_bytes: int = 8,
+) -> ReplayStats:
+    """Replay `requests` (see the module docstring) on one `Node`. `index`, if given, must be
+    empty and is left in its final state for inspection; `progress(n)` is called every few
+    hundred requests. `tenant` and `key_bytes` (trace id i is the big-endian key of that width)
+    name the blocks in the index; a daemon's own names make its admission history and policy
+    hashes the same (the equality test)."""
+    node = Node(config, index, tenant=tenant, key_bytes=key_bytes)
+    serve = node.serve
+    t0, c0 = time.perf_counter(), time.process_time()
+    for n, req in enumerate(requests, start=1):
+        serve(req)
         if progress is not None and n % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    node.seconds, node.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     if progress is not None and len(requests) % _PROGRESS_EVERY:
         progress(len(requests) % _PROGRESS_EVERY)
-    st = idx.stats()
-    ev = st.evictions
-    return ReplayStats(
-        requests=len(requests),
-        block_refs=refs,
-        hits_dram=hits_dram,
-        hits_ssd=hits_ssd,
-        promotions=promotions,
-        demotions=ev["dram_written_back"] + ev["dram_demoted"],
-        ssd_blocks_written=st.ssd_writes,
-        dropped_dram=ev["dram_dropped"],
-        evicted_ssd=ev["ssd_dropped"] + ev["ssd_copy_dropped"],
-        inserted=inserted,
-        not_stored=not_stored,
-        stranded_blocks=count_stranded(idx),
-        dram_blocks_end=idx.blocks(dram),
-        ssd_blocks_end=idx.blocks(ssd),
-        seconds=seconds,
-        cpu_seconds=cpu,
-        history_size=st.history_size,
-        history_recalled=st.history_recalled,
-        bypassed=bypassed,
-        ssd_writes_refused=writer.refused,
-    )
+    return node.stats()
 
 
 def count_stranded(idx: PrefixIndex) -> int:
