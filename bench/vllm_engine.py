@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -147,6 +148,12 @@ class EngineProc:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Output]:
         return self.generate_async(prompts, max_tokens)()
+
+    def answered(self) -> bool:
+        """Whether the child's reply to the command in flight is waiting on its pipe (reads
+        nothing; every earlier reply was read whole, so none sits in this side's buffer)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        return bool(select.select([self.proc.stdout], [], [], 0)[0])
 
     def reset_prefix_cache(self) -> None:
         self._send({"op": "reset"})

@@ -114,6 +114,11 @@ class DaemonProc:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
             return str(r.read().decode())
 
+    def metric_sum(self, name: str) -> float:
+        """The samples of metric `name` (e.g. "kvtier_lookups_total") summed over its labels."""
+        return sum(float(line.split()[-1]) for line in self.metrics_text().splitlines()
+                   if line.startswith((name + " ", name + "{")))
+
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProc]:

@@ -148,7 +148,14 @@ def test_every_argparse_parser_disallows_abbreviations() -> None:
             assert "allow_abbrev=False" in call, f"{path.relative_to(ROOT)}: {call[:60]!r}"
 
 
-def test_sync_client_without_a_daemon_fails_within_a_second(tmp_path: Path) -> None:
+# What the "fails at once" tests below prove: the client does not wait for a daemon that is not
+# there (a client that waited would take its whole RPC timeout, `WAITING`, before failing). The
+# bound is a fifth of that, so a loaded machine cannot make a right client look like a waiting
+# one, and a waiting one cannot pass.
+WAITING = 60.0
+
+
+def test_sync_client_without_a_daemon_fails_at_once(tmp_path: Path) -> None:
     for sock in (tmp_path / "none.sock", tmp_path / "stale.sock"):
         if sock.name == "stale.sock":  # a dead daemon's leftover socket file
             import socket
@@ -158,21 +165,21 @@ def test_sync_client_without_a_daemon_fails_within_a_second(tmp_path: Path) -> N
             s.close()
         t0 = time.monotonic()
         with pytest.raises(KvtierUnavailable) as exc:
-            Client(sock, layout=LAYOUT)
-        assert time.monotonic() - t0 < 1.0
+            Client(sock, layout=LAYOUT, timeout=WAITING)
+        assert time.monotonic() - t0 < WAITING / 5
         assert str(exc.value.details) == f"no kvtier daemon at {sock} (start one: kvtier serve)"
 
 
-def test_async_client_without_a_daemon_fails_within_a_second(tmp_path: Path) -> None:
+def test_async_client_without_a_daemon_fails_at_once(tmp_path: Path) -> None:
     sock = tmp_path / "none.sock"
 
     async def connect() -> None:
-        await AsyncClient.connect(sock, layout=LAYOUT)
+        await AsyncClient.connect(sock, layout=LAYOUT, timeout=WAITING)
 
     t0 = time.monotonic()
     with pytest.raises(KvtierUnavailable) as exc:
         asyncio.run(connect())
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < WAITING / 5
     assert exc.value.details == f"no kvtier daemon at {sock} (start one: kvtier serve)"
 
 
@@ -184,19 +191,22 @@ def test_tcp_client_without_a_daemon_fails_fast(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     t0 = time.monotonic()
     with pytest.raises(KvtierUnavailable, match=f"no kvtier daemon at 127.0.0.1:{port}"):
-        Client(target=f"127.0.0.1:{port}", layout=LAYOUT)
-    assert time.monotonic() - t0 < 2.0
+        Client(target=f"127.0.0.1:{port}", layout=LAYOUT, timeout=WAITING)
+    assert time.monotonic() - t0 < WAITING / 5
 
 
-def test_stats_without_a_daemon_is_one_line_within_a_second(tmp_path: Path) -> None:
+def test_stats_without_a_daemon_is_one_line_at_once(tmp_path: Path) -> None:
     sock = tmp_path / "none.sock"
     t0 = time.monotonic()
-    proc = kvtier("stats", "--socket", str(sock), env=clean_env(tmp_path))
+    proc = kvtier("stats", "--socket", str(sock), "--timeout", str(WAITING),
+                  env=clean_env(tmp_path))
     took = time.monotonic() - t0
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         f"kvtier stats: error: no kvtier daemon at {sock} (start one: kvtier serve)"]
-    assert took < 5.0  # the interpreter start included; the probe itself is immediate
+    # the interpreter start included (seconds on a loaded machine); a stats that waited for a
+    # daemon would take its --timeout
+    assert took < WAITING / 3
 
 
 def test_print_config_round_trips_through_config(tmp_path: Path) -> None:

@@ -48,14 +48,43 @@ def test_lfu_evicts_the_least_hit_then_least_recent(policy: str) -> None:
     assert victims(ix) == [2, 0]
 
 
-def test_arc_evicts_t1_before_t2_and_ghost_hits_move_the_target() -> None:
+def arc_after_two_t1_ghost_hits(last: int) -> PrefixIndex:
+    """Three blocks, capacity 3: 0 is hit (T2), 1 and 2 enter T1. 1 is evicted (B1), inserted again
+    (a B1 ghost hit: T1's target 0 -> 1) and hit (T2 = [0, 1]); 2 is evicted (T1 holds 1 block, the
+    target is 1, so T1 still gives the victim), then `last` is inserted: 2 again is a second B1
+    ghost hit (target 2), any other key is new (target stays 1)."""
     ix = roots("vllm-arc", 3, cap=3)
     ix.lookup(0, [k(0)])  # T1 -> T2
-    assert victims(ix)[0] == 1
-    ix.evict_count(D, 1)  # 1 leaves T1 for the history (B1)
-    ix.insert(0, k(1), None)  # a B1 ghost hit: T1's target grows
-    q = ix._qd
-    assert q.target == 1.0  # type: ignore[attr-defined]
+    assert victims(ix) == [1, 2, 0]  # target 0: T1's LRU first, then T2's
+    ix.evict_count(D, 1)
+    ix.insert(0, k(1), None)
+    ix.lookup(0, [k(1)])
+    assert victims(ix) == [2, 0, 1]  # len(T1) = 1 >= target 1
+    ix.evict_count(D, 1)
+    ix.insert(0, k(last), None)
+    return ix
+
+
+def test_arc_evicts_t1_before_t2_and_ghost_hits_move_the_target() -> None:
+    # A new key: T1 = [5] and the target is still 1, so the new block leaves first.
+    assert victims(arc_after_two_t1_ghost_hits(5)) == [5, 0, 1]
+    # The same position after a second B1 ghost hit: target 2 > len(T1) = 1, so T2's LRU (0)
+    # leaves before the block in T1.
+    ix = arc_after_two_t1_ghost_hits(2)
+    assert victims(ix) == [0, 1, 2]
+    ix.evict_count(D, 1)
+    assert ix.get(0, k(0)) is None and ix.get(0, k(2)) is not None
+    # 0 left T2 (B2, hits 2); inserting it again is a B2 ghost hit that moves the target back to
+    # 1; hit, it joins T2 = [1, 0] and T1 = [2] gives the victim again (len 1 >= target 1).
+    ix.insert(0, k(0), None)
+    ix.lookup(0, [k(0)])
+    assert victims(ix) == [2, 1, 0]
+    # Control: a new key instead of the ghost leaves the target at 2, so T2's LRU (1) goes first.
+    ix = arc_after_two_t1_ghost_hits(2)
+    ix.evict_count(D, 1)
+    ix.insert(0, k(6), None)
+    ix.lookup(0, [k(6)])
+    assert victims(ix) == [1, 6, 2]
 
 
 def test_s3fifo_keeps_a_block_hit_twice_in_small() -> None:

@@ -438,7 +438,12 @@ def test_stalled_reader_never_receives_reused_slots(tmp_path: Path) -> None:
     got: dict[int, bytearray] = {}
     first = next(stream)
     got.setdefault(first.index, bytearray()).extend(first.data)
-    time.sleep(1.8)  # past the 1 s TTL (the reaper runs every 0.25 s)
+    # past the 1 s TTL, the reaper (every 0.25 s, later on a loaded machine) ends B's READ lease
+    deadline = time.monotonic() + 30
+    with Client(d.socket, layout=LAYOUT, token="bob-secret-token-2") as bob:
+        while bob.stats().active_leases:
+            assert time.monotonic() < deadline, "B's READ lease never expired"
+            time.sleep(0.05)
     stored = 0
     with Client(d.socket, layout=LAYOUT, token="alice-secret-token") as alice:
         for chain in range(16):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,14 +270,25 @@ def test_daemon_sigkilled_during_a_request(engines: Engines) -> None:
     engines.e1.generate([p], max_tokens=1)
     stored(engines, p)
     want = engines.ref.generate([p], max_tokens=300)[0].tokens
+    # the kill lands after the request reached the daemon (its Lookup counted there) and before
+    # e2 answered (300 tokens decode for seconds): checked, not assumed from a timer
+    before = engines.daemon.proc.metric_sum("kvtier_lookups_total")
     wait = engines.e2.generate_async([p], max_tokens=300)
-    killer = threading.Timer(1.0, engines.daemon.kill)
-    killer.start()
     try:
-        assert wait()[0].tokens == want
+        deadline = time.monotonic() + 120
+        while engines.daemon.proc.metric_sum("kvtier_lookups_total") == before:
+            assert time.monotonic() < deadline, "e2 never looked the prompt up"
+            time.sleep(0.02)
+        engines.daemon.kill()
+        in_flight = not engines.e2.answered()
     finally:
-        killer.join()
-        engines.daemon.start()
+        try:
+            got = wait()  # the reply is read whatever happened: the next command's comes next
+        finally:
+            engines.daemon.kill()  # a no-op after the kill above
+            engines.daemon.start()
+    assert in_flight, "e2 had answered before the kill"
+    assert got[0].tokens == want
     time.sleep(1.2)
 
 

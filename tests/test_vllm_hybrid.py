@@ -6,7 +6,8 @@ scale (`bench.hybrid_models`), so the output depends on the KV.
 Per model two engines, each on its own daemon: `e1` (daemon A) computes the prompts (a miss: vLLM
 computes everything itself, the reference) and stores them; the test copies blocks from A to B
 through a kvtier Client, right bytes for one prompt, wrong bytes under the right keys for the
-others (another prompt's KV; two layers' pages swapped); `e2` (daemon B) serves them. The right
+others (another prompt's KV; two layers' pages swapped; K and V swapped in every page; random
+bytes: `tests.kv_controls`); `e2` (daemon B) serves them. The right
 bytes must give e1's tokens with every full block but the last counted as cached; the wrong ones
 must change the tokens (the negative control), and a prompt changed inside the last window must
 answer differently (the oracle: the model sees its context).
@@ -36,7 +37,7 @@ from bench.vllm_engine import EngineProc
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests.daemon_fixture import DaemonProc
-from tests.kv_controls import differs, same
+from tests.kv_controls import corrupt, differs, same
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # engine starts count as setup
@@ -156,14 +157,16 @@ def test_hybrid_manager_stays_on(setup: Setup) -> None:
 def test_second_engine_serves_the_first_engines_prompts_and_wrong_kv_fails(setup: Setup) -> None:
     s = setup
     right, other, swapped, changed = prompt(1), prompt(2), prompt(3), prompt(1)
+    kv_swapped, noise = prompt(5), prompt(6)
     for i in range(-100, -84):  # 16 tokens inside the last window
         changed[i] = changed[i] % 997 + 3
-    ref = s.e1.generate([right, other, swapped, changed], max_tokens=TOKENS)
-    assert [o.cached for o in ref] == [0, 0, 0, 0]  # a miss: vLLM computed every token
+    ref = s.e1.generate([right, other, swapped, changed, kv_swapped, noise], max_tokens=TOKENS)
+    assert [o.cached for o in ref] == [0] * 6  # a miss: vLLM computed every token
     # the oracle: the model's answer depends on its context, even on the last window only
     assert differs(ref[3].tokens, ref[3].logprobs, ref[0].tokens, ref[0].logprobs)
     keys = {n: stored(s.a.socket, s.kv, p) for n, p in
-            (("right", right), ("other", other), ("swapped", swapped))}
+            (("right", right), ("other", other), ("swapped", swapped),
+             ("kv_swapped", kv_swapped), ("noise", noise))}
     put(s.b.socket, s.kv, keys["right"], read(s.a.socket, s.kv, keys["right"]))
     # the negative controls, under the right keys: another prompt's KV, two layers swapped
     put(s.b.socket, s.kv, keys["other"], read(s.a.socket, s.kv, keys["swapped"]))
@@ -189,6 +192,21 @@ def test_second_engine_serves_the_first_engines_prompts_and_wrong_kv_fails(setup
     assert loaded == 3 * pages * s.kv.page_bytes
     assert loaded < 3 * full * s.kv.block_bytes * 0.6
 
+    # two more controls, in a batch of their own (e2's pool is small): K and V exchanged in
+    # every layer's page; random bytes of the pages' scale
+    for name, kind in (("kv_swapped", "k_v_swapped"), ("noise", "random")):
+        right_bytes = [bytes(b) for b in read(s.a.socket, s.kv, keys[name])]
+        put(s.b.socket, s.kv, keys[name],
+            [np.frombuffer(b, np.uint8) for b in corrupt(kind, right_bytes, [], s.kv.page_bytes)])
+    loaded_before = s.e2.metric("vllm:kvtier_loaded_bytes")
+    got = s.e2.generate([kv_swapped, noise], max_tokens=TOKENS)
+    assert [o.cached for o in got] == [full * BLOCK] * 2
+    assert s.e2.metric("vllm:kvtier_loaded_bytes") - loaded_before == 2 * pages * s.kv.page_bytes
+    assert differs(got[0].tokens, got[0].logprobs, ref[4].tokens, ref[4].logprobs), (
+        "KV with K and V swapped gave the right answer")
+    assert differs(got[1].tokens, got[1].logprobs, ref[5].tokens, ref[5].logprobs), (
+        "random bytes gave the right answer")
+
 
 @pytest.mark.parametrize("setup", ["gemma3"], indirect=True)
 def test_preemption_in_a_small_pool(setup: Setup) -> None:
@@ -207,18 +225,30 @@ def test_preemption_in_a_small_pool(setup: Setup) -> None:
 
 def test_daemon_sigkilled_during_a_request(setup: Setup) -> None:
     """The daemon dies while e2 serves a batch from it (loads, saves in flight): every request
-    still answers as e1 did (a failed hybrid load is recomputed whole), nothing crashes."""
+    still answers as e1 did (a failed hybrid load is recomputed whole), nothing crashes. The kill
+    lands after the batch reached the daemon (its Lookups counted there) and before e2 answered
+    (no reply in e2's pipe yet): checked, not assumed from a sleep."""
     s = setup
     batch = [prompt(70 + i) for i in range(3)]
     want = s.e1.generate(batch, max_tokens=60)
     for p in batch[:2]:
         keys = stored(s.a.socket, s.kv, p)
         put(s.b.socket, s.kv, keys, read(s.a.socket, s.kv, keys))
+    before = s.b.metric_sum("kvtier_lookups_total")
     wait = s.e2.generate_async(batch, max_tokens=60)
-    time.sleep(0.3)
-    s.b.kill()
     try:
-        assert [o.tokens for o in wait()] == [o.tokens for o in want]
+        deadline = time.monotonic() + 120
+        while s.b.metric_sum("kvtier_lookups_total") == before:  # looked up when admitted
+            assert time.monotonic() < deadline, "e2 never looked the batch up"
+            time.sleep(0.02)
+        s.b.kill()
+        in_flight = not s.e2.answered()
+    finally:
+        got = wait()  # read whatever happened: the next command's reply comes next
+    try:
+        assert in_flight, (
+            "e2 had answered the batch before the kill: 60 tokens per request decode for seconds")
+        assert [o.tokens for o in got] == [o.tokens for o in want]
         again = s.e2.generate([prompt(79)], max_tokens=4)[0]  # the daemon is gone: computes
         assert again.cached == 0
     finally:
