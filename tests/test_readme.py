@@ -210,3 +210,32 @@ def test_vllm_example_reaches_kvtier_serve_on_its_defaults(tmp_path: Path) -> No
     assert systemd is not None
     unit = (ROOT / "deploy" / "kvtier.service").read_text()
     assert f"KVTIER_SOCKET={json.loads(systemd.group(1))['socket']}" in unit
+
+
+def test_sglang_example_reaches_kvtier_serve_on_its_defaults(tmp_path: Path) -> None:
+    """The README's SGLang launch line, copied as written, finds the daemon `kvtier serve`
+    starts with no configuration (its extra-config names no socket); the systemd form names
+    the unit's socket."""
+    import json
+
+    from kvtier.core.paths import default_socket
+    from kvtier.daemon import config
+    from kvtier.integrations.sglang.settings import StorageSettings
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Using kvtier with SGLang", 1)[1].split("\n## ", 1)[0]
+    example = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    extra = json.loads(example.split("--hicache-storage-backend-extra-config '", 1)[1]
+                       .split("'", 1)[0])
+    assert extra["module_path"] == "kvtier.integrations.sglang.backend"
+    # SGLang takes its own prefetch keys out before the backend sees the mapping
+    backend_extra = {k: v for k, v in extra.items()
+                     if k != "hicache_storage_pass_prefix_keys" and not k.startswith("prefetch_")}
+    settings = StorageSettings.from_extra(backend_extra)
+    env = {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "xdg")}
+    backend_socket = Path(settings.socket) if settings.socket else default_socket(env)
+    assert backend_socket == config.load({}, env).socket
+    systemd = re.search(r'`"socket": "([^"]+)"`', section)
+    assert systemd is not None
+    unit = (ROOT / "deploy" / "kvtier.service").read_text()
+    assert f"KVTIER_SOCKET={systemd.group(1)}" in unit

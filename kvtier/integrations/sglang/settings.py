@@ -4,8 +4,7 @@ check. Pure.
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
         "module_path": "kvtier.integrations.sglang.backend", "class_name": "KvtierStorage",
-        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
-        "socket": "/run/kvtier/kvtier.sock"}'
+        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true}'
 
 SGLang removes its prefetch keys (`prefetch_threshold`, `prefetch_timeout_*`,
 `hicache_storage_pass_prefix_keys`) before the backend sees the mapping; the dynamic loader's
