@@ -15,7 +15,8 @@ VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), so a router joins the GPU and tier strea
 A removal from one tier while another still holds the block is not published (the block is still
 here); the router learns of the copy from its BlockStored. A dropped connection resumes from
 the last sequence seen (the daemon replays its buffered events); events that overflow the
-bounded queue between two steps are dropped and counted (`dropped`).
+bounded queue between two steps are dropped and counted (`dropped`; the scheduler side reports
+them with the connector's stats, `vllm:kvtier_dropped_tier_events_total`).
 
 Threading: the watch thread fills a deque; vLLM's scheduler thread drains it.
 """
@@ -53,7 +54,8 @@ class TierEvents:
         self._since = 0
         self._client: Client | None = None
         self._closed = threading.Event()
-        self.dropped = 0
+        self.dropped = 0  # events not queued (the queue was full); only the watch thread adds
+        self._reported = 0
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-events",
                                         daemon=True)
         self._thread.start()
@@ -65,6 +67,12 @@ class TierEvents:
         while q:
             out.append(q.popleft())
         return out
+
+    def take_dropped(self) -> int:
+        """Events dropped since the last call (vLLM's scheduler thread)."""
+        dropped = self.dropped
+        delta, self._reported = dropped - self._reported, dropped
+        return delta
 
     def close(self) -> None:
         self._closed.set()
