@@ -9,6 +9,9 @@ holds the same blocks), and turns them into vLLM's events:
     daemon stored   in DRAM / SSD / remote   ->  BlockStored, medium "CPU" / "STORAGE" / "REMOTE"
     daemon removed  from the block's last tier on this node  ->  BlockRemoved (that tier's medium)
 
+(the remote store is not on this node: a copy there does not keep a BlockRemoved back, and its
+own evictions are never published, by the daemon either)
+
 Hashes are the daemon's keys, which are vLLM's block hashes (`kvtier.core.keys.block_keys`), in
 the form vLLM's own events give them (`maybe_convert_block_hash`: the low 64 bits as an int unless
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), so a router joins the GPU and tier streams as they are.
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.client.sync_client import TIER_FROM_PB, Client, LayoutDecl
 from kvtier.core import kv_events as wire
+from kvtier.core.types import Tier
 from kvtier.integrations.common.link import DaemonLink
 
 if TYPE_CHECKING:
@@ -111,8 +115,9 @@ class TierEvents:
             if s.layout != layout:
                 return
             tier = TIER_FROM_PB[s.medium]
-            for h in s.block_hashes:
-                self._tiers.setdefault(h, set()).add(tier)
+            if tier is not Tier.REMOTE:  # the shared store is not on this node
+                for h in s.block_hashes:
+                    self._tiers.setdefault(h, set()).add(tier)
             parent = s.parent_block_hash
             self._put(BlockStored(
                 block_hashes=[vllm_hash(h) for h in s.block_hashes],
