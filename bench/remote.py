@@ -58,7 +58,7 @@ def transfer_rounds(url: str, blocks: int, rounds: int) -> dict[str, Any]:
                                     slot_size=BLOCK, slot_count=2 * blocks, replace_stale=True))
     tier = RemoteTier(store, pool, RateBook(), CollectorRegistry(), RemoteTierSpec(
         queue_bytes=2 * blocks * BLOCK, write_bytes_per_s=1e13, burst_bytes=1 << 50,
-    ), on_written=lambda batch: None)
+    ), on_written=lambda batch, stored: None)
     raw = store.client()
     rng = np.random.default_rng(7)
     slots = pool.alloc_many(2 * blocks)

@@ -1,6 +1,8 @@
 """The daemon's KV-event stream (`kvtier serve --kv-events`): a real daemon process, a real ZMQ
-subscriber decoding vLLM's KVEventBatch format, vLLM's replay endpoint, and the publisher's
-behaviour with a subscriber that never reads."""
+subscriber decoding vLLM's KVEventBatch format (ours, and vLLM 0.32's own msgspec classes), vLLM's
+replay endpoint, every tier's medium (DRAM, a real LMDB SSD tier, a real redis-server remote tier),
+and a subscriber that never reads (dropped at the high-water mark, counted on /metrics, the daemon
+unaffected)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from kvtier.core.types import Tier
 from kvtier.daemon.events import BlockEvent
 from kvtier.daemon.kv_publisher import KvEventPublisher
 from tests.daemon_fixture import ROOT, DaemonProc
+from tests.redis_fixture import RedisServer, needs_redis
 
 BLOCK = 65536
 LAYOUT = LayoutDecl(fingerprint=b"test-layout-kvev-1", block_bytes=BLOCK, block_tokens=16,
@@ -239,3 +242,274 @@ def test_a_plain_address_is_a_collectors_to_connect_to_as_in_vllm() -> None:
         publisher.close()
         sub.close(0)
         ctx.term()
+
+
+def metric(d: DaemonProc, series: str) -> float:
+    m = re.search(rf"^{re.escape(series)} (\S+)$", d.metrics_text(), re.M)
+    assert m, series
+    return float(m.group(1))
+
+
+PUBLISHED = 'kvtier_kv_event_blocks_total{result="published"}'
+DROPPED_HWM = 'kvtier_kv_event_blocks_total{result="dropped_hwm"}'
+
+
+class Stream:
+    """A SUB socket on a daemon's KV-event endpoint, and every event it decoded, in order."""
+
+    def __init__(self, d: DaemonProc) -> None:
+        self.d = d
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.connect(endpoint(d.log()))
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.events: list[wire.Event] = []
+        time.sleep(0.3)  # the subscription reaches the publisher
+
+    def drain(self, timeout: float = 15.0) -> list[wire.Event]:
+        """Reads until every block the daemon has published so far has arrived (its
+        `published` counter equals the blocks received) and nothing is pending."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while self.sub.poll(50):
+                _, _, payload = self.sub.recv_multipart()
+                self.events.extend(wire.decode(payload).events)
+            got = sum(len(e.block_hashes) for e in self.events
+                      if isinstance(e, wire.BlockStored | wire.BlockRemoved))
+            if metric(self.d, PUBLISHED) == got and not self.sub.poll(200):
+                return self.events
+            assert time.monotonic() < deadline, (metric(self.d, PUBLISHED), got)
+
+    def hashes(self, kind: type, medium: str) -> list[object]:
+        return [h for e in self.events if isinstance(e, kind) and e.medium == medium
+                for h in e.block_hashes]
+
+    def held(self) -> dict[object, set[str]]:
+        """What the stream says the node holds: block -> media (stores minus removals)."""
+        out: dict[object, set[str]] = {}
+        for e in self.events:
+            for h in getattr(e, "block_hashes", ()):
+                if isinstance(e, wire.BlockStored):
+                    out.setdefault(h, set()).add(str(e.medium))
+                else:
+                    out[h].discard(str(e.medium))
+        return {h: m for h, m in out.items() if m}
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.ctx.term()
+
+
+def endpoint(log: str) -> str:
+    m = re.search(r"KV events (tcp://[\d.]+:\d+)", log)
+    assert m, log
+    return m.group(1)
+
+
+def show(events: list[wire.Event]) -> list[str]:
+    return [f"{type(e).__name__} {getattr(e, 'medium', '')} "
+            f"{[h[:2].hex() for h in getattr(e, 'block_hashes', ())]}"  # type: ignore[index]
+            for e in events]
+
+
+def store_until(kv: Client, stream: Stream, keys: list[bytes], medium: str) -> None:
+    """Stores a chain 8 blocks at a time (the daemons here queue 16 writes), each part once the
+    stream has announced the one before in `medium`."""
+    for i in range(0, len(keys), 8):
+        part = keys[i:i + 8]
+        kv.store(part, blocks(len(part)), parent=keys[i - 1] if i else b"")
+        deadline = time.monotonic() + 15
+        while not set(part) <= set(stream.hashes(wire.BlockStored, medium)):
+            assert time.monotonic() < deadline, show(stream.events)
+            stream.drain()
+
+
+def test_an_ssd_tier_is_published_as_storage_and_a_block_leaves_the_node_with_its_last_medium(
+        tmp_path: Path) -> None:
+    # DRAM holds 32 blocks; the SSD tier (a real LMDB, written at Commit, no write budget in
+    # the way) 47 with their headers
+    d = DaemonProc(tmp_path / "d", ["--dram-bytes", "2MiB", "--ssd-bytes", "3MiB",
+                                    "--ssd-admit-after", "1", "--ssd-write-burst-bytes", "64MiB",
+                                    "--writeback-queue-bytes", "1MiB",
+                                    "--kv-events", "tcp://127.0.0.1:*"]).start()
+    stream = Stream(d)
+    a, b, c = chain(1, 10), chain(2, 30), chain(3, 16)
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            store_until(kv, stream, a, "STORAGE")
+            stored_ssd = [e for e in stream.events
+                          if isinstance(e, wire.BlockStored) and e.medium == "STORAGE"]
+            assert [h for e in stored_ssd for h in e.block_hashes] == a
+            assert stored_ssd[0].parent_block_hash is None  # a's root starts the chain
+            assert {(e.locality, e.ownership, e.block_size) for e in stored_ssd} == {
+                ("LOCAL", "kvtier", 16)}
+            assert stream.hashes(wire.BlockStored, "CPU") == a
+
+            # 40 blocks in a 32-block pool: a's leave DRAM, not SSD
+            store_until(kv, stream, b, "STORAGE")
+            left_dram = stream.hashes(wire.BlockRemoved, "CPU")
+            assert len(left_dram) >= 8 and set(left_dram) <= set(a)
+            assert stream.hashes(wire.BlockRemoved, "STORAGE") == []
+
+            # 56 blocks > the SSD tier: the oldest (a's) leave it too (no Lookup before: it
+            # would make a's blocks the most recently used)
+            store_until(kv, stream, c, "STORAGE")
+            left_ssd = stream.hashes(wire.BlockRemoved, "STORAGE")
+            assert left_ssd
+            # the stream's view (per block, the media stored minus removed) is the daemon's
+            held = stream.held()
+            assert any(m == {"STORAGE"} for m in held.values())  # left DRAM, still on the node
+            best = {"CPU": Tier.DRAM, "STORAGE": Tier.SSD}
+            for keys in (a, b, c):
+                r = kv.lookup(keys)
+                assert [best["CPU" if "CPU" in held[k] else "STORAGE"]
+                        for k in keys[:r.hit_blocks]] == r.tiers
+                assert not any(k in held for k in keys[r.hit_blocks:]), keys
+            gone = [k for k in left_ssd if k not in held]
+            assert gone  # left its last medium: the lookup no longer finds it
+            for keys in (a, b, c):
+                for i, k in enumerate(keys):
+                    if k in gone:
+                        assert kv.lookup(keys[:i + 1]).hit_blocks <= i
+    finally:
+        stream.close()
+        d.stop()
+
+
+@needs_redis
+def test_the_remote_tier_is_published_as_remote_and_outlives_the_dram_copy(
+        tmp_path: Path) -> None:
+    pytest.importorskip("redis")
+    redis = RedisServer(tmp_path / "redis").start()
+    d = DaemonProc(tmp_path / "d", ["--dram-bytes", "2MiB", "--ssd-bytes", "0",
+                                    "--remote-url", redis.url, "--remote-queue-bytes", "1MiB",
+                                    "--kv-events", "tcp://127.0.0.1:*"]).start()
+    stream = Stream(d)
+    a, b = chain(1, 10), chain(2, 30)
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            store_until(kv, stream, a, "REMOTE")
+            remote = [e for e in stream.events
+                      if isinstance(e, wire.BlockStored) and e.medium == "REMOTE"]
+            assert [h for e in remote for h in e.block_hashes] == a
+            assert remote[0].parent_block_hash is None
+            assert {(e.locality, e.ownership, e.block_size) for e in remote} == {
+                ("REMOTE", "kvtier", 16)}
+            assert redis.client().dbsize() == 10  # what the events announce is in the store
+
+            store_until(kv, stream, b, "REMOTE")  # a's leave DRAM; the shared store keeps them
+            left = stream.hashes(wire.BlockRemoved, "CPU")
+            assert len(left) >= 8 and set(left) <= set(a)
+            assert stream.hashes(wire.BlockRemoved, "REMOTE") == []
+            hit = kv.lookup(a)
+            assert hit.hit_blocks == 10 and Tier.REMOTE in hit.tiers
+    finally:
+        stream.close()
+        d.stop()
+        redis.stop()
+
+
+def test_a_subscriber_that_never_reads_is_dropped_and_counted_while_the_daemon_serves(
+        tmp_path: Path) -> None:
+    # --kv-events-hwm 1: one message queued for the subscriber; over ipc:// (a Unix socket) the
+    # kernel's buffers on the way hold ~200 KB, where loopback TCP's grow to megabytes
+    where = f"ipc://{tmp_path}/kv-events"
+    d = DaemonProc(tmp_path / "d", ["--dram-bytes", "2MiB", "--ssd-bytes", "0",
+                                    "--kv-events", where, "--kv-events-hwm", "1"]).start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 1)
+    sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.connect(where)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")  # and never reads
+    time.sleep(0.3)
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            probe = chain(9, 4)
+            kv.store(probe, blocks(4))
+            before = lookup_s(kv, probe)
+            data = blocks(28)
+            n = 0
+
+            def store_chains(count: int) -> None:  # 28 new blocks each; the pool evicts 28
+                nonlocal n
+                for _ in range(count):
+                    kv.store([bytes([100, n // 256, n % 256, j]) + bytes(28) for j in range(28)],
+                             data)
+                    n += 1
+
+            # until the buffers on the way are full (~5,000 blocks here): a round of stores of
+            # which nothing is published and something is dropped
+            deadline = time.monotonic() + 60
+            published, dropped = 0.0, 0.0
+            while True:
+                assert time.monotonic() < deadline, (published, dropped)
+                store_chains(5)
+                time.sleep(0.05)
+                was = published, dropped
+                published, dropped = metric(d, PUBLISHED), metric(d, DROPPED_HWM)
+                if published == was[0] and dropped > was[1]:
+                    break
+            store_chains(20)  # 560 blocks stored, 560 evicted: all go to a full subscriber
+            deadline = time.monotonic() + 10
+            while metric(d, PUBLISHED) + metric(d, DROPPED_HWM) < published + dropped + 1120:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert metric(d, DROPPED_HWM) - dropped >= 1100  # dropped and counted
+            assert metric(d, PUBLISHED) - published <= 28  # one batch at most slips through
+            kv.store(probe, blocks(4))
+            after = lookup_s(kv, probe)
+        assert after < max(5 * before, 0.02), (before, after)  # never waits on the subscriber
+        assert d.healthy()
+    finally:
+        sub.close(0)
+        ctx.term()
+        d.stop()
+
+
+def lookup_s(kv: Client, keys: list[bytes]) -> float:
+    """Seconds per Lookup (a full hit), the median of 50."""
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        assert kv.lookup(keys).hit_blocks == len(keys)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[25]
+
+
+def test_vllms_own_decoder_reads_the_daemons_stream(node: DaemonProc) -> None:
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    import msgspec
+
+    stream = Stream(node)
+    a, b = chain(1, 10), chain(2, 30)
+    try:
+        with Client(node.socket, layout=LAYOUT) as kv:
+            kv.store(a, blocks(10))
+            kv.store(b, blocks(30))
+        payloads: list[bytes] = []
+        deadline = time.monotonic() + 10
+        got = 0
+        while got < 48:  # 40 stored + at least 8 removed to make room
+            assert time.monotonic() < deadline
+            if stream.sub.poll(100):
+                topic, seq, payload = stream.sub.recv_multipart()
+                assert topic == b"kv@node-a@m" and len(seq) == 8
+                payloads.append(payload)
+                got += sum(len(getattr(e, "block_hashes", ()))
+                           for e in wire.decode(payload).events)
+        # vLLM 0.32's subscriber decodes with its own KVEventBatch (msgspec, array-like)
+        decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+        batches = [decoder.decode(p) for p in payloads]
+        events = [e for batch in batches for e in batch.events]
+        assert all(isinstance(batch.ts, float) and batch.ts > 0 for batch in batches)
+        stored = [e for e in events if isinstance(e, kv_events.BlockStored)]
+        removed = [e for e in events if isinstance(e, kv_events.BlockRemoved)]
+        assert [h for e in stored for h in e.block_hashes] == a + b
+        assert stored[0].parent_block_hash is None and stored[0].block_size == 16
+        assert stored[0].token_ids == [] and stored[0].lora_id is None
+        assert {(e.medium, e.locality, e.ownership) for e in stored + removed} == {
+            ("CPU", "LOCAL", "kvtier")}
+        assert removed and {h for e in removed for h in e.block_hashes} <= set(a + b)
+    finally:
+        stream.close()

@@ -138,7 +138,7 @@ def test_every_flipped_bit_of_a_stored_value_is_caught(tmp_path: Path) -> None:
     try:
         ns, key = "t/ns2:" + "00" * 32, b"k" * 32
         payload = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8)
-        assert store.put_many([(ns, key, memoryview(payload.tobytes()))]) == (1, 4096 + 64)
+        assert store.put_many([(ns, key, memoryview(payload.tobytes()))]) == ([True], 4096 + 64)
         out = bytearray(4096)
         assert store.get_into(ns, [key], [memoryview(out)]).sizes == [4096]
         assert out == payload.tobytes()

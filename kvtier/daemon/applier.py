@@ -12,6 +12,10 @@ the journal in order and does, per entry, what the daemon owes it:
                 eviction under `why`; publish BlockRemoved
     DROP SSD    delete the key from the store (one batch per `apply`); give the bytes back;
                 count; publish BlockRemoved
+
+Remote copies are not in the index: `stored_remote` publishes BlockStored (Tier.REMOTE) for the
+blocks the remote store took, and nothing publishes their removal (the store evicts on its own,
+unseen).
     MOVE DRAM   nothing: the pool already moved the bytes, and a slot of the same size class
                 costs the tenant the same
 
@@ -107,6 +111,23 @@ class Applier:
             self._stored(run)
         if deletes and self.store is not None:
             self.store.delete_many(deletes)
+
+    def stored_remote(self, written: list[tuple[str, bytes]]) -> None:
+        """Publishes BlockStored in Tier.REMOTE for blocks (namespace, key) the remote store
+        just took (the remote writer's callback, cache lock held), a chain's consecutive blocks
+        as one event. The index keeps no remote copies, and the store's own evictions are not
+        seen here: nothing publishes a remote BlockRemoved."""
+        run: list[Change] = []
+        for ns, key in written:
+            block = self.index.get(ns, key)
+            parent = None if block is None else block.parent_key
+            c = Change(_ADD, ns, key, Tier.REMOTE, None, parent)
+            if run and not (c.tenant == run[-1].tenant and c.parent == run[-1].key):
+                self._stored(run)
+                run = []
+            run.append(c)
+        if run:
+            self._stored(run)
 
     def _stored(self, run: list[Change]) -> None:
         """One BlockStored event for a run of consecutive blocks of one chain in one tier."""

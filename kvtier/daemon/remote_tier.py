@@ -9,7 +9,8 @@
              pinned slots and a byte-rate token bucket decide, else the write is dropped and
              counted; a writer thread (`kvtier.tiers.writeq`, shared with the SSD mover) sends
              batches (pipelined SET) and hands them back through
-             `on_written` (the cache unpins the index there)
+             `on_written` with the ones the store took (the cache unpins the index there
+             and publishes them as BlockStored in Tier.REMOTE)
 
 Faults. Every request has a bounded wait (`RemoteSpec.timeout_s` per socket operation). A failed
 request (down, slow, refusing) marks the store down: one warning, `kvtier_remote_up` 0, and every
@@ -114,7 +115,7 @@ class _Gauges(Collector):
                                 value=self._tier.held_bytes)
 
 
-OnWritten = Callable[[list[RemoteWrite]], None]
+OnWritten = Callable[[list[RemoteWrite], list[RemoteWrite]], None]  # (batch, stored)
 
 
 class RemoteTier:
@@ -130,7 +131,7 @@ class RemoteTier:
         self.metrics = RemoteMetrics(registry)
         self.backoff = Backoff(spec.backoff_first_s, spec.backoff_max_s)
         self._bucket = TokenBucket(spec.write_bytes_per_s, spec.burst_bytes)
-        self._q: SlotWriteQueue[RemoteWrite, bool] = SlotWriteQueue(
+        self._q: SlotWriteQueue[RemoteWrite, list[RemoteWrite]] = SlotWriteQueue(
             pool, QueueSpec(spec.queue_bytes, spec.batch_blocks), self._write, self._written,
             "remote")
         registry.register(_Gauges(self))
@@ -247,38 +248,40 @@ class RemoteTier:
         if n > 0:
             self.metrics.dropped.labels(why).inc(n)
 
-    def _write(self, batch: list[RemoteWrite]) -> bool:
-        """Sends one batch (on the writer thread); False when nothing was sent."""
+    def _write(self, batch: list[RemoteWrite]) -> list[RemoteWrite]:
+        """Sends one batch (on the writer thread); the writes the store took ([] when nothing
+        was sent)."""
         m = self.metrics
         if not self.backoff.ready():
             m.dropped.labels("down").inc(len(batch))
-            return False
+            return []
         items = [(w.ns, w.key, memoryview(self.pool.view(w.slot, w.nbytes)))  # type: ignore[arg-type]
                  for w in batch]
         started = time.perf_counter()
         try:
-            stored, sent = self.store.put_many(items)
+            took, sent = self.store.put_many(items)
         except RemoteUnavailable as exc:
             self._failed("store", exc)
             m.dropped.labels("error").inc(len(batch))
-            return False
+            return []
         finally:
             del items
         self._ok()
         m.requests.labels("store", "ok").inc()
-        m.written.inc(stored)
+        stored = [w for w, ok in zip(batch, took, strict=True) if ok]
+        m.written.inc(len(stored))
         m.bytes.labels("write").inc(sent)
-        if stored < len(batch):
-            m.dropped.labels("refused").inc(len(batch) - stored)
+        if len(stored) < len(batch):
+            m.dropped.labels("refused").inc(len(batch) - len(stored))
         self.rates.observe_transfer(Link.REMOTE_WRITE, sent, time.perf_counter() - started,
                                     includes_latency=True)
-        return True
+        return stored
 
-    def _written(self, batch: list[RemoteWrite], sent: bool | None) -> None:
-        """The batch's slots are unpinned: hand them back to the cache."""
-        if sent is None:  # a bug in the writer, or the tier closed before the batch went out
+    def _written(self, batch: list[RemoteWrite], stored: list[RemoteWrite] | None) -> None:
+        """The batch's slots are unpinned: hand them back to the cache, with what was stored."""
+        if stored is None:  # a bug in the writer, or the tier closed before the batch went out
             self.metrics.dropped.labels("error").inc(len(batch))
-        self.on_written(batch)
+        self.on_written(batch, stored or [])
 
     def flush(self, timeout: float) -> bool:
         """Waits until every queued write is sent (or dropped); False on timeout."""

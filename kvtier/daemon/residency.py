@@ -376,12 +376,14 @@ class Tiers:
             ns, self.slot_bytes))
         return block
 
-    def on_remote_written(self, batch: list[RemoteWrite]) -> None:
-        """Remote writer callback (its thread): the blocks may move or go again."""
+    def on_remote_written(self, batch: list[RemoteWrite], stored: list[RemoteWrite]) -> None:
+        """Remote writer callback (its thread): the blocks may move or go again; the ones the
+        store took are published as stored in Tier.REMOTE."""
         with self._lock:
             for w in batch:
                 if self.index.get(w.ns, w.key) is not None:
                     self.index.unpin(w.ns, w.key)
+            self.applier.stored_remote([(w.ns, w.key) for w in stored])
 
     # -- DRAM ---------------------------------------------------------------------------------
 
@@ -550,7 +552,7 @@ class _Queued:
 
 def _open_remote(
     cfg: Config, pool: DramPool, rates: RateBook, metrics: DaemonMetrics,
-    on_written: Callable[[list[RemoteWrite]], None],
+    on_written: Callable[[list[RemoteWrite], list[RemoteWrite]], None],
 ) -> RemoteTier:
     from kvtier.daemon.config import remote_spec_args
     from kvtier.daemon.remote_tier import RemoteTierSpec

@@ -286,10 +286,11 @@ class RemoteStore:
             for f in futures:
                 f.cancel()
 
-    def put_many(self, items: Sequence[tuple[str, bytes, memoryview]]) -> tuple[int, int]:
-        """Stores (namespace, key, payload) values, one pipelined SET each; returns (blocks
-        stored, bytes sent). A store that refuses writes (`maxmemory` with `noeviction`: OOM)
-        refuses per block; those are not counted as stored."""
+    def put_many(self, items: Sequence[tuple[str, bytes, memoryview]]
+                 ) -> tuple[list[bool], int]:
+        """Stores (namespace, key, payload) values, one pipelined SET each; returns (whether
+        each item was stored, in order; bytes sent). A store that refuses writes (`maxmemory`
+        with `noeviction`: OOM) refuses per block; those are False."""
         commands = []
         sent = 0
         for ns, key, payload in items:
@@ -302,7 +303,7 @@ class RemoteStore:
         if refused:
             log.debug("remote store refused %d of %d writes: %s", len(refused), len(got),
                       refused[0])
-        return len(got) - len(refused), sent
+        return [not isinstance(r, Exception) for r in got], sent
 
     def close(self) -> None:
         if self._fetcher is not None:

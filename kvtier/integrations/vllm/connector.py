@@ -157,9 +157,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.take_load_errors() if self.worker is not None else set()
 
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
-        if self.worker is None:
-            return None
-        stats = KvtierConnectorStats(data=self.worker.stats.take())
+        """The worker's counters since the last call; on the scheduler side (vLLM asks it too,
+        every step), the tier events dropped since then."""
+        data: dict[str, Any] = self.worker.stats.take() if self.worker is not None else {}
+        if self.tier_events is not None:
+            data["dropped_tier_events"] = self.tier_events.take_dropped()
+        stats = KvtierConnectorStats(data=data)
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -9,13 +9,17 @@ holds the same blocks), and turns them into vLLM's events:
     daemon stored   in DRAM / SSD / remote   ->  BlockStored, medium "CPU" / "STORAGE" / "REMOTE"
     daemon removed  from the block's last tier on this node  ->  BlockRemoved (that tier's medium)
 
+(the remote store is not on this node: a copy there does not keep a BlockRemoved back, and its
+own evictions are never published, by the daemon either)
+
 Hashes are the daemon's keys, which are vLLM's block hashes (`kvtier.core.keys.block_keys`), in
 the form vLLM's own events give them (`maybe_convert_block_hash`: the low 64 bits as an int unless
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), so a router joins the GPU and tier streams as they are.
 A removal from one tier while another still holds the block is not published (the block is still
 here); the router learns of the copy from its BlockStored. A dropped connection resumes from
 the last sequence seen (the daemon replays its buffered events); events that overflow the
-bounded queue between two steps are dropped and counted (`dropped`).
+bounded queue between two steps are dropped and counted (`dropped`; the scheduler side reports
+them with the connector's stats, `vllm:kvtier_dropped_tier_events_total`).
 
 Threading: the watch thread fills a deque; vLLM's scheduler thread drains it.
 """
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.client.sync_client import TIER_FROM_PB, Client, LayoutDecl
 from kvtier.core import kv_events as wire
+from kvtier.core.types import Tier
 from kvtier.integrations.common.link import DaemonLink
 
 if TYPE_CHECKING:
@@ -53,7 +58,8 @@ class TierEvents:
         self._since = 0
         self._client: Client | None = None
         self._closed = threading.Event()
-        self.dropped = 0
+        self.dropped = 0  # events not queued (the queue was full); only the watch thread adds
+        self._reported = 0
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-events",
                                         daemon=True)
         self._thread.start()
@@ -65,6 +71,12 @@ class TierEvents:
         while q:
             out.append(q.popleft())
         return out
+
+    def take_dropped(self) -> int:
+        """Events dropped since the last call (vLLM's scheduler thread)."""
+        dropped = self.dropped
+        delta, self._reported = dropped - self._reported, dropped
+        return delta
 
     def close(self) -> None:
         self._closed.set()
@@ -103,8 +115,9 @@ class TierEvents:
             if s.layout != layout:
                 return
             tier = TIER_FROM_PB[s.medium]
-            for h in s.block_hashes:
-                self._tiers.setdefault(h, set()).add(tier)
+            if tier is not Tier.REMOTE:  # the shared store is not on this node
+                for h in s.block_hashes:
+                    self._tiers.setdefault(h, set()).add(tier)
             parent = s.parent_block_hash
             self._put(BlockStored(
                 block_hashes=[vllm_hash(h) for h in s.block_hashes],

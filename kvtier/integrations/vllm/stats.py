@@ -1,6 +1,7 @@
-"""The connector's counters through vLLM's connector-stats hooks: workers report per-step deltas
-(`KvtierConnectorStats`), vLLM aggregates them across ranks, logs them with its throughput line
-and exports them as Prometheus counters `vllm:kvtier_<name>_total` (`KvtierPromMetrics`)."""
+"""The connector's counters through vLLM's connector-stats hooks: workers (and the scheduler side,
+for its tier events) report per-step deltas (`KvtierConnectorStats`), vLLM aggregates them across
+ranks, logs them with its throughput line and exports them as Prometheus counters
+`vllm:kvtier_<name>_total` (`KvtierPromMetrics`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ FIELDS = {
     "stored_blocks": "Blocks stored into kvtier",
     "load_seconds": "Seconds spent copying blocks from kvtier (and releasing leases)",
     "store_seconds": "Seconds spent storing blocks into kvtier",
+    "dropped_tier_events": "kvtier tier events left out of vLLM's KV-event stream because the "
+                           "connector's queue was full (a router did not see them)",
 }
 
 
