@@ -15,6 +15,21 @@ the journal in order and does, per entry, what the daemon owes it:
     MOVE DRAM   nothing: the pool already moved the bytes, and a slot of the same size class
                 costs the tenant the same
 
+Tenant bytes change here and nowhere else. Besides the journal, four calls move them for what is
+held for a block *before* it is in a tier, which the journal does not report (no copy was added
+or dropped), so the applier is told directly:
+
+    take_slots(tenant, nbytes)  slots taken for a tenant's blocks (Allocate, a promotion claim):
+                                charged now, so concurrent takers see each other in the quotas and
+                                fair shares; the block that fills one later is an ADD DRAM that
+                                charges nothing more
+    give_back(tenant, slot)     a taken slot that never became a block's copy (an unfilled WRITE
+                                lease, an unsettled claim): refunded and freed
+    reserve_ssd(ns)             a queued write-back: its stored bytes are charged while queued, so
+                                the tenant's SSD quota counts what is on the way
+    unreserve_ssd(ns)           the write-back left the queue (written or refused); a written one
+                                then arrives as an ADD SSD, which charges the copy
+
 Events go to WatchEvents subscribers now; the KV-event publisher of the routing work is one more
 consumer here.
 
@@ -22,9 +37,10 @@ When to apply: a call that drops copies applies before it needs what they freed 
 room applies before the next allocation) and names its reason; every operation applies before it
 gives the cache lock back, so the journal is empty whenever the lock is free.
 
-Threading: called with the cache lock held (it guards the index, the pool's ownership and the
-tenants). Lock order: cache lock, then the SSD store's write lock (inside `delete_many`), then the
-event log's own lock (inside `emit`).
+Threading: every method is called with the cache lock held (it guards the index, the pool's
+ownership and the tenants). Lock order: cache lock → the DRAM pool's lock (inside `free`) → the SSD
+store's write lock (inside `delete_many`) → the event log's own lock (inside `stored`/`removed`);
+none of these calls back into a lock before it.
 """
 
 from __future__ import annotations
@@ -102,7 +118,7 @@ class Applier:
                 names.charge(tenant, _SSD, -cost)
             self.metrics.evictions.labels(c.tier.label, why).inc()
             if publish:
-                self.events.emit(tenant, namespace_layout(ns), False, c.tier, [c.key])
+                self.events.removed(tenant, namespace_layout(ns), c.tier, [c.key])
         if run:
             self._stored(run)
         if deletes and self.store is not None:
@@ -114,5 +130,25 @@ class Applier:
         ns = str(first.tenant)
         tenant, lid = namespace_tenant(ns), namespace_layout(ns)
         layout = self.names.layouts.get((tenant, lid))
-        self.events.emit(tenant, lid, True, first.tier, [c.key for c in run], first.parent or b"",
-                         0 if layout is None else layout.block_tokens)
+        self.events.stored(tenant, lid, first.tier, [c.key for c in run], first.parent or b"",
+                           0 if layout is None else layout.block_tokens)
+
+    # -- held for a block not yet in a tier (module docstring) ---------------------------------
+
+    def take_slots(self, tenant: str, nbytes: int) -> None:
+        """`nbytes` of DRAM slots were just taken for `tenant`'s blocks: charged until a block's
+        DROP DRAM or `give_back` frees them."""
+        self.names.charge(tenant, _DRAM, nbytes)
+
+    def give_back(self, tenant: str, slot: int) -> None:
+        """Frees a taken slot that holds no block and gives its bytes back to `tenant`."""
+        self.names.charge(tenant, _DRAM, -self.pool.stride_of(slot))
+        self.pool.free(slot)
+
+    def reserve_ssd(self, ns: str) -> None:
+        """A write-back of one of `ns`'s blocks is queued: its stored bytes are charged."""
+        self.names.charge(namespace_tenant(ns), _SSD, self.ssd_cost(ns))
+
+    def unreserve_ssd(self, ns: str) -> None:
+        """A queued write-back of `ns` left the queue: its reservation is given back."""
+        self.names.charge(namespace_tenant(ns), _SSD, -self.ssd_cost(ns))

@@ -183,6 +183,8 @@ class Namespaces:
         return sum(1 for name, _ in self.layouts if name == tenant)
 
     def charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
+        """Adds `nbytes` (negative: gives back) to `tenant`'s usage in `tier`. Only the applier
+        calls it (`kvtier.daemon.applier`: tenant bytes change in one place)."""
         state = self.tenant(tenant)
         if tier is Tier.DRAM:
             state.dram_bytes += nbytes

@@ -77,7 +77,7 @@ class Tiers:
         self.events = events
         self.rates = rates
         self._lock = lock
-        self.names = names  # tenants' usage (charged here and by the applier), quotas, shares
+        self.names = names  # tenants' usage (charged only by the applier), quotas, shares
         self.slot_bytes = cfg.slot_bytes  # the smallest slot: a block's default size
         self.pool = DramPool.create(DramSpec(
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
@@ -224,7 +224,7 @@ class Tiers:
             got = mover.submit(WriteBack(ns, w.key, w.parent, w.slot, nbytes))
             if got is Submitted.QUEUED:
                 self._queued.add((ns, w.key))
-                self.names.charge(tenant, Tier.SSD, cost)  # reserved until written or refused
+                self.applier.reserve_ssd(ns)  # until written or refused
                 continue
             self.index.unpin(ns, w.key)
             if got is Submitted.ALREADY_STORED:
@@ -269,8 +269,7 @@ class Tiers:
                     continue
                 self.index.unpin(w.tenant, w.key)
                 # the reservation ends; the applier charges the copy the index now records
-                self.names.charge(namespace_tenant(w.tenant), Tier.SSD,
-                                  -self.ssd_bytes_of(w.tenant))
+                self.applier.unreserve_ssd(w.tenant)
                 if (w.tenant, w.key) not in stored:
                     self.metrics.writeback_dropped.inc()
                     continue
@@ -387,14 +386,13 @@ class Tiers:
 
     def give_back(self, tenant: str, slot: int) -> None:
         """Frees a slot that holds no block (an unfilled WRITE lease slot, an unsettled claim)
-        and gives its bytes back to `tenant`."""
-        self.names.charge(tenant, Tier.DRAM, -self.pool.stride_of(slot))
-        self.pool.free(slot)
+        and gives its bytes back to `tenant` (`Applier.give_back`)."""
+        self.applier.give_back(tenant, slot)
 
     def take_slots(self, n: int, tenant: str, nbytes: int) -> list[int]:
-        """`n` free slots for `tenant`'s blocks of `nbytes`, charged to it (until the applier
-        or `give_back` frees them), evicting unpinned DRAM blocks as
-        needed: LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
+        """`n` free slots for `tenant`'s blocks of `nbytes`, charged to it (`Applier.take_slots`,
+        until the applier or `give_back` frees them), evicting unpinned DRAM blocks as needed:
+        LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
         [] when impossible (when even every unpinned block would not make room, nothing is
         evicted). Slots come in size classes on pages (`kvtier.tiers.dram_pages`): a victim of
         another class frees a slot only that class can use, so before the first eviction and
@@ -414,7 +412,7 @@ class Tiers:
             self._gather(stride, n, nbytes)
         slots = pool.alloc_many(n, nbytes)
         if slots is not None:
-            self.names.charge(tenant, Tier.DRAM, n * stride)
+            self.applier.take_slots(tenant, n * stride)
             self.apply()  # slot moves of `_gather`
             return slots
         stats = pool.stats()
@@ -450,7 +448,7 @@ class Tiers:
             self._gather(stride, n, nbytes)
         slots = pool.alloc_many(n, nbytes) or []
         if slots:
-            self.names.charge(tenant, Tier.DRAM, n * stride)
+            self.applier.take_slots(tenant, n * stride)
         self.apply()
         return slots
 
