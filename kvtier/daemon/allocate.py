@@ -26,7 +26,7 @@ from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExha
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.namespaces import Namespace, TenantUsage
+from kvtier.daemon.namespaces import NamespaceInfo, TenantUsage
 from kvtier.daemon.residency import Tiers
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 
@@ -35,7 +35,7 @@ from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 class WriteLease:
     """A WRITE lease's payload: the chain and the slots being filled."""
 
-    ns: Namespace
+    ns: NamespaceInfo
     keys: list[bytes]
     parent: bytes
     todo: list[tuple[int, int]]  # (index in keys, slot)
@@ -67,7 +67,7 @@ class Allocator:
         self._leases = leases
 
     def allocate(
-        self, tenant: Tenant, ns: Namespace, chain: list[bytes], parent: bytes, ttl: float,
+        self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], parent: bytes, ttl: float,
         session: str = "",
     ) -> AllocateResult:
         """Grants a WRITE lease on fresh slots for the keys of `chain` not cached or pending."""
@@ -100,7 +100,7 @@ class Allocator:
         pool = self.tiers.pool
         return AllocateResult(lease.id, need, [pool.offset(s) for s in slots], ttl)
 
-    def _admitted(self, ns: Namespace, chain: list[bytes], need: list[int]) -> int:
+    def _admitted(self, ns: NamespaceInfo, chain: list[bytes], need: list[int]) -> int:
         """How many of `need` the index's DRAM admission stores (a prefix of them; the rest
         would hang under a refused block). All when the block before the first is not in the
         index yet (pending): admission needs a cached parent."""

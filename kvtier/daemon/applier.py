@@ -46,11 +46,12 @@ none of these calls back into a lock before it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from kvtier.core.types import Tier
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespaces, namespace_layout, namespace_tenant
+from kvtier.daemon.namespaces import Namespace, Namespaces
 from kvtier.index.prefix import Change, Op, PrefixIndex
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.ssd.store import SsdStore
@@ -87,12 +88,12 @@ class Applier:
         deletes: list[tuple[str, bytes]] = []
         run: list[Change] = []
         for c in changes:
-            ns = str(c.tenant)
+            ns = cast(Namespace, c.tenant)  # the daemon keys the index by Namespace only
             if c.op is _ADD:
                 if c.tier is _SSD:
                     cost = self.ssd_cost(ns)
                     self.ssd_bytes += cost
-                    names.charge(namespace_tenant(ns), _SSD, cost)
+                    names.charge(ns.tenant, _SSD, cost)
                 if not publish:
                     continue
                 if run and not (c.tenant == run[-1].tenant and c.tier is run[-1].tier
@@ -106,7 +107,7 @@ class Applier:
             if run:
                 self._stored(run)
                 run = []
-            tenant = namespace_tenant(ns)
+            tenant = ns.tenant
             if c.tier is _DRAM:
                 if c.slot is not None:
                     names.charge(tenant, _DRAM, -pool.stride_of(c.slot))
@@ -118,7 +119,7 @@ class Applier:
                 names.charge(tenant, _SSD, -cost)
             self.metrics.evictions.labels(c.tier.label, why).inc()
             if publish:
-                self.events.removed(tenant, namespace_layout(ns), c.tier, [c.key])
+                self.events.removed(tenant, ns.layout_id, c.tier, [c.key])
         if run:
             self._stored(run)
         if deletes and self.store is not None:
@@ -127,8 +128,8 @@ class Applier:
     def _stored(self, run: list[Change]) -> None:
         """One BlockStored event for a run of consecutive blocks of one chain in one tier."""
         first = run[0]
-        ns = str(first.tenant)
-        tenant, lid = namespace_tenant(ns), namespace_layout(ns)
+        ns = cast(Namespace, first.tenant)
+        tenant, lid = ns.tenant, ns.layout_id
         layout = self.names.layouts.get((tenant, lid))
         self.events.stored(tenant, lid, first.tier, [c.key for c in run], first.parent or b"",
                            0 if layout is None else layout.block_tokens)
@@ -145,10 +146,10 @@ class Applier:
         self.names.charge(tenant, _DRAM, -self.pool.stride_of(slot))
         self.pool.free(slot)
 
-    def reserve_ssd(self, ns: str) -> None:
+    def reserve_ssd(self, ns: Namespace) -> None:
         """A write-back of one of `ns`'s blocks is queued: its stored bytes are charged."""
-        self.names.charge(namespace_tenant(ns), _SSD, self.ssd_cost(ns))
+        self.names.charge(ns.tenant, _SSD, self.ssd_cost(ns))
 
-    def unreserve_ssd(self, ns: str) -> None:
+    def unreserve_ssd(self, ns: Namespace) -> None:
         """A queued write-back of `ns` left the queue: its reservation is given back."""
-        self.names.charge(namespace_tenant(ns), _SSD, -self.ssd_cost(ns))
+        self.names.charge(ns.tenant, _SSD, -self.ssd_cost(ns))

@@ -61,7 +61,7 @@ from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.metrics import DaemonMetrics, MrcGauges, PoolGauges
-from kvtier.daemon.namespaces import LayoutInfo, Namespace, Namespaces
+from kvtier.daemon.namespaces import LayoutInfo, NamespaceInfo, Namespaces
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
 from kvtier.daemon.slot_stream import SlotStream
@@ -162,7 +162,7 @@ class Cache:
         with self._lock:
             return self.names.layout(tenant, layout_id)
 
-    def _ns(self, tenant: Tenant, layout_id: bytes) -> Namespace:
+    def _ns(self, tenant: Tenant, layout_id: bytes) -> NamespaceInfo:
         ns = self.names.get(tenant, layout_id)
         self.tiers.block_bytes.setdefault(ns.name, ns.layout.block_bytes)
         return ns
@@ -197,7 +197,7 @@ class Cache:
 
     def _lookup_local(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, replica: str,
-    ) -> tuple[Namespace, list[bytes], list[Tier]]:
+    ) -> tuple[NamespaceInfo, list[bytes], list[Tier]]:
         with self._lock:
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
@@ -209,7 +209,7 @@ class Cache:
             self.mrc.observe_packed(ns.name, keys, key_width)
         return ns, chain, list(found.tiers)
 
-    def _remote_present(self, ns: Namespace, chain: list[bytes], local: int) -> int:
+    def _remote_present(self, ns: NamespaceInfo, chain: list[bytes], local: int) -> int:
         """Blocks after the local prefix that the remote tier holds (no cache lock)."""
         remote = self.tiers.remote
         if remote is None or local >= len(chain):
@@ -217,7 +217,7 @@ class Cache:
         return remote.present(ns.name, chain[local:])
 
     def _lookup_result(
-        self, ns: Namespace, chain: list[bytes], tiers: list[Tier], start_token: int,
+        self, ns: NamespaceInfo, chain: list[bytes], tiers: list[Tier], start_token: int,
         prompt_tokens: int, want_plan: bool,
     ) -> LookupResult:
         with self._lock:
@@ -291,7 +291,7 @@ class Cache:
             a.session = session
             return a
 
-    def _claim(self, ns: Namespace) -> int | None:
+    def _claim(self, ns: NamespaceInfo) -> int | None:
         return self.tiers.claim(ns.name) if quota_room(
             self.tiers, ns.usage, 1, self.tiers.dram_bytes_of(ns.name)) else None
 

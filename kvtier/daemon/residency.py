@@ -23,11 +23,13 @@ tenants charged, SSD keys deleted, events); what is left here is moving:
   Until then the slot belongs to the claimant (`claimed` counts them) and the block must stay
   pinned in the index by the caller.
 
-Index "tenants" are namespaces: `"<tenant>/ns2:<layout id hex>"` (layout id = H(model id, layout
-fingerprint), `kvtier.daemon.namespaces`), the same string keys the SSD store, so after a restart
-the stored blocks come back under the right tenant, model and layout. Blocks stored under any other
-namespace form — the pre-model-id `"<tenant>/<fingerprint hex>"` — cannot be attributed to a model:
-the rebuild deletes them (one warning line with the count) and never serves them.
+Index "tenants" are namespaces, `Namespace(tenant, layout id)` (layout id = H(model id, layout
+fingerprint), `kvtier.daemon.namespaces`), whose value `"<tenant>/ns2:<layout id hex>"` is also
+the SSD store's (and the remote tier's) key, so after a restart the stored blocks come back under
+the right tenant, model and layout (the rebuild turns each stored key back into a `Namespace`).
+Blocks stored under any other namespace form — the pre-model-id `"<tenant>/<fingerprint hex>"` —
+cannot be attributed to a model: the rebuild deletes them (one warning line with the count) and
+never serves them.
 
 Threading: every method is called with the cache lock held, except `on_written`, which the mover
 calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must
@@ -41,6 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
@@ -50,7 +53,7 @@ from kvtier.daemon.applier import Applier
 from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespaces, namespace_layout_id, namespace_tenant
+from kvtier.daemon.namespaces import Namespace, Namespaces
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.remote_tier import RemoteTier, RemoteWrite
 from kvtier.index import placement
@@ -62,6 +65,8 @@ from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdSpec, SsdStore, open_store
 
 log = logging.getLogger(__name__)
+
+_UNSEEN = Namespace("", b"")  # `_rebuild`'s "not parsed yet" marker
 
 STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 """The SSD store's own layout tag; each block's namespace (tenant + layout id) is in its key."""
@@ -140,14 +145,18 @@ class Tiers:
         """Re-enters every stored block into the index (parents first); drops stranded ones."""
         assert self.store is not None
         started = time.monotonic()
-        by_ns: dict[str, dict[bytes, bytes | None]] = {}
+        by_ns: dict[Namespace, dict[bytes, bytes | None]] = {}
         foreign: list[tuple[str, bytes]] = []
+        parsed: dict[str, Namespace | None] = {}
         for e in entries:
-            if namespace_layout_id(e.tenant) is None:
+            ns = parsed.get(e.tenant, _UNSEEN)
+            if ns is _UNSEEN:
+                ns = parsed[e.tenant] = Namespace.parse(e.tenant)
+            if ns is None:
                 foreign.append((e.tenant, e.key))
                 continue
-            by_ns.setdefault(e.tenant, {})[e.key] = e.parent
-            self.block_bytes.setdefault(e.tenant, e.size - blockfmt.HEADER_SIZE)
+            by_ns.setdefault(ns, {})[e.key] = e.parent
+            self.block_bytes.setdefault(ns, e.size - blockfmt.HEADER_SIZE)
         if foreign:
             log.warning("SSD tier: dropping %d stored blocks of %d namespaces without a model id "
                         "(stored before namespaces carried one; never served)", len(foreign),
@@ -202,7 +211,7 @@ class Tiers:
         """DRAM one block of this namespace takes: its size class's slot stride."""
         return self.pool.stride_for(self.block_bytes.get(ns, self.slot_bytes))
 
-    def maybe_write_back(self, ns: str, blocks: list[IndexBlock]) -> None:
+    def maybe_write_back(self, ns: Namespace, blocks: list[IndexBlock]) -> None:
         """Queues the write-backs the planner calls for (`placement.write_backs`: admitted
         DRAM-only blocks of a looked-up or committed chain, root first), each after SSD room
         (`placement.ssd_room`, then the byte bound), the tenant's SSD quota and the wear budget
@@ -212,7 +221,7 @@ class Tiers:
             return
         for w in placement.write_backs(self.index, ns, blocks, _Queued(ns, self._queued)):
             assert w.slot is not None  # every daemon DRAM block has a slot
-            tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
+            tenant, cost = ns.tenant, self.ssd_bytes_of(ns)
             if not self._make_ssd_room(1 + len(self._queued), cost):
                 self.metrics.writeback_dropped.inc()
                 return
@@ -269,7 +278,7 @@ class Tiers:
                     continue
                 self.index.unpin(w.tenant, w.key)
                 # the reservation ends; the applier charges the copy the index now records
-                self.applier.unreserve_ssd(w.tenant)
+                self.applier.unreserve_ssd(cast(Namespace, w.tenant))  # as queued
                 if (w.tenant, w.key) not in stored:
                     self.metrics.writeback_dropped.inc()
                     continue
@@ -283,7 +292,7 @@ class Tiers:
         self.metrics.ssd_bytes_written.inc(result.bytes_written)
         self.metrics.bytes_moved.labels("ssd", "demote").inc(result.bytes_written)
 
-    def claim(self, ns: str) -> int | None:
+    def claim(self, ns: Namespace) -> int | None:
         """A slot to promote one of `ns`'s SSD or remote blocks into (evicting for room),
         charged to its tenant; None when there is no room (or no tier below DRAM)."""
         if self.store is None and self.remote is None:
@@ -291,18 +300,18 @@ class Tiers:
         nbytes = self.block_bytes.get(ns, self.slot_bytes)
         if nbytes > self.pool.max_block:  # stored before max_block_bytes shrank: not served
             return None
-        slots = self.take_slots(1, namespace_tenant(ns), nbytes)
+        slots = self.take_slots(1, ns.tenant, nbytes)
         if not slots:
             return None
         self.claimed += 1
         return slots[0]
 
-    def unclaim(self, ns: str, slot: int) -> None:
+    def unclaim(self, ns: Namespace, slot: int) -> None:
         """Gives a claimed slot back (the read failed, or the block is no longer wanted)."""
-        self.give_back(namespace_tenant(ns), slot)
+        self.give_back(ns.tenant, slot)
         self.claimed -= 1
 
-    def settle(self, ns: str, block: IndexBlock, slot: int, nbytes: int) -> None:
+    def settle(self, ns: Namespace, block: IndexBlock, slot: int, nbytes: int) -> None:
         """The claimed slot holds the block's verified payload: it is the block's DRAM copy
         (journaled; the caller applies before it lets the lock go)."""
         self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
@@ -331,7 +340,7 @@ class Tiers:
             self.rates.observe_transfer(Link.SSD_READ, nbytes, seconds)
         return got, seconds
 
-    def drop_lost(self, ns: str, block: IndexBlock) -> None:
+    def drop_lost(self, ns: Namespace, block: IndexBlock) -> None:
         """Forgets an SSD-only block whose payload failed to read, with its whole subtree (no
         descendant could ever hit again). If a descendant is pinned by a lease, the subtree
         stays until a later Acquire meets the lost block again; reads of it fail fast (the store
@@ -346,7 +355,7 @@ class Tiers:
 
     # -- remote -------------------------------------------------------------------------------
 
-    def maybe_write_remote(self, ns: str, blocks: list[IndexBlock], committed: bool) -> None:
+    def maybe_write_remote(self, ns: Namespace, blocks: list[IndexBlock], committed: bool) -> None:
         """Offers admitted DRAM blocks to the remote tier's write queue: at Commit when
         `remote_admit_after` is 1, else at the lookup that makes a block's k-th access. Each
         offered block stays pinned until `on_remote_written`."""
@@ -365,7 +374,9 @@ class Tiers:
                 remote.dropped(why, len(todo) - i - 1)
                 return
 
-    def settle_remote(self, ns: str, key: bytes, parent: bytes | None, slot: int) -> IndexBlock:
+    def settle_remote(
+        self, ns: Namespace, key: bytes, parent: bytes | None, slot: int,
+    ) -> IndexBlock:
         """A claimed slot holds a verified remote payload: it becomes a new DRAM block (raises
         the index's DuplicateBlock / MissingParent / TierFull; the caller then unclaims).
         Journaled; the caller applies before it lets the lock go."""
@@ -503,10 +514,10 @@ class Tiers:
     def evict_tenant_dram(self, tenant: str, n: int, reason: str = "quota") -> int:
         """Evicts up to `n` of one tenant's DRAM blocks, coldest first (quota, fair share);
         O(evictable blocks) per block of the longest chain it shortens."""
-        prefix, done = tenant + "/", 0
+        done = 0
         while done < n:
             mine = [b for b in self.index.victims(Tier.DRAM, 1 << 30)
-                    if isinstance(b.tenant, str) and b.tenant.startswith(prefix)][:n - done]
+                    if cast(Namespace, b.tenant).tenant == tenant][:n - done]
             if not mine:
                 break
             for b in mine:
