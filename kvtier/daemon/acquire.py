@@ -31,7 +31,10 @@ the store closes.
 A READ lease ends (Release, TTL, shutdown) with `release`, which unpins its blocks.
 
 Threading: `begin` and `end` take the cache lock (begin and release are called with it held);
-`finish` must be called without it, from any thread.
+`finish` must be called without it, from any thread: it reads SSD and remote payloads into the
+claimed slots (pinned, owned by the claim) with no daemon lock held, and waits on `_settled` (a
+condition on the cache lock) for another Acquire's promotion of the same block. Lock order:
+`kvtier.daemon.cache`.
 """
 
 from __future__ import annotations

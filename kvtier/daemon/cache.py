@@ -27,6 +27,23 @@ lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvti
 (the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers),
 `kvtier.daemon.applier` (what a residency change entails) and `kvtier.daemon.cache_stats` (what it
 reports).
+
+Locks, outermost first (a thread holding one only ever takes those below it):
+
+    1. the cache lock (`Cache._lock`, an RLock shared with Tiers, the Applier, Acquire's
+       condition and the slot streams): the index, the pool's ownership, leases, tenants
+    2. a write queue's lock (`SlotWriteQueue._cv`, the mover's and the remote tier's): `offer`,
+       taken with 1 held; the write budget is asked under it
+    3. the DRAM pool's lock (`DramPool._lock`): taken with 1 and/or 2 held, takes nothing
+       (its `moved` callback only repoints the index, which has no lock)
+    4. the SSD store's write lock (`SsdStore._wlock`): with 1 held (the applier's deletes, the
+       rebuild) or on the writer thread with nothing held; takes only the store's inner locks
+    5. the event log's lock (`EventLog._lock`): with 1 held (the applier); its sink only queues
+
+Taken with none of these held and taking none: the MRC sampler's lock (`_mrc_lock`), the
+promotion read lock (`Tiers._read_lock`, then store reads, which take no store lock), the rate
+books' and the metrics' locks (leaves, from anywhere). The writer threads take 1 only in their
+completion callbacks (`Tiers.on_written`, `on_remote_written`), holding neither 2 nor 4 then.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ after a reconnect, `since`) and wakes subscribers. A subscriber is an asyncio qu
 event loop; a subscriber that falls `max_queue` events behind is dropped (its stream ends with a
 gap it can detect from the sequence numbers) rather than slowing the cache down. `sink`, when
 set, also gets every event, in node order, under the log's lock (the ZMQ KV-event publisher,
-`kvtier.daemon.kv_publisher`: it must only queue).
+`kvtier.daemon.kv_publisher`: it must only queue). The log's lock is taken with the cache lock
+held (the applier emits) and takes no other lock (the sink appends to a deque).
 
 Sequence numbers are per tenant (a tenant's stream counts only its own events, so it has no gaps
 made by anyone else's); each event also carries a node-wide number, which the streams of admin

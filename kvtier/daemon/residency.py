@@ -33,8 +33,12 @@ never serves them.
 
 Threading: every method is called with the cache lock held, except `on_written`, which the mover
 calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must
-be called without it. Lock order: cache lock, then
-the SSD store's write lock — the writer thread never holds the store lock while taking ours.
+be called without it. Lock order (all of it: `kvtier.daemon.cache`): cache lock → a write queue's
+lock (`Mover.submit`, `RemoteTier.offer`) → the pool's lock; cache lock → the SSD store's write
+lock (deletes). The writer threads never hold their queue's or the store's lock while taking ours.
+Page moves (`_gather`, `_clear_row`) copy slot bytes under the cache lock and the pool's lock, on
+the caller's thread (the event loop for Allocate): ARCHITECTURE "Threading" says what taking them
+off it needs.
 """
 
 from __future__ import annotations
