@@ -45,7 +45,7 @@ def cache_stats(
 ) -> CacheStats:
     ps = tiers.pool.stats()
     ss = tiers.store.stats() if tiers.store is not None else None
-    state = names.tenants.get(tenant.name) if tenant else None
+    usage = names.tenants.get(tenant.name) if tenant else None
     if tenant is not None and not tenant.admin:
         name = tenant.name
 
@@ -54,24 +54,24 @@ def cache_stats(
 
         mine = [lease for lease in leases if lease.tenant == tenant.name]
         return CacheStats(
-            ps.bytes_reserved, state.dram_bytes if state else 0,
+            ps.bytes_reserved, usage.dram_bytes if usage else 0,
             tiers.index.blocks_of(of_tenant, Tier.DRAM),
-            ss.capacity_bytes if ss else 0, state.ssd_bytes if state else 0,
+            ss.capacity_bytes if ss else 0, usage.ssd_bytes if usage else 0,
             tiers.index.blocks_of(of_tenant, Tier.SSD),
             sum(1 for lease in mine if lease.kind is LeaseKind.READ),
             sum(1 for lease in mine if lease.kind is LeaseKind.WRITE),
-            names.layouts_of(tenant.name), state.dram_bytes if state else 0,
-            state.ssd_bytes if state else 0, False,
-            state.lookups if state else 0, state.blocks_hit if state else 0,
-            state.blocks_missed if state else 0,
+            names.layouts_of(tenant.name), usage.dram_bytes if usage else 0,
+            usage.ssd_bytes if usage else 0, False,
+            usage.lookups if usage else 0, usage.blocks_hit if usage else 0,
+            usage.blocks_missed if usage else 0,
         )
     return CacheStats(
         ps.bytes_reserved, ps.bytes_used, tiers.index.blocks(Tier.DRAM),
         ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,
         tiers.index.blocks(Tier.SSD),
         leases.count(LeaseKind.READ), leases.count(LeaseKind.WRITE),
-        len(names.layouts), state.dram_bytes if state else 0,
-        state.ssd_bytes if state else 0,
+        len(names.layouts), usage.dram_bytes if usage else 0,
+        usage.ssd_bytes if usage else 0,
     )
 
 

@@ -178,12 +178,12 @@ class Namespaces:
 
     def tenant(self, name: str, tenant: Tenant | None = None) -> TenantUsage:
         """The usage of a tenant (created on first sight; quotas from `tenant`)."""
-        state = self.tenants.get(name)
-        if state is None:
-            state = self.tenants[name] = TenantUsage(tenant or Tenant(name))
-        elif tenant is not None and state.tenant != tenant:
-            state.tenant = tenant
-        return state
+        usage = self.tenants.get(name)
+        if usage is None:
+            usage = self.tenants[name] = TenantUsage(tenant or Tenant(name))
+        elif tenant is not None and usage.tenant != tenant:
+            usage.tenant = tenant
+        return usage
 
     def dram_holdings(self) -> dict[str, tuple[int, int]]:
         """Tenant -> (DRAM bytes it holds, its guaranteed DRAM bytes): for fair shares."""
@@ -196,16 +196,16 @@ class Namespaces:
     def charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
         """Adds `nbytes` (negative: gives back) to `tenant`'s usage in `tier`. Only the applier
         calls it (`kvtier.daemon.applier`: tenant bytes change in one place)."""
-        state = self.tenant(tenant)
+        usage = self.tenant(tenant)
         if tier is Tier.DRAM:
-            state.dram_bytes += nbytes
+            usage.dram_bytes += nbytes
         else:
-            state.ssd_bytes += nbytes
+            usage.ssd_bytes += nbytes
 
     def ssd_quota_ok(self, tenant: str, nbytes: int) -> bool:
-        state = self.tenant(tenant)
-        quota = state.tenant.ssd_quota_bytes
-        return not quota or state.ssd_bytes + nbytes <= quota
+        usage = self.tenant(tenant)
+        quota = usage.tenant.ssd_quota_bytes
+        return not quota or usage.ssd_bytes + nbytes <= quota
 
     def split_keys(
         self, ns: NamespaceInfo, keys: bytes, key_width: int, unique: bool,
