@@ -13,7 +13,7 @@ def test_each_tenant_counts_its_own_events_and_admins_see_all() -> None:
         log = EventLog()
         alice, bob, node = log.subscribe("alice"), log.subscribe("bob"), log.subscribe(None)
         for who in ("alice", "bob", "alice", "bob", "bob", "alice"):
-            log.emit(who, bytes(32), True, Tier.DRAM, [bytes(32)])
+            log.stored(who, bytes(32), Tier.DRAM, [bytes(32)])
         await asyncio.sleep(0)
 
         def drain(q: asyncio.Queue[object]) -> list[object]:

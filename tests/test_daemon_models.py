@@ -19,6 +19,7 @@ from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.keys import root_seed
 from kvtier.core.types import Tier
+from kvtier.daemon.namespaces import Namespace
 from kvtier.daemon.residency import STORE_FINGERPRINT
 from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore
 from tests.daemon_fixture import DaemonProc, daemon, ssd_blocks, wait_ssd_blocks  # noqa: F401
@@ -132,3 +133,21 @@ def test_restart_keeps_each_models_blocks_and_drops_pre_model_id_blocks(tmp_path
     finally:
         store.close()
     assert legacy_ns not in names and len(names) == 2
+
+
+def test_a_namespace_is_typed_and_keeps_its_stored_form() -> None:
+    """`Namespace(tenant, layout id)` reads its parts as fields; its value (what the index and the
+    stores key by) is `"<tenant>/ns2:<layout id hex>"`; only that form parses back."""
+    lid = bytes(range(32))
+    ns = Namespace("alice", lid)
+    assert (ns.tenant, ns.layout_id) == ("alice", lid)
+    assert ns == "alice/ns2:000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+    assert hash(ns) == hash(str(ns))  # keys the same dict entries as the string
+    back = Namespace.parse(str(ns))
+    assert back == ns and back is not None and (back.tenant, back.layout_id) == ("alice", lid)
+    wide = Namespace.parse(str(Namespace("a/b", lid)))  # split at the last "/", before the tag
+    assert wide is not None and (wide.tenant, wide.layout_id) == ("a/b", lid)
+    for other in ("alice/" + "ab" * 8,  # the pre-model-id "<tenant>/<fingerprint hex>"
+                  "alice/ns2:" + "ab" * 31,  # a layout id of 31 bytes
+                  "alice/ns2:" + "zz" * 32):
+        assert Namespace.parse(other) is None, other

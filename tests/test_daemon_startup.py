@@ -4,6 +4,7 @@ where-and-how-much line is the first log line."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier.core.types import Tier
 from kvtier.daemon import config
 from tests.daemon_fixture import DaemonProc
 
@@ -103,6 +105,32 @@ def test_undecodable_tenant_byte_is_skipped_counted_and_the_rest_serves(tmp_path
                     assert [bytes(v) for v in got.views] == data[:got.blocks]  # never wrong
                     served += got.blocks
         assert served >= 4  # the two other chains whole (the damaged key's chain may go)
+    finally:
+        d.stop()
+
+
+def test_stored_keys_keep_the_namespace_string_of_earlier_versions(tmp_path: Path) -> None:
+    """The index keys blocks by a typed `Namespace(tenant, layout id)`; the SSD store must still
+    write (and so read back) the string earlier versions wrote, `len | "<tenant>/ns2:<layout id
+    hex>" | block key`, or a restart after an upgrade would drop every stored block."""
+    d = DaemonProc(tmp_path / "d", ["--ssd-admit-after", "1"]).start()
+    try:
+        (keys, data), = fill(d, 1, 3)
+        d.stop()
+        # the layout id: SHA-256 over canonical CBOR of ("kvtier-root/v1", model id, fingerprint)
+        cbor = (b"\x83" + b"\x6ekvtier-root/v1" + b"\x6fstartup-model@1"
+                + b"\x4dstartup-fp-01")
+        ns = b"default/ns2:" + hashlib.sha256(cbor).hexdigest().encode()
+        env = lmdb.open(str(d.data_dir / "ssd"), max_dbs=4, map_size=1 << 30, readonly=True,
+                        lock=False)
+        with env.begin(db=env.open_db(b"meta", create=False)) as txn:
+            stored = sorted(bytes(k) for k, _ in txn.cursor())
+        env.close()
+        assert len(ns) == 76
+        assert stored == sorted(b"\x4c" + ns + k for k in keys)
+        d.start()
+        with Client(d.socket, layout=LAYOUT) as kv, kv.load(keys) as got:
+            assert got.tiers == [Tier.SSD] * 3 and [bytes(v) for v in got.views] == data
     finally:
         d.stop()
 

@@ -21,7 +21,7 @@ from kvtier.daemon import config
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import namespace
+from kvtier.daemon.namespaces import Namespace
 from kvtier.index.policy_registry import DEFAULT_POLICY
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import replay
@@ -86,7 +86,7 @@ def drive_sim(reqs: list[Request], dram: int | None, ssd: int, k: int, policy: s
     assert dram is not None
     cfg = TierConfig(dram, ssd, policy, k, ssd_write_bytes_per_day=budget[0],
                      ssd_write_burst_bytes=budget[1], ssd_block_bytes=BLOCK + HEADER_SIZE)
-    s = replay(reqs, cfg, tenant=namespace(T.name, LID), key_bytes=32)
+    s = replay(reqs, cfg, tenant=Namespace(T.name, LID), key_bytes=32)
     return {"dram": s.hits_dram, "ssd": s.hits_ssd, "refs": s.block_refs,
             "ssd_writes": s.ssd_blocks_written, "refused": s.ssd_writes_refused,
             "budget": budget, "dram_blocks": dram}

@@ -31,7 +31,10 @@ the store closes.
 A READ lease ends (Release, TTL, shutdown) with `release`, which unpins its blocks.
 
 Threading: `begin` and `end` take the cache lock (begin and release are called with it held);
-`finish` must be called without it, from any thread.
+`finish` must be called without it, from any thread: it reads SSD and remote payloads into the
+claimed slots (pinned, owned by the claim) with no daemon lock held, and waits on `_settled` (a
+condition on the cache lock) for another Acquire's promotion of the same block. Lock order:
+`kvtier.daemon.cache`.
 """
 
 from __future__ import annotations
@@ -46,12 +49,12 @@ from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespace
+from kvtier.daemon.namespaces import NamespaceInfo
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
 from kvtier.index.prefix import Block, IndexStateError
 
-_Claim = Callable[[Namespace], int | None]
+_Claim = Callable[[NamespaceInfo], int | None]
 
 PROMOTION_WAIT_S = 30.0
 """How long an Acquire waits for another Acquire's promotion of the same block before ending its
@@ -62,7 +65,7 @@ prefix there."""
 class ReadLease:
     """A READ lease's payload: the pinned blocks (index pin + pool pin)."""
 
-    ns: Namespace
+    ns: NamespaceInfo
     blocks: list[Block]
     h2d_bytes_per_s: float  # the planner's DRAM-read estimate when granted (prediction error)
 
@@ -79,7 +82,7 @@ class Acquiring:
     """An Acquire between `begin` and `end`. Positions index `blocks`."""
 
     tenant: Tenant
-    ns: Namespace
+    ns: NamespaceInfo
     ttl: float
     blocks: list[Block]  # the prefix, each pinned in the index
     claimed: dict[int, int]  # position -> slot claimed to promote that SSD-only block into
@@ -117,7 +120,7 @@ class Acquirer:
         self._in_flight = 0  # Acquires with I/O between begin and end
         self._promoting: dict[tuple[str, bytes], threading.Event] = {}
 
-    def begin(self, tenant: Tenant, ns: Namespace, chain: list[bytes], ttl: float) -> Acquiring:
+    def begin(self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float) -> Acquiring:
         """Step 1; the caller holds the cache lock."""
         index = self.tiers.index
         blocks = list(index.lookup(ns.name, chain, touch=False).blocks)

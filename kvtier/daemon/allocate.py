@@ -26,7 +26,7 @@ from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExha
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.namespaces import Namespace, TenantUsage
+from kvtier.daemon.namespaces import NamespaceInfo, TenantUsage
 from kvtier.daemon.residency import Tiers
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 
@@ -35,7 +35,7 @@ from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 class WriteLease:
     """A WRITE lease's payload: the chain and the slots being filled."""
 
-    ns: Namespace
+    ns: NamespaceInfo
     keys: list[bytes]
     parent: bytes
     todo: list[tuple[int, int]]  # (index in keys, slot)
@@ -48,15 +48,15 @@ class AllocateResult(NamedTuple):
     ttl_s: float
 
 
-def quota_room(tiers: Tiers, state: TenantUsage, n: int, stride: int) -> bool:
+def quota_room(tiers: Tiers, usage: TenantUsage, n: int, stride: int) -> bool:
     """Whether `n` more slots of `stride` bytes fit the tenant's DRAM quota, after evicting its
     own unpinned DRAM blocks for them if needed."""
-    quota, more = state.tenant.dram_quota_bytes, n * stride
-    while quota and state.dram_bytes + more > quota:
-        over = state.dram_bytes + more - quota
-        if not tiers.evict_tenant_dram(state.tenant.name, -(-over // stride)):
+    quota, more = usage.tenant.dram_quota_bytes, n * stride
+    while quota and usage.dram_bytes + more > quota:
+        over = usage.dram_bytes + more - quota
+        if not tiers.evict_tenant_dram(usage.tenant.name, -(-over // stride)):
             break
-    return not quota or state.dram_bytes + more <= quota
+    return not quota or usage.dram_bytes + more <= quota
 
 
 class Allocator:
@@ -67,7 +67,7 @@ class Allocator:
         self._leases = leases
 
     def allocate(
-        self, tenant: Tenant, ns: Namespace, chain: list[bytes], parent: bytes, ttl: float,
+        self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], parent: bytes, ttl: float,
         session: str = "",
     ) -> AllocateResult:
         """Grants a WRITE lease on fresh slots for the keys of `chain` not cached or pending."""
@@ -100,7 +100,7 @@ class Allocator:
         pool = self.tiers.pool
         return AllocateResult(lease.id, need, [pool.offset(s) for s in slots], ttl)
 
-    def _admitted(self, ns: Namespace, chain: list[bytes], need: list[int]) -> int:
+    def _admitted(self, ns: NamespaceInfo, chain: list[bytes], need: list[int]) -> int:
         """How many of `need` the index's DRAM admission stores (a prefix of them; the rest
         would hang under a refused block). All when the block before the first is not in the
         index yet (pending): admission needs a cached parent."""
@@ -111,15 +111,15 @@ class Allocator:
             return len(need)
         return sum(1 for i in need if i < start + n)
 
-    def _take_slots(self, state: TenantUsage, n: int, nbytes: int) -> list[int]:
+    def _take_slots(self, usage: TenantUsage, n: int, nbytes: int) -> list[int]:
         stride = self.tiers.pool.stride_for(nbytes)
-        if not quota_room(self.tiers, state, n, stride):
+        if not quota_room(self.tiers, usage, n, stride):
             raise ResourceExhausted(
-                f"tenant {state.tenant.name!r} DRAM quota of {state.tenant.dram_quota_bytes} "
-                f"bytes: {n} more blocks do not fit (it holds {state.dram_bytes}, pinned or "
+                f"tenant {usage.tenant.name!r} DRAM quota of {usage.tenant.dram_quota_bytes} "
+                f"bytes: {n} more blocks do not fit (it holds {usage.dram_bytes}, pinned or "
                 "being written)"
             )
-        slots = self.tiers.take_slots(n, state.tenant.name, nbytes)
+        slots = self.tiers.take_slots(n, usage.tenant.name, nbytes)
         if not slots:
             raise ResourceExhausted(
                 f"DRAM pool full: {n} slots of {stride} bytes wanted, "

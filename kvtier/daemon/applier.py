@@ -19,6 +19,21 @@ unseen).
     MOVE DRAM   nothing: the pool already moved the bytes, and a slot of the same size class
                 costs the tenant the same
 
+Tenant bytes change here and nowhere else. Besides the journal, four calls move them for what is
+held for a block *before* it is in a tier, which the journal does not report (no copy was added
+or dropped), so the applier is told directly:
+
+    take_slots(tenant, nbytes)  slots taken for a tenant's blocks (Allocate, a promotion claim):
+                                charged now, so concurrent takers see each other in the quotas and
+                                fair shares; the block that fills one later is an ADD DRAM that
+                                charges nothing more
+    give_back(tenant, slot)     a taken slot that never became a block's copy (an unfilled WRITE
+                                lease, an unsettled claim): refunded and freed
+    reserve_ssd(ns)             a queued write-back: its stored bytes are charged while queued, so
+                                the tenant's SSD quota counts what is on the way
+    unreserve_ssd(ns)           the write-back left the queue (written or refused); a written one
+                                then arrives as an ADD SSD, which charges the copy
+
 Events go to WatchEvents subscribers now; the KV-event publisher of the routing work is one more
 consumer here.
 
@@ -26,19 +41,21 @@ When to apply: a call that drops copies applies before it needs what they freed 
 room applies before the next allocation) and names its reason; every operation applies before it
 gives the cache lock back, so the journal is empty whenever the lock is free.
 
-Threading: called with the cache lock held (it guards the index, the pool's ownership and the
-tenants). Lock order: cache lock, then the SSD store's write lock (inside `delete_many`), then the
-event log's own lock (inside `emit`).
+Threading: every method is called with the cache lock held (it guards the index, the pool's
+ownership and the tenants). Lock order: cache lock → the DRAM pool's lock (inside `free`) → the SSD
+store's write lock (inside `delete_many`) → the event log's own lock (inside `stored`/`removed`);
+none of these calls back into a lock before it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from kvtier.core.types import Tier
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespaces, namespace_layout, namespace_tenant
+from kvtier.daemon.namespaces import Namespace, Namespaces
 from kvtier.index.prefix import Change, Op, PrefixIndex
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.ssd.store import SsdStore
@@ -75,12 +92,12 @@ class Applier:
         deletes: list[tuple[str, bytes]] = []
         run: list[Change] = []
         for c in changes:
-            ns = str(c.tenant)
+            ns = cast(Namespace, c.tenant)  # the daemon keys the index by Namespace only
             if c.op is _ADD:
                 if c.tier is _SSD:
                     cost = self.ssd_cost(ns)
                     self.ssd_bytes += cost
-                    names.charge(namespace_tenant(ns), _SSD, cost)
+                    names.charge(ns.tenant, _SSD, cost)
                 if not publish:
                     continue
                 if run and not (c.tenant == run[-1].tenant and c.tier is run[-1].tier
@@ -94,7 +111,7 @@ class Applier:
             if run:
                 self._stored(run)
                 run = []
-            tenant = namespace_tenant(ns)
+            tenant = ns.tenant
             if c.tier is _DRAM:
                 if c.slot is not None:
                     names.charge(tenant, _DRAM, -pool.stride_of(c.slot))
@@ -106,7 +123,7 @@ class Applier:
                 names.charge(tenant, _SSD, -cost)
             self.metrics.evictions.labels(c.tier.label, why).inc()
             if publish:
-                self.events.emit(tenant, namespace_layout(ns), False, c.tier, [c.key])
+                self.events.removed(tenant, ns.layout_id, c.tier, [c.key])
         if run:
             self._stored(run)
         if deletes and self.store is not None:
@@ -132,8 +149,28 @@ class Applier:
     def _stored(self, run: list[Change]) -> None:
         """One BlockStored event for a run of consecutive blocks of one chain in one tier."""
         first = run[0]
-        ns = str(first.tenant)
-        tenant, lid = namespace_tenant(ns), namespace_layout(ns)
+        ns = cast(Namespace, first.tenant)
+        tenant, lid = ns.tenant, ns.layout_id
         layout = self.names.layouts.get((tenant, lid))
-        self.events.emit(tenant, lid, True, first.tier, [c.key for c in run], first.parent or b"",
-                         0 if layout is None else layout.block_tokens)
+        self.events.stored(tenant, lid, first.tier, [c.key for c in run], first.parent or b"",
+                           0 if layout is None else layout.block_tokens)
+
+    # -- held for a block not yet in a tier (module docstring) ---------------------------------
+
+    def take_slots(self, tenant: str, nbytes: int) -> None:
+        """`nbytes` of DRAM slots were just taken for `tenant`'s blocks: charged until a block's
+        DROP DRAM or `give_back` frees them."""
+        self.names.charge(tenant, _DRAM, nbytes)
+
+    def give_back(self, tenant: str, slot: int) -> None:
+        """Frees a taken slot that holds no block and gives its bytes back to `tenant`."""
+        self.names.charge(tenant, _DRAM, -self.pool.stride_of(slot))
+        self.pool.free(slot)
+
+    def reserve_ssd(self, ns: Namespace) -> None:
+        """A write-back of one of `ns`'s blocks is queued: its stored bytes are charged."""
+        self.names.charge(ns.tenant, _SSD, self.ssd_cost(ns))
+
+    def unreserve_ssd(self, ns: Namespace) -> None:
+        """A queued write-back of `ns` left the queue: its reservation is given back."""
+        self.names.charge(ns.tenant, _SSD, -self.ssd_cost(ns))

@@ -27,6 +27,23 @@ lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvti
 (the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers),
 `kvtier.daemon.applier` (what a residency change entails) and `kvtier.daemon.cache_stats` (what it
 reports).
+
+Locks, outermost first (a thread holding one only ever takes those below it):
+
+    1. the cache lock (`Cache._lock`, an RLock shared with Tiers, the Applier, Acquire's
+       condition and the slot streams): the index, the pool's ownership, leases, tenants
+    2. a write queue's lock (`SlotWriteQueue._cv`, the mover's and the remote tier's): `offer`,
+       taken with 1 held; the write budget is asked under it
+    3. the DRAM pool's lock (`DramPool._lock`): taken with 1 and/or 2 held, takes nothing
+       (its `moved` callback only repoints the index, which has no lock)
+    4. the SSD store's write lock (`SsdStore._wlock`): with 1 held (the applier's deletes, the
+       rebuild) or on the writer thread with nothing held; takes only the store's inner locks
+    5. the event log's lock (`EventLog._lock`): with 1 held (the applier); its sink only queues
+
+Taken with none of these held and taking none: the MRC sampler's lock (`_mrc_lock`), the
+promotion read lock (`Tiers._read_lock`, then store reads, which take no store lock), the rate
+books' and the metrics' locks (leaves, from anywhere). The writer threads take 1 only in their
+completion callbacks (`Tiers.on_written`, `on_remote_written`), holding neither 2 nor 4 then.
 """
 
 from __future__ import annotations
@@ -61,7 +78,7 @@ from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.metrics import DaemonMetrics, MrcGauges, PoolGauges
-from kvtier.daemon.namespaces import LayoutInfo, Namespace, Namespaces
+from kvtier.daemon.namespaces import LayoutInfo, NamespaceInfo, Namespaces
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Tiers
 from kvtier.daemon.slot_stream import SlotStream
@@ -162,7 +179,7 @@ class Cache:
         with self._lock:
             return self.names.layout(tenant, layout_id)
 
-    def _ns(self, tenant: Tenant, layout_id: bytes) -> Namespace:
+    def _ns(self, tenant: Tenant, layout_id: bytes) -> NamespaceInfo:
         ns = self.names.get(tenant, layout_id)
         self.tiers.block_bytes.setdefault(ns.name, ns.layout.block_bytes)
         return ns
@@ -197,7 +214,7 @@ class Cache:
 
     def _lookup_local(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, replica: str,
-    ) -> tuple[Namespace, list[bytes], list[Tier]]:
+    ) -> tuple[NamespaceInfo, list[bytes], list[Tier]]:
         with self._lock:
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
@@ -209,7 +226,7 @@ class Cache:
             self.mrc.observe_packed(ns.name, keys, key_width)
         return ns, chain, list(found.tiers)
 
-    def _remote_present(self, ns: Namespace, chain: list[bytes], local: int) -> int:
+    def _remote_present(self, ns: NamespaceInfo, chain: list[bytes], local: int) -> int:
         """Blocks after the local prefix that the remote tier holds (no cache lock)."""
         remote = self.tiers.remote
         if remote is None or local >= len(chain):
@@ -217,7 +234,7 @@ class Cache:
         return remote.present(ns.name, chain[local:])
 
     def _lookup_result(
-        self, ns: Namespace, chain: list[bytes], tiers: list[Tier], start_token: int,
+        self, ns: NamespaceInfo, chain: list[bytes], tiers: list[Tier], start_token: int,
         prompt_tokens: int, want_plan: bool,
     ) -> LookupResult:
         with self._lock:
@@ -291,7 +308,7 @@ class Cache:
             a.session = session
             return a
 
-    def _claim(self, ns: Namespace) -> int | None:
+    def _claim(self, ns: NamespaceInfo) -> int | None:
         return self.tiers.claim(ns.name) if quota_room(
             self.tiers, ns.usage, 1, self.tiers.dram_bytes_of(ns.name)) else None
 

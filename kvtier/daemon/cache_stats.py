@@ -14,7 +14,7 @@ from kvtier.daemon.auth import Tenant
 from kvtier.daemon.config import Config
 from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
-from kvtier.daemon.namespaces import Namespaces
+from kvtier.daemon.namespaces import Namespace, Namespaces
 from kvtier.daemon.residency import Tiers
 from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 
@@ -45,29 +45,33 @@ def cache_stats(
 ) -> CacheStats:
     ps = tiers.pool.stats()
     ss = tiers.store.stats() if tiers.store is not None else None
-    state = names.tenants.get(tenant.name) if tenant else None
+    usage = names.tenants.get(tenant.name) if tenant else None
     if tenant is not None and not tenant.admin:
-        prefix = tenant.name + "/"
+        name = tenant.name
+
+        def of_tenant(ns: object) -> bool:
+            return isinstance(ns, Namespace) and ns.tenant == name
+
         mine = [lease for lease in leases if lease.tenant == tenant.name]
         return CacheStats(
-            ps.bytes_reserved, state.dram_bytes if state else 0,
-            tiers.index.blocks_of(prefix, Tier.DRAM),
-            ss.capacity_bytes if ss else 0, state.ssd_bytes if state else 0,
-            tiers.index.blocks_of(prefix, Tier.SSD),
+            ps.bytes_reserved, usage.dram_bytes if usage else 0,
+            tiers.index.blocks_of(of_tenant, Tier.DRAM),
+            ss.capacity_bytes if ss else 0, usage.ssd_bytes if usage else 0,
+            tiers.index.blocks_of(of_tenant, Tier.SSD),
             sum(1 for lease in mine if lease.kind is LeaseKind.READ),
             sum(1 for lease in mine if lease.kind is LeaseKind.WRITE),
-            names.layouts_of(tenant.name), state.dram_bytes if state else 0,
-            state.ssd_bytes if state else 0, False,
-            state.lookups if state else 0, state.blocks_hit if state else 0,
-            state.blocks_missed if state else 0,
+            names.layouts_of(tenant.name), usage.dram_bytes if usage else 0,
+            usage.ssd_bytes if usage else 0, False,
+            usage.lookups if usage else 0, usage.blocks_hit if usage else 0,
+            usage.blocks_missed if usage else 0,
         )
     return CacheStats(
         ps.bytes_reserved, ps.bytes_used, tiers.index.blocks(Tier.DRAM),
         ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,
         tiers.index.blocks(Tier.SSD),
         leases.count(LeaseKind.READ), leases.count(LeaseKind.WRITE),
-        len(names.layouts), state.dram_bytes if state else 0,
-        state.ssd_bytes if state else 0,
+        len(names.layouts), usage.dram_bytes if usage else 0,
+        usage.ssd_bytes if usage else 0,
     )
 
 

@@ -1,11 +1,13 @@
 """Block events (stored / removed, per tier) with sequence numbers, for WatchEvents subscribers.
 
-`EventLog.emit` is called by the cache from any thread; it appends to a bounded ring (for replay
+`EventLog.stored` / `EventLog.removed` are called by the applier (`kvtier.daemon.applier`, the
+one producer) from any thread; it appends to a bounded ring (for replay
 after a reconnect, `since`) and wakes subscribers. A subscriber is an asyncio queue bound to its
 event loop; a subscriber that falls `max_queue` events behind is dropped (its stream ends with a
 gap it can detect from the sequence numbers) rather than slowing the cache down. `sink`, when
 set, also gets every event, in node order, under the log's lock (the ZMQ KV-event publisher,
-`kvtier.daemon.kv_publisher`: it must only queue).
+`kvtier.daemon.kv_publisher`: it must only queue). The log's lock is taken with the cache lock
+held (the applier emits) and takes no other lock (the sink appends to a deque).
 
 Sequence numbers are per tenant (a tenant's stream counts only its own events, so it has no gaps
 made by anyone else's); each event also carries a node-wide number, which the streams of admin
@@ -70,9 +72,21 @@ class EventLog:
         with self._lock:
             return self._tenant_seq.get(tenant, 0)
 
-    def emit(
+    def stored(
+        self, tenant: str, layout: bytes, tier: Tier, keys: list[bytes], parent: bytes = b"",
+        block_tokens: int = 0,
+    ) -> None:
+        """One BlockStored event: `keys`, consecutive blocks of one chain (the first one's
+        parent `parent`, b"" = none), now have a copy in `tier`. No keys: no event."""
+        self._emit(tenant, layout, True, tier, keys, parent, block_tokens)
+
+    def removed(self, tenant: str, layout: bytes, tier: Tier, keys: list[bytes]) -> None:
+        """One BlockRemoved event: `keys` no longer have a copy in `tier`. No keys: no event."""
+        self._emit(tenant, layout, False, tier, keys, b"", 0)
+
+    def _emit(
         self, tenant: str, layout: bytes, stored: bool, tier: Tier, keys: list[bytes],
-        parent: bytes = b"", block_tokens: int = 0,
+        parent: bytes, block_tokens: int,
     ) -> None:
         if not keys:
             return

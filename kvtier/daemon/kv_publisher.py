@@ -2,7 +2,7 @@
 over ZMQ in vLLM's KVEventBatch format (`kvtier.core.kv_events`), with vLLM's replay endpoint.
 
     cache thread(s)                      publisher thread
-    Applier -> EventLog.emit -> offer -> pending (bounded deque) -> batch -> encode
+    Applier -> EventLog.stored/removed -> offer -> pending (bounded deque) -> batch -> encode
                                                   -> XPUB send (NOBLOCK) -> replay ring
                                                   <- ROUTER replay requests
 

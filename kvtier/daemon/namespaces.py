@@ -6,10 +6,10 @@ A registered layout is (model id, layout fingerprint), registered per tenant; it
 `("kvtier-root/v1", model_id, fingerprint)`), the id every data request names. Two models with the
 same layout fingerprint (two fine-tunes of one base) therefore get two layout ids, and their
 blocks never mix even when their keys are equal (vLLM-compatible keys carry no model of their
-own). A namespace is (tenant, layout id), named `"<tenant>/ns2:<layout id hex>"` — the string
-that keys blocks in the prefix index and in the SSD store. The `ns2:` tag tells it apart from the
-old `"<tenant>/<fingerprint hex>"` form (no model id), whose stored blocks are never served: the
-SSD rebuild drops them (`namespace_layout_id` returns None for them).
+own). A namespace is (tenant, layout id) (`Namespace`), stored as `"<tenant>/ns2:<layout id
+hex>"` — the key of blocks in the prefix index and in the SSD store. The `ns2:` tag tells it apart
+from the old `"<tenant>/<fingerprint hex>"` form (no model id), whose stored blocks are never
+served: the SSD rebuild drops them (`Namespace.parse` returns None for them).
 Requests are validated here against their layout (key width, counts) before anything changes.
 
 Layouts (with their cost models) belong to the tenant that registered them: a tenant only ever
@@ -40,31 +40,38 @@ FINGERPRINT_BYTES = (8, 64)
 _NS_TAG = "ns2:"
 
 
-def namespace(tenant: str, lid: bytes) -> str:
-    return f"{tenant}/{_NS_TAG}{lid.hex()}"
+class Namespace(str):
+    """(tenant, layout id): the key space of the prefix index, the SSD store and the remote tier.
 
+    Typed: `tenant` and `layout_id` are fields, never parsed back out of a string. Its *value* is
+    the stored form `"<tenant>/ns2:<layout id hex>"`, so it keys the index and the stores as it
+    is: the SSD store's keys (and the remote tier's) are the ones earlier versions wrote, and the
+    index's policies hash the same bytes they always did. A key read back from a store becomes a
+    Namespace once, at the tier boundary (`Namespace.parse`: the SSD rebuild)."""
 
-def namespace_tenant(ns: str) -> str:
-    return ns.rpartition("/")[0]
+    tenant: str
+    layout_id: bytes
 
+    def __new__(cls, tenant: str, layout_id: bytes) -> Namespace:
+        self = super().__new__(cls, f"{tenant}/{_NS_TAG}{layout_id.hex()}")
+        self.tenant = tenant
+        self.layout_id = layout_id
+        return self
 
-def namespace_layout_id(ns: str) -> bytes | None:
-    """The layout id of a namespace string; None for any other form (e.g. pre-model-id)."""
-    tail = ns.rpartition("/")[2]
-    if not tail.startswith(_NS_TAG) or len(tail) != len(_NS_TAG) + 2 * LAYOUT_ID_BYTES:
-        return None
-    try:
-        return bytes.fromhex(tail[len(_NS_TAG):])
-    except ValueError:
-        return None
+    def __getnewargs__(self) -> tuple[str, bytes]:  # type: ignore[override]
+        return self.tenant, self.layout_id
 
-
-def namespace_layout(ns: str) -> bytes:
-    """The layout id of a namespace made by `namespace` (events name layouts by it)."""
-    lid = namespace_layout_id(ns)
-    if lid is None:
-        raise ValueError(f"not a kvtier namespace: {ns!r}")
-    return lid
+    @classmethod
+    def parse(cls, stored: str) -> Namespace | None:
+        """The namespace a store key names; None for any other form (the pre-model-id
+        `"<tenant>/<fingerprint hex>"`)."""
+        tenant, _, tail = stored.rpartition("/")
+        if not tail.startswith(_NS_TAG) or len(tail) != len(_NS_TAG) + 2 * LAYOUT_ID_BYTES:
+            return None
+        try:
+            return cls(tenant, bytes.fromhex(tail[len(_NS_TAG):]))
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +101,11 @@ class TenantUsage:
 
 
 @dataclass(slots=True, eq=False)
-class Namespace:
-    name: str  # the index/SSD namespace string
+class NamespaceInfo:
+    """A namespace some request named: its key, its tenant's usage, its layout, its WRITE
+    leases' keys."""
+
+    name: Namespace  # the index/SSD key
     usage: TenantUsage  # its tenant's
     layout: LayoutInfo
     pending: dict[bytes, str] = field(default_factory=dict)  # key -> WRITE lease id
@@ -110,7 +120,7 @@ class Namespaces:
         self.max_blocks = max_blocks_per_request
         self.layouts: dict[tuple[str, bytes], LayoutInfo] = {}
         self.tenants: dict[str, TenantUsage] = {}
-        self._namespaces: dict[tuple[str, bytes], Namespace] = {}
+        self._namespaces: dict[tuple[str, bytes], NamespaceInfo] = {}
 
     def register(
         self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
@@ -157,22 +167,23 @@ class Namespaces:
             raise NotFound(f"unknown layout {lid.hex()[:16]}: call RegisterLayout first")
         return info
 
-    def get(self, tenant: Tenant, lid: bytes) -> Namespace:
+    def get(self, tenant: Tenant, lid: bytes) -> NamespaceInfo:
         ns = self._namespaces.get((tenant.name, lid))
         if ns is None:
             layout = self.layout(tenant, lid)
-            ns = Namespace(namespace(tenant.name, lid), self.tenant(tenant.name, tenant), layout)
+            ns = NamespaceInfo(Namespace(tenant.name, lid), self.tenant(tenant.name, tenant),
+                               layout)
             self._namespaces[(tenant.name, lid)] = ns
         return ns
 
     def tenant(self, name: str, tenant: Tenant | None = None) -> TenantUsage:
         """The usage of a tenant (created on first sight; quotas from `tenant`)."""
-        state = self.tenants.get(name)
-        if state is None:
-            state = self.tenants[name] = TenantUsage(tenant or Tenant(name))
-        elif tenant is not None and state.tenant != tenant:
-            state.tenant = tenant
-        return state
+        usage = self.tenants.get(name)
+        if usage is None:
+            usage = self.tenants[name] = TenantUsage(tenant or Tenant(name))
+        elif tenant is not None and usage.tenant != tenant:
+            usage.tenant = tenant
+        return usage
 
     def dram_holdings(self) -> dict[str, tuple[int, int]]:
         """Tenant -> (DRAM bytes it holds, its guaranteed DRAM bytes): for fair shares."""
@@ -183,18 +194,22 @@ class Namespaces:
         return sum(1 for name, _ in self.layouts if name == tenant)
 
     def charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
-        state = self.tenant(tenant)
+        """Adds `nbytes` (negative: gives back) to `tenant`'s usage in `tier`. Only the applier
+        calls it (`kvtier.daemon.applier`: tenant bytes change in one place)."""
+        usage = self.tenant(tenant)
         if tier is Tier.DRAM:
-            state.dram_bytes += nbytes
+            usage.dram_bytes += nbytes
         else:
-            state.ssd_bytes += nbytes
+            usage.ssd_bytes += nbytes
 
     def ssd_quota_ok(self, tenant: str, nbytes: int) -> bool:
-        state = self.tenant(tenant)
-        quota = state.tenant.ssd_quota_bytes
-        return not quota or state.ssd_bytes + nbytes <= quota
+        usage = self.tenant(tenant)
+        quota = usage.tenant.ssd_quota_bytes
+        return not quota or usage.ssd_bytes + nbytes <= quota
 
-    def split_keys(self, ns: Namespace, keys: bytes, key_width: int, unique: bool) -> list[bytes]:
+    def split_keys(
+        self, ns: NamespaceInfo, keys: bytes, key_width: int, unique: bool,
+    ) -> list[bytes]:
         """The packed chain as a list of keys, validated against the layout and the limits."""
         width = ns.layout.key_width
         if key_width != width:

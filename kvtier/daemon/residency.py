@@ -23,16 +23,22 @@ tenants charged, SSD keys deleted, events); what is left here is moving:
   Until then the slot belongs to the claimant (`claimed` counts them) and the block must stay
   pinned in the index by the caller.
 
-Index "tenants" are namespaces: `"<tenant>/ns2:<layout id hex>"` (layout id = H(model id, layout
-fingerprint), `kvtier.daemon.namespaces`), the same string keys the SSD store, so after a restart
-the stored blocks come back under the right tenant, model and layout. Blocks stored under any other
-namespace form — the pre-model-id `"<tenant>/<fingerprint hex>"` — cannot be attributed to a model:
-the rebuild deletes them (one warning line with the count) and never serves them.
+Index "tenants" are namespaces, `Namespace(tenant, layout id)` (layout id = H(model id, layout
+fingerprint), `kvtier.daemon.namespaces`), whose value `"<tenant>/ns2:<layout id hex>"` is also
+the SSD store's (and the remote tier's) key, so after a restart the stored blocks come back under
+the right tenant, model and layout (the rebuild turns each stored key back into a `Namespace`).
+Blocks stored under any other namespace form — the pre-model-id `"<tenant>/<fingerprint hex>"` —
+cannot be attributed to a model: the rebuild deletes them (one warning line with the count) and
+never serves them.
 
 Threading: every method is called with the cache lock held, except `on_written`, which the mover
 calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must
-be called without it. Lock order: cache lock, then
-the SSD store's write lock — the writer thread never holds the store lock while taking ours.
+be called without it. Lock order (all of it: `kvtier.daemon.cache`): cache lock → a write queue's
+lock (`Mover.submit`, `RemoteTier.offer`) → the pool's lock; cache lock → the SSD store's write
+lock (deletes). The writer threads never hold their queue's or the store's lock while taking ours.
+Page moves (`_gather`, `_clear_row`) copy slot bytes under the cache lock and the pool's lock, on
+the caller's thread (the event loop for Allocate): ARCHITECTURE "Threading" says what taking them
+off it needs.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
@@ -50,7 +57,7 @@ from kvtier.daemon.applier import Applier
 from kvtier.daemon.config import Config
 from kvtier.daemon.events import EventLog
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespaces, namespace_layout_id, namespace_tenant
+from kvtier.daemon.namespaces import Namespace, Namespaces
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.remote_tier import RemoteTier, RemoteWrite
 from kvtier.index import placement
@@ -62,6 +69,8 @@ from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdSpec, SsdStore, open_store
 
 log = logging.getLogger(__name__)
+
+_UNSEEN = Namespace("", b"")  # `_rebuild`'s "not parsed yet" marker
 
 STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 """The SSD store's own layout tag; each block's namespace (tenant + layout id) is in its key."""
@@ -77,7 +86,7 @@ class Tiers:
         self.events = events
         self.rates = rates
         self._lock = lock
-        self.names = names  # tenants' usage (charged here and by the applier), quotas, shares
+        self.names = names  # tenants' usage (charged only by the applier), quotas, shares
         self.slot_bytes = cfg.slot_bytes  # the smallest slot: a block's default size
         self.pool = DramPool.create(DramSpec(
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
@@ -140,14 +149,18 @@ class Tiers:
         """Re-enters every stored block into the index (parents first); drops stranded ones."""
         assert self.store is not None
         started = time.monotonic()
-        by_ns: dict[str, dict[bytes, bytes | None]] = {}
+        by_ns: dict[Namespace, dict[bytes, bytes | None]] = {}
         foreign: list[tuple[str, bytes]] = []
+        parsed: dict[str, Namespace | None] = {}
         for e in entries:
-            if namespace_layout_id(e.tenant) is None:
+            ns = parsed.get(e.tenant, _UNSEEN)
+            if ns is _UNSEEN:
+                ns = parsed[e.tenant] = Namespace.parse(e.tenant)
+            if ns is None:
                 foreign.append((e.tenant, e.key))
                 continue
-            by_ns.setdefault(e.tenant, {})[e.key] = e.parent
-            self.block_bytes.setdefault(e.tenant, e.size - blockfmt.HEADER_SIZE)
+            by_ns.setdefault(ns, {})[e.key] = e.parent
+            self.block_bytes.setdefault(ns, e.size - blockfmt.HEADER_SIZE)
         if foreign:
             log.warning("SSD tier: dropping %d stored blocks of %d namespaces without a model id "
                         "(stored before namespaces carried one; never served)", len(foreign),
@@ -202,7 +215,7 @@ class Tiers:
         """DRAM one block of this namespace takes: its size class's slot stride."""
         return self.pool.stride_for(self.block_bytes.get(ns, self.slot_bytes))
 
-    def maybe_write_back(self, ns: str, blocks: list[IndexBlock]) -> None:
+    def maybe_write_back(self, ns: Namespace, blocks: list[IndexBlock]) -> None:
         """Queues the write-backs the planner calls for (`placement.write_backs`: admitted
         DRAM-only blocks of a looked-up or committed chain, root first), each after SSD room
         (`placement.ssd_room`, then the byte bound), the tenant's SSD quota and the wear budget
@@ -212,7 +225,7 @@ class Tiers:
             return
         for w in placement.write_backs(self.index, ns, blocks, _Queued(ns, self._queued)):
             assert w.slot is not None  # every daemon DRAM block has a slot
-            tenant, cost = namespace_tenant(ns), self.ssd_bytes_of(ns)
+            tenant, cost = ns.tenant, self.ssd_bytes_of(ns)
             if not self._make_ssd_room(1 + len(self._queued), cost):
                 self.metrics.writeback_dropped.inc()
                 return
@@ -224,7 +237,7 @@ class Tiers:
             got = mover.submit(WriteBack(ns, w.key, w.parent, w.slot, nbytes))
             if got is Submitted.QUEUED:
                 self._queued.add((ns, w.key))
-                self.names.charge(tenant, Tier.SSD, cost)  # reserved until written or refused
+                self.applier.reserve_ssd(ns)  # until written or refused
                 continue
             self.index.unpin(ns, w.key)
             if got is Submitted.ALREADY_STORED:
@@ -269,8 +282,7 @@ class Tiers:
                     continue
                 self.index.unpin(w.tenant, w.key)
                 # the reservation ends; the applier charges the copy the index now records
-                self.names.charge(namespace_tenant(w.tenant), Tier.SSD,
-                                  -self.ssd_bytes_of(w.tenant))
+                self.applier.unreserve_ssd(cast(Namespace, w.tenant))  # as queued
                 if (w.tenant, w.key) not in stored:
                     self.metrics.writeback_dropped.inc()
                     continue
@@ -284,7 +296,7 @@ class Tiers:
         self.metrics.ssd_bytes_written.inc(result.bytes_written)
         self.metrics.bytes_moved.labels("ssd", "demote").inc(result.bytes_written)
 
-    def claim(self, ns: str) -> int | None:
+    def claim(self, ns: Namespace) -> int | None:
         """A slot to promote one of `ns`'s SSD or remote blocks into (evicting for room),
         charged to its tenant; None when there is no room (or no tier below DRAM)."""
         if self.store is None and self.remote is None:
@@ -292,18 +304,18 @@ class Tiers:
         nbytes = self.block_bytes.get(ns, self.slot_bytes)
         if nbytes > self.pool.max_block:  # stored before max_block_bytes shrank: not served
             return None
-        slots = self.take_slots(1, namespace_tenant(ns), nbytes)
+        slots = self.take_slots(1, ns.tenant, nbytes)
         if not slots:
             return None
         self.claimed += 1
         return slots[0]
 
-    def unclaim(self, ns: str, slot: int) -> None:
+    def unclaim(self, ns: Namespace, slot: int) -> None:
         """Gives a claimed slot back (the read failed, or the block is no longer wanted)."""
-        self.give_back(namespace_tenant(ns), slot)
+        self.give_back(ns.tenant, slot)
         self.claimed -= 1
 
-    def settle(self, ns: str, block: IndexBlock, slot: int, nbytes: int) -> None:
+    def settle(self, ns: Namespace, block: IndexBlock, slot: int, nbytes: int) -> None:
         """The claimed slot holds the block's verified payload: it is the block's DRAM copy
         (journaled; the caller applies before it lets the lock go)."""
         self.index.add_tier(ns, block.key, Tier.DRAM, dram_slot=slot)
@@ -332,7 +344,7 @@ class Tiers:
             self.rates.observe_transfer(Link.SSD_READ, nbytes, seconds)
         return got, seconds
 
-    def drop_lost(self, ns: str, block: IndexBlock) -> None:
+    def drop_lost(self, ns: Namespace, block: IndexBlock) -> None:
         """Forgets an SSD-only block whose payload failed to read, with its whole subtree (no
         descendant could ever hit again). If a descendant is pinned by a lease, the subtree
         stays until a later Acquire meets the lost block again; reads of it fail fast (the store
@@ -347,7 +359,7 @@ class Tiers:
 
     # -- remote -------------------------------------------------------------------------------
 
-    def maybe_write_remote(self, ns: str, blocks: list[IndexBlock], committed: bool) -> None:
+    def maybe_write_remote(self, ns: Namespace, blocks: list[IndexBlock], committed: bool) -> None:
         """Offers admitted DRAM blocks to the remote tier's write queue: at Commit when
         `remote_admit_after` is 1, else at the lookup that makes a block's k-th access. Each
         offered block stays pinned until `on_remote_written`."""
@@ -366,7 +378,9 @@ class Tiers:
                 remote.dropped(why, len(todo) - i - 1)
                 return
 
-    def settle_remote(self, ns: str, key: bytes, parent: bytes | None, slot: int) -> IndexBlock:
+    def settle_remote(
+        self, ns: Namespace, key: bytes, parent: bytes | None, slot: int,
+    ) -> IndexBlock:
         """A claimed slot holds a verified remote payload: it becomes a new DRAM block (raises
         the index's DuplicateBlock / MissingParent / TierFull; the caller then unclaims).
         Journaled; the caller applies before it lets the lock go."""
@@ -389,14 +403,13 @@ class Tiers:
 
     def give_back(self, tenant: str, slot: int) -> None:
         """Frees a slot that holds no block (an unfilled WRITE lease slot, an unsettled claim)
-        and gives its bytes back to `tenant`."""
-        self.names.charge(tenant, Tier.DRAM, -self.pool.stride_of(slot))
-        self.pool.free(slot)
+        and gives its bytes back to `tenant` (`Applier.give_back`)."""
+        self.applier.give_back(tenant, slot)
 
     def take_slots(self, n: int, tenant: str, nbytes: int) -> list[int]:
-        """`n` free slots for `tenant`'s blocks of `nbytes`, charged to it (until the applier
-        or `give_back` frees them), evicting unpinned DRAM blocks as
-        needed: LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
+        """`n` free slots for `tenant`'s blocks of `nbytes`, charged to it (`Applier.take_slots`,
+        until the applier or `give_back` frees them), evicting unpinned DRAM blocks as needed:
+        LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
         [] when impossible (when even every unpinned block would not make room, nothing is
         evicted). Slots come in size classes on pages (`kvtier.tiers.dram_pages`): a victim of
         another class frees a slot only that class can use, so before the first eviction and
@@ -416,7 +429,7 @@ class Tiers:
             self._gather(stride, n, nbytes)
         slots = pool.alloc_many(n, nbytes)
         if slots is not None:
-            self.names.charge(tenant, Tier.DRAM, n * stride)
+            self.applier.take_slots(tenant, n * stride)
             self.apply()  # slot moves of `_gather`
             return slots
         stats = pool.stats()
@@ -452,7 +465,7 @@ class Tiers:
             self._gather(stride, n, nbytes)
         slots = pool.alloc_many(n, nbytes) or []
         if slots:
-            self.names.charge(tenant, Tier.DRAM, n * stride)
+            self.applier.take_slots(tenant, n * stride)
         self.apply()
         return slots
 
@@ -507,10 +520,10 @@ class Tiers:
     def evict_tenant_dram(self, tenant: str, n: int, reason: str = "quota") -> int:
         """Evicts up to `n` of one tenant's DRAM blocks, coldest first (quota, fair share);
         O(evictable blocks) per block of the longest chain it shortens."""
-        prefix, done = tenant + "/", 0
+        done = 0
         while done < n:
             mine = [b for b in self.index.victims(Tier.DRAM, 1 << 30)
-                    if isinstance(b.tenant, str) and b.tenant.startswith(prefix)][:n - done]
+                    if cast(Namespace, b.tenant).tenant == tenant][:n - done]
             if not mine:
                 break
             for b in mine:

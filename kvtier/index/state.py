@@ -35,7 +35,7 @@ Threading: none; the owner serialises calls (see `kvtier.index.prefix`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvtier.core.types import BlockKey, Tier
 from kvtier.index.policies import AdmissionHistory, EvictionQueue
@@ -154,11 +154,11 @@ class IndexState:
         for m in self._maps.values():
             yield from m.values()
 
-    def blocks_of(self, prefix: str, tier: Tier) -> int:
-        """Blocks in `tier` of the tenants (namespaces) whose name starts with `prefix`.
-        O(their entries): for statistics, not for the request path."""
+    def blocks_of(self, match: Callable[[Tenant], bool], tier: Tier) -> int:
+        """Blocks in `tier` of the tenants (namespaces) `match` accepts. O(their entries): for
+        statistics, not for the request path."""
         bit = 1 << tier
-        return sum(1 for t, m in self._maps.items() if isinstance(t, str) and t.startswith(prefix)
+        return sum(1 for t, m in self._maps.items() if match(t)
                    for b in m.values() if b.flags & bit)
 
     def capacity(self, tier: Tier) -> int | None:

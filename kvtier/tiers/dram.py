@@ -20,7 +20,11 @@ the pool: `free` and `write` refuse it (`SlotPinned`). The daemon pins a slot fo
 lets a client read it and unpins at release/expiry; the mover pins slots it is writing back.
 
 Threading: `DramPool` metadata operations take an internal lock and may be called from any
-thread. Slot bytes are not locked: the pin rule is what keeps readers and writers apart.
+thread. Slot bytes are not locked: the pin rule is what keeps readers and writers apart. The
+pool's lock is innermost: callers may hold their own locks (the daemon's cache lock, a write
+queue's) when they call in, and nothing here takes another lock under it; `evacuate` and
+`clear_row` call `moved` under it, which must take no lock that is ever held while calling the
+pool. They also copy the moved blocks' bytes under it (a page's worth at most).
 """
 
 from __future__ import annotations

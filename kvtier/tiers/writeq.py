@@ -15,7 +15,10 @@ blocks and never waits on I/O: the caller learns at once whether the slot is now
 Lifecycle: `flush(timeout)` waits until everything queued is written; `close(timeout)` flushes,
 stops taking items, stops the thread and hands what is left to `done(left, None)` with its
 slots unpinned. Threading: `offer`, `flush`, `close`, `depth` and `held_bytes` from any thread;
-`write` and `done` run on the writer thread (or on `close`'s caller for what was left).
+`write` and `done` run on the writer thread (or on `close`'s caller for what was left). Lock
+order: callers may hold their own lock when they `offer` (the daemon's cache lock); under the
+queue's lock `offer` asks `spend` and takes the pool's lock (pin), nothing else. `write` and `done`
+run with the queue's lock released, so they may take the caller's lock (`done` does).
 """
 
 from __future__ import annotations

@@ -58,7 +58,10 @@ per payload mode, `ssd_slots` the slot file, `ssd_types` the spec and result typ
 Threading: one writer at a time — writes (`put_many`, `delete_many`, `flush_stats`) are
 serialized by an internal lock and are meant to come from the mover's writer thread; reads
 (`get_into`, `get_many_into`, `get`, `contains`) run concurrently from any thread and never
-block on writers. The `evictor` runs on the writing thread with no store lock held.
+block on writers. The `evictor` runs on the writing thread with no store lock held. Lock order:
+callers may hold their own lock when they write (the daemon's cache lock, for deletes); under the
+write lock the store takes only its own inner locks (the slot file's free set, the pending access
+counts), never a caller's.
 """
 
 from __future__ import annotations
