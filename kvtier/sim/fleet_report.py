@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from kvtier.core.errors import UsageError
 from kvtier.core.units import format_bytes
 from kvtier.sim.fleet import FleetResult, NodeCeiling
+from kvtier.sim.sweep import save_plot
 
 
 class FleetReport(NamedTuple):
@@ -270,9 +270,4 @@ def plot(reports: Sequence[FleetReport], title: str, path: str) -> None:
     right.legend(loc="upper right", fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise UsageError(f"--plot: cannot write {path!r}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save_plot(fig, path)

@@ -91,6 +91,19 @@ def check_plot_target(path: str) -> None:
         raise UsageError(f"--plot: directory {str(target.parent)!r} does not exist")
 
 
+def save_plot(fig: Any, path: str) -> None:
+    """Writes matplotlib figure `fig` to `path` and closes it; an unwritable path is a
+    UsageError (`--plot`)."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path)
+    except OSError as exc:
+        raise UsageError(f"--plot: cannot write {path!r}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
 def plot(
     points: Sequence[SweepPoint],
     infinite_ratio: float,
@@ -132,9 +145,4 @@ def plot(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise UsageError(f"--plot: cannot write {path!r}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save_plot(fig, path)

@@ -124,6 +124,16 @@ class _Step:
     """When the latest layer's copy ended (the CPU backend's own time; on CUDA when seen): the
     copy time the daemon's planner gets is `done_at - t0`, not the forward the leases spanned."""
 
+    @classmethod
+    def of(cls, leases: Sequence[Lease], layer_groups: Sequence[int]) -> _Step | None:
+        """A step over the leases that have blocks (None when none has)."""
+        kept = [lease for lease in leases if len(lease.blocks)]
+        if not kept:
+            return None
+        pairs, pages = layer_pairs(kept, layer_groups)
+        n = sum(len(lease.blocks) for lease in kept)
+        return cls(kept, np.zeros(n, dtype=np.bool_), [], time.perf_counter(), pages, pairs)
+
 
 def _finish_leases(step: _Step, release: Release, page_bytes: int) -> Finished:
     """Release every lease of a step whose copies are all collected."""
@@ -206,13 +216,10 @@ class LayerLoads:
         `generation`), layer by layer. A step still unfinished is finished first."""
         if self._step is not None:
             raise RuntimeError("the previous step's loads are not finished")
-        leases = [lease for lease in leases if len(lease.blocks)]
-        if not leases:
+        step = _Step.of(leases, self.layer_groups)
+        if step is None:
             return
-        pairs, pages = layer_pairs(leases, self.layer_groups)
-        n = sum(len(lease.blocks) for lease in leases)
-        step = _Step(list(leases), np.zeros(n, dtype=np.bool_), [], time.perf_counter(), pages,
-                     pairs)
+        pairs = step.layers
         self._step = step
         try:
             engine = self._engine_for(rows, generation)
@@ -231,7 +238,7 @@ class LayerLoads:
             self._warned = True
             log.log(level, "kvtier: loads not issued (%s: %s); recomputing them",
                     type(exc).__name__, exc)
-            step.failed.update(int(b) for lease in leases for b in lease.blocks)
+            step.failed.update(int(b) for lease in step.leases for b in lease.blocks)
             step.handles = [h for h in step.handles if h is not None]
             self._drain(step)
             return
@@ -314,13 +321,10 @@ class TorchLoads:
         torch = self._torch
         if self._step is not None:
             raise RuntimeError("the previous step's loads are not finished")
-        leases = [lease for lease in leases if len(lease.blocks)]
-        if not leases:
+        step = _Step.of(leases, self.layer_groups)
+        if step is None:
             return
-        pairs, pages = layer_pairs(leases, self.layer_groups)
-        n = sum(len(lease.blocks) for lease in leases)
-        step = _Step(list(leases), np.zeros(n, dtype=np.bool_), [], time.perf_counter(), pages,
-                     pairs)
+        pairs = step.layers
         self._step = step
         try:
             src_rows = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(rows)
