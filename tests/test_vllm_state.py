@@ -156,6 +156,13 @@ def test_state_and_kv_of_one_boundary_restore_the_answer_and_a_wrong_state_fails
     # per request: the attention layer's CUT pages, each state layer's one state page
     loaded = s.e.metric("vllm:kvtier_loaded_bytes") - before
     assert loaded == 2 * (CUT + 3) * PAGE
+    # a prompt sharing the first prompt's first 3 blocks (chain blocks held) but not its 4th:
+    # no state was kept at 3 blocks, so no hit (never the attention KV without its state)
+    shared = right[:3 * BLOCK + 20] + prompt(9)[3 * BLOCK + 20:]
+    with Client(s.d.socket, layout=decl) as c:
+        assert c.lookup(block_keys(shared, BLOCK)).hit_blocks == 3
+    s.e.reset_prefix_cache()
+    assert s.e.generate([shared], max_tokens=1)[0].cached == 0
 
 
 def test_mode_none_stores_nothing(tmp_path: Path) -> None:
