@@ -26,6 +26,7 @@ import pytest
 
 from bench.hybrid_models import MODELS, write_config, write_hybrid
 from bench.vllm_engine import EngineProc
+from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests.daemon_fixture import DaemonProc
@@ -132,6 +133,19 @@ def test_state_and_kv_of_one_boundary_restore_the_answer_and_a_wrong_state_fails
         wait_stored(s.d.socket, s.kv, chain)
         blocks[name] = (keys, chain, read_blocks(s.d.socket, decl, keys),
                         read_blocks(s.d.socket, decl, chain))
+    wait_stored(s.d.socket, s.kv, hit_keys(s.kv, changed))
+    wait_stored(s.d.socket, s.kv, block_keys(changed, BLOCK)[:CUT])
+    # per-group accounting: every block of the layout holds a page of each group; at least 4
+    # chain blocks and a state block per prompt, the changed prompt sharing the first 3 chain
+    # blocks (its change is in block 3), so >= 12 blocks (13 seen: vLLM also checkpointed the
+    # state where the changed prompt leaves the first one, its shared-prefix junction)
+    with Client(s.d.socket, layout=decl) as c:
+        st = c.stats()
+    held = next(t.blocks for t in st.tiers if t.tier == pb.TIER_DRAM)
+    assert held >= 12
+    assert [(g.group, g.dram_bytes) for g in st.groups] == [
+        ("0:state", held * PAGE), ("1:state", held * PAGE), ("2:state", held * PAGE),
+        ("3:full", held * PAGE)]
     # the daemon emptied, then the blocks planted back
     s.d.stop()
     shutil.rmtree(s.d.data_dir, ignore_errors=True)

@@ -60,6 +60,9 @@ def test_state_shapes_are_in_the_fingerprint_and_the_state_key_is_its_own() -> N
     key = bytes(range(32))
     assert k.state_key(key) == hashlib.sha256(b"kvtier-state\0" + key).digest()
     assert len(k.state_key(key[:16])) == 16 and k.state_key(key[:16]) != key[:16]
+    # the daemon accounts bytes per group (tests/test_daemon_groups.py)
+    assert k.decl().groups == (("0:state", PAGE), ("1:state", PAGE), ("2:full", PAGE))
+    assert kv(states=(), layer_groups=(), windows=(0,), hash_tokens=0).decl().groups == ()
 
 
 def vllm_config(tp: int = 1) -> Any:

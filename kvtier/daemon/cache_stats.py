@@ -14,9 +14,19 @@ from kvtier.daemon.auth import Tenant
 from kvtier.daemon.config import Config
 from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
-from kvtier.daemon.namespaces import Namespaces
+from kvtier.daemon.namespaces import Namespaces, namespace
 from kvtier.daemon.residency import Tiers
 from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
+
+
+class GroupUsage(NamedTuple):
+    """Bytes one KV cache group of a model holds per tier: its layouts' blocks there times the
+    group's bytes per block (`RegisterLayoutRequest.groups`)."""
+
+    model_id: str
+    group: str
+    dram_bytes: int
+    ssd_bytes: int
 
 
 class CacheStats(NamedTuple):
@@ -38,6 +48,23 @@ class CacheStats(NamedTuple):
     lookups: int = 0  # the tenant's (node-wide ones are the metrics' counters)
     blocks_hit: int = 0
     blocks_missed: int = 0
+    groups: tuple[GroupUsage, ...] = ()
+
+
+def group_usage(tiers: Tiers, names: Namespaces, tenant: str | None) -> tuple[GroupUsage, ...]:
+    """Per (model, group) of the layouts that declared groups (of `tenant` only, or of all):
+    bytes per tier. O(the blocks of those layouts): for statistics."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for (name, lid), info in names.layouts.items():
+        if not info.groups or (tenant is not None and name != tenant):
+            continue
+        ns = namespace(name, lid)
+        dram = tiers.index.blocks_of(ns, Tier.DRAM)
+        ssd = tiers.index.blocks_of(ns, Tier.SSD)
+        for group, nbytes in info.groups:
+            d, s = out.get((info.model_id, group), (0, 0))
+            out[(info.model_id, group)] = (d + dram * nbytes, s + ssd * nbytes)
+    return tuple(GroupUsage(m, g, d, s) for (m, g), (d, s) in sorted(out.items()))
 
 
 def cache_stats(
@@ -59,7 +86,7 @@ def cache_stats(
             names.layouts_of(tenant.name), state.dram_bytes if state else 0,
             state.ssd_bytes if state else 0, False,
             state.lookups if state else 0, state.blocks_hit if state else 0,
-            state.blocks_missed if state else 0,
+            state.blocks_missed if state else 0, group_usage(tiers, names, tenant.name),
         )
     return CacheStats(
         ps.bytes_reserved, ps.bytes_used, tiers.index.blocks(Tier.DRAM),
@@ -67,7 +94,7 @@ def cache_stats(
         tiers.index.blocks(Tier.SSD),
         leases.count(LeaseKind.READ), leases.count(LeaseKind.WRITE),
         len(names.layouts), state.dram_bytes if state else 0,
-        state.ssd_bytes if state else 0,
+        state.ssd_bytes if state else 0, groups=group_usage(tiers, names, None),
     )
 
 
@@ -84,6 +111,7 @@ def pool_gauges(s: CacheStats, tiers: Tiers) -> PoolGauges:
         {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
         {"read": s.read_leases, "write": s.write_leases},
         used_ratio, mover.stats().queue_depth if mover else 0, budget_rate,
+        {(g.model_id, g.group): {"dram": g.dram_bytes, "ssd": g.ssd_bytes} for g in s.groups},
     )
 
 

@@ -155,9 +155,18 @@ class EngineKV:
         """The daemon's layout fingerprint (8..64 bytes): a digest of `describe()`."""
         return f"{FORMAT}:".encode() + hashlib.sha256(self.describe().encode()).digest()[:24]
 
+    def group_names(self) -> list[str]:
+        """Each group's name in the daemon's per-group accounting: "<index>:<kind>" (full,
+        swa<window>, state)."""
+        return [f"{g}:" + ("state" if self.is_state(g) else f"swa{w}" if w else "full")
+                for g, w in enumerate(self.windows)]
+
     def decl(self) -> LayoutDecl:
+        """What the daemon is told; hybrid layouts declare their groups' bytes per block."""
+        groups = tuple(zip(self.group_names(), self.group_bytes(), strict=True))
         return LayoutDecl(self.fingerprint(), self.block_bytes, self.block_tokens,
-                          self.key_width, model=self.cost, model_id=self.model_id)
+                          self.key_width, model=self.cost, model_id=self.model_id,
+                          groups=groups if self.hybrid else ())
 
     def for_shard(self, shard: Shard) -> EngineKV:
         return EngineKV(self.model_id, self.dtype, self.block_tokens, self.layer_names,
