@@ -30,7 +30,6 @@ from bench.hybrid_models import (
     BLOCK,
     MODELS,
     WINDOW,
-    write_config,
     write_hybrid,
 )
 from bench.vllm_engine import EngineProc
@@ -253,30 +252,3 @@ def test_daemon_sigkilled_during_a_request(setup: Setup) -> None:
         assert again.cached == 0
     finally:
         s.b.start()
-
-
-def test_mamba_hybrid_runs_with_the_hybrid_manager_and_stores_nothing(
-        tmp_path: Path) -> None:
-    """Qwen3-Next's shape (linear-attention state groups + full attention): the engine starts
-    with the hybrid manager on (without SupportsHMA vLLM refuses it), the connector says it keeps
-    no state and stores nothing, so no state of another boundary can ever be restored."""
-    model = write_config(tmp_path / "model", "qwen3-next")
-    d = DaemonProc(tmp_path / "d", DAEMON_ARGS).start()
-    e = EngineProc(tmp_path / "e", model, d.socket,
-                   engine_args={**ARGS, "load_format": "dummy"})
-    try:
-        e.start()
-        assert e.hybrid_manager()
-        p = prompt(4, 400)
-        first = e.generate([p], max_tokens=4)[0]
-        e.reset_prefix_cache()
-        again = e.generate([p], max_tokens=4)[0]
-        assert first.cached == again.cached == 0 and again.tokens == first.tokens
-        assert e.metric("vllm:kvtier_stored_blocks") == 0
-        assert "Mamba / linear-attention state groups are not stored yet" in e.log()
-        held = [line for line in d.metrics_text().splitlines()
-                if line.startswith('kvtier_pool_blocks{tier="dram"}')]
-        assert held and float(held[0].split()[1]) == 0
-    finally:
-        e.close()
-        d.stop()

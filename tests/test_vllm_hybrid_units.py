@@ -212,7 +212,8 @@ def vllm_config() -> Any:
 
 def test_engine_kv_from_vllms_kv_cache_groups() -> None:
     """vLLM's own spec and config types in; the layers group after group, each group's window,
-    vLLM's hash block size; Mamba state refused (the connector then does nothing)."""
+    vLLM's hash block size; Mamba state without "align" checkpoints refused (the connector
+    then does nothing; align mode: tests/test_vllm_state_units.py)."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,

@@ -65,20 +65,42 @@ class ModelCost(_message.Message):
     def __init__(self, active_params: _Optional[float] = ..., num_layers: _Optional[int] = ..., attn_dim: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class RegisterLayoutRequest(_message.Message):
-    __slots__ = ("layout", "block_bytes", "block_tokens", "key_width", "model", "model_id")
+    __slots__ = ("layout", "block_bytes", "block_tokens", "key_width", "model", "model_id", "groups")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     layout: bytes
     block_bytes: int
     block_tokens: int
     key_width: int
     model: ModelCost
     model_id: str
-    def __init__(self, layout: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., key_width: _Optional[int] = ..., model: _Optional[_Union[ModelCost, _Mapping]] = ..., model_id: _Optional[str] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[LayoutGroup]
+    def __init__(self, layout: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., key_width: _Optional[int] = ..., model: _Optional[_Union[ModelCost, _Mapping]] = ..., model_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[LayoutGroup, _Mapping]]] = ...) -> None: ...
+
+class LayoutGroup(_message.Message):
+    __slots__ = ("name", "block_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    block_bytes: int
+    def __init__(self, name: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class GroupStats(_message.Message):
+    __slots__ = ("model_id", "group", "dram_bytes", "ssd_bytes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SSD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    group: str
+    dram_bytes: int
+    ssd_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., group: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterLayoutResponse(_message.Message):
     __slots__ = ("segment", "max_blocks_per_request", "default_lease_ttl_ms", "tenant", "layout_id")
@@ -355,7 +377,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "active_leases", "lookups", "blocks_hit", "blocks_missed", "tenant_dram_bytes", "tenant_ssd_bytes", "tenant_dram_quota_bytes", "tenant_ssd_quota_bytes", "segment", "uptime_seconds", "layouts", "writeback_dropped", "checksum_failures", "version", "mrc", "node_wide", "tenant_dram_guarantee_bytes", "mrc_sampled_blocks")
+    __slots__ = ("tiers", "active_leases", "lookups", "blocks_hit", "blocks_missed", "tenant_dram_bytes", "tenant_ssd_bytes", "tenant_dram_quota_bytes", "tenant_ssd_quota_bytes", "segment", "uptime_seconds", "layouts", "writeback_dropped", "checksum_failures", "version", "mrc", "node_wide", "tenant_dram_guarantee_bytes", "mrc_sampled_blocks", "groups")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +397,7 @@ class StatsResponse(_message.Message):
     NODE_WIDE_FIELD_NUMBER: _ClassVar[int]
     TENANT_DRAM_GUARANTEE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MRC_SAMPLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     active_leases: int
     lookups: int
@@ -394,7 +417,8 @@ class StatsResponse(_message.Message):
     node_wide: bool
     tenant_dram_guarantee_bytes: int
     mrc_sampled_blocks: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., active_leases: _Optional[int] = ..., lookups: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., blocks_missed: _Optional[int] = ..., tenant_dram_bytes: _Optional[int] = ..., tenant_ssd_bytes: _Optional[int] = ..., tenant_dram_quota_bytes: _Optional[int] = ..., tenant_ssd_quota_bytes: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., layouts: _Optional[int] = ..., writeback_dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., mrc: _Optional[_Iterable[_Union[MrcPoint, _Mapping]]] = ..., node_wide: _Optional[bool] = ..., tenant_dram_guarantee_bytes: _Optional[int] = ..., mrc_sampled_blocks: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., active_leases: _Optional[int] = ..., lookups: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., blocks_missed: _Optional[int] = ..., tenant_dram_bytes: _Optional[int] = ..., tenant_ssd_bytes: _Optional[int] = ..., tenant_dram_quota_bytes: _Optional[int] = ..., tenant_ssd_quota_bytes: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., layouts: _Optional[int] = ..., writeback_dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., mrc: _Optional[_Iterable[_Union[MrcPoint, _Mapping]]] = ..., node_wide: _Optional[bool] = ..., tenant_dram_guarantee_bytes: _Optional[int] = ..., mrc_sampled_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ()

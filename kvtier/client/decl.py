@@ -38,6 +38,9 @@ class LayoutDecl:
     key_width: int = 32
     model: ModelCost | None = None
     model_id: str = field(kw_only=True)
+    groups: tuple[tuple[str, int], ...] = field(default=(), kw_only=True)
+    """Optional: how a block's bytes split over the engine's KV cache groups, (name, bytes)
+    summing to `block_bytes` (the daemon then accounts bytes per group in Stats and metrics)."""
     layout_id: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +50,9 @@ class LayoutDecl:
             raise ValueError(str(exc)) from None
         if not isinstance(self.fingerprint, bytes) or not self.fingerprint:
             raise ValueError("fingerprint must be non-empty bytes")
+        if self.groups and sum(n for _, n in self.groups) != self.block_bytes:
+            raise ValueError(f"the groups' bytes sum to {sum(n for _, n in self.groups)}, not "
+                             f"block_bytes {self.block_bytes}")
         object.__setattr__(self, "layout_id", layout_id(self.model_id, self.fingerprint))
 
     @classmethod
@@ -60,7 +66,9 @@ class LayoutDecl:
 def register_request(layout: LayoutDecl) -> pb.RegisterLayoutRequest:
     req = pb.RegisterLayoutRequest(layout=layout.fingerprint, block_bytes=layout.block_bytes,
                                    block_tokens=layout.block_tokens, key_width=layout.key_width,
-                                   model_id=layout.model_id)
+                                   model_id=layout.model_id,
+                                   groups=[pb.LayoutGroup(name=n, block_bytes=b)
+                                           for n, b in layout.groups])
     if layout.model is not None:
         m = layout.model
         req.model.CopyFrom(pb.ModelCost(active_params=m.active_params, num_layers=m.num_layers,

@@ -141,12 +141,13 @@ class Cache:
     def register_layout(
         self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
         block_tokens: int, key_width: int, cost: CostModel | None,
+        groups: tuple[tuple[str, int], ...] = (),
     ) -> Registered:
         """Declares a model's layout for this tenant (idempotent); returns its layout id (what
         data requests name) and the segment clients map. See `Namespaces`."""
         with self._lock:
             info = self.names.register(tenant, model_id, fingerprint, block_bytes, block_tokens,
-                                       key_width, cost)
+                                       key_width, cost, groups)
             sizes = sorted({i.block_bytes for i in self.names.layouts.values()})
         if sizes != self._sized_for:
             self._size_by_blocks(sizes)

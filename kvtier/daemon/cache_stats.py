@@ -19,6 +19,16 @@ from kvtier.daemon.residency import Tiers
 from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 
 
+class GroupUsage(NamedTuple):
+    """Bytes one KV cache group of a model holds per tier: its layouts' blocks there times the
+    group's bytes per block (`RegisterLayoutRequest.groups`)."""
+
+    model_id: str
+    group: str
+    dram_bytes: int
+    ssd_bytes: int
+
+
 class CacheStats(NamedTuple):
     """Node totals, or (`node_wide` False) the figures of one tenant: its used bytes, blocks,
     leases, layouts and lookups; capacities stay the node's."""
@@ -38,6 +48,23 @@ class CacheStats(NamedTuple):
     lookups: int = 0  # the tenant's (node-wide ones are the metrics' counters)
     blocks_hit: int = 0
     blocks_missed: int = 0
+    groups: tuple[GroupUsage, ...] = ()
+
+
+def group_usage(tiers: Tiers, names: Namespaces, tenant: str | None) -> tuple[GroupUsage, ...]:
+    """Per (model, group) of the layouts that declared groups (of `tenant` only, or of all):
+    bytes per tier. O(the blocks of those layouts): for statistics."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for (name, lid), info in names.layouts.items():
+        if not info.groups or (tenant is not None and name != tenant):
+            continue
+        ns = Namespace(name, lid)
+        dram = tiers.index.blocks_of(ns.__eq__, Tier.DRAM)  # the index keys are str: a bool
+        ssd = tiers.index.blocks_of(ns.__eq__, Tier.SSD)
+        for group, nbytes in info.groups:
+            d, s = out.get((info.model_id, group), (0, 0))
+            out[(info.model_id, group)] = (d + dram * nbytes, s + ssd * nbytes)
+    return tuple(GroupUsage(m, g, d, s) for (m, g), (d, s) in sorted(out.items()))
 
 
 def cache_stats(
@@ -63,7 +90,7 @@ def cache_stats(
             names.layouts_of(tenant.name), usage.dram_bytes if usage else 0,
             usage.ssd_bytes if usage else 0, False,
             usage.lookups if usage else 0, usage.blocks_hit if usage else 0,
-            usage.blocks_missed if usage else 0,
+            usage.blocks_missed if usage else 0, group_usage(tiers, names, tenant.name),
         )
     return CacheStats(
         ps.bytes_reserved, ps.bytes_used, tiers.index.blocks(Tier.DRAM),
@@ -71,7 +98,7 @@ def cache_stats(
         tiers.index.blocks(Tier.SSD),
         leases.count(LeaseKind.READ), leases.count(LeaseKind.WRITE),
         len(names.layouts), usage.dram_bytes if usage else 0,
-        usage.ssd_bytes if usage else 0,
+        usage.ssd_bytes if usage else 0, groups=group_usage(tiers, names, None),
     )
 
 
@@ -88,6 +115,7 @@ def pool_gauges(s: CacheStats, tiers: Tiers) -> PoolGauges:
         {"dram": s.dram_blocks, "ssd": s.ssd_blocks},
         {"read": s.read_leases, "write": s.write_leases},
         used_ratio, mover.stats().queue_depth if mover else 0, budget_rate,
+        {(g.model_id, g.group): {"dram": g.dram_bytes, "ssd": g.ssd_bytes} for g in s.groups},
     )
 
 

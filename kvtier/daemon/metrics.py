@@ -59,6 +59,8 @@ class PoolGauges(NamedTuple):
     ssd_wear_budget_used_ratio: float
     writeback_queue_depth: int
     ssd_write_budget_bytes_per_second: float = 0.0  # the wear budget's long-run rate (0 = none)
+    group_bytes: dict[tuple[str, str], dict[str, int]] = {}  # noqa: RUF012 (never mutated)
+    """(model id, KV cache group) -> tier label -> bytes, for layouts that declared groups."""
 
 
 class _PoolCollector(Collector):
@@ -80,6 +82,7 @@ class _PoolCollector(Collector):
         for kind, value in snap.leases.items():
             leases.add_metric([kind], value)
         yield from (cap, used, blocks, leases)
+        yield group_family(snap.group_bytes)
         yield GaugeMetricFamily(
             "kvtier_ssd_wear_budget_used_ratio",
             "Fraction of today's SSD write budget spent",
@@ -94,6 +97,27 @@ class _PoolCollector(Collector):
             "Long-run SSD write rate the wear budget allows (0: no SSD tier)",
             value=snap.ssd_write_budget_bytes_per_second,
         )
+
+
+def group_family(group_bytes: dict[tuple[str, str], dict[str, int]]) -> GaugeMetricFamily:
+    """kvtier_group_bytes{model, group, tier}: the models holding the most bytes keep their
+    label (at most MAX_MODEL_LABELS), the rest are summed under "other"."""
+    fam = GaugeMetricFamily("kvtier_group_bytes", "Bytes a model's KV cache group holds in a "
+                            "tier (layouts that declared their groups)",
+                            labels=["model", "group", "tier"])
+    totals: dict[str, int] = {}
+    for (model, _), per_tier in group_bytes.items():
+        totals[model] = totals.get(model, 0) + sum(per_tier.values())
+    kept = set(sorted(totals, key=lambda m: (-totals[m], m))[:MAX_MODEL_LABELS - 1]
+               if len(totals) > MAX_MODEL_LABELS else totals)
+    out: dict[tuple[str, str, str], int] = {}
+    for (model, group), per_tier in group_bytes.items():
+        label = model if model in kept else OTHER
+        for tier, value in per_tier.items():
+            out[(label, group, tier)] = out.get((label, group, tier), 0) + value
+    for labels, value in sorted(out.items()):
+        fam.add_metric(list(labels), value)
+    return fam
 
 
 class _RateCollector(Collector):

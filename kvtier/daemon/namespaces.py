@@ -83,6 +83,32 @@ class LayoutInfo:
     block_tokens: int
     key_width: int
     cost: CostModel | None
+    groups: tuple[tuple[str, int], ...] = ()
+    """How a block's bytes split over the engine's KV cache groups (name, bytes), if declared."""
+
+
+MAX_GROUPS = 64
+
+
+def check_groups(groups: tuple[tuple[str, int], ...], block_bytes: int) -> None:
+    """A layout's declared group split: names unique, 1..64 bytes; bytes positive, summing to
+    `block_bytes`; at most `MAX_GROUPS` groups (empty: none declared)."""
+    if not groups:
+        return
+    if len(groups) > MAX_GROUPS:
+        raise InvalidArgument(f"at most {MAX_GROUPS} groups, got {len(groups)}")
+    names = [name for name, _ in groups]
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"group names must be unique, got {names}")
+    for name, nbytes in groups:
+        if not 0 < len(name.encode()) <= 64 or not name.isprintable():
+            raise InvalidArgument(f"group name must be 1..64 bytes of printable text: {name!r}")
+        if nbytes <= 0:
+            raise InvalidArgument(f"group {name!r}: block_bytes must be positive, got {nbytes}")
+    total = sum(nbytes for _, nbytes in groups)
+    if total != block_bytes:
+        raise InvalidArgument(f"the groups' block_bytes sum to {total}, not the layout's "
+                              f"block_bytes {block_bytes}")
 
 
 @dataclass(slots=True)
@@ -125,6 +151,7 @@ class Namespaces:
     def register(
         self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
         block_tokens: int, key_width: int, cost: CostModel | None,
+        groups: tuple[tuple[str, int], ...] = (),
     ) -> LayoutInfo:
         check_model_id(model_id)
         if not FINGERPRINT_BYTES[0] <= len(fingerprint) <= FINGERPRINT_BYTES[1]:
@@ -141,8 +168,10 @@ class Namespaces:
             )
         if not 0 < block_tokens <= 1 << 20:
             raise InvalidArgument(f"block_tokens must be in 1..{1 << 20}, got {block_tokens}")
+        check_groups(groups, block_bytes)
         lid = layout_id(model_id, fingerprint)
-        info = LayoutInfo(lid, model_id, fingerprint, block_bytes, block_tokens, key_width, cost)
+        info = LayoutInfo(lid, model_id, fingerprint, block_bytes, block_tokens, key_width, cost,
+                          groups)
         old = self.layouts.get((tenant.name, lid))
         shape = (block_bytes, block_tokens, key_width)
         if old is not None and (old.block_bytes, old.block_tokens, old.key_width) != shape:
@@ -152,8 +181,12 @@ class Namespaces:
                 f"with block_bytes={old.block_bytes} block_tokens={old.block_tokens} "
                 f"key_width={old.key_width}"
             )
-        if old is not None and (cost is None or old.cost == cost):
+        if old is not None and (cost is None or old.cost == cost) and (
+                not groups or old.groups == groups):
             return old
+        if old is not None:  # a re-registration keeps what it does not restate
+            info = LayoutInfo(lid, model_id, fingerprint, block_bytes, block_tokens, key_width,
+                              cost if cost is not None else old.cost, groups or old.groups)
         self.layouts[(tenant.name, lid)] = info
         ns = self._namespaces.get((tenant.name, lid))
         if ns is not None:

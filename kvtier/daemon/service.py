@@ -165,7 +165,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                 )
             reg = self.cache.register_layout(
                 tenant, request.model_id, request.layout, request.block_bytes, request.block_tokens,
-                request.key_width, cost,
+                request.key_width, cost, tuple((g.name, g.block_bytes) for g in request.groups),
             )
             return pb.RegisterLayoutResponse(
                 segment=segment_info(reg.segment, self.cache.pool.stride_for(request.block_bytes)),
@@ -303,6 +303,8 @@ class KvTierService(pb_grpc.KvTierServicer):
                 segment=segment_info(self.cache.pool.handle(), self.cache.pool.slot_stride),
                 uptime_seconds=time.time() - self.started_at,
                 layouts=s.layouts, version=_version, node_wide=s.node_wide,
+                groups=[pb.GroupStats(model_id=g.model_id, group=g.group, dram_bytes=g.dram_bytes,
+                                      ssd_bytes=g.ssd_bytes) for g in s.groups],
             )
             if s.node_wide:  # node totals, and the miss-ratio curve of all tenants' traffic
                 reply.lookups = int(total("kvtier_lookups_total"))

@@ -5,6 +5,10 @@ when told "not known yet" (vLLM's `get_num_new_matched_tokens` answering None).
                                              plan), or None while that Lookup is still running
     forget(rid)                              drop the request's answer (or its Lookup in flight)
 
+With `ends` (one key per key: the block a hit ending at that block ends on instead, e.g. a
+recurrent-state block, `vllm/layout.py`), the answer is the largest c within the fetch such that
+keys[:c - 1] + [ends[c - 1]] is held: a hit may only end where such an end block is.
+
 The scheduler asks for a waiting request at every step until it schedules it. So the first ask
 queues a Lookup for one background thread and answers None; later asks answer None until the
 thread has the result, then the result (every time: asking twice is side-effect free). The
@@ -30,7 +34,7 @@ from kvtier.integrations.common.link import DaemonLink
 
 log = logging.getLogger("kvtier.integrations.common")
 
-_STOP: tuple[str, list[bytes], int] = ("", [], 0)
+_STOP: tuple[str, list[bytes], int, list[bytes] | None] = ("", [], 0, None)
 
 
 class Lookups:
@@ -42,18 +46,20 @@ class Lookups:
         self._done: dict[str, tuple[int, int]] = {}
         """rid -> (number of keys asked, blocks to fetch)"""
         self._running: set[str] = set()
-        self._queue: queue.SimpleQueue[tuple[str, list[bytes], int]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, list[bytes], int, list[bytes] | None]] = (
+            queue.SimpleQueue())
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="kvtier-lookup",
                                             daemon=True)
             self._thread.start()
 
-    def fetch_blocks(self, rid: str, keys: list[bytes], prompt_tokens: int) -> int | None:
+    def fetch_blocks(self, rid: str, keys: list[bytes], prompt_tokens: int,
+                     ends: list[bytes] | None = None) -> int | None:
         if any(link.down() for link in self.links):
             return 0
         if not self.background:
-            return self.lookup(keys, prompt_tokens)
+            return self.lookup(keys, prompt_tokens, ends)
         with self._lock:
             done = self._done.get(rid)
             if done is not None and done[0] == len(keys):
@@ -61,7 +67,7 @@ class Lookups:
             if rid in self._running:
                 return None
             self._running.add(rid)
-        self._queue.put((rid, keys, prompt_tokens))
+        self._queue.put((rid, keys, prompt_tokens, ends))
         return None
 
     def forget(self, rid: str) -> None:
@@ -69,31 +75,47 @@ class Lookups:
             self._done.pop(rid, None)
             self._running.discard(rid)
 
-    def lookup(self, keys: list[bytes], prompt_tokens: int) -> int:
-        """One Lookup per layout (TP shard): the blocks all of them have and plan to fetch."""
-        fetch = len(keys)
+    def lookup(self, keys: list[bytes], prompt_tokens: int, ends: list[bytes] | None = None
+               ) -> int:
+        """One Lookup per layout (TP shard): the blocks all of them have and plan to fetch;
+        with `ends`, cut down to the last block with its end block held (see the module)."""
+        hit, fetch = self._lookup(keys, prompt_tokens, True)
+        if ends is None:
+            return fetch
+        # an end block needs only the blocks before its own: one past the hit when the plan
+        # did not cut it (its chain block may be gone, the end block not)
+        top = min(hit + 1, len(keys)) if fetch >= hit else fetch
+        for c in range(top, 0, -1):
+            if self._lookup([*keys[:c - 1], ends[c - 1]], prompt_tokens, False)[0] >= c:
+                return c
+        return 0
+
+    def _lookup(self, keys: list[bytes], prompt_tokens: int, plan: bool) -> tuple[int, int]:
+        """(blocks all layouts hold, blocks all of them plan to fetch)."""
+        hit = fetch = len(keys)
         for link in self.links:
             client = link.client()
             if client is None:
-                return 0
+                return 0, 0
             try:
-                found = client.lookup(keys, prompt_tokens=prompt_tokens, plan=self.use_plan)
+                found = client.lookup(keys, prompt_tokens=prompt_tokens,
+                                      plan=plan and self.use_plan)
             except Exception as exc:
                 link.failed(exc, "Lookup")
-                return 0
-            fetch = min(fetch, found.fetch_blocks)
-        return fetch
+                return 0, 0
+            hit, fetch = min(hit, found.hit_blocks), min(fetch, found.fetch_blocks)
+        return hit, fetch
 
     def _loop(self) -> None:
         while True:
-            rid, keys, prompt_tokens = self._queue.get()
+            rid, keys, prompt_tokens, ends = self._queue.get()
             if not rid:
                 return
             with self._lock:
                 if rid not in self._running:
                     continue  # forgotten (finished, aborted) while queued
             try:
-                fetch = self.lookup(keys, prompt_tokens)
+                fetch = self.lookup(keys, prompt_tokens, ends)
             except Exception:  # a bug must not kill the thread: that request computes
                 log.exception("kvtier: Lookup failed")
                 fetch = 0

@@ -6,12 +6,14 @@
 
 vLLM builds one instance per role: in the scheduler (`scheduler.py`: lookups, leases, what to
 store) and in each worker (`worker.py`: the copies). This class only routes vLLM's calls to the
-side of its role. A configuration kvtier cannot serve (Mamba state, ...) logs one warning and
-the connector does nothing; an unreachable daemon makes it do nothing until it is back.
+side of its role. A configuration kvtier cannot serve (Mamba state without vLLM's checkpoints,
+...) logs one warning and the connector does nothing; an unreachable daemon makes it do nothing
+until it is back.
 
 The connector supports vLLM's hybrid KV cache manager (`SupportsHMA`): with it vLLM keeps that
 manager on (sliding-window layers keep only their window; Mamba hybrids start at all), and
-models with several KV cache groups or a sliding window are served per group (`layout.py`).
+models with several KV cache groups, a sliding window or recurrent state are served per group
+(`layout.py`).
 
 Load failures are recomputed: the connector sets vLLM's `kv_load_failure_policy` to
 "recompute" (a cache miss must never fail a request).

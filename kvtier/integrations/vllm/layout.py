@@ -9,8 +9,19 @@ holds one block of every layer, full-attention and sliding-window alike, keyed b
 hash at the block's end. So every group's pages for a block boundary live and die together in the
 daemon (no group can be evicted without the others; one Lookup answers for all groups), and a hit
 of n blocks is servable by every group: the full groups load all n blocks, a sliding group only
-the last `window_blocks(g)` of them (vLLM drops the others). Mamba / linear-attention state groups
-are refused (`Unsupported`) for now. The groups (kind, window) are in the fingerprint.
+the last `window_blocks(g)` of them (vLLM drops the others). The groups (kind, window, state
+shape) are in the fingerprint.
+
+Mamba / linear-attention state groups (vLLM's `MambaSpec`, Qwen3-Next's Gated DeltaNet; `states`):
+vLLM keeps a state only at some block boundaries (`mamba_cache_mode` "align": the ends of prefill
+chunks, offered to connectors as `boundary_state_offloads`), so a state is not part of the chain
+block of its boundary. It goes in a second block of the same layout under `state_key(key)`: the
+whole block at that boundary (every attention layer's page and every state layer's state), a
+sibling of the chain block (same parent), so `keys[:c - 1] + [state_key(keys[c - 1])]` is a chain
+the daemon finds only when the attention KV of the prefix and the state at its end are both held
+(a state never outlives its prefix: leaf first), and a hit cut at c restores every layer exactly
+as it was after c blocks. A state layer's page is vLLM's whole (padded) page of that block; the
+chain blocks' state pages are not meaningful and never loaded.
 
 A page is one block of one layer in vLLM's standardized per-layer view `kv[block]` ([B, H, N, C],
 blocks at dim 0), in its logical element order whatever the physical layout (LBHNC, ...): the
@@ -33,6 +44,7 @@ from typing import Any, NamedTuple
 from kvtier.client.decl import LayoutDecl, ModelCost
 
 FORMAT = "kvtier-vllm-v1"
+STATE_KEY_TAG = b"kvtier-state\0"
 
 
 class Shard(NamedTuple):
@@ -77,6 +89,20 @@ class EngineKV:
     """Each group's sliding window in tokens (0: full attention)."""
     hash_tokens: int = 0
     """Tokens per vLLM block hash (`KVCacheConfig.hash_block_size`); 0: `block_tokens`."""
+    states: tuple[str, ...] = ()
+    """Per group, its recurrent state's shape ("" for an attention group; empty: none)."""
+
+    @property
+    def stateful(self) -> bool:
+        """Some group keeps a recurrent state (loads end on a state block: `state_key`)."""
+        return any(self.states)
+
+    def is_state(self, group: int) -> bool:
+        return bool(self.states) and bool(self.states[group])
+
+    def state_key(self, key: bytes) -> bytes:
+        """The key of the state block at the boundary whose chain block is `key`."""
+        return hashlib.sha256(STATE_KEY_TAG + key).digest()[:len(key)]
 
     @property
     def block_bytes(self) -> int:
@@ -86,7 +112,7 @@ class EngineKV:
     def hybrid(self) -> bool:
         """Several groups or a sliding window: loads are per group and asynchronous (vLLM takes
         load failures per request only then; a block-level rewind cannot rebuild a window)."""
-        return len(self.windows) > 1 or any(self.windows)
+        return len(self.windows) > 1 or any(self.windows) or self.stateful
 
     def group_of(self, layer: int) -> int:
         return self.layer_groups[layer] if self.layer_groups else 0
@@ -120,7 +146,8 @@ class EngineKV:
                 + (self._describe_groups() if self.hybrid else ""))
 
     def _describe_groups(self) -> str:
-        kinds = ",".join(f"swa{w}" if w else "full" for w in self.windows)
+        kinds = ",".join(f"state({self.states[g]})" if self.is_state(g) else f"swa{w}" if w
+                         else "full" for g, w in enumerate(self.windows))
         layers = ",".join(str(self.group_of(i)) for i in range(len(self.layer_names)))
         return f"/groups[{kinds}]/layer-groups[{layers}]/hash{self.hash_tokens}"
 
@@ -128,15 +155,24 @@ class EngineKV:
         """The daemon's layout fingerprint (8..64 bytes): a digest of `describe()`."""
         return f"{FORMAT}:".encode() + hashlib.sha256(self.describe().encode()).digest()[:24]
 
+    def group_names(self) -> list[str]:
+        """Each group's name in the daemon's per-group accounting: "<index>:<kind>" (full,
+        swa<window>, state)."""
+        return [f"{g}:" + ("state" if self.is_state(g) else f"swa{w}" if w else "full")
+                for g, w in enumerate(self.windows)]
+
     def decl(self) -> LayoutDecl:
+        """What the daemon is told; hybrid layouts declare their groups' bytes per block."""
+        groups = tuple(zip(self.group_names(), self.group_bytes(), strict=True))
         return LayoutDecl(self.fingerprint(), self.block_bytes, self.block_tokens,
-                          self.key_width, model=self.cost, model_id=self.model_id)
+                          self.key_width, model=self.cost, model_id=self.model_id,
+                          groups=groups if self.hybrid else ())
 
     def for_shard(self, shard: Shard) -> EngineKV:
         return EngineKV(self.model_id, self.dtype, self.block_tokens, self.layer_names,
                         self.page_bytes, self.kv_heads, self.head_size, self.backend, shard,
                         self.cost, self.key_width, self.layer_groups, self.windows,
-                        self.hash_tokens)
+                        self.hash_tokens, self.states)
 
 
 class Unsupported(ValueError):
@@ -171,15 +207,20 @@ def model_cost(hf_config: Any) -> ModelCost | None:
 def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) -> EngineKV:
     """The layout of this engine's KV on TP rank `rank`, from vLLM's KV cache config (the same
     on the scheduler and on every worker). Raises `Unsupported` for what kvtier cannot hold:
-    Mamba / linear-attention state, chunked-local attention, groups of unequal block size,
-    unequal pages."""
+    Mamba / linear-attention state without vLLM's "align" checkpoints (or with TP > 1),
+    chunked-local attention, groups of unequal block size, unequal pages."""
     groups = [kv_cache_config.kv_cache_groups[g] for g in _transfer_groups(kv_cache_config)]
     if not groups:
         raise Unsupported("no KV cache group takes part in KV transfer")
     specs = [g.kv_cache_spec for g in groups]
-    windows = tuple(_window(spec) for spec in specs)
-    spec = specs[0]
-    for s in specs:
+    kinds = [_kind(spec) for spec in specs]
+    windows = tuple(w for w, _ in kinds)
+    states = tuple(st for _, st in kinds)
+    attention = [s for s, (_, st) in zip(specs, kinds, strict=True) if not st]
+    if not attention:
+        raise Unsupported("no attention KV cache group (state-only models are not supported)")
+    spec = attention[0]
+    for s in attention:
         for attr in ("num_kv_heads", "head_size", "dtype", "page_size_bytes"):
             if not hasattr(s, attr):
                 raise Unsupported(f"KV cache spec {type(s).__name__} has no {attr}")
@@ -188,8 +229,16 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) 
                      spec.page_size_bytes):
             raise Unsupported(f"KV cache groups of different shapes ({type(s).__name__} "
                               f"{shape} vs {type(spec).__name__})")
+    for s, (_, st) in zip(specs, kinds, strict=True):
+        if st and (s.block_size, s.page_size_bytes) != (spec.block_size, spec.page_size_bytes):
+            raise Unsupported(f"a state group's block ({s.block_size} tokens, "
+                              f"{s.page_size_bytes}-byte pages) differs from the attention "
+                              f"groups' ({spec.block_size}, {spec.page_size_bytes})")
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
+    if any(states) and int(pc.tensor_parallel_size) > 1:
+        raise Unsupported("Mamba / linear-attention state with tensor parallelism is not "
+                          "supported (the state is sharded by vLLM's own rules)")
     is_mla = bool(getattr(mc, "use_mla", False))
     total_heads = int(mc.get_total_num_kv_heads())
     shard = kv_shard(int(pc.tensor_parallel_size), rank, max(total_heads, 1), replicated=is_mla)
@@ -197,7 +246,7 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) 
 
     names = tuple(n for g in groups for n in g.layer_names)
     layer_groups = tuple(i for i, g in enumerate(groups) for _ in g.layer_names)
-    hybrid = len(groups) > 1 or any(windows)
+    hybrid = len(groups) > 1 or any(windows) or any(states)
     hash_tokens = int(getattr(kv_cache_config, "hash_block_size", None) or spec.block_size)
     if int(spec.block_size) % hash_tokens:
         raise Unsupported(f"block size {spec.block_size} is not a multiple of vLLM's hash "
@@ -217,6 +266,7 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) 
         layer_groups=layer_groups if hybrid else (),
         windows=windows,
         hash_tokens=hash_tokens if hybrid else 0,
+        states=states if any(states) else (),
     )
 
 
@@ -225,8 +275,9 @@ def _transfer_groups(kv_cache_config: Any) -> list[int]:
     return list(ids) if ids is not None else list(range(len(kv_cache_config.kv_cache_groups)))
 
 
-def _window(spec: Any) -> int:
-    """A group's sliding window in tokens (0: full attention); `Unsupported` for the rest."""
+def _kind(spec: Any) -> tuple[int, str]:
+    """A group's (sliding window in tokens, 0: full attention; state shape, "": attention);
+    `Unsupported` for the rest."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -235,15 +286,26 @@ def _window(spec: Any) -> int:
     )
 
     if isinstance(spec, MambaSpec):
-        raise Unsupported("Mamba / linear-attention state groups are not stored yet (the "
-                          "connector keeps vLLM's hybrid manager on and does nothing)")
+        mode = str(getattr(spec, "mamba_cache_mode", "none"))
+        if mode != "align":
+            raise Unsupported(
+                f"Mamba / linear-attention state groups in mamba_cache_mode {mode!r}: vLLM keeps "
+                "no state checkpoints at block boundaries (prefix caching off, or mode 'none'), "
+                "so no state could be restored; the connector stores nothing")
+        return 0, state_shape(spec.shapes, spec.dtypes)
     if isinstance(spec, SlidingWindowSpec):
-        return int(spec.sliding_window)
+        return int(spec.sliding_window), ""
     if isinstance(spec, ChunkedLocalAttentionSpec):
         raise Unsupported("chunked local attention is not supported")
     if isinstance(spec, FullAttentionSpec):
-        return 0  # a windowed layer under a full spec (hybrid manager off) keeps every block
+        return 0, ""  # a windowed layer under a full spec (hybrid manager off) keeps every block
     raise Unsupported(f"KV cache spec {type(spec).__name__} is not supported")
+
+
+def state_shape(shapes: Any, dtypes: Any) -> str:
+    """A state group's shape for the fingerprint: each state tensor's dims and dtype."""
+    return "+".join("x".join(str(int(d)) for d in shape) + ":" + str(dt).removeprefix("torch.")
+                    for shape, dt in zip(shapes, dtypes, strict=True))
 
 
 def hash_width(algo: str) -> int:

@@ -14,6 +14,11 @@ logical [H, N, C] order, so the bytes do not depend on the physical layout:
                     backend without its own requirement (flash_attn, triton, flashinfer off
                     Blackwell, the CPU backend) accepts
 
+A recurrent-state layer (Mamba / linear attention) comes as one tensor of its state bytes per
+block ([B, 1, 1, state_bytes], int8, vLLM 0.32) with the block stride of the shared page:
+`state_pages` views it as the whole page ([B, page_bytes]: the state and vLLM's padding after
+it, which nothing reads), so every layer's page has one size.
+
 Each chunk is a uint8 [B, chunk_bytes] view sharing the cache's memory, with one block stride:
 what `kvtier.gpu.transfer.KVPool.paged` takes. Pure (torch views only, no copies).
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -93,6 +99,27 @@ def layer_chunks(kv: torch.Tensor, page_bytes: int) -> list[torch.Tensor]:
             raise Unsupported(f"KV tensor of shape {tuple(kv.shape)} with strides "
                               f"{kv.stride()} cannot be viewed as per-block chunks")
     return chunks
+
+
+def state_pages(kv: Any, page_bytes: int) -> torch.Tensor:
+    """A state layer's cache as [B, page_bytes] uint8 over the same memory (see the module);
+    `Unsupported` unless it is one tensor whose blocks are `page_bytes` apart and whose state
+    fits in a page."""
+    if not isinstance(kv, torch.Tensor):
+        raise Unsupported(f"a state layer's cache is {type(kv).__name__}, not one tensor (a "
+                          "vLLM without one state view per layer)")
+    raw = kv.view(torch.uint8) if kv.dtype in (torch.int8, torch.uint8) else kv
+    if raw.dtype != torch.uint8 or raw.dim() < 1:
+        raise Unsupported(f"a state layer's cache of dtype {kv.dtype} is not raw bytes")
+    state = raw[0].numel()
+    if raw.stride(0) != page_bytes or state > page_bytes or not raw[0].is_contiguous():
+        raise Unsupported(f"a state layer's cache {tuple(kv.shape)} with strides "
+                          f"{kv.stride()} is not one run of at most {page_bytes} bytes per "
+                          f"{page_bytes}-byte block")
+    blocks = raw.shape[0]
+    if raw.storage_offset() + blocks * page_bytes > raw.untyped_storage().nbytes():
+        raise Unsupported("a state layer's last page runs past its buffer")
+    return raw.as_strided((blocks, page_bytes), (page_bytes, 1), raw.storage_offset())
 
 
 def paged(kv_caches: list[torch.Tensor], page_bytes: int) -> Paged:

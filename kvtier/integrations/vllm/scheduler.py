@@ -31,6 +31,15 @@ prompt: block-level rewinds are refused with several groups, and could not rebui
 A save stores only blocks every group holds (not the null block): blocks vLLM's own prefix cache
 had, out of a window, are not stored again (they were stored when computed).
 
+Recurrent state (Mamba / linear attention, `EngineKV.stateful`): a hit must end on a boundary
+whose state block (`EngineKV.state_key`) is held (`Lookups` with `ends`); the load fills the
+attention groups' blocks up to the cut from the chain and, from the state block, the attention
+pages of the cut's last block and each state group's block there (vLLM allocates the state group
+one real block, at the cut's last block; the others are the null block). Saves: the chain blocks
+as above (the state groups not asked to hold them: their pages there are not meaningful), and
+for each block-aligned state vLLM offers (`boundary_state_offloads`: the exact state blocks,
+computed by the end of the step) the state block of that boundary.
+
 Preemption needs nothing special: a preempted request is allocated again (update_state_after_alloc
 resets it), and no lease outlives the step that loads. Leases a worker never released (it died)
 expire after their TTL. Any daemon failure: the affected request just gets fewer (or no) tokens
@@ -124,11 +133,14 @@ class SchedulerSide:
         if usable * self.bt <= num_computed:
             return 0
         keys = self._keys(request, 0, usable)
-        fetch = self.lookups.fetch_blocks(rid, keys, request.num_tokens)
+        ends = [self.kv.state_key(k) for k in keys] if self.kv.stateful else None
+        fetch = self.lookups.fetch_blocks(rid, keys, request.num_tokens, ends)
         if fetch is None:
             return None  # the Lookup is running: vLLM asks again next step
         if fetch * self.bt <= num_computed:
             return 0
+        if ends is not None:  # the hit's last block is the state block of its boundary
+            keys = [*keys[:fetch - 1], ends[fetch - 1]]
         self._hits[rid] = _Hit(num_computed, keys, fetch)
         return fetch * self.bt - num_computed
 
@@ -157,7 +169,10 @@ class SchedulerSide:
         tracked.saved = last  # not saved in the load's own step, whether or not it loads
         if self.kv.hybrid:
             groups = self._load_groups(blocks, first, last)
-            job = LoadJob(rid, groups[0], hit.keys[:last], first, groups)
+            keys = hit.keys[:last]
+            if self.kv.stateful and last != hit.fetch:
+                keys = []  # no state at that cut: the load fails, vLLM computes the request
+            job = LoadJob(rid, groups[0], keys, first, groups)
         else:
             job = LoadJob(rid, list(blocks.get_block_ids()[0][first:last]), hit.keys[:last],
                           first)
@@ -170,7 +185,7 @@ class SchedulerSide:
         sliding group fills only its window before `last`, and never vLLM's null block."""
         out = []
         for g, group in enumerate(blocks.blocks[:len(self.kv.windows)]):
-            win = self.kv.window_blocks(g)
+            win = 1 if self.kv.is_state(g) else self.kv.window_blocks(g)
             lo = max(first, last - win) if win else first
             out.append([-1 if j < lo or group[j].is_null else group[j].block_id
                         for j in range(first, last)])
@@ -220,7 +235,9 @@ class SchedulerSide:
                 groups = tuple(list(g[start:full]) for g in ids[:len(self.kv.windows)])
                 # a block some group holds as vLLM's null block (out of a window, from vLLM's
                 # own prefix cache) cannot be stored: store from after the last such block
-                held = [all(g[j] != NULL_BLOCK for g in groups) for j in range(full - start)]
+                # (state groups: their pages in chain blocks are never loaded)
+                attn = [g for i, g in enumerate(groups) if not self.kv.is_state(i)]
+                held = [all(g[j] != NULL_BLOCK for g in attn) for j in range(full - start)]
                 skip = next((j + 1 for j in range(len(held) - 1, -1, -1) if not held[j]), 0)
                 start += skip
                 groups = tuple(g[skip:] for g in groups)
@@ -231,6 +248,34 @@ class SchedulerSide:
             parent = self._keys(r, start - 1, start)[0] if start else b""
             saves.append(SaveJob(rid, groups[0] if groups else list(ids[0][start:full]), keys,
                                  parent, groups))
+        if self.kv.stateful and state is not None:
+            saves += self._state_saves(out, state)
+        return saves
+
+    def _state_saves(self, out: SchedulerOutput, state: Any) -> list[SaveJob]:
+        """The state blocks of the block-aligned boundaries whose states vLLM offers this step
+        (every state group's, computed by the end of the step), after the step's chain saves
+        (their parent is the chain block before the boundary's block)."""
+        saves = []
+        groups = len(self.kv.windows)
+        for rid, entries in state.boundary_state_offloads.items():
+            t = self._tracked.get(rid)
+            ids = state.get_block_ids(rid)
+            if t is None or ids is None:
+                continue
+            r = t.request
+            done = r.num_computed_tokens + out.num_scheduled_tokens.get(rid, 0)
+            for c, held in state_boundaries(entries, self.bt, groups).items():
+                if (c > len(r.block_hashes) // self.step or c * self.bt > done
+                        or set(held) != {g for g in range(groups) if self.kv.is_state(g)}):
+                    continue
+                per = tuple([held[g]] if self.kv.is_state(g) else [ids[g][c - 1]]
+                            for g in range(groups))
+                if any(p[0] == NULL_BLOCK for p in per):
+                    continue
+                key = self.kv.state_key(self._keys(r, c - 1, c)[0])
+                parent = self._keys(r, c - 2, c - 1)[0] if c > 1 else b""
+                saves.append(SaveJob(rid, per[0], [key], parent, per))
         return saves
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
@@ -244,3 +289,15 @@ class SchedulerSide:
         self.lookups.close()
         for link in self.links:
             link.close()
+
+
+def state_boundaries(entries: list[tuple[int, int, int]], block_tokens: int, groups: int
+                     ) -> dict[int, dict[int, int]]:
+    """vLLM's boundary-state offers of one request ((group, block id, boundary tokens)) by
+    block-aligned boundary (in blocks): {boundary: {group: block id}}; offers at a boundary
+    inside a block (vLLM's partial tails) and of groups beyond `groups` are dropped."""
+    out: dict[int, dict[int, int]] = {}
+    for g, block, tokens in entries:
+        if tokens > 0 and tokens % block_tokens == 0 and 0 <= g < groups:
+            out.setdefault(tokens // block_tokens, {})[g] = block
+    return out

@@ -62,7 +62,7 @@ from kvtier.integrations.common.loads import LayerLoads, Lease, Loads, TorchLoad
 from kvtier.integrations.common.saver import PrefillClock, Saver, Staged
 from kvtier.integrations.vllm.layout import EngineKV, Unsupported
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
-from kvtier.integrations.vllm.pages import Paged, paged
+from kvtier.integrations.vllm.pages import Paged, paged, state_pages
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("kvtier.integrations.vllm")
@@ -145,7 +145,10 @@ class WorkerSide:
         missing = [n for n in self.kv.layer_names if n not in kv_caches]
         if missing:
             raise Unsupported(f"no KV tensor for layer(s) {missing[:3]}")
-        self.paged = pg = paged([kv_caches[n] for n in self.kv.layer_names], self.kv.page_bytes)
+        tensors = [state_pages(kv_caches[n], self.kv.page_bytes)
+                   if self.kv.is_state(self.kv.group_of(i)) else kv_caches[n]
+                   for i, n in enumerate(self.kv.layer_names)]
+        self.paged = pg = paged(tensors, self.kv.page_bytes)
         cuda = pg.device.type == "cuda"
         self.clock.cuda = cuda
         self.loads = self._make_loads(pg, cuda)
