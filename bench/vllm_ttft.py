@@ -29,7 +29,8 @@ linear-attention layers to one full-attention layer; vLLM picks the block so tha
 page holds a layer's state, and a hit restores the state checkpoint at its last block boundary).
 One engine with the connector: each document first computed whole (a miss: the recompute
 baseline), then, after vLLM's prefix cache is reset, served from kvtier's DRAM, its first token
-and logprobs checked against the miss's; also the bytes each hit copied
+and top-5 logprobs checked against the miss's (`first_token_agrees`: logprobs within
+LOGPROB_TOLERANCE, and the same token or a near tie); also the bytes each hit copied
 (`vllm:kvtier_loaded_bytes_total`) against every layer's full-length KV of the same blocks
 (hit blocks x layers x one page: for the Qwen3-Next-like shape the full-attention layers' KV
 on every layer, which is also a padded state checkpoint per block on the linear ones) and, for
@@ -320,6 +321,30 @@ def gdn_state_bytes(cfg: dict[str, Any]) -> int:
     return int(conv + vh * vd * kd * 4)
 
 
+def state_block_tokens(state: int, token_bytes: int) -> int:
+    """The block vLLM runs a model with state layers at: the smallest multiple of 32 tokens (the
+    CPU backend's alignment) whose attention page (`token_bytes` a token and layer) holds one
+    layer's `state` bytes; 32 without state."""
+    return max(BLOCK, -(-state // (token_bytes * BLOCK)) * BLOCK)
+
+
+def first_token_agrees(ref: dict[str, Any], got: dict[str, Any],
+                       tolerance: float = LOGPROB_TOLERANCE) -> str:
+    """How a hit's first token compares with the miss's (`ref`), both with "token" and
+    "logprobs" (top-k by token id): "same" (the same token, logprobs within `tolerance`),
+    "tie" (logprobs within `tolerance` and a different token that `ref` scored within
+    `tolerance` of its own: a near tie that rounding in another chunking may flip) or
+    "differs"."""
+    if logprob_distance(got["logprobs"], ref["logprobs"]) > tolerance:
+        return "differs"
+    if got["token"] == ref["token"]:
+        return "same"
+    lp = ref["logprobs"]
+    tied = (got["token"] in lp and ref["token"] in lp
+            and lp[ref["token"]] - lp[got["token"]] <= tolerance)
+    return "tie" if tied else "differs"
+
+
 def run_hybrid(a: Any) -> int:
     """The `--hybrid [SHAPE]` run (see the module docstring)."""
     from bench.hybrid_models import WINDOW
@@ -339,7 +364,7 @@ def run_hybrid(a: Any) -> int:
     # vLLM runs a model with state layers at a block of its choosing (one attention page holds
     # a layer's state); the bound: the smallest multiple of 32 that does
     state = gdn_state_bytes(cfg) if state_layers else 0
-    bound = max(BLOCK, -(-state // (token_bytes * BLOCK)) * BLOCK)
+    bound = state_block_tokens(state, token_bytes)
     slot = bound * token_bytes * layers
     dram = f"{max(64, slot * (a.doc_tokens // bound + 16) * (a.docs + 2) >> 20)}MiB"
     args = {**a.engine_args, "disable_hybrid_kv_cache_manager": False}
@@ -391,8 +416,8 @@ def run_hybrid(a: Any) -> int:
     loaded = sum(r["loaded_bytes"] for r in rows)
     ratio = loaded / max(1, sum(r["full_length_bytes"] for r in rows))
     speedup = miss["p50_s"] / hit["p50_s"]
-    matched = outputs_match({"alone": {"docqa": recompute}, "kvtier-dram": {"docqa": rows}})
-    m = matched["kvtier-dram"]
+    verdicts = [first_token_agrees(r, h) for r, h in zip(recompute, rows, strict=True)]
+    m = {v: verdicts.count(v) for v in ("same", "tie", "differs")}
     print(f"\n{'request':<22}{'TTFT p50':>10}{'p90':>9}{'cached':>8}{'vs miss':>10}")
     print(f"{'miss (recompute)':<22}{miss['p50_s'] * 1e3:>8.0f}ms{miss['p90_s'] * 1e3:>7.0f}ms"
           f"{miss['cached_frac']:>7.0%}{1.0:>9.1f}x")
@@ -410,9 +435,10 @@ def run_hybrid(a: Any) -> int:
               f"layers' KV: {per_block:.3f}x; loaded = hit blocks x {full} full layers' pages + "
               f"{state_layers} state pages for every hit: {design_ok}"
               + ("" if design_ok else "  <- NOT what the design loads"))
-    print(f"outputs of the hits vs the misses: {m['match']} of {m['of']} the same first token "
-          f"and logprobs within {LOGPROB_TOLERANCE}"
-          + ("" if m["match"] == m["of"] else "  <- WRONG OUTPUTS"))
+    print(f"outputs of the hits vs the misses, first token's top-5 logprobs within "
+          f"{LOGPROB_TOLERANCE}: {m['same']} of {len(rows)} the same token, {m['tie']} a near "
+          f"tie (another token the miss scored within {LOGPROB_TOLERANCE} of its own)"
+          + (f", {m['differs']} differ  <- WRONG OUTPUTS" if m["differs"] else ""))
     out = a.json if a.json != RESULTS / "vllm_ttft.json" else RESULTS / (
         "vllm_ttft_hybrid.json" if shape == "gpt-oss" else f"vllm_ttft_hybrid_{shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -421,10 +447,11 @@ def run_hybrid(a: Any) -> int:
         "cpus": os.cpu_count(), "shape": f"{shape}-like", "config": cfg, "block": block,
         "summary": {"miss": miss, "kvtier-dram": hit, "bytes_ratio": ratio,
                     "speedup": speedup, "outputs_match": m},
-        "raw": {"miss": recompute, "kvtier-dram": rows}}, indent=1, default=str))
+        "raw": {"miss": recompute, "kvtier-dram": rows, "outputs": verdicts}},
+        indent=1, default=str))
     print(f"wrote {out}", file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
-    return 0 if m["match"] == m["of"] and design_ok else 1
+    return 0 if not m["differs"] and design_ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
