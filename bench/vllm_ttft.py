@@ -404,8 +404,9 @@ def run_hybrid(a: Any) -> int:
                              "token": o.tokens[0], "logprobs": o.logprobs,
                              "loaded_bytes": loaded,
                              "full_length_bytes": blocks * page * layers,
-                             "state_per_block_bytes": blocks * (full * page + state_layers
-                                                                * state),
+                             "state_per_block_bytes": (blocks * (full * page + state_layers
+                                                                 * state)
+                                                       if state_layers else None),
                              "design_bytes": ((blocks * full + state_layers) * page
                                               if state_layers else None)})
         finally:
