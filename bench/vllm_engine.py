@@ -170,6 +170,12 @@ class EngineProc:
         self._send({"op": "info"})
         return bool(self._read()["hybrid_manager"])
 
+    def block_size(self) -> int:
+        """The block size vLLM runs with (`cache_config.block_size`; it picks its own for a model
+        with Mamba / linear-attention layers, so one attention page holds a layer's state)."""
+        self._send({"op": "info"})
+        return int(self._read()["block_size"])
+
     def preemptions(self) -> int:
         return int(self.metric("vllm:num_preemptions"))
 
@@ -240,7 +246,8 @@ def _serve(spec: dict[str, Any]) -> None:
             reply({})
         elif cmd["op"] == "info":  # what vLLM resolved (hybrid KV cache manager on or off)
             sc = llm.llm_engine.vllm_config.scheduler_config
-            reply({"hybrid_manager": not sc.disable_hybrid_kv_cache_manager})
+            reply({"hybrid_manager": not sc.disable_hybrid_kv_cache_manager,
+                   "block_size": llm.llm_engine.vllm_config.cache_config.block_size})
         elif cmd["op"] == "metric":
             reply({"value": sum(getattr(m, "value", 0) for m in llm.get_metrics()
                                 if m.name == cmd["name"])})

@@ -21,13 +21,21 @@ Systems, one engine process at a time (so they do not share the CPU):
   kvtier-dram-sync  `async_lookup: false, async_save: false, use_plan: false` (the Lookup on the
                     scheduler thread, saves within the step, every hit fetched), DRAM hits
   lmcache           LMCacheMPConnector + `lmcache server`, measured like kvtier-dram
-With `--hybrid`: instead, the gpt-oss-like shape (`bench.hybrid_models`' Gemma 3 architecture
-with gpt-oss's pattern: sliding window 128 and full attention alternating, vLLM's hybrid KV cache
-manager on), one engine with the connector: each document first computed whole (a miss: the
-recompute baseline), then, after vLLM's prefix cache is reset, served from kvtier's DRAM; also
-the bytes each hit copied
-(`vllm:kvtier_loaded_bytes_total`) against every layer's full-length KV of the same blocks.
-Writes bench/results/vllm_ttft_hybrid.json.
+With `--hybrid [gpt-oss|qwen3-next]`: instead, a hybrid model (weights from its own initializer,
+`bench.model_weights`), vLLM's hybrid KV cache manager on (checked): the gpt-oss-like shape
+(the default: `bench.hybrid_models`' Gemma 3 architecture with gpt-oss's pattern, sliding window
+128 and full attention alternating) or the Qwen3-Next-like one (three Gated DeltaNet
+linear-attention layers to one full-attention layer; vLLM picks the block so that one attention
+page holds a layer's state, and a hit restores the state checkpoint at its last block boundary).
+One engine with the connector: each document first computed whole (a miss: the recompute
+baseline), then, after vLLM's prefix cache is reset, served from kvtier's DRAM, its first token
+and top-5 logprobs checked against the miss's (`first_token_agrees`: logprobs within
+LOGPROB_TOLERANCE, and the same token or a near tie); also the bytes each hit copied
+(`vllm:kvtier_loaded_bytes_total`) against every layer's full-length KV of the same blocks
+(hit blocks x layers x one page: for the Qwen3-Next-like shape the full-attention layers' KV
+on every layer, which is also a padded state checkpoint per block on the linear ones) and, for
+Qwen3-Next, against the full layers' KV plus an unpadded state checkpoint per block.
+Writes bench/results/vllm_ttft_hybrid.json (gpt-oss) or vllm_ttft_hybrid_qwen3-next.json.
 TTFT = wall time of `LLM.generate(max_tokens=1)` for one prompt. Also: the scheduler side's cost
 per request (seconds on the calling thread inside the connector's calls, in process against a
 real daemon), at 1K and 32K tokens, with `async_lookup` on and off, and how long until the
@@ -279,79 +287,172 @@ def scheduler_cost(root: Path, tokens: int, repeats: int, async_lookup: bool
         d.stop()
 
 
-def run_hybrid(a: Any) -> int:
-    """The `--hybrid` run (see the module docstring)."""
-    from bench.hybrid_models import MODELS, WINDOW
+HYBRID_SHAPES = ("gpt-oss", "qwen3-next")
 
-    layers = a.layers
-    heads = max(1, a.hidden // 64)
+
+def hybrid_config(shape: str, layers: int, hidden: int, max_len: int) -> dict[str, Any]:
+    """The `--hybrid` model's config.json: `bench.hybrid_models`' Gemma 3 (gpt-oss-like: sliding
+    window and full attention alternating) or Qwen3-Next (three Gated DeltaNet linear-attention
+    layers, then a full one), at `hidden` (heads of 64, half as many KV heads)."""
+    from bench.hybrid_models import MODELS
+
+    heads = max(1, hidden // 64)
     kv_heads = max(1, heads // 2)
-    cfg = {**MODELS["gemma3"], "hidden_size": a.hidden, "intermediate_size": a.hidden * 3,
-           "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-           "num_hidden_layers": layers, "vocab_size": 4096,
-           "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
-           "max_position_embeddings": a.doc_tokens + 1024}
+    common = {"hidden_size": hidden, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "num_hidden_layers": layers, "vocab_size": 4096,
+              "max_position_embeddings": max_len}
+    if shape == "gpt-oss":
+        return {**MODELS["gemma3"], **common, "intermediate_size": hidden * 3,
+                "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)}
+    return {**MODELS["qwen3-next"], **common, "intermediate_size": hidden * 3,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+            "linear_num_key_heads": kv_heads, "linear_num_value_heads": heads,
+            "moe_intermediate_size": hidden // 2, "shared_expert_intermediate_size": hidden // 2}
+
+
+def gdn_state_bytes(cfg: dict[str, Any]) -> int:
+    """One Gated DeltaNet layer's state as vLLM keeps it, before padding to a page: the conv
+    state, (kernel - 1) x (2 x key heads x key dim + value heads x value dim) in bf16, and the
+    recurrent state, value heads x value dim x key dim in float32 (tests/test_vllm_state.py's
+    STATE: 3x512:bfloat16+4x64x64:float32 for 2 key heads, 4 value heads of 64)."""
+    kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    kd, vd = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    conv = (cfg["linear_conv_kernel_dim"] - 1) * (2 * kh * kd + vh * vd) * 2
+    return int(conv + vh * vd * kd * 4)
+
+
+def state_block_tokens(state: int, token_bytes: int) -> int:
+    """The block vLLM runs a model with state layers at: the smallest multiple of 32 tokens (the
+    CPU backend's alignment) whose attention page (`token_bytes` a token and layer) holds one
+    layer's `state` bytes; 32 without state."""
+    return max(BLOCK, -(-state // (token_bytes * BLOCK)) * BLOCK)
+
+
+def first_token_agrees(ref: dict[str, Any], got: dict[str, Any],
+                       tolerance: float = LOGPROB_TOLERANCE) -> str:
+    """How a hit's first token compares with the miss's (`ref`), both with "token" and
+    "logprobs" (top-k by token id): "same" (the same token, logprobs within `tolerance`),
+    "tie" (logprobs within `tolerance` and a different token that `ref` scored within
+    `tolerance` of its own: a near tie that rounding in another chunking may flip) or
+    "differs"."""
+    if logprob_distance(got["logprobs"], ref["logprobs"]) > tolerance:
+        return "differs"
+    if got["token"] == ref["token"]:
+        return "same"
+    lp = ref["logprobs"]
+    tied = (got["token"] in lp and ref["token"] in lp
+            and lp[ref["token"]] - lp[got["token"]] <= tolerance)
+    return "tie" if tied else "differs"
+
+
+def run_hybrid(a: Any) -> int:
+    """The `--hybrid [SHAPE]` run (see the module docstring)."""
+    from bench.hybrid_models import WINDOW
+    from bench.model_weights import write_checkpoint
+
+    shape, layers = a.hybrid, a.layers
+    cfg = hybrid_config(shape, layers, a.hidden, a.doc_tokens + 1024)
+    kv_heads = cfg["num_key_value_heads"]
+    token_bytes = 2 * kv_heads * cfg["head_dim"] * 2  # one attention layer's K and V, bf16
+    kinds = cfg["layer_types"]
+    full = kinds.count("full_attention")
+    state_layers = kinds.count("linear_attention")
     root = Path(tempfile.mkdtemp(prefix="kvtier-vllm-ttft-hybrid-"))
-    model = root / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(cfg))
-    page = 2 * BLOCK * kv_heads * 64 * 2
-    block_bytes = page * layers
+    # weights from the model's own initializer, so a hit's output shows a wrong load
+    model = write_checkpoint(root / "model", cfg)
     docs = prompts(a)["docqa"]
-    dram = f"{max(64, block_bytes * (a.doc_tokens // BLOCK + 64) * (a.docs + 2) >> 20)}MiB"
-    args = {**a.engine_args, "load_format": "dummy", "disable_hybrid_kv_cache_manager": False}
-    print(f"hybrid model (gpt-oss-like): {layers} layers alternating sliding window {WINDOW} "
-          f"and full, hidden {a.hidden}, {heads} heads ({kv_heads} KV), {block_bytes // 1024} "
-          f"KiB per {BLOCK}-token block; docs of {a.doc_tokens} tokens x {a.docs}",
-          file=sys.stderr)
+    # vLLM runs a model with state layers at a block of its choosing (one attention page holds
+    # a layer's state); the bound: the smallest multiple of 32 that does
+    state = gdn_state_bytes(cfg) if state_layers else 0
+    bound = state_block_tokens(state, token_bytes)
+    slot = bound * token_bytes * layers
+    dram = f"{max(64, slot * (a.doc_tokens // bound + 16) * (a.docs + 2) >> 20)}MiB"
+    args = {**a.engine_args, "disable_hybrid_kv_cache_manager": False}
+    what = (f"{layers} layers alternating sliding window {WINDOW} and full" if shape == "gpt-oss"
+            else f"{layers} layers, 3 Gated DeltaNet linear attention : 1 full attention, "
+                 f"{state:,} B of state per linear layer")
+    print(f"hybrid model ({shape}-like): {what}, hidden {a.hidden}, "
+          f"{cfg['num_attention_heads']} heads ({kv_heads} KV); docs of {a.doc_tokens} tokens x "
+          f"{a.docs}", file=sys.stderr)
     d = LocalDaemon(root / "daemon", ["--dram-bytes", dram, "--slot-bytes",
-                                      f"{block_bytes // 1024}KiB", "--ssd-bytes", "0"]).start()
+                                      f"{slot // 1024}KiB", "--ssd-bytes", "0"]).start()
     recompute, rows = [], []
     try:
         eng = EngineProc(root / "kvtier", model, d.socket,
                          extra={"retry_after_s": 0.5, "use_plan": False}, threads=a.threads,
                          engine_args=args).start()
         try:
+            if not eng.hybrid_manager():
+                raise RuntimeError("vLLM turned its hybrid KV cache manager off")
+            block = eng.block_size()
+            if block != bound:  # the daemon's slots were sized for `bound`
+                raise RuntimeError(f"vLLM runs {block}-token blocks, not {bound}")
+            page = block * token_bytes  # every layer's page (a state page is padded to it)
             eng.generate([docs[0][:256][::-1]], max_tokens=1)  # warm-up: no prefix of a doc
             for p in docs:
                 o = eng.generate([p], max_tokens=1)[0]  # a miss: vLLM computes it all
-                recompute.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p)})
+                recompute.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p),
+                                  "token": o.tokens[0], "logprobs": o.logprobs})
             time.sleep(2.0)  # saves run in the background after each request
             for p in docs:
                 eng.reset_prefix_cache()  # vLLM's own cache: only kvtier can serve it now
                 before = eng.metric("vllm:kvtier_loaded_bytes")
                 o = eng.generate([p], max_tokens=1)[0]
                 loaded = eng.metric("vllm:kvtier_loaded_bytes") - before
+                blocks = o.cached // block
                 rows.append({"ttft_s": o.seconds, "cached": o.cached, "prompt": len(p),
+                             "token": o.tokens[0], "logprobs": o.logprobs,
                              "loaded_bytes": loaded,
-                             "full_length_bytes": o.cached // BLOCK * block_bytes})
+                             "full_length_bytes": blocks * page * layers,
+                             "state_per_block_bytes": (blocks * (full * page + state_layers
+                                                                 * state)
+                                                       if state_layers else None),
+                             "design_bytes": ((blocks * full + state_layers) * page
+                                              if state_layers else None)})
         finally:
             eng.close()
     finally:
         d.stop()
     hit, miss = summary(rows), summary(recompute)
-    ratio = sum(r["loaded_bytes"] for r in rows) / max(1, sum(r["full_length_bytes"]
-                                                             for r in rows))
+    loaded = sum(r["loaded_bytes"] for r in rows)
+    ratio = loaded / max(1, sum(r["full_length_bytes"] for r in rows))
     speedup = miss["p50_s"] / hit["p50_s"]
+    verdicts = [first_token_agrees(r, h) for r, h in zip(recompute, rows, strict=True)]
+    m = {v: verdicts.count(v) for v in ("same", "tie", "differs")}
     print(f"\n{'request':<22}{'TTFT p50':>10}{'p90':>9}{'cached':>8}{'vs miss':>10}")
     print(f"{'miss (recompute)':<22}{miss['p50_s'] * 1e3:>8.0f}ms{miss['p90_s'] * 1e3:>7.0f}ms"
           f"{miss['cached_frac']:>7.0%}{1.0:>9.1f}x")
     print(f"{'kvtier-dram (hit)':<22}{hit['p50_s'] * 1e3:>8.0f}ms{hit['p90_s'] * 1e3:>7.0f}ms"
           f"{hit['cached_frac']:>7.0%}{speedup:>9.1f}x")
-    print(f"bytes copied per hit: {ratio:.3f}x every layer's full-length KV of the hit "
+    print(f"vLLM block {block} tokens; bytes copied per hit: {loaded / len(rows):,.0f}, "
+          f"{ratio:.3f}x every layer's full-length KV of the hit "
           f"(goal <= 0.6x: {'reached' if ratio <= 0.6 else 'NOT reached'}); hit vs recompute "
           f"{speedup:.1f}x (goal >= 5x: {'reached' if speedup >= 5 else 'NOT reached'})")
-    out = a.json if a.json != RESULTS / "vllm_ttft.json" else RESULTS / "vllm_ttft_hybrid.json"
+    design_ok = True
+    if state_layers:
+        per_block = loaded / max(1, sum(r["state_per_block_bytes"] for r in rows))
+        design_ok = all(r["loaded_bytes"] == r["design_bytes"] for r in rows)
+        print(f"vs a state checkpoint per block (unpadded, {state:,} B a layer) with the full "
+              f"layers' KV: {per_block:.3f}x; loaded = hit blocks x {full} full layers' pages + "
+              f"{state_layers} state pages for every hit: {design_ok}"
+              + ("" if design_ok else "  <- NOT what the design loads"))
+    print(f"outputs of the hits vs the misses, first token's top-5 logprobs within "
+          f"{LOGPROB_TOLERANCE}: {m['same']} of {len(rows)} the same token, {m['tie']} a near "
+          f"tie (another token the miss scored within {LOGPROB_TOLERANCE} of its own)"
+          + (f", {m['differs']} differ  <- WRONG OUTPUTS" if m["differs"] else ""))
+    out = a.json if a.json != RESULTS / "vllm_ttft.json" else RESULTS / (
+        "vllm_ttft_hybrid.json" if shape == "gpt-oss" else f"vllm_ttft_hybrid_{shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(), "machine": platform.node(),
-        "cpus": os.cpu_count(), "shape": "gpt-oss-like", "config": cfg,
+        "cpus": os.cpu_count(), "shape": f"{shape}-like", "config": cfg, "block": block,
         "summary": {"miss": miss, "kvtier-dram": hit, "bytes_ratio": ratio,
-                    "speedup": speedup}, "raw": {"miss": recompute, "kvtier-dram": rows}},
+                    "speedup": speedup, "outputs_match": m},
+        "raw": {"miss": recompute, "kvtier-dram": rows, "outputs": verdicts}},
         indent=1, default=str))
     print(f"wrote {out}", file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return 0 if not m["differs"] and design_ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,11 +472,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer", choices=("auto", "engine", "torch"), default=None,
                     help="the connector's `transfer` key for the kvtier runs (default: its own)")
     ap.add_argument("--json", type=Path, default=RESULTS / "vllm_ttft.json")
-    ap.add_argument("--hybrid", action="store_true",
-                    help="the gpt-oss-like hybrid shape instead (see above)")
+    ap.add_argument("--hybrid", nargs="?", const="gpt-oss", choices=HYBRID_SHAPES,
+                    default=None, help="a hybrid model instead (see above): gpt-oss-like "
+                    "(the default) or qwen3-next-like")
     a = ap.parse_args(argv)
     if a.quick:
         a.doc_tokens, a.docs, a.turns, a.layers, a.cost_repeats = 1024, 2, 3, 2, 10
+        if a.hybrid == "qwen3-next":
+            a.layers = 4
+    if a.hybrid and a.layers % (4 if a.hybrid == "qwen3-next" else 2):
+        ap.error(f"--layers must be a multiple of {4 if a.hybrid == 'qwen3-next' else 2} for "
+                 f"the {a.hybrid}-like shape")
     if not a.lmcache_port:
         import socket
         with socket.socket() as s:
