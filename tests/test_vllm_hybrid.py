@@ -229,12 +229,12 @@ def test_daemon_sigkilled_during_a_request(setup: Setup) -> None:
     (no reply in e2's pipe yet): checked, not assumed from a sleep."""
     s = setup
     batch = [prompt(70 + i) for i in range(3)]
-    want = s.e1.generate(batch, max_tokens=60)
+    want = s.e1.generate(batch, max_tokens=300)
     for p in batch[:2]:
         keys = stored(s.a.socket, s.kv, p)
         put(s.b.socket, s.kv, keys, read(s.a.socket, s.kv, keys))
     before = s.b.metric_sum("kvtier_lookups_total")
-    wait = s.e2.generate_async(batch, max_tokens=60)
+    wait = s.e2.generate_async(batch, max_tokens=300)
     try:
         deadline = time.monotonic() + 120
         while s.b.metric_sum("kvtier_lookups_total") == before:  # looked up when admitted
@@ -246,7 +246,7 @@ def test_daemon_sigkilled_during_a_request(setup: Setup) -> None:
         got = wait()  # read whatever happened: the next command's reply comes next
     try:
         assert in_flight, (
-            "e2 had answered the batch before the kill: 60 tokens per request decode for seconds")
+            "e2 had answered the batch before the kill: 300 tokens per request decode for seconds")
         assert [o.tokens for o in got] == [o.tokens for o in want]
         again = s.e2.generate([prompt(79)], max_tokens=4)[0]  # the daemon is gone: computes
         assert again.cached == 0
