@@ -10,7 +10,6 @@ fields the code reads."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,9 +28,10 @@ from kvtier.integrations.common.lookup import Lookups  # noqa: E402
 from kvtier.integrations.vllm.layout import EngineKV, Shard, Unsupported  # noqa: E402
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob  # noqa: E402
 from kvtier.integrations.vllm.pages import state_pages  # noqa: E402
-from kvtier.integrations.vllm.scheduler import SchedulerSide, state_boundaries  # noqa: E402
+from kvtier.integrations.vllm.scheduler import state_boundaries  # noqa: E402
 from kvtier.integrations.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
+from tests.test_vllm_hybrid_units import Block, Req, side  # noqa: E402  (its scheduler fakes)
 
 BT, PAGE, BLOCKS = 32, 256, 16
 STATE = "2x8:bfloat16+4x4:float32"
@@ -124,22 +124,6 @@ def test_state_pages_view_the_whole_page_over_the_same_memory() -> None:
         state_pages(buf.as_strided((BLOCKS // 2, 1, 1, 100), (2 * PAGE, 100, 100, 1)), PAGE)
     with pytest.raises(Unsupported, match="not one tensor"):
         state_pages([layer, layer], PAGE)
-
-
-@dataclass
-class Block:
-    block_id: int
-    is_null: bool = False
-
-
-class Req(SimpleNamespace):
-    pass
-
-
-def side(k: EngineKV) -> SchedulerSide:
-    s = ConnectorSettings.from_extra({"socket": "/nonexistent/kvtier.sock",
-                                      "async_lookup": False})
-    return SchedulerSide(s, k, 1, 1, False)
 
 
 def test_a_load_fills_the_attention_blocks_and_each_state_groups_block_at_the_cut() -> None:
