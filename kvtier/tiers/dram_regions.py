@@ -18,8 +18,8 @@ memory, as a free page of the single-tenant pool keeps its bytes: only that tena
 there, and the tenant taking it again costs no remap and no fresh zeroed pages (punching at every
 release cost 5x in store+load bandwidth). A tenant's client gets its own file's fd over the
 daemon's fd socket (`kvtier.daemon.fdpass`, after its token is checked) and maps it whole: at the
-offsets of its blocks it finds them, everywhere else zeros or what it wrote there itself — never
-another tenant's bytes, and nothing it writes reaches them.
+offsets of its blocks it finds them, everywhere else zeros, its own earlier blocks or what it
+wrote there itself — never another tenant's bytes, and nothing it writes reaches them.
 
 Every move of a page from one tenant to another costs two syscalls (mmap, fallocate) under the
 pool's lock, at page granularity (megabytes), not per block.
