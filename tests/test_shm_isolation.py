@@ -6,6 +6,7 @@ tests run as root)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.client.async_client import AsyncClient
 from kvtier.client.mapping import fetch_fd
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.segment import FD_MESSAGE_MAX, StaleSegment, fd_request, fd_socket_path
@@ -261,3 +263,18 @@ def test_store_and_load_views_are_the_tenants_blocks(
         assert got.blocks == 0
     with b.load(keys(b"bob", 4)) as got:
         assert np.array_equal(got.views[0], np.frombuffer(bob_block(0), np.uint8))
+
+
+def test_the_async_client_maps_its_tenants_memory(two: tuple[DaemonProc, Client, Client]) -> None:
+    d, _, b = two
+
+    async def main() -> None:
+        async with await AsyncClient.connect(d.socket, layout=LAYOUT, token=BOB) as kv:
+            data = [bob_block(7), bob_block(8)]
+            assert (await kv.store(keys(b"bob-async", 2), data)).stored == 2
+            assert kv.uses_shm and kv._segment is not None and kv._segment.info.by_fd
+            async with kv.load(keys(b"bob", 4)) as got:  # the sync client's blocks, same tenant
+                assert got.blocks == 4 and bytes(got.views[3]) == bob_block(3)
+
+    asyncio.run(main())
+    assert bob_intact(b)
