@@ -1,6 +1,6 @@
 """Daemon benchmark: Lookup latency, RPC throughput, and store+load bandwidth through the daemon.
 
-    python -m bench.daemon [--quick]
+    python -m bench.daemon [--quick] [--tenants] [--only copy|promotion]
 
 Starts real `kvtier serve` daemons on temporary sockets (4 KiB slots for the Lookup figures, 2 MiB
 slots for the copies; no SSD tier, so the DRAM path is measured) and
@@ -10,7 +10,10 @@ reports, with baselines measured in the same run:
 - Lookup RPCs/s with 8 concurrent client processes (16-block chains);
 - store+load GB/s of 2 MiB blocks in batches of 64 through shared memory (allocate, copy in,
   commit; acquire, copy out, release) against `numpy.copyto` of the same bytes between the same
-  kind of buffers (goal >= 0.7x), and the same through the streaming byte path (ratio reported).
+  kind of buffers (goal >= 0.7x), and the same through the streaming byte path (ratio reported);
+  with `--tenants`, also through the per-tenant mapping of a daemon with a tokens file (two
+  tenants, one storing and loading: its memory handed over by fd, `kvtier.tiers.dram_regions`);
+  `--only copy` runs the copies only.
 - SSD promotion interference (`--only promotion` runs just this): Lookup p50/p99 of a cached
   16-block chain while another process Acquires chains of 8 x 2 MiB SSD-only blocks in a loop
   (each Acquire promotes them: LMDB read + verify into DRAM slots), against the same Lookups with
@@ -40,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 SMALL = LayoutDecl(b"bench-lookup-layout", 4096, 16, model_id="bench-model")
 BIG = LayoutDecl(b"bench-copy-layout-2m", 2 * MiB, 16, model_id="bench-model")
+BENCH_TOKEN = "bench-tenant-token"
 
 
 def start_daemon(
@@ -114,8 +118,10 @@ def rpc_throughput(sock: Path, clients: int, seconds: float) -> dict[str, Any]:
     return {"clients": clients, "seconds": seconds, "rpcs": total, "rpcs_per_s": total / seconds}
 
 
-def copy_bandwidth(sock: Path, streaming: bool, rounds: int) -> dict[str, Any]:
-    """store+load of 64 x 2 MiB per round vs numpy.copyto of the same bytes (in and out)."""
+def copy_bandwidth(sock: Path, streaming: bool, rounds: int, token: str | None = None
+                   ) -> dict[str, Any]:
+    """store+load of 64 x 2 MiB per round vs numpy.copyto of the same bytes (in and out);
+    `token`: as that tenant of a daemon with a tokens file."""
     batch = 64
     rng = np.random.default_rng(0)
     src = [rng.integers(0, 256, BIG.block_bytes, dtype=np.uint8) for _ in range(batch)]
@@ -124,7 +130,8 @@ def copy_bandwidth(sock: Path, streaming: bool, rounds: int) -> dict[str, Any]:
     for a in (*dst, *stage):
         a.fill(0)  # fault the pages in, as the daemon's warm slots are
     base, daemon = [], []
-    with Client(sock, layout=BIG, streaming=streaming) as kv:
+    with Client(sock, layout=BIG, streaming=streaming, token=token) as kv:
+        assert kv.uses_shm != streaming
         warm = -(-kv.stats().segment.slot_count // batch)  # every slot touched once first
         for r in range(rounds + warm):
             t0 = time.perf_counter()
@@ -147,7 +154,8 @@ def copy_bandwidth(sock: Path, streaming: bool, rounds: int) -> dict[str, Any]:
     nbytes = 2 * batch * BIG.block_bytes
     t_base, t_daemon = statistics.median(base), statistics.median(daemon)
     ratios = [b / d for b, d in zip(base, daemon, strict=True)]  # paired: same round, same noise
-    return {"path": "streaming" if streaming else "shm", "rounds": rounds,
+    path = "streaming" if streaming else "shm-tenant" if token else "shm"
+    return {"path": path, "rounds": rounds,
             "bytes_per_round": nbytes, "memcpy_gb_s": nbytes / t_base / 1e9,
             "daemon_gb_s": nbytes / t_daemon / 1e9, "ratio": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios)}
@@ -249,25 +257,65 @@ def run_promotion(quick: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
-    ap.add_argument("--only", choices=["promotion"], help="run one part only")
+    ap.add_argument("--only", choices=["promotion", "copy"], help="run one part only")
+    ap.add_argument("--tenants", action="store_true",
+                    help="also the shm copy as a tenant of a daemon with a tokens file")
     args = ap.parse_args(argv)
     if args.only == "promotion":
         return run_promotion(args.quick)
+    rounds = 2 if args.quick else 12
+    lat: dict[str, Any] = {}
+    rps: dict[str, Any] = {}
+    copies: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        proc, sock = start_daemon(Path(tmp) / "small", "4KiB", "64MiB")
-        try:
-            lat = lookup_latency(sock, args.quick)
-            rps = rpc_throughput(sock, 8, 2.0 if args.quick else 5.0)
-        finally:
-            proc.terminate()
-            proc.wait(30)
+        if args.only != "copy":
+            proc, sock = start_daemon(Path(tmp) / "small", "4KiB", "64MiB")
+            try:
+                lat = lookup_latency(sock, args.quick)
+                rps = rpc_throughput(sock, 8, 2.0 if args.quick else 5.0)
+            finally:
+                proc.terminate()
+                proc.wait(30)
         proc, sock = start_daemon(Path(tmp) / "big", "2MiB", "640MiB")
         try:
-            shm = copy_bandwidth(sock, False, 2 if args.quick else 12)
-            stream = copy_bandwidth(sock, True, 1 if args.quick else 4)
+            copies.append(copy_bandwidth(sock, False, rounds))
+            if args.only != "copy":
+                copies.append(copy_bandwidth(sock, True, 1 if args.quick else 4))
         finally:
             proc.terminate()
             proc.wait(30)
+        if args.tenants:
+            tokens = Path(tmp) / "tokens.toml"
+            tokens.write_text(f'[tenants.bench]\ntoken = "{BENCH_TOKEN}"\n\n'
+                              '[tenants.other]\ntoken = "bench-other-token"\n')
+            proc, sock = start_daemon(Path(tmp) / "tenants", "2MiB", "640MiB",
+                                      "--tokens-file", str(tokens))
+            try:
+                copies.insert(1, copy_bandwidth(sock, False, rounds, BENCH_TOKEN))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    shm = copies[0]
+    if lat:
+        print_lookups(lat, rps)
+    print("\nstore+load of 64 x 2 MiB blocks per round (medians; ratio = median of per-round "
+          "ratios, min-max)")
+    print(f"{'path':>10}{'memcpy GB/s':>13}{'daemon GB/s':>13}{'ratio':>8}{'range':>12}")
+    for row in copies:
+        print(f"{row['path']:>10}{row['memcpy_gb_s']:>13.2f}{row['daemon_gb_s']:>13.2f}"
+              f"{row['ratio']:>8.2f}   {row['ratio_min']:.2f}-{row['ratio_max']:.2f}")
+    print(f"goal shm ratio >= 0.7: {'reached' if shm['ratio'] >= 0.7 else 'NOT reached'}")
+    result = {"lookup_latency": lat, "rpc_throughput": rps, "copy_shm": shm,
+              "copy_streaming": next((c for c in copies if c["path"] == "streaming"), None),
+              "copy_shm_tenant": next((c for c in copies if c["path"] == "shm-tenant"), None),
+              "quick": args.quick}
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "daemon.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def print_lookups(lat: dict[str, Any], rps: dict[str, Any]) -> None:
     print("Lookup latency over the Unix socket (cached chains)")
     print(f"{'blocks':>8}{'p50 ms':>10}{'p99 ms':>10}")
     for n, row in lat.items():
@@ -275,19 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     goal = lat["1024"]["p50_ms"] <= 2.0
     print(f"goal 1024-block p50 <= 2 ms: {'reached' if goal else 'NOT reached'}")
     print(f"\nLookup RPCs/s, {rps['clients']} client processes: {rps['rpcs_per_s']:.0f}")
-    print("\nstore+load of 64 x 2 MiB blocks per round (medians; ratio = median of per-round "
-          "ratios, min-max)")
-    print(f"{'path':>10}{'memcpy GB/s':>13}{'daemon GB/s':>13}{'ratio':>8}{'range':>12}")
-    for row in (shm, stream):
-        print(f"{row['path']:>10}{row['memcpy_gb_s']:>13.2f}{row['daemon_gb_s']:>13.2f}"
-              f"{row['ratio']:>8.2f}   {row['ratio_min']:.2f}-{row['ratio_max']:.2f}")
-    print(f"goal shm ratio >= 0.7: {'reached' if shm['ratio'] >= 0.7 else 'NOT reached'}")
-    result = {"lookup_latency": lat, "rpc_throughput": rps, "copy_shm": shm,
-              "copy_streaming": stream, "quick": args.quick}
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "daemon.json").write_text(json.dumps(result, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

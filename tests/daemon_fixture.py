@@ -33,8 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class DaemonProc:
-    def __init__(self, workdir: Path, args: Sequence[str] = (), env: dict[str, str] | None = None):
+    def __init__(self, workdir: Path, args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 launcher: Sequence[str] = ()):
+        """`launcher`: a command that runs the daemon's command line given as its arguments
+        (e.g. one that drops capabilities first)."""
         self.workdir = workdir
+        self.launcher = list(launcher)
         self.socket = workdir / "run" / "kvtier.sock"
         self.data_dir = workdir / "data"
         self.log_path = workdir / "daemon.log"
@@ -52,7 +56,7 @@ class DaemonProc:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the child)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier", "serve", *self.args],
+            [*self.launcher, sys.executable, "-m", "kvtier", "serve", *self.args],
             stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
         )
         log.close()

@@ -170,6 +170,30 @@ def test_shared_memory_slots_are_copied_in_place(kvd: DaemonProc,
     c.close()
 
 
+def test_a_tenant_engine_copies_in_place_through_its_own_mapping(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a tokens file the engine maps its tenant's memory (handed over by fd, issue 25) and
+    still copies slots in place, bit-exact."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tenants.a]\ntoken = "engine-a-token"\n\n'
+                      '[tenants.b]\ntoken = "engine-b-token"\n')
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)]).start()
+    try:
+        seen = window_spy(monkeypatch)
+        c = Checked(d.socket, token="engine-a-token")
+        system = rand_tokens(4 * B, seed=36)
+        first, _ = c.serve(system + rand_tokens(3, seed=37))
+        out, _ = c.serve(system + rand_tokens(5, seed=38))
+        assert first.stored_blocks == 4 and out.loaded_blocks == 4
+        client = c.replica.client()
+        assert client is not None and client.uses_shm
+        assert client._segment is not None and client._segment.info.by_fd
+        assert seen and all(seen)
+        c.close()
+    finally:
+        d.stop()
+
+
 def test_bf16_engine_through_kvtier_is_bit_exact(kvd: DaemonProc) -> None:
     cfg = CFG.with_dtype("bfloat16")
     replica = KvtierEngine(Engine(cfg, 64), LinkOptions(socket=kvd.socket, use_plan=False))

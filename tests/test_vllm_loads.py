@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -313,6 +314,44 @@ def test_worker_round_trips_pages_between_layouts(daemon: DaemonProc,  # noqa: F
         assert kv.stats().active_leases == 0
     assert w2.stats.take()["loaded_blocks"] == 3
     w2.close()
+
+
+def test_worker_round_trips_pages_as_a_tenant(tmp_path: Path) -> None:
+    """With a tokens file the connector's worker maps its tenant's memory (handed over by fd,
+    issue 25) and still saves and loads pages in place."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tenants.a]\ntoken = "vllm-tenant-a"\n\n'
+                      '[tenants.b]\ntoken = "vllm-tenant-b"\n')
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)]).start()
+    try:
+        keys = keys_of(3, 4)
+        src = vllm_views(KVCacheLayout.LHBNC, 23)
+        w1 = WorkerSide(settings(d, async_save=False, transfer="engine", token="vllm-tenant-a"),
+                        engine_kv(KVCacheLayout.LHBNC), 0)
+        w1.register_kv_caches(dict(zip(LAYERS, src, strict=True)))
+        with torch.inference_mode():
+            w1.wait_for_save(KvtierMetadata(saves=[SaveJob("r", [7, 2, 9, 0], keys, b"")]))
+        assert w1.stats.take()["stored_blocks"] == 4
+        w1.close()
+        dst = vllm_views(KVCacheLayout.LHBNC, 24)
+        w2 = WorkerSide(settings(d, transfer="engine", token="vllm-tenant-a"),
+                        engine_kv(KVCacheLayout.LHBNC), 0)
+        w2.register_kv_caches(dict(zip(LAYERS, dst, strict=True)))
+        with torch.inference_mode():
+            w2.start_load_kv(KvtierMetadata(loads=[LoadJob("q", [1, 3, 5], keys[:4], 1)]))
+            for name in LAYERS:
+                w2.wait_for_layer_load(name)
+            assert w2.take_load_errors() == set()
+        for i in range(len(LAYERS)):
+            for s, t in zip([2, 9, 0], [1, 3, 5], strict=True):
+                assert torch.equal(page_bytes(dst[i], t), page_bytes(src[i], s))
+        assert w2.stats.take()["loaded_blocks"] == 3
+        client = w2.link.client()
+        assert client is not None and client.uses_shm
+        assert client._segment is not None and client._segment.info.by_fd
+        w2.close()
+    finally:
+        d.stop()
 
 
 def test_worker_failed_pair_is_recomputed_and_the_lease_released(

@@ -21,7 +21,7 @@ TIER_SSD: Tier
 TIER_REMOTE: Tier
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("name", "size", "generation", "slot_bytes", "slot_stride", "slot_count", "data_offset", "shm_dir", "format_version", "page_bytes", "page_count", "pool_slot_bytes", "pool_slot_stride", "pool_slot_count")
+    __slots__ = ("name", "size", "generation", "slot_bytes", "slot_stride", "slot_count", "data_offset", "shm_dir", "format_version", "page_bytes", "page_count", "pool_slot_bytes", "pool_slot_stride", "pool_slot_count", "by_fd")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class SegmentInfo(_message.Message):
     POOL_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_SLOT_STRIDE_FIELD_NUMBER: _ClassVar[int]
     POOL_SLOT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BY_FD_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     generation: int
@@ -50,7 +51,8 @@ class SegmentInfo(_message.Message):
     pool_slot_bytes: int
     pool_slot_stride: int
     pool_slot_count: int
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., generation: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_stride: _Optional[int] = ..., slot_count: _Optional[int] = ..., data_offset: _Optional[int] = ..., shm_dir: _Optional[str] = ..., format_version: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_count: _Optional[int] = ..., pool_slot_bytes: _Optional[int] = ..., pool_slot_stride: _Optional[int] = ..., pool_slot_count: _Optional[int] = ...) -> None: ...
+    by_fd: bool
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., generation: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_stride: _Optional[int] = ..., slot_count: _Optional[int] = ..., data_offset: _Optional[int] = ..., shm_dir: _Optional[str] = ..., format_version: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_count: _Optional[int] = ..., pool_slot_bytes: _Optional[int] = ..., pool_slot_stride: _Optional[int] = ..., pool_slot_count: _Optional[int] = ..., by_fd: _Optional[bool] = ...) -> None: ...
 
 class ModelCost(_message.Message):
     __slots__ = ("active_params", "num_layers", "attn_dim", "sliding_window")

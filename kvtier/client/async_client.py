@@ -67,6 +67,7 @@ class AsyncClient(SegmentHolder):
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._token = token or ""
         self._channel = grpc.aio.insecure_channel(self.target, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

@@ -1,5 +1,6 @@
 """A process's mapping of the daemon's DRAM slot pool (`kvtier.tiers.dram`): attach by name, size
-and generation, zero-copy slot views, optional CUDA registration. See `kvtier.tiers.dram` for the
+and generation — or, to a daemon with tenants, by the fd its fd socket hands this client's tenant
+(`fetch_fd`) — zero-copy slot views, optional CUDA registration. See `kvtier.tiers.dram` for the
 segment layout and the trust boundary.
 """
 
@@ -8,18 +9,22 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import socket
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.core.segment import (
+    FD_MESSAGE_MAX,
     STATE_LIVE,
     DramError,
     SegmentHandle,
     StaleSegment,
     check_attach,
-        unpack_header,
+    fd_request,
+    parse_fd_reply,
+    unpack_header,
 )
 
 U8Array = npt.NDArray[np.uint8]
@@ -35,13 +40,19 @@ class DramClient:
     the daemon and is the caller's bug.
     """
 
-    def __init__(self, handle: SegmentHandle, writable: bool = True) -> None:
+    def __init__(self, handle: SegmentHandle, writable: bool = True, fd: int | None = None
+                 ) -> None:
+        """Maps the segment file `handle` names, or with `fd` (taken over: closed here) the
+        file it is (a tenant's memory from `fetch_fd`)."""
         self.handle = handle
-        path = os.path.join(handle.shm_dir, handle.name)
-        try:
-            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise StaleSegment(f"no shared-memory segment {path}") from None
+        if fd is None:
+            path = os.path.join(handle.shm_dir, handle.name)
+            try:
+                fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise StaleSegment(f"no shared-memory segment {path}") from None
+        else:
+            path = f"the daemon's fd for pool {handle.name}"
         try:
             if os.fstat(fd).st_size != handle.size:
                 raise StaleSegment(f"{path} has size {os.fstat(fd).st_size}, not {handle.size}")
@@ -62,6 +73,12 @@ class DramClient:
     @classmethod
     def attach(cls, handle: SegmentHandle, writable: bool = True) -> DramClient:
         return cls(handle, writable)
+
+    @classmethod
+    def attach_fd(cls, handle: SegmentHandle, fd_socket: str, token: str,
+                  writable: bool = True) -> DramClient:
+        """Maps the memory the daemon's fd socket hands this token's tenant (`fetch_fd`)."""
+        return cls(handle, writable, fetch_fd(fd_socket, token))
 
     def is_live(self) -> bool:
         """False once the daemon closed this pool (the mapping itself stays valid)."""
@@ -134,3 +151,30 @@ class DramClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def fetch_fd(fd_socket: str, token: str, timeout: float = 5.0) -> int:
+    """The fd of this token's tenant's DRAM memory from a daemon's fd socket
+    (`kvtier.core.segment`: request line, JSON reply, SCM_RIGHTS). StaleSegment when the daemon
+    refuses (a wrong token) or sends no fd; OSError when nothing answers."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(fd_socket)
+        s.sendall(fd_request(token))
+        line, fds = b"", []
+        while not line.endswith(b"\n") and len(line) < FD_MESSAGE_MAX:
+            got, more, _, _ = socket.recv_fds(s, FD_MESSAGE_MAX, 1)
+            fds.extend(more)
+            if not got:
+                break
+            line += got
+    try:
+        parse_fd_reply(line)
+        if len(fds) != 1:
+            raise StaleSegment(f"the daemon sent {len(fds)} fds, not 1")
+    except StaleSegment:
+        for fd in fds:
+            os.close(fd)
+        raise
+    os.set_inheritable(fds[0], False)
+    return fds[0]

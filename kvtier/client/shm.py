@@ -20,7 +20,7 @@ import numpy.typing as npt
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.mapping import DramClient
 from kvtier.core.segment import VERSION as SEGMENT_VERSION
-from kvtier.core.segment import SegmentHandle, StaleSegment, slot_array
+from kvtier.core.segment import SegmentHandle, StaleSegment, fd_socket_path, slot_array
 
 U8 = npt.NDArray[np.uint8]
 
@@ -80,9 +80,12 @@ def segment_handle(info: pb.SegmentInfo) -> SegmentHandle:
                          info.shm_dir or "/dev/shm", info.page_bytes, info.page_count)
 
 
-def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool) -> MappedSegment:
+def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool,
+          fd_source: tuple[str, str] | None = None) -> MappedSegment:
     """`current` if it maps the pool `info` names, else a new mapping of it (the old one closed);
-    with `streaming`, or when the segment cannot be mapped, one without `dram`."""
+    with `streaming`, or when the segment cannot be mapped, one without `dram`. A pool with
+    tenants (`info.by_fd`) is mapped from the fd its fd socket hands out: `fd_source` is
+    (the daemon's Unix socket path, this client's token)."""
     if current is not None and (current.info.name, current.info.generation) == (
             info.name, info.generation):
         current.info = info  # the same pool seen as another layout's size class
@@ -92,7 +95,14 @@ def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool) 
     seg = MappedSegment(info)
     if not streaming:
         try:
-            seg.dram = DramClient.attach(segment_handle(info))
+            if not info.by_fd:
+                seg.dram = DramClient.attach(segment_handle(info))
+            elif fd_source is None:
+                raise StaleSegment("the daemon hands its pool out by fd: that needs its Unix "
+                                   "socket and a token")
+            else:
+                seg.dram = DramClient.attach_fd(
+                    segment_handle(info), fd_socket_path(fd_source[0]), fd_source[1])
         except (OSError, StaleSegment) as exc:
             log.warning("cannot map the daemon's DRAM segment (%s); using the streaming path",
                         exc)
@@ -105,11 +115,19 @@ class SegmentHolder:
     the streaming path) and what a caller may ask of it. Not thread-safe, like the clients."""
 
     force_streaming: bool
+    target: str
+    _token: str = ""  # for the fd socket of a daemon with tenants
     _segment: MappedSegment | None
 
     def _adopt(self, info: pb.SegmentInfo) -> MappedSegment:
-        self._segment = adopt(self._segment, info, self.force_streaming)
+        self._segment = adopt(self._segment, info, self.force_streaming, self._fd_source())
         return self._segment
+
+    def _fd_source(self) -> tuple[str, str] | None:
+        """(socket path, token) for a pool handed out by fd; None off a Unix socket."""
+        if not self.target.startswith("unix:") or not self._token:
+            return None
+        return self.target.removeprefix("unix:"), self._token
 
     @property
     def uses_shm(self) -> bool:

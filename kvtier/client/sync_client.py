@@ -236,6 +236,7 @@ class Client(SegmentHolder):
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._token = token or ""
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         self._channel = (grpc.secure_channel(self.target, credentials, options=opts)

@@ -20,10 +20,18 @@ The daemon (`kvtier.tiers.dram`) creates the file and writes the header once; a 
 `SegmentHandle` the daemon sent, and re-reads `state` later: a daemon that closes marks the header
 closed before unlinking, and a recreated segment has a new generation, so a stale client never
 mistakes a new pool for its old one.
+
+With tenants (a tokens file) the pool has no name: each tenant's client maps its own anonymous
+file (`kvtier.tiers.dram_regions`), which carries the same header, at the same offsets. It asks
+for it on the fd socket beside the daemon's socket (`fd_socket_path`): one request line
+`KVTFD1 <token>\n`, one reply line of JSON (`{"tenant", "generation", "size"}` with the fd as
+SCM_RIGHTS ancillary data, or `{"error"}` without any fd) — `fd_request`, `fd_reply`,
+`parse_fd_reply`.
 """
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import NamedTuple
 
@@ -41,6 +49,50 @@ STATE_CLOSED = 2
 HEADER = struct.Struct("<8sIIQQQQQQQ")
 STATE = struct.Struct("<I")
 STATE_OFFSET = 12
+
+
+FD_SOCKET_SUFFIX = ".fds"
+FD_REQUEST = b"KVTFD1 "
+FD_MESSAGE_MAX = 4096
+
+
+def fd_socket_path(socket: str) -> str:
+    """Where the daemon listening on Unix socket `socket` hands out tenants' pool fds."""
+    return socket + FD_SOCKET_SUFFIX
+
+
+def fd_request(token: str) -> bytes:
+    line = FD_REQUEST + token.encode() + b"\n"
+    if len(line) > FD_MESSAGE_MAX or "\n" in token:
+        raise ValueError("token too long or not one line")
+    return line
+
+
+def parse_fd_request(line: bytes) -> str | None:
+    """The token of a request line; None when it is not one."""
+    if not line.startswith(FD_REQUEST) or not line.endswith(b"\n"):
+        return None
+    try:
+        return line[len(FD_REQUEST):-1].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def fd_reply(tenant: str = "", generation: int = 0, size: int = 0, error: str = "") -> bytes:
+    body = {"error": error} if error else {"tenant": tenant, "generation": generation,
+                                           "size": size}
+    return json.dumps(body).encode() + b"\n"
+
+
+def parse_fd_reply(line: bytes) -> tuple[str, int, int]:
+    """(tenant, generation, size) of a reply; StaleSegment naming the daemon's refusal."""
+    try:
+        body = json.loads(line)
+        if "error" in body:
+            raise StaleSegment(f"the daemon refused the pool's fd: {body['error']}")
+        return str(body["tenant"]), int(body["generation"]), int(body["size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StaleSegment(f"bad reply on the fd socket: {exc}") from None
 
 
 class DramError(KvtierError):

@@ -100,6 +100,8 @@ def changes(old: Config, new: Config, old_file: Mapping[str, Any],
             continue
         if f.name == "remote_url" and not (was and now):
             fixed.append(f.name)  # the remote tier on or off: its queue and slots are sized
+        elif f.name == "tokens_file" and not (was and now):
+            fixed.append(f.name)  # tenants on or off: the DRAM pool is shared or isolated
         elif f.name in LIVE:
             live[f.name] = (was, now)
         elif f.name in in_file:

@@ -92,7 +92,7 @@ class Tiers:
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
             slot_count=cfg.slots, replace_stale=True, max_block=cfg.max_block_bytes,
             page_bytes=cfg.dram_page_bytes, group=cfg.group or None,
-            prefault=cfg.dram_prefault,
+            prefault=cfg.dram_prefault, isolated=bool(cfg.tokens_file),
         ))
         # SSD blocks of every size: LMDB values (a slot file has one slot size) bounded in bytes
         # by `_make_ssd_room`; the index bounds their count at the smallest block's. A pool of
@@ -419,9 +419,11 @@ class Tiers:
         that or a free page serves `nbytes` blocks. A block
         larger than a page needs a row of adjacent pages: before each eviction the blocks of
         other classes on one row are moved into free slots and pages elsewhere when they fit
-        (`_clear_row`), so no more is evicted than the new blocks need."""
+        (`_clear_row`), so no more is evicted than the new blocks need. In an isolated pool
+        (tenants) the tenant's blocks have a class of their own (`DramPool.class_bytes`)."""
         pool = self.pool
-        stride = pool.stride_for(nbytes)
+        nbytes = pool.class_bytes(nbytes, tenant)
+        stride, cls = pool.stride_for(nbytes), pool.class_of(nbytes)
         wide = stride > pool.page_bytes  # its rows span pages: move blocks off a row first
         while wide and not pool.can_alloc(n, nbytes) and self._clear_row(nbytes):
             pass
@@ -436,7 +438,7 @@ class Tiers:
         evictable = self.index.blocks(Tier.DRAM) - stats.slots_pinned
         if evictable <= 0:
             return []
-        if {c.stride for c in stats.classes} == {stride} and evictable < n - pool.room(nbytes):
+        if {c.stride for c in stats.classes} == {cls} and evictable < n - pool.room(nbytes):
             return []  # one class: even every unpinned block would not make room
         holdings = self.names.dram_holdings()
         held = {t: b // stride for t, (b, _) in holdings.items() if b}
@@ -448,12 +450,13 @@ class Tiers:
                 short -= self.evict_tenant_dram(who, min(most, short), "share")
                 if pool.can_alloc(n, nbytes) or short <= 0:
                     break
+            self._gather(stride, n, nbytes)  # their victims' free slots, for another class
         while not pool.can_alloc(n, nbytes):
             # one class: a victim frees one slot, the planner's rule (`placement.dram_room`);
             # else one victim at a time, each freeing a slot only its own class can use until a
             # page empties
             st = pool.stats()
-            if {c.stride for c in st.classes} == {stride}:
+            if {c.stride for c in st.classes} == {cls}:
                 placement.dram_room(self.index, n, pool.room(nbytes), st.slots_pinned)
                 self.apply("capacity")
                 break
@@ -473,7 +476,8 @@ class Tiers:
         """Free slots other classes hold (left by earlier victims): empties a page of each
         class that can move its blocks into its own free slots (`_free_a_page`), until `n`
         blocks of `nbytes` fit — moving, not evicting."""
-        for c in sorted({c.stride for c in self.pool.stats().classes} - {stride}):
+        mine = self.pool.class_of(nbytes)
+        for c in sorted({c.stride for c in self.pool.stats().classes} - {mine}):
             if self.pool.can_alloc(n, nbytes):
                 return
             self._free_a_page(c, stride)

@@ -60,11 +60,12 @@ from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import socket_path_problem
 from kvtier.core.units import format_bytes
-from kvtier.daemon import kept_rates, memory, reload, sdnotify, sharing, sockpath
+from kvtier.daemon import fdpass, kept_rates, memory, reload, sdnotify, sharing, sockpath
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.config import Config, write_kept
 from kvtier.daemon.dirlock import DataDirLock
+from kvtier.daemon.fdpass import FdServer
 from kvtier.daemon.kv_publisher import KvEventPublisher
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import KEY_WIDTHS
@@ -140,6 +141,7 @@ class Daemon:
         self.cache: Cache | None = None
         self.server: grpc.aio.Server | None = None
         self.service: KvTierService | None = None
+        self.fds: FdServer | None = None  # an isolated pool's fd socket (`kvtier.daemon.fdpass`)
         self.health = HealthServicer()
         self.metrics_port: int | None = None
         self._stopping = asyncio.Event()
@@ -214,8 +216,15 @@ class Daemon:
                                                   self.metrics)
                 cache.events.sink = self.kv_events.offer
             pool = cache.pool
-            segment_owner.write_record(self.segment_record, segment_owner.this_process(
-                pool.spec.shm_dir, pool.spec.name, pool.generation))
+            if pool.isolated:  # no file to leak; its memory is handed out on the fd socket
+                if not fdpass.make_undumpable():
+                    log.warning("the daemon stays dumpable: a process of its user can take its "
+                                "tenants' DRAM fds through /proc/%d/fd", os.getpid())
+                self.fds = FdServer(cfg.socket, pool, lambda: self.auth, cfg.group)
+                self.fds.start()
+            else:
+                segment_owner.write_record(self.segment_record, segment_owner.this_process(
+                    pool.spec.shm_dir, pool.spec.name, pool.generation))
             await self._start_server(cache)
         except BaseException:
             self._close_cache(cache)
@@ -247,7 +256,11 @@ class Daemon:
         return segment_owner.record_path(self.cfg.socket)
 
     def _close_cache(self, cache: Cache) -> None:
-        """Closes the tiers (the segment is unlinked), then drops the segment's owner record."""
+        """Closes the fd socket and the tiers (the segment is unlinked), then drops the
+        segment's owner record."""
+        if self.fds is not None:
+            self.fds.close()
+            self.fds = None
         cache.close()
         if self.kv_events is not None:  # after the cache: its last events go out
             self.kv_events.close()

@@ -84,9 +84,10 @@ def tiers_to_pb(tiers: list[Tier]) -> list[Any]:
     return list(bytes(tiers).translate(_PLUS_ONE))
 
 
-def segment_info(h: SegmentHandle, stride: int) -> pb.SegmentInfo:
-    """The segment as a client of a class of slot `stride` sees it (`kvtier.core.segment`)."""
-    return pb.SegmentInfo(
+def segment_info(h: SegmentHandle, stride: int, by_fd: bool = False) -> pb.SegmentInfo:
+    """The segment as a client of a class of slot `stride` sees it (`kvtier.core.segment`);
+    `by_fd`: an isolated pool, mapped from the fd the daemon's fd socket hands out."""
+    return pb.SegmentInfo(by_fd=by_fd,
         name=h.name, size=h.size, generation=h.generation, slot_bytes=stride,
         slot_stride=stride, slot_count=h.page_bytes * h.page_count // stride,
         data_offset=h.data_offset, shm_dir=h.shm_dir, format_version=SEGMENT_VERSION,
@@ -131,9 +132,11 @@ class KvTierService(pb_grpc.KvTierServicer):
     def _tenant(self, context: Ctx) -> Tenant:
         return self.auth.authenticate(context.invocation_metadata())
 
-    def _segment(self, block_bytes: int) -> pb.SegmentInfo:
+    def _segment(self, tenant: Tenant, block_bytes: int) -> pb.SegmentInfo:
+        """The pool as `tenant`'s blocks of `block_bytes` lie in it (their class's grid)."""
         pool = self.cache.pool
-        return segment_info(pool.handle(), pool.stride_for(block_bytes))
+        stride = pool.stride_for(pool.class_bytes(block_bytes, tenant.name))
+        return segment_info(pool.handle(), stride, pool.isolated)
 
     @staticmethod
     def _session(context: Ctx) -> str:
@@ -168,7 +171,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                 request.key_width, cost, tuple((g.name, g.block_bytes) for g in request.groups),
             )
             return pb.RegisterLayoutResponse(
-                segment=segment_info(reg.segment, self.cache.pool.stride_for(request.block_bytes)),
+                segment=self._segment(tenant, request.block_bytes),
                 layout_id=reg.layout_id,
                 max_blocks_per_request=self.cache.cfg.max_blocks_per_request,
                 default_lease_ttl_ms=int(self.cache.cfg.lease_ttl_s * 1000),
@@ -204,7 +207,7 @@ class KvTierService(pb_grpc.KvTierServicer):
             info = self.cache.layout(tenant, request.layout)
             return pb.AcquireResponse(
                 lease_id=res.lease_id, count=len(res.offsets), offsets=res.offsets,
-                block_bytes=info.block_bytes, segment=self._segment(info.block_bytes),
+                block_bytes=info.block_bytes, segment=self._segment(tenant, info.block_bytes),
                 source_tiers=tiers_to_pb(res.source_tiers),
                 lease_ttl_ms=int(res.ttl_s * 1000),
             )
@@ -238,7 +241,7 @@ class KvTierService(pb_grpc.KvTierServicer):
             info = self.cache.layout(tenant, request.layout)
             return pb.AllocateResponse(
                 lease_id=res.lease_id, indices=res.indices, offsets=res.offsets,
-                block_bytes=info.block_bytes, segment=self._segment(info.block_bytes),
+                block_bytes=info.block_bytes, segment=self._segment(tenant, info.block_bytes),
                 lease_ttl_ms=int(res.ttl_s * 1000),
             )
 
@@ -300,7 +303,8 @@ class KvTierService(pb_grpc.KvTierServicer):
                 tenant_dram_quota_bytes=tenant.dram_quota_bytes,
                 tenant_ssd_quota_bytes=tenant.ssd_quota_bytes,
                 tenant_dram_guarantee_bytes=tenant.dram_guarantee_bytes,
-                segment=segment_info(self.cache.pool.handle(), self.cache.pool.slot_stride),
+                segment=segment_info(self.cache.pool.handle(), self.cache.pool.slot_stride,
+                                     self.cache.pool.isolated),
                 uptime_seconds=time.time() - self.started_at,
                 layouts=s.layouts, version=_version, node_wide=s.node_wide,
                 groups=[pb.GroupStats(model_id=g.model_id, group=g.group, dram_bytes=g.dram_bytes,

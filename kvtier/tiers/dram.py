@@ -10,10 +10,12 @@ is not used: its resource tracker can unlink a segment when an attaching process
 
 Segment layout and header: `kvtier.core.segment` (the contract clients check at attach).
 
-Trust boundary: whoever can open the file can read and write every slot of every tenant. Only the
-daemon's user (mode 0600), or members of the configured group (0660), may map it; tenancy between
-processes that map the pool is not enforced — such processes must be trusted equally. Remote or
-untrusted clients use the daemon's Read/WriteBlocks byte stream instead.
+Trust boundary: whoever can open the file can read and write every slot. Only the daemon's user
+(mode 0600), or members of the configured group (0660), may map it. That is the single-tenant
+pool (no tokens file). With tenants (`DramSpec.isolated`) there is no file: the pool's pages are
+backed by one anonymous file per tenant (`kvtier.tiers.dram_regions`), a tenant's client maps only
+its own, handed over after its token is checked, and holds none of another tenant's bytes.
+Remote clients use the daemon's Read/WriteBlocks byte stream.
 
 Lease rule (invariant 3): a slot with a nonzero pin count is never freed nor rewritten through
 the pool: `free` and `write` refuse it (`SlotPinned`). The daemon pins a slot for each lease that
@@ -62,7 +64,8 @@ from kvtier.core.segment import (
     slot_stride,
     unpack_header,
 )
-from kvtier.tiers.dram_pages import ClassStats, PageTable
+from kvtier.tiers.dram_pages import ClassStats, PageTable, geometric
+from kvtier.tiers.dram_regions import TenantRegions, anonymous_file
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ class DramSpec:
     shm_dir: str = "/dev/shm"
     max_block: int = 0
     page_bytes: int = 0
+    isolated: bool = False  # tenants: no named file, per-tenant memory (`dram_regions`)
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -237,29 +241,46 @@ class DramPool:
         size = self.data_offset + self.data_bytes
         self.size = round_up(size, HUGE_PAGE) if spec.huge_pages else size
         self.generation = secrets.randbits(63) | 1
-        self.path = os.path.join(spec.shm_dir, spec.name)
+        self.isolated = spec.isolated
+        self.path = (f"memfd:{spec.name}" if spec.isolated
+                     else os.path.join(spec.shm_dir, spec.name))
         self._lock = threading.Lock()
         self._pins: dict[int, int] = {}
         self._closed = False
         self.mlocked = False
         self.huge_pages = False
-        self._fd = self._create_file()
-        try:
-            os.ftruncate(self._fd, self.size)
-            if spec.prefault:
-                self._allocate()
+        self._regions: TenantRegions | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        if spec.isolated:
+            self._fd = anonymous_file(spec.name, self.size)
             self._map = SegmentMapping(self._fd, self.size)
-        except BaseException:
-            os.close(self._fd)
-            os.unlink(self.path)
-            raise
+        else:
+            self._fd = self._create_file()
+            try:
+                os.ftruncate(self._fd, self.size)
+                if spec.prefault:
+                    self._allocate()
+                self._map = SegmentMapping(self._fd, self.size)
+            except BaseException:
+                os.close(self._fd)
+                os.unlink(self.path)
+                raise
         pack_header(self._map.mm, SegmentHeader.live(self.handle()))
-        self._finalizer = weakref.finalize(
-            self, _unlink_forgotten, self.path, self.generation, os.getpid())
+        if spec.isolated:
+            self._regions = TenantRegions(
+                self._fd, _address(self._map.buf), self.size, self.data_offset,
+                self.page_bytes, self.page_count, bytes(self._map.mm[:HEADER.size]),
+                prefault=spec.prefault)
+            self.pages.backing = self._regions.back
+        else:
+            self._finalizer = weakref.finalize(
+                self, _unlink_forgotten, self.path, self.generation, os.getpid())
         if spec.huge_pages:
             self.huge_pages = self._advise_huge()
         if spec.mlock:
             self.mlocked = self._mlock()
+        if self._regions is not None:
+            self._regions.huge, self._regions.mlock = self.huge_pages, self.mlocked
 
     def _allocate(self) -> None:
         """Every page of the segment now (tmpfs fallocate): a full /dev/shm fails here, not as
@@ -343,10 +364,47 @@ class DramPool:
 
     def stride_for(self, nbytes: int) -> int:
         """The slot stride (size class) a block of `nbytes` gets; raises DramError above
-        `max_block`."""
+        `max_block`. A tenant's class from `class_bytes` gives its stride."""
+        return geometric(self._class_of(nbytes))
+
+    def class_of(self, nbytes: int) -> int:
+        """The class blocks of `nbytes` go to (its id in `DramStats.classes`): their stride,
+        or a tenant's class from `class_bytes` itself."""
+        return self._class_of(nbytes)
+
+    def _class_of(self, nbytes: int) -> int:
+        """The class blocks of `nbytes` go to: a tenant's class (`class_bytes`) is itself."""
+        if self._regions is not None and self._regions.is_class(nbytes):
+            return nbytes
         if not 0 < nbytes <= self.max_block:
             raise DramError(f"a {nbytes}-byte block is outside 1..{self.max_block} B")
         return self.pages.stride_for(nbytes)
+
+    def class_bytes(self, nbytes: int, tenant: str) -> int:
+        """What to ask the pool for `tenant`'s blocks of `nbytes` (`alloc_many`, `room`,
+        `can_alloc`, `stride_for`...): `nbytes` itself in a shared pool; in an isolated one the
+        id of the tenant's own class of their stride (`TenantRegions.class_id`: the stride
+        plus a tag below 256), so its pages hold its blocks only."""
+        if self._regions is None:
+            return nbytes
+        stride = self.stride_for(nbytes)
+        with self._lock:
+            return self._regions.class_id(tenant, stride)
+
+    def tenant_fd(self, tenant: str) -> int:
+        """The anonymous file of `tenant`'s pages (isolated pools only; the pool keeps it open,
+        a caller sends or dups it). DramError for a shared pool."""
+        if self._regions is None:
+            raise DramError("a shared pool has no per-tenant memory")
+        with self._lock:
+            return self._regions.fd(tenant)
+
+    def page_tenant(self, page: int) -> str | None:
+        """The tenant whose memory backs page `page` (isolated pools; None: a free page)."""
+        if self._regions is None:
+            return None
+        with self._lock:
+            return self._regions.page_owner(page)
 
     def alloc(self, nbytes: int | None = None) -> int | None:
         """One free slot for a block of `nbytes` (default: the smallest slot), or None."""
@@ -355,20 +413,22 @@ class DramPool:
 
     def alloc_many(self, n: int, nbytes: int | None = None) -> list[int] | None:
         """`n` slots for blocks of `nbytes`, all or none (None when they do not fit now)."""
-        stride = self.stride_for(nbytes or self.slot_size)
+        cls = self._class_of(nbytes or self.slot_size)
         with self._lock:
-            return self.pages.alloc_many(n, stride)
+            if self._regions is not None:
+                self._regions.owner(cls)  # a tenant's class only (`class_bytes`)
+            return self.pages.alloc_many(n, cls)
 
     def room(self, nbytes: int) -> int:
         """Slots for blocks of `nbytes` free now: the class's own and those of free pages."""
-        stride = self.stride_for(nbytes)
+        cls = self._class_of(nbytes)
         with self._lock:
-            return self.pages.room(stride)
+            return self.pages.room(cls)
 
     def can_alloc(self, n: int, nbytes: int) -> bool:
-        stride = self.stride_for(nbytes)
+        cls = self._class_of(nbytes)
         with self._lock:
-            return self.pages.can_alloc(n, stride)
+            return self.pages.can_alloc(n, cls)
 
     def free(self, slot: int) -> None:
         """Return a slot to its class (its page to the free pages when it was the page's last).
@@ -415,9 +475,9 @@ class DramPool:
     def can_evacuate(self, nbytes: int) -> bool:
         """Whether some page of the class of `nbytes` blocks has only unpinned live slots that
         fit the class's free slots elsewhere (what `evacuate` needs, before the caller's rule)."""
-        stride = self.pages.stride_for(nbytes)
+        cls = self._class_of(nbytes)
         with self._lock:
-            return self.pages.evacuation(stride, lambda s: not self._pins.get(s)) is not None
+            return self.pages.evacuation(cls, lambda s: not self._pins.get(s)) is not None
 
     def evacuate(self, nbytes: int, movable: Callable[[int], bool],
                  moved: Callable[[int, int], None], for_nbytes: int = 0) -> int:
@@ -428,15 +488,16 @@ class DramPool:
         back to the free pages. Returns the slots moved, -1 when no page can be freed so.
         `for_nbytes`: the block size the page is freed for (the page chosen keeps its slots
         next to that class's pages when it can: `PageTable.evacuation`)."""
-        stride = self.pages.stride_for(nbytes)
-        want = self.pages.stride_for(for_nbytes) if for_nbytes else 0
+        cls = self._class_of(nbytes)
+        stride = geometric(cls)
+        want = self._class_of(for_nbytes) if for_nbytes else 0
         with self._lock:
             found = self.pages.evacuation(
-                stride, lambda s: not self._pins.get(s) and movable(s), want)
+                cls, lambda s: not self._pins.get(s) and movable(s), want)
             if found is None:
                 return -1
             page, live = found
-            dst = self.pages.targets(stride, page, len(live))
+            dst = self.pages.targets(cls, page, len(live))
             self.pages.claim(dst)
             buf = self._map.buf
             for old, new in zip(live, dst, strict=True):
@@ -453,10 +514,10 @@ class DramPool:
         elsewhere (`PageTable.relocation`), only when each is unpinned and `movable`. Copies
         each block, calls `moved(old, new)`, frees the old slot. Returns the blocks moved, -1
         when no row can be freed so."""
-        stride = self.pages.stride_for(nbytes)
+        cls = self._class_of(nbytes)
         with self._lock:
             pairs = self.pages.relocation(
-                stride, lambda s: not self._pins.get(s) and movable(s))
+                cls, lambda s: not self._pins.get(s) and movable(s))
             if not pairs:
                 return -1
             buf = self._map.buf
@@ -545,12 +606,17 @@ class DramPool:
         if self._closed:
             return
         self._closed = True
-        self._finalizer.detach()
         mark_closed(self._map.mm)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            log.warning("shared-memory segment %s was already removed", self.path)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                log.warning("shared-memory segment %s was already removed", self.path)
+        if self._regions is not None:
+            with self._lock:
+                self._regions.mark_closed()
+                self._regions.close()
         self._map.close()
         os.close(self._fd)
 

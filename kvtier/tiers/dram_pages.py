@@ -51,6 +51,13 @@ def round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def geometric(cls: int) -> int:
+    """The stride of class `cls`: a class is named by its stride, plus a tag below `UNIT` when
+    classes of one stride must keep apart (a tenant's own classes in an isolated pool,
+    `kvtier.tiers.dram_regions`); pages, rows and bytes follow the stride alone."""
+    return cls - cls % UNIT
+
+
 class ClassStats(NamedTuple):
     """One size class: its stride, pages, slots (used / all) and block bytes it could hold."""
 
@@ -81,6 +88,9 @@ class PageTable:
         self._allocated = bytearray(self.slot_ids)
         self.used = 0  # allocated slots
         self.used_bytes = 0  # their strides
+        # told (page, class stride) when a free page joins a class and (page, 0) when it goes
+        # back: the pool backs each page with its class's memory (`kvtier.tiers.dram_regions`)
+        self.backing: Callable[[int, int], None] | None = None
 
     # -- geometry -----------------------------------------------------------------------
 
@@ -95,11 +105,13 @@ class PageTable:
 
     def inside(self, stride: int, p: int) -> int:
         """Rows of the `stride` grid that lie wholly inside page `p`."""
+        stride = geometric(stride)
         return max(0, (p + 1) * self.page_bytes // stride - -(-(p * self.page_bytes) // stride))
 
     def _tail(self, stride: int, p: int) -> int:
         """The last page of the row of the `stride` grid that starts in page `p` and ends past
         it (inside the data area); -1 when there is none."""
+        stride = geometric(stride)
         end = (p + 1) * self.page_bytes
         row = -(-end // stride) - 1  # the last row starting before the end of page p
         if row * stride < p * self.page_bytes or (row + 1) * stride <= end \
@@ -122,9 +134,10 @@ class PageTable:
         """The page where the link row lying on page `p` but starting before it starts (that
         row a slot of p's class), -1 when none."""
         s = self._stride[p]
-        if not s or p * self.page_bytes % s == 0:
+        g = geometric(s)
+        if not s or p * self.page_bytes % g == 0:
             return -1
-        p0 = p * self.page_bytes // s * s // self.page_bytes
+        p0 = p * self.page_bytes // g * g // self.page_bytes
         return p0 if self._stride[p0] == s and self._linked(p0) else -1
 
     def _link_slot(self, p: int) -> int:
@@ -145,15 +158,15 @@ class PageTable:
         return self._stride[p]
 
     def _first_row(self, p: int) -> int:
-        return -(-(p * self.page_bytes) // self._stride[p])
+        return -(-(p * self.page_bytes) // geometric(self._stride[p]))
 
     def page_of(self, slot: int) -> int:
         return slot // self.ids_per_page
 
     def stride_of(self, slot: int) -> int:
-        """The stride of an allocated slot's class."""
+        """The stride of an allocated slot's class (the bytes it spans)."""
         self.check(slot)
-        return self._stride[slot // self.ids_per_page]
+        return geometric(self._stride[slot // self.ids_per_page])
 
     def location(self, slot: int) -> int:
         """Byte offset of a slot from the start of the data area (slot must be valid)."""
@@ -161,7 +174,7 @@ class PageTable:
         stride = self._stride[p]
         if not stride or j >= self.per_page(stride, p):
             raise ValueError(f"slot {slot} is not a slot of an allocated page")
-        return (self._first_row(p) + j) * stride
+        return (self._first_row(p) + j) * geometric(stride)
 
     def slot_at(self, location: int) -> int | None:
         """The slot id starting at `location` (from the data area), None if no slot starts there."""
@@ -169,7 +182,7 @@ class PageTable:
         if not 0 <= p < self.page_count or not self._stride[p]:
             return None
         stride = self._stride[p]
-        row, rest = divmod(location, stride)
+        row, rest = divmod(location, geometric(stride))
         j = row - self._first_row(p)
         if rest or not 0 <= j < self.per_page(stride, p):
             return None
@@ -188,10 +201,11 @@ class PageTable:
 
     def _wide(self, stride: int) -> bool:
         """Whether class `stride`'s rows are larger than a page (each spans 2+ pages)."""
-        return stride > self.page_bytes
+        return geometric(stride) > self.page_bytes
 
     def _span(self, stride: int, row: int) -> range:
         """The pages row `row` of the `stride` grid lies on."""
+        stride = geometric(stride)
         return range(row * stride // self.page_bytes,
                      ((row + 1) * stride - 1) // self.page_bytes + 1)
 
@@ -214,7 +228,7 @@ class PageTable:
             p = max(free, key=lambda q: self._gain(stride, q, st), default=None)
             if p is not None and self._gain(stride, p, st)[0]:
                 return [p]
-            if 2 * stride <= self.page_bytes:
+            if 2 * geometric(stride) <= self.page_bytes:
                 return None
         return self._pick_run(stride, st)
 
@@ -224,7 +238,7 @@ class PageTable:
         the one that needs fewest free pages, the highest — wide classes fill the data area
         from its top, the others from its bottom, so their pages mix less. None if none."""
         best: tuple[int, int] | None = None
-        for r in range(self.page_bytes * self.page_count // stride):
+        for r in range(self.page_bytes * self.page_count // geometric(stride)):
             span = self._span(stride, r)
             if any(st[q] not in (0, stride) for q in span):
                 continue
@@ -237,11 +251,11 @@ class PageTable:
 
     def _run_gain(self, stride: int, run: list[int], st: list[int]) -> int:
         """Rows of class `stride` that become slots when it takes the free pages `run`."""
-        new, page = set(run), self.page_bytes
+        new, page, g = set(run), self.page_bytes, geometric(stride)
         rows: set[int] = set()
         for q in run:
-            rows.update(range(q * page // stride, ((q + 1) * page - 1) // stride + 1))
-        return sum((r + 1) * stride <= page * self.page_count
+            rows.update(range(q * page // g, ((q + 1) * page - 1) // g + 1))
+        return sum((r + 1) * g <= page * self.page_count
                    and all(st[q] == stride or q in new for q in self._span(stride, r))
                    for r in rows)
 
@@ -293,7 +307,7 @@ class PageTable:
         for s in got:
             self._allocated[s] = 1
         self.used += n
-        self.used_bytes += n * stride
+        self.used_bytes += n * geometric(stride)
         self._untake(stride, taken)
         return got
 
@@ -319,6 +333,8 @@ class PageTable:
         """Free page `p` becomes a page of class `stride`: the rows that now lie on pages of
         the class only (those starting in p, and the link row from an earlier page lying on p)
         become free slots."""
+        if self.backing is not None:
+            self.backing(p, stride)
         self._free_pages.remove(p)
         self._stride[p] = stride
         k = self.per_page(stride, p)
@@ -338,10 +354,11 @@ class PageTable:
         p = slot // self.ids_per_page
         stride = self._stride[p]
         loc = self.location(slot)
-        span = range(loc // self.page_bytes, (loc + stride - 1) // self.page_bytes + 1)
+        span = range(loc // self.page_bytes,
+                     (loc + geometric(stride) - 1) // self.page_bytes + 1)
         self._allocated[slot] = 0
         self.used -= 1
-        self.used_bytes -= stride
+        self.used_bytes -= geometric(stride)
         self._live[p] -= 1
         self._page_free.setdefault(p, []).append(slot)
         self._class_free[stride] += 1
@@ -367,6 +384,8 @@ class PageTable:
             del self._class_pages[stride], self._class_free[stride]
         self._stride[p] = 0
         self._free_pages.append(p)
+        if self.backing is not None:
+            self.backing(p, 0)
 
     # -- reclaim ---------------------------------------------------------------------------
 
@@ -386,10 +405,10 @@ class PageTable:
     def _missing(self, want: int, p: int, st: list[int]) -> int:
         """For a wide class `want`: of the rows lying on page `p`, the fewest other pages one
         of them still needs freed (pages of other classes) once p is free."""
-        page, end = self.page_bytes, self.page_bytes * self.page_count
-        rows = range(p * page // want, ((p + 1) * page - 1) // want + 1)
+        page, end, g = self.page_bytes, self.page_bytes * self.page_count, geometric(want)
+        rows = range(p * page // g, ((p + 1) * page - 1) // g + 1)
         return min((sum(q != p and st[q] not in (0, want) for q in self._span(want, r))
-                    for r in rows if (r + 1) * want <= end), default=self.page_count)
+                    for r in rows if (r + 1) * g <= end), default=self.page_count)
 
     def evacuation(self, stride: int, movable: Callable[[int], bool],
                    want: int = 0) -> tuple[int, list[int]] | None:
@@ -435,10 +454,11 @@ class PageTable:
         pages go back. [] when no row can be cleared so (nothing changed)."""
         st, end = self._stride, self.page_bytes * self.page_count
         best: tuple[int, int, dict[int, list[int]]] | None = None
-        spans = [self._span(want, r) for r in range(end // want)]
+        rows = end // geometric(want)
+        spans = [self._span(want, r) for r in range(rows)]
         ready = {q for span in spans if all(st[q] in (0, want) for q in span)
                  for q in span}  # free pages kept for `want`
-        for r in range(end // want):
+        for r in range(rows):
             run = self._span(want, r)
             if all(st[q] in (0, want) for q in run) or any(
                     st[q] != want and self._wide(st[q]) for q in run if st[q]):
@@ -461,7 +481,7 @@ class PageTable:
                     short -= self.inside(c, q)
                 if short > 0:
                     break
-                cost += len(live) * c
+                cost += len(live) * geometric(c)
             else:
                 if best is None or (cost, -r) < (best[0], -best[1]):
                     best = (cost, r, plan)
@@ -507,7 +527,7 @@ class PageTable:
             self._class_free[self._stride[p]] -= 1
             self._allocated[s] = 1
             self.used += 1
-            self.used_bytes += self._stride[p]
+            self.used_bytes += geometric(self._stride[p])
 
     # -- accounting -----------------------------------------------------------------------
 

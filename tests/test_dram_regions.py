@@ -1,0 +1,95 @@
+"""An isolated DRAM pool (`kvtier.tiers.dram_regions`): each tenant's classes and pages are its
+own, a tenant's file holds its pages' bytes only, and a page that changes hands leaves nothing
+behind. The pool itself, its real anonymous files and mappings (the daemon and clients over it:
+tests/test_shm_isolation.py)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvtier.core.segment import DramError
+from kvtier.tiers.dram import DramPool, DramSpec
+
+PAGE = 65536
+BLOCK = 16384  # 4 blocks a page
+
+
+@pytest.fixture
+def pool() -> Iterator[DramPool]:
+    # 4 pages of 64 KiB: 16 slots of 16 KiB
+    p = DramPool.create(DramSpec("iso-unit", 4096, 64, max_block=BLOCK, page_bytes=PAGE,
+                                 isolated=True))
+    yield p
+    p.close()
+
+
+def mapped(pool: DramPool, tenant: str) -> np.ndarray:
+    """What a client of `tenant` maps: its own file, whole."""
+    mm = mmap.mmap(pool.tenant_fd(tenant), pool.size)
+    return np.frombuffer(mm, dtype=np.uint8)
+
+
+def test_no_file_and_tenant_classes_never_share_a_page(pool: DramPool) -> None:
+    assert pool.isolated and not os.path.exists(os.path.join("/dev/shm", "iso-unit"))
+    a, b = pool.class_bytes(BLOCK, "a"), pool.class_bytes(BLOCK, "b")
+    assert (a, b) == (BLOCK + 1, BLOCK + 2)  # the stride plus each tenant's tag
+    assert pool.stride_for(a) == pool.stride_for(b) == BLOCK
+    sa, sb = pool.alloc_many(3, a), pool.alloc_many(3, b)
+    assert sa is not None and sb is not None
+    pages_a = {(pool.offset(s) - pool.data_offset) // PAGE for s in sa}
+    pages_b = {(pool.offset(s) - pool.data_offset) // PAGE for s in sb}
+    assert len(pages_a) == len(pages_b) == 1 and not pages_a & pages_b
+    assert [pool.page_tenant(p) for p in range(4)].count("a") == 1
+    with pytest.raises(DramError, match="no tenant has size class"):
+        pool.alloc_many(1, BLOCK)  # a bare size: no tenant's class
+
+
+def test_a_tenants_file_holds_its_own_blocks_only(pool: DramPool) -> None:
+    a, b = pool.class_bytes(BLOCK, "a"), pool.class_bytes(BLOCK, "b")
+    sa, sb = pool.alloc_many(4, a), pool.alloc_many(4, b)
+    assert sa is not None and sb is not None
+    for s in sa:
+        pool.write(s, b"\xaa" * BLOCK)
+    for s in sb:
+        pool.write(s, b"\xbb" * BLOCK)
+    view_a = mapped(pool, "a")
+    assert int((view_a == 0xBB).sum()) == 0 and int((view_a == 0xAA).sum()) == 4 * BLOCK
+    for s in sa:  # a's blocks at the offsets the pool hands out
+        o = pool.offset(s)
+        assert bytes(view_a[o : o + BLOCK]) == b"\xaa" * BLOCK
+    view_a[pool.data_offset :] = 0x11  # every byte a can reach
+    assert all(bytes(pool.view(s, BLOCK)) == b"\xbb" * BLOCK for s in sb)
+
+
+def test_a_page_that_changes_hands_leaves_nothing_behind(pool: DramPool) -> None:
+    a, b = pool.class_bytes(BLOCK, "a"), pool.class_bytes(BLOCK, "b")
+    sa = pool.alloc_many(16, a)  # every page
+    assert sa is not None and pool.alloc_many(1, b) is None
+    for s in sa:
+        pool.write(s, b"\xaa" * BLOCK)
+    view_a = mapped(pool, "a")
+    page = (pool.offset(sa[0]) - pool.data_offset) // PAGE
+    for s in sa[:4]:  # the four slots of one page: it goes back to the free pages
+        assert (pool.offset(s) - pool.data_offset) // PAGE == page
+        pool.free(s)
+    start = pool.data_offset + page * PAGE
+    # a free page keeps its tenant's memory (a's own bytes) until another tenant takes it
+    assert pool.page_tenant(page) == "a" and bytes(view_a[start : start + 4]) == b"\xaa" * 4
+    sb = pool.alloc_many(4, b)
+    assert sb is not None and {(pool.offset(s) - pool.data_offset) // PAGE for s in sb} == {page}
+    assert pool.page_tenant(page) == "b"
+    assert not view_a[start : start + PAGE].any()  # a's bytes there are gone
+    assert all(not pool.view(s, BLOCK).any() for s in sb)  # b finds zeros, not a's bytes
+    for s in sb:
+        pool.write(s, b"\xbb" * BLOCK)
+    assert not view_a[start : start + PAGE].any()  # and a does not see b's
+    for s in sb:  # b's page goes back; a takes it again: b's bytes go, a sees zeros there
+        pool.free(s)
+    again = pool.alloc_many(4, a)
+    assert again is not None and pool.page_tenant(page) == "a"
+    assert all(not pool.view(s, BLOCK).any() for s in again)

@@ -1,0 +1,280 @@
+"""Tenants on the zero-copy path (issue 25): with a tokens file the daemon's DRAM pool has no name
+to open, each tenant maps only the memory of its own pages (an fd handed over after its token is
+checked), and the daemon is non-dumpable. Two tenants under one uid, a real daemon, real clients
+and an attacker process with no more than a same-uid process has (capabilities dropped when the
+tests run as root)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.client.async_client import AsyncClient
+from kvtier.client.mapping import fetch_fd
+from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier.core.segment import FD_MESSAGE_MAX, StaleSegment, fd_request, fd_socket_path
+from kvtier.tiers.dram import peek_header
+from tests.daemon_fixture import DaemonProc
+from tests.test_dram import _fake_cupy, _FakeRuntime
+
+BLOCK = 65536
+ALICE, BOB = "alice-secret-token", "bob-secret-token-2"
+TOKENS = (f'[tenants.alice]\ntoken = "{ALICE}"\n\n[tenants.bob]\ntoken = "{BOB}"\n')
+LAYOUT = LayoutDecl(fingerprint=b"iso-layout-fp-01", block_bytes=BLOCK, block_tokens=16,
+                    model_id="iso-model")
+MARK = b"BOB-SECRET-KV-"  # starts every 64-byte line of bob's blocks
+
+
+def keys(tag: bytes, n: int) -> list[bytes]:
+    return [tag + bytes([i]) * (32 - len(tag)) for i in range(n)]
+
+
+def bob_block(i: int) -> bytes:
+    line = MARK + bytes([i]) * (64 - len(MARK))
+    return line * (BLOCK // 64)
+
+
+def alice_block(i: int) -> bytes:
+    return bytes([0xA0 + i]) * BLOCK
+
+
+DROP_CAPS = textwrap.dedent("""
+    import ctypes, ctypes.util, os, sys
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if os.geteuid() == 0:  # root: keep uid 0 but no capability, across exec too
+        for cap in range(64):
+            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last one)
+        class Hdr(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+        class Data(ctypes.Structure):
+            _fields_ = [("eff", ctypes.c_uint32), ("perm", ctypes.c_uint32),
+                        ("inh", ctypes.c_uint32)]
+        assert libc.capset(ctypes.byref(Hdr(0x20080522, 0)), (Data * 2)()) == 0
+    os.execvp(sys.argv[1], sys.argv[1:])
+""")
+CAPLESS = [sys.executable, "-c", DROP_CAPS]
+"""Runs a command as this user with no capabilities: what a same-uid process has (as root the
+kernel would let any capable process read any other's fds, whatever this test checks)."""
+
+
+def tenants_daemon(tmp: Path) -> DaemonProc:
+    tokens = tmp / "tokens.toml"
+    tokens.write_text(TOKENS)
+    return DaemonProc(tmp / "d", ["--tokens-file", str(tokens)], launcher=CAPLESS).start()
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc, Client, Client]]:
+    d = tenants_daemon(tmp_path_factory.mktemp("iso"))
+    try:
+        with Client(d.socket, layout=LAYOUT, token=ALICE) as a, \
+                Client(d.socket, layout=LAYOUT, token=BOB) as b:
+            assert b.store(keys(b"bob", 4), [bob_block(i) for i in range(4)]).stored == 4
+            assert a.store(keys(b"alice", 4), [alice_block(i) for i in range(4)]).stored == 4
+            yield d, a, b
+    finally:
+        d.stop()
+
+
+def bob_intact(b: Client) -> bool:
+    with b.load(keys(b"bob", 4)) as got:
+        return got.blocks == 4 and all(bytes(v) == bob_block(i)
+                                       for i, v in enumerate(got.views))
+
+
+def test_a_tenant_stores_and_loads_zero_copy(two: tuple[DaemonProc, Client, Client]) -> None:
+    _, a, _ = two
+    assert a.uses_shm
+    with a.load(keys(b"alice", 4)) as got:
+        assert got.blocks == 4 and [bytes(v) for v in got.views] == [
+            alice_block(i) for i in range(4)]
+        buf = a.slot_buffer()
+        assert buf is not None
+        rows = buf.array()
+        assert [bytes(rows[s][:BLOCK]) for s in got.slots] == [alice_block(i) for i in range(4)]
+
+
+def test_there_is_no_file_to_open(two: tuple[DaemonProc, Client, Client]) -> None:
+    _, a, _ = two
+    buf = a.slot_buffer()
+    seg = a._segment
+    assert buf is not None and seg is not None and seg.info.by_fd
+    assert not os.path.exists(os.path.join("/dev/shm", seg.info.name))
+    for name in os.listdir("/dev/shm"):  # nor any other file with this pool's header
+        header = peek_header(os.path.join("/dev/shm", name))
+        assert header is None or header.generation != buf.generation
+
+
+def test_its_own_mapping_holds_none_of_the_other_tenants_bytes(
+        two: tuple[DaemonProc, Client, Client]) -> None:
+    _, a, b = two
+    buf = a.slot_buffer()
+    assert buf is not None and bob_intact(b)
+    whole = buf.segment  # every byte alice's process can reach in its mapping of the pool
+    assert whole.size == a._segment.info.size  # type: ignore[union-attr]
+    assert bytes(whole).find(MARK) == -1
+    # Writing every byte of it (every offset a guess could name) leaves bob's blocks as they were.
+    saved = whole.copy()
+    whole[buf.data_offset:] = 0x5A
+    try:
+        assert bob_intact(b)
+    finally:
+        whole[:] = saved
+
+
+def test_the_handed_fd_cannot_be_shrunk_or_grown(two: tuple[DaemonProc, Client, Client]) -> None:
+    d, a, _ = two
+    fd = fetch_fd(fd_socket_path(str(d.socket)), ALICE)
+    try:
+        size = os.fstat(fd).st_size
+        assert size == a._segment.info.size  # type: ignore[union-attr]
+        for new in (0, size // 2, size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, new)
+    finally:
+        os.close(fd)
+
+
+def test_a_wrong_token_gets_no_fd(two: tuple[DaemonProc, Client, Client]) -> None:
+    d, _, _ = two
+    path = fd_socket_path(str(d.socket))
+    with pytest.raises(StaleSegment, match="unknown token"):
+        fetch_fd(path, "not-anyones-token")
+    for request in (fd_request("not-anyones-token"), b"GIVE ME THE POOL\n", b"KVTFD1 \n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(request)
+            line, fds, _, _ = socket.recv_fds(s, FD_MESSAGE_MAX, 4)
+        assert fds == [] and b'"error"' in line
+
+
+ATTACKER = textwrap.dedent("""
+    import ctypes, ctypes.util, errno, json, os, sys
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    daemon, control = int(sys.argv[1]), int(sys.argv[2])
+    out = {}
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = "ok"
+        except OSError as exc:
+            out[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+    def open_fds(pid):
+        for n in os.listdir(f"/proc/{pid}/fd"):
+            os.close(os.open(f"/proc/{pid}/fd/{n}", os.O_RDONLY))
+    def read(path):
+        with open(path, "rb") as f:
+            f.read(1)
+    def ptrace(pid):
+        libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        if libc.ptrace(16, pid, None, None) != 0:  # PTRACE_ATTACH
+            raise OSError(ctypes.get_errno(), "ptrace")
+        os.waitpid(pid, 0)
+        libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+    for who, pid in (("daemon", daemon), ("control", control)):
+        attempt(who + " fds", lambda: open_fds(pid))
+        attempt(who + " maps", lambda: read(f"/proc/{pid}/maps"))
+        attempt(who + " mem", lambda: read(f"/proc/{pid}/mem"))
+        attempt(who + " ptrace", lambda: ptrace(pid))
+    print(json.dumps(out))
+""")
+
+
+def test_a_same_uid_process_cannot_take_the_daemons_fds(
+        two: tuple[DaemonProc, Client, Client]) -> None:
+    d, _, b = two
+    assert d.proc is not None
+    control = subprocess.Popen([*CAPLESS, "sleep", "60"])  # dumpable, same user, no caps
+    try:
+        run = subprocess.run([*CAPLESS, sys.executable, "-c", ATTACKER, str(d.proc.pid),
+                              str(control.pid)],
+                             capture_output=True, text=True, timeout=30)
+    finally:
+        control.kill()
+        control.wait()
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert got["control fds"] == "ok" and got["control maps"] == "ok"  # the probe can do it...
+    for what in ("fds", "maps", "mem"):  # ...except to the daemon
+        assert got[f"daemon {what}"] in ("EACCES", "EPERM"), got
+    if got["control ptrace"] == "ok":  # ptrace allowed here (no seccomp or Yama rule against)
+        assert got["daemon ptrace"] == "EPERM", got
+    assert bob_intact(b)
+
+
+def test_register_cuda_on_the_tenant_mapping(two: tuple[DaemonProc, Client, Client],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    _, a, _ = two
+    rt = _FakeRuntime()
+    _fake_cupy(monkeypatch, rt)
+    buf = a.slot_buffer()
+    assert buf is not None and a.register_cuda()
+    assert rt.registered == {buf.segment.ctypes.data: (buf.segment.size, 3)}
+
+
+def test_restart_reattaches_to_the_new_pool(tmp_path: Path) -> None:
+    d = tenants_daemon(tmp_path)
+    try:
+        with Client(d.socket, layout=LAYOUT, token=ALICE, lease_ttl_s=5) as a:
+            assert a.store(keys(b"alice", 2), [alice_block(i) for i in range(2)]).stored == 2
+            old = a.slot_buffer()
+            assert old is not None
+            d.stop()
+            d.start()
+            assert a.store(keys(b"again", 2), [alice_block(i) for i in range(2)]).stored == 2
+            new = a.slot_buffer()
+            assert a.uses_shm and new is not None and new.generation != old.generation
+            with a.load(keys(b"again", 2)) as got:
+                assert [bytes(v) for v in got.views] == [alice_block(0), alice_block(1)]
+    finally:
+        d.stop()
+    assert not Path(fd_socket_path(str(d.socket))).exists()
+
+
+def test_single_tenant_keeps_the_named_segment(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d").start()
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            assert kv.store(keys(b"one", 2), [alice_block(i) for i in range(2)]).stored == 2
+            seg = kv._segment
+            assert kv.uses_shm and seg is not None and not seg.info.by_fd
+            header = peek_header(os.path.join(seg.info.shm_dir, seg.info.name))
+            assert header is not None and header.generation == seg.info.generation
+        assert not Path(fd_socket_path(str(d.socket))).exists()
+    finally:
+        d.stop()
+
+
+def test_store_and_load_views_are_the_tenants_blocks(
+        two: tuple[DaemonProc, Client, Client]) -> None:
+    _, a, b = two
+    with a.load(keys(b"bob", 4)) as got:  # bob's keys are not alice's blocks
+        assert got.blocks == 0
+    with b.load(keys(b"bob", 4)) as got:
+        assert np.array_equal(got.views[0], np.frombuffer(bob_block(0), np.uint8))
+
+
+def test_the_async_client_maps_its_tenants_memory(two: tuple[DaemonProc, Client, Client]) -> None:
+    d, _, b = two
+
+    async def main() -> None:
+        async with await AsyncClient.connect(d.socket, layout=LAYOUT, token=BOB) as kv:
+            data = [bob_block(7), bob_block(8)]
+            assert (await kv.store(keys(b"bob-async", 2), data)).stored == 2
+            assert kv.uses_shm and kv._segment is not None and kv._segment.info.by_fd
+            async with kv.load(keys(b"bob", 4)) as got:  # the sync client's blocks, same tenant
+                assert got.blocks == 4 and bytes(got.views[3]) == bob_block(3)
+
+    asyncio.run(main())
+    assert bob_intact(b)
