@@ -13,7 +13,7 @@ import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.client.sync_client import Assembler, Client, LayoutDecl
+from kvtier.client.sync_client import Assembler, Client, KvtierRpcError, LayoutDecl
 from kvtier.core.chunkwire import chunk_head, parse_chunk
 from tests.daemon_fixture import DaemonProc
 
@@ -92,13 +92,25 @@ def test_data_is_a_view_into_the_message_not_a_copy() -> None:
 
 def test_assembler_takes_hand_read_chunks_at_offsets() -> None:
     asm = Assembler(8)
-    for index, offset, count, data in [(0, 0, 2, b"abcd"), (0, 4, 0, b"efgh"),
-                                       (1, 0, 0, b"ijklmnop")]:
-        c = parse_chunk(chunk_head(index, offset, count, len(data), wrapped=False) + data,
-                        wrapped=False)
+    messages = [chunk_head(index, offset, count, len(data), wrapped=False) + data
+                for index, offset, count, data in [(0, 0, 2, b"abcd"), (0, 4, 0, b"efgh"),
+                                                   (1, 0, 0, b"ijklmnop")]]
+    for msg in messages:
+        c = parse_chunk(msg, wrapped=False)
         assert c is not None and asm.add(c)
     got = asm.result()
     assert got.blocks == 2 and [v.tobytes() for v in got.views] == [b"abcdefgh", b"ijklmnop"]
+    assert not any(v.flags.writeable for v in got.views)  # read-only, as shm views are
+    assert got.views[1].base.obj is messages[2]  # a block in one chunk: the message's bytes
+
+
+def test_assembler_refuses_gaps_and_truncation() -> None:
+    asm = Assembler(8)
+    assert asm.add(pb.BlockChunk(index=0, offset=0, data=b"abcd", count=1))
+    with pytest.raises(KvtierRpcError, match="out-of-order"):
+        asm.add(pb.BlockChunk(index=0, offset=6, data=b"gh"))
+    with pytest.raises(KvtierRpcError, match="truncated"):
+        asm.result()
 
 
 # -- a real daemon ---------------------------------------------------------------------------

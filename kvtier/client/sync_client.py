@@ -88,7 +88,8 @@ class Lookup(NamedTuple):
 
 
 class Loaded(NamedTuple):
-    """Blocks keys[0:blocks]: read-only views (shm) or copies (streaming).
+    """Blocks keys[0:blocks]: read-only views (shm) or read-only arrays of the received bytes
+    (streaming).
 
     `slots[i]` is the pool slot behind `views[i]` (a row of `Client.slot_buffer()`), for engines
     that copy with their own kernels; empty on the streaming path.
@@ -509,7 +510,9 @@ def assemble(stream: Any, block_bytes: int) -> Loaded:
 
 
 class Assembler:
-    """Rebuilds blocks from ReadBlocks chunks into preallocated arrays (checks order, sizes)."""
+    """Rebuilds blocks from ReadBlocks chunks (checks order, sizes). A block that arrives in one
+    chunk is a read-only view of the received message, not copied; a block in several chunks is
+    copied into an array of its own (read-only too, like the shared-memory path's views)."""
 
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
@@ -523,19 +526,30 @@ class Assembler:
             if chunk.index or chunk.offset:
                 raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "ReadBlocks stream without start")
             self.count = chunk.count
-            self.blocks = [np.empty(self.block_bytes, np.uint8) for _ in range(self.count)]
+            self.blocks = [_EMPTY] * self.count
             self.filled = [0] * self.count
             if not self.count:
                 return False
         i, n = chunk.index, len(chunk.data)
         if i >= self.count or self.filled[i] != chunk.offset or chunk.offset + n > self.block_bytes:
             raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "out-of-order ReadBlocks chunk")
-        self.blocks[i][chunk.offset : chunk.offset + n] = np.frombuffer(chunk.data, np.uint8)
+        data = np.frombuffer(chunk.data, np.uint8)
+        if n == self.block_bytes:  # the whole block: its view of the message
+            self.blocks[i] = data
+        else:
+            if not chunk.offset:
+                self.blocks[i] = np.empty(self.block_bytes, np.uint8)
+            self.blocks[i][chunk.offset : chunk.offset + n] = data
         self.filled[i] += n
         return True
 
     def result(self) -> Loaded:
         if any(f != self.block_bytes for f in self.filled):
             raise KvtierRpcError(grpc.StatusCode.DATA_LOSS, "truncated ReadBlocks stream")
+        for b in self.blocks:
+            b.flags.writeable = False
         count = max(self.count, 0)
         return Loaded(count, self.blocks, [Tier.DRAM] * count)
+
+
+_EMPTY: U8 = np.empty(0, np.uint8)
