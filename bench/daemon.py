@@ -5,12 +5,12 @@
 Starts real `kvtier serve` daemons on temporary sockets (4 KiB slots for the Lookup figures, 2 MiB
 slots for the copies; no SSD tier, so the DRAM path is measured) and
 reports, with baselines measured in the same run:
-- Lookup latency p50/p99 for 1-, 64- and 1024-block cached chains over the Unix socket
-  (goal: 1024-block p50 <= 2 ms);
-- Lookup RPCs/s with 8 concurrent client processes (16-block chains);
+- Lookup latency p50/p99 for 1-, 64- and 1024-block cached chains over the Unix socket, with the
+  CPU time per call of the client and of the daemon (goal, issue 25: 1024-block p50 <= 0.5 ms);
+- Lookup RPCs/s with 8 concurrent client processes (16-block chains; goal >= 10,000);
 - store+load GB/s of 2 MiB blocks in batches of 64 through shared memory (allocate, copy in,
   commit; acquire, copy out, release) against `numpy.copyto` of the same bytes between the same
-  kind of buffers (goal >= 0.7x), and the same through the streaming byte path (ratio reported);
+  kind of buffers (goal >= 0.9x), and the same through the streaming byte path (goal >= 0.5x);
   with `--tenants`, also through the per-tenant mapping of a daemon with a tokens file (two
   tenants, one storing and loading: its memory handed over by fd, `kvtier.tiers.dram_regions`);
   `--only copy` runs the copies only.
@@ -41,6 +41,8 @@ from kvtier.client.sync_client import Client, LayoutDecl
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
+# issue 25's goals (this machine class: 2 shared cores)
+GOAL_LOOKUP_MS, GOAL_RPCS, GOAL_SHM, GOAL_STREAM = 0.5, 10_000, 0.9, 0.5
 SMALL = LayoutDecl(b"bench-lookup-layout", 4096, 16, model_id="bench-model")
 BIG = LayoutDecl(b"bench-copy-layout-2m", 2 * MiB, 16, model_id="bench-model")
 BENCH_TOKEN = "bench-tenant-token"
@@ -71,7 +73,15 @@ def keys_for(tag: int, n: int) -> list[bytes]:
     return [tag.to_bytes(4, "little") + i.to_bytes(4, "little") + bytes(24) for i in range(n)]
 
 
-def lookup_latency(sock: Path, quick: bool) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def lookup_latency(sock: Path, quick: bool, daemon_pid: int) -> dict[str, Any]:
+    """p50/p99 per chain length, and the CPU time per call of this client and of the daemon
+    (all threads: the event loop and gRPC's) — the figure a loaded machine distorts least."""
     out: dict[str, Any] = {}
     with Client(sock, layout=SMALL) as kv:
         for n in (1, 64, 1024):
@@ -81,14 +91,18 @@ def lookup_latency(sock: Path, quick: bool) -> dict[str, Any]:
             for _ in range(20):
                 kv.lookup(keys)
             samples = []
+            cpu0, daemon0 = time.process_time(), cpu_seconds(daemon_pid)
             for _ in range(iters):
                 t0 = time.perf_counter()
                 hit = kv.lookup(keys).hit_blocks
                 samples.append(time.perf_counter() - t0)
                 assert hit == n
+            cpu1, daemon1 = time.process_time(), cpu_seconds(daemon_pid)
             samples.sort()
             out[str(n)] = {"p50_ms": 1e3 * samples[len(samples) // 2],
-                           "p99_ms": 1e3 * samples[int(len(samples) * 0.99)], "iters": iters}
+                           "p99_ms": 1e3 * samples[int(len(samples) * 0.99)], "iters": iters,
+                           "client_cpu_us": 1e6 * (cpu1 - cpu0) / iters,
+                           "daemon_cpu_us": 1e6 * (daemon1 - daemon0) / iters}
     return out
 
 
@@ -271,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only != "copy":
             proc, sock = start_daemon(Path(tmp) / "small", "4KiB", "64MiB")
             try:
-                lat = lookup_latency(sock, args.quick)
+                lat = lookup_latency(sock, args.quick, proc.pid)
                 rps = rpc_throughput(sock, 8, 2.0 if args.quick else 5.0)
             finally:
                 proc.terminate()
@@ -304,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in copies:
         print(f"{row['path']:>10}{row['memcpy_gb_s']:>13.2f}{row['daemon_gb_s']:>13.2f}"
               f"{row['ratio']:>8.2f}   {row['ratio_min']:.2f}-{row['ratio_max']:.2f}")
-    print(f"goal shm ratio >= 0.7: {'reached' if shm['ratio'] >= 0.7 else 'NOT reached'}")
+    for row in copies:
+        want = GOAL_STREAM if row["path"] == "streaming" else GOAL_SHM
+        print(f"goal {row['path']} ratio >= {want}: "
+              f"{'reached' if row['ratio'] >= want else 'NOT reached'}")
     result = {"lookup_latency": lat, "rpc_throughput": rps, "copy_shm": shm,
               "copy_streaming": next((c for c in copies if c["path"] == "streaming"), None),
               "copy_shm_tenant": next((c for c in copies if c["path"] == "shm-tenant"), None),
@@ -316,13 +333,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_lookups(lat: dict[str, Any], rps: dict[str, Any]) -> None:
-    print("Lookup latency over the Unix socket (cached chains)")
-    print(f"{'blocks':>8}{'p50 ms':>10}{'p99 ms':>10}")
+    print("Lookup latency over the Unix socket (cached chains); CPU time per call")
+    print(f"{'blocks':>8}{'p50 ms':>10}{'p99 ms':>10}{'client us':>11}{'daemon us':>11}")
     for n, row in lat.items():
-        print(f"{n:>8}{row['p50_ms']:>10.3f}{row['p99_ms']:>10.3f}")
-    goal = lat["1024"]["p50_ms"] <= 2.0
-    print(f"goal 1024-block p50 <= 2 ms: {'reached' if goal else 'NOT reached'}")
-    print(f"\nLookup RPCs/s, {rps['clients']} client processes: {rps['rpcs_per_s']:.0f}")
+        print(f"{n:>8}{row['p50_ms']:>10.3f}{row['p99_ms']:>10.3f}{row['client_cpu_us']:>11.0f}"
+              f"{row['daemon_cpu_us']:>11.0f}")
+    goal = lat["1024"]["p50_ms"] <= GOAL_LOOKUP_MS
+    print(f"goal 1024-block p50 <= {GOAL_LOOKUP_MS} ms: {'reached' if goal else 'NOT reached'}")
+    reached = "reached" if rps["rpcs_per_s"] >= GOAL_RPCS else "NOT reached"
+    print(f"\nLookup RPCs/s, {rps['clients']} client processes: {rps['rpcs_per_s']:.0f} "
+          f"(goal >= {GOAL_RPCS:,}: {reached})")
 
 
 if __name__ == "__main__":

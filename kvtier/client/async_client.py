@@ -47,6 +47,7 @@ from kvtier.client.sync_client import (
     register_request,
     require_daemon,
     rpc_error,
+    stream_calls,
     write_chunks,
 )
 
@@ -72,6 +73,7 @@ class AsyncClient(SegmentHolder):
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         self._stub = pb_grpc.KvTierStub(self._channel)  # type: ignore[no-untyped-call]
+        self._read_blocks, self._write_blocks = stream_calls(self._channel)
         self._segment: MappedSegment | None = None
         self.tenant = ""
         self._session: Any = None  # the OpenSession stream (None: the daemon has none)
@@ -196,7 +198,7 @@ class AsyncClient(SegmentHolder):
 
     async def _assemble(self, req: pb.ReadBlocksRequest) -> Loaded:
         asm = Assembler(self.layout.block_bytes)
-        stream = self._stub.ReadBlocks(req, timeout=self.timeout, metadata=self._metadata,
+        stream = self._read_blocks(req, timeout=self.timeout, metadata=self._metadata,
                                        wait_for_ready=True)
         async for chunk in stream:
             if not asm.add(chunk):
@@ -209,7 +211,7 @@ class AsyncClient(SegmentHolder):
         packed = pack_keys(keys, self.layout.key_width)
         if not self.uses_shm:
             try:
-                reply = await self._stub.WriteBlocks(
+                reply = await self._write_blocks(
                     write_chunks(self.layout, packed, parent, blocks), timeout=self.timeout,
                     metadata=self._metadata, wait_for_ready=True)
             except grpc.RpcError as exc:

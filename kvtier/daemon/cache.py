@@ -205,8 +205,12 @@ class Cache:
         replica: str = "",
     ) -> LookupResult:
         """`lookup` for the event loop: the remote check (a network round trip with a bounded
-        wait) runs on a worker thread, without the cache lock."""
-        ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica)
+        wait) runs on a worker thread, without the cache lock. The miss-ratio curve sees the
+        keys right after the reply is on its way (the loop's next callback: before any later
+        request's handler, so a Stats after this Lookup counts it)."""
+        ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica,
+                                              observe=False)
+        asyncio.get_running_loop().call_soon(self._observe, ns.name, keys, key_width)
         remote = self.tiers.remote
         if remote is not None and len(tiers) < len(chain) and remote.ready():
             more = await asyncio.to_thread(self._remote_present, ns, chain, len(tiers))
@@ -215,6 +219,7 @@ class Cache:
 
     def _lookup_local(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, replica: str,
+        observe: bool = True,
     ) -> tuple[NamespaceInfo, list[bytes], list[Tier]]:
         with self._lock:
             ns = self._ns(tenant, layout_id)
@@ -223,9 +228,13 @@ class Cache:
             found = self.index.lookup(ns.name, chain, replica=who)
             self.tiers.maybe_write_back(ns.name, found.blocks)
             self.tiers.maybe_write_remote(ns.name, found.blocks, committed=False)
-        with self._mrc_lock:
-            self.mrc.observe_packed(ns.name, keys, key_width)
+        if observe:
+            self._observe(ns.name, keys, key_width)
         return ns, chain, list(found.tiers)
+
+    def _observe(self, ns: str, keys: bytes, key_width: int) -> None:
+        with self._mrc_lock:
+            self.mrc.observe_packed(ns, keys, key_width)
 
     def _remote_present(self, ns: NamespaceInfo, chain: list[bytes], local: int) -> int:
         """Blocks after the local prefix that the remote tier holds (no cache lock)."""
@@ -245,7 +254,8 @@ class Cache:
             mine.blocks_hit += len(tiers)
             mine.blocks_missed += len(chain) - len(tiers)
         m = self.metrics
-        hits = {t.label: n for t in Tier if (n := tiers.count(t))}  # list.count: C speed
+        counted = bytes(tiers)  # bytes.count: C speed, no Tier comparisons
+        hits = {t.label: n for t in Tier if (n := counted.count(t))}
         m.record_lookup(ns.usage.tenant.name, ns.layout.model_id, hits, len(chain) - len(tiers))
         the_plan = None
         lay = ns.layout

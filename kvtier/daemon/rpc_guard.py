@@ -7,6 +7,11 @@ a chain of `max_blocks_per_request` keys), so anything bigger is refused by gRPC
 is buffered. Every method then has its own, much smaller, limit (`Limits.of`), checked on the raw
 bytes before they are parsed into a message — a 4 MiB `Release` is never decoded.
 
+WriteBlocks chunks are read by hand (`kvtier.core.chunkwire`: a `Chunk` whose data is a view of
+the received bytes, the payload not copied); any message not in the plain form that reader takes
+is decoded by protobuf as before. Replies already in wire form (ReadBlocks chunks) go out as they
+are.
+
 A message that is over its method's limit, or is not valid protobuf (a truncated field, a
 `string` field that is not UTF-8), becomes a `Refused` value instead of an exception: the
 servicer answers it with RESOURCE_EXHAUSTED or INVALID_ARGUMENT like any other bad request
@@ -29,6 +34,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier.core.chunkwire import Chunk, parse_chunk
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +97,17 @@ WARNINGS = _Warnings()
 
 
 def deserializer(method: str, msg_type: type[Message], limit: int
-                 ) -> Callable[[bytes], Message | Refused]:
-    def decode(data: bytes) -> Message | Refused:
+                 ) -> Callable[[bytes], Message | Chunk | Refused]:
+    chunks = method == "WriteBlocks"  # its chunks: parsed by hand, the payload not copied
+
+    def decode(data: bytes) -> Message | Chunk | Refused:
         if len(data) > limit:
             WARNINGS.warn("oversized", f"{method} of {len(data)} bytes")
             return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"{method} message of {len(data)} bytes exceeds this method's limit "
                            f"of {limit} bytes")
+        if chunks and (chunk := parse_chunk(data, wrapped=True)) is not None:
+            return chunk
         try:
             return msg_type.FromString(data)
         except DecodeError as exc:
@@ -112,8 +122,9 @@ def _reason(exc: DecodeError) -> str:
     return text.rpartition(": ")[2] or "invalid protobuf"
 
 
-def _serialize(msg: Message) -> bytes:
-    return msg.SerializeToString()
+def _serialize(msg: Message | bytes) -> bytes:
+    """A reply; one already in wire form (a ReadBlocks chunk, `kvtier.core.chunkwire`) as is."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
 def add_service(servicer: Any, server: grpc.aio.Server, limits: Limits) -> None:

@@ -35,6 +35,7 @@ import grpc
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier._version import __version__ as _version
+from kvtier.core.chunkwire import Chunk, chunk_head
 from kvtier.core.costmodel import CostModel
 from kvtier.core.errors import (
     FailedPrecondition,
@@ -343,7 +344,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     async def ReadBlocks(
         self, request: pb.ReadBlocksRequest, context: Ctx
-    ) -> AsyncIterator[pb.BlockChunk]:
+    ) -> AsyncIterator[pb.BlockChunk | bytes]:
         started = time.perf_counter()
         try:
             if isinstance(request, Refused):
@@ -357,10 +358,11 @@ class KvTierService(pb_grpc.KvTierServicer):
                 size = stream.block_bytes
                 for i in range(len(stream)):
                     for off in range(0, size, CHUNK_BYTES):
-                        yield pb.BlockChunk(  # copied under the lock while the lease lives
-                            index=i, offset=off, data=stream.read(i, off, CHUNK_BYTES),
-                            count=len(stream) if i == 0 and off == 0 else 0,
-                        )
+                        # in wire form (`kvtier.core.chunkwire`): the bytes copied once, under
+                        # the lock while the lease lives, behind the message's head
+                        head = chunk_head(i, off, len(stream) if i == 0 and off == 0 else 0,
+                                          min(CHUNK_BYTES, size - off), wrapped=False)
+                        yield stream.read(i, off, CHUNK_BYTES, head)
         except Exception as exc:
             await self._fail("ReadBlocks", context, exc, started)
         self._record("ReadBlocks", grpc.StatusCode.OK, started)
@@ -381,7 +383,7 @@ class KvTierService(pb_grpc.KvTierServicer):
         self, tenant: Tenant, requests: AsyncIterator[pb.WriteBlocksRequest]
     ) -> pb.WriteBlocksResponse:
         first = await anext(aiter(requests), None)
-        if first is None or not first.HasField("header"):
+        if first is None or isinstance(first, Chunk) or not first.HasField("header"):
             raise InvalidArgument("the first WriteBlocks message must be a header")
         h = first.header
         info = self.cache.layout(tenant, h.layout)
@@ -393,9 +395,12 @@ class KvTierService(pb_grpc.KvTierServicer):
         try:
             index, filled = 0, 0
             async for msg in requests:
-                if not msg.HasField("chunk"):
+                if isinstance(msg, Chunk):  # read by hand (`rpc_guard`): data is a view
+                    c = msg
+                elif msg.HasField("chunk"):
+                    c = msg.chunk
+                else:
                     raise InvalidArgument("only the first WriteBlocks message may be a header")
-                c = msg.chunk
                 if filled == info.block_bytes:
                     index, filled = index + 1, 0
                 if c.index != index or c.offset != filled:

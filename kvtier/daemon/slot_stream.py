@@ -16,11 +16,14 @@ Threading: any thread; `read`/`write` take the cache lock (an RLock: callers may
 from __future__ import annotations
 
 import threading
+from typing import TypeAlias
 
 from kvtier.core.errors import NotFound
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.tiers.dram import DramPool
+
+Buffer: TypeAlias = bytes | memoryview
 
 
 class SlotStream:
@@ -40,18 +43,20 @@ class SlotStream:
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def read(self, block: int, at: int, n: int) -> bytes:
-        """Up to `n` bytes of block `block` from byte `at`. Raises NotFound once the lease ended."""
-        out = self._chunk(LeaseKind.READ, block, at, n, None)
-        self.copied += len(out)
+    def read(self, block: int, at: int, n: int, head: bytes = b"") -> bytes:
+        """`head` followed by up to `n` bytes of block `block` from byte `at` (one copy).
+        Raises NotFound once the lease ended."""
+        out = self._chunk(LeaseKind.READ, block, at, n, None, head)
+        self.copied += len(out) - len(head)
         return out
 
-    def write(self, block: int, at: int, data: bytes) -> None:
+    def write(self, block: int, at: int, data: Buffer) -> None:
         """`data` into block `block` at byte `at`. Raises NotFound once the lease ended."""
         self._chunk(LeaseKind.WRITE, block, at, len(data), data)
         self.copied += len(data)
 
-    def _chunk(self, kind: LeaseKind, block: int, at: int, n: int, data: bytes | None) -> bytes:
+    def _chunk(self, kind: LeaseKind, block: int, at: int, n: int, data: Buffer | None,
+               head: bytes = b"") -> bytes:
         with self._lock:
             lease = self._leases.get(self.lease_id)
             if lease is None or lease.tenant != self.tenant.name or lease.kind is not kind:
@@ -66,6 +71,6 @@ class SlotStream:
             assert slot is not None  # the lease's own offsets, pinned: never moved nor freed
             view = memoryview(pool.view(slot, self.block_bytes))  # type: ignore[arg-type]
             if data is None:
-                return bytes(view[at : at + n])
+                return head + view[at : at + n]
             view[at : at + len(data)] = data
             return b""
