@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -197,6 +198,11 @@ def test_a_same_uid_process_cannot_take_the_daemons_fds(
     assert d.proc is not None
     control = subprocess.Popen([*CAPLESS, "sleep", "60"])  # dumpable, same user, no caps
     try:
+        # until it has dropped its capabilities and exec'd, the probe may not read it either
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{control.pid}/comm").read_text().strip() != "sleep":
+            assert time.monotonic() < deadline, "the control process never exec'd sleep"
+            time.sleep(0.01)
         run = subprocess.run([*CAPLESS, sys.executable, "-c", ATTACKER, str(d.proc.pid),
                               str(control.pid)],
                              capture_output=True, text=True, timeout=30)
