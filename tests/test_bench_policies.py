@@ -25,7 +25,9 @@ def test_quick_run_writes_results(tmp_path: Path) -> None:
     assert "shared trace is skipped" in proc.stdout
     doc = json.loads((out / "policies.json").read_text())
     workloads = {s["workload"] for s in doc["summary"]}
-    assert workloads == {"chat", "docqa", "agentic", "rag", "longreuse", "docchat", "tenants"}
+    assert workloads == {"chat", "docqa", "agentic", "rag", "longreuse", "docchat", "tenants",
+                         "drift"}
+    assert {s["workload"] for s in doc["summary"] if s["held_out"]} == {"drift"}
     assert {r["policy"] for r in doc["rows"]} >= {"lru", "kvtier", "vllm-arc", "sieve"}
     assert all(r["stranded_blocks"] == 0 for r in doc["rows"])
     assert any(r["ssd_blocks_written"] for r in doc["rows"] if r["tiers"] == "dram+ssd")
@@ -43,7 +45,9 @@ def test_quick_run_writes_results(tmp_path: Path) -> None:
              if s["tiers"] == "dram" and s["belady_vs_lru"] < 1.2}
     assert set(doc["goals"]["cells_1_5pct_where_belady_under_1_2x_lru"]) == small
     assert doc["goals"]["min_row"]["vs_peer"] == doc["goals"]["min_vs_best_peer_anywhere"]
-    assert "| **min** (DRAM cells) |" in md
+    assert "| **min** (DRAM cells) |" in md and "| **min** (held-out DRAM cells) |" in md
+    held = doc["goals"]["held_out_min_row"]
+    assert held["vs_lru_at"].startswith("drift ") and held["vs_peer_at"].startswith("drift ")
 
 
 def row(workload: str, tiers: str, fraction: float, seed: int, policy: str, hit: float,
@@ -91,8 +95,11 @@ def test_summary_goals_and_min_row_on_a_hand_worked_input() -> None:
     assert rag_ssd["ssd_written"] == {"kvtier": 7, "lru": 40}
 
     lo = policies.minimum(summary)
+    # no vllm-reuse rows: x max(LRU, filter) is x LRU (1.6 and 0.9)
     assert lo == {"vs_lru": pytest.approx(0.9), "vs_lru_at": "rag 10%",
+                  "vs_filter": pytest.approx(0.9), "vs_filter_at": "rag 10%",
                   "vs_peer": pytest.approx(0.75), "vs_peer_at": "rag 10% (vllm-arc)"}
+    assert policies.minimum(summary, held_out=True) is None
     g = policies.goals(summary, rows)
     assert g["min_vs_best_peer_anywhere"] == pytest.approx(0.75)
     assert g["min_vs_lru_anywhere"] == pytest.approx(0.9)

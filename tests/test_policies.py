@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvtier.core.types import Tier
+from kvtier.index import policy_minisim
 from kvtier.index.policy_adaptive import AdaptivePolicy, AdaptiveQueue, FrequencySketch
-from kvtier.index.policy_minisim import FILTER, MiniSims, SeenTable
+from kvtier.index.policy_minisim import COLD, FILTER, SKIP, MiniCache, MiniSims, SeenTable, choose
 from kvtier.index.policy_registry import DEFAULT_POLICY, PEERS, POLICIES, make_policy
 from kvtier.index.prefix import PrefixIndex
 
@@ -210,8 +211,11 @@ def test_kvtier_lookup_work_is_a_sample_whatever_the_keys() -> None:
     assert len(ix.lookup(0, keys).blocks) == len(keys)
     # the same sample (hits of the sampled keys), held off the Lookup path for the next admit
     assert pol.minisims._seen == fed_at_admit and len(pol._deferred) == fed_at_admit
+    assert pol.minisims.real == 0
     assert ix.admit(0, [b"other"], 0) <= 1
     assert pol.minisims._seen >= 2 * fed_at_admit and not pol._deferred
+    # they were hits of the real cache, in the probation mode: its calibration counts them
+    assert pol.minisims.best == 0.1 and pol.minisims.real == fed_at_admit
 
 
 def test_kvtier_inner_block_hits_count_once_it_is_evictable() -> None:
@@ -266,8 +270,70 @@ def test_kvtier_in_filter_mode_stores_only_keys_seen_before() -> None:
     q = pol.dram
     assert isinstance(q, AdaptiveQueue)
     pol.minisims.best = q.share = FILTER
-    pol._feed = lambda sampled: None  # type: ignore[method-assign]  # hold the mode
+    pol._feed = lambda *a: None  # type: ignore[method-assign]  # hold the mode
     keys = [k(i) for i in range(6)]
     assert ix.admit(0, keys[:4], 0) == 0
     assert ix.admit(0, keys, 0) == 4  # keys 4 and 5 were not seen before
     assert ix.admit(0, keys, 0) == 6
+
+
+def _copies(s3: float, lru: float, flt: float) -> list[MiniCache]:
+    out = []
+    for share, hits in ((0.1, s3), (1.0, lru), (FILTER, flt)):
+        c = MiniCache(8, share, 64)
+        c.hits = hits
+        out.append(c)
+    return out
+
+
+def test_choose_switches_only_on_a_clear_win_and_holds_the_mode_otherwise() -> None:
+    """The switching rule, worked by hand with Z = 2, LRU_MARGIN = 1.05 and margin 1.01 (a
+    candidate's score: its hits; the probation copy's x factor / 1.05)."""
+    assert (policy_minisim.Z, policy_minisim.LRU_MARGIN) == (2.0, 1.05)
+    # running LRU (100); probation 110 scores 104.8 > 101 but wins by 4.8 < 2 sqrt(210) = 29
+    assert choose(_copies(110, 100, 90), 1.0, 1.01) == 1.0
+    # probation 200 scores 190.5: wins by 90.5 > 2 sqrt(300) = 34.6 -> probation
+    assert choose(_copies(200, 100, 90), 1.0, 1.01) == 0.1
+    # the same hits, the real cache got half its copy's hits in the probation mode: 95.2 < 100
+    assert choose(_copies(200, 100, 90), 1.0, 1.01, factor=0.5) == 1.0
+    # running probation (95.2 calibrated): the filter's 180 wins by 84.8 > 2 sqrt(380) = 39
+    assert choose(_copies(200, 100, 180), 0.1, 1.01, factor=0.5) == FILTER
+    # ...but LRU's 100 does not (4.8 < 2 sqrt(300)): the mode holds
+    assert choose(_copies(200, 100, 90), 0.1, 1.01, factor=0.5) == 0.1
+    # a tie between LRU and the filter goes to the first listed (LRU): 100 - 38.1 > 2 sqrt(140)
+    assert choose(_copies(40, 100, 100), 0.1, 1.01) == 1.0
+    # a mode with no copy (the start mode of a resized policy) gives way to the top one
+    assert choose(_copies(10, 20, 30), 0.5, 1.01) == FILTER
+
+
+def test_minisims_calibrate_the_probation_mode_by_the_real_cache_hits() -> None:
+    """factor = (real + 50) / (copy + 50), counted only while the real cache runs probation."""
+    assert policy_minisim.CALIBRATION_PRIOR == 50.0
+    ms = MiniSims(64, (0.1, 1.0), 0.1, rate=1, min_cap=1)  # epochs of 256 refs: none here
+    assert ms.factor() == 1.0
+    ms.feed([k(1), k(1)], real_hits=2)  # the copy: a miss then a hit; the real cache: 2 hits
+    assert (ms.real, ms.copy) == (2, 1)
+    assert ms.factor() == pytest.approx(52 / 51)
+    ms.best = 1.0  # another mode runs: its hits say nothing of the probation mode's
+    ms.feed([k(1)], real_hits=1)
+    assert (ms.real, ms.copy) == (2, 1)
+
+
+def test_probation_copy_follows_the_predictor_placements() -> None:
+    """A key placed SKIP is not stored, one placed COLD enters probation's cold end (the next
+    victim); the LRU copy stores both as usual."""
+    c = MiniCache(2, 0.1)
+    c.access([k(1)], {k(1): SKIP})
+    c.access([k(1)])
+    assert c.hits == 0 and list(c.s) == [k(1)]  # stored at its second (unplaced) miss
+    c = MiniCache(2, 0.1)
+    c.access([k(2)])
+    c.access([k(3)], {k(3): COLD})
+    assert list(c.s) == [k(3), k(2)]
+    c.access([k(4)])  # over capacity: the cold key leaves, not the older k(2)
+    assert list(c.s) == [k(2), k(4)] and list(c.ghosts) == [k(3)]
+    c.access([k(2), k(3)])  # k(2) hits; k(3) comes back as a ghost: into main
+    assert c.hits == 1 and k(3) in c.m
+    lru = MiniCache(2, 1.0)
+    lru.access([k(1)], {k(1): SKIP})
+    assert list(lru.s) == [k(1)]

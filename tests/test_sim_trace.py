@@ -97,7 +97,7 @@ def test_write_then_read_round_trips(tmp_path):
     assert all(json.loads(x)["hash_ids"] for x in dump_lines(reqs[:3]))
 
 
-@pytest.mark.parametrize("name", workloads.WORKLOADS)
+@pytest.mark.parametrize("name", workloads.WORKLOADS + workloads.HELD_OUT)
 def test_generators_are_seeded_chained_and_mooncake_shaped(name):
     a = workloads.generate(name, 300, seed=7)
     assert a == workloads.generate(name, 300, seed=7)
@@ -167,3 +167,22 @@ def test_new_shapes_have_the_reuse_they_claim():
     by_stream = [[r for r in reqs if r.hash_ids[0] % 3 == j] for j in range(3)]
     reuse = [_median_reuse_distance(s)[1] for s in by_stream]
     assert reuse[0] > 2 * reuse[1] > 0 and reuse[2] == 0  # hot chat, cold RAG, one-shot scan
+
+
+def test_held_out_drift_moves_its_popular_set_beside_agents_throughout():
+    """drift: documents (outer stream 0) in three phases with their own ids (inner stream k),
+    agent sessions (outer stream 1) a fifth of the requests, across the whole span."""
+    reqs = workloads.generate("drift", 600, 0)
+    assert "drift" not in workloads.WORKLOADS  # never a tuning workload
+    docs = [r for r in reqs if r.hash_ids[0] % 2 == 0]
+    agents = [r for r in reqs if r.hash_ids[0] % 2 == 1]
+    assert len(agents) == 120 and len(docs) == 480
+
+    def phase(r):
+        return (r.hash_ids[0] // 2) % 3
+
+    assert {phase(r) for r in docs[:96]} == {0} and {phase(r) for r in docs[-96:]} == {2}
+    blocks = [{h for r in docs if phase(r) == k for h in r.hash_ids} for k in range(3)]
+    assert not blocks[0] & blocks[1] and not blocks[1] & blocks[2]  # the popular set moves
+    first_2 = min(r.timestamp for r in docs if phase(r) == 2)
+    assert agents[0].timestamp < docs[96].timestamp and agents[-1].timestamp > first_2

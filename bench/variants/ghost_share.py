@@ -27,8 +27,9 @@ def _queue(self: pa.AdaptivePolicy) -> pa.AdaptiveQueue:
     return q
 
 
-def feed(self: pa.AdaptivePolicy, sampled: list[bytes]) -> None:
-    self.minisims.feed(sampled)
+def feed(self: pa.AdaptivePolicy, sampled: list[bytes], placed: dict[bytes, int] | None,
+         real_hits: int) -> None:
+    self.minisims.feed(sampled, placed, real_hits)
     if MODE == "hybrid":
         _queue(self).share = 1.0 if self.minisims.best >= 1.0 else self.__dict__["variant_p"]
 

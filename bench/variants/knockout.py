@@ -26,8 +26,9 @@ elif OFF == "hot":
 elif OFF in _FIXED:
     share = _FIXED[OFF]
 
-    def feed(self: pa.AdaptivePolicy, sampled: list[bytes]) -> None:
-        self.minisims.feed(sampled)
+    def feed(self: pa.AdaptivePolicy, sampled: list[bytes], placed: dict[bytes, int] | None,
+             real_hits: int) -> None:
+        self.minisims.feed(sampled, placed, real_hits)
         q = self.dram
         assert isinstance(q, pa.AdaptiveQueue)
         q.share = share

@@ -5,7 +5,7 @@ mini hits (x margin) is chosen. So the prefix rule, the cold placement and the s
 which the mini caches do not model, enter the choice through the order that was really run."""
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvtier.index import policy_adaptive as pa
 from kvtier.index import policy_minisim as pm
@@ -23,11 +23,12 @@ class CalibratedSims(pm.MiniSims):
         self.bias: dict[float, float | None] = {c.share: None for c in self.caches}
         self.epoch_hits = {c.share: 0.0 for c in self.caches}
 
-    def feed(self, keys: Sequence[bytes]) -> None:
+    def feed(self, keys: Sequence[bytes], placed: Mapping[bytes, int] | None = None,
+             real_hits: int | None = None) -> None:
         caches = self.caches
         for c in caches:
             h0 = c.hits
-            c.access(keys)
+            c.access(keys, placed)
             self.epoch_hits[c.share] += c.hits - h0
         self._seen += len(keys)
         if self._seen < self._epoch:
@@ -62,7 +63,7 @@ def looked_up(self: pa.AdaptivePolicy, tenant: Tenant, keys: Sequence[bytes],
         ms = self.minisims
         if isinstance(ms, CalibratedSims):
             ms.real += len(sampled)
-        self._feed(sampled)
+        self._feed(sampled, None, 0)
 
 
 pa.MiniSims = CalibratedSims  # type: ignore[misc]

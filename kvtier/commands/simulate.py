@@ -37,13 +37,13 @@ examples:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvtier.commands.flags import alias
     from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
-    from kvtier.sim.workloads import WORKLOADS
+    from kvtier.sim.workloads import HELD_OUT, WORKLOADS
 
     parser.epilog = _EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (one request per line)")
-    src.add_argument("--workload", choices=WORKLOADS, help="built-in generated workload")
+    src.add_argument("--workload", choices=WORKLOADS + HELD_OUT, help="built-in generated workload")
     parser.add_argument("--requests", type=int, metavar="N", help="--workload size (4000)")
     parser.add_argument("--seed", type=int, metavar="N", help="--workload seed (0)")
     for tier in ("dram", "ssd"):

@@ -19,6 +19,11 @@ a fraction of the capacity and the queue follows the one with more hits, LRU unl
 by 5% — so the policy is bounded below by the better of its candidates LRU and the reuse filter,
 up to the mini simulations' error (issue 29: the share-0.1 mode with the predictor alone fell
 3-7% under LRU at 10-20% on shapes it was not tuned on, and under the reuse filter at 1-5%).
+The share-0.1 copy sees what the predictor decided for its sampled missed keys (cold end, not
+stored: `admit` hands them over) and its score is calibrated by the real cache's hits of the
+sampled keys while the queue runs that mode (`MiniSims.factor`; issue 29, second pass: without
+them the copy ranked the mode 30-40% under the real cache on long reuse distances, and the queue
+left it for the filter or LRU there at 0.67-0.75x the best peer).
 
 `FrequencySketch`: one saturating byte per slot (4 slots per block of the larger tier, at least 64
 KiB), indexed by the XXH3 fingerprint of (tenant, key); every key `admit` is asked about (the
@@ -94,7 +99,7 @@ from kvtier.index.policies import (
     EvictionQueue,
     Policy,
 )
-from kvtier.index.policy_minisim import FILTER, MiniSims, SeenTable
+from kvtier.index.policy_minisim import COLD, FILTER, SKIP, MiniSims, SeenTable
 from kvtier.index.types import HITS_BITS, HITS_MAX
 
 if TYPE_CHECKING:
@@ -364,11 +369,12 @@ class AdaptivePolicy(Policy):
             deferred.extend(sampled)
             if len(deferred) > DEFER_MAX:
                 self._deferred = []
-                self._feed(deferred)
+                self._feed(deferred, None, len(deferred))
 
-    def _feed(self, sampled: list[BlockKey]) -> None:
+    def _feed(self, sampled: list[BlockKey], placed: dict[BlockKey, int] | None,
+              real_hits: int) -> None:
         ms = self.minisims
-        ms.feed(sampled)
+        ms.feed(sampled, placed, real_hits)
         q = self.dram
         assert isinstance(q, AdaptiveQueue)
         q.share = ms.best
@@ -382,17 +388,20 @@ class AdaptivePolicy(Policy):
         fps = fingerprints(tenant, missed)
         th, sh = self.minisims.threshold, self.sample_shift
         end = len(keys)
-        lo, bypass = self.lo, self.bypass
+        lo, bypass = s3_lo, s3_bypass = self.lo, self.bypass
         control = SAMPLE
+        placed: dict[BlockKey, int] = {}
+        sampled: list[BlockKey] = []
+        real_hits = 0
         if self._front:
             seen = self.sketch.add_hashed(fps)
+            s3_lo = -1.0
         else:
             sampled = [k for k, h in zip(missed, fps, strict=True) if h >> sh & 255 < th]
             if self._deferred:
+                real_hits = len(self._deferred)
                 sampled = self._deferred + sampled
                 self._deferred = []
-            if sampled:
-                self._feed(sampled)
             check = self.seen.check
             seen = [2 if check(h) else 0 for h in fps]  # the predictor's "seen before" too
             unseen = [j for j, x in enumerate(seen) if not x]
@@ -426,12 +435,16 @@ class AdaptivePolicy(Policy):
                 code |= _P_CONTROL
             else:
                 p = (reused[b] + prior) / (stored[b] + _PRIOR)
+                if p < s3_lo and code & _P_SAMPLED:  # what the probation mode would do
+                    placed[keys[i]] = SKIP if tail == 2 and p < s3_bypass else COLD
                 if tail == 2 and p < bypass:
                     break
                 if p < lo:
                     code |= _P_COLD
             pending[(tenant, keys[i])] = code
             n += 1
+        if sampled:  # the mini simulations see the missed sampled keys after the decisions
+            self._feed(sampled, placed, real_hits)
         return n - start
 
     def inserted(self, b: Block) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from xxhash import xxh3_64_intdigest
 
@@ -41,22 +41,30 @@ FILTER = 2.0
 """A candidate's share above 1: LRU order behind the reuse filter (vLLM's store-after-two-lookups,
 `kvtier.index.policy_peers.ReuseFilterPolicy`): a missed key is stored only if it was seen before,
 in a direct-mapped table of fingerprint tags (`SeenTable`)."""
+COLD, SKIP = 1, 2
+"""`MiniCache.access`'s placements: a missed key enters probation's cold end / is not stored."""
 MINI_MAX = 4096
 """Largest mini cache: beyond 4096 x rate blocks of real capacity the sample thins instead."""
 MIN_CAP = 256
 """Smallest mini cache while the rate can fall (to 1: the whole cache simulated)."""
-Z = 1.0
-"""Standard deviations by which a candidate must win to be chosen (measured: 2 kept a small
-cache in the start mode too long, 0 flipped it on noise)."""
+Z = 2.0
+"""Standard deviations by which a candidate must win to be chosen (measured, issue 29, with the
+copies' predictor placements and the probation mode's calibration: 1 flipped longreuse at 1-2%
+out of the probation mode on the first epochs' noise, 0.67-0.74x the best peer there; before
+those, 2 kept a small cache in the start mode too long; 0 flips on noise)."""
 LRU_MARGIN = 1.05
 """Factor by which a probation-share candidate must beat the others' hits (measured, issue 29:
 1.0-1.03 left agentic at 10-20% 1-3% under LRU; its small-cache wins are 10% and more). The
 filter candidate competes at par: its copy leaves out less (no predictor), and a margin kept the
 real cache out of it at 2-5% on tenants and chat, 1-3% under vllm-reuse."""
+CALIBRATION_PRIOR = 50.0
+"""Hits added to both sides of `MiniSims.factor` (a few epochs' worth at the smallest copies)."""
 EPOCH = 4
 """Sampled references per epoch, per entry of a mini cache (measured: 2 gained nowhere)."""
-DECAY = 0.8
-"""Hits kept per epoch (0.5 before issue 29: two epochs' memory was too few hits to rank)."""
+DECAY = 0.9
+"""Hits kept per epoch (0.5 before issue 29: two epochs' memory was too few hits to rank; 0.8
+until its second pass: longreuse 2% 0.86x the best peer against 0.90x, trace 10% 0.96x the reuse
+filter against 1.00x)."""
 RATE = 8
 """Default sample: 1 key in 8. Measured (docs/benchmarks.md, "Policies, fourth pass", over 4 key
 samples on every workload): the sample trace at 1% and 5% 1.086x / 1.035x LRU instead of 1.047x /
@@ -102,11 +110,16 @@ class MiniCache:
         self.seen = SeenTable(seen) if share > 1.0 else None
         self.hits = 0.0
 
-    def access(self, keys: Sequence[BlockKey]) -> None:
-        """Reference `keys` in order."""
+    def access(self, keys: Sequence[BlockKey], placed: Mapping[BlockKey, int] | None = None
+               ) -> None:
+        """Reference `keys` in order. `placed`: for a probation-share candidate, the keys the real
+        policy's predictor would store at probation's cold end (`COLD`) or not at all (`SKIP`)
+        when they miss (the other candidates store every missed key as their mode says)."""
         s, m, ghosts, cap = self.s, self.m, self.ghosts, self.cap
         lru = self.share >= 1.0
         seen = self.seen
+        if lru or not placed:
+            placed = None
         hits = 0
         for key in keys:
             f = s.get(key)
@@ -126,6 +139,11 @@ class MiniCache:
                 continue  # the reuse filter: not stored on its first reference
             if ghosts.pop(key, 0) is None and not lru:
                 m[key] = 0
+            elif placed is not None and key in placed:
+                if placed[key] == SKIP:
+                    continue
+                s[key] = 0
+                s.move_to_end(key, last=False)
             else:
                 s[key] = 0
             if len(s) + len(m) > cap:
@@ -152,11 +170,29 @@ class MiniCache:
             return
 
 
+def choose(caches: Sequence[MiniCache], best: float, margin: float, factor: float = 1.0
+           ) -> float:
+    """The mode to run after an epoch: the candidate with the highest score (its decayed hits; a
+    probation-share candidate's times `factor` — the real cache's hits over its copy's while it
+    ran that mode — and divided by `LRU_MARGIN`; the first listed on a tie) if it beats the
+    current mode `best`'s score by `margin` and by `Z` standard deviations of the two counts
+    (sqrt of their sum: Poisson), else `best` (hysteresis)."""
+    def score(c: MiniCache) -> float:
+        return c.hits if c.share >= 1.0 else c.hits * factor / LRU_MARGIN
+    top = max(caches, key=score)
+    cur = next((c for c in caches if c.share == best), None)
+    if cur is None or (score(top) > score(cur) * margin
+                       and score(top) - score(cur) > Z * math.sqrt(top.hits + cur.hits)):
+        return top.share
+    return best
+
+
 class MiniSims:
     """Candidates' mini caches over one key sample; `best` after each epoch. `threshold`: a key
     is in the sample when its fingerprint's top byte (``h >> 56``) is below it."""
 
-    __slots__ = ("_epoch", "_seen", "best", "caches", "margin", "threshold")
+    __slots__ = ("_epoch", "_seen", "best", "caches", "copy", "margin", "real",
+                 "threshold")
 
     def __init__(self, capacity: int, shares: Sequence[float], start: float,
                  rate: int = RATE, min_cap: int = MIN_CAP, margin: float = 1.01,
@@ -167,6 +203,9 @@ class MiniSims:
         self.caches = [MiniCache(cap, s, max(64, seen // rate)) for s in shares]
         self._epoch = EPOCH * cap
         self._seen = 0
+        self.real = self.copy = 0.0
+        """Decayed sampled hits of the real cache and of the probation copy while the real cache
+        ran the probation mode (`factor`)."""
         self.best = start
         self.margin = margin
 
@@ -175,23 +214,33 @@ class MiniSims:
         th = self.threshold
         self.feed([k for k in keys if xxh3_64_intdigest(k) >> 56 < th])
 
-    def feed(self, keys: Sequence[BlockKey]) -> None:
-        """Reference sampled keys in order (the caller applied `threshold`)."""
+    def feed(self, keys: Sequence[BlockKey], placed: Mapping[BlockKey, int] | None = None,
+             real_hits: int | None = None) -> None:
+        """Reference sampled keys in order (the caller applied `threshold`); `placed` as in
+        `MiniCache.access`; `real_hits`: how many of `keys` hit in the real cache (which ran
+        mode `best` since the last call; None: no real cache, no calibration)."""
         caches = self.caches
+        cur = self.best
         for c in caches:
-            c.access(keys)
+            h0 = c.hits
+            c.access(keys, placed)
+            if c.share == cur and cur < 1.0 and real_hits is not None:
+                self.real += real_hits
+                self.copy += c.hits - h0
         self._seen += len(keys)
         if self._seen >= self._epoch:
             self._seen = 0
-            def score(c: MiniCache) -> float:
-                return c.hits if c.share >= 1.0 else c.hits / LRU_MARGIN
-            top = max(caches, key=score)
-            cur = next((c for c in caches if c.share == self.best), None)
-            if cur is None or (score(top) > score(cur) * self.margin and score(top) - score(cur)
-                               > Z * math.sqrt(top.hits + cur.hits)):
-                self.best = top.share
+            self.best = choose(caches, self.best, self.margin, self.factor())
             for c in caches:
                 c.hits *= DECAY
+            self.real *= DECAY
+            self.copy *= DECAY
+
+    def factor(self) -> float:
+        """The probation mode's calibration: the real cache's sampled hits over its copy's, over
+        the epochs it ran that mode (decayed like the hits; `CALIBRATION_PRIOR` hits of each
+        pull it to 1 while there are few, and back to 1 while another mode runs)."""
+        return (self.real + CALIBRATION_PRIOR) / (self.copy + CALIBRATION_PRIOR)
 
     def entries(self) -> int:
         return sum(len(c.s) + len(c.m) + len(c.ghosts) for c in self.caches)

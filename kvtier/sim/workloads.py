@@ -4,7 +4,8 @@ on: `longreuse` (a large, flat-popularity document set: reuse distances of a lar
 distinct blocks, where recency wins as the cache grows), `docchat` (long documents and chat
 sessions interleaved: two reuse scales in one stream) and `tenants` (three tenants' streams in one
 trace with disjoint ids — a hot chat, a cold flat-popularity RAG and a one-shot document scan —
-each with its own reuse).
+each with its own reuse). `drift` (popularity that moves: three document sets in turn beside
+agent sessions) is held out: no policy setting was chosen on it.
 
 All produce `Request`s with chained 512-token block ids exactly like a Mooncake trace, so every
 part of the simulator treats them alike. Output is a pure function of the spec (seeded
@@ -314,11 +315,35 @@ def _scan(requests: int, seed: int, per_s: float) -> list[Request]:
     return out
 
 
+def drift(requests: int, seed: int) -> list[Request]:
+    """Held out (issue 29: never used to tune a policy; `bench.policies` reports it apart):
+    document QA whose popular set changes twice — three phases in turn, each over its own 1,000
+    documents of Zipf 0.9 popularity (1,500-12,000 tokens) — beside agent sessions that run
+    through all three (a fifth of the requests)."""
+    agents = requests // 5
+    per = (requests - agents) // 3
+    phases = []
+    for k in range(3):
+        n = per if k < 2 else requests - agents - 2 * per
+        docs = docqa(DocQASpec(requests=max(1, n), seed=seed * 3 + k, documents=1000,
+                               zipf_s=0.9, document_tokens=(1500, 12000), requests_per_s=2.0))
+        shift = k * per / 2.0 * 1000.0  # each phase starts where the previous one ended
+        phases.append([r._replace(timestamp=round(r.timestamp + shift, 3)) for r in docs])
+    span_s = max(1.0, (requests - agents) / 2.0)
+    steps = agentic(AgenticSpec(requests=max(1, agents), seed=seed + 7,
+                                sessions_per_s=max(1, agents) / span_s / 20.0))
+    return merge(merge(*phases), steps)
+
+
 WORKLOADS = ("chat", "docqa", "agentic", "rag", "longreuse", "docchat", "tenants")
+"""The generated shapes policies are measured (and tuned) on."""
+HELD_OUT = ("drift",)
+"""Shapes kept out of tuning: `bench.policies` reports them in their own rows and minimum."""
 
 
 def generate(name: str, requests: int, seed: int) -> list[Request]:
-    """A built-in workload by name (one of `WORKLOADS`) with default shape parameters."""
+    """A built-in workload by name (one of `WORKLOADS` or `HELD_OUT`) with default shape
+    parameters."""
     if name == "chat":
         return chat(ChatSpec(requests=requests, seed=seed))
     if name == "docqa":
@@ -333,4 +358,6 @@ def generate(name: str, requests: int, seed: int) -> list[Request]:
         return docchat(requests, seed)
     if name == "tenants":
         return tenants(requests, seed)
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if name == "drift":
+        return drift(requests, seed)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS + HELD_OUT)}")
