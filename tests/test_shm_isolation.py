@@ -160,6 +160,43 @@ def test_a_wrong_token_gets_no_fd(two: tuple[DaemonProc, Client, Client]) -> Non
         assert fds == [] and b'"error"' in line
 
 
+
+def test_silent_clients_on_the_fd_socket_hold_no_one_up(
+        two: tuple[DaemonProc, Client, Client]) -> None:
+    """Connections that send nothing (or half a request) do not delay another client's attach:
+    the fd socket serves connections side by side, each with its own deadline."""
+    d, _, _ = two
+    path = fd_socket_path(str(d.socket))
+    idle = []
+    try:
+        for request in (b"", b"KVTFD1 half-a-tok") * 8:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.sendall(request)
+            idle.append(s)
+        t0 = time.monotonic()
+        fd = fetch_fd(path, ALICE)
+        os.close(fd)
+        assert time.monotonic() - t0 < 1.0  # one silent client alone would hold 2 s
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_file_at_the_fd_socket_path_is_refused_and_kept(tmp_path: Path) -> None:
+    """The fd socket's path is claimed as the gRPC socket's: a user's file there is never
+    removed; the daemon refuses to start with one line naming it."""
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tmp_path / "tokens.toml")],
+                   launcher=CAPLESS)
+    (tmp_path / "tokens.toml").write_text(TOKENS)
+    squatter = Path(fd_socket_path(str(d.socket)))
+    squatter.parent.mkdir(parents=True, exist_ok=True)
+    squatter.write_text("a user's notes\n")
+    with pytest.raises(RuntimeError, match="not a socket"):
+        d.start()
+    assert squatter.read_text() == "a user's notes\n"
+
+
 ATTACKER = textwrap.dedent("""
     import ctypes, ctypes.util, errno, json, os, sys
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)

@@ -14,8 +14,11 @@ An fd the daemon holds is still reachable by a process of the same user through
 kernel then refuses them to anyone without CAP_SYS_PTRACE. (It also stops core dumps of the
 daemon.)
 
-One thread serves the socket, a connection at a time, each with a 2 s deadline (a client that
-sends nothing holds it no longer).
+One thread serves the socket with a selector: many connections at once, each with a 2 s deadline
+to send its request (a client that connects and sends nothing, or sends slowly, holds nothing but
+its own connection, and no other client waits on it); at most `MAX_CONNECTIONS` are open, the
+oldest beyond that closed. The path is claimed as the gRPC socket's is (`kvtier.daemon.sockpath`):
+anything there that is not a stale socket is refused, never removed.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.core.errors import KvtierError, UsageError
 from kvtier.core.segment import FD_MESSAGE_MAX, fd_reply, fd_socket_path, parse_fd_request
-from kvtier.daemon import sharing
+from kvtier.daemon import sharing, sockpath
 from kvtier.daemon.auth import Authenticator
 from kvtier.tiers.dram import DramPool
 
@@ -40,6 +45,7 @@ log = logging.getLogger(__name__)
 PR_SET_DUMPABLE = 4
 PR_GET_DUMPABLE = 3
 CONNECTION_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 256
 
 
 def make_undumpable() -> bool:
@@ -67,7 +73,9 @@ class FdServer:
         self.refused = 0
 
     def start(self) -> None:
-        self.path.unlink(missing_ok=True)
+        stale = sockpath.claim(self.path)
+        if stale:
+            log.info("%s", stale)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(sharing.socket_umask(self._group))
         try:
@@ -78,7 +86,7 @@ class FdServer:
         finally:
             os.umask(old_umask)
         sock.listen(64)
-        sock.settimeout(0.2)
+        sock.setblocking(False)
         sharing.share_socket(self.path, self._group)
         self._sock = sock
         self._thread = threading.Thread(target=self._serve, name="kvtier-fds", daemon=True)
@@ -86,29 +94,76 @@ class FdServer:
 
     def _serve(self) -> None:
         assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                raise
-            with conn:
-                try:
-                    self._answer(conn)
-                except OSError as exc:
-                    log.debug("fd socket connection: %s", exc)
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        pending: dict[socket.socket, tuple[float, bytes]] = {}  # conn -> (deadline, bytes read)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(0.2):
+                    if key.fileobj is self._sock:
+                        self._accept(sel, pending)
+                    else:
+                        conn = key.fileobj
+                        assert isinstance(conn, socket.socket)
+                        self._read(sel, pending, conn)
+                now = time.monotonic()
+                for conn in [c for c, (deadline, _) in pending.items() if deadline < now]:
+                    self._drop(sel, pending, conn)
+        finally:
+            for conn in list(pending):
+                self._drop(sel, pending, conn)
+            sel.close()
 
-    def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(CONNECTION_TIMEOUT_S)
-        line = b""
-        while not line.endswith(b"\n") and len(line) < FD_MESSAGE_MAX:
+    def _accept(self, sel: selectors.BaseSelector,
+                pending: dict[socket.socket, tuple[float, bytes]]) -> None:
+        assert self._sock is not None
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.debug("fd socket accept: %s", exc)
+            return
+        conn.setblocking(False)
+        if len(pending) >= MAX_CONNECTIONS:  # the oldest waiting connection makes room
+            self._drop(sel, pending, min(pending, key=lambda c: pending[c][0]))
+        pending[conn] = (time.monotonic() + CONNECTION_TIMEOUT_S, b"")
+        sel.register(conn, selectors.EVENT_READ)
+
+    def _read(self, sel: selectors.BaseSelector,
+              pending: dict[socket.socket, tuple[float, bytes]], conn: socket.socket) -> None:
+        deadline, line = pending[conn]
+        try:
             got = conn.recv(FD_MESSAGE_MAX - len(line))
-            if not got:
-                break
-            line += got
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.debug("fd socket connection: %s", exc)
+            self._drop(sel, pending, conn)
+            return
+        line += got
+        if got and not line.endswith(b"\n") and len(line) < FD_MESSAGE_MAX:
+            pending[conn] = (deadline, line)
+            return
+        sel.unregister(conn)
+        del pending[conn]
+        try:
+            conn.setblocking(True)
+            conn.settimeout(CONNECTION_TIMEOUT_S)  # the reply is one small message
+            self._answer(conn, line)
+        except OSError as exc:
+            log.debug("fd socket connection: %s", exc)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _drop(sel: selectors.BaseSelector,
+              pending: dict[socket.socket, tuple[float, bytes]], conn: socket.socket) -> None:
+        sel.unregister(conn)
+        del pending[conn]
+        conn.close()
+
+    def _answer(self, conn: socket.socket, line: bytes) -> None:
         token = parse_fd_request(line)
         try:
             if token is None:
@@ -127,6 +182,6 @@ class FdServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._sock is not None:
+        if self._sock is not None:  # only a socket this server bound is removed
             self._sock.close()
-        self.path.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)
