@@ -1,19 +1,23 @@
 """Daemon benchmark: Lookup latency, RPC throughput, and store+load bandwidth through the daemon.
 
-    python -m bench.daemon [--quick] [--tenants] [--only copy|promotion]
+    python -m bench.daemon [--quick] [--tenants] [--only copy|promotion|lookup]
+                           [--lookup both|socket|grpc]
 
 Starts real `kvtier serve` daemons on temporary sockets (4 KiB slots for the Lookup figures, 2 MiB
 slots for the copies; no SSD tier, so the DRAM path is measured) and
 reports, with baselines measured in the same run:
-- Lookup latency p50/p99 for 1-, 64- and 1024-block cached chains over the Unix socket, with the
-  CPU time per call of the client and of the daemon (goal, issue 25: 1024-block p50 <= 0.5 ms);
+- Lookup latency p50/p99 for 1-, 64- and 1024-block cached chains, with the CPU time per call of
+  the client and of the daemon (goal, issue 25: 1024-block p50 <= 0.5 ms);
 - Lookup RPCs/s with 8 concurrent client processes (16-block chains; goal >= 10,000);
+  both Lookup figures per transport: the lookup socket (`<socket>.lookup`, the clients' default)
+  and gRPC (the baseline, `lookup_socket=False`), in the same run (`--lookup socket|grpc`: one);
 - store+load GB/s of 2 MiB blocks in batches of 64 through shared memory (allocate, copy in,
   commit; acquire, copy out, release) against `numpy.copyto` of the same bytes between the same
   kind of buffers (goal >= 0.9x), and the same through the streaming byte path (goal >= 0.5x);
   with `--tenants`, also through the per-tenant mapping of a daemon with a tokens file (two
   tenants, one storing and loading: its memory handed over by fd, `kvtier.tiers.dram_regions`);
-  `--only copy` runs the copies only, `--only lookup` the Lookup figures only (no JSON).
+  `--only copy` runs the copies only, `--only lookup` the Lookup figures only
+  (bench/results/daemon_lookup.json).
 - SSD promotion interference (`--only promotion` runs just this): Lookup p50/p99 of a cached
   16-block chain while another process Acquires chains of 8 x 2 MiB SSD-only blocks in a loop
   (each Acquire promotes them: LMDB read + verify into DRAM slots), against the same Lookups with
@@ -303,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(30)
         if args.only == "lookup":
             print_lookups(lat, rps)
+            out = ROOT / "bench" / "results"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "daemon_lookup.json").write_text(json.dumps(
+                {"lookup_latency": lat, "rpc_throughput": rps, "quick": args.quick}, indent=2))
             return 0
         proc, sock = start_daemon(Path(tmp) / "big", "2MiB", "640MiB")
         try:

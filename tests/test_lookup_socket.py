@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,8 @@ from kvtier.client.async_client import AsyncClient
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
+from kvtier.daemon.auth import Authenticator, Tenant
+from kvtier.daemon.lookup_socket import LookupServer, _Connection
 from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
 
 LAYOUT = LayoutDecl(b"lookup-socket-layout", 4096, 16, model_id="ls/model",
@@ -164,6 +167,66 @@ def test_socket_path_is_claimed_like_the_grpc_sockets(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="regular file is there, not a socket"):
         d.start()
     assert lookup_socket(d).read_text() == "a user's file"  # never removed
+
+
+class _Transport(asyncio.Transport):
+    """What the protocol writes and whether it reads (unit test of the protocol alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.reading = True
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Service:
+    """The one thing the protocol asks of `KvTierService`: `lookup` (and `auth`)."""
+
+    def __init__(self) -> None:
+        self.auth = Authenticator()
+        self.calls = 0
+
+    async def lookup(self, request: object, tenant: Callable[[], Tenant]) -> pb.LookupResponse:
+        assert tenant().name == "default" and isinstance(request, pb.LookupRequest)
+        self.calls += 1
+        return pb.LookupResponse(hit_blocks=len(request.keys) // 32)
+
+
+def test_protocol_reads_no_further_while_its_replies_are_not_taken(tmp_path: Path) -> None:
+    async def go() -> None:
+        service = _Service()
+        server = LookupServer(tmp_path / "s", service, 1 << 16)  # type: ignore[arg-type]
+        conn, transport = _Connection(server), _Transport()
+        conn.connection_made(transport)
+        conn.data_received(wire.hello(""))
+        assert bytes(transport.written) == wire.ok_reply()
+        request = wire.frame(pb.LookupRequest(keys=bytes(64), key_width=32).SerializeToString())
+        conn.data_received(request)
+        assert service.calls == 1
+        conn.pause_writing()  # the client takes no replies: the transport's buffer is full
+        assert not transport.reading
+        conn.data_received(request * 3)  # already in flight: kept, not answered
+        assert service.calls == 1
+        conn.resume_writing()
+        assert transport.reading and service.calls == 4
+        reply = wire.ok_reply(pb.LookupResponse(hit_blocks=2).SerializeToString())
+        assert bytes(transport.written) == wire.ok_reply() + reply * 4
+        conn.connection_lost(None)
+        assert not server.connections
+
+    asyncio.run(go())
 
 
 def test_wire_frames() -> None:

@@ -432,6 +432,61 @@ def test_lookup_socket_stalled_clients_hold_nothing(env: Env) -> None:
     assert env.d.healthy()
 
 
+def test_lookup_socket_trickled_frame_is_closed_on_time(env: Env) -> None:
+    """A frame sent a byte at a time does not renew its 2 s deadline."""
+    frame = lookup_frame(layout=LID, keys=keys(7, 1), key_width=32)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(wire.lookup_socket_path(str(env.d.socket)))
+        conn.sendall(ALICE_HELLO)
+        assert _answer(conn) == b""
+        t0 = time.monotonic()
+        conn.setblocking(False)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for b in frame[:-1]:
+                conn.send(bytes([b]))
+                time.sleep(0.25)
+                with contextlib.suppress(BlockingIOError):
+                    if conn.recv(1, socket.MSG_PEEK):
+                        break
+        conn.settimeout(5)
+        with pytest.raises(SocketRefusal) as exc:
+            _answer(conn)
+        assert exc.value.code() is Code.DEADLINE_EXCEEDED
+        assert 1.5 <= time.monotonic() - t0 < 3.5
+
+
+def test_lookup_socket_client_reading_no_replies_blocks_nobody(env: Env) -> None:
+    """Requests sent without reading a reply until the sends stall: the daemon serves the others
+    meanwhile. (That it then reads no further from that client: `pause_writing`, in
+    tests/test_lookup_socket.py.)"""
+    frame = lookup_frame(layout=LID, keys=keys(7, 1), key_width=32)
+    batch = frame * 1000
+    sent = 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(wire.lookup_socket_path(str(env.d.socket)))
+        conn.sendall(ALICE_HELLO)
+        assert _answer(conn) == b""
+        conn.setblocking(False)
+        deadline = time.monotonic() + 30
+        stuck_since = None
+        while time.monotonic() < deadline:
+            try:
+                sent += conn.send(batch)
+                stuck_since = None
+            except BlockingIOError:
+                stuck_since = stuck_since or time.monotonic()
+                if time.monotonic() - stuck_since > 1.0:  # the daemon reads no more of it
+                    break
+                time.sleep(0.01)
+        assert stuck_since is not None and time.monotonic() - stuck_since > 1.0
+        assert sent < 64 << 20, sent  # bounded: the daemon stopped reading
+        got = on_socket(env, lookup_frame(layout=LID, keys=keys(7, 1), key_width=32))
+        assert got.hit_blocks == 1  # others are served meanwhile
+    assert env.d.healthy()
+
+
 def test_lookup_socket_sees_only_the_callers_tenant(env: Env) -> None:
     """keys(9, 1) are bob's (stored in Env) and keys(7, 1) alice's, under the same layout id."""
     bob_hello = wire.hello("bob-secret-token-2")

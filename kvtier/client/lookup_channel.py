@@ -10,8 +10,8 @@ for a restarting daemon as every call does.
 
 Connections are kept open and reused, one request at a time each; threads (or tasks) calling at
 once each take a connection of their own from the idle list, so a client shared by threads stays
-safe. A connection that fails mid-call is dropped and the call retried once on a new one (Lookup
-changes nothing a client relies on, so a retry is harmless).
+safe (a forked child opens its own). A connection that fails mid-call is dropped and the call
+retried once on a new one (Lookup changes nothing a client relies on, so a retry is harmless).
 """
 
 from __future__ import annotations
@@ -59,9 +59,12 @@ class LookupChannel:
         self._hello = wire.hello(token)
         self._timeout = timeout
         self._idle: list[socket.socket] = []
+        self._pid = os.getpid()
 
     def call(self, request: bytes) -> bytes | Refusal | None:
         data = wire.frame(request)
+        if os.getpid() != self._pid:  # a forked child: the parent's connections are not its own
+            self._idle, self._pid = [], os.getpid()
         for _ in (0, 1):
             try:
                 conn = self._idle.pop()

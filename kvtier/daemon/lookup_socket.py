@@ -18,7 +18,9 @@ Each request runs inside the protocol's `data_received`, without a task: the han
 without suspending unless a remote tier is configured, and only then is the rest of it run by a
 task (reading from the connection paused meanwhile). A connection holds only its buffer: the
 hello must arrive within `HELLO_TIMEOUT_S` and a frame, once begun, within `FRAME_TIMEOUT_S`, or
-the connection is closed; no read is ever waited for, so a silent client blocks nobody.
+the connection is closed; no read is ever waited for, so a silent client blocks nobody; a client
+that sends requests without reading the replies is read no further once its unread replies pass
+the transport's high-water mark (`pause_writing`), so it cannot grow the daemon's memory.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class _Connection(asyncio.Protocol):
         self.auth: Authenticator | None = None  # the authenticator `tenant` was checked by
         self.tenant: Tenant | None = None
         self.busy = False  # a request still running (a remote tier's check)
+        self.full = False  # the replies not yet taken by the client are over the high-water mark
         self.timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------------
@@ -125,13 +128,27 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        if not self.busy:
+        self._serve()
+
+    def pause_writing(self) -> None:
+        """A client that sends requests and reads no replies: read nothing more from it."""
+        self.full = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.full = False
+        self._resume()
+
+    def _resume(self) -> None:
+        if self.transport is not None and not self.busy and not self.full:
+            self.transport.resume_reading()
             self._serve()
 
     # -- frames -----------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        while self.transport is not None and not self.busy:
+        while self.transport is not None and not self.busy and not self.full:
             limit = wire.HELLO_MAX if self.token is None else self.server.limit
             try:
                 payload = wire.take_frame(self.buf, limit)
@@ -142,8 +159,11 @@ class _Connection(asyncio.Protocol):
                              f"{what} of {exc.size} bytes exceeds the limit of {limit} bytes")
                 return
             if payload is None:
-                if self.token is not None:  # between requests a connection may idle
-                    self._deadline(FRAME_TIMEOUT_S if self.buf else None)
+                if self.token is not None:  # between requests a connection may idle; a frame
+                    if not self.buf:  # once begun must end within FRAME_TIMEOUT_S
+                        self._deadline(None)
+                    elif self.timer is None:
+                        self._deadline(FRAME_TIMEOUT_S)
                 return
             if self.token is None:
                 self._hello(payload)
@@ -210,9 +230,7 @@ class _Connection(asyncio.Protocol):
             return
         else:
             self._write(wire.ok_reply(task.result().SerializeToString()))
-        if self.transport is not None:
-            self.transport.resume_reading()
-            self._serve()
+        self._resume()
 
     def _answer_failed(self, failed: Failed) -> None:
         self._write(wire.error_reply(_code(failed.code), failed.message))
