@@ -260,9 +260,10 @@ class _Connection(asyncio.Protocol):
     def _expired(self) -> None:
         self.timer = None
         if self.transport is not None and not self.busy:
-            what = "hello" if self.token is None else "frame"
+            what, limit = ("hello", HELLO_TIMEOUT_S) if self.token is None else ("frame",
+                                                                               FRAME_TIMEOUT_S)
             self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED,
-                         f"no complete {what} within {HELLO_TIMEOUT_S:g} s")
+                         f"no complete {what} within {limit:g} s")
 
     def close(self) -> None:
         self._deadline(None)
