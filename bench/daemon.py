@@ -1,19 +1,23 @@
 """Daemon benchmark: Lookup latency, RPC throughput, and store+load bandwidth through the daemon.
 
-    python -m bench.daemon [--quick] [--tenants] [--only copy|promotion]
+    python -m bench.daemon [--quick] [--tenants] [--only copy|promotion|lookup]
+                           [--lookup both|socket|grpc]
 
 Starts real `kvtier serve` daemons on temporary sockets (4 KiB slots for the Lookup figures, 2 MiB
 slots for the copies; no SSD tier, so the DRAM path is measured) and
 reports, with baselines measured in the same run:
-- Lookup latency p50/p99 for 1-, 64- and 1024-block cached chains over the Unix socket, with the
-  CPU time per call of the client and of the daemon (goal, issue 25: 1024-block p50 <= 0.5 ms);
+- Lookup latency p50/p99 for 1-, 64- and 1024-block cached chains, with the CPU time per call of
+  the client and of the daemon (goal, issue 25: 1024-block p50 <= 0.5 ms);
 - Lookup RPCs/s with 8 concurrent client processes (16-block chains; goal >= 10,000);
+  both Lookup figures per transport: the lookup socket (`<socket>.lookup`, the clients' default)
+  and gRPC (the baseline, `lookup_socket=False`), in the same run (`--lookup socket|grpc`: one);
 - store+load GB/s of 2 MiB blocks in batches of 64 through shared memory (allocate, copy in,
   commit; acquire, copy out, release) against `numpy.copyto` of the same bytes between the same
   kind of buffers (goal >= 0.9x), and the same through the streaming byte path (goal >= 0.5x);
   with `--tenants`, also through the per-tenant mapping of a daemon with a tokens file (two
   tenants, one storing and loading: its memory handed over by fd, `kvtier.tiers.dram_regions`);
-  `--only copy` runs the copies only.
+  `--only copy` runs the copies only, `--only lookup` the Lookup figures only
+  (bench/results/daemon_lookup.json).
 - SSD promotion interference (`--only promotion` runs just this): Lookup p50/p99 of a cached
   16-block chain while another process Acquires chains of 8 x 2 MiB SSD-only blocks in a loop
   (each Acquire promotes them: LMDB read + verify into DRAM slots), against the same Lookups with
@@ -79,11 +83,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def lookup_latency(sock: Path, quick: bool, daemon_pid: int) -> dict[str, Any]:
+def lookup_latency(sock: Path, quick: bool, daemon_pid: int, fast: bool) -> dict[str, Any]:
     """p50/p99 per chain length, and the CPU time per call of this client and of the daemon
-    (all threads: the event loop and gRPC's) — the figure a loaded machine distorts least."""
+    (all threads: the event loop and gRPC's) — the figure a loaded machine distorts least.
+    `fast`: over the lookup socket (the client's default), else over gRPC."""
     out: dict[str, Any] = {}
-    with Client(sock, layout=SMALL) as kv:
+    with Client(sock, layout=SMALL, lookup_socket=fast) as kv:
         for n in (1, 64, 1024):
             keys = keys_for(n, n)
             kv.store(keys, [bytes(4096)] * n)
@@ -106,10 +111,10 @@ def lookup_latency(sock: Path, quick: bool, daemon_pid: int) -> dict[str, Any]:
     return out
 
 
-def _rps_worker(sock: str, seconds: float, q: Any) -> None:
+def _rps_worker(sock: str, seconds: float, fast: bool, q: Any) -> None:
     keys = keys_for(16, 16)
     n = 0
-    with Client(sock, layout=SMALL) as kv:
+    with Client(sock, layout=SMALL, lookup_socket=fast) as kv:
         kv.lookup(keys)
         stop = time.perf_counter() + seconds
         while time.perf_counter() < stop:
@@ -118,18 +123,20 @@ def _rps_worker(sock: str, seconds: float, q: Any) -> None:
     q.put(n)
 
 
-def rpc_throughput(sock: Path, clients: int, seconds: float) -> dict[str, Any]:
+def rpc_throughput(sock: Path, clients: int, seconds: float, fast: bool) -> dict[str, Any]:
     with Client(sock, layout=SMALL) as kv:
         kv.store(keys_for(16, 16), [bytes(4096)] * 16)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rps_worker, args=(str(sock), seconds, q)) for _ in range(clients)]
+    procs = [ctx.Process(target=_rps_worker, args=(str(sock), seconds, fast, q))
+             for _ in range(clients)]
     for p in procs:
         p.start()
     total = sum(q.get(timeout=seconds + 60) for _ in procs)
     for p in procs:
         p.join()
-    return {"clients": clients, "seconds": seconds, "rpcs": total, "rpcs_per_s": total / seconds}
+    return {"clients": clients, "seconds": seconds, "rpcs": total, "rpcs_per_s": total / seconds,
+            "transport": "lookup socket" if fast else "gRPC"}
 
 
 def copy_bandwidth(sock: Path, streaming: bool, rounds: int, token: str | None = None
@@ -271,7 +278,10 @@ def run_promotion(quick: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
-    ap.add_argument("--only", choices=["promotion", "copy"], help="run one part only")
+    ap.add_argument("--only", choices=["promotion", "copy", "lookup"], help="run one part only")
+    ap.add_argument("--lookup", choices=["both", "socket", "grpc"], default="both",
+                    help="Lookup transports to measure: the lookup socket (the clients' "
+                    "default) and gRPC (the baseline); default both, in the same run")
     ap.add_argument("--tenants", action="store_true",
                     help="also the shm copy as a tenant of a daemon with a tokens file")
     args = ap.parse_args(argv)
@@ -280,16 +290,28 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 2 if args.quick else 12
     lat: dict[str, Any] = {}
     rps: dict[str, Any] = {}
+    transports = {"both": (True, False), "socket": (True,), "grpc": (False,)}[args.lookup]
     copies: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         if args.only != "copy":
             proc, sock = start_daemon(Path(tmp) / "small", "4KiB", "64MiB")
             try:
-                lat = lookup_latency(sock, args.quick, proc.pid)
-                rps = rpc_throughput(sock, 8, 2.0 if args.quick else 5.0)
+                for fast in transports:
+                    name = "socket" if fast else "grpc"
+                    lat[name] = lookup_latency(sock, args.quick, proc.pid, fast)
+                for fast in transports:
+                    name = "socket" if fast else "grpc"
+                    rps[name] = rpc_throughput(sock, 8, 2.0 if args.quick else 5.0, fast)
             finally:
                 proc.terminate()
                 proc.wait(30)
+        if args.only == "lookup":
+            print_lookups(lat, rps)
+            out = ROOT / "bench" / "results"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "daemon_lookup.json").write_text(json.dumps(
+                {"lookup_latency": lat, "rpc_throughput": rps, "quick": args.quick}, indent=2))
+            return 0
         proc, sock = start_daemon(Path(tmp) / "big", "2MiB", "640MiB")
         try:
             copies.append(copy_bandwidth(sock, False, rounds))
@@ -333,16 +355,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_lookups(lat: dict[str, Any], rps: dict[str, Any]) -> None:
-    print("Lookup latency over the Unix socket (cached chains); CPU time per call")
-    print(f"{'blocks':>8}{'p50 ms':>10}{'p99 ms':>10}{'client us':>11}{'daemon us':>11}")
-    for n, row in lat.items():
-        print(f"{n:>8}{row['p50_ms']:>10.3f}{row['p99_ms']:>10.3f}{row['client_cpu_us']:>11.0f}"
-              f"{row['daemon_cpu_us']:>11.0f}")
-    goal = lat["1024"]["p50_ms"] <= GOAL_LOOKUP_MS
-    print(f"goal 1024-block p50 <= {GOAL_LOOKUP_MS} ms: {'reached' if goal else 'NOT reached'}")
-    reached = "reached" if rps["rpcs_per_s"] >= GOAL_RPCS else "NOT reached"
-    print(f"\nLookup RPCs/s, {rps['clients']} client processes: {rps['rpcs_per_s']:.0f} "
-          f"(goal >= {GOAL_RPCS:,}: {reached})")
+    """Per transport: `socket` (the lookup socket, the clients' default), `grpc` (baseline)."""
+    print("Lookup latency on this machine (cached chains); CPU time per call")
+    print(f"{'transport':>10}{'blocks':>8}{'p50 ms':>10}{'p99 ms':>10}{'client us':>11}"
+          f"{'daemon us':>11}")
+    for transport, rows in lat.items():
+        for n, row in rows.items():
+            print(f"{transport:>10}{n:>8}{row['p50_ms']:>10.3f}{row['p99_ms']:>10.3f}"
+                  f"{row['client_cpu_us']:>11.0f}{row['daemon_cpu_us']:>11.0f}")
+    for transport, rows in lat.items():
+        goal = rows["1024"]["p50_ms"] <= GOAL_LOOKUP_MS
+        print(f"goal 1024-block p50 <= {GOAL_LOOKUP_MS} ms ({transport}): "
+              f"{'reached' if goal else 'NOT reached'}")
+    print()
+    for transport, r in rps.items():
+        reached = "reached" if r["rpcs_per_s"] >= GOAL_RPCS else "NOT reached"
+        print(f"Lookup RPCs/s ({transport}), {r['clients']} client processes: "
+              f"{r['rpcs_per_s']:.0f} (goal >= {GOAL_RPCS:,}: {reached})")
+    if "socket" in rps and "grpc" in rps:
+        gain = rps["socket"]["rpcs_per_s"] / rps["grpc"]["rpcs_per_s"]
+        print(f"lookup socket / gRPC: {gain:.2f}x the RPCs/s")
 
 
 if __name__ == "__main__":

@@ -95,8 +95,9 @@ def test_group_members_share_the_pool_and_others_cannot(accounts: tuple[str, str
         os.chmod(workdir / "d", 0o711)
         daemon.start()
         try:
-            st = os.stat(daemon.socket)
-            assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid
+            for sock in (daemon.socket, f"{daemon.socket}.lookup"):  # gRPC's, the lookup socket
+                st = os.stat(sock)
+                assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid
             run_dir = os.stat(daemon.socket.parent)
             assert stat.S_IMODE(run_dir.st_mode) == 0o750 and run_dir.st_gid == gid
             segments = [p for p in Path("/dev/shm").glob("kvtier-*") if p.stat().st_gid == gid]
@@ -111,11 +112,16 @@ def test_group_members_share_the_pool_and_others_cannot(accounts: tuple[str, str
                      "s = socket.socket(socket.AF_UNIX)\n"
                      "try: s.connect(sys.argv[1])\nexcept PermissionError: print('socket denied')\n"
                      "try: os.open(sys.argv[2], os.O_RDWR)\n"
-                     "except PermissionError: print('segment denied')\n")
-            denied = subprocess.run([*python, "-c", probe, str(daemon.socket), str(segments[0])],
+                     "except PermissionError: print('segment denied')\n"
+                     "s = socket.socket(socket.AF_UNIX)\n"
+                     "try: s.connect(sys.argv[3])\n"
+                     "except PermissionError: print('lookups denied')\n")
+            denied = subprocess.run([*python, "-c", probe, str(daemon.socket), str(segments[0]),
+                                     f"{daemon.socket}.lookup"],
                                     env=env, user=outsider, capture_output=True, text=True,
                                     timeout=60, check=False)
-            assert denied.stdout.split("\n")[:2] == ["socket denied", "segment denied"], denied
+            assert denied.stdout.split("\n")[:3] == ["socket denied", "segment denied",
+                                                    "lookups denied"], denied
         finally:
             daemon.stop()
     finally:
@@ -145,5 +151,6 @@ def test_no_group_keeps_the_socket_private(tmp_path: Path) -> None:
     daemon = DaemonProc(tmp_path / "d").start()
     try:
         assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(f"{daemon.socket}.lookup").st_mode) == 0o600
     finally:
         daemon.stop()

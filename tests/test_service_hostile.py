@@ -3,7 +3,9 @@ code, changes nothing, and the daemon keeps serving. Plus tenant isolation end t
 
 from __future__ import annotations
 
+import contextlib
 import math
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +20,7 @@ import pytest
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
+from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
 from kvtier.daemon.rpc_guard import Limits
 from kvtier.daemon.service import CHUNK_BYTES
@@ -121,6 +124,59 @@ def _header(k: bytes) -> pb.WriteBlocksRequest:
 
 def _chunk(index: int, offset: int, data: bytes) -> pb.WriteBlocksRequest:
     return pb.WriteBlocksRequest(chunk=pb.BlockChunk(index=index, offset=offset, data=data))
+
+
+ALICE_HELLO = wire.hello("alice-secret-token")
+
+
+class SocketRefusal(grpc.RpcError):
+    """An error reply on the lookup socket, read like a gRPC error (`code()`, `details()`)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self._code = next(c for c in Code if c.value[0] == code)
+        self._details = message
+
+    def code(self) -> Code:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _read_frame(conn: socket.socket) -> bytes:
+    buf = bytearray()
+    while (got := wire.take_frame(buf, 1 << 20)) is None:
+        data = conn.recv(65536)
+        if not data:
+            raise EOFError("the daemon closed the lookup socket connection")
+        buf += data
+    return got
+
+
+def _answer(conn: socket.socket) -> bytes:
+    body, err = wire.parse_reply(_read_frame(conn))
+    if err is not None:
+        assert isinstance(body, int)
+        raise SocketRefusal(body, err)
+    assert isinstance(body, bytes)
+    return body
+
+
+def on_socket(e: Env, data: bytes, hello: bytes = ALICE_HELLO) -> pb.LookupResponse:
+    """Sends `hello`, then `data` (raw bytes, framed by the caller) on the lookup socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(wire.lookup_socket_path(str(e.d.socket)))
+        conn.sendall(hello)
+        assert _answer(conn) == b""
+        with contextlib.suppress(BrokenPipeError):  # refused and closed before all was sent
+            conn.sendall(data)
+        return pb.LookupResponse.FromString(_answer(conn))
+
+
+def lookup_frame(**fields: Any) -> bytes:
+    return wire.frame(pb.LookupRequest(**fields).SerializeToString())
 
 
 Case = tuple[str, Callable[[Env], Any], Code]
@@ -278,6 +334,37 @@ CASES: list[Case] = [
     ("prefill report on another tenant's layout", lambda e: e.stub.ReportPrefill(
         pb.ReportPrefillRequest(layout=e.bob_only, tokens=16, seconds=1.0), metadata=ALICE),
      Code.NOT_FOUND),
+    # issue 25: the lookup socket (`<socket>.lookup`, `kvtier.daemon.lookup_socket`)
+    ("lookup socket: garbage hello", lambda e: on_socket(
+        e, b"", hello=wire.frame(b"GET / HTTP/1.1\r\n")), Code.INVALID_ARGUMENT),
+    ("lookup socket: hello without a frame", lambda e: on_socket(
+        e, b"", hello=b"KVTLK1 alice-secret-token\n\0\0\0\0"), Code.RESOURCE_EXHAUSTED),
+    ("lookup socket: wrong token", lambda e: on_socket(
+        e, b"", hello=wire.hello("bob-secret-token-X")), Code.UNAUTHENTICATED),
+    ("lookup socket: no token", lambda e: on_socket(e, b"", hello=wire.hello("")),
+     Code.UNAUTHENTICATED),
+    ("lookup socket: hello over its limit", lambda e: on_socket(
+        e, b"", hello=wire.hello("t" * 5000)), Code.RESOURCE_EXHAUSTED),
+    ("lookup socket: length prefix of 4 GiB", lambda e: on_socket(
+        e, b"\xff\xff\xff\xff" + bytes(64)), Code.RESOURCE_EXHAUSTED),
+    ("lookup socket: Lookup above its method's limit", lambda e: on_socket(
+        e, lookup_frame(layout=LID, keys=bytes(1 << 20), key_width=32)),
+     Code.RESOURCE_EXHAUSTED),
+    ("lookup socket: not protobuf", lambda e: on_socket(e, wire.frame(b"\xff\xff\xff\xff")),
+     Code.INVALID_ARGUMENT),
+    ("lookup socket: truncated Lookup", lambda e: on_socket(e, wire.frame(
+        pb.LookupRequest(layout=LID, keys=bytes(64)).SerializeToString()[:-9])),
+     Code.INVALID_ARGUMENT),
+    ("lookup socket: unknown layout", lambda e: on_socket(
+        e, lookup_frame(layout=b"never-registered", keys=keys(1, 1), key_width=32)),
+     Code.NOT_FOUND),
+    ("lookup socket: layout only another tenant registered", lambda e: on_socket(
+        e, lookup_frame(layout=e.bob_only, keys=bytes(32), key_width=32)), Code.NOT_FOUND),
+    ("lookup socket: keys not a multiple of the width", lambda e: on_socket(
+        e, lookup_frame(layout=LID, keys=bytes(33), key_width=32)), Code.INVALID_ARGUMENT),
+    ("lookup socket: too many keys", lambda e: on_socket(
+        e, lookup_frame(layout=LID, keys=bytes(32 * 513), key_width=32)),
+     Code.INVALID_ARGUMENT),
 ]
 
 
@@ -296,6 +383,122 @@ def test_hostile_request_is_refused_and_changes_nothing(
 
 def test_table_has_at_least_fifty_cases() -> None:
     assert len(CASES) >= 50
+
+
+def test_lookup_socket_closes_after_a_refused_hello(env: Env) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(wire.lookup_socket_path(str(env.d.socket)))
+        conn.sendall(wire.hello("bob-secret-token-X") + lookup_frame(
+            layout=LID, keys=keys(9, 1), key_width=32))  # a request right behind it
+        with pytest.raises(SocketRefusal) as exc:
+            _answer(conn)
+        assert exc.value.code() is Code.UNAUTHENTICATED
+        assert exc.value.details() == "unknown token"  # gRPC's message for it
+        assert conn.recv(100) == b""  # closed: the request behind it never answered
+
+
+def test_lookup_socket_stalled_clients_hold_nothing(env: Env) -> None:
+    """Silent connections, a half-sent hello and a truncated request: the others are served at
+    once, and each stalled one is closed with DEADLINE_EXCEEDED after 2 s; a connection idle
+    between requests (no partial frame) stays open."""
+    path = wire.lookup_socket_path(str(env.d.socket))
+    stalled = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(22)]
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for conn in (*stalled, idle):
+            conn.settimeout(5)
+            conn.connect(path)
+        stalled[20].sendall(ALICE_HELLO[:9])  # half a hello
+        stalled[21].sendall(ALICE_HELLO)
+        assert _answer(stalled[21]) == b""
+        stalled[21].sendall(lookup_frame(layout=LID, keys=keys(7, 1), key_width=32)[:20])
+        idle.sendall(ALICE_HELLO)
+        assert _answer(idle) == b""
+        t0 = time.monotonic()
+        got = on_socket(env, lookup_frame(layout=LID, keys=keys(7, 1), key_width=32))
+        assert got.hit_blocks == 1 and time.monotonic() - t0 < 1.0
+        for conn in stalled:
+            with pytest.raises(SocketRefusal) as exc:
+                _answer(conn)  # within the 5 s socket timeout
+            assert exc.value.code() is Code.DEADLINE_EXCEEDED, exc.value.details()
+            assert conn.recv(100) == b""
+        assert time.monotonic() - t0 >= 1.5
+        idle.sendall(lookup_frame(layout=LID, keys=keys(7, 1), key_width=32))
+        assert pb.LookupResponse.FromString(_answer(idle)).hit_blocks == 1
+    finally:
+        for conn in (*stalled, idle):
+            conn.close()
+    assert env.d.healthy()
+
+
+def test_lookup_socket_trickled_frame_is_closed_on_time(env: Env) -> None:
+    """A frame sent a byte at a time does not renew its 2 s deadline."""
+    frame = lookup_frame(layout=LID, keys=keys(7, 1), key_width=32)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(wire.lookup_socket_path(str(env.d.socket)))
+        conn.sendall(ALICE_HELLO)
+        assert _answer(conn) == b""
+        t0 = time.monotonic()
+        conn.setblocking(False)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for b in frame[:-1]:
+                conn.send(bytes([b]))
+                time.sleep(0.25)
+                with contextlib.suppress(BlockingIOError):
+                    if conn.recv(1, socket.MSG_PEEK):
+                        break
+        conn.settimeout(5)
+        with pytest.raises(SocketRefusal) as exc:
+            _answer(conn)
+        assert exc.value.code() is Code.DEADLINE_EXCEEDED
+        assert 1.5 <= time.monotonic() - t0 < 3.5
+
+
+def test_lookup_socket_client_reading_no_replies_blocks_nobody(env: Env) -> None:
+    """Requests sent without reading a reply until the sends stall: the daemon serves the others
+    meanwhile. (That it then reads no further from that client: `pause_writing`, in
+    tests/test_lookup_socket.py.)"""
+    frame = lookup_frame(layout=LID, keys=keys(7, 1), key_width=32)
+    batch = frame * 1000
+    sent = 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(wire.lookup_socket_path(str(env.d.socket)))
+        conn.sendall(ALICE_HELLO)
+        assert _answer(conn) == b""
+        conn.setblocking(False)
+        deadline = time.monotonic() + 30
+        stuck_since = None
+        while time.monotonic() < deadline:
+            try:
+                sent += conn.send(batch)
+                stuck_since = None
+            except BlockingIOError:
+                stuck_since = stuck_since or time.monotonic()
+                if time.monotonic() - stuck_since > 1.0:  # the daemon reads no more of it
+                    break
+                time.sleep(0.01)
+        assert stuck_since is not None and time.monotonic() - stuck_since > 1.0
+        assert sent < 64 << 20, sent  # bounded: the daemon stopped reading
+        got = on_socket(env, lookup_frame(layout=LID, keys=keys(7, 1), key_width=32))
+        assert got.hit_blocks == 1  # others are served meanwhile
+    assert env.d.healthy()
+
+
+def test_lookup_socket_sees_only_the_callers_tenant(env: Env) -> None:
+    """keys(9, 1) are bob's (stored in Env) and keys(7, 1) alice's, under the same layout id."""
+    bob_hello = wire.hello("bob-secret-token-2")
+    assert on_socket(env, lookup_frame(layout=LID, keys=keys(9, 1), key_width=32)
+                     ).hit_blocks == 0
+    assert on_socket(env, lookup_frame(layout=LID, keys=keys(9, 1), key_width=32),
+                     hello=bob_hello).hit_blocks == 1
+    assert on_socket(env, lookup_frame(layout=LID, keys=keys(7, 1), key_width=32),
+                     hello=bob_hello).hit_blocks == 0
+    bob_own = on_socket(env, lookup_frame(layout=env.bob_only, keys=keys(9, 1), key_width=32),
+                        hello=bob_hello)
+    assert bob_own.hit_blocks == 0  # his own layout: answered, not refused
 
 
 def test_no_refusal_names_another_tenants_model(env: Env) -> None:
@@ -317,6 +520,7 @@ def test_tenants_are_isolated(env: Env) -> None:
         assert (alice.tenant, bob.tenant) == ("alice", "bob")
         assert alice.store(k, a_data).stored == 3
         assert bob.lookup(k).hit_blocks == 0  # cannot see alice's blocks
+        assert bob._lookups is not None and bob._lookups._idle  # (on the lookup socket)
         with bob.load(k) as got:
             assert got.blocks == 0  # nor read them
         assert bob.store(k, b_data).stored == 3  # same key bytes: bob's own blocks

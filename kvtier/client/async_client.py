@@ -24,6 +24,7 @@ import numpy as np
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.client.lookup_channel import AsyncLookupChannel, Refusal
 from kvtier.client.shm import MappedSegment, SegmentHolder
 from kvtier.client.sync_client import (
     MAX_MESSAGE_BYTES,
@@ -43,7 +44,9 @@ from kvtier.client.sync_client import (
     is_closed_session,
     is_unknown_layout,
     lookup_result,
+    lookup_socket_of,
     pack_keys,
+    refused,
     register_request,
     require_daemon,
     rpc_error,
@@ -60,7 +63,7 @@ class AsyncClient(SegmentHolder):
     def __init__(
         self, socket: str | Path | None = None, *, layout: LayoutDecl, target: str | None = None,
         token: str | None = None, streaming: bool = False, lease_ttl_s: float = 0.0,
-        timeout: float = 30.0,
+        timeout: float = 30.0, lookup_socket: bool = True,
     ) -> None:
         self.layout = layout
         self.target = target or f"unix:{Path(socket) if socket else default_socket()}"
@@ -78,6 +81,9 @@ class AsyncClient(SegmentHolder):
         self.tenant = ""
         self._session: Any = None  # the OpenSession stream (None: the daemon has none)
         self._call_metadata = self._metadata
+        local = lookup_socket_of(self.target)
+        self._lookups = (AsyncLookupChannel(local, self._token, timeout)
+                         if local is not None and lookup_socket else None)
 
     @classmethod
     async def connect(cls, socket: str | Path | None = None, **kwargs: Any) -> AsyncClient:
@@ -90,6 +96,8 @@ class AsyncClient(SegmentHolder):
             await client._open_session()
         except BaseException:
             await client._channel.close(None)
+            if client._lookups is not None:
+                client._lookups.close()
             raise
         return client
 
@@ -140,6 +148,8 @@ class AsyncClient(SegmentHolder):
         if self._session is not None:
             self._session.cancel()
         self._close_segment()
+        if self._lookups is not None:
+            self._lookups.close()
         await self._channel.close(None)
 
     async def __aenter__(self) -> AsyncClient:
@@ -150,11 +160,22 @@ class AsyncClient(SegmentHolder):
 
     async def lookup(self, keys: Sequence[bytes], *, start_token: int = 0,
                      prompt_tokens: int = 0, plan: bool = False, replica: str = "") -> Lookup:
-        reply = await self._call(self._stub.Lookup, pb.LookupRequest(
+        reply = await self._call(self._lookup, pb.LookupRequest(
             layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, start_token=start_token,
             prompt_tokens=prompt_tokens, want_plan=plan, replica=replica))
         return lookup_result(reply)
+
+    async def _lookup(self, request: pb.LookupRequest, **kwargs: Any) -> pb.LookupResponse:
+        """Lookup on the lookup socket when there is one, else over gRPC (as `Client`)."""
+        if self._lookups is not None:
+            got = await self._lookups.call(request.SerializeToString())
+            if isinstance(got, Refusal):
+                raise refused(got)
+            if got is not None:
+                return pb.LookupResponse.FromString(got)
+        reply: pb.LookupResponse = await self._stub.Lookup(request, **kwargs)
+        return reply
 
     @contextlib.asynccontextmanager
     async def load(self, keys: Sequence[bytes]) -> AsyncIterator[Loaded]:

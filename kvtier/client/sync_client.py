@@ -51,6 +51,7 @@ from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.decl import LayoutDecl as LayoutDecl
 from kvtier.client.decl import ModelCost as ModelCost
 from kvtier.client.decl import register_request as register_request
+from kvtier.client.lookup_channel import LookupChannel, Refusal
 from kvtier.client.shm import MappedSegment, SegmentHolder
 from kvtier.client.shm import SlotBuffer as SlotBuffer
 from kvtier.core.chunkwire import Chunk, chunk_head, parse_chunk
@@ -174,6 +175,21 @@ def check_registered(layout: LayoutDecl, reply: pb.RegisterLayoutResponse) -> No
             f"{layout.model_id!r} (a daemon without model namespaces? upgrade it)")
 
 
+_CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def refused(refusal: Refusal) -> KvtierRpcError:
+    """The client's error for a refusal on the lookup socket: the one gRPC's would give."""
+    code = _CODE_BY_NUMBER.get(refusal.code, grpc.StatusCode.UNKNOWN)
+    cls = KvtierUnavailable if code is grpc.StatusCode.UNAVAILABLE else KvtierRpcError
+    return cls(code, refusal.message)
+
+
+def lookup_socket_of(target: str) -> str | None:
+    """The daemon socket whose lookup socket a client of `target` may use (a `unix:` target)."""
+    return target.removeprefix("unix:") if target.startswith("unix:") else None
+
+
 def lookup_result(reply: pb.LookupResponse) -> Lookup:
     tiers = list(map(_TIER_BY_PB.__getitem__, reply.tiers))
     has_plan = reply.HasField("plan")
@@ -259,6 +275,7 @@ class Client(SegmentHolder):
         self, socket: str | Path | None = None, *, layout: LayoutDecl, target: str | None = None,
         token: str | None = None, streaming: bool = False, lease_ttl_s: float = 0.0,
         timeout: float = 30.0, credentials: grpc.ChannelCredentials | None = None,
+        lookup_socket: bool = True,
     ) -> None:
         self.layout = layout
         self.target = target or f"unix:{Path(socket) if socket else default_socket()}"
@@ -278,6 +295,9 @@ class Client(SegmentHolder):
         self._session_lock = threading.Lock()
         self._session: Any = None  # the OpenSession stream (None: the daemon has none)
         self._call_metadata = self._metadata
+        local = lookup_socket_of(self.target)
+        self._lookups = (LookupChannel(local, self._token, timeout)
+                         if local is not None and lookup_socket else None)
         try:
             require_daemon(self.target)
             self._register(first=True)
@@ -335,6 +355,8 @@ class Client(SegmentHolder):
         if self._session is not None:
             self._session.cancel()
         self._close_segment()
+        if self._lookups is not None:
+            self._lookups.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -347,11 +369,23 @@ class Client(SegmentHolder):
 
     def lookup(self, keys: Sequence[bytes], *, start_token: int = 0, prompt_tokens: int = 0,
                plan: bool = False, replica: str = "") -> Lookup:
-        reply = self._call(self._stub.Lookup, pb.LookupRequest(
+        reply = self._call(self._lookup, pb.LookupRequest(
             layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, start_token=start_token,
             prompt_tokens=prompt_tokens, want_plan=plan, replica=replica))
         return lookup_result(reply)
+
+    def _lookup(self, request: pb.LookupRequest, **kwargs: Any) -> pb.LookupResponse:
+        """Lookup on the lookup socket when there is one (`kvtier.client.lookup_channel`),
+        else over gRPC."""
+        if self._lookups is not None:
+            got = self._lookups.call(request.SerializeToString())
+            if isinstance(got, Refusal):
+                raise refused(got)
+            if got is not None:
+                return pb.LookupResponse.FromString(got)
+        reply: pb.LookupResponse = self._stub.Lookup(request, **kwargs)
+        return reply
 
     @contextlib.contextmanager
     def load(self, keys: Sequence[bytes]) -> Iterator[Loaded]:

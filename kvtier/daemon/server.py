@@ -1,4 +1,5 @@
-"""Runs the daemon: gRPC on a Unix socket (mode 0600; optional TCP with TLS), health, reflection,
+"""Runs the daemon: gRPC on a Unix socket (mode 0600; optional TCP with TLS) and the lookup socket
+beside it (`kvtier.daemon.lookup_socket`, closed with the gRPC server), health, reflection,
 /metrics with the /healthz and /readyz probes (`kvtier.daemon.httpd`), the lease reaper, a
 draining shutdown on SIGTERM/SIGINT/SIGQUIT and a live reload on SIGHUP (`kvtier.daemon.reload`).
 SIGUSR1 and SIGUSR2, whose default action would end the process without its cleanup, have no
@@ -21,7 +22,7 @@ Shutdown order (SIGTERM, SIGINT, SIGQUIT): health goes NOT_SERVING and new Acqui
 get UNAVAILABLE; Release/Commit/Abort keep working until every lease has ended or `grace_s` has
 passed; then the server stops, leftover leases are ended (pins dropped, allocations aborted), the
 rates are kept, the write-back queue is flushed and the storage tiers are closed cleanly (the
-segment unlinked), and the socket is removed.
+segment unlinked), and the sockets are removed.
 
 Start-up: the first log line says where and how much (socket, metrics, DRAM and SSD tiers,
 rates, tenants). Lines logged while starting (a reclaimed segment, a damaged SSD store moved
@@ -67,6 +68,7 @@ from kvtier.daemon.config import Config, write_kept
 from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.fdpass import FdServer
 from kvtier.daemon.kv_publisher import KvEventPublisher
+from kvtier.daemon.lookup_socket import LookupServer
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import KEY_WIDTHS
 from kvtier.daemon.rpc_guard import Limits, add_service
@@ -142,6 +144,7 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.service: KvTierService | None = None
         self.fds: FdServer | None = None  # an isolated pool's fd socket (`kvtier.daemon.fdpass`)
+        self.lookups: LookupServer | None = None  # `kvtier.daemon.lookup_socket`
         self.health = HealthServicer()
         self.metrics_port: int | None = None
         self._stopping = asyncio.Event()
@@ -297,6 +300,13 @@ class Daemon:
                 raise UsageError(f"cannot listen on tcp {cfg.tcp}")
         await server.start()
         sharing.share_socket(cfg.socket, cfg.group)
+        lookups = LookupServer(cfg.socket, self.service, limits.of("Lookup"), cfg.group)
+        try:
+            if await lookups.start():
+                self.lookups = lookups
+        except BaseException:
+            await server.stop(None)
+            raise
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -385,6 +395,8 @@ class Daemon:
             self.service.close_sessions()  # leases of sessions still open end with them
         if self.server is not None:
             await self.server.stop(1.0)
+        if self.lookups is not None:
+            await self.lookups.close()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

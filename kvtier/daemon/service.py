@@ -8,6 +8,9 @@ calls the cache, and maps domain errors to gRPC status codes:
     FailedPrecondition → FAILED_PRECONDITION   Unauthenticated → UNAUTHENTICATED
 
 A refused request changes nothing. Every call is counted and timed per method in the metrics.
+`answer` is that whole treatment of a unary call — tenant, guard's verdict, handler, error
+mapping, metrics — for any transport: the gRPC handlers call it through `_unary`, and the lookup
+socket (`kvtier.daemon.lookup_socket`) through `lookup`, so a Lookup means the same on both.
 Requests arrive through `kvtier.daemon.rpc_guard` (per-method size limits, decoding that never
 raises): a request it refused reaches the handler as a `Refused` value and is answered with its
 code.
@@ -28,6 +31,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
@@ -97,6 +101,15 @@ def segment_info(h: SegmentHandle, stride: int, by_fd: bool = False) -> pb.Segme
     )
 
 
+class Failed(Exception):
+    """A call answered with a gRPC status other than OK (already recorded in the metrics)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 def _seconds(value: float, name: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")
@@ -116,8 +129,9 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    async def _fail(self, method: str, context: Ctx, exc: Exception, started: float) -> NoReturn:
-        """Records and answers a refusal (domain error) or an internal error (a bug: logged)."""
+    def _failure(self, method: str, exc: Exception, started: float) -> Failed:
+        """Records a refusal (domain error) or an internal error (a bug: logged); the `Failed`
+        that answers it."""
         code = next((c for t, c in _CODES.items() if isinstance(exc, t)), None)
         if isinstance(exc, RefusedError):
             code = exc.refused.code
@@ -127,7 +141,12 @@ class KvTierService(pb_grpc.KvTierServicer):
         else:
             message = str(exc)
         self._record(method, code, started)
-        await context.abort(code, message)
+        return Failed(code, message)
+
+    async def _fail(self, method: str, context: Ctx, exc: Exception, started: float) -> NoReturn:
+        """Records and answers a refusal or an internal error (`_failure`)."""
+        failed = self._failure(method, exc, started)
+        await context.abort(failed.code, failed.message)
         raise AssertionError("unreachable")  # context.abort raises
 
     def _tenant(self, context: Ctx) -> Tenant:
@@ -182,22 +201,29 @@ class KvTierService(pb_grpc.KvTierServicer):
         return await self._unary("RegisterLayout", request, context, go)
 
     async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
-        async def go(tenant: Tenant) -> pb.LookupResponse:
-            res = await self.cache.lookup_async(
-                tenant, request.layout, request.keys, request.key_width, request.start_token,
-                request.prompt_tokens, request.want_plan, request.replica,
-            )
-            reply = pb.LookupResponse(hit_blocks=len(res.tiers), tiers=tiers_to_pb(res.tiers))
-            if res.plan is not None:
-                p = res.plan
-                reply.plan.CopyFrom(pb.Plan(
-                    fetch_blocks=p.cut, predicted_fetch_seconds=p.fetch_s,
-                    predicted_recompute_seconds=p.recompute_avoided_s, reason=str(p.reason),
-                    promote_in_background=bool(p.promote_in_background),
-                ))
-            return reply
+        return await self._unary("Lookup", request, context, partial(self._lookup, request))
 
-        return await self._unary("Lookup", request, context, go)
+    async def lookup(self, request: pb.LookupRequest | Refused, tenant: Callable[[], Tenant]
+                     ) -> pb.LookupResponse:
+        """Lookup for a transport other than gRPC (`kvtier.daemon.lookup_socket`): the same
+        checks, errors, metrics and stats as the RPC; raises `Failed` for a refused request."""
+        return await self.answer("Lookup", request, tenant,
+                                 partial(self._lookup, request))  # type: ignore[arg-type]
+
+    async def _lookup(self, request: pb.LookupRequest, tenant: Tenant) -> pb.LookupResponse:
+        res = await self.cache.lookup_async(
+            tenant, request.layout, request.keys, request.key_width, request.start_token,
+            request.prompt_tokens, request.want_plan, request.replica,
+        )
+        reply = pb.LookupResponse(hit_blocks=len(res.tiers), tiers=tiers_to_pb(res.tiers))
+        if res.plan is not None:
+            p = res.plan
+            reply.plan.CopyFrom(pb.Plan(
+                fetch_blocks=p.cut, predicted_fetch_seconds=p.fetch_s,
+                predicted_recompute_seconds=p.recompute_avoided_s, reason=str(p.reason),
+                promote_in_background=bool(p.promote_in_background),
+            ))
+        return reply
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
         async def go(tenant: Tenant) -> pb.AcquireResponse:
@@ -327,18 +353,28 @@ class KvTierService(pb_grpc.KvTierServicer):
 
         return await self._unary("Stats", request, context, go)
 
-    async def _unary(
-        self, method: str, request: object, context: Ctx, go: Callable[[Tenant], Awaitable[R]]
-    ) -> R:
+    async def answer(self, method: str, request: object, tenant: Callable[[], Tenant],
+                     go: Callable[[Tenant], Awaitable[R]]) -> R:
+        """A unary call on any transport: the caller's tenant (`tenant()`), the handler, the
+        metrics; raises `Failed` (recorded) for a refused request or an internal error."""
         started = time.perf_counter()
         try:
             if isinstance(request, Refused):
                 raise RefusedError(request)
-            result = await go(self._tenant(context))
+            result = await go(tenant())
         except Exception as exc:
-            await self._fail(method, context, exc, started)
+            raise self._failure(method, exc, started) from None
         self._record(method, grpc.StatusCode.OK, started)
         return result
+
+    async def _unary(
+        self, method: str, request: object, context: Ctx, go: Callable[[Tenant], Awaitable[R]]
+    ) -> R:
+        try:
+            return await self.answer(method, request, lambda: self._tenant(context), go)
+        except Failed as failed:
+            await context.abort(failed.code, failed.message)
+            raise AssertionError("unreachable") from None  # context.abort raises
 
     # -- streams ----------------------------------------------------------------------------
 

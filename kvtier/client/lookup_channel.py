@@ -1,0 +1,211 @@
+"""The client's side of the lookup socket (`kvtier.core.lookupwire`): Lookup without gRPC's
+transport when the client reaches the daemon over its Unix socket.
+
+`LookupChannel.call` (blocking) and `AsyncLookupChannel.call` (asyncio) send one serialized
+`LookupRequest` and return the daemon's serialized `LookupResponse`, a `Refusal` (the gRPC status
+code and message the daemon answered — the same as over gRPC), or None when the lookup socket
+cannot be used (the daemon has none: an older one, or a TCP target; it is not listening; the
+connection was lost twice in a row): the caller then makes the same call over gRPC, which waits
+for a restarting daemon as every call does.
+
+Connections are kept open and reused, one request at a time each; threads (or tasks) calling at
+once each take a connection of their own from the idle list, so a client shared by threads stays
+safe (a forked child opens its own). A connection that fails mid-call is dropped and the call
+retried once on a new one (Lookup changes nothing a client relies on, so a retry is harmless).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import NamedTuple
+
+from kvtier.core import lookupwire as wire
+
+MAX_REPLY_BYTES = 8 << 20
+DEADLINE_EXCEEDED = 4  # grpc.StatusCode.DEADLINE_EXCEEDED
+UNAVAILABLE = 14
+
+
+class Refusal(NamedTuple):
+    """The daemon's answer to a refused request: a gRPC status code (its number) and message."""
+
+    code: int
+    message: str
+
+
+class _Lost(Exception):
+    """The connection closed or broke mid-call."""
+
+
+def _answer(payload: bytes) -> bytes | Refusal:
+    try:
+        body, err = wire.parse_reply(payload)
+    except ValueError as exc:
+        raise _Lost(str(exc)) from None
+    if err is None:
+        assert isinstance(body, bytes)
+        return body
+    assert isinstance(body, int)
+    return Refusal(body, err)
+
+
+class LookupChannel:
+    """Blocking lookups on `<socket>.lookup` (see the module docstring)."""
+
+    def __init__(self, socket_path: str, token: str, timeout: float) -> None:
+        self.path = wire.lookup_socket_path(socket_path)
+        self._hello = wire.hello(token)
+        self._timeout = timeout
+        self._idle: list[socket.socket] = []
+        self._pid = os.getpid()
+
+    def call(self, request: bytes) -> bytes | Refusal | None:
+        data = wire.frame(request)
+        if os.getpid() != self._pid:  # a forked child: the parent's connections are not its own
+            self._idle, self._pid = [], os.getpid()
+        for _ in (0, 1):
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                try:
+                    got = self._connect()
+                except _Lost:
+                    return None
+                except TimeoutError:
+                    return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+                if isinstance(got, Refusal):
+                    return got
+                conn = got
+            try:
+                conn.sendall(data)
+                reply = _answer(self._read(conn))
+            except TimeoutError:
+                conn.close()
+                return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+            except (OSError, _Lost):
+                conn.close()
+                continue
+            self._idle.append(conn)
+            return reply
+        return None
+
+    def _connect(self) -> socket.socket | Refusal:
+        """A connection past its hello; raises _Lost when the socket cannot be used."""
+        if not os.path.exists(self.path):
+            raise _Lost("no lookup socket")
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(self._timeout)
+        try:
+            conn.connect(self.path)
+            conn.sendall(self._hello)
+            answer = _answer(self._read(conn))
+        except TimeoutError:
+            conn.close()
+            raise
+        except (OSError, _Lost):
+            conn.close()
+            raise _Lost("lookup socket unusable") from None
+        if isinstance(answer, Refusal):
+            conn.close()
+            return answer
+        return conn
+
+    @staticmethod
+    def _read(conn: socket.socket) -> bytes:
+        head = _exactly(conn, wire.HEAD.size)
+        (size,) = wire.HEAD.unpack(head)
+        if size > MAX_REPLY_BYTES:
+            raise _Lost(f"reply of {size} bytes")
+        return _exactly(conn, size)
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
+
+
+def _exactly(conn: socket.socket, n: int) -> bytes:
+    got = conn.recv(n)
+    if len(got) == n:
+        return got
+    parts = [got]
+    left = n - len(got)
+    while left:
+        if not got:
+            raise _Lost("connection closed")
+        got = conn.recv(left)
+        parts.append(got)
+        left -= len(got)
+    return b"".join(parts)
+
+
+_Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class AsyncLookupChannel:
+    """`LookupChannel` for one event loop."""
+
+    def __init__(self, socket_path: str, token: str, timeout: float) -> None:
+        self.path = wire.lookup_socket_path(socket_path)
+        self._hello = wire.hello(token)
+        self._timeout = timeout
+        self._idle: list[_Stream] = []
+
+    async def call(self, request: bytes) -> bytes | Refusal | None:
+        data = wire.frame(request)
+        for _ in (0, 1):
+            try:
+                async with asyncio.timeout(self._timeout):
+                    conn = self._idle.pop() if self._idle else await self._connect()
+                    if conn is None:
+                        return None
+                    if isinstance(conn, Refusal):
+                        return conn
+                    try:
+                        conn[1].write(data)
+                        reply = _answer(await self._read(conn[0]))
+                    except (OSError, _Lost, asyncio.IncompleteReadError):
+                        conn[1].close()
+                        continue
+                    except BaseException:
+                        conn[1].close()
+                        raise
+            except TimeoutError:
+                return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self._idle.append(conn)
+            return reply
+        return None
+
+    async def _connect(self) -> _Stream | Refusal | None:
+        if not os.path.exists(self.path):
+            return None
+        try:
+            reader, writer = await asyncio.open_unix_connection(
+                self.path, limit=MAX_REPLY_BYTES + wire.HEAD.size)
+        except OSError:
+            return None
+        try:
+            writer.write(self._hello)
+            answer = _answer(await self._read(reader))
+        except (OSError, _Lost, asyncio.IncompleteReadError):
+            writer.close()
+            return None
+        except BaseException:
+            writer.close()
+            raise
+        if isinstance(answer, Refusal):
+            writer.close()
+            return answer
+        return reader, writer
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader) -> bytes:
+        (size,) = wire.HEAD.unpack(await reader.readexactly(wire.HEAD.size))
+        if size > MAX_REPLY_BYTES:
+            raise _Lost(f"reply of {size} bytes")
+        return await reader.readexactly(size)
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop()[1].close()

@@ -1,0 +1,90 @@
+"""The lookup socket's wire: Lookup without gRPC's transport, for a client on the daemon's machine.
+
+The daemon listening on Unix socket `S` also listens on `S.lookup` (`lookup_socket_path`). On a
+connection every message is a frame: a 4-byte little-endian length, then that many bytes. The
+first frame the client sends is the hello, `KVTLK1 <token>` (the token empty without a tokens
+file); the daemon answers it with an OK reply (empty body) or an error reply, after which it
+closes the connection. Then each client frame is one serialized `kvtier.v1.LookupRequest` and each
+daemon frame the reply to it: status byte 0 and a serialized `LookupResponse`, or status byte 1,
+the gRPC status code (one byte) and the UTF-8 message — the code and message the same request
+gets over gRPC. One request at a time per connection (no pipelining).
+
+A frame longer than the receiver's limit (the daemon: the size gRPC allows a Lookup, see
+`kvtier.daemon.rpc_guard.Limits`; `HELLO_MAX` for the hello) is refused before it is read: the
+daemon answers RESOURCE_EXHAUSTED and closes the connection.
+"""
+
+from __future__ import annotations
+
+import struct
+
+LOOKUP_SOCKET_SUFFIX = ".lookup"
+HELLO = b"KVTLK1 "
+HELLO_MAX = 4096
+HEAD = struct.Struct("<I")
+OK, ERROR = 0, 1
+
+
+class FrameTooLarge(ValueError):
+    """A frame's length prefix is over the receiver's limit."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+
+
+def lookup_socket_path(socket: str) -> str:
+    """Where the daemon listening on Unix socket `socket` answers Lookups without gRPC."""
+    return socket + LOOKUP_SOCKET_SUFFIX
+
+
+def frame(payload: bytes) -> bytes:
+    return HEAD.pack(len(payload)) + payload
+
+
+def hello(token: str) -> bytes:
+    """The first frame of a connection."""
+    return frame(HELLO + token.encode())
+
+
+def parse_hello(payload: bytes) -> str | None:
+    """The token of a hello; None when `payload` is not one."""
+    if not payload.startswith(HELLO):
+        return None
+    try:
+        return payload[len(HELLO):].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def ok_reply(body: bytes = b"") -> bytes:
+    return HEAD.pack(len(body) + 1) + b"\0" + body
+
+
+def error_reply(code: int, message: str) -> bytes:
+    return frame(bytes((ERROR, code)) + message.encode("utf-8", "replace")[:HELLO_MAX])
+
+
+def parse_reply(payload: bytes) -> tuple[bytes, None] | tuple[int, str]:
+    """(body, None) for an OK reply, (code, message) for an error; ValueError for neither."""
+    if payload[:1] == b"\0":
+        return payload[1:], None
+    if len(payload) >= 2 and payload[0] == ERROR:
+        return payload[1], payload[2:].decode("utf-8", "replace")
+    raise ValueError("malformed reply on the lookup socket")
+
+
+def take_frame(buf: bytearray, limit: int) -> bytes | None:
+    """Removes and returns the first complete frame of `buf`; None while it is incomplete.
+    Raises FrameTooLarge as soon as the length prefix is over `limit`."""
+    if len(buf) < HEAD.size:
+        return None
+    (size,) = HEAD.unpack_from(buf)
+    if size > limit:
+        raise FrameTooLarge(size, limit)
+    end = HEAD.size + size
+    if len(buf) < end:
+        return None
+    payload = bytes(buf[HEAD.size:end])
+    del buf[:end]
+    return payload

@@ -1,0 +1,245 @@
+"""The lookup socket (`<socket>.lookup`, `kvtier.daemon.lookup_socket`) against a real daemon:
+the clients use it for Lookup and get what gRPC gives (replies, errors, metrics), fall back to
+gRPC where it is missing, reconnect after a restart, see a SIGHUP's revoked token, and the
+socket is created, claimed and removed like the gRPC socket. (Hostile frames: the lookup-socket
+rows of tests/test_service_hostile.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvtier._proto import kvtier_pb2 as pb
+from kvtier.client.async_client import AsyncClient
+from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
+from kvtier.core import lookupwire as wire
+from kvtier.core.types import Tier
+from kvtier.daemon.auth import Authenticator, Tenant
+from kvtier.daemon.lookup_socket import LookupServer, _Connection
+from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
+
+LAYOUT = LayoutDecl(b"lookup-socket-layout", 4096, 16, model_id="ls/model",
+                    model=ModelCost(1e9, 16, 1024))
+
+
+def keys(tag: int, n: int) -> list[bytes]:
+    return [bytes([tag]) + i.to_bytes(2, "little") + bytes(29) for i in range(n)]
+
+
+def lookup_socket(d: DaemonProc) -> Path:
+    return Path(str(d.socket) + ".lookup")
+
+
+def used_socket(kv: Client) -> bool:
+    """Whether `kv`'s last Lookup went over the lookup socket (it keeps that connection)."""
+    return kv._lookups is not None and len(kv._lookups._idle) == 1
+
+
+def wait_for(pred: object, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_clients_look_up_on_the_socket_with_grpcs_answers(daemon: DaemonProc) -> None:  # noqa: F811
+    path = lookup_socket(daemon)
+    assert stat.S_ISSOCK(path.stat().st_mode)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # like the gRPC socket
+    with Client(daemon.socket, layout=LAYOUT) as kv, \
+            Client(daemon.socket, layout=LAYOUT, lookup_socket=False) as slow:
+        kv.store(keys(1, 5), [bytes([i]) * 4096 for i in range(5)])
+        lookups_before = daemon.metric_sum("kvtier_lookups_total")
+        fast = kv.lookup(keys(1, 8), prompt_tokens=8 * 16, plan=True)
+        assert used_socket(kv)
+        grpc_reply = slow.lookup(keys(1, 8), prompt_tokens=8 * 16, plan=True)
+        assert slow._lookups is None
+        assert fast.hit_blocks == 5 and fast.tiers == [Tier.DRAM] * 5
+        assert fast.plan is not None and fast.plan.reason
+        assert fast == grpc_reply  # the same handler: the same reply, plan included
+        assert kv.lookup(keys(2, 3)).hit_blocks == 0
+        # counted like the RPC: both lookups and the miss, per method and code
+        assert daemon.metric_sum("kvtier_lookups_total") == lookups_before + 3
+        ok = [ln for ln in daemon.metrics_text().splitlines()
+              if ln.startswith('kvtier_rpcs_total{code="OK",method="Lookup"}')
+              or ln.startswith('kvtier_rpcs_total{method="Lookup",code="OK"}')]
+        assert ok and float(ok[0].split()[-1]) >= 3
+
+        # errors: the same code and message as over gRPC
+        for bad in (pb.LookupRequest(layout=b"never-registered", keys=bytes(32), key_width=32),
+                    pb.LookupRequest(layout=LAYOUT.layout_id, keys=bytes(33), key_width=32)):
+            with pytest.raises(KvtierRpcError) as on_socket:
+                kv._lookup(bad)
+            with pytest.raises(grpc.RpcError) as on_grpc:
+                slow._stub.Lookup(bad)
+            assert on_socket.value.code is on_grpc.value.code()
+            assert on_socket.value.details == on_grpc.value.details()
+        assert on_socket.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert kv.lookup(keys(1, 8)).hit_blocks == 5  # the connection still serves
+
+
+def test_async_client_looks_up_on_the_socket(daemon: DaemonProc) -> None:  # noqa: F811
+    async def go() -> None:
+        async with await AsyncClient.connect(daemon.socket, layout=LAYOUT) as kv:
+            await kv.store(keys(3, 4), [bytes(4096)] * 4)
+            got = await asyncio.gather(*(kv.lookup(keys(3, 6)) for _ in range(5)))
+            assert [g.hit_blocks for g in got] == [4] * 5
+            assert kv._lookups is not None and len(kv._lookups._idle) >= 1
+            with pytest.raises(KvtierRpcError) as exc:
+                await kv._lookup(pb.LookupRequest(layout=b"nope", keys=bytes(32), key_width=32))
+            assert exc.value.code is grpc.StatusCode.NOT_FOUND
+            assert "unknown layout" in exc.value.details
+
+    asyncio.run(go())
+
+
+def test_falls_back_to_grpc_and_reconnects_after_a_restart(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d").start()
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            kv.store(keys(4, 2), [bytes(4096)] * 2)
+            assert kv.lookup(keys(4, 2)).hit_blocks == 2 and used_socket(kv)
+            d.stop()
+            assert not lookup_socket(d).exists()  # removed at shutdown, like the others
+            d.start()
+            # the kept connection is dead: one reconnect, the layout re-registered on the way;
+            # the blocks come back from the SSD tier (flushed at shutdown)
+            assert kv.lookup(keys(4, 2)).tiers == [Tier.SSD] * 2
+            assert used_socket(kv)
+            lookup_socket(d).unlink()  # as an older daemon, without one: gRPC
+            kv._lookups.close()  # type: ignore[union-attr]
+            assert kv.lookup(keys(4, 2)).hit_blocks == 2
+            assert not used_socket(kv)
+        with Client(d.socket, layout=LAYOUT) as kv:  # a new client: gRPC too
+            assert kv.lookup(keys(4, 2)).hit_blocks == 2 and not used_socket(kv)
+    finally:
+        d.stop()
+
+
+def test_a_revoked_token_is_refused_on_a_kept_connection(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tenants.alice]\ntoken = "alice-token-1"\n\n'
+                      '[tenants.bob]\ntoken = "bob-token-22"\n')
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)]).start()
+    try:
+        assert d.proc is not None
+        with Client(d.socket, layout=LAYOUT, token="alice-token-1") as alice, \
+                Client(d.socket, layout=LAYOUT, token="bob-token-22") as bob:
+            alice.store(keys(5, 3), [bytes(4096)] * 3)
+            assert alice.lookup(keys(5, 3)).hit_blocks == 3 and used_socket(alice)
+            assert bob.lookup(keys(5, 3)).hit_blocks == 0 and used_socket(bob)  # its own keys
+            tokens.write_text('[tenants.bob]\ntoken = "bob-token-22"\n')
+            d.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: "tenants revoked: alice" in d.log())
+            with pytest.raises(KvtierRpcError) as exc:
+                alice.lookup(keys(5, 3))
+            assert exc.value.code is grpc.StatusCode.UNAUTHENTICATED
+            assert exc.value.details == "unknown token"  # what gRPC answers it
+            assert bob.lookup(keys(5, 3)).hit_blocks == 0 and used_socket(bob)
+    finally:
+        assert d.stop() == 0
+
+
+def test_socket_path_is_claimed_like_the_grpc_sockets(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d")
+    d.socket.parent.mkdir(parents=True)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(lookup_socket(d)))  # a crashed daemon's leftover: nothing listens
+    stale.close()
+    d.start()
+    try:
+        assert "removed stale socket " + str(lookup_socket(d)) in d.log()
+        with Client(d.socket, layout=LAYOUT) as kv:
+            assert kv.lookup(keys(1, 1)).hit_blocks == 0 and used_socket(kv)
+    finally:
+        d.stop()
+    lookup_socket(d).write_text("a user's file")
+    with pytest.raises(RuntimeError, match="regular file is there, not a socket"):
+        d.start()
+    assert lookup_socket(d).read_text() == "a user's file"  # never removed
+
+
+class _Transport(asyncio.Transport):
+    """What the protocol writes and whether it reads (unit test of the protocol alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.reading = True
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Service:
+    """The one thing the protocol asks of `KvTierService`: `lookup` (and `auth`)."""
+
+    def __init__(self) -> None:
+        self.auth = Authenticator()
+        self.calls = 0
+
+    async def lookup(self, request: object, tenant: Callable[[], Tenant]) -> pb.LookupResponse:
+        assert tenant().name == "default" and isinstance(request, pb.LookupRequest)
+        self.calls += 1
+        return pb.LookupResponse(hit_blocks=len(request.keys) // 32)
+
+
+def test_protocol_reads_no_further_while_its_replies_are_not_taken(tmp_path: Path) -> None:
+    async def go() -> None:
+        service = _Service()
+        server = LookupServer(tmp_path / "s", service, 1 << 16)  # type: ignore[arg-type]
+        conn, transport = _Connection(server), _Transport()
+        conn.connection_made(transport)
+        conn.data_received(wire.hello(""))
+        assert bytes(transport.written) == wire.ok_reply()
+        request = wire.frame(pb.LookupRequest(keys=bytes(64), key_width=32).SerializeToString())
+        conn.data_received(request)
+        assert service.calls == 1
+        conn.pause_writing()  # the client takes no replies: the transport's buffer is full
+        assert not transport.reading
+        conn.data_received(request * 3)  # already in flight: kept, not answered
+        assert service.calls == 1
+        conn.resume_writing()
+        assert transport.reading and service.calls == 4
+        reply = wire.ok_reply(pb.LookupResponse(hit_blocks=2).SerializeToString())
+        assert bytes(transport.written) == wire.ok_reply() + reply * 4
+        conn.connection_lost(None)
+        assert not server.connections
+
+    asyncio.run(go())
+
+
+def test_wire_frames() -> None:
+    buf = bytearray(wire.frame(b"abc") + wire.frame(b"") + b"\x05\x00")
+    assert wire.take_frame(buf, 3) == b"abc"
+    assert wire.take_frame(buf, 3) == b""
+    assert wire.take_frame(buf, 3) is None and buf == bytearray(b"\x05\x00")
+    buf += b"\x00\x00"
+    with pytest.raises(wire.FrameTooLarge, match="frame of 5 bytes exceeds the limit of 3"):
+        wire.take_frame(buf, 3)
+    assert wire.parse_hello(b"KVTLK1 tok") == "tok"
+    assert wire.parse_hello(b"KVTLK1 \xff") is None and wire.parse_hello(b"GET /") is None
+    assert wire.parse_reply(b"\x00xyz") == (b"xyz", None)
+    assert wire.parse_reply(b"\x01\x05no such thing") == (5, "no such thing")
+    with pytest.raises(ValueError, match="malformed"):
+        wire.parse_reply(b"\x07")
