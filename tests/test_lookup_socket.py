@@ -7,9 +7,11 @@ rows of tests/test_service_hostile.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import stat
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -243,3 +245,49 @@ def test_wire_frames() -> None:
     assert wire.parse_reply(b"\x01\x05no such thing") == (5, "no such thing")
     with pytest.raises(ValueError, match="malformed"):
         wire.parse_reply(b"\x07")
+
+
+NOFILE_128 = [sys.executable, "-c",
+              "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)); "
+              "os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
+def test_a_flood_of_connections_takes_no_descriptors_the_daemon_needs(tmp_path: Path) -> None:
+    """With 128 descriptors, at most 32 lookup-socket connections are kept: 200 idle ones do not
+    exhaust the daemon (gRPC and the pool still work), a client past the cap goes on over gRPC,
+    and once the flood closes a new client gets the socket again."""
+    d = DaemonProc(tmp_path / "d", launcher=NOFILE_128).start()
+    flood: list[socket.socket] = []
+    try:
+        with Client(d.socket, layout=LAYOUT) as kv:
+            kv.store(keys(7, 3), [bytes([i]) * 4096 for i in range(3)])
+            for _ in range(200):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(lookup_socket(d)))
+                s.sendall(wire.hello(""))  # a good hello, then idle: kept
+                flood.append(s)
+            time.sleep(3)  # past the hello deadline: only the cap closes a connection now
+            closed = 0
+            for s in flood:
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    try:
+                        closed += s.recv(64) == b""  # the kept ones have the hello's reply
+                    except ConnectionResetError:
+                        closed += 1
+            assert closed == 200 - 32
+            with Client(d.socket, layout=LAYOUT) as late:
+                assert late.lookup(keys(7, 3)).hit_blocks == 3  # over gRPC
+                assert late.store(keys(8, 2), [bytes(4096)] * 2).stored == 2
+            for s in flood:
+                s.close()
+            flood.clear()
+            time.sleep(0.3)
+            with Client(d.socket, layout=LAYOUT) as again:
+                assert again.lookup(keys(7, 3)).hit_blocks == 3
+                assert used_socket(again)
+        assert d.healthy()
+    finally:
+        for s in flood:
+            s.close()
+        d.stop()

@@ -20,7 +20,10 @@ task (reading from the connection paused meanwhile). A connection holds only its
 hello must arrive within `HELLO_TIMEOUT_S` and a frame, once begun, within `FRAME_TIMEOUT_S`, or
 the connection is closed; no read is ever waited for, so a silent client blocks nobody; a client
 that sends requests without reading the replies is read no further once its unread replies pass
-the transport's high-water mark (`pause_writing`), so it cannot grow the daemon's memory.
+the transport's high-water mark (`pause_writing`), so it cannot grow the daemon's memory. At most
+`connection_cap()` connections are open at once (a quarter of the daemon's file-descriptor limit):
+one more is closed at once, and its client goes on over gRPC — a flood of idle connections cannot
+take the descriptors the gRPC socket, LMDB and the pool need.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, cast
@@ -48,6 +52,15 @@ HELLO_TIMEOUT_S = 2.0
 FRAME_TIMEOUT_S = 2.0
 
 
+def connection_cap() -> int:
+    """How many lookup-socket connections may be open: a quarter of the soft RLIMIT_NOFILE
+    (at least 16, at most 4,096)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft // 4))
+
+
 def _code(code: grpc.StatusCode) -> int:
     value: int = code.value[0]
     return value
@@ -65,7 +78,8 @@ class LookupServer:
         self._group = group
         self._server: asyncio.AbstractServer | None = None
         self.connections: set[_Connection] = set()
-        self.refused = 0  # connections refused at the hello or for a bad frame
+        self.cap = connection_cap()
+        self.refused = 0  # connections refused at the hello, for a bad frame or over the cap
 
     async def start(self) -> bool:
         """Listens; False (logged) when the path is too long for a Unix socket — the gRPC
@@ -116,6 +130,12 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
+        if len(self.server.connections) >= self.server.cap:
+            self.server.refused += 1
+            WARNINGS.warn("lookup-cap", f"lookup socket: {self.server.cap} connections open, "
+                          "one more closed (its client goes on over gRPC)")
+            transport.close()
+            return
         self.transport = transport
         self.server.connections.add(self)
         self._deadline(HELLO_TIMEOUT_S)
