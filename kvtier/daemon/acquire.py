@@ -51,10 +51,10 @@ from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import NamespaceInfo
 from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.residency import Tiers
+from kvtier.daemon.residency import Steps, Tiers
 from kvtier.index.prefix import Block, IndexStateError
 
-_Claim = Callable[[NamespaceInfo], int | None]
+_Claim = Callable[[NamespaceInfo], Steps[int | None]]
 
 PROMOTION_WAIT_S = 30.0
 """How long an Acquire waits for another Acquire's promotion of the same block before ending its
@@ -115,44 +115,68 @@ class Acquirer:
         self._leases = leases
         self._metrics = metrics
         self._rates = rates
-        self._claim = claim  # (namespace) -> slot | None: tenant quota, then `Tiers.claim`
+        self._claim = claim  # (namespace) -> slot | None: tenant quota, then `Tiers.claiming`
         self._settled = threading.Condition(lock)
         self._in_flight = 0  # Acquires with I/O between begin and end
         self._promoting: dict[tuple[str, bytes], threading.Event] = {}
 
     def begin(self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float) -> Acquiring:
-        """Step 1; the caller holds the cache lock."""
+        """Step 1 on this thread; the caller holds the cache lock (page moves a claim needs are
+        copied here, under it: `Tiers.run_here`)."""
+        return self.tiers.run_here(self.beginning(tenant, ns, chain, ttl))
+
+    def beginning(
+        self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float,
+    ) -> Steps[Acquiring]:
+        """Step 1 as `Tiers.taking`'s steps: it stops for the page moves a claim needs, the
+        cache lock let go meanwhile (each resumption holds it again, so what another request
+        changed then is checked again: a block promoted or being promoted, a key now local)."""
         index = self.tiers.index
         blocks = list(index.lookup(ns.name, chain, touch=False).blocks)
         for block in blocks:  # first, so promotions cannot evict the rest
             index.pin(ns.name, block.key)
         a = Acquiring(tenant, ns, ttl, blocks, {}, {}, threading.Event(),
                       self._rates.bandwidth(Link.DRAM_READ), self._rates.bandwidth(Link.SSD_READ))
-        for i, block in enumerate(blocks):
-            if block.in_dram:
-                continue
-            other = self._promoting.get((ns.name, block.key))
-            if other is not None:
-                a.waits[i] = other
-                continue
-            slot = self._claim(ns)
-            if slot is None:  # no room: nothing is forgotten, the prefix ends here
-                for rest in blocks[i:]:
-                    index.unpin(ns.name, rest.key)
-                del blocks[i:]
-                break
-            a.claimed[i] = slot
-            self._promoting[(ns.name, block.key)] = a.done
-        remote = self.tiers.remote
-        if remote is not None and len(blocks) < len(chain) and remote.ready():
-            for key in chain[len(blocks):]:
-                slot = None if index.get(ns.name, key) is not None else self._claim(ns)
-                if slot is None:
+        self._in_flight += 1  # `wait_idle` waits for an Acquire stopped at a page move too
+        try:
+            for i, block in enumerate(blocks):
+                slot = None
+                while not block.in_dram:  # (another Acquire may promote it while moves copy)
+                    other = self._promoting.get((ns.name, block.key))
+                    if other is not None:
+                        a.waits[i] = other
+                        break
+                    if slot is not None:
+                        self._promoting[(ns.name, block.key)] = a.done
+                        a.claimed[i], slot = slot, None
+                        break
+                    slot = yield from self._claim(ns)
+                    if slot is None:
+                        break
+                if slot is not None:  # promoted, or being promoted, by another meanwhile
+                    self.tiers.unclaim(ns.name, slot)
+                if not block.in_dram and i not in a.claimed and i not in a.waits:
+                    # no room: nothing is forgotten, the prefix ends here
+                    for rest in blocks[i:]:
+                        index.unpin(ns.name, rest.key)
+                    del blocks[i:]
                     break
-                a.remote_keys.append(key)
-                a.remote_slots.append(slot)
-        if a.io:
-            self._in_flight += 1
+            remote = self.tiers.remote
+            if remote is not None and len(blocks) < len(chain) and remote.ready():
+                for key in chain[len(blocks):]:
+                    if index.get(ns.name, key) is not None:
+                        break
+                    slot = yield from self._claim(ns)
+                    if slot is None:
+                        break
+                    if index.get(ns.name, key) is not None:  # stored while moves were copied
+                        self.tiers.unclaim(ns.name, slot)
+                        break
+                    a.remote_keys.append(key)
+                    a.remote_slots.append(slot)
+        finally:
+            if not a.io:
+                self._in_flight -= 1
         return a
 
     def finish(self, a: Acquiring) -> AcquireResult:

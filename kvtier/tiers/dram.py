@@ -22,9 +22,11 @@ lets a client read it and unpins at release/expiry; the mover pins slots it is w
 Threading: `DramPool` metadata operations take an internal lock and may be called from any
 thread. Slot bytes are not locked: the pin rule is what keeps readers and writers apart. The
 pool's lock is innermost: callers may hold their own locks (the daemon's cache lock, a write
-queue's) when they call in, and nothing here takes another lock under it; `evacuate` and
-`clear_row` call `moved` under it, which must take no lock that is ever held while calling the
-pool. They also copy the moved blocks' bytes under it (a page's worth at most).
+queue's) when they call in, and nothing here takes another lock under it. Moving blocks to free
+a page or a row runs in three steps so the copy holds no lock: `plan_evacuation` / `plan_row`
+(pool lock: targets claimed, both ends pinned), `copy_moves` (no lock, any thread), `end_move`
+per pair (pool lock: unpin, free the old slot or give the target back). `evacuate` and
+`clear_row` run the three on the caller's thread (tests, tools).
 """
 
 from __future__ import annotations
@@ -130,6 +132,17 @@ class DramSpec:
         count = max(1, data // max(want, stride))
         size = data // count // 4096 * 4096
         return max(size, stride), count
+
+
+class SlotMove(NamedTuple):
+    """A planned move of one block's bytes between two slots of its class (`plan_evacuation`,
+    `plan_row`): slot ids and their segment offsets, fixed when planned."""
+
+    old: int
+    new: int
+    src: int
+    dst: int
+    nbytes: int
 
 
 class DramStats(NamedTuple):
@@ -422,51 +435,93 @@ class DramPool:
     def evacuate(self, nbytes: int, movable: Callable[[int], bool],
                  moved: Callable[[int, int], None], for_nbytes: int = 0) -> int:
         """Frees one page of the class of `nbytes` blocks by moving its live slots into the
-        class's free slots on other pages: only when every one is unpinned and `movable`
-        (the caller's rule, e.g. an index block no lease holds). Copies each block, calls
-        `moved(old, new)` (the caller repoints its owner), frees the old slot; the page goes
-        back to the free pages. Returns the slots moved, -1 when no page can be freed so.
-        `for_nbytes`: the block size the page is freed for (the page chosen keeps its slots
-        next to that class's pages when it can: `PageTable.evacuation`)."""
+        class's free slots on other pages: `plan_evacuation`, then `copy_moves` and per pair
+        `moved(old, new)` (the caller repoints its owner) and `end_move`, on this thread.
+        Returns the slots moved, -1 when no page can be freed so."""
+        moves = self.plan_evacuation(nbytes, movable, for_nbytes)
+        return -1 if moves is None else self._move_now(moves, moved)
+
+    def clear_row(self, nbytes: int, movable: Callable[[int], bool],
+                  moved: Callable[[int, int], None]) -> int:
+        """For blocks of `nbytes` larger than a page: frees the pages of one row
+        (`plan_row`), then copies and ends the moves as `evacuate` does. Returns the blocks
+        moved, -1 when no row can be freed so."""
+        moves = self.plan_row(nbytes, movable)
+        return -1 if not moves else self._move_now(moves, moved)
+
+    def _move_now(self, moves: list[SlotMove], moved: Callable[[int, int], None]) -> int:
+        self.copy_moves(moves)
+        for m in moves:
+            moved(m.old, m.new)
+            self.end_move(m, True)
+        return len(moves)
+
+    def plan_evacuation(self, nbytes: int, movable: Callable[[int], bool],
+                        for_nbytes: int = 0) -> list[SlotMove] | None:
+        """The moves that free one page of the class of `nbytes` blocks: its live slots (only
+        when every one is unpinned and `movable`, the caller's rule) to the class's free slots
+        on other pages, which are claimed now (taken: no allocation gets them). Both ends of
+        each move are pinned until `end_move`, so neither is freed, rewritten or moved again
+        meanwhile. None when no page can be freed so. `for_nbytes`: the block size the page is
+        freed for (the page chosen keeps its slots next to that class's pages when it can:
+        `PageTable.evacuation`)."""
         stride = self.pages.stride_for(nbytes)
         want = self.pages.stride_for(for_nbytes) if for_nbytes else 0
         with self._lock:
             found = self.pages.evacuation(
                 stride, lambda s: not self._pins.get(s) and movable(s), want)
             if found is None:
-                return -1
+                return None
             page, live = found
             dst = self.pages.targets(stride, page, len(live))
             self.pages.claim(dst)
-            buf = self._map.buf
-            for old, new in zip(live, dst, strict=True):
-                a, b = self.offset(old), self.offset(new)
-                buf[b : b + stride] = buf[a : a + stride]
-                moved(old, new)
-                self.pages.free(old)
-            return len(live)
+            return self._planned(list(zip(live, dst, strict=True)))
 
-    def clear_row(self, nbytes: int, movable: Callable[[int], bool],
-                  moved: Callable[[int, int], None]) -> int:
-        """For blocks of `nbytes` larger than a page (a row spans pages): frees the pages of
-        one row by moving the blocks of other classes on them into free slots of their classes
-        elsewhere (`PageTable.relocation`), only when each is unpinned and `movable`. Copies
-        each block, calls `moved(old, new)`, frees the old slot. Returns the blocks moved, -1
-        when no row can be freed so."""
+    def plan_row(self, nbytes: int, movable: Callable[[int], bool]) -> list[SlotMove]:
+        """For blocks of `nbytes` larger than a page (a row spans pages): the moves that free
+        the pages of one row, the blocks of other classes on them to free slots of their
+        classes elsewhere (`PageTable.relocation`), only when each is unpinned and `movable`;
+        targets claimed and both ends pinned as in `plan_evacuation`. [] when no row can be
+        freed so."""
         stride = self.pages.stride_for(nbytes)
         with self._lock:
             pairs = self.pages.relocation(
                 stride, lambda s: not self._pins.get(s) and movable(s))
-            if not pairs:
-                return -1
-            buf = self._map.buf
-            for old, new in pairs:
-                n = self.pages.stride_of(old)
-                a, b = self.offset(old), self.offset(new)
-                buf[b : b + n] = buf[a : a + n]
-                moved(old, new)
-                self.pages.free(old)
-            return len(pairs)
+            return self._planned(pairs)
+
+    def _planned(self, pairs: list[tuple[int, int]]) -> list[SlotMove]:
+        """Pins both ends of each move and notes where their bytes are (pool lock held)."""
+        out: list[SlotMove] = []
+        for old, new in pairs:
+            for s in (old, new):
+                self._pins[s] = self._pins.get(s, 0) + 1
+            n = self.pages.stride_of(old)
+            out.append(SlotMove(old, new, self.offset(old), self.offset(new), n))
+        return out
+
+    def copy_moves(self, moves: list[SlotMove]) -> None:
+        """Copies each planned move's bytes, old slot to new. Takes no lock: both slots are
+        pinned (nobody frees or rewrites them) and their offsets were fixed when planned; call
+        it on any thread, without the caller's locks."""
+        buf = self._map.buf
+        for m in moves:
+            buf[m.dst : m.dst + m.nbytes] = buf[m.src : m.src + m.nbytes]
+
+    def end_move(self, move: SlotMove, moved: bool) -> None:
+        """Ends a planned move: unpins both ends, then frees the old slot when the block
+        `moved` (its owner now names the new one; its page goes back once every slot left it),
+        else the new one (the block stays where it was: a reader pinned it meanwhile)."""
+        with self._lock:
+            for s in (move.old, move.new):
+                n = self._pins[s] - 1
+                if n:
+                    self._pins[s] = n
+                else:
+                    del self._pins[s]
+            gone = move.old if moved else move.new
+            if self._pins.get(gone):
+                raise SlotPinned(f"slot {gone} is pinned; the move cannot free it")
+            self.pages.free(gone)
 
     # -- bytes ----------------------------------------------------------------------------
 
