@@ -292,24 +292,37 @@ class Cache:
             a.session = session
             return a
 
-        async def go() -> AcquireResult:
-            a = await self._off_loop(beginning())
-            if not a.io:
-                return self._in_session(self.acquirer.end(a), a)
-            return self._in_session(await asyncio.to_thread(self.acquirer.finish, a), a)
+        steps = beginning()
+        a, moves = self._first_step(steps)
+        if moves is None:
+            assert a is not None
+            return await self._acquired(a)
+
+        async def rest() -> AcquireResult:
+            assert moves is not None
+            return await self._acquired(await self._off_loop(steps, moves))
 
         # shielded: an Acquire stopped at a page move holds pins and claims until it ends
-        return await asyncio.shield(go())
+        return await asyncio.shield(rest())
 
-    async def _off_loop(self, steps: Steps[T]) -> T:
-        """Runs a residency operation's steps (`Tiers.taking`) for the event loop: each step
-        under the cache lock, the page moves it stops for copied on a worker thread without
-        the lock (`_move`), the step resumed once they ended."""
+    async def _acquired(self, a: Acquiring) -> AcquireResult:
+        if not a.io:
+            return self._in_session(self.acquirer.end(a), a)
+        return self._in_session(await asyncio.to_thread(self.acquirer.finish, a), a)
+
+    def _first_step(self, steps: Steps[T]) -> tuple[T | None, PageMoves | None]:
+        """Runs a residency operation's steps (`Tiers.taking`) under the cache lock up to its
+        first page move: (its value, None) when it needed none, else (None, the moves)."""
         with self._lock:
             try:
-                moves = next(steps)
+                return None, next(steps)
             except StopIteration as stop:
-                return cast(T, stop.value)
+                return cast(T, stop.value), None
+
+    async def _off_loop(self, steps: Steps[T], moves: PageMoves) -> T:
+        """Drives steps stopped at page moves for the event loop: the moves copied on a worker
+        thread without the cache lock (`_move`), each step resumed under the lock once they
+        ended, until the operation returns."""
         while True:
             await asyncio.to_thread(self._move, moves)
             with self._lock:
@@ -400,8 +413,8 @@ class Cache:
         ttl_s: float, session: str = "",
     ) -> AllocateResult:
         """`allocate` for the event loop: the page moves that make room for the new blocks'
-        size class copy on a worker thread, without the cache lock (`_off_loop`). Shielded: a
-        cancelled caller's lease expires after its TTL."""
+        size class copy on a worker thread, without the cache lock (`_off_loop`; shielded, so
+        the steps end when the caller is cancelled — its lease then expires after its TTL)."""
         ttl = self._new_lease_ttl(ttl_s)
 
         def allocating() -> Steps[AllocateResult]:
@@ -410,7 +423,12 @@ class Cache:
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
             return (yield from self.allocator.allocating(tenant, ns, chain, parent, ttl, session))
 
-        return await asyncio.shield(self._off_loop(allocating()))
+        steps = allocating()
+        res, moves = self._first_step(steps)
+        if moves is None:
+            assert res is not None
+            return res
+        return await asyncio.shield(self._off_loop(steps, moves))
 
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
         """Makes the lease's filled slots cached blocks; returns how many were inserted."""
