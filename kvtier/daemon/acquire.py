@@ -3,7 +3,8 @@
 Three steps, so that the SSD read leaves the cache lock (and, via `Cache.acquire_async`, the
 event loop):
 
-    begin   (cache lock)  pin every block of the prefix in the index; per SSD-only block claim a
+    begin   (cache lock)  pin every block of the prefix in the index; per block the planner
+                          promotes (`placement.promotions`: the SSD-only ones) claim a
                           DRAM slot (`Tiers.claim`: evicts for room, charges the tenant) and
                           register the promotion — or, if another Acquire is promoting that
                           block, note its `done` event; the prefix ends before a block that gets
@@ -52,6 +53,7 @@ from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import NamespaceInfo
 from kvtier.daemon.rates import Link, RateBook
 from kvtier.daemon.residency import Steps, Tiers
+from kvtier.index import placement
 from kvtier.index.prefix import Block, IndexStateError
 
 _Claim = Callable[[NamespaceInfo], Steps[int | None]]
@@ -139,8 +141,8 @@ class Acquirer:
                       self._rates.bandwidth(Link.DRAM_READ), self._rates.bandwidth(Link.SSD_READ))
         self._in_flight += 1  # `wait_idle` waits for an Acquire stopped at a page move too
         try:
-            for i, block in enumerate(blocks):
-                slot = None
+            for i in placement.promotions(blocks):
+                block, slot = blocks[i], None
                 while not block.in_dram:  # (another Acquire may promote it while moves copy)
                     other = self._promoting.get((ns.name, block.key))
                     if other is not None:

@@ -2,13 +2,16 @@
 
 `Tiers` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
 `ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing. Deciding is the placement
-planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`); the index journals
-every residency change and the `Applier` (`kvtier.daemon.applier`) acts on it (slots freed,
-tenants charged, SSD keys deleted, events); what is left here is moving:
+planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`: write-backs, SSD and
+DRAM room, fair-share and quota victims, victims across size classes, promotions, remote
+offers); the index journals every residency change and the `Applier` (`kvtier.daemon.applier`)
+acts on it (slots freed, tenants charged, SSD keys deleted, events); what is left here is
+applying the planner's intents and moving:
 
 - index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot;
 - DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists):
-  `placement.dram_room` with one size class, one victim at a time with several;
+  `placement.dram_room` with one size class, `placement.class_victim` (one at a time) with
+  several; between tenants `placement.share_plan` then `placement.tenant_victims`;
 - write-back (mover) starts when the planner says so (`placement.write_backs`: a DRAM-only block
   admitted by the k-th access whose parent is on SSD or queued, so SSD stays prefix-closed); the
   block is pinned while queued;
@@ -50,7 +53,6 @@ import time
 from collections.abc import Callable, Generator
 from typing import NamedTuple, TypeVar, cast
 
-from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
 from kvtier.core.wear import WriteBudget
@@ -367,10 +369,10 @@ class Tiers:
         `remote_admit_after` is 1, else at the lookup that makes a block's k-th access. Each
         offered block stays pinned until `on_remote_written`."""
         remote, k = self.remote, self.cfg.remote_admit_after
-        if remote is None or (committed and k > 1):
+        if remote is None:
             return
         nbytes = self.block_bytes.get(ns, self.slot_bytes)
-        todo = [b for b in blocks if b.dram_slot is not None and (committed or b.hits == k)]
+        todo = placement.remote_offers(blocks, committed, k)
         for i, b in enumerate(todo):
             assert b.dram_slot is not None
             self.index.pin(ns, b.key)
@@ -459,32 +461,27 @@ class Tiers:
             self.apply()
             return slots
         stats = pool.stats()
-        evictable = self.index.blocks(Tier.DRAM) - self._pinned_blocks(stats.slots_pinned)
-        if evictable <= 0:
+        one_class = {c.stride for c in stats.classes} == {stride}
+        if placement.room_hopeless(self.index, n, pool.room(nbytes),
+                                   self._pinned_blocks(stats.slots_pinned), one_class):
             return []
-        if {c.stride for c in stats.classes} == {stride} and evictable < n - pool.room(nbytes):
-            return []  # one class: even every unpinned block would not make room
-        holdings = self.names.dram_holdings()
-        held = {t: b // stride for t, (b, _) in holdings.items() if b}
-        if not set(held) <= {tenant}:
-            short = n - pool.room(nbytes)
-            guarantee = {t: g // stride for t, (_, g) in holdings.items()}
-            for who, most in room_plan(tenant, n, short, held, guarantee,
-                                       pool.data_bytes // stride):
-                short -= self.evict_tenant_dram(who, min(most, short), "share")
-                if pool.can_alloc(n, nbytes) or short <= 0:
-                    break
+        short = n - pool.room(nbytes)
+        for who, most in placement.share_plan(tenant, n, short, self.names.dram_holdings(),
+                                              stride, pool.data_bytes):
+            short -= self.evict_tenant_dram(who, min(most, short), "share")
+            if pool.can_alloc(n, nbytes) or short <= 0:
+                break
         while not pool.can_alloc(n, nbytes):
-            # one class: a victim frees one slot, the planner's rule (`placement.dram_room`);
-            # else one victim at a time, each freeing a slot only its own class can use until a
-            # page empties
+            # one class: a victim frees one slot (`placement.dram_room`); else one victim at a
+            # time (`placement.class_victim`), each freeing a slot only its own class can use,
+            # until a page empties
             st = pool.stats()
             if {c.stride for c in st.classes} == {stride}:
                 placement.dram_room(self.index, n, pool.room(nbytes),
                                     self._pinned_blocks(st.slots_pinned))
                 self.apply("capacity")
                 break
-            if not self.index.evict_count(Tier.DRAM, 1):
+            if not placement.class_victim(self.index):
                 break
             self.apply("capacity")
             while wide and not pool.can_alloc(n, nbytes) and (
@@ -578,8 +575,7 @@ class Tiers:
         O(evictable blocks) per block of the longest chain it shortens."""
         done = 0
         while done < n:
-            mine = [b for b in self.index.victims(Tier.DRAM, 1 << 30)
-                    if cast(Namespace, b.tenant).tenant == tenant][:n - done]
+            mine = placement.tenant_victims(self.index, _tenant_of, tenant, n - done)
             if not mine:
                 break
             for b in mine:
@@ -631,6 +627,11 @@ class _Queued:
 
     def __contains__(self, key: object) -> bool:
         return (self.ns, key) in self.queued
+
+
+def _tenant_of(ns: object) -> str:
+    """The tenant of an index key space (the daemon's are `Namespace`s)."""
+    return cast(Namespace, ns).tenant
 
 
 def _open_remote(
