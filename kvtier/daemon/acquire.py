@@ -179,6 +179,7 @@ class Acquirer:
         finally:
             if not a.io:
                 self._in_flight -= 1
+                self._settled.notify_all()  # (the lock is held: each step runs under it)
         return a
 
     def finish(self, a: Acquiring) -> AcquireResult:

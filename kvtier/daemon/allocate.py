@@ -121,7 +121,9 @@ class Allocator:
             stopped = _Stopped()
             slots = yield from stopped.watch(self._take_slots(ns.usage, len(need),
                                                               ns.layout.block_bytes))
-            if not stopped.count or self._need(ns, chain) == need:
+            if not stopped.count or all(
+                    index.get(ns.name, chain[i]) is None and chain[i] not in ns.pending
+                    for i in need):
                 break
             for slot in slots:  # the chain changed while the lock was let go
                 self.tiers.give_back(ns.usage.tenant.name, slot)

@@ -324,7 +324,12 @@ class Cache:
         thread without the cache lock (`_move`), each step resumed under the lock once they
         ended, until the operation returns."""
         while True:
-            await asyncio.to_thread(self._move, moves)
+            try:
+                await asyncio.to_thread(self._move, moves)
+            except BaseException:
+                with self._lock:
+                    steps.close()  # its `finally` blocks run under the lock
+                raise
             with self._lock:
                 try:
                     moves = steps.send(None)
