@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.keys import layout_id
+from kvtier.core.types import Tier
 from kvtier.daemon import config
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.cache import Cache
@@ -204,3 +205,49 @@ def test_allocate_async_moves_on_a_worker_thread_and_stores_the_big_block(cache:
     for i in (1, 3):
         assert read(cache, key(1, i))[1] == payload(key(1, i), SMALL)
     assert cache.leaked_slots() == 0
+
+
+@pytest.fixture
+def ssd_cache(tmp_path: Path) -> Iterator[Cache]:
+    cfg = config.load({
+        "socket": str(tmp_path / "s.sock"), "data_dir": str(tmp_path / "data"),
+        "slot_bytes": "4KiB", "dram_bytes": "128KiB", "dram_page_bytes": "16KiB",
+        "max_block_bytes": "16KiB", "ssd_bytes": "1MiB", "metrics": "", "policy": "lru",
+        "ssd_admit_after": "1", "writeback_queue_bytes": "128KiB",
+    }, {"HOME": str(tmp_path)})
+    c = Cache(cfg, DaemonMetrics())
+    c.register_layout(T, "small", b"fp-small-layout", SMALL, 16, 32, None)
+    c.register_layout(T, "big", b"fp-big-layout", BIG, 16, 32, None)
+    yield c
+    c.close()
+
+
+def test_an_acquire_stopped_at_a_move_takes_a_promotion_made_meanwhile(ssd_cache: Cache) -> None:
+    c = ssd_cache
+    big = key(2, 0)
+    store(c, LB, big, BIG)  # k = 1: written back at Commit
+    assert c.flush(30)
+    fill(c)  # 32 small blocks: the big one's DRAM copy was demoted (its SSD copy stays)
+    assert c.flush(30)
+    assert c.lookup(T, LB, big, 32).tiers == [Tier.SSD]
+    with c._lock:
+        ns = c._ns(T, LB)
+        steps = c.acquirer.beginning(T, ns, [big], 30.0)
+        moves = next(steps)  # its claim needs a page: small blocks move
+    assert isinstance(moves, PageMoves)
+    # meanwhile another Acquire promotes the big block (its own claim, moves copied inline)
+    other = c.acquire(T, LB, big, 32, 0)
+    assert other.source_tiers == [Tier.SSD]
+    assert bytes(c.slot_view(other.offsets[0], BIG)) == payload(big, BIG)
+    c.pool.copy_moves(moves.moves)
+    with c._lock:
+        c.tiers.end_moves(moves)
+        a = c.tiers.run_here(steps)  # resumed: the block is in DRAM now, the claim goes back
+    assert not a.claimed and not a.io
+    got = c.acquirer.end(a)
+    assert got.offsets == other.offsets and got.source_tiers == [Tier.DRAM]
+    c.release(T, got.lease_id)
+    c.release(T, other.lease_id)
+    assert c.leaked_slots() == 0 and c.tiers.moving == 0
+    for i in (1, 3):
+        assert read(c, key(1, i))[1] == payload(key(1, i), SMALL)
