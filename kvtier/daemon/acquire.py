@@ -5,13 +5,15 @@ event loop):
 
     begin   (cache lock)  pin every block of the prefix in the index; per block the planner
                           promotes (`placement.promotions`: the SSD-only ones) claim a
-                          DRAM slot (`Tiers.claim`: evicts for room, charges the tenant) and
+                          DRAM slot (`Tiers.claiming`: evicts for room, charges the tenant) and
                           register the promotion — or, if another Acquire is promoting that
                           block, note its `done` event; the prefix ends before a block that gets
-                          no slot (nothing is forgotten)
-                          (nothing is forgotten); when the whole local prefix is in hand and
-                          the chain goes on, it claims a slot per further key for the remote
-                          tier (those keys are in no index: Lookup found them remotely)
+                          no slot (nothing is forgotten); when the whole local prefix is in
+                          hand and the chain goes on, it claims a slot per further key for the
+                          remote tier (those keys are in no index: Lookup found them remotely).
+                          A claim may stop for page moves (`beginning`, `Tiers.taking`'s
+                          steps): the lock is let go while they copy, and each block is
+                          looked at again when it resumes
     finish  (no lock)     read + verify the claimed blocks in one LMDB read transaction
                           (`Tiers.read_claimed`), fetch + verify the remote keys in one
                           pipelined round trip (`RemoteTier.fetch_into`), then wait for the

@@ -20,7 +20,7 @@ applying the planner's intents and moving:
   bounds SSD blocks at ssd_bytes / (slot + header);
 - promotion copies a verified SSD payload into a fresh slot; a failed verification is a miss,
   a counter, and the block's removal. It runs in three steps so the read can leave the event
-  loop and the cache lock: `claim` a slot (lock held; the tenant is charged now, so concurrent
+  loop and the cache lock: `claiming` a slot (lock held; the tenant is charged now, so concurrent
   claims see each other), `read_claimed` (no cache lock, any thread; one LMDB read transaction
   for the batch), then `settle` (the slot becomes the block's DRAM copy) or `unclaim` (lock held).
   Until then the slot belongs to the claimant (`claimed` counts them) and the block must stay
