@@ -1,7 +1,7 @@
 """`kvtier.index.placement`'s decisions the daemon and the simulator share, on a real
 `PrefixIndex` (LRU): fair-share victims between tenants, one tenant's coldest blocks, the
-hopeless-room rule, victims one at a time across size classes, promotions and remote offers.
-Expected values are worked out by hand in each test."""
+hopeless-room rule, quota overshoot, victims one at a time across size classes, promotions and
+remote offers. Expected values are worked out by hand in each test."""
 
 from __future__ import annotations
 
@@ -92,3 +92,11 @@ def test_remote_offers_at_commit_for_k1_and_at_the_kth_lookup() -> None:
     assert [b.key for b in placement.remote_offers(
         ix.lookup("a/x", chain).blocks, False, 2)] == chain
     assert placement.remote_offers(ix.lookup("a/x", chain).blocks, False, 2) == []
+
+
+def test_over_quota_counts_the_blocks_to_give_up() -> None:
+    # 10 KiB quota, 8 KiB held, 4 KiB more: 2 KiB over = one 4 KiB block (rounded up)
+    assert placement.over_quota(8192, 4096, 10240, 4096) == 1
+    assert placement.over_quota(8192, 8192, 10240, 4096) == 2  # 6 KiB over: 2 blocks
+    assert placement.over_quota(4096, 4096, 10240, 4096) == 0  # fits
+    assert placement.over_quota(1 << 40, 4096, 0, 4096) == 0  # no quota

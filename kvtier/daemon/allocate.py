@@ -28,6 +28,7 @@ from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.namespaces import NamespaceInfo, TenantUsage
 from kvtier.daemon.residency import Steps, Tiers
+from kvtier.index import placement
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 
 T = TypeVar("T")
@@ -52,13 +53,12 @@ class AllocateResult(NamedTuple):
 
 def quota_room(tiers: Tiers, usage: TenantUsage, n: int, stride: int) -> bool:
     """Whether `n` more slots of `stride` bytes fit the tenant's DRAM quota, after evicting its
-    own unpinned DRAM blocks for them if needed."""
+    own unpinned DRAM blocks for them if needed (`placement.over_quota`)."""
     quota, more = usage.tenant.dram_quota_bytes, n * stride
-    while quota and usage.dram_bytes + more > quota:
-        over = usage.dram_bytes + more - quota
-        if not tiers.evict_tenant_dram(usage.tenant.name, -(-over // stride)):
-            break
-    return not quota or usage.dram_bytes + more <= quota
+    while over := placement.over_quota(usage.dram_bytes, more, quota, stride):
+        if not tiers.evict_tenant_dram(usage.tenant.name, over):
+            return False
+    return True
 
 
 class _Stopped:

@@ -20,6 +20,8 @@ trace through both):
                  gets its slots (`kvtier.core.fairshare.room_plan` over the holdings in bytes,
                  counted in slots of the asker's size class). Intents: the caller evicts each
                  tenant's coldest (`tenant_victims`) in turn until it has room.
+    over_quota   how many of its blocks a tenant must give up for more bytes to fit its DRAM
+                 quota (the caller evicts them with `tenant_victims`, then asks again).
     tenant_victims  one tenant's evictable DRAM blocks, coldest first (quota, fair share):
                  intents the caller drops; dropping a leaf exposes its parent, so the caller
                  asks again until it has dropped enough or none is left.
@@ -133,6 +135,14 @@ def share_plan(asker: str, n: int, short: int, holdings: Mapping[str, tuple[int,
         return []
     guarantee = {t: g // stride for t, (_, g) in holdings.items()}
     return room_plan(asker, n, short, held, guarantee, pool_bytes // stride)
+
+
+def over_quota(held: int, more: int, quota: int, stride: int) -> int:
+    """Blocks of `stride` bytes a tenant holding `held` bytes must give up so `more` bytes fit
+    its `quota` (0: they fit, or no quota)."""
+    if not quota or held + more <= quota:
+        return 0
+    return -(-(held + more - quota) // stride)
 
 
 def tenant_victims(index: PrefixIndex, owner: Callable[[Tenant], str], tenant: str,
