@@ -67,7 +67,7 @@ prefix there."""
 
 @dataclass(slots=True)
 class ReadLease:
-    """A READ lease's payload: the pinned blocks (index pin + pool pin)."""
+    """A READ lease's payload: the pinned blocks (pinned in the index, which the pool asks)."""
 
     ns: NamespaceInfo
     blocks: list[Block]
@@ -230,8 +230,7 @@ class Acquirer:
                     if i >= stop:
                         tiers.index.unpin(name, block.key)
                         continue
-                    assert block.dram_slot is not None
-                    pool.pin(block.dram_slot)
+                    assert block.dram_slot is not None  # pinned in the index since begin
                     pinned.append(block)
                     sources.append(Tier.SSD if i in a.claimed or i in a.waits else Tier.DRAM)
                 if lost is not None:
@@ -269,7 +268,6 @@ class Acquirer:
                     ok = False
                 else:
                     tiers.index.pin(name, key)
-                    tiers.pool.pin(slot)
                     pinned.append(block)
                     sources.append(Tier.REMOTE)
                     parent = key
@@ -281,10 +279,8 @@ class Acquirer:
     def release(self, r: ReadLease) -> None:
         """Unpins a READ lease's blocks (Release, expiry, shutdown; its lease left the table).
         The caller holds the cache lock."""
-        pool, index = self.tiers.pool, self.tiers.index
+        index = self.tiers.index
         for block in r.blocks:
-            assert block.dram_slot is not None
-            pool.unpin(block.dram_slot)
             index.unpin(r.ns.name, block.key)
 
     def wait_idle(self, timeout: float) -> bool:

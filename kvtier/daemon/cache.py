@@ -16,7 +16,8 @@ Rules enforced here (each raises a `CacheError` subclass and changes nothing):
   fair shares with guaranteed minimums between tenants (`kvtier.core.fairshare`) — or refuses.
 
 Invariants kept:
-- a pinned block is never evicted, moved or rewritten (its slot is also pinned in the DramPool);
+- a pinned block is never evicted, moved or rewritten (the DramPool asks the index: its slot
+  is pinned while the block is, `DramPool.owner`);
 - no stranded blocks: a block leaves its last tier only when it has no cached children
   (leaf-first), and a block is committed only if its parent is still cached;
 - every slot is owned by exactly one of: the free list, a WRITE lease, a cached block — leases

@@ -8,7 +8,9 @@ offers); the index journals every residency change and the `Applier` (`kvtier.da
 acts on it (slots freed, tenants charged, SSD keys deleted, events); what is left here is
 applying the planner's intents and moving:
 
-- index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot;
+- index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot,
+  by derivation: the pool asks the index (`DramPool.owner`), and nothing pins a slot itself
+  (page moves' targets, which hold no block, are the pool's own);
 - DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists):
   `placement.dram_room` with one size class, `placement.class_victim` (one at a time) with
   several; between tenants `placement.share_plan` then `placement.tenant_victims`;
@@ -106,6 +108,7 @@ class Tiers:
             dram_blocks=self.pool.slot_ids, ssd_blocks=ssd_blocks,
             admission_k=cfg.ssd_admit_after, policy=cfg.policy, journal=True,
         )
+        self.pool.owner = self.index  # the index's block pins are the only pins
         self.applier = Applier(self.index, self.pool, names, events, metrics, self.ssd_bytes_of)
         self.apply = self.applier.apply
         self.moved = 0  # blocks moved to free a page for another size class
@@ -543,8 +546,8 @@ class Tiers:
         return True
 
     def _moving(self, moves: list[SlotMove], owners: dict[int, IndexBlock]) -> PageMoves:
-        """Pins the blocks of planned moves in the index (no eviction, lease-free check at the
-        end) and counts their targets as in flight."""
+        """Pins the blocks of planned moves in the index (no eviction, no write to their old
+        slots, a lease-free check at the end) and counts their targets as in flight."""
         blocks = [owners[m.old] for m in moves]
         for b in blocks:
             self.index.pin(b.tenant, b.key)

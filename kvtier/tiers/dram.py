@@ -15,9 +15,12 @@ daemon's user (mode 0600), or members of the configured group (0660), may map it
 processes that map the pool is not enforced — such processes must be trusted equally. Remote or
 untrusted clients use the daemon's Read/WriteBlocks byte stream instead.
 
-Lease rule (invariant 3): a slot with a nonzero pin count is never freed nor rewritten through
-the pool: `free` and `write` refuse it (`SlotPinned`). The daemon pins a slot for each lease that
-lets a client read it and unpins at release/expiry; the mover pins slots it is writing back.
+Lease rule (invariant 3): a pinned slot is never freed nor rewritten through the pool: `free` and
+`write` refuse it (`SlotPinned`). Pins have one owner. A pool on its own (tools, tests, the
+mover's tests) keeps them itself (`pin`/`unpin`). The daemon's pool has an owner (`PinOwner`:
+the prefix index): a slot is pinned while the block in it is pinned in the index (a lease, a
+queued write-back or remote write, a page move's source), and the pool asks it; the pool's own
+pins are then only page moves' targets, which hold no block yet.
 
 Threading: `DramPool` metadata operations take an internal lock and may be called from any
 thread. Slot bytes are not locked: the pin rule is what keeps readers and writers apart. The
@@ -45,7 +48,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -132,6 +135,16 @@ class DramSpec:
         count = max(1, data // max(want, stride))
         size = data // count // 4096 * 4096
         return max(size, stride), count
+
+
+class PinOwner(Protocol):
+    """Who holds the pins of the blocks in the pool's slots, when not the pool itself: the
+    daemon's prefix index (`PrefixIndex.slot_pinned`), whose block pins are the only ones."""
+
+    def slot_pinned(self, slot: int) -> bool: ...
+
+    @property
+    def pinned_slots(self) -> int: ...
 
 
 class SlotMove(NamedTuple):
@@ -252,7 +265,8 @@ class DramPool:
         self.generation = secrets.randbits(63) | 1
         self.path = os.path.join(spec.shm_dir, spec.name)
         self._lock = threading.Lock()
-        self._pins: dict[int, int] = {}
+        self._pins: dict[int, int] = {}  # its own pins: all of them without an owner
+        self.owner: PinOwner | None = None  # the pins' owner (`PinOwner`), when not itself
         self._closed = False
         self.mlocked = False
         self.huge_pages = False
@@ -388,18 +402,23 @@ class DramPool:
         Refuses a pinned slot (SlotPinned) or a free one."""
         with self._lock:
             self._check(slot)
-            if self._pins.get(slot):
-                raise SlotPinned(f"slot {slot} has {self._pins[slot]} pin(s)")
+            if self._held(slot):
+                raise SlotPinned(f"slot {slot} is pinned")
             self.pages.free(slot)
 
     def pin(self, slot: int) -> int:
-        """Add a pin (a lease) to an allocated slot; returns the new pin count."""
+        """Add a pin (a lease) to an allocated slot; returns the new pin count. Only for a pool
+        that keeps its own pins (no `owner`: pin the block there instead)."""
+        if self.owner is not None:
+            raise DramError("this pool's pins are its owner's: pin the block, not the slot")
         with self._lock:
             self._check(slot)
             n = self._pins[slot] = self._pins.get(slot, 0) + 1
             return n
 
     def unpin(self, slot: int) -> int:
+        if self.owner is not None:
+            raise DramError("this pool's pins are its owner's: unpin the block, not the slot")
         with self._lock:
             self._check(slot)
             n = self._pins.get(slot, 0)
@@ -412,7 +431,13 @@ class DramPool:
             return n - 1
 
     def pins(self, slot: int) -> int:
+        """The pool's own pins of `slot` (with an owner: only a page move's target)."""
         return self._pins.get(slot, 0)
+
+    def _held(self, slot: int) -> bool:
+        """Whether `slot` is pinned: by the pool's own pins or, with an owner, by its block's."""
+        owner = self.owner
+        return bool(self._pins.get(slot)) or (owner is not None and owner.slot_pinned(slot))
 
     def is_allocated(self, slot: int) -> bool:
         return self.pages.is_allocated(slot)
@@ -430,7 +455,7 @@ class DramPool:
         fit the class's free slots elsewhere (what `evacuate` needs, before the caller's rule)."""
         stride = self.pages.stride_for(nbytes)
         with self._lock:
-            return self.pages.evacuation(stride, lambda s: not self._pins.get(s)) is not None
+            return self.pages.evacuation(stride, lambda s: not self._held(s)) is not None
 
     def evacuate(self, nbytes: int, movable: Callable[[int], bool],
                  moved: Callable[[int, int], None], for_nbytes: int = 0) -> int:
@@ -469,7 +494,7 @@ class DramPool:
         want = self.pages.stride_for(for_nbytes) if for_nbytes else 0
         with self._lock:
             found = self.pages.evacuation(
-                stride, lambda s: not self._pins.get(s) and movable(s), want)
+                stride, lambda s: not self._held(s) and movable(s), want)
             if found is None:
                 return None
             page, live = found
@@ -486,18 +511,23 @@ class DramPool:
         stride = self.pages.stride_for(nbytes)
         with self._lock:
             pairs = self.pages.relocation(
-                stride, lambda s: not self._pins.get(s) and movable(s))
+                stride, lambda s: not self._held(s) and movable(s))
             return self._planned(pairs)
 
     def _planned(self, pairs: list[tuple[int, int]]) -> list[SlotMove]:
         """Pins both ends of each move and notes where their bytes are (pool lock held)."""
         out: list[SlotMove] = []
         for old, new in pairs:
-            for s in (old, new):
+            for s in self._ends(old, new):
                 self._pins[s] = self._pins.get(s, 0) + 1
             n = self.pages.stride_of(old)
             out.append(SlotMove(old, new, self.offset(old), self.offset(new), n))
         return out
+
+    def _ends(self, old: int, new: int) -> tuple[int, ...]:
+        """The ends of a move the pool pins itself: both, or with an owner only the target (the
+        owner pins the source's block: `Tiers._moving`)."""
+        return (old, new) if self.owner is None else (new,)
 
     def copy_moves(self, moves: list[SlotMove]) -> None:
         """Copies each planned move's bytes, old slot to new. Takes no lock: both slots are
@@ -512,14 +542,14 @@ class DramPool:
         `moved` (its owner now names the new one; its page goes back once every slot left it),
         else the new one (the block stays where it was: a reader pinned it meanwhile)."""
         with self._lock:
-            for s in (move.old, move.new):
+            for s in self._ends(move.old, move.new):
                 n = self._pins[s] - 1
                 if n:
                     self._pins[s] = n
                 else:
                     del self._pins[s]
             gone = move.old if moved else move.new
-            if self._pins.get(gone):
+            if self._held(gone):
                 raise SlotPinned(f"slot {gone} is pinned; the move cannot free it")
             self.pages.free(gone)
 
@@ -561,7 +591,7 @@ class DramPool:
         src = np.frombuffer(data, dtype=np.uint8)
         with self._lock:
             self._check(slot)
-            if self._pins.get(slot):
+            if self._held(slot):
                 raise SlotPinned(f"slot {slot} is leased; it cannot be rewritten")
             stride = self.pages.stride_of(slot)
         if src.nbytes > stride:
@@ -584,6 +614,8 @@ class DramPool:
         with self._lock:
             t = self.pages
             used, used_bytes, pinned = t.used, t.used_bytes, len(self._pins)
+            if self.owner is not None:
+                pinned += self.owner.pinned_slots
             classes = tuple(t.classes())
             pages_free = t.free_pages
             small = next((c for c in classes if c.stride == self.slot_stride), None)
