@@ -338,7 +338,7 @@ class Cache:
                     return cast(T, stop.value)
 
     def _move(self, moves: PageMoves) -> None:
-        """Copies planned page moves (no cache lock: both ends and the blocks are pinned), then
+        """Copies planned page moves (no cache lock: the targets and the blocks are pinned), then
         ends them under the lock (`Tiers.end_moves`), even when the copy failed."""
         try:
             self.pool.copy_moves(moves.moves)

@@ -447,7 +447,7 @@ class Tiers:
         (`_clear_row`), so no more is evicted than the new blocks need.
 
         A generator: each page move is planned here and yielded as `PageMoves` (targets claimed,
-        both ends pinned in the pool, the blocks pinned in the index); the driver copies the
+        targets pinned in the pool, the blocks pinned in the index); the driver copies the
         bytes — without the cache lock, on a worker thread, for the RPCs — calls `end_moves`
         with the lock held and resumes it (lock held), and the loop goes on from there. Its
         value (StopIteration) is the slots."""
@@ -613,7 +613,7 @@ is resumed, cache lock held, once the driver copied it and called `Tiers.end_mov
 
 class PageMoves(NamedTuple):
     """Page moves planned under the cache lock (`Tiers.taking`): the pool's moves (targets
-    claimed, both ends pinned) and the block of each (pinned in the index)."""
+    claimed and pinned) and the block of each (pinned in the index)."""
 
     moves: list[SlotMove]
     blocks: list[IndexBlock]

@@ -27,9 +27,10 @@ thread. Slot bytes are not locked: the pin rule is what keeps readers and writer
 pool's lock is innermost: callers may hold their own locks (the daemon's cache lock, a write
 queue's) when they call in, and nothing here takes another lock under it. Moving blocks to free
 a page or a row runs in three steps so the copy holds no lock: `plan_evacuation` / `plan_row`
-(pool lock: targets claimed, both ends pinned), `copy_moves` (no lock, any thread), `end_move`
-per pair (pool lock: unpin, free the old slot or give the target back). `evacuate` and
-`clear_row` run the three on the caller's thread (tests, tools).
+(pool lock: targets claimed, both ends pinned — the source by the owner when there is one),
+`copy_moves` (no lock, any thread), `end_move` per pair (pool lock: unpin, free the old slot or
+give the target back). `evacuate` and `clear_row` run the three on the caller's thread (tests,
+tools). The owner (`PinOwner`) is asked under the pool's lock and takes no lock.
 """
 
 from __future__ import annotations
@@ -486,7 +487,8 @@ class DramPool:
         """The moves that free one page of the class of `nbytes` blocks: its live slots (only
         when every one is unpinned and `movable`, the caller's rule) to the class's free slots
         on other pages, which are claimed now (taken: no allocation gets them). Both ends of
-        each move are pinned until `end_move`, so neither is freed, rewritten or moved again
+        each move are pinned until `end_move` (the source by the pool's owner, when it has
+        one: the caller pins its block there), so neither is freed, rewritten or moved again
         meanwhile. None when no page can be freed so. `for_nbytes`: the block size the page is
         freed for (the page chosen keeps its slots next to that class's pages when it can:
         `PageTable.evacuation`)."""
@@ -515,7 +517,8 @@ class DramPool:
             return self._planned(pairs)
 
     def _planned(self, pairs: list[tuple[int, int]]) -> list[SlotMove]:
-        """Pins both ends of each move and notes where their bytes are (pool lock held)."""
+        """Pins the ends of each move the pool owns (`_ends`) and notes where their bytes are
+        (pool lock held)."""
         out: list[SlotMove] = []
         for old, new in pairs:
             for s in self._ends(old, new):
@@ -538,7 +541,7 @@ class DramPool:
             buf[m.dst : m.dst + m.nbytes] = buf[m.src : m.src + m.nbytes]
 
     def end_move(self, move: SlotMove, moved: bool) -> None:
-        """Ends a planned move: unpins both ends, then frees the old slot when the block
+        """Ends a planned move: unpins its ends (`_ends`), then frees the old slot when the block
         `moved` (its owner now names the new one; its page goes back once every slot left it),
         else the new one (the block stays where it was: a reader pinned it meanwhile)."""
         with self._lock:
