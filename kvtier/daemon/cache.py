@@ -35,7 +35,8 @@ Locks, outermost first (a thread holding one only ever takes those below it):
        condition and the slot streams): the index, the pool's ownership, leases, tenants
     2. a write queue's lock (`SlotWriteQueue._cv`, the mover's and the remote tier's): `offer`,
        taken with 1 held; the write budget is asked under it
-    3. the DRAM pool's lock (`DramPool._lock`): taken with 1 and/or 2 held, takes nothing;
+    3. the DRAM pool's lock (`DramPool._lock`): taken with 1 and/or 2 held, takes nothing (it
+       asks the index whether a slot's block is pinned, `DramPool.owner`: no lock there);
        page moves copy slot bytes under neither 1 nor 3 (`DramPool.copy_moves` on a worker
        thread, `_off_loop`), except in-process callers' (`Tiers.run_here`: 1 held)
     4. the SSD store's write lock (`SsdStore._wlock`): with 1 held (the applier's deletes, the
