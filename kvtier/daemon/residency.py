@@ -478,10 +478,9 @@ class Tiers:
             # one class: a victim frees one slot (`placement.dram_room`); else one victim at a
             # time (`placement.class_victim`), each freeing a slot only its own class can use,
             # until a page empties
-            st = pool.stats()
-            if {c.stride for c in st.classes} == {stride}:
+            if pool.strides() == {stride}:
                 placement.dram_room(self.index, n, pool.room(nbytes),
-                                    self._pinned_blocks(st.slots_pinned))
+                                    self._pinned_blocks(pool.stats().slots_pinned))
                 self.apply("capacity")
                 break
             if not placement.class_victim(self.index):
@@ -506,7 +505,7 @@ class Tiers:
         """Free slots other classes hold (left by earlier victims): empties a page of each
         class that can move its blocks into its own free slots (`_free_a_page`), until `n`
         blocks of `nbytes` fit — moving, not evicting."""
-        for c in sorted({c.stride for c in self.pool.stats().classes} - {stride}):
+        for c in sorted(self.pool.strides() - {stride}):
             if self.pool.can_alloc(n, nbytes):
                 return
             yield from self._free_a_page(c, stride)

@@ -119,7 +119,6 @@ class IndexState:
         self.history = AdmissionHistory(admission_history)
         self.block_bytes = block_bytes
         self._slot_used = bytearray(dram_blocks or 0)  # 0 free, 1 a block's, 2 a pinned block's
-        self._pinned_slots = 0  # slots of pinned DRAM blocks (the 2s of `_slot_used`)
         self._maps: dict[Tenant, dict[BlockKey, Block]] = {}
         self._replicas: dict[str | int, int] = {}
         self._clock = 0
@@ -253,7 +252,6 @@ class IndexState:
         if slot is not None:
             b.flags |= (slot + 1) << SLOT_SHIFT
             self._slot_used[slot] = 2 if b.pins else 1
-            self._pinned_slots += b.pins > 0
         self._requeue(b)
         if self._journal is not None:
             p = b.parent
@@ -269,7 +267,6 @@ class IndexState:
             s = f >> SLOT_SHIFT
             if s:
                 slot = s - 1
-                self._pinned_slots -= self._slot_used[slot] == 2
                 self._slot_used[slot] = 0
                 f &= FLAG_BITS
             f &= ~IN_DRAM

@@ -613,6 +613,11 @@ class DramPool:
         for slot, out in zip(slots, outs, strict=True):
             self.read_into(slot, out)
 
+    def strides(self) -> set[int]:
+        """The size classes (slot strides) holding pages now."""
+        with self._lock:
+            return self.pages.strides()
+
     def stats(self) -> DramStats:
         with self._lock:
             t = self.pages
