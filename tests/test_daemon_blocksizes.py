@@ -5,6 +5,8 @@ block and the refusal above it; the segment format a client checks."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -276,3 +278,52 @@ def test_blocks_moved_to_empty_a_page_are_counted_on_metrics_and_still_read_back
                 assert bytes(got.views[0]) == payload(SMALL, k)
         with big.load(bk) as got:
             assert [bytes(v) for v in got.views] == [payload(layout, k) for k in bk]
+
+
+def test_page_moves_beside_leases_and_concurrent_stores_keep_every_byte(
+        daemon: DaemonProc) -> None:
+    # the moves' copies run on a worker thread without the cache lock (`Cache.allocate_async`):
+    # a reader holding a lease keeps its block at its offset, and small stores running beside
+    # the big ones get slots no move is using
+    with Client(daemon.socket, layout=BIG) as big, \
+            Client(daemon.socket, layout=SMALL) as small:
+        keys = [c[0] for c in roots(8, 2048)]  # all 32 pages of small blocks
+        for k in keys:
+            assert small.store([k], [payload(SMALL, k)]).stored == 1
+        for k in keys[1::2]:
+            assert small.lookup([k]).hit_blocks == 1
+        leased = keys[1:1024:64]  # a hot block on each of pages 0-15, leased throughout
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(small.load([k])) for k in leased]
+            before = [bytes(h.views[0]) for h in held]
+            errors: list[BaseException] = []
+
+            def small_stores() -> None:
+                try:
+                    with Client(daemon.socket, layout=SMALL) as other:
+                        for k in [c[0] for c in roots(7, 64)]:
+                            other.store([k], [payload(SMALL, k)])
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            t = threading.Thread(target=small_stores)
+            t.start()
+            bk = chain(9, 4)
+            for k in bk:
+                big.store([k], [payload(BIG, k)])
+            t.join()
+            assert not errors
+            assert [bytes(h.views[0]) for h in held] == before == [
+                payload(SMALL, k) for k in leased]
+        assert moved_total(daemon) > 0
+        for k in keys + [c[0] for c in roots(7, 64)]:  # whatever is still cached is right
+            if small.lookup([k]).hit_blocks:
+                with small.load([k]) as got:
+                    assert bytes(got.views[0]) == payload(SMALL, k)
+        for k in leased:
+            assert small.lookup([k]).hit_blocks == 1  # never evicted nor lost while leased
+        stored = [k for k in bk if big.lookup([k]).hit_blocks]
+        assert stored
+        for k in stored:
+            with big.load([k]) as got:
+                assert bytes(got.views[0]) == payload(BIG, k)

@@ -3,14 +3,17 @@
 Three steps, so that the SSD read leaves the cache lock (and, via `Cache.acquire_async`, the
 event loop):
 
-    begin   (cache lock)  pin every block of the prefix in the index; per SSD-only block claim a
-                          DRAM slot (`Tiers.claim`: evicts for room, charges the tenant) and
+    begin   (cache lock)  pin every block of the prefix in the index; per block the planner
+                          promotes (`placement.promotions`: the SSD-only ones) claim a
+                          DRAM slot (`Tiers.claiming`: evicts for room, charges the tenant) and
                           register the promotion — or, if another Acquire is promoting that
                           block, note its `done` event; the prefix ends before a block that gets
-                          no slot (nothing is forgotten)
-                          (nothing is forgotten); when the whole local prefix is in hand and
-                          the chain goes on, it claims a slot per further key for the remote
-                          tier (those keys are in no index: Lookup found them remotely)
+                          no slot (nothing is forgotten); when the whole local prefix is in
+                          hand and the chain goes on, it claims a slot per further key for the
+                          remote tier (those keys are in no index: Lookup found them remotely).
+                          A claim may stop for page moves (`beginning`, `Tiers.taking`'s
+                          steps): the lock is let go while they copy, and each block is
+                          looked at again when it resumes
     finish  (no lock)     read + verify the claimed blocks in one LMDB read transaction
                           (`Tiers.read_claimed`), fetch + verify the remote keys in one
                           pipelined round trip (`RemoteTier.fetch_into`), then wait for the
@@ -51,10 +54,11 @@ from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import NamespaceInfo
 from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.residency import Tiers
+from kvtier.daemon.residency import Steps, Tiers
+from kvtier.index import placement
 from kvtier.index.prefix import Block, IndexStateError
 
-_Claim = Callable[[NamespaceInfo], int | None]
+_Claim = Callable[[NamespaceInfo], Steps[int | None]]
 
 PROMOTION_WAIT_S = 30.0
 """How long an Acquire waits for another Acquire's promotion of the same block before ending its
@@ -63,7 +67,7 @@ prefix there."""
 
 @dataclass(slots=True)
 class ReadLease:
-    """A READ lease's payload: the pinned blocks (index pin + pool pin)."""
+    """A READ lease's payload: the pinned blocks (pinned in the index, which the pool asks)."""
 
     ns: NamespaceInfo
     blocks: list[Block]
@@ -115,44 +119,69 @@ class Acquirer:
         self._leases = leases
         self._metrics = metrics
         self._rates = rates
-        self._claim = claim  # (namespace) -> slot | None: tenant quota, then `Tiers.claim`
+        self._claim = claim  # (namespace) -> slot | None: tenant quota, then `Tiers.claiming`
         self._settled = threading.Condition(lock)
         self._in_flight = 0  # Acquires with I/O between begin and end
         self._promoting: dict[tuple[str, bytes], threading.Event] = {}
 
     def begin(self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float) -> Acquiring:
-        """Step 1; the caller holds the cache lock."""
+        """Step 1 on this thread; the caller holds the cache lock (page moves a claim needs are
+        copied here, under it: `Tiers.run_here`)."""
+        return self.tiers.run_here(self.beginning(tenant, ns, chain, ttl))
+
+    def beginning(
+        self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float,
+    ) -> Steps[Acquiring]:
+        """Step 1 as `Tiers.taking`'s steps: it stops for the page moves a claim needs, the
+        cache lock let go meanwhile (each resumption holds it again, so what another request
+        changed then is checked again: a block promoted or being promoted, a key now local)."""
         index = self.tiers.index
         blocks = list(index.lookup(ns.name, chain, touch=False).blocks)
         for block in blocks:  # first, so promotions cannot evict the rest
             index.pin(ns.name, block.key)
         a = Acquiring(tenant, ns, ttl, blocks, {}, {}, threading.Event(),
                       self._rates.bandwidth(Link.DRAM_READ), self._rates.bandwidth(Link.SSD_READ))
-        for i, block in enumerate(blocks):
-            if block.in_dram:
-                continue
-            other = self._promoting.get((ns.name, block.key))
-            if other is not None:
-                a.waits[i] = other
-                continue
-            slot = self._claim(ns)
-            if slot is None:  # no room: nothing is forgotten, the prefix ends here
-                for rest in blocks[i:]:
-                    index.unpin(ns.name, rest.key)
-                del blocks[i:]
-                break
-            a.claimed[i] = slot
-            self._promoting[(ns.name, block.key)] = a.done
-        remote = self.tiers.remote
-        if remote is not None and len(blocks) < len(chain) and remote.ready():
-            for key in chain[len(blocks):]:
-                slot = None if index.get(ns.name, key) is not None else self._claim(ns)
-                if slot is None:
+        self._in_flight += 1  # `wait_idle` waits for an Acquire stopped at a page move too
+        try:
+            for i in placement.promotions(blocks):
+                block, slot = blocks[i], None
+                while not block.in_dram:  # (another Acquire may promote it while moves copy)
+                    other = self._promoting.get((ns.name, block.key))
+                    if other is not None:
+                        a.waits[i] = other
+                        break
+                    if slot is not None:
+                        self._promoting[(ns.name, block.key)] = a.done
+                        a.claimed[i], slot = slot, None
+                        break
+                    slot = yield from self._claim(ns)
+                    if slot is None:
+                        break
+                if slot is not None:  # promoted, or being promoted, by another meanwhile
+                    self.tiers.unclaim(ns.name, slot)
+                if not block.in_dram and i not in a.claimed and i not in a.waits:
+                    # no room: nothing is forgotten, the prefix ends here
+                    for rest in blocks[i:]:
+                        index.unpin(ns.name, rest.key)
+                    del blocks[i:]
                     break
-                a.remote_keys.append(key)
-                a.remote_slots.append(slot)
-        if a.io:
-            self._in_flight += 1
+            remote = self.tiers.remote
+            if remote is not None and len(blocks) < len(chain) and remote.ready():
+                for key in chain[len(blocks):]:
+                    if index.get(ns.name, key) is not None:
+                        break
+                    slot = yield from self._claim(ns)
+                    if slot is None:
+                        break
+                    if index.get(ns.name, key) is not None:  # stored while moves were copied
+                        self.tiers.unclaim(ns.name, slot)
+                        break
+                    a.remote_keys.append(key)
+                    a.remote_slots.append(slot)
+        finally:
+            if not a.io:
+                self._in_flight -= 1
+                self._settled.notify_all()  # (the lock is held: each step runs under it)
         return a
 
     def finish(self, a: Acquiring) -> AcquireResult:
@@ -201,8 +230,7 @@ class Acquirer:
                     if i >= stop:
                         tiers.index.unpin(name, block.key)
                         continue
-                    assert block.dram_slot is not None
-                    pool.pin(block.dram_slot)
+                    assert block.dram_slot is not None  # pinned in the index since begin
                     pinned.append(block)
                     sources.append(Tier.SSD if i in a.claimed or i in a.waits else Tier.DRAM)
                 if lost is not None:
@@ -240,7 +268,6 @@ class Acquirer:
                     ok = False
                 else:
                     tiers.index.pin(name, key)
-                    tiers.pool.pin(slot)
                     pinned.append(block)
                     sources.append(Tier.REMOTE)
                     parent = key
@@ -252,10 +279,8 @@ class Acquirer:
     def release(self, r: ReadLease) -> None:
         """Unpins a READ lease's blocks (Release, expiry, shutdown; its lease left the table).
         The caller holds the cache lock."""
-        pool, index = self.tiers.pool, self.tiers.index
+        index = self.tiers.index
         for block in r.blocks:
-            assert block.dram_slot is not None
-            pool.unpin(block.dram_slot)
             index.unpin(r.ns.name, block.key)
 
     def wait_idle(self, timeout: float) -> bool:

@@ -20,15 +20,18 @@ Threading: every function is called with the cache lock held.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar, cast
 
 from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.namespaces import NamespaceInfo, TenantUsage
-from kvtier.daemon.residency import Tiers
+from kvtier.daemon.residency import Steps, Tiers
+from kvtier.index import placement
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -50,13 +53,29 @@ class AllocateResult(NamedTuple):
 
 def quota_room(tiers: Tiers, usage: TenantUsage, n: int, stride: int) -> bool:
     """Whether `n` more slots of `stride` bytes fit the tenant's DRAM quota, after evicting its
-    own unpinned DRAM blocks for them if needed."""
+    own unpinned DRAM blocks for them if needed (`placement.over_quota`)."""
     quota, more = usage.tenant.dram_quota_bytes, n * stride
-    while quota and usage.dram_bytes + more > quota:
-        over = usage.dram_bytes + more - quota
-        if not tiers.evict_tenant_dram(usage.tenant.name, -(-over // stride)):
-            break
-    return not quota or usage.dram_bytes + more <= quota
+    while over := placement.over_quota(usage.dram_bytes, more, quota, stride):
+        if not tiers.evict_tenant_dram(usage.tenant.name, over):
+            return False
+    return True
+
+
+class _Stopped:
+    """Counts the page-move stops of a step generator it passes through."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def watch(self, steps: Steps[T]) -> Steps[T]:
+        try:
+            moves = next(steps)
+            while True:
+                self.count += 1
+                yield moves
+                moves = steps.send(None)
+        except StopIteration as stop:
+            return cast(T, stop.value)
 
 
 class Allocator:
@@ -70,7 +89,18 @@ class Allocator:
         self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], parent: bytes, ttl: float,
         session: str = "",
     ) -> AllocateResult:
-        """Grants a WRITE lease on fresh slots for the keys of `chain` not cached or pending."""
+        """`allocating` on this thread: the page moves it needs are copied here, cache lock
+        held (`Tiers.run_here`)."""
+        return self.tiers.run_here(self.allocating(tenant, ns, chain, parent, ttl, session))
+
+    def allocating(
+        self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], parent: bytes, ttl: float,
+        session: str = "",
+    ) -> Steps[AllocateResult]:
+        """Grants a WRITE lease on fresh slots for the keys of `chain` not cached or pending.
+        Steps as `Tiers.taking`'s: when it stopped for page moves (the cache lock let go), the
+        keys it needs are looked at again and, if another request stored or began writing one
+        meanwhile, the slots go back and it starts over (the moves and evictions made stay)."""
         index = self.tiers.index
         if parent:
             if len(parent) != ns.layout.key_width:
@@ -84,13 +114,19 @@ class Allocator:
                 )
             if parent in chain:
                 raise InvalidArgument("parent_key repeats inside the chain")
-        need = [i for i, k in enumerate(chain)
-                if index.get(ns.name, k) is None and k not in ns.pending]
-        if need:
-            need = need[:self._admitted(ns, chain, need)]
-        if not need:
-            return AllocateResult("", [], [], ttl)
-        slots = self._take_slots(ns.usage, len(need), ns.layout.block_bytes)
+        while True:  # (a parent gone meanwhile: Commit drops what would hang under it)
+            need = self._need(ns, chain)
+            if not need:
+                return AllocateResult("", [], [], ttl)
+            stopped = _Stopped()
+            slots = yield from stopped.watch(self._take_slots(ns.usage, len(need),
+                                                              ns.layout.block_bytes))
+            if not stopped.count or all(
+                    index.get(ns.name, chain[i]) is None and chain[i] not in ns.pending
+                    for i in need):
+                break
+            for slot in slots:  # the chain changed while the lock was let go
+                self.tiers.give_back(ns.usage.tenant.name, slot)
         lease = self._leases.grant(
             tenant.name, LeaseKind.WRITE, ttl,
             WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))), session,
@@ -99,6 +135,13 @@ class Allocator:
             ns.pending[chain[i]] = lease.id
         pool = self.tiers.pool
         return AllocateResult(lease.id, need, [pool.offset(s) for s in slots], ttl)
+
+    def _need(self, ns: NamespaceInfo, chain: list[bytes]) -> list[int]:
+        """Positions of the keys not cached nor pending that the DRAM admission stores."""
+        index = self.tiers.index
+        need = [i for i, k in enumerate(chain)
+                if index.get(ns.name, k) is None and k not in ns.pending]
+        return need[:self._admitted(ns, chain, need)] if need else need
 
     def _admitted(self, ns: NamespaceInfo, chain: list[bytes], need: list[int]) -> int:
         """How many of `need` the index's DRAM admission stores (a prefix of them; the rest
@@ -111,7 +154,7 @@ class Allocator:
             return len(need)
         return sum(1 for i in need if i < start + n)
 
-    def _take_slots(self, usage: TenantUsage, n: int, nbytes: int) -> list[int]:
+    def _take_slots(self, usage: TenantUsage, n: int, nbytes: int) -> Steps[list[int]]:
         stride = self.tiers.pool.stride_for(nbytes)
         if not quota_room(self.tiers, usage, n, stride):
             raise ResourceExhausted(
@@ -119,7 +162,7 @@ class Allocator:
                 f"bytes: {n} more blocks do not fit (it holds {usage.dram_bytes}, pinned or "
                 "being written)"
             )
-        slots = self.tiers.take_slots(n, usage.tenant.name, nbytes)
+        slots = yield from self.tiers.taking(n, usage.tenant.name, nbytes)
         if not slots:
             raise ResourceExhausted(
                 f"DRAM pool full: {n} slots of {stride} bytes wanted, "

@@ -16,7 +16,8 @@ Rules enforced here (each raises a `CacheError` subclass and changes nothing):
   fair shares with guaranteed minimums between tenants (`kvtier.core.fairshare`) — or refuses.
 
 Invariants kept:
-- a pinned block is never evicted, moved or rewritten (its slot is also pinned in the DramPool);
+- a pinned block is never evicted, moved or rewritten (the DramPool asks the index: its slot
+  is pinned while the block is, `DramPool.owner`);
 - no stranded blocks: a block leaves its last tier only when it has no cached children
   (leaf-first), and a block is committed only if its parent is still cached;
 - every slot is owned by exactly one of: the free list, a WRITE lease, a cached block — leases
@@ -34,8 +35,10 @@ Locks, outermost first (a thread holding one only ever takes those below it):
        condition and the slot streams): the index, the pool's ownership, leases, tenants
     2. a write queue's lock (`SlotWriteQueue._cv`, the mover's and the remote tier's): `offer`,
        taken with 1 held; the write budget is asked under it
-    3. the DRAM pool's lock (`DramPool._lock`): taken with 1 and/or 2 held, takes nothing
-       (its `moved` callback only repoints the index, which has no lock)
+    3. the DRAM pool's lock (`DramPool._lock`): taken with 1 and/or 2 held, takes nothing (it
+       asks the index whether a slot's block is pinned, `DramPool.owner`: no lock there);
+       page moves copy slot bytes under neither 1 nor 3 (`DramPool.copy_moves` on a worker
+       thread, `_off_loop`), except in-process callers' (`Tiers.run_here`: 1 held)
     4. the SSD store's write lock (`SsdStore._wlock`): with 1 held (the applier's deletes, the
        rebuild) or on the writer thread with nothing held; takes only the store's inner locks
     5. the event log's lock (`EventLog._lock`): with 1 held (the applier); its sink only queues
@@ -55,7 +58,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar, cast
 
 from kvtier.core.costmodel import CostModel
 from kvtier.core.errors import (
@@ -80,12 +83,14 @@ from kvtier.daemon.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.metrics import DaemonMetrics, MrcGauges, PoolGauges
 from kvtier.daemon.namespaces import LayoutInfo, NamespaceInfo, Namespaces
 from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.residency import Tiers
+from kvtier.daemon.residency import PageMoves, Steps, Tiers
 from kvtier.daemon.slot_stream import SlotStream
 from kvtier.daemon.tenant_rates import TenantRates
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Registered(NamedTuple):
@@ -289,10 +294,68 @@ class Cache:
         """`acquire` for the event loop: SSD reads (and waits for other Acquires' promotions of
         the same blocks) run on a worker thread, without the cache lock. The worker finishes the
         Acquire even if the caller is cancelled; its lease then expires after the TTL."""
-        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
+        ttl = self._new_lease_ttl(ttl_s)
+
+        def beginning() -> Steps[Acquiring]:
+            self._check_session(tenant, session)
+            ns = self._ns(tenant, layout_id)
+            chain = self.names.split_keys(ns, keys, key_width, unique=False)
+            a = yield from self.acquirer.beginning(tenant, ns, chain, ttl)
+            a.session = session
+            return a
+
+        steps = beginning()
+        a, moves = self._first_step(steps)
+        if moves is None:
+            assert a is not None
+            return await self._acquired(a)
+
+        async def rest() -> AcquireResult:
+            assert moves is not None
+            return await self._acquired(await self._off_loop(steps, moves))
+
+        # shielded: an Acquire stopped at a page move holds pins and claims until it ends
+        return await asyncio.shield(rest())
+
+    async def _acquired(self, a: Acquiring) -> AcquireResult:
         if not a.io:
             return self._in_session(self.acquirer.end(a), a)
         return self._in_session(await asyncio.to_thread(self.acquirer.finish, a), a)
+
+    def _first_step(self, steps: Steps[T]) -> tuple[T | None, PageMoves | None]:
+        """Runs a residency operation's steps (`Tiers.taking`) under the cache lock up to its
+        first page move: (its value, None) when it needed none, else (None, the moves)."""
+        with self._lock:
+            try:
+                return None, next(steps)
+            except StopIteration as stop:
+                return cast(T, stop.value), None
+
+    async def _off_loop(self, steps: Steps[T], moves: PageMoves) -> T:
+        """Drives steps stopped at page moves for the event loop: the moves copied on a worker
+        thread without the cache lock (`_move`), each step resumed under the lock once they
+        ended, until the operation returns."""
+        while True:
+            try:
+                await asyncio.to_thread(self._move, moves)
+            except BaseException:
+                with self._lock:
+                    steps.close()  # its `finally` blocks run under the lock
+                raise
+            with self._lock:
+                try:
+                    moves = steps.send(None)
+                except StopIteration as stop:
+                    return cast(T, stop.value)
+
+    def _move(self, moves: PageMoves) -> None:
+        """Copies planned page moves (no cache lock: the targets and the blocks are pinned), then
+        ends them under the lock (`Tiers.end_moves`), even when the copy failed."""
+        try:
+            self.pool.copy_moves(moves.moves)
+        finally:
+            with self._lock:
+                self.tiers.end_moves(moves)
 
     def _in_session(self, res: AcquireResult, a: Acquiring) -> AcquireResult:
         """An Acquire whose session ended while it read from SSD: its lease ends now (nobody
@@ -319,9 +382,10 @@ class Cache:
             a.session = session
             return a
 
-    def _claim(self, ns: NamespaceInfo) -> int | None:
-        return self.tiers.claim(ns.name) if quota_room(
-            self.tiers, ns.usage, 1, self.tiers.dram_bytes_of(ns.name)) else None
+    def _claim(self, ns: NamespaceInfo) -> Steps[int | None]:
+        if not quota_room(self.tiers, ns.usage, 1, self.tiers.dram_bytes_of(ns.name)):
+            return None
+        return (yield from self.tiers.claiming(ns.name))
 
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
@@ -360,6 +424,28 @@ class Cache:
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
             return self.allocator.allocate(tenant, ns, chain, parent, ttl, session)
+
+    async def allocate_async(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
+        ttl_s: float, session: str = "",
+    ) -> AllocateResult:
+        """`allocate` for the event loop: the page moves that make room for the new blocks'
+        size class copy on a worker thread, without the cache lock (`_off_loop`; shielded, so
+        the steps end when the caller is cancelled — its lease then expires after its TTL)."""
+        ttl = self._new_lease_ttl(ttl_s)
+
+        def allocating() -> Steps[AllocateResult]:
+            self._check_session(tenant, session)
+            ns = self._ns(tenant, layout_id)
+            chain = self.names.split_keys(ns, keys, key_width, unique=True)
+            return (yield from self.allocator.allocating(tenant, ns, chain, parent, ttl, session))
+
+        steps = allocating()
+        res, moves = self._first_step(steps)
+        if moves is None:
+            assert res is not None
+            return res
+        return await asyncio.shield(self._off_loop(steps, moves))
 
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
         """Makes the lease's filled slots cached blocks; returns how many were inserted."""
@@ -536,11 +622,11 @@ class Cache:
         return pool_gauges(self.stats(), self.tiers)
 
     def leaked_slots(self) -> int:
-        """Slots neither free nor held by a DRAM block, a WRITE lease or a promotion in flight
-        (must always be 0)."""
+        """Slots neither free nor held by a DRAM block, a WRITE lease, a promotion or a page
+        move in flight (must always be 0)."""
         with self._lock:
             held = (self.index.blocks(Tier.DRAM) + self.tiers.claimed
-                    + self.allocator.slots_held())
+                    + self.allocator.slots_held() + self.tiers.moving)
             return self.pool.stats().slots_used - held
 
     def flush(self, timeout: float) -> bool:

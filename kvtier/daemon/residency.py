@@ -2,13 +2,18 @@
 
 `Tiers` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
 `ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing. Deciding is the placement
-planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`); the index journals
-every residency change and the `Applier` (`kvtier.daemon.applier`) acts on it (slots freed,
-tenants charged, SSD keys deleted, events); what is left here is moving:
+planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`: write-backs, SSD and
+DRAM room, fair-share and quota victims, victims across size classes, promotions, remote
+offers); the index journals every residency change and the `Applier` (`kvtier.daemon.applier`)
+acts on it (slots freed, tenants charged, SSD keys deleted, events); what is left here is
+applying the planner's intents and moving:
 
-- index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot;
+- index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot,
+  by derivation: the pool asks the index (`DramPool.owner`), and nothing pins a slot itself
+  (page moves' targets, which hold no block, are the pool's own);
 - DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists):
-  `placement.dram_room` with one size class, one victim at a time with several;
+  `placement.dram_room` with one size class, `placement.class_victim` (one at a time) with
+  several; between tenants `placement.share_plan` then `placement.tenant_victims`;
 - write-back (mover) starts when the planner says so (`placement.write_backs`: a DRAM-only block
   admitted by the k-th access whose parent is on SSD or queued, so SSD stays prefix-closed); the
   block is pinned while queued;
@@ -17,7 +22,7 @@ tenants charged, SSD keys deleted, events); what is left here is moving:
   bounds SSD blocks at ssd_bytes / (slot + header);
 - promotion copies a verified SSD payload into a fresh slot; a failed verification is a miss,
   a counter, and the block's removal. It runs in three steps so the read can leave the event
-  loop and the cache lock: `claim` a slot (lock held; the tenant is charged now, so concurrent
+  loop and the cache lock: `claiming` a slot (lock held; the tenant is charged now, so concurrent
   claims see each other), `read_claimed` (no cache lock, any thread; one LMDB read transaction
   for the batch), then `settle` (the slot becomes the block's DRAM copy) or `unclaim` (lock held).
   Until then the slot belongs to the claimant (`claimed` counts them) and the block must stay
@@ -36,9 +41,10 @@ calls on its writer thread and which takes the cache lock itself, and `read_clai
 be called without it. Lock order (all of it: `kvtier.daemon.cache`): cache lock → a write queue's
 lock (`Mover.submit`, `RemoteTier.offer`) → the pool's lock; cache lock → the SSD store's write
 lock (deletes). The writer threads never hold their queue's or the store's lock while taking ours.
-Page moves (`_gather`, `_clear_row`) copy slot bytes under the cache lock and the pool's lock, on
-the caller's thread (the event loop for Allocate): ARCHITECTURE "Threading" says what taking them
-off it needs.
+Page moves (`_gather`, `_clear_row`) are planned under the cache lock and yielded (`taking`'s
+steps, `PageMoves`); the driver copies them without it (`Cache._off_loop`: a worker thread) or,
+for in-process callers, on its own thread with it held (`run_here`), and `end_moves` finishes
+them under it. Never under the pool's lock.
 """
 
 from __future__ import annotations
@@ -46,10 +52,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Generator
+from typing import NamedTuple, TypeVar, cast
 
-from kvtier.core.fairshare import room_plan
 from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
 from kvtier.core.wear import WriteBudget
@@ -64,7 +69,7 @@ from kvtier.index import placement
 from kvtier.index.prefix import Block as IndexBlock
 from kvtier.index.prefix import IndexStateError, PrefixIndex
 from kvtier.tiers import blockfmt
-from kvtier.tiers.dram import DramPool, DramSpec
+from kvtier.tiers.dram import DramPool, DramSpec, SlotMove
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdSpec, SsdStore, open_store
 
@@ -103,9 +108,11 @@ class Tiers:
             dram_blocks=self.pool.slot_ids, ssd_blocks=ssd_blocks,
             admission_k=cfg.ssd_admit_after, policy=cfg.policy, journal=True,
         )
+        self.pool.owner = self.index  # the index's block pins are the only pins
         self.applier = Applier(self.index, self.pool, names, events, metrics, self.ssd_bytes_of)
         self.apply = self.applier.apply
         self.moved = 0  # blocks moved to free a page for another size class
+        self.moving = 0  # target slots of page moves in flight (claimed, no block yet)
         self.store: SsdStore | None = None
         self.mover: Mover | None = None
         self.budget: WriteBudget | None = None
@@ -296,15 +303,16 @@ class Tiers:
         self.metrics.ssd_bytes_written.inc(result.bytes_written)
         self.metrics.bytes_moved.labels("ssd", "demote").inc(result.bytes_written)
 
-    def claim(self, ns: Namespace) -> int | None:
+    def claiming(self, ns: Namespace) -> Steps[int | None]:
         """A slot to promote one of `ns`'s SSD or remote blocks into (evicting for room),
-        charged to its tenant; None when there is no room (or no tier below DRAM)."""
+        charged to its tenant; None when there is no room (or no tier below DRAM). Steps as
+        `taking`'s."""
         if self.store is None and self.remote is None:
             return None
         nbytes = self.block_bytes.get(ns, self.slot_bytes)
         if nbytes > self.pool.max_block:  # stored before max_block_bytes shrank: not served
             return None
-        slots = self.take_slots(1, ns.tenant, nbytes)
+        slots = yield from self.taking(1, ns.tenant, nbytes)
         if not slots:
             return None
         self.claimed += 1
@@ -364,10 +372,10 @@ class Tiers:
         `remote_admit_after` is 1, else at the lookup that makes a block's k-th access. Each
         offered block stays pinned until `on_remote_written`."""
         remote, k = self.remote, self.cfg.remote_admit_after
-        if remote is None or (committed and k > 1):
+        if remote is None:
             return
         nbytes = self.block_bytes.get(ns, self.slot_bytes)
-        todo = [b for b in blocks if b.dram_slot is not None and (committed or b.hits == k)]
+        todo = placement.remote_offers(blocks, committed, k)
         for i, b in enumerate(todo):
             assert b.dram_slot is not None
             self.index.pin(ns, b.key)
@@ -407,6 +415,23 @@ class Tiers:
         self.applier.give_back(tenant, slot)
 
     def take_slots(self, n: int, tenant: str, nbytes: int) -> list[int]:
+        """`taking` run to its end on this thread: the page moves it plans are copied here,
+        with the caller's cache lock held (in-process callers; the RPCs use `taking`)."""
+        return self.run_here(self.taking(n, tenant, nbytes))
+
+    def run_here(self, steps: Steps[T]) -> T:
+        """Runs a generator of `PageMoves` steps to its end, copying each batch of moves on this
+        thread (cache lock held) before it resumes."""
+        try:
+            moves = next(steps)
+            while True:
+                self.pool.copy_moves(moves.moves)
+                self.end_moves(moves)
+                moves = steps.send(None)
+        except StopIteration as stop:
+            return cast(T, stop.value)
+
+    def taking(self, n: int, tenant: str, nbytes: int) -> Steps[list[int]]:
         """`n` free slots for `tenant`'s blocks of `nbytes`, charged to it (`Applier.take_slots`,
         until the applier or `give_back` frees them), evicting unpinned DRAM blocks as needed:
         LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
@@ -420,71 +445,80 @@ class Tiers:
         larger than a page needs a row of adjacent pages: before each eviction the blocks of
         other classes on one row are moved into free slots and pages elsewhere when they fit
         (`_clear_row`), so no more is evicted than the new blocks need. In an isolated pool
-        (tenants) the tenant's blocks have a class of their own (`DramPool.class_bytes`)."""
+        (tenants) the tenant's blocks have a class of their own (`DramPool.class_bytes`).
+
+        A generator: each page move is planned here and yielded as `PageMoves` (targets claimed,
+        targets pinned in the pool, the blocks pinned in the index); the driver copies the
+        bytes — without the cache lock, on a worker thread, for the RPCs — calls `end_moves`
+        with the lock held and resumes it (lock held), and the loop goes on from there. Its
+        value (StopIteration) is the slots."""
         pool = self.pool
         nbytes = pool.class_bytes(nbytes, tenant)
         stride, cls = pool.stride_for(nbytes), pool.class_of(nbytes)
         wide = stride > pool.page_bytes  # its rows span pages: move blocks off a row first
-        while wide and not pool.can_alloc(n, nbytes) and self._clear_row(nbytes):
+        while wide and not pool.can_alloc(n, nbytes) and (yield from self._clear_row(nbytes)):
             pass
         if not pool.can_alloc(n, nbytes):
-            self._gather(stride, n, nbytes)
+            yield from self._gather(stride, n, nbytes)
         slots = pool.alloc_many(n, nbytes)
         if slots is not None:
             self.applier.take_slots(tenant, n * stride)
-            self.apply()  # slot moves of `_gather`
+            self.apply()
             return slots
         stats = pool.stats()
-        evictable = self.index.blocks(Tier.DRAM) - stats.slots_pinned
-        if evictable <= 0:
+        one_class = {c.stride for c in stats.classes} == {cls}
+        if placement.room_hopeless(self.index, n, pool.room(nbytes),
+                                   self._pinned_blocks(stats.slots_pinned), one_class):
             return []
-        if {c.stride for c in stats.classes} == {cls} and evictable < n - pool.room(nbytes):
-            return []  # one class: even every unpinned block would not make room
-        holdings = self.names.dram_holdings()
-        held = {t: b // stride for t, (b, _) in holdings.items() if b}
-        if not set(held) <= {tenant}:
-            short = n - pool.room(nbytes)
-            guarantee = {t: g // stride for t, (_, g) in holdings.items()}
-            for who, most in room_plan(tenant, n, short, held, guarantee,
-                                       pool.data_bytes // stride):
-                short -= self.evict_tenant_dram(who, min(most, short), "share")
-                if pool.can_alloc(n, nbytes) or short <= 0:
-                    break
-            self._gather(stride, n, nbytes)  # their victims' free slots, for another class
+        short = n - pool.room(nbytes)
+        plan = placement.share_plan(tenant, n, short, self.names.dram_holdings(), stride,
+                                    pool.data_bytes)
+        for who, most in plan:
+            short -= self.evict_tenant_dram(who, min(most, short), "share")
+            if pool.can_alloc(n, nbytes) or short <= 0:
+                break
+        if plan:
+            yield from self._gather(stride, n, nbytes)  # their victims' slots, for another class
         while not pool.can_alloc(n, nbytes):
-            # one class: a victim frees one slot, the planner's rule (`placement.dram_room`);
-            # else one victim at a time, each freeing a slot only its own class can use until a
-            # page empties
-            st = pool.stats()
-            if {c.stride for c in st.classes} == {cls}:
-                placement.dram_room(self.index, n, pool.room(nbytes), st.slots_pinned)
+            # one class: a victim frees one slot (`placement.dram_room`); else one victim at a
+            # time (`placement.class_victim`), each freeing a slot only its own class can use,
+            # until a page empties
+            if pool.strides() == {cls}:
+                placement.dram_room(self.index, n, pool.room(nbytes),
+                                    self._pinned_blocks(pool.stats().slots_pinned))
                 self.apply("capacity")
                 break
-            if not self.index.evict_count(Tier.DRAM, 1):
+            if not placement.class_victim(self.index):
                 break
             self.apply("capacity")
-            while wide and not pool.can_alloc(n, nbytes) and self._clear_row(nbytes):
+            while wide and not pool.can_alloc(n, nbytes) and (
+                    yield from self._clear_row(nbytes)):
                 pass
-            self._gather(stride, n, nbytes)
+            yield from self._gather(stride, n, nbytes)
         slots = pool.alloc_many(n, nbytes) or []
         if slots:
             self.applier.take_slots(tenant, n * stride)
         self.apply()
         return slots
 
-    def _gather(self, stride: int, n: int, nbytes: int) -> None:
+    def _pinned_blocks(self, slots_pinned: int) -> int:
+        """DRAM blocks that cannot leave now, from the pool's pinned slots: less the targets
+        of page moves in flight (pinned slots that hold no block yet)."""
+        return slots_pinned - self.moving
+
+    def _gather(self, stride: int, n: int, nbytes: int) -> Steps[None]:
         """Free slots other classes hold (left by earlier victims): empties a page of each
         class that can move its blocks into its own free slots (`_free_a_page`), until `n`
         blocks of `nbytes` fit — moving, not evicting."""
         mine = self.pool.class_of(nbytes)
-        for c in sorted({c.stride for c in self.pool.stats().classes} - {mine}):
+        for c in sorted(self.pool.strides() - {mine}):
             if self.pool.can_alloc(n, nbytes):
                 return
-            self._free_a_page(c, stride)
+            yield from self._free_a_page(c, stride)
 
     def _movable(self) -> dict[int, IndexBlock]:
-        """DRAM slot -> its block, for the blocks no lease, write-back or remote write holds
-        (those a move may relocate)."""
+        """DRAM slot -> its block, for the blocks no lease, write-back, remote write or page
+        move holds (those a move may relocate)."""
         owners: dict[int, IndexBlock] = {}
         for b in self.index.iter_blocks():
             s = b.dram_slot
@@ -492,42 +526,64 @@ class Tiers:
                 owners[s] = b
         return owners
 
-    def _moved(self, owners: dict[int, IndexBlock]) -> Callable[[int, int], None]:
-        def moved(old: int, new: int) -> None:
-            b = owners[old]
-            self.index.move_dram(b.tenant, b.key, new)
-        return moved
-
-    def _clear_row(self, nbytes: int) -> bool:
+    def _clear_row(self, nbytes: int) -> Steps[bool]:
         """Frees the pages of one row for blocks of `nbytes` larger than a page by moving the
-        blocks of other classes on them (`DramPool.clear_row`); False when none can be."""
+        blocks of other classes on them (`DramPool.plan_row`); False when none can be."""
         owners = self._movable()
-        n = self.pool.clear_row(nbytes, owners.__contains__, self._moved(owners))
-        if n > 0:
-            self.moved += n
-            self.metrics.dram_moved_blocks.inc(n)
-        return n > 0
+        moves = self.pool.plan_row(nbytes, owners.__contains__)
+        if not moves:
+            return False
+        yield self._moving(moves, owners)
+        return True
 
-    def _free_a_page(self, stride: int, want: int = 0) -> bool:
+    def _free_a_page(self, stride: int, want: int = 0) -> Steps[bool]:
         """Empties one page of class `stride` by moving its blocks (DRAM blocks no lease,
         write-back or remote write holds) into the class's free slots elsewhere; the page is
         for class `want` (0: any)."""
         if not self.pool.can_evacuate(stride):
             return False
         owners = self._movable()
-        n = self.pool.evacuate(stride, owners.__contains__, self._moved(owners), want)
-        if n > 0:
-            self.moved += n
-            self.metrics.dram_moved_blocks.inc(n)
-        return n >= 0
+        moves = self.pool.plan_evacuation(stride, owners.__contains__, want)
+        if moves is None:
+            return False
+        if moves:
+            yield self._moving(moves, owners)
+        return True
+
+    def _moving(self, moves: list[SlotMove], owners: dict[int, IndexBlock]) -> PageMoves:
+        """Pins the blocks of planned moves in the index (no eviction, no write to their old
+        slots, a lease-free check at the end) and counts their targets as in flight."""
+        blocks = [owners[m.old] for m in moves]
+        for b in blocks:
+            self.index.pin(b.tenant, b.key)
+        self.moving += len(moves)
+        return PageMoves(moves, blocks)
+
+    def end_moves(self, p: PageMoves) -> None:
+        """Cache lock held, after `DramPool.copy_moves`: each block whose only pin is the move's
+        now lives in its new slot and its old one is freed (a page empties when every slot left
+        it); a block a lease or a write pinned meanwhile — a reader may hold its old offset —
+        stays, and its target is given back."""
+        done = 0
+        for m, b in zip(p.moves, p.blocks, strict=True):
+            self.index.unpin(b.tenant, b.key)
+            moved = not b.pins and b.dram_slot == m.old
+            if moved:
+                self.index.move_dram(b.tenant, b.key, m.new)
+                done += 1
+            self.pool.end_move(m, moved)
+        self.moving -= len(p.moves)
+        if done:
+            self.moved += done
+            self.metrics.dram_moved_blocks.inc(done)
+        self.apply()
 
     def evict_tenant_dram(self, tenant: str, n: int, reason: str = "quota") -> int:
         """Evicts up to `n` of one tenant's DRAM blocks, coldest first (quota, fair share);
         O(evictable blocks) per block of the longest chain it shortens."""
         done = 0
         while done < n:
-            mine = [b for b in self.index.victims(Tier.DRAM, 1 << 30)
-                    if cast(Namespace, b.tenant).tenant == tenant][:n - done]
+            mine = placement.tenant_victims(self.index, _tenant_of, tenant, n - done)
             if not mine:
                 break
             for b in mine:
@@ -554,6 +610,20 @@ class Tiers:
         self.pool.close()
 
 
+T = TypeVar("T")
+Steps = Generator["PageMoves", None, T]
+"""A residency operation that may stop for page moves: it yields each batch (`PageMoves`) and
+is resumed, cache lock held, once the driver copied it and called `Tiers.end_moves`."""
+
+
+class PageMoves(NamedTuple):
+    """Page moves planned under the cache lock (`Tiers.taking`): the pool's moves (targets
+    claimed and pinned) and the block of each (pinned in the index)."""
+
+    moves: list[SlotMove]
+    blocks: list[IndexBlock]
+
+
 class _Queued:
     """One namespace's keys among the queued write-backs, for `placement.write_backs`."""
 
@@ -565,6 +635,11 @@ class _Queued:
 
     def __contains__(self, key: object) -> bool:
         return (self.ns, key) in self.queued
+
+
+def _tenant_of(ns: object) -> str:
+    """The tenant of an index key space (the daemon's are `Namespace`s)."""
+    return cast(Namespace, ns).tenant
 
 
 def _open_remote(

@@ -20,7 +20,9 @@ Stats and WatchEvents show the caller's own figures and events, node-wide ones o
 token. Sessions (OpenSession): leases granted to a call carrying `kvtier-session` metadata end when
 that session's stream ends — within moments of the client process dying.
 Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
-promotions (Acquire, ReadBlocks), whose reads run on a worker thread (`Cache.acquire_async`).
+promotions (Acquire, ReadBlocks), whose reads run on a worker thread (`Cache.acquire_async`), and
+the page moves Allocate, WriteBlocks and Acquire's claims make room with, whose copies run on a
+worker thread without the cache lock (`Cache.allocate_async`, `acquire_async`).
 """
 
 from __future__ import annotations
@@ -261,7 +263,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
         async def go(tenant: Tenant) -> pb.AllocateResponse:
-            res = self.cache.allocate(
+            res = await self.cache.allocate_async(
                 tenant, request.layout, request.keys, request.key_width, request.parent_key,
                 request.lease_ttl_ms / 1000, self._session(context),
             )
@@ -423,7 +425,8 @@ class KvTierService(pb_grpc.KvTierServicer):
             raise InvalidArgument("the first WriteBlocks message must be a header")
         h = first.header
         info = self.cache.layout(tenant, h.layout)
-        alloc = self.cache.allocate(tenant, h.layout, h.keys, h.key_width, h.parent_key, 0.0)
+        alloc = await self.cache.allocate_async(tenant, h.layout, h.keys, h.key_width,
+                                                h.parent_key, 0.0)
         n_keys = len(h.keys) // info.key_width
         slots = self.cache.writing(tenant, alloc.lease_id, alloc.offsets, info.block_bytes)
         slot_of = {index: j for j, index in enumerate(alloc.indices)}

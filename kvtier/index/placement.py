@@ -14,6 +14,25 @@ trace through both):
     dram_room    evicts DRAM victims (the index's order: demotion of blocks on SSD, else
                  leaf-first drops) until `n` blocks fit; nothing when even every unpinned block
                  would not make room.
+    room_hopeless whether no eviction can make room for `n` blocks (nothing to evict; or one
+                 size class and fewer evictable blocks than missing slots), so none is made.
+    share_plan   with several tenants holding DRAM: who gives up how many blocks so the asker
+                 gets its slots (`kvtier.core.fairshare.room_plan` over the holdings in bytes,
+                 counted in slots of the asker's size class). Intents: the caller evicts each
+                 tenant's coldest (`tenant_victims`) in turn until it has room.
+    over_quota   how many of its blocks a tenant must give up for more bytes to fit its DRAM
+                 quota (the caller evicts them with `tenant_victims`, then asks again).
+    tenant_victims  one tenant's evictable DRAM blocks, coldest first (quota, fair share):
+                 intents the caller drops; dropping a leaf exposes its parent, so the caller
+                 asks again until it has dropped enough or none is left.
+    class_victim with several size classes, a victim frees a slot only its own class can use:
+                 one DRAM victim at a time (the caller tries to empty a page after each);
+                 with one class `dram_room` is the rule.
+    promotions   which blocks of an acquired prefix are promoted into DRAM: the SSD-only ones,
+                 in chain order (the prefix ends before the first that gets no slot).
+    remote_offers which blocks go to the remote tier: at Commit all new DRAM blocks when its
+                 admission is the first access (k = 1), else, at a Lookup, those whose hits
+                 reach k.
 
 Evictions change the index, which journals them (`PrefixIndex.take_changes`): the daemon's
 applier frees their slots and deletes their SSD keys; the simulator only counts. The daemon's
@@ -25,9 +44,10 @@ Threading: none; the daemon calls these under its cache lock.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import NamedTuple
 
+from kvtier.core.fairshare import room_plan
 from kvtier.core.types import BlockKey, Tier
 from kvtier.index.prefix import Block, PrefixIndex, Tenant
 
@@ -92,3 +112,62 @@ def dram_room(index: PrefixIndex, n: int, free: int, pinned: int) -> int:
             break
         free += gone
     return free
+
+
+def room_hopeless(index: PrefixIndex, n: int, room: int, pinned: int, one_class: bool) -> bool:
+    """Whether no eviction can make room for `n` blocks (`room` free slots of their class now,
+    `pinned` DRAM blocks that cannot leave): nothing is evictable, or — one size class, where
+    a victim frees one slot — fewer evictable blocks than the slots missing. With several
+    classes a victim may empty a page of another: not judged here."""
+    evictable = index.blocks(_DRAM) - pinned
+    return evictable <= 0 or (one_class and evictable < n - room)
+
+
+def share_plan(asker: str, n: int, short: int, holdings: Mapping[str, tuple[int, int]],
+               stride: int, pool_bytes: int) -> list[tuple[str, int]]:
+    """Who gives up how many DRAM blocks (in turn) so `asker` gets `n` slots of `stride` bytes,
+    `short` of them missing: [] when only the asker holds DRAM (its own coldest go, the
+    policy's order: `dram_room` / `class_victim`). `holdings`: tenant -> (DRAM bytes held,
+    guaranteed DRAM bytes); `pool_bytes`: the pool's data bytes. Fair shares with guaranteed
+    minimums: `kvtier.core.fairshare.room_plan`."""
+    held = {t: b // stride for t, (b, _) in holdings.items() if b}
+    if set(held) <= {asker}:
+        return []
+    guarantee = {t: g // stride for t, (_, g) in holdings.items()}
+    return room_plan(asker, n, short, held, guarantee, pool_bytes // stride)
+
+
+def over_quota(held: int, more: int, quota: int, stride: int) -> int:
+    """Blocks of `stride` bytes a tenant holding `held` bytes must give up so `more` bytes fit
+    its `quota` (0: they fit, or no quota)."""
+    if not quota or held + more <= quota:
+        return 0
+    return -(-(held + more - quota) // stride)
+
+
+def tenant_victims(index: PrefixIndex, owner: Callable[[Tenant], str], tenant: str,
+                   n: int) -> list[Block]:
+    """Up to `n` of `tenant`'s evictable DRAM blocks, coldest first (the index's order); the
+    index's key spaces map to tenants by `owner`. O(evictable blocks)."""
+    return [b for b in index.victims(_DRAM, 1 << 30) if owner(b.tenant) == tenant][:n]
+
+
+def class_victim(index: PrefixIndex) -> bool:
+    """Evicts one DRAM victim (the index's order); False when none can go."""
+    return bool(index.evict_count(_DRAM, 1))
+
+
+def promotions(blocks: Sequence[Block]) -> list[int]:
+    """Positions of the blocks of an acquired prefix (pinned, root first) to promote into
+    DRAM: those not in DRAM (SSD-only), in order. The caller gives each a slot (`dram_room`
+    or the daemon's claim) and cuts the prefix before the first that gets none."""
+    return [i for i, b in enumerate(blocks) if not b.in_dram]
+
+
+def remote_offers(blocks: Sequence[Block], committed: bool, k: int) -> list[Block]:
+    """The blocks of a chain to offer to the remote tier, whose admission is the `k`-th access:
+    at Commit (`committed`) every new DRAM block when k is 1, none otherwise; at a Lookup the
+    DRAM blocks whose hits reach k just now."""
+    if committed and k > 1:
+        return []
+    return [b for b in blocks if b.in_dram and (committed or b.hits == k)]

@@ -342,6 +342,9 @@ class PrefixIndex(Eviction, HbmReports):
         self._pins += 1
         if b.pins == 1:
             self._pinned += 1
+            s = b.flags >> SLOT_SHIFT
+            if s:
+                self._slot_used[s - 1] = 2
             self._requeue(b)
         return b
 
@@ -353,5 +356,19 @@ class PrefixIndex(Eviction, HbmReports):
         self._pins -= 1
         if not b.pins:
             self._pinned -= 1
+            s = b.flags >> SLOT_SHIFT
+            if s:
+                self._slot_used[s - 1] = 1
             self._requeue(b)
         return b
+
+    def slot_pinned(self, slot: int) -> bool:
+        """Whether DRAM slot `slot` holds a pinned block (the pins' one owner: the daemon's pool
+        asks this, `kvtier.tiers.dram.PinOwner`)."""
+        return 0 <= slot < len(self._slot_used) and self._slot_used[slot] == 2
+
+    @property
+    def pinned_slots(self) -> int:
+        """DRAM slots holding pinned blocks (counted when asked: a C-speed scan of one byte per
+        slot, so pin and unpin stay as cheap as they were)."""
+        return self._slot_used.count(2)

@@ -118,7 +118,7 @@ class IndexState:
                 and (ssd_blocks or pol.ghosts) else 0)
         self.history = AdmissionHistory(admission_history)
         self.block_bytes = block_bytes
-        self._slot_used = bytearray(dram_blocks or 0)
+        self._slot_used = bytearray(dram_blocks or 0)  # 0 free, 1 a block's, 2 a pinned block's
         self._maps: dict[Tenant, dict[BlockKey, Block]] = {}
         self._replicas: dict[str | int, int] = {}
         self._clock = 0
@@ -251,7 +251,7 @@ class IndexState:
             self._ssd_writes += 1
         if slot is not None:
             b.flags |= (slot + 1) << SLOT_SHIFT
-            self._slot_used[slot] = 1
+            self._slot_used[slot] = 2 if b.pins else 1
         self._requeue(b)
         if self._journal is not None:
             p = b.parent

@@ -9,9 +9,10 @@ Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian k
      the k-th access, under a parent on SSD), each after SSD room (`placement.ssd_room`) and
      the SSD write budget; a write-back the budget refuses ends the chain's write-backs
      (counted in `ssd_writes_refused`).
-  2. Acquire: the prefix is pinned until the request ends; each SSD-only block is promoted
-     into DRAM (`index.promote`; the SSD copy stays) after `placement.dram_room` made a slot;
-     the prefix ends before a block that gets none.
+  2. Acquire: the prefix is pinned until the request ends; each block the planner promotes
+     (`placement.promotions`: the SSD-only ones) is promoted into DRAM (`index.promote`; the
+     SSD copy stays) after `placement.dram_room` made a slot; the prefix ends before a block
+     that gets none.
   3. Allocate: `index.admit` says how many of the missed blocks the policy stores (all, for
      LRU; a prefix of them for policies with DRAM admission, e.g. without a partial last
      block); `placement.dram_room` makes room for them. A request longer than what DRAM can
@@ -25,7 +26,8 @@ Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian k
 
 With a shared remote tier (a fleet, `kvtier.sim.fleet`; `Node`'s docstring): Lookup also asks
 it for the blocks after the local prefix, Acquire fetches them into DRAM after a whole local
-prefix, and Commit writes the committed blocks to it.
+prefix, and Commit writes the committed blocks to it (`placement.remote_offers` with the
+daemon's k = 1).
 
 `Node` holds one node's state and serves one request (`Node.serve`); `replay` is one node
 serving the whole trace. This is the daemon's order and its rules
@@ -200,9 +202,8 @@ class Node:
             pin(tenant, b.key)
         promoted = 0
         if on_ssd:
-            for i, b in enumerate(held):
-                if b.in_dram:
-                    continue
+            for i in placement.promotions(held):
+                b = held[i]
                 # the daemon's pool counts claimed slots as pinned only from the lease's grant
                 if dram_room(idx, 1, free(dram) or 0, promoted) < 1:
                     for rest in held[i:]:
@@ -250,7 +251,8 @@ class Node:
                 if write is not None:
                     write(new)
                 if remote is not None:
-                    self._write_remote(remote, committed)
+                    offers = placement.remote_offers(new, committed=True, k=1)
+                    self._write_remote(remote, [b.key for b in offers])
             self.not_stored += missing - stored
             self.inserted += stored
         # Release

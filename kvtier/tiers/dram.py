@@ -17,16 +17,22 @@ backed by one anonymous file per tenant (`kvtier.tiers.dram_regions`), a tenant'
 its own, handed over after its token is checked, and holds none of another tenant's bytes.
 Remote clients use the daemon's Read/WriteBlocks byte stream.
 
-Lease rule (invariant 3): a slot with a nonzero pin count is never freed nor rewritten through
-the pool: `free` and `write` refuse it (`SlotPinned`). The daemon pins a slot for each lease that
-lets a client read it and unpins at release/expiry; the mover pins slots it is writing back.
+Lease rule (invariant 3): a pinned slot is never freed nor rewritten through the pool: `free` and
+`write` refuse it (`SlotPinned`). Pins have one owner. A pool on its own (tools, tests, the
+mover's tests) keeps them itself (`pin`/`unpin`). The daemon's pool has an owner (`PinOwner`:
+the prefix index): a slot is pinned while the block in it is pinned in the index (a lease, a
+queued write-back or remote write, a page move's source), and the pool asks it; the pool's own
+pins are then only page moves' targets, which hold no block yet.
 
 Threading: `DramPool` metadata operations take an internal lock and may be called from any
 thread. Slot bytes are not locked: the pin rule is what keeps readers and writers apart. The
 pool's lock is innermost: callers may hold their own locks (the daemon's cache lock, a write
-queue's) when they call in, and nothing here takes another lock under it; `evacuate` and
-`clear_row` call `moved` under it, which must take no lock that is ever held while calling the
-pool. They also copy the moved blocks' bytes under it (a page's worth at most).
+queue's) when they call in, and nothing here takes another lock under it. Moving blocks to free
+a page or a row runs in three steps so the copy holds no lock: `plan_evacuation` / `plan_row`
+(pool lock: targets claimed, both ends pinned — the source by the owner when there is one),
+`copy_moves` (no lock, any thread), `end_move` per pair (pool lock: unpin, free the old slot or
+give the target back). `evacuate` and `clear_row` run the three on the caller's thread (tests,
+tools). The owner (`PinOwner`) is asked under the pool's lock and takes no lock.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -134,6 +140,27 @@ class DramSpec:
         count = max(1, data // max(want, stride))
         size = data // count // 4096 * 4096
         return max(size, stride), count
+
+
+class PinOwner(Protocol):
+    """Who holds the pins of the blocks in the pool's slots, when not the pool itself: the
+    daemon's prefix index (`PrefixIndex.slot_pinned`), whose block pins are the only ones."""
+
+    def slot_pinned(self, slot: int) -> bool: ...
+
+    @property
+    def pinned_slots(self) -> int: ...
+
+
+class SlotMove(NamedTuple):
+    """A planned move of one block's bytes between two slots of its class (`plan_evacuation`,
+    `plan_row`): slot ids and their segment offsets, fixed when planned."""
+
+    old: int
+    new: int
+    src: int
+    dst: int
+    nbytes: int
 
 
 class DramStats(NamedTuple):
@@ -245,7 +272,8 @@ class DramPool:
         self.path = (f"memfd:{spec.name}" if spec.isolated
                      else os.path.join(spec.shm_dir, spec.name))
         self._lock = threading.Lock()
-        self._pins: dict[int, int] = {}
+        self._pins: dict[int, int] = {}  # its own pins: all of them without an owner
+        self.owner: PinOwner | None = None  # the pins' owner (`PinOwner`), when not itself
         self._closed = False
         self.mlocked = False
         self.huge_pages = False
@@ -435,18 +463,23 @@ class DramPool:
         Refuses a pinned slot (SlotPinned) or a free one."""
         with self._lock:
             self._check(slot)
-            if self._pins.get(slot):
-                raise SlotPinned(f"slot {slot} has {self._pins[slot]} pin(s)")
+            if self._held(slot):
+                raise SlotPinned(f"slot {slot} is pinned")
             self.pages.free(slot)
 
     def pin(self, slot: int) -> int:
-        """Add a pin (a lease) to an allocated slot; returns the new pin count."""
+        """Add a pin (a lease) to an allocated slot; returns the new pin count. Only for a pool
+        that keeps its own pins (no `owner`: pin the block there instead)."""
+        if self.owner is not None:
+            raise DramError("this pool's pins are its owner's: pin the block, not the slot")
         with self._lock:
             self._check(slot)
             n = self._pins[slot] = self._pins.get(slot, 0) + 1
             return n
 
     def unpin(self, slot: int) -> int:
+        if self.owner is not None:
+            raise DramError("this pool's pins are its owner's: unpin the block, not the slot")
         with self._lock:
             self._check(slot)
             n = self._pins.get(slot, 0)
@@ -459,7 +492,13 @@ class DramPool:
             return n - 1
 
     def pins(self, slot: int) -> int:
+        """The pool's own pins of `slot` (with an owner: only a page move's target)."""
         return self._pins.get(slot, 0)
+
+    def _held(self, slot: int) -> bool:
+        """Whether `slot` is pinned: by the pool's own pins or, with an owner, by its block's."""
+        owner = self.owner
+        return bool(self._pins.get(slot)) or (owner is not None and owner.slot_pinned(slot))
 
     def is_allocated(self, slot: int) -> bool:
         return self.pages.is_allocated(slot)
@@ -477,57 +516,105 @@ class DramPool:
         fit the class's free slots elsewhere (what `evacuate` needs, before the caller's rule)."""
         cls = self._class_of(nbytes)
         with self._lock:
-            return self.pages.evacuation(cls, lambda s: not self._pins.get(s)) is not None
+            return self.pages.evacuation(cls, lambda s: not self._held(s)) is not None
 
     def evacuate(self, nbytes: int, movable: Callable[[int], bool],
                  moved: Callable[[int, int], None], for_nbytes: int = 0) -> int:
         """Frees one page of the class of `nbytes` blocks by moving its live slots into the
-        class's free slots on other pages: only when every one is unpinned and `movable`
-        (the caller's rule, e.g. an index block no lease holds). Copies each block, calls
-        `moved(old, new)` (the caller repoints its owner), frees the old slot; the page goes
-        back to the free pages. Returns the slots moved, -1 when no page can be freed so.
-        `for_nbytes`: the block size the page is freed for (the page chosen keeps its slots
-        next to that class's pages when it can: `PageTable.evacuation`)."""
-        cls = self._class_of(nbytes)
-        stride = geometric(cls)
-        want = self._class_of(for_nbytes) if for_nbytes else 0
-        with self._lock:
-            found = self.pages.evacuation(
-                cls, lambda s: not self._pins.get(s) and movable(s), want)
-            if found is None:
-                return -1
-            page, live = found
-            dst = self.pages.targets(cls, page, len(live))
-            self.pages.claim(dst)
-            buf = self._map.buf
-            for old, new in zip(live, dst, strict=True):
-                a, b = self.offset(old), self.offset(new)
-                buf[b : b + stride] = buf[a : a + stride]
-                moved(old, new)
-                self.pages.free(old)
-            return len(live)
+        class's free slots on other pages: `plan_evacuation`, then `copy_moves` and per pair
+        `moved(old, new)` (the caller repoints its owner) and `end_move`, on this thread.
+        Returns the slots moved, -1 when no page can be freed so."""
+        moves = self.plan_evacuation(nbytes, movable, for_nbytes)
+        return -1 if moves is None else self._move_now(moves, moved)
 
     def clear_row(self, nbytes: int, movable: Callable[[int], bool],
                   moved: Callable[[int, int], None]) -> int:
-        """For blocks of `nbytes` larger than a page (a row spans pages): frees the pages of
-        one row by moving the blocks of other classes on them into free slots of their classes
-        elsewhere (`PageTable.relocation`), only when each is unpinned and `movable`. Copies
-        each block, calls `moved(old, new)`, frees the old slot. Returns the blocks moved, -1
-        when no row can be freed so."""
+        """For blocks of `nbytes` larger than a page: frees the pages of one row
+        (`plan_row`), then copies and ends the moves as `evacuate` does. Returns the blocks
+        moved, -1 when no row can be freed so."""
+        moves = self.plan_row(nbytes, movable)
+        return -1 if not moves else self._move_now(moves, moved)
+
+    def _move_now(self, moves: list[SlotMove], moved: Callable[[int, int], None]) -> int:
+        self.copy_moves(moves)
+        for m in moves:
+            moved(m.old, m.new)
+            self.end_move(m, True)
+        return len(moves)
+
+    def plan_evacuation(self, nbytes: int, movable: Callable[[int], bool],
+                        for_nbytes: int = 0) -> list[SlotMove] | None:
+        """The moves that free one page of the class of `nbytes` blocks: its live slots (only
+        when every one is unpinned and `movable`, the caller's rule) to the class's free slots
+        on other pages, which are claimed now (taken: no allocation gets them). Both ends of
+        each move are pinned until `end_move` (the source by the pool's owner, when it has
+        one: the caller pins its block there), so neither is freed, rewritten or moved again
+        meanwhile. None when no page can be freed so. `for_nbytes`: the block size the page is
+        freed for (the page chosen keeps its slots next to that class's pages when it can:
+        `PageTable.evacuation`)."""
+        cls = self._class_of(nbytes)
+        want = self._class_of(for_nbytes) if for_nbytes else 0
+        with self._lock:
+            found = self.pages.evacuation(
+                cls, lambda s: not self._held(s) and movable(s), want)
+            if found is None:
+                return None
+            page, live = found
+            dst = self.pages.targets(cls, page, len(live))
+            self.pages.claim(dst)
+            return self._planned(list(zip(live, dst, strict=True)))
+
+    def plan_row(self, nbytes: int, movable: Callable[[int], bool]) -> list[SlotMove]:
+        """For blocks of `nbytes` larger than a page (a row spans pages): the moves that free
+        the pages of one row, the blocks of other classes on them to free slots of their
+        classes elsewhere (`PageTable.relocation`), only when each is unpinned and `movable`;
+        targets claimed and both ends pinned as in `plan_evacuation`. [] when no row can be
+        freed so."""
         cls = self._class_of(nbytes)
         with self._lock:
             pairs = self.pages.relocation(
-                cls, lambda s: not self._pins.get(s) and movable(s))
-            if not pairs:
-                return -1
-            buf = self._map.buf
-            for old, new in pairs:
-                n = self.pages.stride_of(old)
-                a, b = self.offset(old), self.offset(new)
-                buf[b : b + n] = buf[a : a + n]
-                moved(old, new)
-                self.pages.free(old)
-            return len(pairs)
+                cls, lambda s: not self._held(s) and movable(s))
+            return self._planned(pairs)
+
+    def _planned(self, pairs: list[tuple[int, int]]) -> list[SlotMove]:
+        """Pins the ends of each move the pool owns (`_ends`) and notes where their bytes are
+        (pool lock held)."""
+        out: list[SlotMove] = []
+        for old, new in pairs:
+            for s in self._ends(old, new):
+                self._pins[s] = self._pins.get(s, 0) + 1
+            n = self.pages.stride_of(old)
+            out.append(SlotMove(old, new, self.offset(old), self.offset(new), n))
+        return out
+
+    def _ends(self, old: int, new: int) -> tuple[int, ...]:
+        """The ends of a move the pool pins itself: both, or with an owner only the target (the
+        owner pins the source's block: `Tiers._moving`)."""
+        return (old, new) if self.owner is None else (new,)
+
+    def copy_moves(self, moves: list[SlotMove]) -> None:
+        """Copies each planned move's bytes, old slot to new. Takes no lock: both slots are
+        pinned (nobody frees or rewrites them) and their offsets were fixed when planned; call
+        it on any thread, without the caller's locks."""
+        buf = self._map.buf
+        for m in moves:
+            buf[m.dst : m.dst + m.nbytes] = buf[m.src : m.src + m.nbytes]
+
+    def end_move(self, move: SlotMove, moved: bool) -> None:
+        """Ends a planned move: unpins its ends (`_ends`), then frees the old slot when the block
+        `moved` (its owner now names the new one; its page goes back once every slot left it),
+        else the new one (the block stays where it was: a reader pinned it meanwhile)."""
+        with self._lock:
+            for s in self._ends(move.old, move.new):
+                n = self._pins[s] - 1
+                if n:
+                    self._pins[s] = n
+                else:
+                    del self._pins[s]
+            gone = move.old if moved else move.new
+            if self._held(gone):
+                raise SlotPinned(f"slot {gone} is pinned; the move cannot free it")
+            self.pages.free(gone)
 
     # -- bytes ----------------------------------------------------------------------------
 
@@ -567,7 +654,7 @@ class DramPool:
         src = np.frombuffer(data, dtype=np.uint8)
         with self._lock:
             self._check(slot)
-            if self._pins.get(slot):
+            if self._held(slot):
                 raise SlotPinned(f"slot {slot} is leased; it cannot be rewritten")
             stride = self.pages.stride_of(slot)
         if src.nbytes > stride:
@@ -586,10 +673,17 @@ class DramPool:
         for slot, out in zip(slots, outs, strict=True):
             self.read_into(slot, out)
 
+    def strides(self) -> set[int]:
+        """The size classes (slot strides) holding pages now."""
+        with self._lock:
+            return self.pages.strides()
+
     def stats(self) -> DramStats:
         with self._lock:
             t = self.pages
             used, used_bytes, pinned = t.used, t.used_bytes, len(self._pins)
+            if self.owner is not None:
+                pinned += self.owner.pinned_slots
             classes = tuple(t.classes())
             pages_free = t.free_pages
             small = next((c for c in classes if c.stride == self.slot_stride), None)

@@ -535,6 +535,10 @@ class PageTable:
     def free_pages(self) -> int:
         return len(self._free_pages)
 
+    def strides(self) -> set[int]:
+        """The classes that hold pages."""
+        return set(self._class_pages)
+
     def classes(self) -> list[ClassStats]:
         return [ClassStats(s, len(pages), sum(self._live[p] for p in pages),
                            sum(self.per_page(s, p) for p in pages))

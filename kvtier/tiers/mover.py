@@ -3,7 +3,7 @@
 Write-back (asynchronous):
 
     daemon admits block in slot s ──submit()──▶ [wear budget · bounded queue]
-                                                   │ (the mover pins s: it cannot be reused)
+                                                   │ (s is pinned: it cannot be reused)
                        writer thread ◀─────────────┘ batches of up to `batch_blocks`
                        SsdStore.put_many(batch)  (one LMDB transaction, zero-copy from slots)
                        unpin each slot, then on_written(batch, result)  → the daemon records
@@ -122,7 +122,8 @@ class Mover:
     # -- write-back -------------------------------------------------------------------------
 
     def submit(self, item: WriteBack) -> Submitted:
-        """Queue a write-back without blocking; on QUEUED the mover pins the slot until written.
+        """Queue a write-back without blocking; on QUEUED the slot stays pinned until written
+        (the queue pins it, or the pool's owner does: `SlotWriteQueue.offer`).
 
         On any other result the slot is untouched and stays the caller's to free.
         """

@@ -11,6 +11,9 @@ remote tier's write-through (`kvtier.daemon.remote_tier`). The bound is in slot 
 item counts its slot's size-class stride, `DramPool.stride_of`) because what a queued write
 costs is the DRAM it keeps pinned; an empty queue takes one item of any size. `offer` never
 blocks and never waits on I/O: the caller learns at once whether the slot is now the queue's.
+The queue pins the slots itself only in a pool that keeps its own pins; the daemon's pool has
+an owner (the prefix index, `DramPool.owner`), and the daemon pins each block there before it
+offers its slot and unpins it in `done`: one owner for every pin.
 
 Lifecycle: `flush(timeout)` waits until everything queued is written; `close(timeout)` flushes,
 stops taking items, stops the thread and hands what is left to `done(left, None)` with its
@@ -95,7 +98,9 @@ class SlotWriteQueue(Generic[T, R]):
 
     def offer(self, item: T, spend: Callable[[], bool] | None = None) -> Offered:
         """Queues `item` without blocking. On QUEUED its slot is pinned until `done` reports
-        it; otherwise the slot is untouched. `spend` (a budget, under the queue's lock) is asked
+        it — by the queue in a pool that keeps its own pins, else by the offerer, who pinned the
+        slot's block with the pool's owner before offering (the daemon) —; otherwise the slot
+        is untouched. `spend` (a budget, under the queue's lock) is asked
         only when the item fits; its False is REFUSED."""
         size = self.pool.stride_of(item.slot)
         with self._cv:
@@ -105,7 +110,8 @@ class SlotWriteQueue(Generic[T, R]):
                 return Offered.FULL
             if spend is not None and not spend():
                 return Offered.REFUSED
-            self.pool.pin(item.slot)
+            if self.pool.owner is None:  # else the offerer pinned the slot's block
+                self.pool.pin(item.slot)
             self._queue.append(item)
             self._held += size
             self._cv.notify()
@@ -143,8 +149,9 @@ class SlotWriteQueue(Generic[T, R]):
             return None
 
     def _finish(self, batch: list[T], result: R | None) -> None:
-        for w in batch:
-            self.pool.unpin(w.slot)
+        if self.pool.owner is None:
+            for w in batch:
+                self.pool.unpin(w.slot)
         try:
             self._done(batch, result)
         except Exception:

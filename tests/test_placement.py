@@ -1,0 +1,102 @@
+"""`kvtier.index.placement`'s decisions the daemon and the simulator share, on a real
+`PrefixIndex` (LRU): fair-share victims between tenants, one tenant's coldest blocks, the
+hopeless-room rule, quota overshoot, victims one at a time across size classes, promotions and
+remote offers. Expected values are worked out by hand in each test."""
+
+from __future__ import annotations
+
+from kvtier.core.types import Tier
+from kvtier.index import placement
+from kvtier.index.prefix import PrefixIndex
+
+
+def k(tag: int, i: int) -> bytes:
+    return bytes([tag, i])
+
+
+def lru(dram: int = 16, ssd: int = 16) -> PrefixIndex:
+    return PrefixIndex(dram_blocks=dram, ssd_blocks=ssd, policy="lru", admission_k=2)
+
+
+def owner(ns: object) -> str:
+    return str(ns).split("/")[0]
+
+
+def test_tenant_victims_are_one_tenants_coldest_leaves_first() -> None:
+    ix = lru()
+    # a/x: a chain 0 -> 1 -> 2 (only its leaf is evictable), b/x: two roots, a/y: one root
+    for i in range(3):
+        ix.insert("a/x", k(1, i), k(1, i - 1) if i else None)
+    ix.insert("b/x", k(2, 0), None)
+    ix.insert("a/y", k(3, 0), None)
+    ix.insert("b/x", k(2, 1), None)
+    got = placement.tenant_victims(ix, owner, "a", 5)
+    assert [(b.tenant, b.key) for b in got] == [("a/x", k(1, 2)), ("a/y", k(3, 0))]
+    assert [b.key for b in placement.tenant_victims(ix, owner, "b", 1)] == [k(2, 0)]
+    assert placement.tenant_victims(ix, owner, "c", 3) == []
+    assert len(ix) == 6  # intents only: nothing dropped
+
+
+def test_share_plan_takes_from_the_tenant_over_its_share() -> None:
+    stride = 4096
+    # 10-slot pool, a holds 8 slots, b (asking for 3, 1 free) holds 1: equal shares of 5
+    holdings = {"a": (8 * stride, 0), "b": (1 * stride, 0)}
+    assert placement.share_plan("b", 3, 2, holdings, stride, 10 * stride) == [("a", 3), ("b", 2)]
+    # only the asker holds DRAM: no plan (its own coldest go by the policy's order)
+    assert placement.share_plan("a", 3, 2, {"a": (8 * stride, 0), "b": (0, 0)}, stride,
+                                10 * stride) == []
+
+
+def test_room_hopeless_with_one_class_and_with_several() -> None:
+    ix = lru(dram=4)
+    for i in range(4):
+        ix.insert("a/x", k(1, i), None)
+    # 4 blocks, 1 pinned: 3 evictable; 5 wanted with 1 free is hopeless for one class only
+    assert placement.room_hopeless(ix, 5, 1, 1, one_class=True)
+    assert not placement.room_hopeless(ix, 5, 1, 1, one_class=False)
+    assert not placement.room_hopeless(ix, 4, 1, 1, one_class=True)
+    assert placement.room_hopeless(ix, 1, 0, 4, one_class=False)  # nothing evictable
+
+
+def test_class_victim_evicts_one_coldest_block() -> None:
+    ix = lru(dram=4, ssd=0)
+    for i in range(3):
+        ix.insert("a/x", k(1, i), None)
+    assert placement.class_victim(ix)
+    assert ix.get("a/x", k(1, 0)) is None and len(ix) == 2
+    ix.pin("a/x", k(1, 1))
+    ix.pin("a/x", k(1, 2))
+    assert not placement.class_victim(ix)
+
+
+def test_promotions_are_the_ssd_only_blocks_in_order() -> None:
+    ix = lru()
+    ix.insert("a/x", k(1, 0), None, Tier.SSD)
+    ix.insert("a/x", k(1, 1), k(1, 0), Tier.SSD)
+    ix.add_tier("a/x", k(1, 0), Tier.DRAM)
+    ix.insert("a/x", k(1, 2), k(1, 1), Tier.SSD)
+    blocks = ix.lookup("a/x", [k(1, 0), k(1, 1), k(1, 2)], touch=False).blocks
+    assert placement.promotions(blocks) == [1, 2]
+
+
+def test_remote_offers_at_commit_for_k1_and_at_the_kth_lookup() -> None:
+    ix = lru()
+    for i in range(3):
+        ix.insert("a/x", k(1, i), k(1, i - 1) if i else None)
+    chain = [k(1, i) for i in range(3)]
+    new = ix.lookup("a/x", chain, touch=False).blocks
+    assert [b.key for b in placement.remote_offers(new, committed=True, k=1)] == chain
+    assert placement.remote_offers(new, committed=True, k=2) == []
+    # k = 2: the store was the first access, the next lookup makes the second and offers
+    # them; the one after (a third access) offers nothing again
+    assert [b.key for b in placement.remote_offers(
+        ix.lookup("a/x", chain).blocks, False, 2)] == chain
+    assert placement.remote_offers(ix.lookup("a/x", chain).blocks, False, 2) == []
+
+
+def test_over_quota_counts_the_blocks_to_give_up() -> None:
+    # 10 KiB quota, 8 KiB held, 4 KiB more: 2 KiB over = one 4 KiB block (rounded up)
+    assert placement.over_quota(8192, 4096, 10240, 4096) == 1
+    assert placement.over_quota(8192, 8192, 10240, 4096) == 2  # 6 KiB over: 2 blocks
+    assert placement.over_quota(4096, 4096, 10240, 4096) == 0  # fits
+    assert placement.over_quota(1 << 40, 4096, 0, 4096) == 0  # no quota
