@@ -321,3 +321,29 @@ def test_the_async_client_maps_its_tenants_memory(two: tuple[DaemonProc, Client,
 
     asyncio.run(main())
     assert bob_intact(b)
+
+
+def test_a_block_size_equal_to_another_tenants_class_id_gets_a_slot_it_fits(
+        tmp_path: Path) -> None:
+    """A tenant's class id is its stride plus a tag (bob's first class: 65,536 + 1). A block
+    size equal to that id must still be read as a size: alice's 65,537-byte blocks get slots of
+    at least 65,537 bytes, not 65,536-byte ones where each block's last byte is the next one's
+    first (found by review; before, alice's blocks came back corrupted, or her streamed ones
+    failed with INTERNAL, depending on whether bob had stored first)."""
+    d = tenants_daemon(tmp_path)
+    odd = LayoutDecl(fingerprint=b"iso-layout-odd01", block_bytes=BLOCK + 1, block_tokens=16,
+                     model_id="iso-model")
+    blocks = [bytes([0xA0 + i]) * BLOCK + bytes([0x10 + i]) for i in range(3)]
+    try:
+        with Client(d.socket, layout=LAYOUT, token=BOB) as b:  # bob's tag: 1
+            assert b.store(keys(b"bob", 4), [bob_block(i) for i in range(4)]).stored == 4
+            for streaming in (False, True):
+                tag = b"alice-s" if streaming else b"alice-z"
+                with Client(d.socket, layout=odd, token=ALICE, streaming=streaming) as a:
+                    assert a.store(keys(tag, 3), blocks).stored == 3
+                    with a.load(keys(tag, 3)) as got:
+                        assert got.blocks == 3
+                        assert [bytes(v) for v in got.views] == blocks
+            assert bob_intact(b)
+    finally:
+        d.stop()
