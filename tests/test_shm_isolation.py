@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -345,5 +347,38 @@ def test_a_block_size_equal_to_another_tenants_class_id_gets_a_slot_it_fits(
                         assert got.blocks == 3
                         assert [bytes(v) for v in got.views] == blocks
             assert bob_intact(b)
+    finally:
+        d.stop()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open (review): the fd a tenant's client got is a capability no reload takes back; after "
+    "its token is rotated or revoked (SIGHUP) it still maps the tenant's file, whose pages keep "
+    "backing the tenant's blocks, those stored with the new token included. A fix moves the "
+    "tenant's pages to a fresh file at a rotation and punches the old one (see the review "
+    "report); strict: this test then passes and the marker must go"))
+def test_an_fd_fetched_before_a_token_rotation_sees_none_of_the_blocks_stored_after(
+        tmp_path: Path) -> None:
+    d = tenants_daemon(tmp_path)
+    tokens = tmp_path / "tokens.toml"
+    new = "alice-rotated-token-3"
+    try:
+        assert d.proc is not None
+        with Client(d.socket, layout=LAYOUT, token=ALICE) as a:
+            assert a.store(keys(b"before", 1), [alice_block(0)]).stored == 1
+        old = fetch_fd(fd_socket_path(str(d.socket)), ALICE)  # what a leaked token got
+        leaked = mmap.mmap(old, os.fstat(old).st_size)
+        os.close(old)
+        tokens.write_text(TOKENS.replace(ALICE, new))
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "tenants changed: alice" not in d.log():
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.02)
+        secret = b"ALICE-AFTER-ROTATION" * (BLOCK // 20) + b"\0" * (BLOCK % 20)
+        with Client(d.socket, layout=LAYOUT, token=new) as a:
+            assert a.store(keys(b"after", 1), [secret]).stored == 1
+            assert bytes(leaked).find(b"ALICE-AFTER-ROTATION") == -1
+        leaked.close()
     finally:
         d.stop()
