@@ -382,3 +382,39 @@ def test_an_fd_fetched_before_a_token_rotation_sees_none_of_the_blocks_stored_af
         leaked.close()
     finally:
         d.stop()
+
+
+def _many_tenants(n: int) -> str:
+    return "".join(f'[tenants.t{i:03d}]\ntoken = "token-of-tenant-{i:03d}"\n\n' for i in range(n))
+
+
+def test_more_tenants_than_the_isolated_pool_serves_are_refused_at_start_and_reload(
+        tmp_path: Path) -> None:
+    """An isolated pool tags each tenant's classes with 1..255 (below the 256 B stride unit).
+    Before (found by review), a tokens file of 256 tenants started, and the 256th tenant to
+    store got an internal error on every store; now the start is refused with one line (exit
+    2), and so is a reload to 256 (the running tenants kept)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(_many_tenants(256))
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)], launcher=CAPLESS)
+    with pytest.raises(RuntimeError, match="daemon exited 2") as exc:
+        d.start()
+    assert "256 tenants, more than the 255 an isolated DRAM pool serves" in str(exc.value)
+    tokens.write_text(_many_tenants(255))
+    d.start()
+    try:
+        assert d.proc is not None
+        with Client(d.socket, layout=LAYOUT, token="token-of-tenant-254") as kv:
+            assert kv.store(keys(b"t254", 1), [alice_block(0)]).stored == 1
+        tokens.write_text(_many_tenants(256))
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reload (SIGHUP) refused" not in d.log():
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.02)
+        assert "256 tenants, more than the 255" in d.log()
+        with Client(d.socket, layout=LAYOUT, token="token-of-tenant-254") as kv, \
+                kv.load(keys(b"t254", 1)) as got:
+            assert got.blocks == 1
+    finally:
+        d.stop()
