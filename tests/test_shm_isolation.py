@@ -416,5 +416,14 @@ def test_more_tenants_than_the_isolated_pool_serves_are_refused_at_start_and_rel
         with Client(d.socket, layout=LAYOUT, token="token-of-tenant-254") as kv, \
                 kv.load(keys(b"t254", 1)) as got:
             assert got.blocks == 1
+        # 255 in the file, but t254 (dropped from it) has a tag its blocks keep: 256 in all
+        tokens.write_text(_many_tenants(254) + '[tenants.newcomer]\ntoken = "token-new"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        while "with the tenants that stored since the start" not in d.log():
+            assert time.monotonic() < deadline + 10, d.log()
+            time.sleep(0.02)
+        assert "256 tenants, more than the 255" in d.log().rsplit("reload (SIGHUP) refused")[-1]
+        with Client(d.socket, layout=LAYOUT, token="token-of-tenant-254") as kv:
+            assert kv.lookup(keys(b"t254", 1)).hit_blocks == 1  # the running tenants kept
     finally:
         d.stop()

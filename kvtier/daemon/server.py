@@ -365,6 +365,13 @@ class Daemon:
         try:
             done, file_values = reload.prepare(self.source, self.cfg, self.auth,
                                                self._file_values)
+            if self.cache is not None and done.auth.required:
+                # tags are never reused: tenants that stored since the start count too
+                seen = self.cache.pool.tagged_tenants() | {t.name for t in done.auth.tenants()}
+                problem = tenant_count_problem(len(seen), done.cfg.tokens_file)
+                if problem:
+                    raise UsageError(f"{problem} (with the tenants that stored since the start; "
+                                     "a restart starts over)")
         except UsageError as exc:
             log.error("reload (SIGHUP) refused, nothing changed: %s", exc)
             sdnotify.notify("READY=1")

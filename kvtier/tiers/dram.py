@@ -435,6 +435,14 @@ class DramPool:
         with self._lock:
             return self._regions.fd(tenant)
 
+    def tagged_tenants(self) -> set[str]:
+        """The tenants that have had a class since the pool was made (isolated pools; their
+        tags are never reused: at most `dram_regions.MAX_TENANTS`)."""
+        if self._regions is None:
+            return set()
+        with self._lock:
+            return self._regions.tagged()
+
     def page_tenant(self, page: int) -> str | None:
         """The tenant whose memory backs page `page` (isolated pools; None: a free page)."""
         if self._regions is None:

@@ -129,6 +129,10 @@ class TenantRegions:
         self._owner[cls] = tenant
         return cls
 
+    def tagged(self) -> set[str]:
+        """The tenants given a tag so far."""
+        return set(self._tags)
+
     def is_class(self, cls: int) -> bool:
         return cls in self._owner
 
