@@ -185,6 +185,46 @@ def test_silent_clients_on_the_fd_socket_hold_no_one_up(
             s.close()
 
 
+def test_many_fd_requests_leave_the_daemon_no_more_fds(
+        two: tuple[DaemonProc, Client, Client]) -> None:
+    """Review: fds handed out, refused requests, clients that send fds of their own, hang up
+    half-way or never read the reply — the daemon's own descriptors come back to where they
+    were (each handed fd is the tenant's file, sent, never a dup the daemon keeps)."""
+    d, _, _ = two
+    assert d.proc is not None
+    fds = Path(f"/proc/{d.proc.pid}/fd")
+    try:
+        before = len(os.listdir(fds))
+    except PermissionError:
+        pytest.skip("the daemon is non-dumpable and this process may not read its fds")
+    path = fd_socket_path(str(d.socket))
+    for _ in range(100):
+        os.close(fetch_fd(path, ALICE))
+    unread = []
+    for i in range(100):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        if i % 3 == 0:  # a request that comes with fds of the client's own
+            r, w = os.pipe()
+            socket.send_fds(s, [fd_request(BOB)], [r, w])
+            os.close(r)
+            os.close(w)
+        elif i % 3 == 1:
+            s.sendall(b"KVTFD1 not-a-token\n")
+        else:
+            s.sendall(fd_request(BOB)[:5])  # hangs up half-way
+            s.close()
+            continue
+        unread.append(s)  # its reply (and fd) never read
+    deadline = time.monotonic() + 10
+    while len(os.listdir(fds)) > before:
+        assert time.monotonic() < deadline, f"{len(os.listdir(fds))} fds, {before} before"
+        time.sleep(0.05)
+    for s in unread:
+        s.close()
+    assert len(os.listdir(fds)) <= before
+
+
 def test_a_file_at_the_fd_socket_path_is_refused_and_kept(tmp_path: Path) -> None:
     """The fd socket's path is claimed as the gRPC socket's: a user's file there is never
     removed; the daemon refuses to start with one line naming it."""
