@@ -38,7 +38,7 @@ def test_no_file_and_tenant_classes_never_share_a_page(pool: DramPool) -> None:
     assert pool.isolated and not os.path.exists(os.path.join("/dev/shm", "iso-unit"))
     a, b = pool.class_bytes(BLOCK, "a"), pool.class_bytes(BLOCK, "b")
     assert (a, b) == (BLOCK + 1, BLOCK + 2)  # the stride plus each tenant's tag
-    assert pool.stride_for(a) == pool.stride_for(b) == BLOCK
+    assert pool.class_stride(a) == pool.class_stride(b) == BLOCK
     sa, sb = pool.alloc_many(3, a), pool.alloc_many(3, b)
     assert sa is not None and sb is not None
     pages_a = {(pool.offset(s) - pool.data_offset) // PAGE for s in sa}

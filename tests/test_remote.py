@@ -5,6 +5,7 @@ paused, full, damaged values) and a 3-node Redis Cluster on loopback ports."""
 from __future__ import annotations
 
 import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +15,9 @@ import pytest
 
 pytest.importorskip("redis")
 
+from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
 from tests.daemon_fixture import DaemonProc
 from tests.redis_fixture import RedisCluster3, RedisServer, needs_redis
@@ -219,6 +222,64 @@ def test_paused_store_costs_a_bounded_wait(
         finally:
             redis_server.resume()
         assert b.healthy()
+
+
+def _lookup_conn(d: DaemonProc) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(5)
+    conn.connect(wire.lookup_socket_path(str(d.socket)))
+    conn.sendall(wire.hello(""))
+    assert _reply(conn) == b""
+    return conn
+
+
+def _reply(conn: socket.socket) -> bytes:
+    buf = b""
+    while len(buf) < 4 or len(buf) < 4 + wire.HEAD.unpack_from(buf)[0]:
+        got = conn.recv(65536)
+        assert got, "the daemon closed the lookup socket connection"
+        buf += got
+    body, err = wire.parse_reply(buf[4:])
+    assert err is None, (body, err)
+    assert isinstance(body, bytes)
+    return body
+
+
+def test_lookup_socket_requests_that_wait_on_the_store(
+    pair: tuple[DaemonProc, DaemonProc], redis_server: RedisServer,
+) -> None:
+    """The lookup socket's requests whose remote check waits (a handler finished by a task,
+    reading paused meanwhile): frames sent back to back are each answered, in order; a client
+    that closes mid-check, many times over while the store hangs, leaves the socket serving."""
+    a, b = pair
+    keys = chain(12, 2)
+    store_and_publish(a, redis_server, keys, payloads(2, 12))
+    req = wire.frame(pb.LookupRequest(layout=LAYOUT.layout_id, keys=b"".join(keys),
+                                      key_width=32).SerializeToString())
+    with Client(b.socket, layout=LAYOUT):  # registers the layout on B
+        with _lookup_conn(b) as conn:
+            conn.sendall(req * 3)  # pipelined, though the protocol has one at a time
+            for _ in range(3):
+                assert pb.LookupResponse.FromString(_reply(conn)).hit_blocks == 2
+        redis_server.pause()
+        try:
+            for _ in range(20):  # each closed while its check waits on the hung store
+                with _lookup_conn(b) as conn:
+                    conn.sendall(req)
+            with _lookup_conn(b) as conn:
+                started = time.monotonic()
+                conn.sendall(req)
+                assert pb.LookupResponse.FromString(_reply(conn)).hit_blocks == 0
+                assert time.monotonic() - started < 2.0  # remote_timeout_s 0.2
+        finally:
+            redis_server.resume()
+        wait_for(lambda: b.healthy())
+        with _lookup_conn(b) as conn:  # the store is back (after B's backoff): hits again
+            def hit() -> bool:
+                conn.sendall(req)
+                return pb.LookupResponse.FromString(_reply(conn)).hit_blocks == 2
+            wait_for(hit, timeout=15)
+    assert "Traceback" not in b.log()
 
 
 def test_full_store_refuses_writes_and_local_tiers_serve(

@@ -10,6 +10,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
@@ -179,6 +181,15 @@ def test_a_chunk_protobuf_decodes_differently_is_stored_as_protobuf_reads_it(
 @pytest.mark.parametrize("chunk", [
     bytes([0x12, 0x04, 0x1A, 0x7F, 0x00, 0x00]),  # data runs past its message: undecodable
     bytes([0x12, 0x02, 0x08, 0x05]),  # a chunk of block 5 of 1, and no data
+    # review (issue 25 fast path): each refused, none written outside the slot
+    chunk_head(0, 0, 1, BLOCK + 1, wrapped=True) + bytes(BLOCK + 1),  # more than the slot
+    bytes([0x12, 0x00]),  # an empty chunk
+    bytes([0x12, 0x02, 0x1A, 0x00]),  # zero-length data
+    chunk_head(0, 1 << 63, 0, 4, wrapped=True) + bytes(4),  # offset 2**63
+    chunk_head(0, BLOCK - 2, 0, 4, wrapped=True) + bytes(4),  # starts mid-block, runs past it
+    chunk_head((1 << 32) - 1, 0, 0, 4, wrapped=True) + bytes(4),  # block 2**32 - 1
+    bytes([0x12]) + bytes([0xFF] * 10) + bytes([0x01]),  # a length varint past 64 bits
+    bytes([0x12, 0x03, 0x1B, 0x00, 0x00]),  # field 3 as a group start: undecodable
 ])
 def test_a_bad_chunk_is_refused_and_changes_nothing(wired: DaemonProc, chunk: bytes) -> None:
     keys = chain(4, 1)
@@ -192,6 +203,34 @@ def test_a_bad_chunk_is_refused_and_changes_nothing(wired: DaemonProc, chunk: by
         assert after.active_leases == 0
         assert after.tiers[0].blocks == before.tiers[0].blocks
         assert after.tiers[0].used_bytes == before.tiers[0].used_bytes
+
+
+def test_a_second_chunk_past_the_block_is_refused(wired: DaemonProc) -> None:
+    keys = chain(6, 1)
+    first = chunk_head(0, 0, 1, BLOCK - 8, wrapped=True) + bytes(BLOCK - 8)
+    past = chunk_head(0, BLOCK - 8, 0, 16, wrapped=True) + bytes(16)  # 8 bytes past the slot
+    with Client(wired.socket, layout=LAYOUT, streaming=True) as kv:
+        with pytest.raises(grpc.RpcError) as exc:
+            _raw_write(wired.socket, [_header(keys).SerializeToString(), first, past])
+        assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert kv.lookup(keys).hit_blocks == 0 and kv.stats().active_leases == 0
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from([
+    b"\x08", b"\x10", b"\x1a", b"\x20", b"\x12", b"\x09", b"\x0a", b"\x28", b"\x1b",
+    b"\x00", b"\x01", b"\x7f", b"\x80", b"\xff", b"\x04", b"abcd",
+]), max_size=24), st.booleans())
+def test_whatever_the_hand_reader_takes_protobuf_reads_the_same(parts: list[bytes],
+                                                                wrapped: bool) -> None:
+    msg = b"".join(parts)
+    c = parse_chunk(msg, wrapped)
+    if c is None:
+        return  # protobuf decodes it (or refuses it)
+    theirs = (pb.WriteBlocksRequest.FromString(msg).chunk if wrapped
+              else pb.BlockChunk.FromString(msg))  # never refused when the hand reader took it
+    assert (c.index, c.offset, bytes(c.data), c.count) == (
+        theirs.index, theirs.offset, theirs.data, theirs.count)
 
 
 def test_a_chunk_before_the_header_is_refused(wired: DaemonProc) -> None:

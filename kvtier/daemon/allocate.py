@@ -164,9 +164,11 @@ class Allocator:
             )
         slots = yield from self.tiers.taking(n, usage.tenant.name, nbytes)
         if not slots:
+            pool = self.tiers.pool  # the room of the tenant's own class (isolated pool)
+            room = pool.room(pool.class_bytes(nbytes, usage.tenant.name))
             raise ResourceExhausted(
                 f"DRAM pool full: {n} slots of {stride} bytes wanted, "
-                f"{self.tiers.pool.room(nbytes)} free, the rest pinned by leases or being written"
+                f"{room} free, the rest pinned by leases or being written"
             )
         return slots
 

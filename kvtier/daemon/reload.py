@@ -39,6 +39,7 @@ from kvtier.core.units import format_bytes
 from kvtier.daemon import config as config_mod
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.config import Config
+from kvtier.tiers.dram_regions import tenant_count_problem
 
 if TYPE_CHECKING:
     from kvtier.daemon.cache import Cache
@@ -156,6 +157,10 @@ def prepare(source: ConfigSource, running: Config, auth: Authenticator,
         raise UsageError(f"tokens file {loaded.tokens_file}: the tenants' dram_guarantee add up "
                          f"to {format_bytes(guaranteed)}, more than the DRAM pool "
                          f"({format_bytes(running.dram_bytes)})")
+    problem = (tenant_count_problem(len(new_auth.tenants()), loaded.tokens_file)
+               if new_auth.required else None)
+    if problem:
+        raise UsageError(problem)
     # the running configuration with only the live settings replaced
     updates: dict[str, Any] = {k: now for k, (_, now) in found.live.items()}
     cfg = dataclasses.replace(running, **updates)

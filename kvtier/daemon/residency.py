@@ -454,7 +454,7 @@ class Tiers:
         value (StopIteration) is the slots."""
         pool = self.pool
         nbytes = pool.class_bytes(nbytes, tenant)
-        stride, cls = pool.stride_for(nbytes), pool.class_of(nbytes)
+        stride, cls = pool.class_stride(nbytes), pool.class_of(nbytes)
         wide = stride > pool.page_bytes  # its rows span pages: move blocks off a row first
         while wide and not pool.can_alloc(n, nbytes) and (yield from self._clear_row(nbytes)):
             pass

@@ -74,6 +74,7 @@ from kvtier.daemon.namespaces import KEY_WIDTHS
 from kvtier.daemon.rpc_guard import Limits, add_service
 from kvtier.daemon.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
 from kvtier.tiers import segment_owner
+from kvtier.tiers.dram_regions import tenant_count_problem
 
 log = logging.getLogger("kvtier.daemon.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvTier"].full_name
@@ -177,6 +178,10 @@ class Daemon:
                 f"{format_bytes(guaranteed)}, more than the DRAM pool "
                 f"({format_bytes(cfg.dram_bytes)})"
             )
+        problem = (tenant_count_problem(len(self.auth.tenants()), cfg.tokens_file)
+               if self.auth.required else None)
+        if problem:
+            raise UsageError(problem)
         problem = socket_path_problem(cfg.socket)
         if problem:
             raise UsageError(problem)
@@ -360,6 +365,13 @@ class Daemon:
         try:
             done, file_values = reload.prepare(self.source, self.cfg, self.auth,
                                                self._file_values)
+            if self.cache is not None and done.auth.required:
+                # tags are never reused: tenants that stored since the start count too
+                seen = self.cache.pool.tagged_tenants() | {t.name for t in done.auth.tenants()}
+                problem = tenant_count_problem(len(seen), done.cfg.tokens_file)
+                if problem:
+                    raise UsageError(f"{problem} (with the tenants that stored since the start; "
+                                     "a restart starts over)")
         except UsageError as exc:
             log.error("reload (SIGHUP) refused, nothing changed: %s", exc)
             sdnotify.notify("READY=1")

@@ -157,7 +157,7 @@ class KvTierService(pb_grpc.KvTierServicer):
     def _segment(self, tenant: Tenant, block_bytes: int) -> pb.SegmentInfo:
         """The pool as `tenant`'s blocks of `block_bytes` lie in it (their class's grid)."""
         pool = self.cache.pool
-        stride = pool.stride_for(pool.class_bytes(block_bytes, tenant.name))
+        stride = pool.class_stride(pool.class_bytes(block_bytes, tenant.name))
         return segment_info(pool.handle(), stride, pool.isolated)
 
     @staticmethod

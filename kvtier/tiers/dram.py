@@ -391,9 +391,19 @@ class DramPool:
         return self.pages.slot_ids
 
     def stride_for(self, nbytes: int) -> int:
-        """The slot stride (size class) a block of `nbytes` gets; raises DramError above
-        `max_block`. A tenant's class from `class_bytes` gives its stride."""
-        return geometric(self._class_of(nbytes))
+        """The slot stride a block of `nbytes` bytes gets; raises DramError above `max_block`.
+        `nbytes` is a size, never a class id (a size may equal another tenant's class id:
+        stride 65,536 + tag 1 is also a 65,537-byte block); a class's stride: `class_stride`."""
+        return self._stride_of_size(nbytes)
+
+    def class_stride(self, cls: int) -> int:
+        """The slot stride of class `cls` (a tenant's class from `class_bytes`, or a size)."""
+        return geometric(self._class_of(cls))
+
+    def _stride_of_size(self, nbytes: int) -> int:
+        if not 0 < nbytes <= self.max_block:
+            raise DramError(f"a {nbytes}-byte block is outside 1..{self.max_block} B")
+        return self.pages.stride_for(nbytes)
 
     def class_of(self, nbytes: int) -> int:
         """The class blocks of `nbytes` go to (its id in `DramStats.classes`): their stride,
@@ -404,9 +414,7 @@ class DramPool:
         """The class blocks of `nbytes` go to: a tenant's class (`class_bytes`) is itself."""
         if self._regions is not None and self._regions.is_class(nbytes):
             return nbytes
-        if not 0 < nbytes <= self.max_block:
-            raise DramError(f"a {nbytes}-byte block is outside 1..{self.max_block} B")
-        return self.pages.stride_for(nbytes)
+        return self._stride_of_size(nbytes)
 
     def class_bytes(self, nbytes: int, tenant: str) -> int:
         """What to ask the pool for `tenant`'s blocks of `nbytes` (`alloc_many`, `room`,
@@ -415,7 +423,7 @@ class DramPool:
         plus a tag below 256), so its pages hold its blocks only."""
         if self._regions is None:
             return nbytes
-        stride = self.stride_for(nbytes)
+        stride = self._stride_of_size(nbytes)  # a size: never read as another's class id
         with self._lock:
             return self._regions.class_id(tenant, stride)
 
@@ -426,6 +434,14 @@ class DramPool:
             raise DramError("a shared pool has no per-tenant memory")
         with self._lock:
             return self._regions.fd(tenant)
+
+    def tagged_tenants(self) -> set[str]:
+        """The tenants that have had a class since the pool was made (isolated pools; their
+        tags are never reused: at most `dram_regions.MAX_TENANTS`)."""
+        if self._regions is None:
+            return set()
+        with self._lock:
+            return self._regions.tagged()
 
     def page_tenant(self, page: int) -> str | None:
         """The tenant whose memory backs page `page` (isolated pools; None: a free page)."""

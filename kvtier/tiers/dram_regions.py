@@ -45,6 +45,17 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 MADV_HUGEPAGE = 14
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+MAX_TENANTS = UNIT - 1
+"""Tenants an isolated pool serves (their tags, 1..255, lie below the stride unit); a tokens file
+with more is refused at start and at a reload (`tenant_count_problem`)."""
+
+
+def tenant_count_problem(tenants: int, tokens_file: object) -> str | None:
+    """Why a tokens file of `tenants` tenants cannot serve an isolated pool, or None."""
+    if tenants <= MAX_TENANTS:
+        return None
+    return (f"tokens file {tokens_file}: {tenants} tenants, more than the {MAX_TENANTS} an "
+            "isolated DRAM pool serves")
 
 
 def _libc() -> Any:
@@ -110,13 +121,17 @@ class TenantRegions:
         tenant's tag. DramError past 255 tenants."""
         tag = self._tags.get(tenant)
         if tag is None:
-            if len(self._tags) >= UNIT - 1:
-                raise DramError(f"an isolated DRAM pool serves at most {UNIT - 1} tenants")
+            if len(self._tags) >= MAX_TENANTS:  # tenants of earlier tokens files included
+                raise DramError(f"an isolated DRAM pool serves at most {MAX_TENANTS} tenants")
             self.fd(tenant)
             tag = self._tags[tenant] = len(self._tags) + 1
         cls = geometric(stride) + tag
         self._owner[cls] = tenant
         return cls
+
+    def tagged(self) -> set[str]:
+        """The tenants given a tag so far."""
+        return set(self._tags)
 
     def is_class(self, cls: int) -> bool:
         return cls in self._owner
