@@ -99,7 +99,8 @@ from kvtier.index.policies import (
     EvictionQueue,
     Policy,
 )
-from kvtier.index.policy_minisim import COLD, FILTER, SKIP, MiniSims, SeenTable
+from kvtier.index.policy_minisim import COLD, FILTER, LFU, SKIP, MiniSims, SeenTable
+from kvtier.index.policy_peers import LfuQueue
 from kvtier.index.types import HITS_BITS, HITS_MAX
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ SAMPLED = MARK
 """`Block.flags` bit (the policy's `MARK`): the key is in the mini simulations' sample."""
 _P_COLD, _P_CONTROL, _P_SAMPLED = 1, 2, 4
 """Bits of a pending placement; the feature bucket is above them (``code >> 3``)."""
-SHARES = (0.1, 1.0, FILTER)
+SHARES = (0.1, 1.0, FILTER, LFU)
 """Candidate modes, ranked by `MiniSims`: probation share 0.1 (S3-FIFO-like, with the predictor's
 cold placement and tail bypass), 1.0 (plain LRU: every missed block stored at the hot end) and
 `FILTER` (LRU behind the reuse filter: a missed block is stored only if its key was seen before)."""
@@ -236,12 +237,14 @@ class AdaptiveQueue(EvictionQueue):
     reached no counter (the index counts them in `Block.stamp`). The block named by `cold_next`
     (set by the policy just before the index queues a new block) enters S's cold end."""
 
-    __slots__ = ("_m", "_s", "cold_next", "lru_main", "share")
+    __slots__ = ("_f", "_m", "_s", "cold_next", "lru_main", "share")
     name = "adaptive"
 
     def __init__(self, share: float, lru_main: bool = False) -> None:
         self._s = BlockList()
         self._m = BlockList()
+        self._f: LfuQueue | None = None
+        """In `LFU` mode the blocks are in this queue instead of S and M (`set_share`)."""
         self.share = share
         self.lru_main = lru_main
         """In LRU order a hit moves a main block to main's hot end too, so the older of the two
@@ -250,9 +253,30 @@ class AdaptiveQueue(EvictionQueue):
         measured before issue 29)."""
         self.cold_next: Block | None = None
 
+    def set_share(self, share: float) -> None:
+        """Change the mode. Into `LFU`: every block moves to the frequency lists, least recently
+        used first (so recency orders equal counts); out of it: every block goes back to S or M
+        (by its `PROTECTED` flag), the lowest count at the cold end. O(blocks) per change of
+        mode, at most once an epoch of the mini simulations; nothing is dropped."""
+        if (share == LFU) != (self._f is not None):
+            s, m = self._s, self._m
+            if self._f is None:
+                f = self._f = LfuQueue()
+                for b in sorted([*s, *m], key=lambda b: b.stamp >> HITS_BITS):
+                    f.push(b)
+                self._s, self._m = BlockList(), BlockList()
+            else:
+                blocks, self._f = list(self._f), None
+                for b in blocks:
+                    (m if b.flags & PROTECTED else s).append(b)
+        self.share = share
+
     def push(self, b: Block, cold: bool = False) -> None:
         if b.stamp & HITS_MAX >= HOT_HITS:  # hit while out of the queue (an inner block)
             b.flags |= COUNT_BITS
+        if self._f is not None:
+            self._f.push(b, cold)
+            return
         if b.flags & PROTECTED:
             lst = self._m
         else:
@@ -266,9 +290,15 @@ class AdaptiveQueue(EvictionQueue):
             lst.append(b)
 
     def discard(self, b: Block) -> None:
-        (self._m if b.flags & PROTECTED else self._s).unlink(b)
+        if self._f is not None:
+            self._f.discard(b)
+        else:
+            (self._m if b.flags & PROTECTED else self._s).unlink(b)
 
     def touch(self, b: Block) -> None:
+        if self._f is not None:
+            self._f.touch(b)
+            return
         f = b.flags
         if f & COUNT_BITS != COUNT_BITS:
             b.flags = f = f + (1 << COUNT_SHIFT)
@@ -278,6 +308,8 @@ class AdaptiveQueue(EvictionQueue):
             self._m.move_to_end(b)
 
     def first(self) -> Block | None:
+        if self._f is not None:
+            return self._f.first()
         s, m = self._s, self._m
         lru = self.share >= 1.0
         if lru:  # the older of the two cold ends: recency only
@@ -305,11 +337,13 @@ class AdaptiveQueue(EvictionQueue):
             return head
 
     def __iter__(self) -> Iterator[Block]:
+        if self._f is not None:
+            yield from self._f
         yield from self._s
         yield from self._m
 
     def __len__(self) -> int:
-        return self._s.size + self._m.size
+        return self._s.size + self._m.size + (len(self._f) if self._f is not None else 0)
 
 
 class AdaptivePolicy(Policy):
@@ -377,7 +411,7 @@ class AdaptivePolicy(Policy):
         ms.feed(sampled, placed, real_hits)
         q = self.dram
         assert isinstance(q, AdaptiveQueue)
-        q.share = ms.best
+        q.set_share(ms.best)
 
     def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
               partial_last: bool) -> int:
@@ -408,9 +442,9 @@ class AdaptivePolicy(Policy):
             q = self.dram
             assert isinstance(q, AdaptiveQueue)
             share = q.share
-            if share >= 1.0:  # plain LRU or the reuse filter: no predictor placement
+            if share >= 1.0:  # LRU, the reuse filter or LFU: no predictor placement
                 lo = bypass = -1.0
-                if share > 1.0:  # the reuse filter: up to the first key not seen before
+                if share == FILTER:  # the reuse filter: up to the first key not seen before
                     control = 0
                     if unseen:
                         end = start + unseen[0]
