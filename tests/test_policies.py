@@ -311,6 +311,11 @@ def test_choose_switches_only_on_a_clear_win_and_holds_the_mode_otherwise() -> N
     assert choose(_copies(200, 100, 90), 0.1, 1.01, {0.1: 0.5}) == 0.1
     # a tie between LRU and the filter goes to the first listed (LRU): 100 - 38.1 > 2 sqrt(140)
     assert choose(_copies(40, 100, 100), 0.1, 1.01) == 1.0
+    # too few hits to tell: the filter's 40 over LRU's 10 wins by 30 > 2 sqrt(50) = 14.1 with
+    # MIN_HITS = 50 hits in all, 39 over 10 (by 29 > 14) with 49 does not
+    assert policy_minisim.MIN_HITS == 50
+    assert choose(_copies(0, 10, 40), 1.0, 1.01) == FILTER
+    assert choose(_copies(0, 10, 39), 1.0, 1.01) == 1.0
     # a mode with no copy (the start mode of a resized policy) gives way to the top one
     assert choose(_copies(10, 20, 30), 0.5, 1.01) == FILTER
 
@@ -342,19 +347,20 @@ def test_lfu_copy_evicts_the_least_counted_and_ghosts_keep_counts() -> None:
 
 
 def test_minisims_switch_at_a_quarter_epoch_on_a_clear_win() -> None:
-    """24 hot keys and 300 one-shot keys a round, copies of 256 keys (epochs of 1,024 refs): LRU
-    never keeps a hot key 324 refs; LFU keeps them from their second round (their ghosts' count),
-    so round 3 gives it 24 hits, LRU none. At ref 768, a quarter check: 24 / 1.1 = 21.8 > 3
-    sqrt(24) = 14.7, the switch comes before the epoch's end (no hits decayed yet)."""
+    """60 hot keys and 264 one-shot keys a round, copies of 256 keys (epochs of 1,024 refs): LRU
+    never keeps a hot key 324 refs; LFU loses them in round 1 (68 evictions, the oldest of count
+    1 first) but keeps them from their second round (their ghosts' count: 2), so round 3 gives it
+    60 hits, LRU none. At ref 768, a quarter check: 60 hits >= MIN_HITS and 60 / 1.1 = 54.5 > 3
+    sqrt(60) = 23.2, the switch comes before the epoch's end (no hits decayed yet)."""
     ms = MiniSims(256, (1.0, LFU), 1.0, rate=1, min_cap=1)
-    hot = [k(i) for i in range(24)]
+    hot = [k(i) for i in range(60)]
     n = 1000
     for _ in range(3):
         ms.feed(hot)
-        ms.feed([k(n + j) for j in range(300)])
-        n += 300
+        ms.feed([k(n + j) for j in range(264)])
+        n += 264
     assert ms._seen == 3 * 324 < 4 * 256
-    assert [c.hits for c in ms.caches] == [0, 24]
+    assert [c.hits for c in ms.caches] == [0, 60]
     assert ms.best == LFU
 
 

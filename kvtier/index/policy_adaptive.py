@@ -8,13 +8,19 @@ block with a count goes round again one lower and the first without one leaves. 
 admission history remembers the key of a block that left: it came back within about a cache's
 worth of drops) enters M directly. With share 0.1 that is S3-FIFO-like (frequency first, scans
 stay in S); with share 1.0 the queue is plain LRU (a hit moves a block to the hot end of its
-list, M's too, and the older of the two cold ends leaves). The policy has three modes, its
+list, M's too, and the older of the two cold ends leaves). The policy has four modes, its
 *candidates*: share 0.1 with the predictor below placing blocks; plain LRU (every missed block
-stored at the hot end, no predictor: the `lru` policy's order and admission); and `FILTER`, LRU
+stored at the hot end, no predictor: the `lru` policy's order and admission); `FILTER`, LRU
 behind the reuse filter (vLLM's store-after-two-lookups, the `vllm-reuse` peer: a missed block is
 stored only if its key was seen before, in a `SeenTable` of the last ~`SEEN_MIN` or 2 x capacity
-missed keys, and a chain's blocks only up to the first key not seen). Which one the workload
-wants is measured online: `kvtier.index.policy_minisim` runs all three on a sample of the keys at
+missed keys, and a chain's blocks only up to the first key not seen); and `LFU` (the `sglang-lfu`
+order: the lowest access count leaves, the least recently used among equal counts; every missed
+block stored; the counts are the index's, which the admission history resumes for a block that
+comes back). Into LFU the queue moves its blocks to per-count lists (`LfuQueue`) in recency
+order, out of it back to S and M, lowest count at the cold end — O(blocks) a switch, at most a few
+an epoch; nothing is dropped (issue 29, seventh pass: the mode wins docqa at 1-5% and chat at 1%,
+where the peer LFU was 3-5% ahead). Which one the workload
+wants is measured online: `kvtier.index.policy_minisim` runs all four on a sample of the keys at
 a fraction of the capacity and the queue follows the one with more hits, LRU unless another wins
 by 5% — so the policy is bounded below by the better of its candidates LRU and the reuse filter,
 up to the mini simulations' error (issue 29: the share-0.1 mode with the predictor alone fell
@@ -23,7 +29,9 @@ The share-0.1 copy sees what the predictor decided for its sampled missed keys (
 stored: `admit` hands them over) and its score is calibrated by the real cache's hits of the
 sampled keys while the queue runs that mode (`MiniSims.factor`; issue 29, second pass: without
 them the copy ranked the mode 30-40% under the real cache on long reuse distances, and the queue
-left it for the filter or LRU there at 0.67-0.75x the best peer).
+left it for the filter or LRU there at 0.67-0.75x the best peer). The LFU copy is calibrated the
+same way, and must win by 10% and 3 deviations; no switch is made on fewer than 50 hits (a few
+requests' chains), and a clear win (4 deviations) switches at a quarter of an epoch.
 
 `FrequencySketch`: one saturating byte per slot (4 slots per block of the larger tier, at least 64
 KiB), indexed by the XXH3 fingerprint of (tenant, key); every key `admit` is asked about (the
@@ -74,8 +82,8 @@ O(slots) every 10 x slots references. Memory: the seen table (4 B a word, one wo
 DRAM, at least 1 MB) or, in front of a larger SSD, 4 B of sketch per block of the larger tier
 (>= 64 KiB) instead; the admission history (4 B a word, one word per block of DRAM + SSD: the
 ghosts), at most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in
-flight, 576 x 8 B per tenant, and the mini simulations (~75 B per block of DRAM up to 32K
-blocks, at most ~2.4 MB, plus their seen table at 1/rate of the policy's) — `nbytes` counts the
+flight, 576 x 8 B per tenant, and the mini simulations (~110 B per block of DRAM up to 32K
+blocks, at most ~3.7 MB, plus their seen table at 1/rate of the policy's) — `nbytes` counts the
 predictor's part; bench.index and bench.policies measure them.
 
 Threading: none; the index's owner serialises calls.

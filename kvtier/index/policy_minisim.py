@@ -4,23 +4,29 @@ Each candidate runs a small block-level copy of one mode of
 `kvtier.index.policy_adaptive.AdaptiveQueue` over the references of a spatial sample of the keys:
 a probation share < 1 (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on that
 frequency, S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as a
-ghost that re-enters in M), share 1.0 (plain LRU) or `FILTER` (LRU behind the reuse filter: a
-missed key is stored only if a `SeenTable` saw it before, vLLM's store-after-two-lookups). The
+ghost that re-enters in M), share 1.0 (plain LRU), `FILTER` (LRU behind the reuse filter: a
+missed key is stored only if a `SeenTable` saw it before, vLLM's store-after-two-lookups) or `LFU`
+(the lowest access count leaves, counts resumed from the ghosts: SGLang's LFU). The
 sample is 1 key in `rate`: those whose 64-bit XXH3 fingerprint has its top byte below `threshold`
 = 256 / rate; the caller, which fingerprints each key once anyway, samples and calls `feed`; `add`
 fingerprints for itself; deterministic, no `hash()`. The mini caches are 1/`rate` of the real
 capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
 USENIX ATC 2017). Hits decay by `DECAY` each epoch; `best` moves to the candidate with the most
 only when it wins by `margin` and by `Z` standard deviations of the counts (two Poisson counts:
-a small cache's few hits an epoch do not flip the mode on noise), and a probation-share candidate
-must beat the LRU ones by `LRU_MARGIN` (LRU is the bound the policy must not fall under: the
-copies ignore the prefix rule and the predictor, so a near tie in them is no gain in the real
-cache; measured, issue 29). The mini caches rank modes, they do not predict hit ratios.
+a small cache's few hits an epoch do not flip the mode on noise) with `MIN_HITS` counted, and a
+probation-share candidate must beat the LRU ones by `LRU_MARGIN`, the `LFU` one by `LFU_MARGIN`
+and `Z_LFU` (LRU is the bound the policy must not fall under: the copies ignore the prefix rule
+and the predictor, so a near tie in them is no gain in the real cache; measured, issue 29). The
+probation and LFU copies are calibrated by the real cache's hits while it runs their mode
+(`MiniSims.factor`). At each quarter of an epoch (`PARTS`) the choice is made again, needing
+`Z_EARLY` deviations: a wide gap switches without waiting for the epoch's end. The mini caches
+rank modes, they do not predict hit ratios.
 
 Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
-~100 B) plus the filter candidate's seen table (4 B a word, the policy's table / rate): with 3
-candidates and rate 8, ~75 B per block of real capacity up to 32K blocks (the mini caches stop
-growing at `MINI_MAX` entries: ~20 B per block at 128K, ~2.4 MB in all; below `MIN_CAP` x 8
+~100 B; the LFU copy's keys twice: a count and a slot in their count's list) plus the filter
+candidate's seen table (4 B a word, the policy's table / rate): with 4 candidates and rate 8,
+~110 B per block of real capacity up to 32K blocks (the mini caches stop growing at `MINI_MAX`
+entries: ~29 B per block at 128K, ~3.7 MB in all; below `MIN_CAP` x 8
 blocks the rate falls, down to 1 under 2 x `MIN_CAP`: a small cache's copies are the whole cache,
 so its few hits are all counted). Work: O(1) per sampled reference and candidate.
 """
@@ -63,6 +69,13 @@ LRU_MARGIN = 1.05
 1.0-1.03 left agentic at 10-20% 1-3% under LRU; its small-cache wins are 10% and more). The
 filter candidate competes at par: its copy leaves out less (no predictor), and a margin kept the
 real cache out of it at 2-5% on tenants and chat, 1-3% under vllm-reuse."""
+MIN_HITS = 50.0
+"""Hits (the two candidates' sum) under which no switch is made, whatever the gap: a request's
+hits come in chains, so a few dozen hits are a few requests and their Poisson deviation
+understates the noise (measured, issue 29 seventh pass: longreuse at 1-2% left the probation
+mode for LRU or the filter on the first epochs' 10-40 hits, 0.90-0.94x lmcache-s3fifo; 50 took
+both to 0.94, 100 left longreuse 1% at 0.92x, 300 took the shared trace at 1% from 1.22x LRU to
+1.05x)."""
 LFU_MARGIN = 1.1
 """Factor by which the `LFU` candidate must beat the others (after its calibration): measured
 (issue 29, seventh pass), at par it took trace 20% to 0.97x LRU, at 1.05 docchat 2% fell to 0.96x
@@ -231,7 +244,7 @@ def choose(caches: Sequence[MiniCache], best: float, margin: float,
     over its copy's while it ran that mode, 1 if absent, and divided by `LRU_MARGIN`, `LFU_MARGIN`
     for `LFU`; the first listed on a tie) if it beats the current mode `best`'s score by `margin`
     and by `z` standard deviations of the two counts (sqrt of their sum: Poisson; `Z_LFU` for
-    `LFU`), else `best` (hysteresis)."""
+    `LFU`) and the two counts sum to `MIN_HITS` or more, else `best` (hysteresis)."""
     f = factors or {}
 
     def score(c: MiniCache) -> float:
@@ -244,7 +257,7 @@ def choose(caches: Sequence[MiniCache], best: float, margin: float,
     cur = next((c for c in caches if c.share == best), None)
     if top.share == LFU:
         z = Z_LFU
-    if cur is None or (score(top) > score(cur) * margin
+    if cur is None or (score(top) > score(cur) * margin and top.hits + cur.hits >= MIN_HITS
                        and score(top) - score(cur) > z * math.sqrt(top.hits + cur.hits)):
         return top.share
     return best
