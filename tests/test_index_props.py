@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.core.types import Tier
+from kvtier.index.policy_adaptive import SHARES, AdaptiveQueue
 from kvtier.index.policy_registry import POLICIES
 from kvtier.index.prefix import (
     EVICTION_COUNTERS,
@@ -476,6 +477,21 @@ class SmallHistoryMachine(IndexMachine):
     history = 3
 
 
+class KvtierModesMachine(IndexMachine):
+    """kvtier with its DRAM queue switched between its modes at any step (into LFU every block
+    is re-ranked, out of it every block goes back to the lists): the same invariants."""
+
+    policy = "kvtier"
+
+    @rule(mode=st.sampled_from(SHARES))
+    def switch_mode(self, mode: float) -> None:
+        q = self.ix._policy.dram
+        assert isinstance(q, AdaptiveQueue)
+        n = len(q)
+        q.set_share(mode)
+        assert len(q) == n
+
+
 def _policy_machine(name: str) -> type[IndexMachine]:
     return type(f"Machine_{name}", (IndexMachine,), {"policy": name, "__doc__":
                 f"The same rules and invariants under the {name!r} policy."})
@@ -490,12 +506,14 @@ _FAST = settings(max_examples=80, stateful_step_count=50, deadline=None,
 IndexMachine.TestCase.settings = _FAST
 SlruMachine.TestCase.settings = _FAST
 SmallHistoryMachine.TestCase.settings = _FAST
+KvtierModesMachine.TestCase.settings = _FAST
 for _m in POLICY_MACHINES.values():
     _m.TestCase.settings = settings(max_examples=30, stateful_step_count=50, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
 TestIndexMachine = IndexMachine.TestCase
 TestSlruMachine = SlruMachine.TestCase
 TestSmallHistoryMachine = SmallHistoryMachine.TestCase
+TestKvtierModesMachine = KvtierModesMachine.TestCase
 for _name, _m in POLICY_MACHINES.items():
     globals()[f"TestPolicy_{_name.replace('-', '_')}"] = _m.TestCase
 

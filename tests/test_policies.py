@@ -7,7 +7,16 @@ import pytest
 from kvtier.core.types import Tier
 from kvtier.index import policy_minisim
 from kvtier.index.policy_adaptive import AdaptivePolicy, AdaptiveQueue, FrequencySketch
-from kvtier.index.policy_minisim import COLD, FILTER, SKIP, MiniCache, MiniSims, SeenTable, choose
+from kvtier.index.policy_minisim import (
+    COLD,
+    FILTER,
+    LFU,
+    SKIP,
+    MiniCache,
+    MiniSims,
+    SeenTable,
+    choose,
+)
 from kvtier.index.policy_registry import DEFAULT_POLICY, PEERS, POLICIES, make_policy
 from kvtier.index.prefix import PrefixIndex
 
@@ -211,11 +220,11 @@ def test_kvtier_lookup_work_is_a_sample_whatever_the_keys() -> None:
     assert len(ix.lookup(0, keys).blocks) == len(keys)
     # the same sample (hits of the sampled keys), held off the Lookup path for the next admit
     assert pol.minisims._seen == fed_at_admit and len(pol._deferred) == fed_at_admit
-    assert pol.minisims.real == 0
+    assert pol.minisims.real == {0.1: 0}  # the admit fed misses only
     assert ix.admit(0, [b"other"], 0) <= 1
     assert pol.minisims._seen >= 2 * fed_at_admit and not pol._deferred
     # they were hits of the real cache, in the probation mode: its calibration counts them
-    assert pol.minisims.best == 0.1 and pol.minisims.real == fed_at_admit
+    assert pol.minisims.best == 0.1 and pol.minisims.real == {0.1: fed_at_admit}
 
 
 def test_kvtier_inner_block_hits_count_once_it_is_evictable() -> None:
@@ -295,28 +304,96 @@ def test_choose_switches_only_on_a_clear_win_and_holds_the_mode_otherwise() -> N
     # probation 200 scores 190.5: wins by 90.5 > 2 sqrt(300) = 34.6 -> probation
     assert choose(_copies(200, 100, 90), 1.0, 1.01) == 0.1
     # the same hits, the real cache got half its copy's hits in the probation mode: 95.2 < 100
-    assert choose(_copies(200, 100, 90), 1.0, 1.01, factor=0.5) == 1.0
+    assert choose(_copies(200, 100, 90), 1.0, 1.01, {0.1: 0.5}) == 1.0
     # running probation (95.2 calibrated): the filter's 180 wins by 84.8 > 2 sqrt(380) = 39
-    assert choose(_copies(200, 100, 180), 0.1, 1.01, factor=0.5) == FILTER
+    assert choose(_copies(200, 100, 180), 0.1, 1.01, {0.1: 0.5}) == FILTER
     # ...but LRU's 100 does not (4.8 < 2 sqrt(300)): the mode holds
-    assert choose(_copies(200, 100, 90), 0.1, 1.01, factor=0.5) == 0.1
+    assert choose(_copies(200, 100, 90), 0.1, 1.01, {0.1: 0.5}) == 0.1
     # a tie between LRU and the filter goes to the first listed (LRU): 100 - 38.1 > 2 sqrt(140)
     assert choose(_copies(40, 100, 100), 0.1, 1.01) == 1.0
+    # too few hits to tell: the filter's 40 over LRU's 10 wins by 30 > 2 sqrt(50) = 14.1 with
+    # MIN_HITS = 50 hits in all, 39 over 10 (by 29 > 14) with 49 does not
+    assert policy_minisim.MIN_HITS == 50
+    assert choose(_copies(0, 10, 40), 1.0, 1.01) == FILTER
+    assert choose(_copies(0, 10, 39), 1.0, 1.01) == 1.0
     # a mode with no copy (the start mode of a resized policy) gives way to the top one
     assert choose(_copies(10, 20, 30), 0.5, 1.01) == FILTER
+
+
+def test_choose_takes_lfu_only_on_a_wide_calibrated_win() -> None:
+    """The LFU candidate's score is its hits x its factor / LFU_MARGIN (1.1), and it must win by
+    Z_LFU = 3 standard deviations (worked by hand; running LRU with 100 hits, margin 1.01)."""
+    assert (policy_minisim.LFU_MARGIN, policy_minisim.Z_LFU) == (1.1, 3.0)
+
+    def copies(lfu: float) -> list[MiniCache]:
+        out = _copies(0, 100, 0)
+        c = MiniCache(8, LFU)
+        c.hits = lfu
+        return [*out, c]
+    # 120 scores 109.1 > 101, but wins by 9.1 < 3 sqrt(220) = 44.5: LRU holds
+    assert choose(copies(120), 1.0, 1.01) == 1.0
+    # 200 scores 181.8: wins by 81.8 > 3 sqrt(300) = 52 -> LFU
+    assert choose(copies(200), 1.0, 1.01) == LFU
+    # the same, the real cache got 0.6 of its copy's hits in LFU mode: 109.1, by 9.1 < 52
+    assert choose(copies(200), 1.0, 1.01, {LFU: 0.6}) == 1.0
+
+
+def test_lfu_copy_evicts_the_least_counted_and_ghosts_keep_counts() -> None:
+    c = MiniCache(2, LFU)
+    c.access([k(1), k(1), k(2), k(3)])  # 1 counted twice; 3 pushes out 2 (count 1, oldest)
+    assert c.hits == 1 and c.m == {k(1): 2, k(3): 1} and dict(c.ghosts) == {k(2): 1}
+    c.access([k(2), k(1)])  # 2's ghost: it comes back at count 2 and pushes out 3; 1 hits
+    assert c.hits == 2 and c.m == {k(1): 3, k(2): 2} and dict(c.ghosts) == {k(3): 1}
+
+
+def test_minisims_switch_at_a_quarter_epoch_on_a_clear_win() -> None:
+    """60 hot keys and 264 one-shot keys a round, copies of 256 keys (epochs of 1,024 refs): LRU
+    never keeps a hot key 324 refs; LFU loses them in round 1 (68 evictions, the oldest of count
+    1 first) but keeps them from their second round (their ghosts' count: 2), so round 3 gives it
+    60 hits, LRU none. At ref 768, a quarter check: 60 hits >= MIN_HITS and 60 / 1.1 = 54.5 > 3
+    sqrt(60) = 23.2, the switch comes before the epoch's end (no hits decayed yet)."""
+    ms = MiniSims(256, (1.0, LFU), 1.0, rate=1, min_cap=1)
+    hot = [k(i) for i in range(60)]
+    n = 1000
+    for _ in range(3):
+        ms.feed(hot)
+        ms.feed([k(n + j) for j in range(264)])
+        n += 264
+    assert ms._seen == 3 * 324 < 4 * 256
+    assert [c.hits for c in ms.caches] == [0, 60]
+    assert ms.best == LFU
+
+
+def test_kvtier_lfu_mode_reranks_the_blocks_and_gives_them_back() -> None:
+    """Into LFU mode every evictable block is ranked by its access count (least recently used
+    first among equal ones); out of it they all go back to the lists; none is dropped."""
+    ix = roots("kvtier", 4)
+    q = ix._policy.dram
+    assert isinstance(q, AdaptiveQueue)
+    ix.lookup(0, [k(0)])
+    ix.lookup(0, [k(0)])
+    ix.lookup(0, [k(2)])  # counts: 0 three, 2 two, 1 and 3 one (1 older)
+    q.set_share(LFU)
+    assert victims(ix) == [1, 3, 2, 0]
+    ix.lookup(0, [k(1)])  # 1: two accesses, more recent than 2
+    assert victims(ix) == [3, 2, 1, 0]
+    assert ix.evict_count(D, 1) == 1
+    q.set_share(0.1)
+    assert len(q) == 3 and sorted(victims(ix)) == [0, 1, 2]
 
 
 def test_minisims_calibrate_the_probation_mode_by_the_real_cache_hits() -> None:
     """factor = (real + 50) / (copy + 50), counted only while the real cache runs probation."""
     assert policy_minisim.CALIBRATION_PRIOR == 50.0
     ms = MiniSims(64, (0.1, 1.0), 0.1, rate=1, min_cap=1)  # epochs of 256 refs: none here
-    assert ms.factor() == 1.0
+    assert ms.factor(0.1) == 1.0
     ms.feed([k(1), k(1)], real_hits=2)  # the copy: a miss then a hit; the real cache: 2 hits
-    assert (ms.real, ms.copy) == (2, 1)
-    assert ms.factor() == pytest.approx(52 / 51)
+    assert (ms.real, ms.copy) == ({0.1: 2}, {0.1: 1})
+    assert ms.factor(0.1) == pytest.approx(52 / 51)
     ms.best = 1.0  # another mode runs: its hits say nothing of the probation mode's
     ms.feed([k(1)], real_hits=1)
-    assert (ms.real, ms.copy) == (2, 1)
+    assert (ms.real, ms.copy) == ({0.1: 2}, {0.1: 1})
+    assert ms.factor(1.0) == 1.0  # LRU is not calibrated
 
 
 def test_probation_copy_follows_the_predictor_placements() -> None:

@@ -3,17 +3,18 @@
 - ``predictor``: no cold placement and no tail bypass (``lo`` = ``bypass`` = -1);
 - ``bypass``: no tail bypass only; ``cold``: no cold placement only;
 - ``hot``: no top-frequency entry for blocks hit while inner (`HOT_HITS` out of reach);
-- ``choice-s3`` / ``choice-lru`` / ``choice-filter``: the mini simulations' choice replaced by one
-  fixed mode (probation share 0.1 / plain LRU / LRU behind the reuse filter) from the start.
+- ``choice-s3`` / ``choice-lru`` / ``choice-filter`` / ``choice-lfu``: the mini simulations'
+  choice replaced by one fixed mode (probation share 0.1 / plain LRU / LRU behind the reuse
+  filter / LFU) from the start.
 """
 
 import os
 
 from kvtier.index import policy_adaptive as pa
-from kvtier.index.policy_minisim import FILTER
+from kvtier.index.policy_minisim import FILTER, LFU
 
 OFF = os.environ.get("OFF", "predictor")
-_FIXED = {"choice-s3": 0.1, "choice-lru": 1.0, "choice-filter": FILTER}
+_FIXED = {"choice-s3": 0.1, "choice-lru": 1.0, "choice-filter": FILTER, "choice-lfu": LFU}
 
 if OFF == "predictor":
     pa.AdaptivePolicy.lo = pa.AdaptivePolicy.bypass = -1.0
@@ -31,10 +32,12 @@ elif OFF in _FIXED:
         self.minisims.feed(sampled, placed, real_hits)
         q = self.dram
         assert isinstance(q, pa.AdaptiveQueue)
-        q.share = share
+        q.set_share(share)
 
     def make_queue(self: pa.AdaptivePolicy, capacity: int | None) -> pa.EvictionQueue:
-        return pa.AdaptiveQueue(share)
+        q = pa.AdaptiveQueue(0.1)
+        q.set_share(share)
+        return q
 
     pa.AdaptivePolicy._feed = feed  # type: ignore[method-assign]
     pa.AdaptivePolicy.make_queue = make_queue  # type: ignore[method-assign]

@@ -8,13 +8,19 @@ block with a count goes round again one lower and the first without one leaves. 
 admission history remembers the key of a block that left: it came back within about a cache's
 worth of drops) enters M directly. With share 0.1 that is S3-FIFO-like (frequency first, scans
 stay in S); with share 1.0 the queue is plain LRU (a hit moves a block to the hot end of its
-list, M's too, and the older of the two cold ends leaves). The policy has three modes, its
+list, M's too, and the older of the two cold ends leaves). The policy has four modes, its
 *candidates*: share 0.1 with the predictor below placing blocks; plain LRU (every missed block
-stored at the hot end, no predictor: the `lru` policy's order and admission); and `FILTER`, LRU
+stored at the hot end, no predictor: the `lru` policy's order and admission); `FILTER`, LRU
 behind the reuse filter (vLLM's store-after-two-lookups, the `vllm-reuse` peer: a missed block is
 stored only if its key was seen before, in a `SeenTable` of the last ~`SEEN_MIN` or 2 x capacity
-missed keys, and a chain's blocks only up to the first key not seen). Which one the workload
-wants is measured online: `kvtier.index.policy_minisim` runs all three on a sample of the keys at
+missed keys, and a chain's blocks only up to the first key not seen); and `LFU` (the `sglang-lfu`
+order: the lowest access count leaves, the least recently used among equal counts; every missed
+block stored; the counts are the index's, which the admission history resumes for a block that
+comes back). Into LFU the queue moves its blocks to per-count lists (`LfuQueue`) in recency
+order, out of it back to S and M, lowest count at the cold end — O(blocks) a switch, at most a few
+an epoch; nothing is dropped (issue 29, seventh pass: the mode wins docqa at 1-5% and chat at 1%,
+where the peer LFU was 3-5% ahead). Which one the workload
+wants is measured online: `kvtier.index.policy_minisim` runs all four on a sample of the keys at
 a fraction of the capacity and the queue follows the one with more hits, LRU unless another wins
 by 5% — so the policy is bounded below by the better of its candidates LRU and the reuse filter,
 up to the mini simulations' error (issue 29: the share-0.1 mode with the predictor alone fell
@@ -23,7 +29,9 @@ The share-0.1 copy sees what the predictor decided for its sampled missed keys (
 stored: `admit` hands them over) and its score is calibrated by the real cache's hits of the
 sampled keys while the queue runs that mode (`MiniSims.factor`; issue 29, second pass: without
 them the copy ranked the mode 30-40% under the real cache on long reuse distances, and the queue
-left it for the filter or LRU there at 0.67-0.75x the best peer).
+left it for the filter or LRU there at 0.67-0.75x the best peer). The LFU copy is calibrated the
+same way, and must win by 10% and 3 deviations; no switch is made on fewer than 50 hits (a few
+requests' chains), and a clear win (4 deviations) switches at a quarter of an epoch.
 
 `FrequencySketch`: one saturating byte per slot (4 slots per block of the larger tier, at least 64
 KiB), indexed by the XXH3 fingerprint of (tenant, key); every key `admit` is asked about (the
@@ -74,8 +82,8 @@ O(slots) every 10 x slots references. Memory: the seen table (4 B a word, one wo
 DRAM, at least 1 MB) or, in front of a larger SSD, 4 B of sketch per block of the larger tier
 (>= 64 KiB) instead; the admission history (4 B a word, one word per block of DRAM + SSD: the
 ghosts), at most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in
-flight, 576 x 8 B per tenant, and the mini simulations (~75 B per block of DRAM up to 32K
-blocks, at most ~2.4 MB, plus their seen table at 1/rate of the policy's) — `nbytes` counts the
+flight, 576 x 8 B per tenant, and the mini simulations (~110 B per block of DRAM up to 32K
+blocks, at most ~3.7 MB, plus their seen table at 1/rate of the policy's) — `nbytes` counts the
 predictor's part; bench.index and bench.policies measure them.
 
 Threading: none; the index's owner serialises calls.
@@ -99,7 +107,8 @@ from kvtier.index.policies import (
     EvictionQueue,
     Policy,
 )
-from kvtier.index.policy_minisim import COLD, FILTER, SKIP, MiniSims, SeenTable
+from kvtier.index.policy_minisim import COLD, FILTER, LFU, SKIP, MiniSims, SeenTable
+from kvtier.index.policy_peers import LfuQueue
 from kvtier.index.types import HITS_BITS, HITS_MAX
 
 if TYPE_CHECKING:
@@ -131,7 +140,7 @@ SAMPLED = MARK
 """`Block.flags` bit (the policy's `MARK`): the key is in the mini simulations' sample."""
 _P_COLD, _P_CONTROL, _P_SAMPLED = 1, 2, 4
 """Bits of a pending placement; the feature bucket is above them (``code >> 3``)."""
-SHARES = (0.1, 1.0, FILTER)
+SHARES = (0.1, 1.0, FILTER, LFU)
 """Candidate modes, ranked by `MiniSims`: probation share 0.1 (S3-FIFO-like, with the predictor's
 cold placement and tail bypass), 1.0 (plain LRU: every missed block stored at the hot end) and
 `FILTER` (LRU behind the reuse filter: a missed block is stored only if its key was seen before)."""
@@ -236,12 +245,14 @@ class AdaptiveQueue(EvictionQueue):
     reached no counter (the index counts them in `Block.stamp`). The block named by `cold_next`
     (set by the policy just before the index queues a new block) enters S's cold end."""
 
-    __slots__ = ("_m", "_s", "cold_next", "lru_main", "share")
+    __slots__ = ("_f", "_m", "_s", "cold_next", "lru_main", "share")
     name = "adaptive"
 
     def __init__(self, share: float, lru_main: bool = False) -> None:
         self._s = BlockList()
         self._m = BlockList()
+        self._f: LfuQueue | None = None
+        """In `LFU` mode the blocks are in this queue instead of S and M (`set_share`)."""
         self.share = share
         self.lru_main = lru_main
         """In LRU order a hit moves a main block to main's hot end too, so the older of the two
@@ -250,9 +261,30 @@ class AdaptiveQueue(EvictionQueue):
         measured before issue 29)."""
         self.cold_next: Block | None = None
 
+    def set_share(self, share: float) -> None:
+        """Change the mode. Into `LFU`: every block moves to the frequency lists, least recently
+        used first (so recency orders equal counts); out of it: every block goes back to S or M
+        (by its `PROTECTED` flag), the lowest count at the cold end. O(blocks) per change of
+        mode, at most once an epoch of the mini simulations; nothing is dropped."""
+        if (share == LFU) != (self._f is not None):
+            s, m = self._s, self._m
+            if self._f is None:
+                f = self._f = LfuQueue()
+                for b in sorted([*s, *m], key=lambda b: b.stamp >> HITS_BITS):
+                    f.push(b)
+                self._s, self._m = BlockList(), BlockList()
+            else:
+                blocks, self._f = list(self._f), None
+                for b in blocks:
+                    (m if b.flags & PROTECTED else s).append(b)
+        self.share = share
+
     def push(self, b: Block, cold: bool = False) -> None:
         if b.stamp & HITS_MAX >= HOT_HITS:  # hit while out of the queue (an inner block)
             b.flags |= COUNT_BITS
+        if self._f is not None:
+            self._f.push(b, cold)
+            return
         if b.flags & PROTECTED:
             lst = self._m
         else:
@@ -266,9 +298,15 @@ class AdaptiveQueue(EvictionQueue):
             lst.append(b)
 
     def discard(self, b: Block) -> None:
-        (self._m if b.flags & PROTECTED else self._s).unlink(b)
+        if self._f is not None:
+            self._f.discard(b)
+        else:
+            (self._m if b.flags & PROTECTED else self._s).unlink(b)
 
     def touch(self, b: Block) -> None:
+        if self._f is not None:
+            self._f.touch(b)
+            return
         f = b.flags
         if f & COUNT_BITS != COUNT_BITS:
             b.flags = f = f + (1 << COUNT_SHIFT)
@@ -278,6 +316,8 @@ class AdaptiveQueue(EvictionQueue):
             self._m.move_to_end(b)
 
     def first(self) -> Block | None:
+        if self._f is not None:
+            return self._f.first()
         s, m = self._s, self._m
         lru = self.share >= 1.0
         if lru:  # the older of the two cold ends: recency only
@@ -305,11 +345,13 @@ class AdaptiveQueue(EvictionQueue):
             return head
 
     def __iter__(self) -> Iterator[Block]:
+        if self._f is not None:
+            yield from self._f
         yield from self._s
         yield from self._m
 
     def __len__(self) -> int:
-        return self._s.size + self._m.size
+        return self._s.size + self._m.size + (len(self._f) if self._f is not None else 0)
 
 
 class AdaptivePolicy(Policy):
@@ -377,7 +419,7 @@ class AdaptivePolicy(Policy):
         ms.feed(sampled, placed, real_hits)
         q = self.dram
         assert isinstance(q, AdaptiveQueue)
-        q.share = ms.best
+        q.set_share(ms.best)
 
     def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
               partial_last: bool) -> int:
@@ -408,9 +450,9 @@ class AdaptivePolicy(Policy):
             q = self.dram
             assert isinstance(q, AdaptiveQueue)
             share = q.share
-            if share >= 1.0:  # plain LRU or the reuse filter: no predictor placement
+            if share >= 1.0:  # LRU, the reuse filter or LFU: no predictor placement
                 lo = bypass = -1.0
-                if share > 1.0:  # the reuse filter: up to the first key not seen before
+                if share == FILTER:  # the reuse filter: up to the first key not seen before
                     control = 0
                     if unseen:
                         end = start + unseen[0]

@@ -4,29 +4,36 @@ Each candidate runs a small block-level copy of one mode of
 `kvtier.index.policy_adaptive.AdaptiveQueue` over the references of a spatial sample of the keys:
 a probation share < 1 (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on that
 frequency, S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as a
-ghost that re-enters in M), share 1.0 (plain LRU) or `FILTER` (LRU behind the reuse filter: a
-missed key is stored only if a `SeenTable` saw it before, vLLM's store-after-two-lookups). The
+ghost that re-enters in M), share 1.0 (plain LRU), `FILTER` (LRU behind the reuse filter: a
+missed key is stored only if a `SeenTable` saw it before, vLLM's store-after-two-lookups) or `LFU`
+(the lowest access count leaves, counts resumed from the ghosts: SGLang's LFU). The
 sample is 1 key in `rate`: those whose 64-bit XXH3 fingerprint has its top byte below `threshold`
 = 256 / rate; the caller, which fingerprints each key once anyway, samples and calls `feed`; `add`
 fingerprints for itself; deterministic, no `hash()`. The mini caches are 1/`rate` of the real
 capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
 USENIX ATC 2017). Hits decay by `DECAY` each epoch; `best` moves to the candidate with the most
 only when it wins by `margin` and by `Z` standard deviations of the counts (two Poisson counts:
-a small cache's few hits an epoch do not flip the mode on noise), and a probation-share candidate
-must beat the LRU ones by `LRU_MARGIN` (LRU is the bound the policy must not fall under: the
-copies ignore the prefix rule and the predictor, so a near tie in them is no gain in the real
-cache; measured, issue 29). The mini caches rank modes, they do not predict hit ratios.
+a small cache's few hits an epoch do not flip the mode on noise) with `MIN_HITS` counted, and a
+probation-share candidate must beat the LRU ones by `LRU_MARGIN`, the `LFU` one by `LFU_MARGIN`
+and `Z_LFU` (LRU is the bound the policy must not fall under: the copies ignore the prefix rule
+and the predictor, so a near tie in them is no gain in the real cache; measured, issue 29). The
+probation and LFU copies are calibrated by the real cache's hits while it runs their mode
+(`MiniSims.factor`). At each quarter of an epoch (`PARTS`) the choice is made again, needing
+`Z_EARLY` deviations: a wide gap switches without waiting for the epoch's end. The mini caches
+rank modes, they do not predict hit ratios.
 
 Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
-~100 B) plus the filter candidate's seen table (4 B a word, the policy's table / rate): with 3
-candidates and rate 8, ~75 B per block of real capacity up to 32K blocks (the mini caches stop
-growing at `MINI_MAX` entries: ~20 B per block at 128K, ~2.4 MB in all; below `MIN_CAP` x 8
+~100 B; the LFU copy's keys twice: a count and a slot in their count's list) plus the filter
+candidate's seen table (4 B a word, the policy's table / rate): with 4 candidates and rate 8,
+~110 B per block of real capacity up to 32K blocks (the mini caches stop growing at `MINI_MAX`
+entries: ~29 B per block at 128K, ~3.7 MB in all; below `MIN_CAP` x 8
 blocks the rate falls, down to 1 under 2 x `MIN_CAP`: a small cache's copies are the whole cache,
 so its few hits are all counted). Work: O(1) per sampled reference and candidate.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from array import array
 from collections import OrderedDict
@@ -41,6 +48,11 @@ FILTER = 2.0
 """A candidate's share above 1: LRU order behind the reuse filter (vLLM's store-after-two-lookups,
 `kvtier.index.policy_peers.ReuseFilterPolicy`): a missed key is stored only if it was seen before,
 in a direct-mapped table of fingerprint tags (`SeenTable`)."""
+LFU = 3.0
+"""A candidate's share above `FILTER`: least frequently used first (the lowest access count, the
+least recently used among equal counts: SGLang's ``LFUStrategy``, `kvtier.index.policy_peers.
+LfuQueue`), every missed key stored; a key that comes back while its ghost is remembered resumes
+its count (the real queue's counts come from the index, which the admission history restores)."""
 COLD, SKIP = 1, 2
 """`MiniCache.access`'s placements: a missed key enters probation's cold end / is not stored."""
 MINI_MAX = 4096
@@ -57,6 +69,25 @@ LRU_MARGIN = 1.05
 1.0-1.03 left agentic at 10-20% 1-3% under LRU; its small-cache wins are 10% and more). The
 filter candidate competes at par: its copy leaves out less (no predictor), and a margin kept the
 real cache out of it at 2-5% on tenants and chat, 1-3% under vllm-reuse."""
+MIN_HITS = 50.0
+"""Hits (the two candidates' sum) under which no switch is made, whatever the gap: a request's
+hits come in chains, so a few dozen hits are a few requests and their Poisson deviation
+understates the noise (measured, issue 29 seventh pass: longreuse at 1-2% left the probation
+mode for LRU or the filter on the first epochs' 10-40 hits, 0.90-0.94x lmcache-s3fifo; 50 took
+both to 0.94, 100 left longreuse 1% at 0.92x, 300 took the shared trace at 1% from 1.22x LRU to
+1.05x)."""
+LFU_MARGIN = 1.1
+"""Factor by which the `LFU` candidate must beat the others (after its calibration): measured
+(issue 29, seventh pass), at par it took trace 20% to 0.97x LRU, at 1.05 docchat 2% fell to 0.96x
+the best peer."""
+Z_LFU = 3.0
+"""Standard deviations by which the `LFU` candidate must win (measured: with 2 the first epochs'
+noise took the shared trace at 1% into it, 1.15x LRU instead of 1.18x)."""
+Z_EARLY = 4.0
+"""Standard deviations by which a candidate must win at a quarter of an epoch (`PARTS`) to be
+chosen before the epoch ends (measured: 3 took the shared trace at 2% to 0.95x the filter)."""
+PARTS = 4
+"""Checks per epoch: at each quarter the choice is made again with `Z_EARLY` (hits not decayed)."""
 CALIBRATION_PRIOR = 50.0
 """Hits added to both sides of `MiniSims.factor` (a few epochs' worth at the smallest copies)."""
 EPOCH = 4
@@ -99,22 +130,29 @@ class SeenTable:
 class MiniCache:
     """One candidate's block-level cache (module docstring); `seen` for a `FILTER` candidate."""
 
-    __slots__ = ("cap", "ghosts", "hits", "m", "s", "seen", "share")
+    __slots__ = ("_heap", "_lists", "cap", "ghosts", "hits", "m", "s", "seen", "share")
 
     def __init__(self, cap: int, share: float, seen: int = 0) -> None:
         self.cap = cap
         self.share = share
         self.s: OrderedDict[BlockKey, int] = OrderedDict()
         self.m: OrderedDict[BlockKey, int] = OrderedDict()
-        self.ghosts: OrderedDict[BlockKey, None] = OrderedDict()
-        self.seen = SeenTable(seen) if share > 1.0 else None
+        self.ghosts: OrderedDict[BlockKey, int | None] = OrderedDict()
+        self.seen = SeenTable(seen) if share == FILTER else None
         self.hits = 0.0
+        self._lists: dict[int, OrderedDict[BlockKey, None]] = {}
+        """`LFU`: the cached keys by count (``m`` maps a key to its count), oldest first..."""
+        self._heap: list[int] = []
+        """...and the counts that have a list (a heap; emptied lists are dropped lazily)."""
 
     def access(self, keys: Sequence[BlockKey], placed: Mapping[BlockKey, int] | None = None
                ) -> None:
         """Reference `keys` in order. `placed`: for a probation-share candidate, the keys the real
         policy's predictor would store at probation's cold end (`COLD`) or not at all (`SKIP`)
         when they miss (the other candidates store every missed key as their mode says)."""
+        if self.share == LFU:
+            self._access_lfu(keys)
+            return
         s, m, ghosts, cap = self.s, self.m, self.ghosts, self.cap
         lru = self.share >= 1.0
         seen = self.seen
@@ -150,6 +188,35 @@ class MiniCache:
                 self._evict()
         self.hits += hits
 
+    def _access_lfu(self, keys: Sequence[BlockKey]) -> None:
+        counts, lists, heap, ghosts = self.m, self._lists, self._heap, self.ghosts
+        hits = 0
+        for key in keys:
+            f = counts.get(key)
+            if f is not None:
+                hits += 1
+                del lists[f][key]
+            else:
+                f = ghosts.pop(key, None) or 0
+                if len(counts) >= self.cap:
+                    while True:  # the lowest count's oldest key leaves (into the ghosts)
+                        lst = lists.get(heap[0])
+                        if lst:
+                            break
+                        lists.pop(heapq.heappop(heap), None)
+                    old = next(iter(lst))
+                    del lst[old]
+                    ghosts[old] = counts.pop(old)
+                    if len(ghosts) > self.cap:
+                        ghosts.popitem(last=False)
+            counts[key] = f = f + 1
+            lst = lists.get(f)
+            if lst is None:
+                lst = lists[f] = OrderedDict()
+                heapq.heappush(heap, f)
+            lst[key] = None
+        self.hits += hits
+
     def _evict(self) -> None:
         s, m = self.s, self.m
         while True:
@@ -170,19 +237,28 @@ class MiniCache:
             return
 
 
-def choose(caches: Sequence[MiniCache], best: float, margin: float, factor: float = 1.0
-           ) -> float:
-    """The mode to run after an epoch: the candidate with the highest score (its decayed hits; a
-    probation-share candidate's times `factor` — the real cache's hits over its copy's while it
-    ran that mode — and divided by `LRU_MARGIN`; the first listed on a tie) if it beats the
-    current mode `best`'s score by `margin` and by `Z` standard deviations of the two counts
-    (sqrt of their sum: Poisson), else `best` (hysteresis)."""
+def choose(caches: Sequence[MiniCache], best: float, margin: float,
+           factors: Mapping[float, float] | None = None, z: float = Z) -> float:
+    """The mode to run: the candidate with the highest score (its decayed hits; a calibrated
+    candidate's — probation share or `LFU` — times its factor in `factors`, the real cache's hits
+    over its copy's while it ran that mode, 1 if absent, and divided by `LRU_MARGIN`, `LFU_MARGIN`
+    for `LFU`; the first listed on a tie) if it beats the current mode `best`'s score by `margin`
+    and by `z` standard deviations of the two counts (sqrt of their sum: Poisson; `Z_LFU` for
+    `LFU`) and the two counts sum to `MIN_HITS` or more, else `best` (hysteresis)."""
+    f = factors or {}
+
     def score(c: MiniCache) -> float:
-        return c.hits if c.share >= 1.0 else c.hits * factor / LRU_MARGIN
+        if c.share == LFU:
+            return c.hits * f.get(LFU, 1.0) / LFU_MARGIN
+        if c.share < 1.0:
+            return c.hits * f.get(c.share, 1.0) / LRU_MARGIN
+        return c.hits
     top = max(caches, key=score)
     cur = next((c for c in caches if c.share == best), None)
-    if cur is None or (score(top) > score(cur) * margin
-                       and score(top) - score(cur) > Z * math.sqrt(top.hits + cur.hits)):
+    if top.share == LFU:
+        z = Z_LFU
+    if cur is None or (score(top) > score(cur) * margin and top.hits + cur.hits >= MIN_HITS
+                       and score(top) - score(cur) > z * math.sqrt(top.hits + cur.hits)):
         return top.share
     return best
 
@@ -203,9 +279,10 @@ class MiniSims:
         self.caches = [MiniCache(cap, s, max(64, seen // rate)) for s in shares]
         self._epoch = EPOCH * cap
         self._seen = 0
-        self.real = self.copy = 0.0
-        """Decayed sampled hits of the real cache and of the probation copy while the real cache
-        ran the probation mode (`factor`)."""
+        self.real: dict[float, float] = {}
+        self.copy: dict[float, float] = {}
+        """Per calibrated mode (probation share, `LFU`): decayed sampled hits of the real cache
+        and of that mode's copy while the real cache ran the mode (`factor`)."""
         self.best = start
         self.margin = margin
 
@@ -224,26 +301,36 @@ class MiniSims:
         for c in caches:
             h0 = c.hits
             c.access(keys, placed)
-            if c.share == cur and cur < 1.0 and real_hits is not None:
-                self.real += real_hits
-                self.copy += c.hits - h0
+            if c.share == cur and (cur < 1.0 or cur == LFU) and real_hits is not None:
+                self.real[cur] = self.real.get(cur, 0.0) + real_hits
+                self.copy[cur] = self.copy.get(cur, 0.0) + c.hits - h0
+        before = self._seen
         self._seen += len(keys)
-        if self._seen >= self._epoch:
+        if self._seen < self._epoch:
+            step = self._epoch // PARTS
+            if step and self._seen // step != before // step:  # a quarter: a clear win only
+                self.best = choose(caches, self.best, self.margin,
+                                   {m: self.factor(m) for m in self.real}, Z_EARLY)
+        else:
             self._seen = 0
-            self.best = choose(caches, self.best, self.margin, self.factor())
+            self.best = choose(caches, self.best, self.margin,
+                               {m: self.factor(m) for m in self.real})
             for c in caches:
                 c.hits *= DECAY
-            self.real *= DECAY
-            self.copy *= DECAY
+            for m in self.real:
+                self.real[m] *= DECAY
+                self.copy[m] *= DECAY
 
-    def factor(self) -> float:
-        """The probation mode's calibration: the real cache's sampled hits over its copy's, over
-        the epochs it ran that mode (decayed like the hits; `CALIBRATION_PRIOR` hits of each
-        pull it to 1 while there are few, and back to 1 while another mode runs)."""
-        return (self.real + CALIBRATION_PRIOR) / (self.copy + CALIBRATION_PRIOR)
+    def factor(self, mode: float) -> float:
+        """A calibrated mode's factor: the real cache's sampled hits over its copy's, over the
+        epochs it ran that mode (decayed like the hits; `CALIBRATION_PRIOR` hits of each pull
+        it to 1 while there are few, and back to 1 while another mode runs)."""
+        return ((self.real.get(mode, 0.0) + CALIBRATION_PRIOR)
+                / (self.copy.get(mode, 0.0) + CALIBRATION_PRIOR))
 
     def entries(self) -> int:
-        return sum(len(c.s) + len(c.m) + len(c.ghosts) for c in self.caches)
+        return sum(len(c.s) + (2 if c.share == LFU else 1) * len(c.m) + len(c.ghosts)
+                   for c in self.caches)
 
     def nbytes_fixed(self) -> int:
         """Bytes of the filter candidates' seen tables (allocated once)."""
