@@ -279,3 +279,37 @@ def test_applier_keeps_tenant_usage_equal_to_a_recount(tmp_path: Path, clock: Cl
         assert c.leaked_slots() == 0
     finally:
         c.close()
+
+
+def test_a_rekeyed_tenant_leaves_its_old_file_now_or_at_release(
+        tmp_path: Path, clock: Clock) -> None:
+    """Isolated pool (a tokens file): a reload that changes t's token (`set_tenants(...,
+    rekeyed)`) drops t's unpinned DRAM blocks of its old file now; a block leased then is not
+    served to another Acquire and goes at its release; a write lease allocated before commits
+    into the old file and its blocks leave DRAM (no SSD here: gone); what t stores after lies in
+    its fresh file. No slot leaks."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tenants.t]\ntoken = "token-of-t-1"\n')
+    c = make(tmp_path, clock, tokens_file=str(tokens))
+    try:
+        pool = c.pool
+        assert store(c, keys(1, 2)) == 2
+        held = c.acquire(T, LID, keys(1, 1), 32, 30.0)  # block 0 of chain 1, leased
+        w = c.allocate(T, LID, keys(3, 1), 32, b"", 0)  # a write lease open across the reload
+        assert held.lease_id and w.lease_id and pool.stats().slots_used == 3
+        c.set_tenants([T], [], ["t"])
+        assert [len(c.lookup(T, LID, keys(1, 2), 32).tiers)] == [1]  # block 1 dropped now
+        assert c.acquire(T, LID, keys(1, 1), 32, 30.0).lease_id == ""  # not served
+        assert c.commit(T, w.lease_id, BLOCK) == 1
+        assert len(c.lookup(T, LID, keys(3, 1), 32).tiers) == 0  # committed, then out of DRAM
+        c.release(T, held.lease_id)
+        assert len(c.lookup(T, LID, keys(1, 1), 32).tiers) == 0  # out at its release
+        assert pool.stats().slots_used == 0 and c.leaked_slots() == 0
+        assert store(c, keys(4, 1), fill=9) == 1
+        got = c.acquire(T, LID, keys(4, 1), 32, 30.0)
+        slot = pool.slot_at(got.offsets[0])
+        assert slot is not None and not pool.slot_stale(slot)
+        assert bytes(c.slot_view(got.offsets[0], BLOCK)) == bytes([9]) * BLOCK
+        c.release(T, got.lease_id)
+    finally:
+        c.close()

@@ -93,3 +93,37 @@ def test_a_page_that_changes_hands_leaves_nothing_behind(pool: DramPool) -> None
     again = pool.alloc_many(4, a)
     assert again is not None and pool.page_tenant(page) == "a"
     assert all(not pool.view(s, BLOCK).any() for s in again)
+
+
+def test_a_retired_tenant_file_sees_nothing_stored_after_and_its_pages_are_punched(
+        pool: DramPool) -> None:
+    """A reload changed or revoked tenant a's token (`retire_tenant`): its next blocks go to a
+    fresh file under a fresh class id and generation; the old file (an fd its client fetched
+    before) is marked closed, its classes are stale, and a page of it that a's new file takes
+    is punched out of it first."""
+    a = pool.class_bytes(BLOCK, "a")
+    old_fd, old_gen = pool.tenant_file("a")
+    assert old_gen == pool.generation  # a tenant's first file carries the pool's generation
+    sa = pool.alloc_many(4, a)  # one whole page
+    assert sa is not None
+    for s in sa:
+        pool.write(s, b"\xaa" * BLOCK)
+    old = np.frombuffer(mmap.mmap(old_fd, pool.size), dtype=np.uint8)
+    assert pool.retire_tenant("a") and not pool.retire_tenant("never-seen")
+    assert pool.tags_needed({"a"}, set()) == 2  # a's retired tag, never reused, and a fresh one
+    assert all(pool.slot_stale(s) for s in sa)
+    assert old[12] == 2  # the old file's header: STATE_CLOSED (u32 at offset 12)
+    new = pool.class_bytes(BLOCK, "a")
+    assert new == BLOCK + 2 and pool.tenant_handle("a").generation != old_gen
+    new_fd, new_gen = pool.tenant_file("a")
+    assert new_fd != old_fd and new_gen == pool.tenant_handle("a").generation
+    for s in sa:
+        pool.free(s)  # the old blocks leave (the daemon: `Tiers.rekey`)
+    got = pool.alloc_many(16, new)  # every page, the old one included
+    assert got is not None and not any(pool.slot_stale(s) for s in got)
+    for s in got:
+        pool.write(s, b"\xcc" * BLOCK)
+    assert int((old == 0xCC).sum()) == 0 and int((old == 0xAA).sum()) == 0  # punched
+    view = mapped(pool, "a")  # what a client with the new token maps
+    assert int((view == 0xCC).sum()) == 16 * BLOCK
+    assert int.from_bytes(bytes(view[16:24]), "little") == new_gen

@@ -44,8 +44,10 @@ def test_tenant_changes_see_tokens_and_quotas(tmp_path: Path) -> None:
     path.write_text('[tenants.a]\ntoken = "aaaaaaa2"\n[tenants.c]\ntoken = "cccccccc"\n'
                     '[tenants.b]\ntoken = "bbbbbbbb"\ndram_quota = "1GiB"\n')
     new = Authenticator.from_file(path)
-    assert tenant_changes(old, new) == (["c"], [], ["a", "b"])
-    assert tenant_changes(new, Authenticator()) == (["default"], ["a", "b", "c"], [])
+    # a's token changed (rekeyed: its fd must not follow), b only its quota
+    assert tenant_changes(old, new) == (["c"], [], ["a", "b"], ["a"])
+    assert tenant_changes(new, Authenticator()) == (["default"], ["a", "b", "c"], [],
+                                                    ["a", "b", "c"])
 
 
 def test_prepare_refuses_guarantees_over_the_pool(tmp_path: Path) -> None:

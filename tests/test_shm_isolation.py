@@ -26,8 +26,9 @@ from kvtier.client.async_client import AsyncClient
 from kvtier.client.mapping import fetch_fd
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.segment import FD_MESSAGE_MAX, StaleSegment, fd_request, fd_socket_path
+from kvtier.core.types import Tier
 from kvtier.tiers.dram import peek_header
-from tests.daemon_fixture import DaemonProc
+from tests.daemon_fixture import DaemonProc, wait_ssd_blocks
 from tests.test_dram import _fake_cupy, _FakeRuntime
 
 BLOCK = 65536
@@ -70,10 +71,10 @@ CAPLESS = [sys.executable, "-c", DROP_CAPS]
 kernel would let any capable process read any other's fds, whatever this test checks)."""
 
 
-def tenants_daemon(tmp: Path) -> DaemonProc:
+def tenants_daemon(tmp: Path, *args: str) -> DaemonProc:
     tokens = tmp / "tokens.toml"
     tokens.write_text(TOKENS)
-    return DaemonProc(tmp / "d", ["--tokens-file", str(tokens)], launcher=CAPLESS).start()
+    return DaemonProc(tmp / "d", ["--tokens-file", str(tokens), *args], launcher=CAPLESS).start()
 
 
 @pytest.fixture(scope="module")
@@ -391,12 +392,6 @@ def test_a_block_size_equal_to_another_tenants_class_id_gets_a_slot_it_fits(
         d.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (review): the fd a tenant's client got is a capability no reload takes back; after "
-    "its token is rotated or revoked (SIGHUP) it still maps the tenant's file, whose pages keep "
-    "backing the tenant's blocks, those stored with the new token included. A fix moves the "
-    "tenant's pages to a fresh file at a rotation and punches the old one (see the review "
-    "report); strict: this test then passes and the marker must go"))
 def test_an_fd_fetched_before_a_token_rotation_sees_none_of_the_blocks_stored_after(
         tmp_path: Path) -> None:
     d = tenants_daemon(tmp_path)
@@ -424,6 +419,108 @@ def test_an_fd_fetched_before_a_token_rotation_sees_none_of_the_blocks_stored_af
         d.stop()
 
 
+def _reload(d: DaemonProc, tokens: str, line: str) -> None:
+    assert d.proc is not None
+    (d.workdir.parent / "tokens.toml").write_text(tokens)
+    seen = d.log().count(line)
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while d.log().count(line) == seen:
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.02)
+
+
+def _leaked(d: DaemonProc, token: str) -> mmap.mmap:
+    fd = fetch_fd(fd_socket_path(str(d.socket)), token)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+SECRET = b"ALICE-AFTER-REKEYING" * (BLOCK // 20) + b"\0" * (BLOCK % 20)
+
+
+def _new_token_works_zero_copy(d: DaemonProc, token: str, old_generation: int) -> None:
+    """A client with the new token stores and loads zero-copy in its tenant's fresh file."""
+    with Client(d.socket, layout=LAYOUT, token=token) as c:
+        assert c.store(keys(b"after", 2), [SECRET, SECRET]).stored == 2
+        assert c.uses_shm
+        with c.load(keys(b"after", 2)) as got:
+            assert got.blocks == 2 and [bytes(v) for v in got.views] == [SECRET, SECRET]
+            buf = c.slot_buffer()
+            assert buf is not None and buf.generation != old_generation
+            rows = buf.array()
+            assert [bytes(rows[s][:BLOCK]) for s in got.slots] == [SECRET, SECRET]
+
+
+def test_a_rotated_token_gets_a_fresh_file_and_its_blocks_leave_the_old_one(
+        tmp_path: Path) -> None:
+    """A SIGHUP that changes alice's token: her old file is closed to new blocks (an fd fetched
+    before sees none stored after, its header says closed), a client with the new token maps
+    a fresh file (another generation) and stores and loads zero-copy; a block leased at the
+    rotation is not served from the old file and leaves DRAM at its release, to come back
+    from SSD into the new file."""
+    d = tenants_daemon(tmp_path, "--ssd-admit-after", "1")  # SSD copies from the commit
+    new = "alice-rotated-token-4"
+    try:
+        with Client(d.socket, layout=LAYOUT, token=ALICE) as a:
+            assert a.store(keys(b"before", 1), [alice_block(0)]).stored == 1
+            assert a.store(keys(b"pinned", 1), [alice_block(1)]).stored == 1
+            lease = a.acquire(keys(b"pinned", 1))  # held across the rotation (a stays open)
+            assert lease.blocks == 1
+            buf = a.slot_buffer()
+            assert buf is not None
+            old_generation = buf.generation
+            leaked = _leaked(d, ALICE)
+            _reload(d, TOKENS.replace(ALICE, new), "tenants changed: alice")
+            assert leaked[12] == 2  # the old file's header state: closed (STATE_CLOSED)
+            _new_token_works_zero_copy(d, new, old_generation)
+            assert leaked.find(b"ALICE-AFTER-REKEYING") == -1
+            with Client(d.socket, layout=LAYOUT, token=new) as c:
+                with c.load(keys(b"pinned", 1)) as got:  # leased in the old file: not served
+                    assert got.blocks == 0
+                c.release(lease.lease_id)  # the same tenant: its new token ends the old lease
+                assert wait_ssd_blocks(c, 4) == 4  # before, pinned, after x2
+                for tag, block in ((b"before", alice_block(0)), (b"pinned", alice_block(1))):
+                    with c.load(keys(tag, 1)) as got:  # from SSD, into the new file
+                        assert got.blocks == 1 and bytes(got.views[0]) == block
+                        assert got.tiers == [Tier.SSD]
+        with pytest.raises(StaleSegment, match="unknown token"):
+            fetch_fd(fd_socket_path(str(d.socket)), ALICE)
+        assert leaked.find(b"ALICE-AFTER-REKEYING") == -1
+        leaked.close()
+    finally:
+        d.stop()
+
+
+def test_a_revoked_tenant_that_comes_back_gets_a_fresh_file(tmp_path: Path) -> None:
+    """Alice removed from the tokens file (SIGHUP), then back with another token: an fd her
+    old token fetched sees none of the blocks she stores after; bob is untouched."""
+    d = tenants_daemon(tmp_path)
+    try:
+        with Client(d.socket, layout=LAYOUT, token=ALICE) as a, \
+                Client(d.socket, layout=LAYOUT, token=BOB) as b:
+            assert a.store(keys(b"before", 1), [alice_block(0)]).stored == 1
+            assert b.store(keys(b"bob", 4), [bob_block(i) for i in range(4)]).stored == 4
+            buf = a.slot_buffer()
+            assert buf is not None
+            old_generation = buf.generation
+            leaked = _leaked(d, ALICE)
+            _reload(d, f'[tenants.bob]\ntoken = "{BOB}"\n', "tenants revoked: alice")
+            assert leaked[12] == 2
+            with pytest.raises(StaleSegment, match="unknown token"):
+                fetch_fd(fd_socket_path(str(d.socket)), ALICE)
+            back = "alice-is-back-token-5"
+            _reload(d, TOKENS.replace(ALICE, back), "tenants added: alice")
+            _new_token_works_zero_copy(d, back, old_generation)
+            assert leaked.find(b"ALICE-AFTER-REKEYING") == -1
+            assert bob_intact(b)
+        leaked.close()
+    finally:
+        d.stop()
+
+
 def _many_tenants(n: int) -> str:
     return "".join(f'[tenants.t{i:03d}]\ntoken = "token-of-tenant-{i:03d}"\n\n' for i in range(n))
 
@@ -433,7 +530,8 @@ def test_more_tenants_than_the_isolated_pool_serves_are_refused_at_start_and_rel
     """An isolated pool tags each tenant's classes with 1..255 (below the 256 B stride unit).
     Before (found by review), a tokens file of 256 tenants started, and the 256th tenant to
     store got an internal error on every store; now the start is refused with one line (exit
-    2), and so is a reload to 256 (the running tenants kept)."""
+    2), and so is a reload to 256 (the running tenants kept), counting a tenant that stored and
+    left the file, and a fresh tag for a token that changed."""
     tokens = tmp_path / "tokens.toml"
     tokens.write_text(_many_tenants(256))
     d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)], launcher=CAPLESS)
@@ -465,5 +563,16 @@ def test_more_tenants_than_the_isolated_pool_serves_are_refused_at_start_and_rel
         assert "256 tenants, more than the 255" in d.log().rsplit("reload (SIGHUP) refused")[-1]
         with Client(d.socket, layout=LAYOUT, token="token-of-tenant-254") as kv:
             assert kv.lookup(keys(b"t254", 1)).hit_blocks == 1  # the running tenants kept
+        # the same 255 tenants, t254's token changed: a fresh tag for it, 256 in all
+        tokens.write_text(_many_tenants(255).replace("token-of-tenant-254", "t254-rotated"))
+        seen = d.log().count("reload (SIGHUP) refused")
+        d.proc.send_signal(signal.SIGHUP)
+        while d.log().count("reload (SIGHUP) refused") == seen:
+            assert time.monotonic() < deadline + 20, d.log()
+            time.sleep(0.02)
+        assert "256 tenants, more than the 255" in d.log().rsplit("reload (SIGHUP) refused")[-1]
+        with Client(d.socket, layout=LAYOUT, token="token-of-tenant-254") as kv, \
+                kv.load(keys(b"t254", 1)) as got:  # its token, file and block as they were
+            assert got.blocks == 1 and bytes(got.views[0]) == alice_block(0) and kv.uses_shm
     finally:
         d.stop()

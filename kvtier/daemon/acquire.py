@@ -227,6 +227,10 @@ class Acquirer:
                             stop = min(stop, i)
                     elif i in a.waits and not block.in_dram:
                         stop = min(stop, i)  # the other promoter failed or is late
+                    if (i < stop and block.dram_slot is not None
+                            and pool.slot_stale(block.dram_slot)):
+                        stop = i  # in a retired tenant file (`Tiers.rekey`): not served
+                        tiers.stale.add((name, block.key))
                     if i >= stop:
                         tiers.index.unpin(name, block.key)
                         continue
@@ -261,6 +265,8 @@ class Acquirer:
         parent = a.blocks[-1].key if a.blocks else None
         ok = whole
         for key, slot, n in zip(a.remote_keys, a.remote_slots, got, strict=True):
+            if ok and n is not None and tiers.pool.slot_stale(slot):
+                ok = False  # claimed before a token change (`Tiers.rekey`): not settled
             if ok and n is not None:
                 try:
                     block = tiers.settle_remote(name, key, parent, slot)
@@ -282,6 +288,8 @@ class Acquirer:
         index = self.tiers.index
         for block in r.blocks:
             index.unpin(r.ns.name, block.key)
+        if self.tiers.stale:  # blocks of a retired tenant file waited for this release
+            self.tiers.apply()
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no Acquire is between `begin` and `end` with I/O; False on timeout.

@@ -190,6 +190,12 @@ class Allocator:
         self.tiers.apply()
         self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
         self.tiers.maybe_write_remote(ns.name, inserted, committed=True)
+        pool = self.tiers.pool
+        stale = [(ns.name, b.key) for b in inserted
+                 if b.dram_slot is not None and pool.slot_stale(b.dram_slot)]
+        if stale:  # allocated before a token change (`Tiers.rekey`): out of DRAM once written
+            self.tiers.stale.update(stale)
+            self.tiers.apply()
         return len(inserted)
 
     def end(self, w: WriteLease) -> None:

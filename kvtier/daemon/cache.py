@@ -633,16 +633,21 @@ class Cache:
         """Waits for queued SSD write-backs (tests, drain)."""
         return self.tiers.flush(timeout)
 
-    def set_tenants(self, tenants: Iterable[Tenant], revoked: Iterable[str]) -> None:
+    def set_tenants(self, tenants: Iterable[Tenant], revoked: Iterable[str],
+                    rekeyed: Iterable[str] = ()) -> None:
         """A reloaded tokens file (SIGHUP): the tenants' quotas and guarantees apply from now on;
         a revoked tenant keeps its blocks (evicted like any, reachable again if it comes back)
-        but loses its DRAM guarantee. Nothing is dropped."""
+        but loses its DRAM guarantee. In an isolated pool a `rekeyed` tenant (revoked, or its
+        token changed) moves to a fresh file, and its DRAM blocks in the old one leave DRAM,
+        now or at their release (`Tiers.rekey`; SSD and remote copies stay)."""
         with self._lock:
             for tenant in tenants:
                 self.names.tenant(tenant.name, tenant)
             for name in revoked:
                 if name in self.names.tenants:
                     self.names.tenant(name, Tenant(name))
+            for name in rekeyed:
+                self.tiers.rekey(name)
 
     def close(self, timeout: float = 10.0) -> None:
         """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment.

@@ -35,7 +35,7 @@ from kvtier.daemon.httpd import HttpEndpoint, Readiness
 from kvtier.daemon.rates import Link, RateBook
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
-EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write")
+EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed")
 LEASE_KINDS = ("read", "write")
 MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("ssd", "demote"),
          ("remote", "promote"))

@@ -114,16 +114,20 @@ class TenantChanges(NamedTuple):
     added: list[str]
     revoked: list[str]
     changed: list[str]  # token, quota, guarantee or admin flag
+    rekeyed: list[str]  # revoked, or its token changed: an fd fetched before must not follow
 
 
 def tenant_changes(old: Authenticator, new: Authenticator) -> TenantChanges:
     old_t = {t.name: t for t in old.tenants()}
     new_t = {t.name: t for t in new.tenants()}
     old_d, new_d = old.digests(), new.digests()
+    revoked = sorted(old_t.keys() - new_t.keys())
+    rotated = {n for n in new_t.keys() & old_t.keys() if new_d.get(n) != old_d.get(n)}
     return TenantChanges(
-        sorted(new_t.keys() - old_t.keys()), sorted(old_t.keys() - new_t.keys()),
+        sorted(new_t.keys() - old_t.keys()), revoked,
         sorted(n for n in new_t.keys() & old_t.keys()
-               if new_t[n] != old_t[n] or new_d.get(n) != old_d.get(n)))
+               if new_t[n] != old_t[n] or n in rotated),
+        sorted(rotated.union(revoked)))
 
 
 def _shown(name: str, value: object) -> str:
@@ -189,7 +193,7 @@ def apply(r: Reloaded, running: Config, cache: Cache | None, old_auth: Authentic
     if cache is None:
         return
     who = tenant_changes(old_auth, r.auth)
-    cache.set_tenants(r.auth.tenants(), who.revoked)
+    cache.set_tenants(r.auth.tenants(), who.revoked, who.rekeyed)
     budget = cache.tiers.budget
     if budget is not None and any(getattr(r.cfg, k) != getattr(running, k) for k in LIVE_BUDGET):
         budget.retune(r.cfg.ssd_write_bytes_per_day, r.cfg.ssd_write_burst_bytes)

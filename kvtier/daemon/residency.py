@@ -110,7 +110,7 @@ class Tiers:
         )
         self.pool.owner = self.index  # the index's block pins are the only pins
         self.applier = Applier(self.index, self.pool, names, events, metrics, self.ssd_bytes_of)
-        self.apply = self.applier.apply
+        self.stale: set[tuple[str, bytes]] = set()  # DRAM blocks of a retired tenant file
         self.moved = 0  # blocks moved to free a page for another size class
         self.moving = 0  # target slots of page moves in flight (claimed, no block yet)
         self.store: SsdStore | None = None
@@ -129,6 +129,50 @@ class Tiers:
         except BaseException:
             self.close(0.0)  # never leave the segment behind
             raise
+
+    def apply(self, why: str = "capacity", publish: bool = True) -> None:
+        """`Applier.apply`, then the `stale` blocks no pin holds any more leave DRAM."""
+        self.applier.apply(why, publish)
+        if self.stale:
+            self.drop_stale()
+            self.applier.apply("rekeyed", publish)
+
+    def rekey(self, tenant: str) -> None:
+        """A reload changed or revoked `tenant`'s token (isolated pool): what it stores from
+        now on goes to a fresh file under fresh class ids (`DramPool.retire_tenant`), and its
+        blocks in the old file leave DRAM now, or when the last pin on them goes (they stay on
+        SSD or the remote tier where written back): a client holding the old file's fd sees
+        no block stored after this. Call with the lock held."""
+        if not self.pool.retire_tenant(tenant):
+            return
+        pool = self.pool
+        for b in self.index.iter_blocks():
+            slot = b.dram_slot
+            if (slot is not None and _tenant_of(b.tenant) == tenant
+                    and pool.slot_stale(slot)):
+                self.stale.add((cast(str, b.tenant), b.key))
+        self.apply()
+
+    def drop_stale(self) -> None:
+        """Drops the `stale` blocks no pin holds (a DRAM-only one with children takes its
+        subtree: they cannot be reached without it); a pinned one waits for its release."""
+        index, pool = self.index, self.pool
+        for name, key in list(self.stale):
+            b = index.get(name, key)
+            slot = None if b is None else b.dram_slot
+            if b is None or slot is None or not pool.slot_stale(slot):
+                self.stale.discard((name, key))
+                continue
+            if b.pins:
+                continue
+            try:
+                if b.children and not b.on_ssd:
+                    index.remove_subtree(name, key)
+                else:
+                    index.drop(name, key, Tier.DRAM)
+            except IndexStateError:
+                continue  # a pinned descendant: again at its release
+            self.stale.discard((name, key))
 
     # -- SSD ----------------------------------------------------------------------------------
 

@@ -366,12 +366,16 @@ class Daemon:
             done, file_values = reload.prepare(self.source, self.cfg, self.auth,
                                                self._file_values)
             if self.cache is not None and done.auth.required:
-                # tags are never reused: tenants that stored since the start count too
-                seen = self.cache.pool.tagged_tenants() | {t.name for t in done.auth.tenants()}
-                problem = tenant_count_problem(len(seen), done.cfg.tokens_file)
+                # tags are never reused: tenants that stored since the start count too, and a
+                # tenant whose token changed takes a fresh one (`Cache.set_tenants`)
+                rekeyed = set(reload.tenant_changes(self.auth, done.auth).rekeyed)
+                tags = self.cache.pool.tags_needed({t.name for t in done.auth.tenants()},
+                                                   rekeyed)
+                problem = tenant_count_problem(tags, done.cfg.tokens_file)
                 if problem:
-                    raise UsageError(f"{problem} (with the tenants that stored since the start; "
-                                     "a restart starts over)")
+                    raise UsageError(f"{problem} (with the tenants that stored since the start "
+                                     "and a fresh tag for each token changed; a restart starts "
+                                     "over)")
         except UsageError as exc:
             log.error("reload (SIGHUP) refused, nothing changed: %s", exc)
             sdnotify.notify("READY=1")

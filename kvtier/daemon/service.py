@@ -158,7 +158,7 @@ class KvTierService(pb_grpc.KvTierServicer):
         """The pool as `tenant`'s blocks of `block_bytes` lie in it (their class's grid)."""
         pool = self.cache.pool
         stride = pool.class_stride(pool.class_bytes(block_bytes, tenant.name))
-        return segment_info(pool.handle(), stride, pool.isolated)
+        return segment_info(pool.tenant_handle(tenant.name), stride, pool.isolated)
 
     @staticmethod
     def _session(context: Ctx) -> str:
@@ -332,7 +332,8 @@ class KvTierService(pb_grpc.KvTierServicer):
                 tenant_dram_quota_bytes=tenant.dram_quota_bytes,
                 tenant_ssd_quota_bytes=tenant.ssd_quota_bytes,
                 tenant_dram_guarantee_bytes=tenant.dram_guarantee_bytes,
-                segment=segment_info(self.cache.pool.handle(), self.cache.pool.slot_stride,
+                segment=segment_info(self.cache.pool.tenant_handle(tenant.name),
+                                     self.cache.pool.slot_stride,
                                      self.cache.pool.isolated),
                 uptime_seconds=time.time() - self.started_at,
                 layouts=s.layouts, version=_version, node_wide=s.node_wide,

@@ -435,13 +435,56 @@ class DramPool:
         with self._lock:
             return self._regions.fd(tenant)
 
+    def tenant_file(self, tenant: str) -> tuple[int, int]:
+        """(`tenant_fd`, the generation in its header): what the fd socket hands out."""
+        if self._regions is None:
+            raise DramError("a shared pool has no per-tenant memory")
+        with self._lock:
+            return self._regions.fd(tenant), self._regions.generation(tenant)
+
+    def tenant_handle(self, tenant: str) -> SegmentHandle:
+        """The pool as `tenant`'s client maps it: `handle()`, with the generation of the
+        tenant's file in an isolated pool (a fresh file after `retire_tenant` has another, so
+        a client that mapped the old one fetches the new)."""
+        h = self.handle()
+        if self._regions is None:
+            return h
+        with self._lock:
+            return h._replace(generation=self._regions.generation(tenant))
+
+    def retire_tenant(self, tenant: str) -> bool:
+        """A reload changed or revoked `tenant`'s token (isolated pools): from now on its blocks
+        go to a fresh file under fresh class ids, and the slots of its classes so far are
+        `slot_stale` (their blocks must leave the pool). False when the tenant had no file."""
+        if self._regions is None:
+            return False
+        with self._lock:
+            return self._regions.retire(tenant)
+
+    def slot_stale(self, slot: int) -> bool:
+        """Whether allocated `slot` is of a class of a retired tenant file (`retire_tenant`):
+        its block is no longer served from the pool."""
+        if self._regions is None:
+            return False
+        with self._lock:
+            return self._regions.stale(self.pages.page_class(self.pages.page_of(slot)))
+
     def tagged_tenants(self) -> set[str]:
-        """The tenants that have had a class since the pool was made (isolated pools; their
-        tags are never reused: at most `dram_regions.MAX_TENANTS`)."""
+        """The tenants whose file now has a class (isolated pools; tags are never reused: at
+        most `dram_regions.MAX_TENANTS`, `tags_needed`)."""
         if self._regions is None:
             return set()
         with self._lock:
             return self._regions.tagged()
+
+    def tags_needed(self, tenants: set[str], retiring: set[str]) -> int:
+        """The class tags in use once each of `tenants` has one (isolated pools): those given
+        since the start, never reused, plus one per tenant whose file now has none or is
+        `retiring` (`retire_tenant` next)."""
+        if self._regions is None:
+            return 0
+        with self._lock:
+            return self._regions.tags_needed(tenants, retiring)
 
     def page_tenant(self, page: int) -> str | None:
         """The tenant whose memory backs page `page` (isolated pools; None: a free page)."""

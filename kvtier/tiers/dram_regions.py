@@ -21,6 +21,14 @@ daemon's fd socket (`kvtier.daemon.fdpass`, after its token is checked) and maps
 offsets of its blocks it finds them, everywhere else zeros, its own earlier blocks or what it
 wrote there itself — never another tenant's bytes, and nothing it writes reaches them.
 
+A tenant's file is one *region* of it. A reload that changes or revokes its token retires the
+region (`retire`: its header marked closed); the tenant's next region has a fresh file, a fresh
+tag (fresh class ids; tags are never reused, so each counts toward the 255) and a generation of
+its own in its header, which its clients compare to re-fetch. The retired region's classes are
+`stale` (the daemon evicts their blocks: `kvtier.daemon.residency.Tiers.rekey`), and its pages
+are punched out of its file when another region, the tenant's new one included, takes them: an
+fd fetched before the reload sees no block stored after it.
+
 Every move of a page from one tenant to another costs two syscalls (mmap, fallocate) under the
 pool's lock, at page granularity (megabytes), not per block.
 """
@@ -33,6 +41,7 @@ import fcntl
 import logging
 import mmap
 import os
+import secrets
 from typing import Any
 
 from kvtier.core.segment import STATE, STATE_CLOSED, STATE_OFFSET, DramError
@@ -45,6 +54,7 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 MADV_HUGEPAGE = 14
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+GENERATION_AT = STATE_OFFSET + STATE.size  # the header's generation (u64, after the state)
 MAX_TENANTS = UNIT - 1
 """Tenants an isolated pool serves (their tags, 1..255, lie below the stride unit); a tokens file
 with more is refused at start and at a reload (`tenant_count_problem`)."""
@@ -103,41 +113,99 @@ class TenantRegions:
         self._prefault = prefault
         self.mlock = mlock
         self.huge = huge
-        self._fds: dict[str, int] = {}
-        self._tags: dict[str, int] = {}  # tenant -> its tag (1..UNIT-1)
-        self._owner: dict[int, str] = {}  # class id -> its tenant
-        self._pages: list[str | None] = [None] * page_count  # page -> its tenant
+        self._generation = int.from_bytes(header[GENERATION_AT:GENERATION_AT + 8], "little")
+        # A region is one file of one tenant: the tenant's first is keyed by its name, one made
+        # after a reload changed or revoked its token (`retire`) by "<name>#<n>" (a tenant name
+        # never holds "#": `kvtier.daemon.auth`).
+        self._current: dict[str, str] = {}  # tenant -> its region now
+        self._tenant: dict[str, str] = {}  # region -> its tenant
+        self._gens: dict[str, int] = {}  # region -> the generation in its file's header
+        self._fds: dict[str, int] = {}  # region -> its file
+        self._tags: dict[str, int] = {}  # region -> its tag (1..UNIT-1)
+        self._owner: dict[int, str] = {}  # class id -> its region
+        self._pages: list[str | None] = [None] * page_count  # page -> its region
+        self._renewed = 0
+
+    def _region(self, tenant: str) -> str:
+        """The tenant's region now (made on first use: its first, or a fresh one after
+        `retire`, with a generation of its own)."""
+        region = self._current.get(tenant)
+        if region is None:
+            if tenant not in self._tenant:  # its first: keyed by its name
+                region, gen = tenant, self._generation
+            else:
+                self._renewed += 1
+                region = f"{tenant}#{self._renewed}"
+                gen = secrets.randbits(63) | 1
+            self._current[tenant], self._tenant[region], self._gens[region] = region, tenant, gen
+        return region
 
     def fd(self, tenant: str) -> int:
-        """The tenant's file (created on first use). The daemon keeps it; a client gets a dup."""
-        fd = self._fds.get(tenant)
+        """The file of the tenant's region now (created on first use). The daemon keeps it; a
+        client gets a dup."""
+        return self._file(self._region(tenant))
+
+    def generation(self, tenant: str) -> int:
+        """The generation in the header of the tenant's file now (its first file's is the
+        pool's; a fresh file after `retire` has its own: a client compares it and re-fetches)."""
+        return self._gens[self._region(tenant)]
+
+    def _file(self, region: str) -> int:
+        fd = self._fds.get(region)
         if fd is None:
-            fd = self._fds[tenant] = anonymous_file(f"kvtier-dram-{tenant}"[:200], self.size,
-                                                    self._header)
+            header = bytearray(self._header)
+            header[GENERATION_AT:GENERATION_AT + 8] = self._gens[region].to_bytes(8, "little")
+            fd = self._fds[region] = anonymous_file(f"kvtier-dram-{region}"[:200], self.size,
+                                                    bytes(header))
         return fd
 
     def class_id(self, tenant: str, stride: int) -> int:
-        """The id of `tenant`'s class of blocks of stride `stride`: the stride plus the
-        tenant's tag. DramError past 255 tenants."""
-        tag = self._tags.get(tenant)
+        """The id of `tenant`'s class of blocks of stride `stride` now: the stride plus the
+        tag of its region. DramError past 255 tags."""
+        region = self._region(tenant)
+        tag = self._tags.get(region)
         if tag is None:
-            if len(self._tags) >= MAX_TENANTS:  # tenants of earlier tokens files included
-                raise DramError(f"an isolated DRAM pool serves at most {MAX_TENANTS} tenants")
-            self.fd(tenant)
-            tag = self._tags[tenant] = len(self._tags) + 1
+            if len(self._tags) >= MAX_TENANTS:  # regions of earlier tokens files included
+                raise DramError(f"an isolated DRAM pool serves at most {MAX_TENANTS} tenants "
+                                "(tags, one more per token change, never reused)")
+            self._file(region)
+            tag = self._tags[region] = len(self._tags) + 1
         cls = geometric(stride) + tag
-        self._owner[cls] = tenant
+        self._owner[cls] = region
         return cls
 
     def tagged(self) -> set[str]:
-        """The tenants given a tag so far."""
-        return set(self._tags)
+        """The tenants whose region now has a tag."""
+        return {t for t, r in self._current.items() if r in self._tags}
+
+    def tags_needed(self, tenants: set[str], retiring: set[str]) -> int:
+        """The tags in use once every tenant of `tenants` has one (those given so far, never
+        reused, plus one per tenant whose region now has none or is `retiring`)."""
+        return len(self._tags) + len(tenants - (self.tagged() - retiring))
+
+    def retire(self, tenant: str) -> bool:
+        """A reload changed or revoked `tenant`'s token: its region now is retired (its file's
+        header marked closed) and its next file and classes are fresh (`_region`); the pages of
+        the retired region stay its until another region takes them (`back` punches them
+        then). Its blocks there must leave (`stale`). False when the tenant had no region."""
+        region = self._current.pop(tenant, None)
+        if region is None:
+            return False
+        fd = self._fds.get(region)
+        if fd is not None:
+            os.pwrite(fd, STATE.pack(STATE_CLOSED), STATE_OFFSET)
+        return True
+
+    def stale(self, cls: int) -> bool:
+        """Whether class `cls` is of a retired region (its blocks are served no more)."""
+        region = self._owner.get(cls)
+        return region is not None and self._current.get(self._tenant[region]) != region
 
     def is_class(self, cls: int) -> bool:
         return cls in self._owner
 
     def owner(self, cls: int) -> str:
-        """The tenant of class `cls`; DramError for a class no tenant has (a bare stride)."""
+        """The region of class `cls`; DramError for a class no tenant has (a bare stride)."""
         tenant = self._owner.get(cls)
         if tenant is None:
             raise DramError(f"no tenant has size class {cls} (isolated pool: allocate through "
@@ -146,7 +214,8 @@ class TenantRegions:
 
     def page_owner(self, page: int) -> str | None:
         """The tenant whose file backs page `page` (None: the base file, never handed out)."""
-        return self._pages[page]
+        region = self._pages[page]
+        return None if region is None else self._tenant[region]
 
     def back(self, page: int, cls: int) -> None:
         """`PageTable.backing`: page `page` joins class `cls` (0: goes back to the free
@@ -156,20 +225,21 @@ class TenantRegions:
         fresh zeroed pages)."""
         if not cls:
             return
-        tenant = self.owner(cls)
+        region = self.owner(cls)
         old = self._pages[page]
-        if old == tenant:
+        if old == region:
             return
         o = self._data_offset + page * self._page_bytes
-        fd = self.fd(tenant)
+        fd = self._file(region)
         self._map(fd, o)
         self._punch(self._base_fd if old is None else self._fds[old], o)
         if self._prefault:
             try:
                 os.posix_fallocate(fd, o, self._page_bytes)
             except OSError as exc:
-                log.warning("cannot allocate a DRAM page of tenant %r now: %s", tenant, exc)
-        self._pages[page] = tenant
+                log.warning("cannot allocate a DRAM page of tenant %r now: %s",
+                            self._tenant[region], exc)
+        self._pages[page] = region
 
     def _map(self, fd: int, offset: int) -> None:
         libc, n, address = self._libc, self._page_bytes, self._base + offset
