@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -146,3 +146,13 @@ def wait_ssd_blocks(kv: Client, want: int, timeout: float = 30.0) -> int:
     while ssd_blocks(kv) < want and time.monotonic() < deadline:
         time.sleep(0.05)
     return ssd_blocks(kv)
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 15.0) -> None:
+    """Polls `pred` every 50 ms until it is true; AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")

@@ -23,7 +23,7 @@ import pytest
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
 from kvtier.core.paths import SOCKET_PATH_MAX
 from kvtier.tiers import segment_owner
-from tests.daemon_fixture import ROOT, DaemonProc
+from tests.daemon_fixture import ROOT, DaemonProc, wait_for
 
 BLOCK = 65536
 LAYOUT = LayoutDecl(fingerprint=b"conventions-fp", block_bytes=BLOCK, block_tokens=16,
@@ -58,15 +58,6 @@ def keys(tag: int, n: int) -> list[bytes]:
 def blocks(n: int, seed: int) -> list[bytes]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes() for _ in range(n)]
-
-
-def wait_for(pred: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached")
 
 
 # ---- the socket path ------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lmdb
@@ -19,7 +18,7 @@ import pytest
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.types import Tier
 from kvtier.daemon import config
-from tests.daemon_fixture import DaemonProc
+from tests.daemon_fixture import DaemonProc, wait_for
 
 BLOCK = 65536
 LAYOUT = LayoutDecl(fingerprint=b"startup-fp-01", block_bytes=BLOCK, block_tokens=16,
@@ -33,15 +32,6 @@ def chain(tag: int, n: int) -> list[bytes]:
 def payloads(n: int, seed: int) -> list[bytes]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes() for _ in range(n)]
-
-
-def wait_for(pred: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached")
 
 
 def fill(d: DaemonProc, chains: int, per_chain: int) -> list[tuple[list[bytes], list[bytes]]]:

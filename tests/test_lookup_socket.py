@@ -26,7 +26,7 @@ from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Authenticator, Tenant
 from kvtier.daemon.lookup_socket import LookupServer, _Connection
-from tests.daemon_fixture import DaemonProc, daemon  # noqa: F401
+from tests.daemon_fixture import DaemonProc, daemon, wait_for  # noqa: F401
 
 LAYOUT = LayoutDecl(b"lookup-socket-layout", 4096, 16, model_id="ls/model",
                     model=ModelCost(1e9, 16, 1024))
@@ -43,15 +43,6 @@ def lookup_socket(d: DaemonProc) -> Path:
 def used_socket(kv: Client) -> bool:
     """Whether `kv`'s last Lookup went over the lookup socket (it keeps that connection)."""
     return kv._lookups is not None and len(kv._lookups._idle) == 1
-
-
-def wait_for(pred: object, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached")
 
 
 def test_clients_look_up_on_the_socket_with_grpcs_answers(daemon: DaemonProc) -> None:  # noqa: F811
