@@ -1,7 +1,7 @@
 """`kvtier.index.placement`'s decisions the daemon and the simulator share, on a real
 `PrefixIndex` (LRU): fair-share victims between tenants, one tenant's coldest blocks, the
 hopeless-room rule, quota overshoot, victims one at a time across size classes, promotions and
-remote offers. Expected values are worked out by hand in each test."""
+remote offers and fetches. Expected values are worked out by hand in each test."""
 
 from __future__ import annotations
 
@@ -100,3 +100,16 @@ def test_over_quota_counts_the_blocks_to_give_up() -> None:
     assert placement.over_quota(8192, 8192, 10240, 4096) == 2  # 6 KiB over: 2 blocks
     assert placement.over_quota(4096, 4096, 10240, 4096) == 0  # fits
     assert placement.over_quota(1 << 40, 4096, 0, 4096) == 0  # no quota
+
+
+def test_remote_fetches_claim_only_for_what_the_store_holds() -> None:
+    # a chain of 10: 3 blocks local, the store holds the next 2 (keys 3 and 4), not key 5 on
+    assert placement.remote_fetches(3, 3, 2) == 2  # a slot for keys 3 and 4 only, not 5..9
+    assert placement.remote_fetches(3, 3, 0) == 0  # the store holds none: no slot, no eviction
+    # the prefix was cut at block 1 (no slot for an SSD block's promotion): the chain goes on
+    # with a local block, not with what the store holds
+    assert placement.remote_fetches(1, 3, 2) == 0
+    # another request committed key 3 between the check and the Acquire: only key 4 is left
+    assert placement.remote_fetches(4, 3, 2) == 1
+    assert placement.remote_fetches(6, 3, 2) == 0  # everything the store held is local now
+    assert placement.remote_fetches(0, 0, 7) == 7  # nothing local: the store's run from the root

@@ -153,6 +153,47 @@ def test_tenants_are_isolated_across_nodes(tmp_path: Path, redis_server: RedisSe
         b.stop()
 
 
+def test_acquire_evicts_no_more_dram_than_the_store_can_fill(
+    tmp_path: Path, redis_server: RedisServer,
+) -> None:
+    """B's DRAM is full of useful blocks; a chain has 2 blocks in B's DRAM, the store holds the
+    next 2 (stored through A), and 8 more nobody holds. B's Acquire claims (and evicts for) a
+    DRAM slot for each of the 2 the store holds, no more: 2 useful blocks leave B's DRAM, the
+    rest stay, and no slot is left empty. (Before, it claimed a slot for each of the 10 keys
+    after the local prefix, evicting 10 useful blocks, and gave 8 back empty.)"""
+    a = node(tmp_path, "a", redis_server.url)
+    b = node(tmp_path, "b", redis_server.url, "--dram-bytes", "1MiB",
+             "--remote-queue-bytes", "1MiB")
+    db = redis_server.client()
+    try:
+        full, data = chain(30, 12), payloads(12, 30)
+        store_and_publish(a, redis_server, full[:4], data[:4])
+        with Client(b.socket, layout=LAYOUT) as kv:
+            def dram() -> pb.TierStats:
+                return next(t for t in kv.stats().tiers if t.tier == pb.TIER_DRAM)
+
+            slots = dram().capacity_bytes // BLOCK
+            assert slots >= 14  # room for the 2 local blocks and 12 or more useful ones
+            assert kv.store(full[:2], data[:2]).stored == 2  # B's local prefix
+            useful = [chain(100 + i, 1) for i in range(slots - 2)]
+            for i, one in enumerate(useful):
+                before = db.dbsize()
+                assert kv.store(one, payloads(1, 100 + i)).stored == 1
+                wait_for(lambda before=before: db.dbsize() == before + 1)  # written: unpinned
+            assert dram().blocks == slots  # full, nothing evicted yet
+            assert kv.lookup(full).tiers == [Tier.DRAM] * 2 + [Tier.REMOTE] * 2
+            with kv.load(full) as got:
+                assert got.tiers == [Tier.DRAM] * 2 + [Tier.REMOTE] * 2
+                assert [bytes(v) for v in got.views] == data[:4]
+            in_dram = sum(kv.lookup(one).tiers == [Tier.DRAM] for one in useful)
+            assert in_dram == slots - 4  # 2 useful blocks gave their slots to the fetched ones
+            assert dram().blocks == slots  # no slot claimed and given back empty
+            assert kv.stats().active_leases == 0
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_damaged_value_is_a_miss_never_served(
     pair: tuple[DaemonProc, DaemonProc], redis_server: RedisServer,
 ) -> None:

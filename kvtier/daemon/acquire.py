@@ -1,23 +1,28 @@
 """Acquire: pin a cached prefix under a READ lease, promoting SSD-only blocks into DRAM first.
 
-Three steps, so that the SSD read leaves the cache lock (and, via `Cache.acquire_async`, the
-event loop):
+Steps, so that the SSD and remote reads leave the cache lock (and, via `Cache.acquire_async`,
+the event loop):
 
+    check   (no lock)     with a remote tier that is up, and a local prefix that ends before the
+                          chain does, `Cache` asks the store how many keys after that prefix it
+                          holds (`RemoteTier.present`: one pipelined EXISTS round trip) →
+                          `RemoteCheck`
     begin   (cache lock)  pin every block of the prefix in the index; per block the planner
                           promotes (`placement.promotions`: the SSD-only ones) claim a
                           DRAM slot (`Tiers.claiming`: evicts for room, charges the tenant) and
                           register the promotion — or, if another Acquire is promoting that
                           block, note its `done` event; the prefix ends before a block that gets
                           no slot (nothing is forgotten); when the whole local prefix is in
-                          hand and the chain goes on, it claims a slot per further key for the
-                          remote tier (those keys are in no index: Lookup found them remotely).
-                          A claim may stop for page moves (`beginning`, `Tiers.taking`'s
-                          steps): the lock is let go while they copy, and each block is
-                          looked at again when it resumes
+                          hand, it claims a slot per further key the store holds
+                          (`placement.remote_fetches` over the check; those keys are in no
+                          index) and none for a key it does not hold (a claim evicts for room:
+                          it would evict a useful block for nothing). A claim may stop for page
+                          moves (`beginning`, `Tiers.taking`'s steps): the lock is let go while
+                          they copy, and each block is looked at again when it resumes
     finish  (no lock)     read + verify the claimed blocks in one LMDB read transaction
                           (`Tiers.read_claimed`), fetch + verify the remote keys in one
-                          pipelined round trip (`RemoteTier.fetch_into`), then wait for the
-                          other Acquires noted
+                          pipelined round trip (`RemoteTier.fetch_into`; a key the store evicted
+                          since the check is a miss), then wait for the other Acquires noted
     end     (cache lock)  each good slot becomes its block's DRAM copy; the prefix is cut before
                           the first block not in DRAM (a lost payload: the block is forgotten
                           with its subtree); if the local prefix is whole, the fetched remote
@@ -74,6 +79,18 @@ class ReadLease:
     h2d_bytes_per_s: float  # the planner's DRAM-read estimate when granted (prediction error)
 
 
+class RemoteCheck(NamedTuple):
+    """The remote store's existence check for an Acquire's chain, made before `begin` without
+    the cache lock (`Cache`, `RemoteTier.present`): it holds `held` keys after the first `after`
+    (the local prefix then)."""
+
+    after: int
+    held: int
+
+
+NOT_ASKED = RemoteCheck(0, 0)  # no remote tier, or not asked: nothing is fetched
+
+
 class AcquireResult(NamedTuple):
     lease_id: str  # "" when nothing was acquired
     offsets: list[int]
@@ -124,17 +141,21 @@ class Acquirer:
         self._in_flight = 0  # Acquires with I/O between begin and end
         self._promoting: dict[tuple[str, bytes], threading.Event] = {}
 
-    def begin(self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float) -> Acquiring:
+    def begin(self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float,
+              remote: RemoteCheck = NOT_ASKED) -> Acquiring:
         """Step 1 on this thread; the caller holds the cache lock (page moves a claim needs are
         copied here, under it: `Tiers.run_here`)."""
-        return self.tiers.run_here(self.beginning(tenant, ns, chain, ttl))
+        return self.tiers.run_here(self.beginning(tenant, ns, chain, ttl, remote))
 
     def beginning(
         self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float,
+        remote: RemoteCheck = NOT_ASKED,
     ) -> Steps[Acquiring]:
         """Step 1 as `Tiers.taking`'s steps: it stops for the page moves a claim needs, the
         cache lock let go meanwhile (each resumption holds it again, so what another request
-        changed then is checked again: a block promoted or being promoted, a key now local)."""
+        changed then is checked again: a block promoted or being promoted, a key now local).
+        `remote`: what the remote store holds after the local prefix (slots are claimed for
+        those keys only)."""
         index = self.tiers.index
         blocks = list(index.lookup(ns.name, chain, touch=False).blocks)
         for block in blocks:  # first, so promotions cannot evict the rest
@@ -165,9 +186,10 @@ class Acquirer:
                         index.unpin(ns.name, rest.key)
                     del blocks[i:]
                     break
-            remote = self.tiers.remote
-            if remote is not None and len(blocks) < len(chain) and remote.ready():
-                for key in chain[len(blocks):]:
+            fetch = placement.remote_fetches(len(blocks), remote.after, remote.held)
+            store = self.tiers.remote
+            if store is not None and fetch and store.ready():
+                for key in chain[len(blocks):len(blocks) + fetch]:
                     if index.get(ns.name, key) is not None:
                         break
                     slot = yield from self._claim(ns)

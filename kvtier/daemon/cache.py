@@ -71,7 +71,14 @@ from kvtier.core.errors import (
 from kvtier.core.planner import Plan, Prefix, plan
 from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
-from kvtier.daemon.acquire import Acquirer, AcquireResult, Acquiring, ReadLease
+from kvtier.daemon.acquire import (
+    NOT_ASKED,
+    Acquirer,
+    AcquireResult,
+    Acquiring,
+    ReadLease,
+    RemoteCheck,
+)
 from kvtier.daemon.allocate import AllocateResult as AllocateResult
 from kvtier.daemon.allocate import Allocator, WriteLease, quota_room
 from kvtier.daemon.auth import Tenant
@@ -282,8 +289,9 @@ class Cache:
         session: str = "",
     ) -> AcquireResult:
         """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
-        slots (on this thread); stops before a block that cannot be promoted. See
-        `kvtier.daemon.acquire`."""
+        slots (on this thread); stops before a block that cannot be promoted. After a whole
+        local prefix, the blocks the remote store holds follow it (fetched into DRAM slots
+        claimed for them only). See `kvtier.daemon.acquire`."""
         a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
         return self._in_session(self.acquirer.finish(a) if a.io else self.acquirer.end(a), a)
 
@@ -291,16 +299,20 @@ class Cache:
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
         session: str = "",
     ) -> AcquireResult:
-        """`acquire` for the event loop: SSD reads (and waits for other Acquires' promotions of
-        the same blocks) run on a worker thread, without the cache lock. The worker finishes the
-        Acquire even if the caller is cancelled; its lease then expires after the TTL."""
+        """`acquire` for the event loop: the remote store's check, SSD and remote reads (and
+        waits for other Acquires' promotions of the same blocks) run on a worker thread, without
+        the cache lock. The worker finishes the Acquire even if the caller is cancelled; its
+        lease then expires after the TTL."""
         ttl = self._new_lease_ttl(ttl_s)
+        ns, chain, local = self._acquire_request(tenant, layout_id, keys, key_width, session)
+        held = NOT_ASKED
+        if local is not None:
+            held = RemoteCheck(local, await asyncio.to_thread(self._remote_present, ns, chain,
+                                                             local))
 
         def beginning() -> Steps[Acquiring]:
-            self._check_session(tenant, session)
-            ns = self._ns(tenant, layout_id)
-            chain = self.names.split_keys(ns, keys, key_width, unique=False)
-            a = yield from self.acquirer.beginning(tenant, ns, chain, ttl)
+            self._check_session(tenant, session)  # (it may have ended during the check)
+            a = yield from self.acquirer.beginning(tenant, ns, chain, ttl, held)
             a.session = session
             return a
 
@@ -372,15 +384,35 @@ class Cache:
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
         session: str = "",
     ) -> Acquiring:
-        """Validates the request and runs the Acquire's first step (`Acquirer.begin`)."""
+        """Validates the request, asks the remote store what it holds after the local prefix
+        (on this thread, without the cache lock) and runs the Acquire's first step
+        (`Acquirer.begin`)."""
         ttl = self._new_lease_ttl(ttl_s)
+        ns, chain, local = self._acquire_request(tenant, layout_id, keys, key_width, session)
+        held = NOT_ASKED
+        if local is not None:
+            held = RemoteCheck(local, self._remote_present(ns, chain, local))
+        with self._lock:
+            self._check_session(tenant, session)  # (it may have ended during the check)
+            a = self.acquirer.begin(tenant, ns, chain, ttl, held)
+            a.session = session
+            return a
+
+    def _acquire_request(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, session: str,
+    ) -> tuple[NamespaceInfo, list[bytes], int | None]:
+        """An Acquire's namespace and chain (validated), and the length of its local prefix now
+        when the remote store is to be asked about the keys after it (a remote tier that is up
+        or due for a probe, a chain longer than the prefix), else None."""
         with self._lock:
             self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
-            a = self.acquirer.begin(tenant, ns, chain, ttl)
-            a.session = session
-            return a
+            remote = self.tiers.remote
+            if remote is None or not remote.ready():
+                return ns, chain, None
+            local = len(self.index.lookup(ns.name, chain, touch=False).blocks)
+            return ns, chain, local if local < len(chain) else None
 
     def _claim(self, ns: NamespaceInfo) -> Steps[int | None]:
         if not quota_room(self.tiers, ns.usage, 1, self.tiers.dram_bytes_of(ns.name)):

@@ -2,9 +2,11 @@
 
     Lookup   local prefix ends before the chain does ─▶ `present(ns, rest)`: one pipelined EXISTS
              round trip → how many more blocks the store holds (reported as Tier.REMOTE)
-    Acquire  claimed DRAM slots ─▶ `fetch_into(ns, keys, slots)`: one pipelined GET round trip,
-             each value verified and copied into its slot → the cache inserts the good prefix
-             into the index as DRAM blocks under the Acquire's lease (`kvtier.daemon.acquire`)
+    Acquire  `present` again (before the Acquire claims anything) ─▶ a DRAM slot claimed for
+             each key it holds, none for the rest ─▶ `fetch_into(ns, keys, slots)`: one
+             pipelined GET round trip, each value verified and copied into its slot → the cache
+             inserts the good prefix into the index as DRAM blocks under the Acquire's lease
+             (`kvtier.daemon.acquire`)
     Commit   admitted blocks ─▶ `offer(RemoteWrite)`: never blocks; a queue bounded in bytes of
              pinned slots and a byte-rate token bucket decide, else the write is dropped and
              counted; a writer thread (`kvtier.tiers.writeq`, shared with the SSD mover) sends

@@ -33,6 +33,10 @@ trace through both):
     remote_offers which blocks go to the remote tier: at Commit all new DRAM blocks when its
                  admission is the first access (k = 1), else, at a Lookup, those whose hits
                  reach k.
+    remote_fetches how many keys after an acquired prefix are fetched from the remote tier,
+                 each into a DRAM slot claimed for it (evicting for room): the keys the store
+                 holds, by its existence check, and only after a whole local prefix — never a
+                 slot for a key the store does not hold.
 
 Evictions change the index, which journals them (`PrefixIndex.take_changes`): the daemon's
 applier frees their slots and deletes their SSD keys; the simulator only counts. The daemon's
@@ -171,3 +175,16 @@ def remote_offers(blocks: Sequence[Block], committed: bool, k: int) -> list[Bloc
     if committed and k > 1:
         return []
     return [b for b in blocks if b.in_dram and (committed or b.hits == k)]
+
+
+def remote_fetches(acquired: int, checked: int, held: int) -> int:
+    """How many keys after an Acquire's pinned prefix (`acquired` blocks, after promotions) get a
+    DRAM slot each and are fetched from the remote tier. The store's existence check found `held`
+    keys of the chain after its first `checked` (the local prefix when it was asked): those
+    still after the prefix. None when the prefix ends before `checked` (a block got no slot, or
+    left meanwhile): the chain then goes on with a block the store was not asked about. A claim
+    evicts for room, so a slot claimed for a key the store does not hold would evict a useful
+    block for nothing."""
+    if acquired < checked:
+        return 0
+    return max(0, checked + held - acquired)

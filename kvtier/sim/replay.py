@@ -24,10 +24,10 @@ Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian k
      gave back), as in 1.
   5. Release: the pins are dropped.
 
-With a shared remote tier (a fleet, `kvtier.sim.fleet`; `Node`'s docstring): Lookup also asks
-it for the blocks after the local prefix, Acquire fetches them into DRAM after a whole local
-prefix, and Commit writes the committed blocks to it (`placement.remote_offers` with the
-daemon's k = 1).
+With a shared remote tier (a fleet, `kvtier.sim.fleet`; `Node`'s docstring): Acquire asks it
+for the blocks after the local prefix and fetches those it holds into DRAM after a whole local
+prefix (`placement.remote_fetches`: a slot each, claimed for those only), and Commit writes the
+committed blocks to it (`placement.remote_offers` with the daemon's k = 1).
 
 `Node` holds one node's state and serves one request (`Node.serve`); `replay` is one node
 serving the whole trace. This is the daemon's order and its rules
@@ -108,8 +108,15 @@ class _Writer:
     def write(self, blocks: list[Block]) -> bool:
         """Writes back what the planner calls for, as the daemon does: each write-back is
         pinned while it waits (room is made for it and those before it), then all are
-        recorded on SSD in order, each unpinned first. True if SSD victims were evicted for
-        room (they may have been blocks of `blocks`' own chain)."""
+        recorded on SSD in order, each unpinned first (`queue`, then `done`). True if SSD
+        victims were evicted for room (they may have been blocks of `blocks`' own chain)."""
+        queued, evicted = self.queue(blocks)
+        self.done(queued)
+        return evicted
+
+    def queue(self, blocks: list[Block]) -> tuple[list[bytes], bool]:
+        """`write`'s first half: the write-backs pinned as the daemon queues them, and whether
+        SSD victims were evicted for room."""
         idx, tenant, evicted = self.idx, self.tenant, False
         queued: list[bytes] = []
         for w in placement.write_backs(idx, tenant, blocks):
@@ -123,10 +130,15 @@ class _Writer:
                 break
             idx.pin(tenant, w.key)
             queued.append(w.key)
+        return queued, evicted
+
+    def done(self, queued: list[bytes]) -> None:
+        """`write`'s second half: the queued write-backs are on SSD (the daemon's writer
+        reports them in order, each unpinned first)."""
+        idx, tenant = self.idx, self.tenant
         for key in queued:
             idx.unpin(tenant, key)
             idx.add_tier(tenant, key, Tier.SSD)
-        return evicted
 
 
 class Served(NamedTuple):
@@ -144,16 +156,17 @@ class Node:
     trace; `kvtier.sim.fleet` routes a trace over several.
 
     `remote`: the shared remote tier (`kvtier.sim.fleet.RemoteStore`, or anything with its
-    `present`/`fetch`/`store`), as the daemon uses it with `remote_admit_after` 1: Lookup asks it
-    for the blocks after the local prefix (no access), Acquire fetches them into DRAM after a
-    whole local prefix (each claims a DRAM slot as a promotion does; the prefix ends before a
-    block that gets none) as new DRAM blocks pinned for the request, and Commit writes each
-    committed block to it. Fetched blocks are not written back to SSD at fetch (the daemon's
-    `settle_remote` does not either). `remote_budget`: the node's remote write-through rate
-    (`remote_write_bytes_per_s`) and the bytes of one block write, a token bucket on the trace's
-    clock (seconds) with a burst of one second's (at least one block); a write it refuses is
-    dropped with the rest of that commit's blocks (which would sit behind a hole in the store's
-    chain), as the daemon drops them (`remote_writes_dropped`)."""
+    `present`/`fetch`/`store`), as the daemon uses it with `remote_admit_after` 1: Acquire asks
+    it for the blocks after the local prefix (no access) and fetches those it holds into DRAM
+    after a whole local prefix (`placement.remote_fetches`; each claims a DRAM slot as a
+    promotion does; the prefix ends before a block that gets none) as new DRAM blocks pinned
+    for the request, and Commit writes each committed block to it. Fetched blocks are not
+    written back to SSD at fetch (the daemon's `settle_remote` does not either).
+    `remote_budget`: the node's remote write-through rate (`remote_write_bytes_per_s`) and the
+    bytes of one block write, a token bucket on the trace's clock (seconds) with a burst of one
+    second's (at least one block); a write it refuses is dropped with the rest of that commit's
+    blocks (which would sit behind a hole in the store's chain), as the daemon drops them
+    (`remote_writes_dropped`)."""
 
     def __init__(self, config: TierConfig, index: PrefixIndex | None = None, *,
                  tenant: Tenant = TENANT, key_bytes: int = 8, remote: RemoteLike | None = None,
@@ -196,35 +209,44 @@ class Node:
         if write is not None and h and write(held):
             held = idx.lookup(tenant, keys, touch=False).blocks  # as Acquire looks again
         start = len(held)
-        there = remote.present(keys, h) if remote is not None and h < len(keys) else 0
-        # Acquire
+        # the daemon's Acquire asks the store after the local prefix it finds (`Cache`)
+        there = remote.present(keys, start) if remote is not None and start < len(keys) else 0
+        # Acquire: as the daemon's `begin`, a DRAM slot is claimed (room made for it past the
+        # claims before) for each block promoted, the prefix ending before one that gets none,
+        # then, after a whole local prefix, for each key the remote store holds; then, as its
+        # `end`, the claims are filled in that order
         for b in held:
             pin(tenant, b.key)
-        promoted = 0
+        claims = promoted = 0
         if on_ssd:
+            pinned = sum(b.in_dram for b in held)
             for i in placement.promotions(held):
-                b = held[i]
-                # the daemon's pool counts claimed slots as pinned only from the lease's grant
-                if dram_room(idx, 1, free(dram) or 0, promoted) < 1:
+                if dram_room(idx, 1, (free(dram) or 0) - claims, pinned) < 1:
                     for rest in held[i:]:
                         unpin(tenant, rest.key)
                     del held[i:]
                     break
-                idx.promote(tenant, b.key, dram)
-                promoted += 1
-            self.promotions += promoted
-        got: list[Tier] = list(tiers)
-        if there and len(held) == start and remote is not None:
-            parent = keys[start - 1] if start else None
-            fetched = 0
-            for k in keys[start : start + there]:
-                if dram_room(idx, 1, free(dram) or 0, promoted + fetched) < 1:
+                claims += 1
+        fetch = placement.remote_fetches(len(held), start, there)
+        if fetch and remote is not None:
+            pinned = sum(b.in_dram for b in held)
+            for _ in range(fetch):
+                if dram_room(idx, 1, (free(dram) or 0) - claims, pinned) < 1:
                     break
+                claims += 1
+        for i in placement.promotions(held):
+            idx.promote(tenant, held[i].key, dram)
+            promoted += 1
+        self.promotions += promoted
+        got: list[Tier] = list(tiers)
+        fetched = claims - promoted
+        if fetched and remote is not None:
+            parent = keys[start - 1] if start else None
+            for k in keys[start : start + fetched]:
                 remote.fetch(k)
                 held.append(idx.insert(tenant, k, parent))
                 pin(tenant, k)
                 parent = k
-                fetched += 1
             self.hits_remote += fetched
             start += fetched
             got += [Tier.REMOTE] * fetched
@@ -248,11 +270,16 @@ class Node:
                     new.append(insert(tenant, k, parent))
                     parent = k
                 committed = keys[start : start + stored]
-                if write is not None:
-                    write(new)
+                # the daemon's Commit queues the write-backs, then the remote writes (each
+                # block pinned while queued); the SSD writer's report comes first here
+                queued = self._writer.queue(new)[0] if write is not None else []
+                sent: list[bytes] = []
                 if remote is not None:
                     offers = placement.remote_offers(new, committed=True, k=1)
-                    self._write_remote(remote, [b.key for b in offers])
+                    sent = self._write_remote(remote, [b.key for b in offers])
+                self._writer.done(queued)
+                for k in sent:
+                    unpin(tenant, k)
             self.not_stored += missing - stored
             self.inserted += stored
         # Release
@@ -260,13 +287,21 @@ class Node:
             unpin(tenant, b.key)
         return Served(got, committed)
 
-    def _write_remote(self, remote: RemoteLike, keys: list[bytes]) -> None:
-        budget = self._remote_budget
+    def _write_remote(self, remote: RemoteLike, keys: list[bytes]) -> list[bytes]:
+        """Writes `keys` to the remote store as the daemon queues them: each pinned while its
+        write waits (the caller unpins the ones returned once written); a write the budget
+        refuses is unpinned at once and drops the rest."""
+        budget, idx, tenant = self._remote_budget, self.index, self.tenant
+        sent: list[bytes] = []
         for i, k in enumerate(keys):
+            idx.pin(tenant, k)
             if budget is not None and not budget[0].take(budget[1]):
+                idx.unpin(tenant, k)
                 self.remote_writes_dropped += len(keys) - i
-                return
+                break
             remote.store(k)
+            sent.append(k)
+        return sent
 
     def stats(self) -> ReplayStats:
         """The counters so far (`stranded_blocks` recounted on the index now)."""
