@@ -146,6 +146,9 @@ class PageTable:
     def per_page(self, stride: int, p: int) -> int:
         """Slots page `p` holds in class `stride`: rows wholly inside it, and its link row when
         p is a page of that class linked to the next one."""
+        g = geometric(stride)
+        if g and not self.page_bytes % g:  # rows tile every page: no row crosses one, so no
+            return self.page_bytes // g  # link row (the common case, what the rule gives)
         return self.inside(stride, p) + (self._stride[p] == stride and self._linked(p))
 
     def _borrowed(self, p: int) -> bool:
