@@ -165,7 +165,8 @@ class _FakeSocket:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         self.listener.listen(8)
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
 
     def _serve(self) -> None:
         while True:
@@ -201,7 +202,11 @@ class _FakeSocket:
         return got
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (Linux)
         self.listener.close()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
 
 
 def test_an_older_daemons_socket_takes_lookups_and_the_lease_calls_go_over_grpc(
