@@ -11,6 +11,9 @@
 Data path: a local client maps the daemon's shared DRAM segment and copies blocks in place, so
 payloads never cross the socket. When the segment cannot be mapped (another machine, another
 user, `streaming=True`), the same calls use the ReadBlocks/WriteBlocks byte streams instead.
+Lookup and the shared-memory path's lease calls (Allocate, Commit, Abort, Acquire, Release) go
+over the daemon's lookup socket when it takes them (`kvtier.client.lookup_channel`: the same
+answers and errors, without gRPC's per-call cost), else over gRPC.
 
 No daemon: creating a client fails at once (well within 1 s) with `KvtierUnavailable` "no kvtier
 daemon at <socket> (start one: kvtier serve)" when nothing listens on the socket.
