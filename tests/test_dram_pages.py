@@ -38,6 +38,9 @@ def check_table(t: PageTable, live: dict[int, int]) -> None:
         assert t.page_of(s) == first
         assert t.slot_at(loc) == s
     assert t.used == len(live) and t.used_bytes == sum(live.values())
+    # the remembered slot counts per page are the ones the pages' classes give now
+    for (stride, p), n in t._per_page.items():
+        assert n == t.inside(stride, p) + (t.page_class(p) == stride and t._linked(p))
     classes = t.classes()
     assert sum(c.slots_used for c in classes) == len(live)
     assert sum(c.pages for c in classes) + t.free_pages == t.page_count

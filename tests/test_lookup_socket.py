@@ -12,6 +12,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.async_client import AsyncClient
+from kvtier.client.lookup_channel import LookupChannel, Refusal
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
@@ -79,6 +81,167 @@ def test_clients_look_up_on_the_socket_with_grpcs_answers(daemon: DaemonProc) ->
             assert on_socket.value.details == on_grpc.value.details()
         assert on_socket.value.code is grpc.StatusCode.INVALID_ARGUMENT
         assert kv.lookup(keys(1, 8)).hit_blocks == 5  # the connection still serves
+
+
+def rpc_count(d: DaemonProc, method: str) -> float:
+    """kvtier_rpcs_total of `method` answered OK (either transport)."""
+    return sum(float(ln.split()[-1]) for ln in d.metrics_text().splitlines()
+               if ln.startswith("kvtier_rpcs_total{") and f'method="{method}"' in ln
+               and 'code="OK"' in ln)
+
+
+def test_lease_calls_go_over_the_socket_with_grpcs_answers(daemon: DaemonProc) -> None:  # noqa: F811
+    """The shared-memory path's Allocate, Commit, Acquire, Release and Abort go over the socket
+    (a KVTLK2 connection, under the client's session), answered as over gRPC: same replies,
+    same refusals, the same metrics."""
+    with Client(daemon.socket, layout=LAYOUT) as kv, \
+            Client(daemon.socket, layout=LAYOUT, lookup_socket=False) as slow:
+        assert kv._lookups is not None
+        sent: list[tuple[str, str, bool]] = []
+        request = kv._lookups.request
+
+        def spy(method: int, session: str, data: bytes) -> object:
+            got = request(method, session, data)
+            sent.append((wire.CALLS[method], session, isinstance(got, bytes)))
+            return got
+
+        kv._lookups.request = spy  # type: ignore[method-assign]
+        before = {m: rpc_count(daemon, m) for m in ("Allocate", "Commit", "Acquire", "Release")}
+        blocks = [bytes([i + 1]) * 4096 for i in range(4)]
+        assert kv.store(keys(20, 4), blocks) == (4, 0)
+        with kv.load(keys(20, 5)) as got:
+            assert got.blocks == 4 and [bytes(v) for v in got.views] == blocks
+        with pytest.raises(RuntimeError), kv.store_into(keys(21, 2)) as tx:
+            assert len(tx.slots) == 2
+            raise RuntimeError("the writer failed: Abort")
+        session = kv._session_id
+        assert len(session) == 32
+        assert sent == [("Allocate", session, True), ("Commit", session, True),
+                        ("Acquire", session, True), ("Release", session, True),
+                        ("Allocate", session, True), ("Abort", session, True)]
+        assert used_socket(kv)  # one kept connection for all of them
+        calls = {"Allocate": 2, "Commit": 1, "Acquire": 1, "Release": 1}  # counted like RPCs
+        assert {m: rpc_count(daemon, m) - n for m, n in before.items()} == calls
+        assert slow.lookup(keys(21, 2)).hit_blocks == 0  # aborted: nothing pending or stored
+        assert slow.store(keys(21, 2), [bytes(4096)] * 2) == (2, 0)
+
+        # refusals: the same code and message as over gRPC
+        bad = [(kv._stub.Release, pb.ReleaseRequest(lease_id="0" * 32)),
+               (kv._stub.Commit, pb.CommitRequest()),
+               (kv._stub.Acquire, pb.AcquireRequest(layout=b"never-registered",
+                                                    keys=bytes(32), key_width=32)),
+               (kv._stub.Allocate, pb.AllocateRequest(layout=LAYOUT.layout_id, keys=keys(22, 1)[0],
+                                                      key_width=32, parent_key=keys(23, 1)[0]))]
+        codes = []
+        for method, req in bad:
+            with pytest.raises(KvtierRpcError) as on_socket:
+                kv._raw(method, req)
+            with pytest.raises(KvtierRpcError) as on_grpc:
+                slow._raw(getattr(slow._stub, _name(kv, method)), req)
+            assert (on_socket.value.code, on_socket.value.details) == (
+                on_grpc.value.code, on_grpc.value.details)
+            codes.append(on_socket.value.code)
+        assert codes == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION]
+        assert [s[0] for s in sent[6:]] == ["Release", "Commit", "Acquire", "Allocate"]
+        assert not any(s[2] for s in sent[6:])  # refusals, not replies
+        assert kv.lookup(keys(20, 4)).hit_blocks == 4 and used_socket(kv)
+
+
+def _name(kv: Client, method: object) -> str:
+    return wire.CALLS[kv._local_calls[method][0]]
+
+
+class _FakeSocket:
+    """A lookup socket that records the frames it gets: as a daemon from before the lease calls
+    (KVTLK1 only: it refuses a KVTLK2 hello as such a daemon does), or with `calls` one that
+    takes KVTLK2; with `drop` it closes each connection right after reading a request."""
+
+    def __init__(self, path: Path, calls: bool = False, drop: bool = False) -> None:
+        self.calls = calls
+        self.drop = drop
+        self.hellos: list[bytes] = []
+        self.requests: list[bytes] = []
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(8)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                buf = bytearray()
+                hello = self._frame(conn, buf)
+                if hello is None:
+                    continue
+                self.hellos.append(hello)
+                got = wire.parse_any_hello(hello)
+                if got is None or (got[1] and not self.calls):
+                    conn.sendall(wire.error_reply(3, "expected the hello 'KVTLK1 <token>' as "
+                                                     "the first frame"))
+                    continue
+                conn.sendall(wire.ok_reply())
+                while (req := self._frame(conn, buf)) is not None:
+                    self.requests.append(req)
+                    if self.drop:
+                        break
+                    conn.sendall(wire.ok_reply(b"reply to " + req))
+
+    @staticmethod
+    def _frame(conn: socket.socket, buf: bytearray) -> bytes | None:
+        while (got := wire.take_frame(buf, 1 << 20)) is None:
+            data = conn.recv(65536)
+            if not data:
+                return None
+            buf += data
+        return got
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (Linux)
+        self.listener.close()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+def test_an_older_daemons_socket_takes_lookups_and_the_lease_calls_go_over_grpc(
+        tmp_path: Path) -> None:
+    old = _FakeSocket(tmp_path / "d.sock.lookup")
+    channel = LookupChannel(str(tmp_path / "d.sock"), "tok", 5.0)
+    try:
+        assert channel.call(b"lookup-1") == b"reply to lookup-1"
+        assert not channel.calls  # its KVTLK2 hello was refused: KVTLK1 from then on
+        assert old.hellos == [b"KVTLK2 tok", b"KVTLK1 tok"]
+        assert channel.request(wire.CALLS.index("Commit"), "s" * 32, b"commit") is None
+        assert channel.call(b"lookup-2") == b"reply to lookup-2"
+        assert old.requests == [b"lookup-1", b"lookup-2"]  # plain LookupRequest frames
+        assert len(old.hellos) == 2  # one connection, kept
+    finally:
+        channel.close()
+        old.close()
+
+
+def test_a_lease_call_is_never_sent_twice_when_its_connection_drops(tmp_path: Path) -> None:
+    """A Commit whose connection closes after the daemon read it answers UNAVAILABLE (it may
+    have been applied: it is not sent again); a Lookup is sent again on a new connection."""
+    fake = _FakeSocket(tmp_path / "d.sock.lookup", calls=True, drop=True)
+    channel = LookupChannel(str(tmp_path / "d.sock"), "tok", 5.0)
+    try:
+        got = channel.request(wire.CALLS.index("Commit"), "s" * 32, b"commit")
+        assert got == Refusal(14, "connection to the daemon lost during Commit")
+        commit = b"\x04\x20" + b"s" * 32 + b"commit"
+        assert fake.requests == [commit]  # once
+        assert channel.call(b"lookup") is None  # lost twice: the caller goes over gRPC
+        assert fake.requests == [commit, b"\x00\x00lookup", b"\x00\x00lookup"]
+        assert fake.hellos == [b"KVTLK2 tok"] * 3
+    finally:
+        channel.close()
+        fake.close()
 
 
 def test_async_client_looks_up_on_the_socket(daemon: DaemonProc) -> None:  # noqa: F811
@@ -232,6 +395,19 @@ def test_wire_frames() -> None:
         wire.take_frame(buf, 3)
     assert wire.parse_hello(b"KVTLK1 tok") == "tok"
     assert wire.parse_hello(b"KVTLK1 \xff") is None and wire.parse_hello(b"GET /") is None
+    assert wire.parse_hello(b"KVTLK2 tok") is None  # a KVTLK1 daemon's answer to it
+    assert wire.parse_any_hello(b"KVTLK2 tok") == ("tok", True)
+    assert wire.parse_any_hello(b"KVTLK1 tok") == ("tok", False)
+    assert wire.hello("tok", calls=True) == b"\x0a\x00\x00\x00KVTLK2 tok"
+    assert wire.CALLS.index("Release") == 2
+    release = wire.call_frame(2, "ab", b"req")
+    assert release == b"\x07\x00\x00\x00\x02\x02abreq"
+    assert wire.parse_call(release[4:]) == (2, "ab", b"req")
+    assert wire.parse_call(b"\x06\x00") is None  # method 6: none
+    assert wire.parse_call(b"\x02\x05ab") is None  # the session id overruns the frame
+    assert wire.parse_call(b"\x02") is None
+    with pytest.raises(ValueError, match="session id of 256 bytes"):
+        wire.call_frame(2, "s" * 256, b"")
     assert wire.parse_reply(b"\x00xyz") == (b"xyz", None)
     assert wire.parse_reply(b"\x01\x05no such thing") == (5, "no such thing")
     with pytest.raises(ValueError, match="malformed"):
@@ -252,6 +428,7 @@ def test_a_flood_of_connections_takes_no_descriptors_the_daemon_needs(tmp_path: 
     try:
         with Client(d.socket, layout=LAYOUT) as kv:
             kv.store(keys(7, 3), [bytes([i]) * 4096 for i in range(3)])
+            assert used_socket(kv)  # its Allocate and Commit went over the socket: one of 32
             for _ in range(200):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect(str(lookup_socket(d)))
@@ -266,7 +443,7 @@ def test_a_flood_of_connections_takes_no_descriptors_the_daemon_needs(tmp_path: 
                         closed += s.recv(64) == b""  # the kept ones have the hello's reply
                     except ConnectionResetError:
                         closed += 1
-            assert closed == 200 - 32
+            assert closed == 200 - 31
             with Client(d.socket, layout=LAYOUT) as late:
                 assert late.lookup(keys(7, 3)).hit_blocks == 3  # over gRPC
                 assert late.store(keys(8, 2), [bytes(4096)] * 2).stored == 2

@@ -179,6 +179,15 @@ def lookup_frame(**fields: Any) -> bytes:
     return wire.frame(pb.LookupRequest(**fields).SerializeToString())
 
 
+ALICE_CALLS = wire.hello("alice-secret-token", calls=True)
+
+
+def on_call_socket(e: Env, method: str, request: Any, session: str = "") -> Any:
+    """One call of `wire.CALLS` on a `KVTLK2` connection of the lookup socket, as alice."""
+    frame = wire.call_frame(wire.CALLS.index(method), session, request.SerializeToString())
+    return on_socket(e, frame, hello=ALICE_CALLS)
+
+
 Case = tuple[str, Callable[[Env], Any], Code]
 CASES: list[Case] = [
     ("no token", lambda e: e.stub.Lookup(pb.LookupRequest(layout=LID)), Code.UNAUTHENTICATED),
@@ -364,6 +373,42 @@ CASES: list[Case] = [
         e, lookup_frame(layout=LID, keys=bytes(33), key_width=32)), Code.INVALID_ARGUMENT),
     ("lookup socket: too many keys", lambda e: on_socket(
         e, lookup_frame(layout=LID, keys=bytes(32 * 513), key_width=32)),
+     Code.INVALID_ARGUMENT),
+    # issue 25: the lease calls on the lookup socket (a KVTLK2 connection): gRPC's refusals
+    ("call socket: unknown method", lambda e: on_socket(
+        e, wire.frame(b"\x09\x00"), hello=ALICE_CALLS), Code.INVALID_ARGUMENT),
+    ("call socket: session id longer than the frame", lambda e: on_socket(
+        e, wire.frame(b"\x02\x20abc"), hello=ALICE_CALLS), Code.INVALID_ARGUMENT),
+    ("call socket: session id not ASCII", lambda e: on_socket(
+        e, wire.frame(b"\x02\x02\xff\xfe"), hello=ALICE_CALLS), Code.INVALID_ARGUMENT),
+    ("call socket: Release not protobuf", lambda e: on_socket(
+        e, wire.frame(b"\x02\x00\xff\xff\xff"), hello=ALICE_CALLS), Code.INVALID_ARGUMENT),
+    ("call socket: Release of 64 KiB", lambda e: on_call_socket(
+        e, "Release", pb.ReleaseRequest(lease_id="f" * 65536)), Code.RESOURCE_EXHAUSTED),
+    ("call socket: commit of an unknown lease", lambda e: on_call_socket(
+        e, "Commit", pb.CommitRequest(lease_id="0" * 32)), Code.NOT_FOUND),
+    ("call socket: release of another tenant's lease", lambda e: on_call_socket(
+        e, "Release", pb.ReleaseRequest(lease_id=e.bob_read)), Code.PERMISSION_DENIED),
+    ("call socket: commit of another tenant's allocation", lambda e: on_call_socket(
+        e, "Commit", pb.CommitRequest(lease_id=e.bob_write)), Code.PERMISSION_DENIED),
+    ("call socket: abort of another tenant's allocation", lambda e: on_call_socket(
+        e, "Abort", pb.AbortRequest(lease_id=e.bob_write)), Code.PERMISSION_DENIED),
+    ("call socket: release of a write lease", lambda e: on_call_socket(
+        e, "Release", pb.ReleaseRequest(lease_id=e.alice_write)), Code.FAILED_PRECONDITION),
+    ("call socket: Acquire of a layout only another tenant registered", lambda e: on_call_socket(
+        e, "Acquire", pb.AcquireRequest(layout=e.bob_only, keys=bytes(32), key_width=32)),
+     Code.NOT_FOUND),
+    ("call socket: Acquire under another tenant's session", lambda e: on_call_socket(
+        e, "Acquire", pb.AcquireRequest(layout=LID, keys=keys(7, 1), key_width=32),
+        e.bob_session_id), Code.FAILED_PRECONDITION),
+    ("call socket: Allocate under a session never opened", lambda e: on_call_socket(
+        e, "Allocate", pb.AllocateRequest(layout=LID, keys=keys(1, 1), key_width=32), "0" * 32),
+     Code.FAILED_PRECONDITION),
+    ("call socket: beyond the tenant's DRAM quota", lambda e: on_call_socket(
+        e, "Allocate", pb.AllocateRequest(layout=LID, keys=keys(3, 9), key_width=32)),
+     Code.RESOURCE_EXHAUSTED),
+    ("call socket: Allocate of too many keys", lambda e: on_call_socket(
+        e, "Allocate", pb.AllocateRequest(layout=LID, keys=bytes(32 * 513), key_width=32)),
      Code.INVALID_ARGUMENT),
 ]
 

@@ -1,4 +1,5 @@
-"""The client's side of the lookup socket (`kvtier.core.lookupwire`): Lookup without gRPC's
+"""The client's side of the lookup socket (`kvtier.core.lookupwire`): Lookup — and, from the
+blocking client, the shared-memory lease calls (`LookupChannel.request`) — without gRPC's
 transport when the client reaches the daemon over its Unix socket.
 
 `LookupChannel.call` (blocking) and `AsyncLookupChannel.call` (asyncio) send one serialized
@@ -10,8 +11,12 @@ for a restarting daemon as every call does.
 
 Connections are kept open and reused, one request at a time each; threads (or tasks) calling at
 once each take a connection of their own from the idle list, so a client shared by threads stays
-safe (a forked child opens its own). A connection that fails mid-call is dropped and the call
-retried once on a new one (Lookup changes nothing a client relies on, so a retry is harmless).
+safe (a forked child opens its own). A connection that fails mid-call is dropped and a Lookup
+retried once on a new one (Lookup changes nothing a client relies on, so a retry is harmless);
+another call is sent again only when it could not be sent at all (a kept connection the daemon
+closed: its restart), and otherwise answers UNAVAILABLE, as gRPC does for a connection lost
+mid-call — an Allocate or Commit is never run twice. A daemon that refuses the `KVTLK2` hello
+(older) is spoken to with `KVTLK1`, its lease calls going over gRPC, for this channel's life.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import NamedTuple
 from kvtier.core import lookupwire as wire
 
 MAX_REPLY_BYTES = 8 << 20
+INVALID_ARGUMENT = 3  # grpc.StatusCode.INVALID_ARGUMENT
 DEADLINE_EXCEEDED = 4  # grpc.StatusCode.DEADLINE_EXCEEDED
 UNAVAILABLE = 14
 
@@ -52,17 +58,27 @@ def _answer(payload: bytes) -> bytes | Refusal:
 
 
 class LookupChannel:
-    """Blocking lookups on `<socket>.lookup` (see the module docstring)."""
+    """Blocking calls on `<socket>.lookup` (see the module docstring): Lookup (`call`) and, on a
+    daemon that takes them (a `KVTLK2` hello), the lease calls of `wire.CALLS` (`request`)."""
 
     def __init__(self, socket_path: str, token: str, timeout: float) -> None:
         self.path = wire.lookup_socket_path(socket_path)
-        self._hello = wire.hello(token)
+        self._token = token
         self._timeout = timeout
         self._idle: list[socket.socket] = []
         self._pid = os.getpid()
+        self.calls = True  # False once the daemon refused a KVTLK2 hello (an older one)
 
     def call(self, request: bytes) -> bytes | Refusal | None:
-        data = wire.frame(request)
+        """One Lookup (`request` a serialized `LookupRequest`)."""
+        return self.request(0, "", request)
+
+    def request(self, method: int, session: str, request: bytes) -> bytes | Refusal | None:
+        """One call of `wire.CALLS[method]` under `session`; None when it must go over gRPC
+        (no lookup socket, or a daemon that takes Lookup only and `method` is another). A
+        connection lost before the request was sent is replaced and the call sent again; one lost
+        after it was sent answers UNAVAILABLE, as gRPC does — except a Lookup's, sent again once
+        (it changes nothing a client relies on)."""
         if os.getpid() != self._pid:  # a forked child: the parent's connections are not its own
             self._idle, self._pid = [], os.getpid()
         for _ in (0, 1):
@@ -78,28 +94,50 @@ class LookupChannel:
                 if isinstance(got, Refusal):
                     return got
                 conn = got
+            if method and not self.calls:
+                self._idle.append(conn)
+                return None
             try:
-                conn.sendall(data)
+                conn.sendall(wire.call_frame(method, session, request) if self.calls
+                             else wire.frame(request))
+            except TimeoutError:
+                conn.close()
+                return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+            except OSError:
+                conn.close()  # the daemon closed it (restarted, or dropped it): not sent
+                continue
+            try:
                 reply = _answer(self._read(conn))
             except TimeoutError:
                 conn.close()
                 return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
             except (OSError, _Lost):
                 conn.close()
-                continue
+                if not method:
+                    continue
+                return Refusal(UNAVAILABLE, f"connection to the daemon lost during "
+                               f"{wire.CALLS[method]}")
             self._idle.append(conn)
             return reply
         return None
 
     def _connect(self) -> socket.socket | Refusal:
-        """A connection past its hello; raises _Lost when the socket cannot be used."""
+        """A connection past its hello (`KVTLK2`; `KVTLK1` to a daemon that refuses it); raises
+        _Lost when the socket cannot be used."""
+        answer = self._open()
+        if isinstance(answer, Refusal) and self.calls and answer.code == INVALID_ARGUMENT:
+            self.calls = False  # an older daemon: Lookup only, the other calls over gRPC
+            answer = self._open()
+        return answer
+
+    def _open(self) -> socket.socket | Refusal:
         if not os.path.exists(self.path):
             raise _Lost("no lookup socket")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(self._timeout)
         try:
             conn.connect(self.path)
-            conn.sendall(self._hello)
+            conn.sendall(wire.hello(self._token, calls=self.calls))
             answer = _answer(self._read(conn))
         except TimeoutError:
             conn.close()

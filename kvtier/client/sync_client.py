@@ -11,6 +11,9 @@
 Data path: a local client maps the daemon's shared DRAM segment and copies blocks in place, so
 payloads never cross the socket. When the segment cannot be mapped (another machine, another
 user, `streaming=True`), the same calls use the ReadBlocks/WriteBlocks byte streams instead.
+Lookup and the shared-memory path's lease calls (Allocate, Commit, Abort, Acquire, Release) go
+over the daemon's lookup socket when it takes them (`kvtier.client.lookup_channel`: the same
+answers and errors, without gRPC's per-call cost), else over gRPC.
 
 No daemon: creating a client fails at once (well within 1 s) with `KvtierUnavailable` "no kvtier
 daemon at <socket> (start one: kvtier serve)" when nothing listens on the socket.
@@ -56,6 +59,7 @@ from kvtier.client.shm import MappedSegment, SegmentHolder
 from kvtier.client.shm import SlotBuffer as SlotBuffer
 from kvtier.core.chunkwire import Chunk, chunk_head, parse_chunk
 from kvtier.core.errors import KvtierError
+from kvtier.core.lookupwire import CALLS
 from kvtier.core.paths import default_socket as _default_socket
 from kvtier.core.types import Tier
 
@@ -294,10 +298,16 @@ class Client(SegmentHolder):
         self.tenant = ""
         self._session_lock = threading.Lock()
         self._session: Any = None  # the OpenSession stream (None: the daemon has none)
+        self._session_id = ""
         self._call_metadata = self._metadata
         local = lookup_socket_of(self.target)
         self._lookups = (LookupChannel(local, self._token, timeout)
                          if local is not None and lookup_socket else None)
+        # the calls the lookup socket also carries (`kvtier.core.lookupwire.CALLS`): by stub
+        # method, (its number there, its reply type)
+        self._local_calls: dict[Any, tuple[int, Any]] = {
+            getattr(self._stub, name): (number, getattr(pb, name + "Response"))
+            for number, name in enumerate(CALLS) if number}
         try:
             require_daemon(self.target)
             self._register(first=True)
@@ -309,7 +319,18 @@ class Client(SegmentHolder):
     # -- connection -------------------------------------------------------------------------
 
     def _raw(self, method: Callable[..., T], request: Any, wait: bool = True) -> T:
-        """One RPC; `wait`: wait (up to the timeout) for a daemon that is (re)starting."""
+        """One RPC; `wait`: wait (up to the timeout) for a daemon that is (re)starting. The
+        lease calls go over the lookup socket when it takes them (`LookupChannel.request`: the
+        same handler, answers and errors), else — and when it cannot be used — over gRPC."""
+        local = self._local_calls.get(method) if self._lookups is not None else None
+        if local is not None:
+            assert self._lookups is not None
+            got = self._lookups.request(local[0], self._session_id, request.SerializeToString())
+            if isinstance(got, Refusal):
+                raise refused(got)
+            if got is not None:
+                reply: T = local[1].FromString(got)
+                return reply
         try:
             return method(request, timeout=self.timeout, metadata=self._call_metadata,
                           wait_for_ready=wait)
@@ -333,7 +354,7 @@ class Client(SegmentHolder):
         with self._session_lock:
             if self._session is not None:
                 self._session.cancel()
-            self._session, self._call_metadata = None, self._metadata
+            self._session, self._session_id, self._call_metadata = None, "", self._metadata
             call = self._stub.OpenSession(pb.OpenSessionRequest(), metadata=self._metadata,
                                           wait_for_ready=True)
             try:
@@ -342,7 +363,7 @@ class Client(SegmentHolder):
                 if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
                     return  # an older daemon: leases end by TTL only
                 raise rpc_error(exc) from None
-            self._session = call
+            self._session, self._session_id = call, first.session_id
             self._call_metadata = (*self._metadata, (SESSION_METADATA, first.session_id))
 
     def _register(self, first: bool = False) -> None:

@@ -12,6 +12,14 @@ gets over gRPC. One request at a time per connection (no pipelining).
 A frame longer than the receiver's limit (the daemon: the size gRPC allows a Lookup, see
 `kvtier.daemon.rpc_guard.Limits`; `HELLO_MAX` for the hello) is refused before it is read: the
 daemon answers RESOURCE_EXHAUSTED and closes the connection.
+
+Calls (issue 25, the shared-memory data path): a connection opened with the hello
+`KVTLK2 <token>` carries, besides Lookup, the lease calls of that path — Acquire, Release,
+Allocate, Commit, Abort (`CALLS`) — each client frame being `call_frame`'s: the method's number
+(one byte, its index in `CALLS`), the length of the session id (one byte) and the session id
+(ASCII: the `kvtier-session` the client would send as gRPC metadata; empty without one), then
+the serialized request of that method. The replies are as above. An older daemon refuses the
+`KVTLK2` hello (INVALID_ARGUMENT) and its clients keep to `KVTLK1` and gRPC.
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ import struct
 
 LOOKUP_SOCKET_SUFFIX = ".lookup"
 HELLO = b"KVTLK1 "
+HELLO_CALLS = b"KVTLK2 "
 HELLO_MAX = 4096
+CALLS = ("Lookup", "Acquire", "Release", "Allocate", "Commit", "Abort")
+"""The methods of a `KVTLK2` connection, by number."""
+SESSION_MAX = 255
 HEAD = struct.Struct("<I")
 OK, ERROR = 0, 1
 
@@ -42,19 +54,48 @@ def frame(payload: bytes) -> bytes:
     return HEAD.pack(len(payload)) + payload
 
 
-def hello(token: str) -> bytes:
-    """The first frame of a connection."""
-    return frame(HELLO + token.encode())
+def hello(token: str, calls: bool = False) -> bytes:
+    """The first frame of a connection (`calls`: one that carries `CALLS`, `KVTLK2`)."""
+    return frame((HELLO_CALLS if calls else HELLO) + token.encode())
 
 
 def parse_hello(payload: bytes) -> str | None:
-    """The token of a hello; None when `payload` is not one."""
-    if not payload.startswith(HELLO):
+    """The token of a `KVTLK1` hello; None when `payload` is not one."""
+    got = parse_any_hello(payload)
+    return got[0] if got is not None and not got[1] else None
+
+
+def parse_any_hello(payload: bytes) -> tuple[str, bool] | None:
+    """(token, whether the connection carries `CALLS`) of a hello; None when `payload` is not
+    one."""
+    calls = payload.startswith(HELLO_CALLS)
+    if not calls and not payload.startswith(HELLO):
         return None
     try:
-        return payload[len(HELLO):].decode()
+        return payload[len(HELLO):].decode(), calls
     except UnicodeDecodeError:
         return None
+
+
+def call_frame(method: int, session: str, request: bytes) -> bytes:
+    """A client frame of a `KVTLK2` connection: method `CALLS[method]` under `session`."""
+    sid = session.encode("ascii")
+    if len(sid) > SESSION_MAX:
+        raise ValueError(f"a session id of {len(sid)} bytes (at most {SESSION_MAX})")
+    return HEAD.pack(len(request) + 2 + len(sid)) + bytes((method, len(sid))) + sid + request
+
+
+def parse_call(payload: bytes) -> tuple[int, str, bytes] | None:
+    """(method number, session id, request bytes) of a `KVTLK2` frame; None when it is not
+    one (too short, an unknown method, a session id that is not ASCII)."""
+    if len(payload) < 2 or payload[0] >= len(CALLS) or len(payload) < 2 + payload[1]:
+        return None
+    end = 2 + payload[1]
+    try:
+        session = payload[2:end].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return payload[0], session, payload[end:]
 
 
 def ok_reply(body: bytes = b"") -> bytes:

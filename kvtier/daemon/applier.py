@@ -91,6 +91,7 @@ class Applier:
         names, pool = self.names, self.pool
         deletes: list[tuple[str, bytes]] = []
         run: list[Change] = []
+        dropped: dict[Tier, int] = {}  # the eviction counters, added once per tier
         for c in changes:
             ns = cast(Namespace, c.tenant)  # the daemon keys the index by Namespace only
             if c.op is _ADD:
@@ -121,11 +122,13 @@ class Applier:
                 cost = self.ssd_cost(ns)
                 self.ssd_bytes -= cost
                 names.charge(tenant, _SSD, -cost)
-            self.metrics.evictions.labels(c.tier.label, why).inc()
+            dropped[c.tier] = dropped.get(c.tier, 0) + 1
             if publish:
                 self.events.removed(tenant, ns.layout_id, c.tier, [c.key])
         if run:
             self._stored(run)
+        for tier, n in dropped.items():
+            self.metrics.evictions.labels(tier.label, why).inc(n)
         if deletes and self.store is not None:
             self.store.delete_many(deletes)
 

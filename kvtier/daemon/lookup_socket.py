@@ -1,15 +1,21 @@
-"""The lookup socket: Lookup for clients on this machine without gRPC's per-call machinery.
+"""The lookup socket: Lookup and the shared-memory lease calls for clients on this machine
+without gRPC's per-call machinery.
 
 gRPC costs the daemon about 0.3 ms of CPU per call before a handler runs (docs/benchmarks.md,
-issue 25); Lookup is the call engines make most. So the daemon also answers it on
+issue 25); Lookup is the call engines make most, and a shared-memory store+load is four calls
+(Allocate, Commit; Acquire, Release) around its copies. So the daemon also answers them on
 `<socket>.lookup` (`kvtier.core.lookupwire`: length-prefixed frames, a hello with the token,
-then one `LookupRequest` per frame), an asyncio server on the daemon's event loop, created with
+then one `LookupRequest` per frame — or, after a `KVTLK2` hello, one call of `wire.CALLS` per
+frame, with the caller's session id), an asyncio server on the daemon's event loop, created with
 the same mode and group as the gRPC socket, claimed like it (`kvtier.daemon.sockpath`: only a
-stale socket is removed) and removed at shutdown.
+stale socket is removed) and removed at shutdown (after the drain: Release, Commit and Abort
+work on it while leases drain, as over gRPC).
 
 The semantics are the RPC's, not a copy of them: each request goes through
-`KvTierService.lookup` — the same size limit and non-raising decoding (`kvtier.daemon.rpc_guard`),
-the same tenant resolution by the same `Authenticator`, handler, error codes, metrics and stats.
+`KvTierService.lookup` / `KvTierService.call` — the same per-method size limits and non-raising
+decoding (`kvtier.daemon.rpc_guard`), the same tenant resolution by the same `Authenticator`,
+handler, session binding (the frame's session id stands for the `kvtier-session` metadata),
+error codes, metrics and stats.
 The token of the hello is checked at once (a wrong one: one UNAUTHENTICATED reply, then the
 connection is closed) and again whenever a SIGHUP reload has swapped the authenticator, as every
 gRPC call is checked against the tokens of the moment.
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import grpc
+from google.protobuf.message import Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core import lookupwire as wire
@@ -70,11 +77,17 @@ class LookupServer:
     """Serves `<socket>.lookup` for `service` (see the module docstring)."""
 
     def __init__(self, socket_path: Path, service: KvTierService, limit: int,
-                 group: str = "") -> None:
+                 group: str = "", call_limits: dict[str, int] | None = None) -> None:
+        """`limit`: the largest Lookup request; `call_limits`: each of `wire.CALLS`' (default:
+        `limit` for each)."""
         self.path = Path(wire.lookup_socket_path(str(socket_path)))
         self.service = service
         self.limit = limit
-        self.decode = deserializer("Lookup", pb.LookupRequest, limit)
+        limits = {m: limit for m in wire.CALLS} | (call_limits or {}) | {"Lookup": limit}
+        self.decoders = [deserializer(m, getattr(pb, m + "Request"), limits[m])
+                         for m in wire.CALLS]
+        self.decode = self.decoders[0]
+        self.call_limit = max(limits.values()) + 2 + wire.SESSION_MAX  # a KVTLK2 frame
         self._group = group
         self._server: asyncio.AbstractServer | None = None
         self.connections: set[_Connection] = set()
@@ -120,6 +133,7 @@ class _Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.token: str | None = None  # after the hello
+        self.calls = False  # a KVTLK2 connection: frames name their method and session
         self.auth: Authenticator | None = None  # the authenticator `tenant` was checked by
         self.tenant: Tenant | None = None
         self.busy = False  # a request still running (a remote tier's check)
@@ -169,7 +183,8 @@ class _Connection(asyncio.Protocol):
 
     def _serve(self) -> None:
         while self.transport is not None and not self.busy and not self.full:
-            limit = wire.HELLO_MAX if self.token is None else self.server.limit
+            limit = (wire.HELLO_MAX if self.token is None else
+                     self.server.call_limit if self.calls else self.server.limit)
             try:
                 payload = wire.take_frame(self.buf, limit)
             except wire.FrameTooLarge as exc:
@@ -192,12 +207,12 @@ class _Connection(asyncio.Protocol):
                 self._request(payload)
 
     def _hello(self, payload: bytes) -> None:
-        token = wire.parse_hello(payload)
-        if token is None:
+        hello = wire.parse_any_hello(payload)
+        if hello is None:
             self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
                          "expected the hello 'KVTLK1 <token>' as the first frame")
             return
-        self.token = token
+        self.token, self.calls = hello
         try:
             self._tenant()
         except Unauthenticated as exc:
@@ -217,8 +232,20 @@ class _Connection(asyncio.Protocol):
         return self.tenant
 
     def _request(self, payload: bytes) -> None:
-        request = cast("pb.LookupRequest | Refused", self.server.decode(payload))
-        coro = self.server.service.lookup(request, self._tenant)
+        if not self.calls:
+            request = cast("pb.LookupRequest | Refused", self.server.decode(payload))
+            coro: Coroutine[Any, Any, Message] = self.server.service.lookup(request,
+                                                                            self._tenant)
+        else:
+            call = wire.parse_call(payload)
+            if call is None:
+                self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                             "malformed call frame (method, session id, request)")
+                return
+            method, session, body = call
+            coro = self.server.service.call(
+                wire.CALLS[method], cast("Message | Refused", self.server.decoders[method](body)),
+                session, self._tenant)
         try:
             yielded = coro.send(None)
         except StopIteration as done:

@@ -509,10 +509,9 @@ class Tiers:
             self.applier.take_slots(tenant, n * stride)
             self.apply()
             return slots
-        stats = pool.stats()
-        one_class = {c.stride for c in stats.classes} == {cls}
+        one_class = pool.strides() == {cls}
         if placement.room_hopeless(self.index, n, pool.room(nbytes),
-                                   self._pinned_blocks(stats.slots_pinned), one_class):
+                                   self._pinned_blocks(pool.slots_pinned()), one_class):
             return []
         short = n - pool.room(nbytes)
         plan = placement.share_plan(tenant, n, short, self.names.dram_holdings(), stride,
@@ -529,7 +528,7 @@ class Tiers:
             # until a page empties
             if pool.strides() == {cls}:
                 placement.dram_room(self.index, n, pool.room(nbytes),
-                                    self._pinned_blocks(pool.stats().slots_pinned))
+                                    self._pinned_blocks(pool.slots_pinned()))
                 self.apply("capacity")
                 break
             if not placement.class_victim(self.index):

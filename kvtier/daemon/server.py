@@ -59,6 +59,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.errors import UsageError
+from kvtier.core.lookupwire import CALLS
 from kvtier.core.paths import socket_path_problem
 from kvtier.core.units import format_bytes
 from kvtier.daemon import fdpass, kept_rates, memory, reload, sdnotify, sharing, sockpath
@@ -305,7 +306,8 @@ class Daemon:
                 raise UsageError(f"cannot listen on tcp {cfg.tcp}")
         await server.start()
         sharing.share_socket(cfg.socket, cfg.group)
-        lookups = LookupServer(cfg.socket, self.service, limits.of("Lookup"), cfg.group)
+        lookups = LookupServer(cfg.socket, self.service, limits.of("Lookup"), cfg.group,
+                               {m: limits.of(m) for m in CALLS})
         try:
             if await lookups.start():
                 self.lookups = lookups

@@ -10,7 +10,8 @@ calls the cache, and maps domain errors to gRPC status codes:
 A refused request changes nothing. Every call is counted and timed per method in the metrics.
 `answer` is that whole treatment of a unary call — tenant, guard's verdict, handler, error
 mapping, metrics — for any transport: the gRPC handlers call it through `_unary`, and the lookup
-socket (`kvtier.daemon.lookup_socket`) through `lookup`, so a Lookup means the same on both.
+socket (`kvtier.daemon.lookup_socket`) through `lookup` and `call` (Lookup and the lease calls of
+the shared-memory path), so a call means the same on both.
 Requests arrive through `kvtier.daemon.rpc_guard` (per-method size limits, decoding that never
 raises): a request it refused reaches the handler as a `Refused` value and is answered with its
 code.
@@ -37,6 +38,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
@@ -212,6 +214,20 @@ class KvTierService(pb_grpc.KvTierServicer):
         return await self.answer("Lookup", request, tenant,
                                  partial(self._lookup, request))  # type: ignore[arg-type]
 
+    async def call(self, method: str, request: Message | Refused, session: str,
+                   tenant: Callable[[], Tenant]) -> Message:
+        """`method` (one of `kvtier.core.lookupwire.CALLS`) for a transport other than gRPC,
+        `session` standing for the `kvtier-session` metadata: the same handler, checks, errors
+        and metrics as the RPC; raises `Failed` for a refused request."""
+        if method == "Lookup":
+            return await self.lookup(request, tenant)  # type: ignore[arg-type]
+        handlers: dict[str, Callable[..., Awaitable[Message]]] = {
+            "Acquire": self._acquire, "Release": self._release, "Allocate": self._allocate,
+            "Commit": self._commit, "Abort": self._abort}
+        reply: Message = await self.answer(method, request, tenant,
+                                           partial(handlers[method], request, session))
+        return reply
+
     async def _lookup(self, request: pb.LookupRequest, tenant: Tenant) -> pb.LookupResponse:
         res = await self.cache.lookup_async(
             tenant, request.layout, request.keys, request.key_width, request.start_token,
@@ -228,29 +244,32 @@ class KvTierService(pb_grpc.KvTierServicer):
         return reply
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
-        async def go(tenant: Tenant) -> pb.AcquireResponse:
-            res = await self.cache.acquire_async(
-                tenant, request.layout, request.keys, request.key_width,
-                request.lease_ttl_ms / 1000, self._session(context),
-            )
-            info = self.cache.layout(tenant, request.layout)
-            return pb.AcquireResponse(
-                lease_id=res.lease_id, count=len(res.offsets), offsets=res.offsets,
-                block_bytes=info.block_bytes, segment=self._segment(tenant, info.block_bytes),
-                source_tiers=tiers_to_pb(res.source_tiers),
-                lease_ttl_ms=int(res.ttl_s * 1000),
-            )
+        return await self._unary("Acquire", request, context,
+                                 partial(self._acquire, request, self._session(context)))
 
-        return await self._unary("Acquire", request, context, go)
+    async def _acquire(self, request: pb.AcquireRequest, session: str, tenant: Tenant
+                       ) -> pb.AcquireResponse:
+        res = await self.cache.acquire_async(
+            tenant, request.layout, request.keys, request.key_width,
+            request.lease_ttl_ms / 1000, session,
+        )
+        info = self.cache.layout(tenant, request.layout)
+        return pb.AcquireResponse(
+            lease_id=res.lease_id, count=len(res.offsets), offsets=res.offsets,
+            block_bytes=info.block_bytes, segment=self._segment(tenant, info.block_bytes),
+            source_tiers=tiers_to_pb(res.source_tiers),
+            lease_ttl_ms=int(res.ttl_s * 1000),
+        )
 
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
-        async def go(tenant: Tenant) -> pb.ReleaseResponse:
-            self.cache.release(
-                tenant, request.lease_id, request.bytes, _seconds(request.seconds, "seconds")
-            )
-            return pb.ReleaseResponse()
+        return await self._unary("Release", request, context, partial(self._release, request, ""))
 
-        return await self._unary("Release", request, context, go)
+    async def _release(self, request: pb.ReleaseRequest, session: str, tenant: Tenant
+                       ) -> pb.ReleaseResponse:
+        self.cache.release(
+            tenant, request.lease_id, request.bytes, _seconds(request.seconds, "seconds")
+        )
+        return pb.ReleaseResponse()
 
     async def RenewLease(
         self, request: pb.RenewLeaseRequest, context: Ctx
@@ -262,35 +281,39 @@ class KvTierService(pb_grpc.KvTierServicer):
         return await self._unary("RenewLease", request, context, go)
 
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
-        async def go(tenant: Tenant) -> pb.AllocateResponse:
-            res = await self.cache.allocate_async(
-                tenant, request.layout, request.keys, request.key_width, request.parent_key,
-                request.lease_ttl_ms / 1000, self._session(context),
-            )
-            info = self.cache.layout(tenant, request.layout)
-            return pb.AllocateResponse(
-                lease_id=res.lease_id, indices=res.indices, offsets=res.offsets,
-                block_bytes=info.block_bytes, segment=self._segment(tenant, info.block_bytes),
-                lease_ttl_ms=int(res.ttl_s * 1000),
-            )
+        return await self._unary("Allocate", request, context,
+                                 partial(self._allocate, request, self._session(context)))
 
-        return await self._unary("Allocate", request, context, go)
+    async def _allocate(self, request: pb.AllocateRequest, session: str, tenant: Tenant
+                        ) -> pb.AllocateResponse:
+        res = await self.cache.allocate_async(
+            tenant, request.layout, request.keys, request.key_width, request.parent_key,
+            request.lease_ttl_ms / 1000, session,
+        )
+        info = self.cache.layout(tenant, request.layout)
+        return pb.AllocateResponse(
+            lease_id=res.lease_id, indices=res.indices, offsets=res.offsets,
+            block_bytes=info.block_bytes, segment=self._segment(tenant, info.block_bytes),
+            lease_ttl_ms=int(res.ttl_s * 1000),
+        )
 
     async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
-        async def go(tenant: Tenant) -> pb.CommitResponse:
-            n = self.cache.commit(
-                tenant, request.lease_id, request.bytes, _seconds(request.seconds, "seconds")
-            )
-            return pb.CommitResponse(committed=n)
+        return await self._unary("Commit", request, context, partial(self._commit, request, ""))
 
-        return await self._unary("Commit", request, context, go)
+    async def _commit(self, request: pb.CommitRequest, session: str, tenant: Tenant
+                      ) -> pb.CommitResponse:
+        n = self.cache.commit(
+            tenant, request.lease_id, request.bytes, _seconds(request.seconds, "seconds")
+        )
+        return pb.CommitResponse(committed=n)
 
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
-        async def go(tenant: Tenant) -> pb.AbortResponse:
-            self.cache.abort(tenant, request.lease_id)
-            return pb.AbortResponse()
+        return await self._unary("Abort", request, context, partial(self._abort, request, ""))
 
-        return await self._unary("Abort", request, context, go)
+    async def _abort(self, request: pb.AbortRequest, session: str, tenant: Tenant
+                     ) -> pb.AbortResponse:
+        self.cache.abort(tenant, request.lease_id)
+        return pb.AbortResponse()
 
     async def ReportHbm(
         self, request: pb.ReportHbmRequest, context: Ctx

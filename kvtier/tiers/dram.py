@@ -737,6 +737,12 @@ class DramPool:
         with self._lock:
             return self.pages.strides()
 
+    def slots_pinned(self) -> int:
+        """`stats().slots_pinned` alone (what eviction asks on every Allocate that evicts),
+        without walking the pages for the class figures."""
+        with self._lock:
+            return len(self._pins) + (self.owner.pinned_slots if self.owner is not None else 0)
+
     def stats(self) -> DramStats:
         with self._lock:
             t = self.pages

@@ -81,6 +81,7 @@ class PageTable:
         self.slot_ids = page_count * self.ids_per_page
         self._free_pages = list(range(page_count - 1, -1, -1))
         self._stride = [0] * page_count  # 0: free page
+        self._per_page: dict[tuple[int, int], int] = {}  # `per_page`'s answers, this layout
         self._live = [0] * page_count
         self._page_free: dict[int, list[int]] = {}  # page -> its free slot ids (LIFO)
         self._class_pages: dict[int, set[int]] = {}  # stride -> its pages
@@ -145,8 +146,13 @@ class PageTable:
 
     def per_page(self, stride: int, p: int) -> int:
         """Slots page `p` holds in class `stride`: rows wholly inside it, and its link row when
-        p is a page of that class linked to the next one."""
-        return self.inside(stride, p) + (self._stride[p] == stride and self._linked(p))
+        p is a page of that class linked to the next one. Remembered until a page changes
+        class (`_own`, `_release_page`): every slot's location and free asks it."""
+        n = self._per_page.get((stride, p))
+        if n is None:
+            n = self._per_page[stride, p] = self.inside(stride, p) + (
+                self._stride[p] == stride and self._linked(p))
+        return n
 
     def _borrowed(self, p: int) -> bool:
         """Whether the link row of an earlier page that lies partly on page `p` is allocated."""
@@ -337,6 +343,7 @@ class PageTable:
             self.backing(p, stride)
         self._free_pages.remove(p)
         self._stride[p] = stride
+        self._per_page.clear()
         k = self.per_page(stride, p)
         base = p * self.ids_per_page
         if k:
@@ -383,6 +390,7 @@ class PageTable:
         if not pages:
             del self._class_pages[stride], self._class_free[stride]
         self._stride[p] = 0
+        self._per_page.clear()
         self._free_pages.append(p)
         if self.backing is not None:
             self.backing(p, 0)
