@@ -628,8 +628,14 @@ def test_late_write_chunk_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
         yield _chunk(0, half, b"\xaa" * half)
 
     late = stub.WriteBlocks.future(alice(), metadata=ALICE)
+    # alice's slot is allocated (its lease live, or already expired) before bob asks: else bob
+    # could take the whole pool first and alice's write end RESOURCE_EXHAUSTED, not NOT_FOUND
+    deadline = time.monotonic() + 30
+    while d.metric_sum("kvtier_leases_active") + d.metric_sum("kvtier_leases_expired_total") < 1:
+        assert time.monotonic() < deadline, "alice's write never got its slot"
+        time.sleep(0.02)
     bob_keys = keys(2, 4)  # the whole 4-slot pool: only once alice's lease let go of its slot
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while True:
         try:
             assert write_blocks(stub, BOB, bob_keys, b"\xbb").stored == 4
