@@ -206,7 +206,9 @@ def test_restart_keeps_ssd_blocks_and_clients_reconnect(tmp_path: Path) -> None:
 
 
 def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
-    d = DaemonProc(tmp_path / "d").start()
+    # a grace period longer than the waits below on a loaded machine (with the fixture's 2 s,
+    # a slow health check outlived it: the daemon ended our lease and exited under the test)
+    d = DaemonProc(tmp_path / "d", ["--grace-s", "30"]).start()
     assert d.proc is not None
     with Client(d.socket, layout=LAYOUT) as kv:
         keys = chain(70, 2)
