@@ -218,7 +218,9 @@ def test_paused_store_costs_a_bounded_wait(
         try:
             started = time.monotonic()
             assert kv.lookup(keys).hit_blocks == 0
-            assert time.monotonic() - started < 1.0  # remote_timeout_s 0.2
+            # remote_timeout_s 0.2: one bounded wait, not a hang until the store resumes (the
+            # bound leaves a loaded machine room, as the lookup socket's below does)
+            assert time.monotonic() - started < 2.0
         finally:
             redis_server.resume()
         assert b.healthy()
