@@ -41,6 +41,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _PortTaken(RuntimeError):
+    """prometheus could not bind its port: another process took it meanwhile."""
+
+
 class PrometheusProc:
     def __init__(self, workdir: Path, targets: list[str], interval: str = "1s",
                  job: str = "kvtier") -> None:
@@ -63,12 +67,23 @@ class PrometheusProc:
         }, indent=2)
 
     def __enter__(self) -> PrometheusProc:
+        """Starts the server on a free port and waits until it is ready; a port another process
+        took before the server bound it is replaced by another."""
+        for _ in range(5):
+            try:
+                return self._start()
+            except _PortTaken:
+                continue
+        raise RuntimeError("prometheus: no free port after 5 tries")
+
+    def _start(self) -> PrometheusProc:
         binary = prometheus_binary()
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / "prometheus.yml"
         cfg.write_text(self.config())
         self.port = free_port()
-        log = open(self.workdir / "prometheus.log", "ab")
+        (self.workdir / "prometheus.log").unlink(missing_ok=True)  # this start's lines only
+        log = open(self.workdir / "prometheus.log", "ab")  # noqa: SIM115 (owned by the child)
         self.proc = subprocess.Popen(
             [binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
@@ -77,6 +92,8 @@ class PrometheusProc:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "address already in use" in self.log():
+                    raise _PortTaken(self.log())
                 raise RuntimeError(f"prometheus exited {self.proc.returncode}:\n{self.log()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:

@@ -48,11 +48,17 @@ def free_port(bus: bool = False) -> int:
     raise RuntimeError("no free port")
 
 
+class _PortTaken(RuntimeError):
+    """redis-server could not bind its port: another process took it meanwhile."""
+
+
 class RedisServer:
     def __init__(self, workdir: Path, args: Sequence[str] = (), port: int = 0,
                  bus: bool = False, password: str = "") -> None:
         self.workdir = workdir
         self.port = port or free_port(bus)
+        self.bus = bus
+        self._may_move = not port  # a port of our choosing, until a start got it
         self.password = password
         self.args = list(args) + (["--requirepass", password] if password else [])
         self.proc: subprocess.Popen[bytes] | None = None
@@ -62,8 +68,25 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Starts the server and waits until it answers; a free port another process took
+        before the server bound it is replaced by another, on a first start only (a restart
+        keeps the port its clients know)."""
+        for _ in range(5):
+            try:
+                self._start(timeout)
+            except _PortTaken:
+                if not self._may_move:
+                    raise
+                self.port = free_port(self.bus)
+                continue
+            self._may_move = False
+            return self
+        raise RuntimeError("redis-server: no free port after 5 tries")
+
+    def _start(self, timeout: float) -> None:
         assert REDIS_SERVER is not None
         self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "redis.log").unlink(missing_ok=True)  # this start's lines only
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 (owned by the child)
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
@@ -75,14 +98,28 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited {self.proc.returncode}: "
-                                   + (self.workdir / "redis.log").read_text()[-2000:])
-            try:
-                if self.client().ping():
-                    return self
+                log = (self.workdir / "redis.log").read_text()
+                if "Address already in use" in log:
+                    raise _PortTaken(log)
+                raise RuntimeError(f"redis-server exited {self.proc.returncode}: {log[-2000:]}")
+            try:  # ours answers (not another process's server on the port)
+                if self._probe().info("server")["process_id"] == self.proc.pid:
+                    return
             except Exception:  # not listening yet
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not answer PING")
+                pass
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError("redis-server did not answer")
+
+    def _probe(self) -> Any:
+        """A client that gives up at once (no retries, 0.5 s timeouts): the start's probe."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5,
+                           socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0),
+                           password=self.password or None)
 
     def client(self) -> Any:
         import redis

@@ -281,7 +281,9 @@ def http(d: DaemonProc, path: str) -> tuple[int, str]:
 
 
 def test_http_probes_and_404(tmp_path: Path) -> None:
-    d = DaemonProc(tmp_path / "d").start()
+    # a grace period longer than the probes below take on a loaded machine (with the fixture's
+    # 2 s, the daemon could end the lease and exit before /readyz was asked)
+    d = DaemonProc(tmp_path / "d", ["--grace-s", "30"]).start()
     try:
         assert http(d, "/healthz") == (200, "ok\n")
         assert http(d, "/readyz") == (200, "ready\n")
@@ -292,7 +294,7 @@ def test_http_probes_and_404(tmp_path: Path) -> None:
         assert http(d, "/metricsx")[0] == 404
         with Client(d.socket, layout=LAYOUT) as kv:
             kv.store(keys(3, 1), blocks(1, 3))
-            with kv.load(keys(3, 1)):  # a lease: the drain waits for it (grace 2 s)
+            with kv.load(keys(3, 1)):  # a lease: the drain waits for it (grace 30 s)
                 assert d.proc is not None
                 d.proc.send_signal(signal.SIGTERM)
                 wait_for(lambda: "draining" in d.log())

@@ -84,11 +84,16 @@ def test_events_name_the_layout_id_of_each_model(daemon: DaemonProc) -> None:  #
     layouts: set[bytes] = set()
     with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
         stub = pb_grpc.KvTierStub(ch)  # type: ignore[no-untyped-call]
-        stream = stub.WatchEvents(pb.WatchEventsRequest(since_sequence=1), timeout=1.0)
-        with pytest.raises(grpc.RpcError):  # DEADLINE_EXCEEDED ends the open stream
+        # until two layouts came (a 1 s deadline ended the replay before: on a loaded machine
+        # it could end it first); a daemon that named one layout for both ends at the deadline
+        stream = stub.WatchEvents(pb.WatchEventsRequest(since_sequence=1), timeout=30)
+        with pytest.raises(grpc.RpcError) as exc:  # cancelled: it ends the open stream
             for ev in stream:
                 if ev.HasField("stored") and KEYS[-1] in ev.stored.block_hashes:
                     layouts.add(ev.stored.layout)
+                    if len(layouts) == 2:
+                        stream.cancel()
+        assert exc.value.code() is grpc.StatusCode.CANCELLED, layouts
     assert layouts == {BASE.layout_id, TUNE.layout_id}  # watchers can tell the models apart
 
 

@@ -330,6 +330,11 @@ def test_wheel_installs_in_a_fresh_venv_and_serves(tmp_path: Path) -> None:
         with Client(sock, layout=layout) as kv:  # the installed daemon stores and serves
             assert kv.store(keys, [np.full(4096, 7, dtype=np.uint8)] * 2).stored == 2
             assert kv.lookup(keys).hit_blocks == 2
+        # the start's log lines come out once it is done, which may be after the socket
+        # served these (its file appears earlier)
+        deadline = time.monotonic() + 60
+        while not log.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
         first = log.read_text().splitlines()[0]
         assert f"unix:{sock}" in first and "DRAM pool 88 MiB" in first, first
     finally:

@@ -112,7 +112,9 @@ def test_every_panel_query_returns_data(fleet: PrometheusProc) -> None:
 def test_fleet_numbers_add_up(fleet: PrometheusProc) -> None:
     """The dashboards' numbers mean what they say: both daemons up, three models, per-node hit
     ratios inside [0, 1], the MRC reporting all 11 capacities per node."""
-    up = fleet.query('up{job="kvtier"}')
+    deadline = time.monotonic() + 60  # both scraped once (alone, this test runs first)
+    while len(up := fleet.query('up{job="kvtier"}')) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
     assert sorted(float(r["value"][1]) for r in up) == [1.0, 1.0]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

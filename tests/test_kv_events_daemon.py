@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core import kv_events as wire
@@ -254,6 +255,24 @@ PUBLISHED = 'kvtier_kv_event_blocks_total{result="published"}'
 DROPPED_HWM = 'kvtier_kv_event_blocks_total{result="dropped_hwm"}'
 
 
+def subscribe(sub: zmq.Socket[bytes], where: str) -> None:
+    """Connects `sub` to the publisher at `where`, subscribed to everything, and returns once
+    the connection is up (its ZMTP handshake done, watched on a monitor socket) and a moment
+    more for the subscription to reach the publisher: what it publishes before that is lost
+    (ZMQ's slow joiner). A fixed sleep instead was too short when a loaded machine was slow
+    to connect."""
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sub.connect(where)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        assert monitor.poll(30_000), f"no connection to {where} in 30 s"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        sub.disable_monitor()
+        monitor.close(0)
+    time.sleep(0.3)  # the subscription, sent right after the handshake, reaches the publisher
+
+
 class Stream:
     """A SUB socket on a daemon's KV-event endpoint, and every event it decoded, in order."""
 
@@ -261,10 +280,8 @@ class Stream:
         self.d = d
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.connect(endpoint(d.log()))
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        subscribe(self.sub, endpoint(d.log()))
         self.events: list[wire.Event] = []
-        time.sleep(0.3)  # the subscription reaches the publisher
 
     def drain(self, timeout: float = 15.0) -> list[wire.Event]:
         """Reads until every block the daemon has published so far has arrived (its
@@ -420,9 +437,7 @@ def test_a_subscriber_that_never_reads_is_dropped_and_counted_while_the_daemon_s
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 1)
     sub.setsockopt(zmq.RCVBUF, 4096)
-    sub.connect(where)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")  # and never reads
-    time.sleep(0.3)
+    subscribe(sub, where)  # and never reads
     try:
         with Client(d.socket, layout=LAYOUT) as kv:
             probe = chain(9, 4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import signal
 import socket
 import stat
@@ -434,7 +435,15 @@ def test_a_flood_of_connections_takes_no_descriptors_the_daemon_needs(tmp_path: 
                 s.connect(str(lookup_socket(d)))
                 s.sendall(wire.hello(""))  # a good hello, then idle: kept
                 flood.append(s)
-            time.sleep(3)  # past the hello deadline: only the cap closes a connection now
+            flooded = time.monotonic()
+            # each one answered (the hello's reply) or closed: a fixed sleep counted the ones
+            # a loaded daemon had not accepted yet as kept
+            deadline = flooded + 60
+            while len(select.select(flood, [], [], 0)[0]) < len(flood):
+                assert time.monotonic() < deadline, "the daemon never got to the flood"
+                time.sleep(0.05)
+            # and past the hello deadline: only the cap closes a connection now
+            time.sleep(max(0.0, flooded + 3 - time.monotonic()))
             closed = 0
             for s in flood:
                 s.setblocking(False)
@@ -450,10 +459,13 @@ def test_a_flood_of_connections_takes_no_descriptors_the_daemon_needs(tmp_path: 
             for s in flood:
                 s.close()
             flood.clear()
-            time.sleep(0.3)
-            with Client(d.socket, layout=LAYOUT) as again:
-                assert again.lookup(keys(7, 3)).hit_blocks == 3
-                assert used_socket(again)
+
+            def served_on_the_socket() -> bool:  # once the daemon saw the flood's ends
+                with Client(d.socket, layout=LAYOUT) as again:
+                    assert again.lookup(keys(7, 3)).hit_blocks == 3
+                    return used_socket(again)
+
+            wait_for(served_on_the_socket, timeout=30)
         assert d.healthy()
     finally:
         for s in flood:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import select
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
-from kvtier.daemon.rpc_guard import Limits
+from kvtier.daemon.rpc_guard import WARN_EVERY_S, Limits
 from kvtier.daemon.service import CHUNK_BYTES
 from tests.daemon_fixture import DaemonProc
 
@@ -451,6 +452,9 @@ def test_lookup_socket_stalled_clients_hold_nothing(env: Env) -> None:
     stalled = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(22)]
     idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        # each deadline starts when the daemon accepts, after this (a wall-time bound from a
+        # later instant fails when the setup below takes long on a loaded machine)
+        connecting = time.monotonic()
         for conn in (*stalled, idle):
             conn.settimeout(5)
             conn.connect(path)
@@ -460,21 +464,29 @@ def test_lookup_socket_stalled_clients_hold_nothing(env: Env) -> None:
         stalled[21].sendall(lookup_frame(layout=LID, keys=keys(7, 1), key_width=32)[:20])
         idle.sendall(ALICE_HELLO)
         assert _answer(idle) == b""
-        t0 = time.monotonic()
         got = on_socket(env, lookup_frame(layout=LID, keys=keys(7, 1), key_width=32))
-        assert got.hit_blocks == 1 and time.monotonic() - t0 < 1.0
+        assert got.hit_blocks == 1
+        # served while the stalled ones are still held: none of them has its refusal yet (a
+        # daemon that served them one by one answered only after their 2 s deadlines)
+        assert not any(_readable(conn) for conn in stalled)
         for conn in stalled:
             with pytest.raises(SocketRefusal) as exc:
                 _answer(conn)  # within the 5 s socket timeout
             assert exc.value.code() is Code.DEADLINE_EXCEEDED, exc.value.details()
             assert conn.recv(100) == b""
-        assert time.monotonic() - t0 >= 1.5
+        assert time.monotonic() - connecting >= 1.9  # not before their 2 s deadlines
         idle.sendall(lookup_frame(layout=LID, keys=keys(7, 1), key_width=32))
         assert pb.LookupResponse.FromString(_answer(idle)).hit_blocks == 1
     finally:
         for conn in (*stalled, idle):
             conn.close()
     assert env.d.healthy()
+
+
+def _readable(conn: socket.socket) -> bool:
+    """Whether `conn` has data or an end of stream to read, without reading it or waiting."""
+    ready, _, _ = select.select([conn], [], [], 0)
+    return bool(ready)
 
 
 def test_lookup_socket_trickled_frame_is_closed_on_time(env: Env) -> None:
@@ -498,7 +510,10 @@ def test_lookup_socket_trickled_frame_is_closed_on_time(env: Env) -> None:
         with pytest.raises(SocketRefusal) as exc:
             _answer(conn)
         assert exc.value.code() is Code.DEADLINE_EXCEEDED
-        assert 1.5 <= time.monotonic() - t0 < 3.5
+        # its deadline ran from the first byte, after t0; a deadline renewed by each byte would
+        # let the 74-byte trickle (18 s) finish and be answered. The upper bound only fails a
+        # hang: a loaded machine can run the daemon's timer or this loop seconds late.
+        assert 1.9 <= time.monotonic() - t0 < 12.0
 
 
 def test_lookup_socket_client_reading_no_replies_blocks_nobody(env: Env) -> None:
@@ -582,15 +597,21 @@ def test_tenants_are_isolated(env: Env) -> None:
 def test_events_are_per_tenant(env: Env) -> None:
     env.alice_store(keys(120, 2))
     env.bob_store(keys(121, 2))
+    env.alice_store(keys(122, 1))  # each tenant's last event: its replay reaches it at the end
+    env.bob_store(keys(123, 1))
     seen: dict[str, set[bytes]] = {}
-    for who, md in (("alice", ALICE), ("bob", BOB)):
+    # read up to the tenant's last event (a 1.5 s deadline ended the replay before: on a loaded
+    # machine it could end it before the events asked about)
+    for who, md, last in (("alice", ALICE, key(122, 0)), ("bob", BOB, key(123, 0))):
         stream = env.stub.WatchEvents(pb.WatchEventsRequest(since_sequence=1), metadata=md,
-                                      timeout=1.5)
+                                      timeout=60)
         got: set[bytes] = set()
         with pytest.raises(grpc.RpcError) as exc:
             for ev in stream:
                 got.update(ev.stored.block_hashes if ev.HasField("stored") else ())
-        assert exc.value.code() is Code.DEADLINE_EXCEEDED  # the stream stays open until then
+                if last in got:
+                    stream.cancel()
+        assert exc.value.code() is Code.CANCELLED  # the stream stays open after the replay
         seen[who] = got
     assert key(120, 0) in seen["alice"] and key(120, 0) not in seen["bob"]
     assert key(121, 0) in seen["bob"] and key(121, 0) not in seen["alice"]
@@ -652,8 +673,14 @@ def test_late_write_chunk_never_lands_in_a_reused_slot(tmp_path: Path) -> None:
         yield _chunk(0, half, b"\xaa" * half)
 
     late = stub.WriteBlocks.future(alice(), metadata=ALICE)
+    # alice's slot is allocated (its lease live, or already expired) before bob asks: else bob
+    # could take the whole pool first and alice's write end RESOURCE_EXHAUSTED, not NOT_FOUND
+    deadline = time.monotonic() + 30
+    while d.metric_sum("kvtier_leases_active") + d.metric_sum("kvtier_leases_expired_total") < 1:
+        assert time.monotonic() < deadline, "alice's write never got its slot"
+        time.sleep(0.02)
     bob_keys = keys(2, 4)  # the whole 4-slot pool: only once alice's lease let go of its slot
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while True:
         try:
             assert write_blocks(stub, BOB, bob_keys, b"\xbb").stored == 4
@@ -764,7 +791,7 @@ def test_dead_clients_leases_end_within_a_second(tmp_path: Path, path: str) -> N
         assert child.stdout is not None
         assert child.stdout.readline().split() == [b"holding", b"4"]
         want = pb.AllocateRequest(layout=LID, keys=keys(6, 4), key_width=32)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # fails a hang, not a slow (loaded) machine
         while True:  # the streaming child's Allocate happens after its header is read
             try:
                 got = stub.Allocate(want, metadata=BOB).lease_id
@@ -807,8 +834,13 @@ def test_tenants_cannot_steer_or_observe_each_other(tmp_path: Path) -> None:
     d = tenants_daemon(tmp_path, "--ssd-bytes", "0")
     ch, stub = stub_of(d)
     bob_events: list[pb.KvEvent] = []
-    watch = stub.WatchEvents(pb.WatchEventsRequest(), metadata=BOB, timeout=5)
-    watcher = threading.Thread(target=lambda: bob_events.extend(_until_deadline(watch)))
+    # B's stream replays from B's first event on: a stream of new events only would miss those
+    # stored before the daemon got to subscribing it (late on a loaded machine); its end is B's
+    # marker, stored last (a deadline ended it before, and dropped what came after it)
+    write_blocks(stub, BOB, keys(59, 1), b"\x02")  # B's event 1
+    marker = key(63, 0)
+    watch = stub.WatchEvents(pb.WatchEventsRequest(since_sequence=1), metadata=BOB, timeout=60)
+    watcher = threading.Thread(target=lambda: bob_events.extend(_until_stored(watch, marker)))
     watcher.start()
     priced = LayoutDecl(FP, BLOCK, 16, model=COST, model_id=MODEL)
     k = [key(50, i) for i in range(16)]
@@ -835,9 +867,9 @@ def test_tenants_cannot_steer_or_observe_each_other(tmp_path: Path) -> None:
         # Stats: B's own figures; the admin token's are the node's
         bob_stats = stub.Stats(pb.StatsRequest(), metadata=BOB)
         assert (bob_stats.lookups, bob_stats.blocks_hit, bob_stats.node_wide) == (0, 0, False)
-        assert bob_stats.tiers[0].blocks == 3 and bob_stats.layouts == 1
+        assert bob_stats.tiers[0].blocks == 1 + 3 and bob_stats.layouts == 1
         node = stub.Stats(pb.StatsRequest(), metadata=OPS)
-        assert node.node_wide and node.lookups >= 2 and node.tiers[0].blocks == 3 + 16 + 3
+        assert node.node_wide and node.lookups >= 2 and node.tiers[0].blocks == 1 + 3 + 16 + 3
         # a shape conflict names only B's own registration; A's layout is untouched
         reshaped = pb.RegisterLayoutRequest(layout=b"alice-private-fp", block_bytes=4096,
                                             block_tokens=16, key_width=32, model_id=SECRET_MODEL)
@@ -861,18 +893,22 @@ def test_tenants_cannot_steer_or_observe_each_other(tmp_path: Path) -> None:
             answers.append((exc.value.code(), exc.value.details().replace(lid.hex()[:16], "X")))
         assert answers[0] == answers[1] and answers[0][0] is Code.NOT_FOUND
         assert SECRET_MODEL not in str(answers)
-    watcher.join()
+        write_blocks(stub, BOB, marker, b"\x02")
+    watcher.join(timeout=60)
     seqs = [e.sequence for e in bob_events]
-    assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) == 3, seqs
+    assert seqs == [2, 3, 4, 5], seqs  # B's 3 interleaved stores and the marker, no gaps
+    assert bob_events[-1].stored.block_hashes == [marker]
     ch.close()
     d.stop()
 
 
-def _until_deadline(stream: Any) -> Iterator[pb.KvEvent]:
-    try:
-        yield from stream
-    except grpc.RpcError as exc:
-        assert exc.code() is Code.DEADLINE_EXCEEDED
+def _until_stored(stream: Any, marker: bytes) -> Iterator[pb.KvEvent]:
+    """The stream's events up to the one that stores `marker`; then cancels it."""
+    for event in stream:
+        yield event
+        if marker in event.stored.block_hashes:
+            stream.cancel()
+            return
 
 
 def _rss_mib(pid: int) -> float:
@@ -911,7 +947,7 @@ def test_oversized_requests_are_refused_before_decoding_and_memory_comes_back(
     for t in threads:
         t.join()
     assert codes == [Code.RESOURCE_EXHAUSTED] * 240
-    deadline = time.monotonic() + 12  # the reaper trims the heap every 5 s
+    deadline = time.monotonic() + 30  # the reaper trims the heap every 5 s (later if loaded)
     while _rss_mib(d.proc.pid) > 2 * start and time.monotonic() < deadline:
         time.sleep(0.5)
     after = _rss_mib(d.proc.pid)
@@ -942,6 +978,7 @@ def test_undecodable_messages_are_invalid_argument_with_one_warning(tmp_path: Pa
     ch, _ = stub_of(d)
     bad = [_bad_utf8(b"model-\xff\xfe-%d" % (i % 10)) for i in range(300)]
     bad += [pb.LookupRequest(layout=LID, keys=bytes(64)).SerializeToString()[:-7]] * 100
+    started = time.monotonic()
     for data in bad:
         with pytest.raises(grpc.RpcError) as exc:
             _raw_register(ch, data)
@@ -951,7 +988,10 @@ def test_undecodable_messages_are_invalid_argument_with_one_warning(tmp_path: Pa
     log = d.log()
     assert "Traceback" not in log and " ERROR " not in log
     warnings = [line for line in log.splitlines() if " WARNING " in line and "refused" in line]
-    assert 1 <= len(warnings) <= 2, warnings  # one per kind: bad UTF-8, corrupt wire format
+    # one per kind (bad UTF-8, corrupt wire format) per WARN_EVERY_S (10 s): the 400 requests
+    # take well under that, unless a loaded machine stretches them over more windows
+    windows = 1 + int((time.monotonic() - started) // WARN_EVERY_S)
+    assert 1 <= len(warnings) <= 2 * windows, warnings
     ch.close()
     d.stop()
 

@@ -207,9 +207,10 @@ def test_readers_run_while_the_writer_commits(tmp_path: Path, mode: str) -> None
 
 
 @MODES
-def test_restart_with_100k_blocks_under_5_s(tmp_path: Path, mode: str) -> None:
-    """The restart goal itself (bench.ssd measures it too), in the default run: ~2 s here with
-    the writes; the reopen is what the goal bounds."""
+def test_restart_with_100k_blocks_reads_them_all_back(tmp_path: Path, mode: str) -> None:
+    """A reopen with 100k blocks lists them all, in their chains. The restart goal (< 5 s) is
+    bench.ssd's to measure (0.2-1.8 s on dev-2c, docs/benchmarks.md); the bound here fails only
+    a reopen gone pathological (one that reads each block, say), not a loaded CI machine."""
     n = 100_000
     cap = n * (64 + HEADER_SIZE)  # slots mode: exactly n slots
     with store(tmp_path, cap, mode, slot=64) as s:
@@ -222,7 +223,7 @@ def test_restart_with_100k_blocks_under_5_s(tmp_path: Path, mode: str) -> None:
     with store(tmp_path, cap, mode, slot=64) as s:
         entries = s.entries()
     elapsed = time.perf_counter() - t0
-    assert len(entries) == n and elapsed < 5.0, elapsed
+    assert len(entries) == n and elapsed < 30.0, elapsed
     assert entries[1].parent == entries[0].key
 
 

@@ -71,7 +71,11 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     d = DaemonProc(tmp_path_factory.mktemp("top") / "d").start()
     try:
         with load([d.socket], ["org/top-model"]):
-            time.sleep(1.0)
+            # hits and leases to show (a fixed 1 s was too short on a loaded machine)
+            deadline = time.monotonic() + 60
+            while d.metric_sum("kvtier_blocks_hit_total") < 1:
+                assert time.monotonic() < deadline, "the load never hit"
+                time.sleep(0.1)
             yield d
     finally:
         d.stop()
@@ -114,12 +118,13 @@ def test_once_table_and_bad_sources(busy: DaemonProc, tmp_path: Path) -> None:
     assert kvtier("top", "--interval", "0").returncode == 2
 
 
-def test_live_view_in_tmux(busy: DaemonProc, tmp_path: Path) -> None:
+def test_live_view_in_tmux(busy: DaemonProc, tmp_path: Path,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
     if shutil.which("tmux") is None:
         pytest.skip("tmux not found: apt-get install -y tmux (bin/test does)")
     server = f"kvtier-top-{uuid.uuid4().hex[:8]}"
     # tmux's socket dir (TMUX_TMPDIR, else /tmp/tmux-UID) under this test's own tmp_path
-    os.environ["TMUX_TMPDIR"] = str(tmp_path)
+    monkeypatch.setenv("TMUX_TMPDIR", str(tmp_path))  # for this test only
     tmux = ["tmux", "-L", server]
     url = f"http://127.0.0.1:{busy.metrics_port}"
     cmd = (f"unset COLUMNS LINES; cd {ROOT} && PYTHONPATH={ROOT} {sys.executable} -m kvtier top "

@@ -44,6 +44,8 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
 
 def test_dropped_tier_events_are_counted_and_exported_with_the_connector_stats(
         daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
     monkeypatch.setattr(events, "MAX_QUEUED", 3)
     tier = events.TierEvents(lambda: Client(daemon.socket, layout=LAYOUT), LAYOUT)
     data = [np.zeros(4096, np.uint8).tobytes()]
@@ -51,22 +53,29 @@ def test_dropped_tier_events_are_counted_and_exported_with_the_connector_stats(
         with Client(daemon.socket, layout=LAYOUT) as kv:
             deadline = time.monotonic() + 15
             n = 0
-            while not tier.take():  # until the watch stream is up (it starts from now)
+            while not (probed := tier.take()):  # until the watch stream is up (it starts now)
                 assert time.monotonic() < deadline
                 kv.store([bytes([1, n]) + bytes(30)], data)
                 n += 1
                 time.sleep(0.1)
-            time.sleep(0.2)
-            tier.take()
+            # every probe's event taken: up to the last probe's (a fixed 0.2 s let a late one
+            # on a loaded machine take a place in the queue below)
+            last = maybe_convert_block_hash(BlockHash(bytes([1, n - 1]) + bytes(30)))
+            while last not in {h for e in probed for h in e.block_hashes}:  # type: ignore[attr-defined]
+                assert time.monotonic() < deadline, probed
+                time.sleep(0.05)
+                probed += tier.take()
+            tier.take_dropped()  # what the stats below report starts here
+            base = tier.dropped  # (a burst of probes' events can overflow the queue too)
             for i in range(8):  # eight one-block chains: eight BlockStored events
                 kv.store([bytes([2, i]) + bytes(30)], data)
         deadline = time.monotonic() + 10
-        while tier.dropped < 5:
-            assert time.monotonic() < deadline, tier.dropped
+        while tier.dropped - base < 5:
+            assert time.monotonic() < deadline, tier.dropped - base
             time.sleep(0.05)
         time.sleep(0.2)
         queued = tier.take()
-        assert len(queued) == 3 and tier.dropped == 5  # three fit, five did not
+        assert len(queued) == 3 and tier.dropped - base == 5  # three fit, five did not
         assert [e.medium for e in queued] == ["CPU"] * 3  # type: ignore[attr-defined]
 
         connector = KvtierConnector.__new__(KvtierConnector)  # the scheduler side's state
