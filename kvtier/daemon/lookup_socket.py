@@ -222,7 +222,7 @@ class _Connection(asyncio.Protocol):
         try:
             yielded = coro.send(None)
         except StopIteration as done:
-            self._write(wire.ok_reply(done.value.SerializeToString()))
+            self._write(wire.ok_reply(done.value))
             return
         except Failed as failed:
             self._answer_failed(failed)
@@ -249,7 +249,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         else:
-            self._write(wire.ok_reply(task.result().SerializeToString()))
+            self._write(wire.ok_reply(task.result()))
         self._resume()
 
     def _answer_failed(self, failed: Failed) -> None:
