@@ -38,6 +38,7 @@ def test_ssd_is_prefix_closed() -> None:
     ix.add_tier(0, b"a", S)
     ix.demote(0, b"b")
     assert ix.lookup(0, [b"a", b"b", b"c", b"x"]).tiers == [D, S, D]
+    assert ix.lookup(0, [b"a", b"b", b"c"], replica="r0").tiers == [D, S, D]  # r0 holds none
 
 
 def test_lookup_stops_at_gap_and_at_broken_chain() -> None:
@@ -114,7 +115,7 @@ def test_a_long_chain_is_walked_and_touched_like_a_short_one() -> None:
     chain(ix, keys)
     chain(ix, [b"x", b"y"])
     chain(ix, other)
-    assert ix.lookup(0, [*keys, b"nope"]).tiers == [D] * 100
+    assert ix.lookup(0, [*keys, b"nope"], replica="r0").tiers == [D] * 100  # r0 holds none
     assert len(ix.lookup(0, [*keys[:70], b"nope", *keys[71:]]).blocks) == 70  # a gap
     # o080 is cached, but under o079, not k079: the chain ends at k079
     assert ix.lookup(0, keys[:80] + other[80:]).blocks == [ix.get(0, k) for k in keys[:80]]

@@ -177,6 +177,8 @@ class PrefixIndex(Eviction, HbmReports):
         hbm, dram, ssd = _HBM, _DRAM, _SSD
         if mask:
             tiers = [hbm if b.hbm & mask else dram if b.flags & IN_DRAM else ssd for b in blocks]
+        elif self._count[dram] == self._entries:  # every entry is in DRAM: no check per block
+            tiers = [dram] * len(blocks)
         else:
             tiers = [dram if b.flags & IN_DRAM else ssd for b in blocks]
         if touch and self._hooks:
