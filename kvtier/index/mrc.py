@@ -23,10 +23,11 @@ Method — SHARDS (Waldspurger et al., FAST'15), spatially hashed sampling of LR
   (it reached k accesses) and its distance among that capacity's SSD blocks is < C_s. The count
   grows on every access of a cached block; a block gone from both tiers keeps it only while the
   index's admission history still remembers it (`_remembered`), else it starts again at 1.
-- Distances come from a Fenwick tree over logical access times of the tracked keys: the keys
-  touched since this key's last access are a range sum. Times are renumbered when the tree is
-  full, which is also when keys beyond the largest capacity of interest (`horizon`) are dropped:
-  they miss at every capacity the curve reports.
+- Distances come from the tracked keys' logical access times, one mark per key at its time
+  (`_Marks`, counted by numpy; per capacity with SSD a Fenwick tree over its SSD blocks' times):
+  the keys touched since this key's last access are a range count. Times are renumbered when the
+  table of times is full, which is also when keys beyond the largest capacity of interest
+  (`horizon`) are dropped: they miss at every capacity the curve reports.
 
 Cost per lookup: one vectorised hash of its keys (numpy) plus O(log n) per sampled key and
 capacity with SSD; without SSD capacities a Lookup's sampled keys (from `_BATCH_MIN` on) are
@@ -462,7 +463,7 @@ class ReuseSampler:
 
 def memory_bytes(sampler: ReuseSampler) -> int:
     """An upper bound of the sampler's tables' bytes, O(1): `key_bytes` per tracked key plus the
-    Fenwick trees (`measure_bytes` counts them object by object)."""
+    time marks and Fenwick trees (`measure_bytes` counts them object by object)."""
     return sampler.tracked_keys * sampler.key_bytes + sampler.tree_bytes()
 
 
