@@ -79,14 +79,15 @@ def test_unsampled_dram_estimate_is_exact_lru(capacity: int) -> None:
 
 
 def test_a_long_chain_is_accessed_in_one_batch() -> None:
-    """16 keys sampled at once take the vectorised path: looked up twice, root last, every key's
-    reuse distance is 15 (the other 15 keys), so it hits at 16 blocks and never at 8."""
-    keys = [bytes([i]) * 32 for i in range(16)]
-    s = ReuseSampler([(16, 0), (8, 0)], rate=1.0)
+    """40 keys sampled at once take the vectorised path: looked up twice, root last, every key's
+    reuse distance is 39 (the other 39 keys), so it hits at 40 blocks and never at 39."""
+    assert mrc._BATCH_MIN <= 40
+    keys = [bytes([i]) * 32 for i in range(40)]
+    s = ReuseSampler([(40, 0), (39, 0)], rate=1.0)
     s.observe("t", keys)
     s.observe("t", keys)
     big, small = s.points()
-    assert (s.refs, s.sampled_refs, s.tracked_keys) == (32.0, 32, 16)
+    assert (s.refs, s.sampled_refs, s.tracked_keys) == (80.0, 80, 40)
     assert (big.dram_hit_ratio, small.dram_hit_ratio) == (0.5, 0.0)
 
 

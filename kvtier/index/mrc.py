@@ -78,9 +78,10 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio multiplicative hash (odd)
 _BATCH_MAX = 256
 """Sampled keys of one Lookup vectorised together at most (`_access_batch` compares each with
 the earlier ones: a square of booleans)."""
-_BATCH_MIN = 16
-"""A Lookup's sampled keys go through `_access_batch` from this many on: a batch costs ~40 us
-plus ~1 us a key, `_access` ~4 us a key (docs/benchmarks.md, issue 25 lookup profile)."""
+_BATCH_MIN = 32
+"""A Lookup's sampled keys go through `_access_batch` from this many on: one at a time costs ~5 us
+a key, a batch ~100 us for a few dozen (16,384 positions, dev-2c: 16 keys 82 vs 129 us, 32 keys
+167 vs 136 us, 47 keys 245 vs 153 us)."""
 KEY_BYTES = 120
 """Bytes per tracked key without SSD capacities, an upper bound: a dict slot (30-50 B) and two
 ints (the 64-bit hash, 36 B; the packed time and counts, 32 B; `key_bytes` adds the counts of
