@@ -38,6 +38,7 @@ def test_ssd_is_prefix_closed() -> None:
     ix.add_tier(0, b"a", S)
     ix.demote(0, b"b")
     assert ix.lookup(0, [b"a", b"b", b"c", b"x"]).tiers == [D, S, D]
+    assert ix.lookup(0, [b"a", b"b", b"c"], replica="r0").tiers == [D, S, D]  # r0 holds none
 
 
 def test_lookup_stops_at_gap_and_at_broken_chain() -> None:
@@ -104,6 +105,25 @@ def test_lookup_refreshes_recency() -> None:
     chain(ix, [b"x", b"y"])
     ix.lookup(0, [b"a", b"b"])  # a, b now hotter than x, y
     assert [e.key for e in ix.evict(D, 2)] == [b"y", b"x"]
+
+
+def test_a_long_chain_is_walked_and_touched_like_a_short_one() -> None:
+    """100 blocks: past the length at which the walk and the touch run vectorised."""
+    keys = [b"k%03d" % i for i in range(100)]
+    other = [b"o%03d" % i for i in range(100)]
+    ix = PrefixIndex()
+    chain(ix, keys)
+    chain(ix, [b"x", b"y"])
+    chain(ix, other)
+    assert ix.lookup(0, [*keys, b"nope"], replica="r0").tiers == [D] * 100  # r0 holds none
+    assert len(ix.lookup(0, [*keys[:70], b"nope", *keys[71:]]).blocks) == 70  # a gap
+    # o080 is cached, but under o079, not k079: the chain ends at k079
+    assert ix.lookup(0, keys[:80] + other[80:]).blocks == [ix.get(0, k) for k in keys[:80]]
+    assert ix.lookup(0, keys[1:]).blocks == []  # not from a root
+    hits = [ix.get(0, k).hits for k in (keys[0], keys[75], keys[99], other[99])]  # type: ignore[union-attr]
+    assert hits == [1 + 3, 1 + 2, 1 + 1, 1]  # the commit, then one per touching lookup
+    # recency: y (inserted first), then x (a leaf once y left), then o099; k099 was looked up
+    assert [e.key for e in ix.evict(D, 3)] == [b"y", b"x", b"o099"]
 
 
 def test_pinned_blocks_are_never_chosen_or_dropped() -> None:

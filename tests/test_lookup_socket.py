@@ -355,10 +355,11 @@ class _Service:
         self.auth = Authenticator()
         self.calls = 0
 
-    async def lookup(self, request: object, tenant: Callable[[], Tenant]) -> pb.LookupResponse:
+    async def lookup(self, request: object, tenant: Callable[[], Tenant]) -> bytes:
+        """The reply in wire form, as `KvTierService.lookup` gives it."""
         assert tenant().name == "default" and isinstance(request, pb.LookupRequest)
         self.calls += 1
-        return pb.LookupResponse(hit_blocks=len(request.keys) // 32)
+        return pb.LookupResponse(hit_blocks=len(request.keys) // 32).SerializeToString()
 
 
 def test_protocol_reads_no_further_while_its_replies_are_not_taken(tmp_path: Path) -> None:
@@ -413,6 +414,22 @@ def test_wire_frames() -> None:
     assert wire.parse_reply(b"\x01\x05no such thing") == (5, "no such thing")
     with pytest.raises(ValueError, match="malformed"):
         wire.parse_reply(b"\x07")
+
+
+def test_lookup_response_in_wire_form_is_what_protobuf_writes() -> None:
+    # hit_blocks 3 (field 1), tiers packed (field 2: DRAM=2, DRAM, SSD=3), no plan
+    assert wire.lookup_response(b"\x02\x02\x03") == b"\x08\x03\x12\x03\x02\x02\x03"
+    assert wire.lookup_response(b"") == b""  # a miss: every field at its zero value
+    assert wire.lookup_response(b"", b"") == b"\x1a\x00"  # an empty plan is still present
+    plan = pb.Plan(fetch_blocks=2, predicted_fetch_seconds=0.5, reason="fetch_all")
+    for codes in (b"\x02" * 200, bytes([1, 2, 3, 4]) * 300, b"\x03"):  # 2-byte lengths too
+        for p in (None, plan):
+            msg = pb.LookupResponse(hit_blocks=len(codes), tiers=list(codes))
+            if p is not None:
+                msg.plan.CopyFrom(p)
+            got = wire.lookup_response(codes, None if p is None else p.SerializeToString())
+            assert got == msg.SerializeToString()
+            assert pb.LookupResponse.FromString(got) == msg
 
 
 NOFILE_128 = [sys.executable, "-c",

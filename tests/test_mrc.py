@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.daemon.cache_stats import MRC_MIN_KEYS
+from kvtier.index import mrc
 from kvtier.index.mrc import (
     ReuseSampler,
     capacity_grid,
@@ -75,6 +76,59 @@ def test_unsampled_dram_estimate_is_exact_lru(capacity: int) -> None:
     (p,) = s.points()
     assert s.refs == pytest.approx(refs)
     assert p.dram_hit_ratio == pytest.approx(hits / refs, abs=1e-9)
+
+
+def test_a_long_chain_is_accessed_in_one_batch() -> None:
+    """40 keys sampled at once take the vectorised path: looked up twice, root last, every key's
+    reuse distance is 39 (the other 39 keys), so it hits at 40 blocks and never at 39."""
+    assert mrc._BATCH_MIN <= 40
+    keys = [bytes([i]) * 32 for i in range(40)]
+    s = ReuseSampler([(40, 0), (39, 0)], rate=1.0)
+    s.observe("t", keys)
+    s.observe("t", keys)
+    big, small = s.points()
+    assert (s.refs, s.sampled_refs, s.tracked_keys) == (80.0, 80, 40)
+    assert (big.dram_hit_ratio, small.dram_hit_ratio) == (0.5, 0.0)
+
+
+@pytest.mark.parametrize("capacity", [5, 40, 150, 400])
+def test_batched_long_chains_estimate_exact_lru(capacity: int) -> None:
+    rng = random.Random(capacity)
+    lookups = [[f"{rng.randrange(20)}/{j}/{rng.randrange(2) if j > 20 else 0}".encode()
+                .ljust(32, b".") for j in range(rng.randrange(16, 90))] for _ in range(600)]
+    s = ReuseSampler([(capacity, 0), (capacity * 2, 0)], rate=1.0, max_keys=1 << 20)
+    for keys in lookups:
+        s.observe("t", keys)
+    assert s.refs == sum(map(len, lookups))
+    for p, cap in zip(s.points(), (capacity, capacity * 2), strict=True):
+        hits, refs = lru_hits(lookups, cap)
+        assert p.dram_hit_ratio == pytest.approx(hits / refs, abs=1e-9)
+
+
+@pytest.mark.parametrize("max_keys", [300, 4096])
+def test_batched_accesses_leave_what_one_at_a_time_leaves(
+        max_keys: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vectorised path (`_access_batch`) against `_access` key by key: the same estimates to
+    the last bit and the same table, through rate halvings, compactions (taken one at a time),
+    repeated keys and two tenants."""
+    def run(batch_min: int) -> ReuseSampler:
+        monkeypatch.setattr(mrc, "_BATCH_MIN", batch_min)
+        rng = random.Random(max_keys)
+        s = ReuseSampler(capacity_grid(2000, 0), max_keys=max_keys)
+        for _ in range(1500):
+            keys = [f"{rng.randrange(40)}/{j}/{rng.randrange(3) if j > 50 else 0}".encode()
+                    .ljust(32, b".") for j in range(rng.choice([1, 20, 300, 1024]))]
+            if rng.random() < 0.1:
+                keys += keys[:3]  # a key twice in one Lookup: one at a time
+            s.observe(rng.randrange(2), keys)
+        return s
+
+    one, batched = run(1 << 30), run(1)
+    assert batched.points() == one.points()
+    assert (batched.refs, batched.sampled_refs, batched.rate) == (one.refs, one.sampled_refs,
+                                                                  one.rate)
+    assert batched._keys == one._keys
+    assert 0 < one.points()[0].dram_hit_ratio < 1
 
 
 def test_memory_stays_under_max_keys_by_lowering_the_rate() -> None:

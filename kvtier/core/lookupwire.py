@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import struct
 
+from kvtier.core.chunkwire import varint
+
 LOOKUP_SOCKET_SUFFIX = ".lookup"
 HELLO = b"KVTLK1 "
 HELLO_CALLS = b"KVTLK2 "
@@ -48,6 +50,24 @@ class FrameTooLarge(ValueError):
 def lookup_socket_path(socket: str) -> str:
     """Where the daemon listening on Unix socket `socket` answers Lookups without gRPC."""
     return socket + LOOKUP_SOCKET_SUFFIX
+
+
+_HIT_BLOCKS, _TIERS, _PLAN = 0x08, 0x12, 0x1A  # LookupResponse's fields: (number << 3) | type
+
+
+def lookup_response(tier_codes: bytes, plan: bytes | None = None) -> bytes:
+    """A `kvtier.v1.LookupResponse` in wire form, as protobuf writes it (fields in number order,
+    zero values left out), without a message object: `hit_blocks` = len(tier_codes), `tiers`
+    packed from `tier_codes` (`kvtier.v1.Tier` values, 1..4: one byte each), and `plan` when
+    given (a serialized `kvtier.v1.Plan`, present even when empty). Building the message and
+    serializing it cost ~40 us for 1,024 tiers; this, one copy of the codes."""
+    n = len(tier_codes)
+    parts = []
+    if n:
+        parts = [bytes((_HIT_BLOCKS,)) + varint(n), bytes((_TIERS,)) + varint(n), tier_codes]
+    if plan is not None:
+        parts += (bytes((_PLAN,)) + varint(len(plan)), plan)
+    return b"".join(parts)
 
 
 def frame(payload: bytes) -> bytes:

@@ -234,8 +234,8 @@ class _Connection(asyncio.Protocol):
     def _request(self, payload: bytes) -> None:
         if not self.calls:
             request = cast("pb.LookupRequest | Refused", self.server.decode(payload))
-            coro: Coroutine[Any, Any, Message] = self.server.service.lookup(request,
-                                                                            self._tenant)
+            coro: Coroutine[Any, Any, bytes] = self.server.service.lookup(request,
+                                                                          self._tenant)
         else:
             call = wire.parse_call(payload)
             if call is None:
@@ -249,7 +249,7 @@ class _Connection(asyncio.Protocol):
         try:
             yielded = coro.send(None)
         except StopIteration as done:
-            self._write(wire.ok_reply(done.value.SerializeToString()))
+            self._write(wire.ok_reply(done.value))
             return
         except Failed as failed:
             self._answer_failed(failed)
@@ -276,7 +276,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         else:
-            self._write(wire.ok_reply(task.result().SerializeToString()))
+            self._write(wire.ok_reply(task.result()))
         self._resume()
 
     def _answer_failed(self, failed: Failed) -> None:

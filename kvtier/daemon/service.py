@@ -53,6 +53,7 @@ from kvtier.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvtier.core.lookupwire import lookup_response
 from kvtier.core.segment import VERSION as SEGMENT_VERSION
 from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
@@ -204,21 +205,21 @@ class KvTierService(pb_grpc.KvTierServicer):
 
         return await self._unary("RegisterLayout", request, context, go)
 
-    async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: Ctx) -> bytes:
         return await self._unary("Lookup", request, context, partial(self._lookup, request))
 
     async def lookup(self, request: pb.LookupRequest | Refused, tenant: Callable[[], Tenant]
-                     ) -> pb.LookupResponse:
+                     ) -> bytes:
         """Lookup for a transport other than gRPC (`kvtier.daemon.lookup_socket`): the same
         checks, errors, metrics and stats as the RPC; raises `Failed` for a refused request."""
         return await self.answer("Lookup", request, tenant,
                                  partial(self._lookup, request))  # type: ignore[arg-type]
 
     async def call(self, method: str, request: Message | Refused, session: str,
-                   tenant: Callable[[], Tenant]) -> Message:
+                   tenant: Callable[[], Tenant]) -> bytes:
         """`method` (one of `kvtier.core.lookupwire.CALLS`) for a transport other than gRPC,
         `session` standing for the `kvtier-session` metadata: the same handler, checks, errors
-        and metrics as the RPC; raises `Failed` for a refused request."""
+        and metrics as the RPC, its reply in wire form; raises `Failed` for a refused request."""
         if method == "Lookup":
             return await self.lookup(request, tenant)  # type: ignore[arg-type]
         handlers: dict[str, Callable[..., Awaitable[Message]]] = {
@@ -226,22 +227,24 @@ class KvTierService(pb_grpc.KvTierServicer):
             "Commit": self._commit, "Abort": self._abort}
         reply: Message = await self.answer(method, request, tenant,
                                            partial(handlers[method], request, session))
-        return reply
+        return reply.SerializeToString()
 
-    async def _lookup(self, request: pb.LookupRequest, tenant: Tenant) -> pb.LookupResponse:
+    async def _lookup(self, request: pb.LookupRequest, tenant: Tenant) -> bytes:
+        """The `LookupResponse` in wire form (`kvtier.core.lookupwire.lookup_response`), which
+        gRPC sends as is (`kvtier.daemon.rpc_guard`) and the lookup socket frames."""
         res = await self.cache.lookup_async(
             tenant, request.layout, request.keys, request.key_width, request.start_token,
             request.prompt_tokens, request.want_plan, request.replica,
         )
-        reply = pb.LookupResponse(hit_blocks=len(res.tiers), tiers=tiers_to_pb(res.tiers))
+        plan = None
         if res.plan is not None:
             p = res.plan
-            reply.plan.CopyFrom(pb.Plan(
+            plan = pb.Plan(
                 fetch_blocks=p.cut, predicted_fetch_seconds=p.fetch_s,
                 predicted_recompute_seconds=p.recompute_avoided_s, reason=str(p.reason),
                 promote_in_background=bool(p.promote_in_background),
-            ))
-        return reply
+            ).SerializeToString()
+        return lookup_response(bytes(res.tiers).translate(_PLUS_ONE), plan)
 
     async def Acquire(self, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
         return await self._unary("Acquire", request, context,

@@ -53,6 +53,8 @@ calls that may remove the entry.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
+from typing import cast
 
 from kvtier.core.types import BlockKey, Tier
 from kvtier.index.evict import Eviction
@@ -96,6 +98,33 @@ __all__ = [
 
 # Module constants: an enum member lookup (`Tier.SSD`) costs ~0.1 us on Python 3.11.
 _HBM, _DRAM, _SSD = Tier.HBM, Tier.DRAM, Tier.SSD
+_PARENT = attrgetter("parent")
+
+
+def _walk(m: dict[BlockKey, Block], keys: Sequence[BlockKey]) -> list[Block]:
+    """The blocks of the longest prefix of `keys` cached as one chain (keys[0] cached as a
+    root): each key's block whose parent is the previous key's block. When the last key is
+    cached (a full hit, most likely) the dict look-ups, the parents and the check are C loops
+    (`map`, list equality by identity); otherwise, or when the chain breaks at a cached key
+    under another parent, one key at a time up to the first miss."""
+    if m.get(keys[-1]) is not None:
+        found = list(map(m.get, keys))
+        try:
+            parents = list(map(_PARENT, found))
+        except AttributeError:  # a key not cached in between
+            parents = None
+        if parents is not None and parents[1:] == found[:-1]:  # Blocks compare by identity
+            return cast("list[Block]", found)
+    blocks: list[Block] = []
+    get, add = m.get, blocks.append
+    parent = None
+    for key in keys:
+        b = get(key)
+        if b is None or b.parent is not parent:
+            break
+        add(b)
+        parent = b
+    return blocks
 
 
 class PrefixIndex(Eviction, HbmReports):
@@ -133,30 +162,28 @@ class PrefixIndex(Eviction, HbmReports):
         else DRAM, else SSD. With `touch`, each hit block counts an access (hits, last, and its
         eviction-queue position). O(len(prefix)).
         """
-        blocks: list[Block] = []
         m = self._maps.get(tenant)
-        if m is None:
+        if m is None or not keys or (first := m.get(keys[0])) is None or first.parent is not None:
+            blocks: list[Block] = []
             if touch and self._hooks:
                 self._policy.looked_up(tenant, keys, blocks)
             return Prefix(blocks, [])
-        get, add = m.get, blocks.append
-        parent = None
-        for key in keys:
-            b = get(key)
-            if b is None or b.parent is not parent:
-                break
-            add(b)
-            parent = b
+        blocks = _walk(m, keys)
         if replica is None:
             mask = -1
         else:
             bit = self._replicas.get(replica)
             mask = 0 if bit is None else 1 << bit
         hbm, dram, ssd = _HBM, _DRAM, _SSD
-        tiers = [hbm if b.hbm & mask else dram if b.flags & IN_DRAM else ssd for b in blocks]
+        if mask:
+            tiers = [hbm if b.hbm & mask else dram if b.flags & IN_DRAM else ssd for b in blocks]
+        elif self._count[dram] == self._entries:  # every entry is in DRAM: no check per block
+            tiers = [dram] * len(blocks)
+        else:
+            tiers = [dram if b.flags & IN_DRAM else ssd for b in blocks]
         if touch and self._hooks:
             self._policy.looked_up(tenant, keys, blocks)
-        if touch and blocks:
+        if touch:
             self._clock += 1
             now = self._clock << HITS_BITS
             qd, qs = self._qd, self._qs
