@@ -219,6 +219,9 @@ def test_an_older_daemons_socket_takes_lookups_and_the_lease_calls_go_over_grpc(
         assert not channel.calls  # its KVTLK2 hello was refused: KVTLK1 from then on
         assert old.hellos == [b"KVTLK2 tok", b"KVTLK1 tok"]
         assert channel.request(wire.CALLS.index("Commit"), "s" * 32, b"commit") is None
+        assert not channel.bulk  # no bulk calls offered: WriteBlocks / ReadBlocks over gRPC
+        assert channel.write_blocks(b"header", [b"block"]) is None
+        assert channel.read_blocks(b"request", 4096) is None
         assert channel.call(b"lookup-2") == b"reply to lookup-2"
         assert old.requests == [b"lookup-1", b"lookup-2"]  # plain LookupRequest frames
         assert len(old.hellos) == 2  # one connection, kept

@@ -170,7 +170,9 @@ def on_socket(e: Env, data: bytes, hello: bytes = ALICE_HELLO) -> pb.LookupRespo
         conn.settimeout(5)
         conn.connect(wire.lookup_socket_path(str(e.d.socket)))
         conn.sendall(hello)
-        assert _answer(conn) == b""
+        # a KVTLK2 hello's answer offers the bulk calls (`wire.BULK`)
+        assert _answer(conn) == (wire.BULK_HELLO if hello[4:].startswith(wire.HELLO_CALLS)
+                                 else b"")
         with contextlib.suppress(BrokenPipeError):  # refused and closed before all was sent
             conn.sendall(data)
         return pb.LookupResponse.FromString(_answer(conn))

@@ -17,6 +17,10 @@ another call is sent again only when it could not be sent at all (a kept connect
 closed: its restart), and otherwise answers UNAVAILABLE, as gRPC does for a connection lost
 mid-call — an Allocate or Commit is never run twice. A daemon that refuses the `KVTLK2` hello
 (older) is spoken to with `KVTLK1`, its lease calls going over gRPC, for this channel's life.
+The bulk calls (`LookupChannel.write_blocks`, `read_blocks`: WriteBlocks and ReadBlocks with
+their payload as raw bytes, `wire.BULK`) are made only on a daemon whose hello answer offers them;
+elsewhere they answer None and go over gRPC. One whose connection breaks answers UNAVAILABLE and
+is not sent again.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from kvtier.core import lookupwire as wire
 
@@ -68,6 +75,7 @@ class LookupChannel:
         self._idle: list[socket.socket] = []
         self._pid = os.getpid()
         self.calls = True  # False once the daemon refused a KVTLK2 hello (an older one)
+        self.bulk = False  # the daemon's hello answer offered the bulk calls
 
     def call(self, request: bytes) -> bytes | Refusal | None:
         """One Lookup (`request` a serialized `LookupRequest`)."""
@@ -121,6 +129,117 @@ class LookupChannel:
             return reply
         return None
 
+    def write_blocks(self, header: bytes, blocks: Sequence[Any]) -> bytes | Refusal | None:
+        """A WriteBlocks (`header`: a serialized `WriteHeader`; `blocks`: buffers of the layout's
+        block size, one per key) with the payload sent as raw bytes: the serialized
+        `WriteBlocksResponse`, a `Refusal`, or None when it must go over gRPC."""
+        conn = self._bulk_conn(0, header)
+        if conn is None or isinstance(conn, Refusal):
+            return conn
+        try:
+            for block in blocks:
+                conn.sendall(block)
+        except TimeoutError:
+            conn.close()
+            return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except OSError:
+            pass  # the daemon refused the payload and closed: its answer may be waiting
+        reply = self._finish(conn, "WriteBlocks")
+        if isinstance(reply, Refusal) and conn in self._idle:
+            self._idle.remove(conn)  # refused mid-payload: the daemon closes the connection
+            conn.close()
+        return reply
+
+    def read_blocks(self, request: bytes, block_bytes: int
+                    ) -> list[np.ndarray[Any, np.dtype[np.uint8]]] | Refusal | None:
+        """A ReadBlocks (`request`: a serialized `ReadBlocksRequest`), its blocks received as
+        raw bytes into arrays of their own; a `Refusal`, or None when it must go over gRPC."""
+        conn = self._bulk_conn(1, request)
+        if conn is None or isinstance(conn, Refusal):
+            return conn
+        try:
+            head = _answer(self._read(conn))
+            if isinstance(head, Refusal):
+                self._idle.append(conn)
+                return head
+            if len(head) != wire.COUNT.size:
+                raise _Lost("malformed ReadBlocks answer")
+            (count,) = wire.COUNT.unpack(head)
+            blocks = []
+            for _ in range(count):
+                block = np.empty(block_bytes, np.uint8)
+                _into(conn, block.data)
+                blocks.append(block)
+        except TimeoutError:
+            conn.close()
+            return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except (OSError, _Lost):
+            conn.close()
+            return Refusal(UNAVAILABLE, "connection to the daemon lost during ReadBlocks")
+        self._idle.append(conn)
+        return blocks
+
+    def _bulk_conn(self, which: int, request: bytes) -> socket.socket | Refusal | None:
+        """A connection that has sent bulk call `wire.BULK[which]`, its first answer taken when
+        the call is a write (the go-ahead: a `Refusal` when the daemon refused it)."""
+        if os.getpid() != self._pid:
+            self._idle, self._pid = [], os.getpid()
+        for _ in (0, 1):
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                try:
+                    got = self._connect()
+                except _Lost:
+                    return None
+                except TimeoutError:
+                    return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+                if isinstance(got, Refusal):
+                    return got
+                conn = got
+            if not self.bulk:
+                self._idle.append(conn)
+                return None
+            try:
+                conn.sendall(wire.call_frame(len(wire.CALLS) + which, "", request))
+            except TimeoutError:
+                conn.close()
+                return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+            except OSError:
+                conn.close()  # the daemon closed it (restarted, or dropped it): not sent
+                continue
+            if which:
+                return conn
+            try:
+                go = _answer(self._read(conn))
+            except TimeoutError:
+                conn.close()
+                return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+            except (OSError, _Lost):
+                conn.close()
+                return Refusal(UNAVAILABLE, "connection to the daemon lost during WriteBlocks")
+            if isinstance(go, Refusal):
+                self._idle.append(conn)  # refused before any payload: the connection goes on
+                return go
+            if go:
+                conn.close()
+                return Refusal(UNAVAILABLE, "malformed WriteBlocks answer")
+            return conn
+        return None
+
+    def _finish(self, conn: socket.socket, method: str) -> bytes | Refusal:
+        """The daemon's answer on `conn`; the connection kept when it may be used again."""
+        try:
+            reply = _answer(self._read(conn))
+        except TimeoutError:
+            conn.close()
+            return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except (OSError, _Lost):
+            conn.close()
+            return Refusal(UNAVAILABLE, f"connection to the daemon lost during {method}")
+        self._idle.append(conn)
+        return reply
+
     def _connect(self) -> socket.socket | Refusal:
         """A connection past its hello (`KVTLK2`; `KVTLK1` to a daemon that refuses it); raises
         _Lost when the socket cannot be used."""
@@ -148,6 +267,7 @@ class LookupChannel:
         if isinstance(answer, Refusal):
             conn.close()
             return answer
+        self.bulk = self.calls and answer == wire.BULK_HELLO
         return conn
 
     @staticmethod
@@ -176,6 +296,16 @@ def _exactly(conn: socket.socket, n: int) -> bytes:
         parts.append(got)
         left -= len(got)
     return b"".join(parts)
+
+
+def _into(conn: socket.socket, view: memoryview) -> None:
+    """Fills `view` from `conn`."""
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if not n:
+            raise _Lost("connection closed")
+        got += n
 
 
 _Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -470,12 +470,23 @@ class Client(SegmentHolder):
                                    key_width=self.layout.key_width)
 
         def read() -> Loaded:
+            if self._lookups is not None:  # the bulk call on the lookup socket, if it takes it
+                got = self._lookups.read_blocks(req.SerializeToString(), self.layout.block_bytes)
+                if isinstance(got, Refusal):
+                    raise _AsRpcError(refused(got))
+                if got is not None:
+                    for block in got:
+                        block.flags.writeable = False  # as the other paths' views
+                    return Loaded(len(got), got, [Tier.DRAM] * len(got))
             stream = self._read_blocks(req, timeout=self.timeout, metadata=self._metadata,
                                            wait_for_ready=True)
             return assemble(stream, self.layout.block_bytes)
 
         try:
             return read()
+        except _AsRpcError as exc:
+            if not is_unknown_layout(exc.error):
+                raise exc.error from None
         except grpc.RpcError as exc:
             err = rpc_error(exc)
             if not is_unknown_layout(err):
@@ -483,6 +494,8 @@ class Client(SegmentHolder):
         self._register()
         try:
             return read()
+        except _AsRpcError as exc:
+            raise exc.error from None
         except grpc.RpcError as exc:
             raise rpc_error(exc) from None
 
@@ -491,6 +504,15 @@ class Client(SegmentHolder):
         check_blocks(self.layout, keys, blocks)
         packed = pack_keys(keys, self.layout.key_width)
         if not self.uses_shm:
+            if self._lookups is not None:  # the bulk call on the lookup socket, if it takes it
+                got = self._lookups.write_blocks(pb.WriteHeader(
+                    layout=self.layout.layout_id, keys=packed, key_width=self.layout.key_width,
+                    parent_key=parent).SerializeToString(), blocks)
+                if isinstance(got, Refusal):
+                    raise refused(got)
+                if got is not None:
+                    done = pb.WriteBlocksResponse.FromString(got)
+                    return Stored(done.stored, done.skipped)
             try:
                 reply = self._write_blocks(
                     write_chunks(self.layout, packed, parent, blocks), timeout=self.timeout,
@@ -560,6 +582,14 @@ class Client(SegmentHolder):
                                               metadata=self._metadata, wait_for_ready=True)
         except grpc.RpcError as exc:
             raise rpc_error(exc) from None
+
+
+class _AsRpcError(Exception):
+    """Carries a lookup-socket refusal through `_read_stream`'s unknown-layout retry."""
+
+    def __init__(self, error: KvtierRpcError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def assemble(stream: Any, block_bytes: int) -> Loaded:

@@ -20,6 +20,22 @@ Allocate, Commit, Abort (`CALLS`) — each client frame being `call_frame`'s: th
 (ASCII: the `kvtier-session` the client would send as gRPC metadata; empty without one), then
 the serialized request of that method. The replies are as above. An older daemon refuses the
 `KVTLK2` hello (INVALID_ARGUMENT) and its clients keep to `KVTLK1` and gRPC.
+
+Bulk calls (issue 25, the streaming byte path for clients that cannot map the pool): a daemon
+that takes them answers the `KVTLK2` hello with the OK body `BULK_HELLO` (an older one: an empty
+body, which older clients ignore), and then also takes method numbers `len(CALLS) + i` for
+`BULK[i]`, whose payload travels as raw bytes after the frames:
+- WriteBlocks: the request is a serialized `kvtier.v1.WriteHeader`. The daemon answers OK with
+  an empty body (slots claimed: send the payload) or an error (nothing claimed). After the OK the
+  client sends exactly `count × block_bytes` raw bytes (count = len(keys) / key_width,
+  block_bytes the layout's), the blocks in key order; the daemon then answers OK with a
+  serialized `WriteBlocksResponse`, or an error and closes the connection. The payload must
+  arrive without a pause of `FRAME_TIMEOUT_S`; a connection that ends before all of it arrived
+  has nothing committed and its slots freed.
+- ReadBlocks: the request is a serialized `kvtier.v1.ReadBlocksRequest`. The daemon answers OK
+  with the number of cached blocks (`COUNT`, 4 bytes little-endian) or an error; after the OK
+  follow `count × block_bytes` raw bytes. A read that fails once its bytes have begun ends with
+  the connection closed (the client sees a short payload).
 """
 
 from __future__ import annotations
@@ -34,6 +50,10 @@ HELLO_CALLS = b"KVTLK2 "
 HELLO_MAX = 4096
 CALLS = ("Lookup", "Acquire", "Release", "Allocate", "Commit", "Abort")
 """The methods of a `KVTLK2` connection, by number."""
+BULK = ("WriteBlocks", "ReadBlocks")
+"""The bulk calls, by number after `CALLS` (`len(CALLS) + i`)."""
+BULK_HELLO = b"bulk"
+COUNT = struct.Struct("<I")
 SESSION_MAX = 255
 HEAD = struct.Struct("<I")
 OK, ERROR = 0, 1
@@ -105,10 +125,10 @@ def call_frame(method: int, session: str, request: bytes) -> bytes:
     return HEAD.pack(len(request) + 2 + len(sid)) + bytes((method, len(sid))) + sid + request
 
 
-def parse_call(payload: bytes) -> tuple[int, str, bytes] | None:
+def parse_call(payload: bytes, methods: int = len(CALLS)) -> tuple[int, str, bytes] | None:
     """(method number, session id, request bytes) of a `KVTLK2` frame; None when it is not
-    one (too short, an unknown method, a session id that is not ASCII)."""
-    if len(payload) < 2 or payload[0] >= len(CALLS) or len(payload) < 2 + payload[1]:
+    one (too short, a method number from `methods` on, a session id that is not ASCII)."""
+    if len(payload) < 2 or payload[0] >= methods or len(payload) < 2 + payload[1]:
         return None
     end = 2 + payload[1]
     try:

@@ -30,14 +30,25 @@ the transport's high-water mark (`pause_writing`), so it cannot grow the daemon'
 `connection_cap()` connections are open at once (a quarter of the daemon's file-descriptor limit):
 one more is closed at once, and its client goes on over gRPC — a flood of idle connections cannot
 take the descriptors the gRPC socket, LMDB and the pool need.
+
+The bulk calls (`wire.BULK`: WriteBlocks and ReadBlocks with their payload as raw bytes after
+the frames, for clients that cannot map the pool) go through `KvTierService.begin_write` /
+`read_blocks`: the RPC's tenant, layout and size checks, slots claimed and committed as the
+RPC's, its codes and metrics. A write's payload is copied into the slots as it arrives, in
+`data_received` (no per-chunk messages); the connection waits for no read meanwhile: a pause of
+`FRAME_TIMEOUT_S` mid-payload, a lease that ends, or the connection's end aborts the write (its
+slots freed, nothing committed). A read runs as a task, each block copied out under the lock and
+written to the transport, waiting while the client has not taken `pause_writing`'s worth.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
+import socket
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, cast
@@ -52,11 +63,13 @@ from kvtier.core.paths import socket_path_problem
 from kvtier.daemon import sharing, sockpath
 from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
 from kvtier.daemon.rpc_guard import WARNINGS, Refused, deserializer
-from kvtier.daemon.service import Failed, KvTierService
+from kvtier.daemon.service import BlockWrite, Failed, KvTierService
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0
 FRAME_TIMEOUT_S = 2.0
+SEND_PIECE = 1 << 20
+SEND_BUFFER = 1 << 20  # SO_SNDBUF of a connection once it reads blocks
 
 
 def connection_cap() -> int:
@@ -87,6 +100,10 @@ class LookupServer:
         self.decoders = [deserializer(m, getattr(pb, m + "Request"), limits[m])
                          for m in wire.CALLS]
         self.decode = self.decoders[0]
+        self.bulk_decoders = [deserializer(m + " header" if m == "WriteBlocks" else m, t,
+                                           limits.get(m, limit))
+                              for m, t in zip(wire.BULK, (pb.WriteHeader, pb.ReadBlocksRequest),
+                                              strict=True)]
         self.call_limit = max(limits.values()) + 2 + wire.SESSION_MAX  # a KVTLK2 frame
         self._group = group
         self._server: asyncio.AbstractServer | None = None
@@ -139,6 +156,11 @@ class _Connection(asyncio.Protocol):
         self.busy = False  # a request still running (a remote tier's check)
         self.full = False  # the replies not yet taken by the client are over the high-water mark
         self.timer: asyncio.TimerHandle | None = None
+        self.writing: BlockWrite | None = None  # a bulk WriteBlocks taking its payload
+        self.reading: asyncio.Task[None] | None = None  # a bulk ReadBlocks sending its payload
+        self.sent_head = False  # the running ReadBlocks has answered OK (its bytes follow)
+        self.big_buffer = False  # the socket's send buffer was raised for a ReadBlocks
+        self.resumed: asyncio.Future[None] | None = None  # set when the client took replies
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -159,8 +181,14 @@ class _Connection(asyncio.Protocol):
         self._deadline(None)
         self.transport = None
         self.buf.clear()
+        self._end_bulk()
 
     def data_received(self, data: bytes) -> None:
+        if self.writing is not None and not self.buf:
+            took = self._feed(memoryview(data))
+            if took == len(data):
+                return
+            data = data[took:]
         self.buf += data
         self._serve()
 
@@ -172,6 +200,8 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.full = False
+        if self.resumed is not None and not self.resumed.done():
+            self.resumed.set_result(None)
         self._resume()
 
     def _resume(self) -> None:
@@ -183,6 +213,16 @@ class _Connection(asyncio.Protocol):
 
     def _serve(self) -> None:
         while self.transport is not None and not self.busy and not self.full:
+            if self.writing is not None:
+                if self.buf:  # payload sent ahead of the go-ahead, in with the header
+                    data = bytes(self.buf)
+                    self.buf.clear()
+                    took = self._feed(memoryview(data))
+                    if self.transport is not None:
+                        self.buf[:0] = data[took:]
+                if self.writing is not None:
+                    return
+                continue
             limit = (wire.HELLO_MAX if self.token is None else
                      self.server.call_limit if self.calls else self.server.limit)
             try:
@@ -219,7 +259,7 @@ class _Connection(asyncio.Protocol):
             self._refuse(grpc.StatusCode.UNAUTHENTICATED, str(exc))
             return
         self._deadline(None)
-        self._write(wire.ok_reply())
+        self._write(wire.ok_reply(wire.BULK_HELLO if self.calls else b""))
 
     def _tenant(self) -> Tenant:
         """The tenant of the hello's token, checked again after a reload swapped the
@@ -237,19 +277,26 @@ class _Connection(asyncio.Protocol):
             coro: Coroutine[Any, Any, bytes] = self.server.service.lookup(request,
                                                                           self._tenant)
         else:
-            call = wire.parse_call(payload)
+            call = wire.parse_call(payload, len(wire.CALLS) + len(wire.BULK))
             if call is None:
                 self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
                              "malformed call frame (method, session id, request)")
                 return
             method, session, body = call
+            if method >= len(wire.CALLS):
+                self._bulk(method - len(wire.CALLS), body)
+                return
             coro = self.server.service.call(
                 wire.CALLS[method], cast("Message | Refused", self.server.decoders[method](body)),
                 session, self._tenant)
+        self._step(coro)
+
+    def _step(self, coro: Coroutine[Any, Any, bytes | BlockWrite]) -> None:
+        """Runs a handler to its first wait, the rest (if any) in a task; answers its result."""
         try:
             yielded = coro.send(None)
         except StopIteration as done:
-            self._write(wire.ok_reply(done.value))
+            self._done(done.value)
             return
         except Failed as failed:
             self._answer_failed(failed)
@@ -261,9 +308,112 @@ class _Connection(asyncio.Protocol):
         task = asyncio.ensure_future(_finish(coro, yielded))
         task.add_done_callback(self._finished)
 
+    def _done(self, result: bytes | BlockWrite) -> None:
+        if isinstance(result, bytes):
+            self._write(wire.ok_reply(result))
+            return
+        if self.transport is None:  # gone while the slots were claimed
+            result.abort()
+            return
+        self.writing = result
+        self._write(wire.ok_reply())  # send the payload
+        if result.complete:  # none to send (no keys)
+            self._feed(memoryview(b""))
+        else:
+            self._deadline(FRAME_TIMEOUT_S)
+
+    # -- bulk calls -------------------------------------------------------------------------
+
+    def _bulk(self, which: int, body: bytes) -> None:
+        request = self.server.bulk_decoders[which](body)
+        if wire.BULK[which] == "WriteBlocks":
+            self._step(self.server.service.begin_write(
+                cast("pb.WriteHeader | Refused", request), self._tenant))
+            return
+        self.busy = True
+        self.sent_head = False
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and not self.big_buffer:  # the kernel takes a piece at once
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            self.big_buffer = True
+        self.transport.pause_reading()
+        self.reading = asyncio.ensure_future(self.server.service.read_blocks(
+            cast("pb.ReadBlocksRequest | Refused", request), self._tenant, self._begin_read,
+            self._send))
+        self.reading.add_done_callback(self._read_done)
+
+    def _feed(self, data: memoryview) -> int:
+        """Gives `data` to the running write; how many bytes it took. Answers and ends it once
+        complete; a failure answers and closes the connection (the rest of the payload is not
+        read)."""
+        write = self.writing
+        assert write is not None
+        try:
+            took = write.feed(data)
+            if not write.complete:
+                self._deadline(FRAME_TIMEOUT_S)
+                return took
+            self.writing = None
+            self._deadline(None)
+            self._write(wire.ok_reply(write.finish()))
+        except Failed as failed:
+            self.writing = None
+            self._write(wire.error_reply(_code(failed.code), failed.message))
+            self.close()
+            return len(data)
+        return took
+
+    def _begin_read(self, count: int) -> None:
+        self.sent_head = True
+        self._write(wire.ok_reply(wire.COUNT.pack(count)))
+
+    async def _send(self, data: bytes) -> None:
+        """Writes `data` (a copy the daemon owns) in pieces of `SEND_PIECE` bytes, each once
+        the client has taken the one before (the transport's buffer drops what it sent from
+        its front: a whole block there would be moved again at each send)."""
+        view = memoryview(data)
+        for at in range(0, len(view), SEND_PIECE):
+            if self.transport is None:
+                raise ConnectionResetError("the client went away mid-payload")
+            self.transport.write(view[at : at + SEND_PIECE])
+            while self.full and self.transport is not None:
+                self.resumed = asyncio.get_running_loop().create_future()
+                await self.resumed
+
+    def _read_done(self, task: asyncio.Future[None]) -> None:
+        self.reading = None
+        self.busy = False
+        self.resumed = None
+        if self.transport is None:
+            return
+        exc = task.exception() if not task.cancelled() else None
+        if task.cancelled() or (exc is not None and self.sent_head):
+            self.close()  # its bytes had begun: the client sees them end short
+            return
+        if isinstance(exc, Failed):
+            self._answer_failed(exc)
+        elif exc is not None:
+            log.error("lookup socket ReadBlocks failed", exc_info=exc)
+            self.close()
+            return
+        self._resume()
+
+    def _end_bulk(self) -> None:
+        """The connection ended: a write taking its payload is aborted, a read stopped."""
+        if self.writing is not None:
+            self.writing.abort()
+            self.writing = None
+        if self.resumed is not None and not self.resumed.done():
+            self.resumed.set_result(None)  # its next `_send` finds the transport gone
+
     def _finished(self, task: asyncio.Future[Any]) -> None:
         self.busy = False
         if self.transport is None:
+            if not task.cancelled() and task.exception() is None and isinstance(
+                    task.result(), BlockWrite):
+                task.result().abort()  # gone while its slots were claimed
             return
         exc = task.exception() if not task.cancelled() else None
         if task.cancelled():
@@ -276,7 +426,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         else:
-            self._write(wire.ok_reply(task.result()))
+            self._done(task.result())
         self._resume()
 
     def _answer_failed(self, failed: Failed) -> None:
@@ -306,6 +456,15 @@ class _Connection(asyncio.Protocol):
 
     def _expired(self) -> None:
         self.timer = None
+        if self.writing is not None:
+            write, self.writing = self.writing, None
+            failed = write.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"WriteBlocks payload: {write.received} of {write.total} "
+                                 f"bytes, then nothing for {FRAME_TIMEOUT_S:g} s")
+            self.server.refused += 1
+            self._write(wire.error_reply(_code(failed.code), failed.message))
+            self.close()
+            return
         if self.transport is not None and not self.busy:
             what, limit = ("hello", HELLO_TIMEOUT_S) if self.token is None else ("frame",
                                                                                FRAME_TIMEOUT_S)
@@ -318,6 +477,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()  # flushes what was written first
             self.transport = None
         self.buf.clear()
+        self._end_bulk()
 
 
 async def _finish(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:

@@ -307,7 +307,9 @@ class Daemon:
         await server.start()
         sharing.share_socket(cfg.socket, cfg.group)
         lookups = LookupServer(cfg.socket, self.service, limits.of("Lookup"), cfg.group,
-                               {m: limits.of(m) for m in CALLS})
+                               {m: limits.of(m) for m in CALLS}
+                               | {"WriteBlocks": limits.of("Allocate"),  # its header
+                                  "ReadBlocks": limits.of("ReadBlocks")})
         try:
             if await lookups.start():
                 self.lookups = lookups

@@ -58,7 +58,7 @@ from kvtier.core.segment import VERSION as SEGMENT_VERSION
 from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache import AllocateResult, Cache
 from kvtier.daemon.rpc_guard import Refused, RefusedError, decoded
 
 log = logging.getLogger(__name__)
@@ -493,6 +493,48 @@ class KvTierService(pb_grpc.KvTierServicer):
                     self.cache.abort(tenant, alloc.lease_id)
         return pb.WriteBlocksResponse(stored=done, skipped=n_keys - len(alloc.indices))
 
+    # -- the bulk calls of the lookup socket (`kvtier.core.lookupwire.BULK`) -------------------
+
+    async def begin_write(self, header: pb.WriteHeader | Refused,
+                          tenant: Callable[[], Tenant]) -> BlockWrite:
+        """A WriteBlocks whose payload follows as raw bytes (`BlockWrite`): the tenant, its
+        layout and the slots claimed as the RPC claims them; raises `Failed` (recorded)."""
+        started = time.perf_counter()
+        try:
+            if isinstance(header, Refused):
+                raise RefusedError(header)
+            who = tenant()
+            info = self.cache.layout(who, header.layout)
+            alloc = await self.cache.allocate_async(who, header.layout, header.keys,
+                                                    header.key_width, header.parent_key, 0.0)
+        except Exception as exc:
+            raise self._failure("WriteBlocks", exc, started) from None
+        return BlockWrite(self, who, alloc, len(header.keys) // info.key_width,
+                          info.block_bytes, started)
+
+    async def read_blocks(self, request: pb.ReadBlocksRequest | Refused,
+                          tenant: Callable[[], Tenant], begin: Callable[[int], None],
+                          send: Callable[[bytes], Awaitable[None]]) -> None:
+        """A ReadBlocks whose payload goes out as raw bytes: `begin(count)` once the blocks are
+        held, then `send` of each block's bytes (copied under the lock while the lease lives).
+        Raises `Failed` (recorded); a failure after `begin` must end the connection."""
+        started = time.perf_counter()
+        try:
+            if isinstance(request, Refused):
+                raise RefusedError(request)
+            async with self.cache.reading(
+                tenant(), request.layout, request.keys, request.key_width
+            ) as stream:
+                begin(len(stream))
+                for i in range(len(stream)):
+                    await send(stream.read(i, 0, stream.block_bytes))
+        except ConnectionError:
+            self._record("ReadBlocks", grpc.StatusCode.CANCELLED, started)
+            raise Failed(grpc.StatusCode.CANCELLED, "the client went away mid-payload") from None
+        except Exception as exc:
+            raise self._failure("ReadBlocks", exc, started) from None
+        self._record("ReadBlocks", grpc.StatusCode.OK, started)
+
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Ctx
     ) -> AsyncIterator[pb.KvEvent]:
@@ -552,3 +594,79 @@ class KvTierService(pb_grpc.KvTierServicer):
                 log.info("session of tenant %s ended with %d lease(s) still held: ended them",
                          tenant.name, ended)
             self._record("OpenSession", grpc.StatusCode.OK, started)
+
+
+class BlockWrite:
+    """The WriteBlocks of `KvTierService.begin_write`, its payload fed as it arrives (`feed`:
+    the blocks in key order, each block's bytes copied into its slot under the lock while the
+    lease lives, those of blocks already cached skipped), then `finish` (commit) or `abort`
+    (the payload ended short or the connection did: the slots freed, nothing committed)."""
+
+    def __init__(self, service: KvTierService, tenant: Tenant, alloc: AllocateResult, n_keys: int,
+                 block_bytes: int, started: float) -> None:
+        self._service = service
+        self._tenant = tenant
+        self._alloc = alloc
+        self._slots = service.cache.writing(tenant, alloc.lease_id, alloc.offsets, block_bytes)
+        self._slot_of = {index: j for j, index in enumerate(alloc.indices)}
+        self.n_keys = n_keys
+        self.block_bytes = block_bytes
+        self.total = n_keys * block_bytes
+        self.received = 0
+        self._started = started
+        self._ended = False
+
+    def feed(self, data: memoryview) -> int:
+        """Takes the front of `data` up to the payload's end; returns how many bytes it took.
+        Raises `Failed` (recorded, the slots freed) when the lease ended meanwhile."""
+        took = 0
+        bb = self.block_bytes
+        while took < len(data) and self.received < self.total:
+            index, at = divmod(self.received, bb)
+            n = min(len(data) - took, bb - at)
+            if index in self._slot_of:
+                try:
+                    self._slots.write(self._slot_of[index], at, data[took : took + n])
+                except Exception as exc:
+                    raise self.fail(exc) from None
+            took += n
+            self.received += n
+        return took
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.total
+
+    def finish(self) -> bytes:
+        """Commits the complete payload; the serialized `WriteBlocksResponse`. Raises `Failed`."""
+        assert self.complete and not self._ended
+        service, done = self._service, 0
+        try:
+            if self._alloc.lease_id:
+                done = service.cache.commit(self._tenant, self._alloc.lease_id,
+                                            len(self._slot_of) * self.block_bytes)
+        except Exception as exc:
+            raise self.fail(exc) from None
+        self._ended = True
+        service._record("WriteBlocks", grpc.StatusCode.OK, self._started)
+        return pb.WriteBlocksResponse(
+            stored=done, skipped=self.n_keys - len(self._alloc.indices)).SerializeToString()
+
+    def abort(self, code: grpc.StatusCode = grpc.StatusCode.CANCELLED,
+              message: str = "the client went away mid-payload") -> Failed:
+        """Frees the slots, commits nothing; the `Failed` answering it, recorded as `code`."""
+        self._free()
+        self._service._record("WriteBlocks", code, self._started)
+        return Failed(code, message)
+
+    def fail(self, exc: Exception) -> Failed:
+        """`abort` for the error `exc` (its code, as the RPC would answer it)."""
+        self._free()
+        return self._service._failure("WriteBlocks", exc, self._started)
+
+    def _free(self) -> None:
+        if not self._ended:
+            self._ended = True
+            if self._alloc.lease_id:
+                with contextlib.suppress(NotFound):  # expired meanwhile: already freed
+                    self._service.cache.abort(self._tenant, self._alloc.lease_id)
