@@ -120,8 +120,7 @@ class Applier:
             tenant = ns.tenant
             if c.tier is _DRAM:
                 if c.slot is not None:
-                    names.charge(tenant, _DRAM, -pool.stride_of(c.slot))
-                    pool.free(c.slot)
+                    names.charge(tenant, _DRAM, -pool.free(c.slot))
             else:
                 deletes.append((ns, c.key))
                 cost = self.ssd_cost(ns)
@@ -183,8 +182,7 @@ class Applier:
 
     def give_back(self, tenant: str, slot: int) -> None:
         """Frees a taken slot that holds no block and gives its bytes back to `tenant`."""
-        self.names.charge(tenant, _DRAM, -self.pool.stride_of(slot))
-        self.pool.free(slot)
+        self.names.charge(tenant, _DRAM, -self.pool.free(slot))
 
     def reserve_ssd(self, ns: Namespace) -> None:
         """A write-back of one of `ns`'s blocks is queued: its stored bytes are charged."""
