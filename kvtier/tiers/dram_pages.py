@@ -180,7 +180,8 @@ class PageTable:
         stride = self._stride[p]
         if not stride or j >= self.per_page(stride, p):
             raise ValueError(f"slot {slot} is not a slot of an allocated page")
-        return (self._first_row(p) + j) * geometric(stride)
+        g = stride - stride % UNIT  # `geometric` and `_first_row` inline: every reply's offsets
+        return (-(-(p * self.page_bytes) // g) + j) * g
 
     def slot_at(self, location: int) -> int | None:
         """The slot id starting at `location` (from the data area), None if no slot starts there."""
