@@ -49,7 +49,7 @@ def test_alloc_until_full_then_free(pool: DramPool) -> None:
     got = [pool.alloc() for _ in range(8)]
     assert sorted(s for s in got if s is not None) == list(range(8))
     assert pool.alloc() is None and pool.alloc_many(1) is None
-    pool.free(5)
+    assert pool.free(5) == 17 * 4096  # the bytes it spanned: its stride
     assert pool.alloc_many(2) is None  # all or nothing
     assert pool.alloc() == 5
 
@@ -95,6 +95,26 @@ def test_views_are_zero_copy(pool: DramPool) -> None:
     assert out == b"\x01\x02\x03"
     with pytest.raises(DramError):
         pool.write(s, b"x" * (pool.stride_of(s) + 1))
+
+
+def test_client_views_of_a_replys_offsets(pool: DramPool) -> None:
+    """A client's views of several blocks at once: the bytes the pool wrote, the bounds checked
+    as one view at a time would (the first offending offset named)."""
+    a, b = pool.alloc_many(2) or []
+    pool.view(a)[:3] = np.frombuffer(b"abc", np.uint8)
+    pool.view(b)[:3] = np.frombuffer(b"xyz", np.uint8)
+    client = DramClient.attach(pool.handle())
+    try:
+        got = client.views_at([pool.offset(b), pool.offset(a)], 3)
+        assert [bytes(v) for v in got] == [b"xyz", b"abc"]
+        assert client.views_at([], 3) == []
+        size = 4096 + 8 * 17 * 4096  # header page + 8 strides of 17 pages
+        with pytest.raises(DramError, match=f"10 bytes at offset {size - 5} are outside"):
+            client.views_at([pool.offset(a), size - 5, 0], 10)
+        with pytest.raises(DramError, match="10 bytes at offset 0 are outside"):
+            client.views_at([0, size - 5], 10)
+    finally:
+        client.close()
 
 
 def test_segment_name_taken_is_a_usage_error(pool: DramPool) -> None:

@@ -419,6 +419,42 @@ def test_wire_frames() -> None:
         wire.parse_reply(b"\x07")
 
 
+def test_the_client_reads_a_reply_however_it_arrives() -> None:
+    """One recv takes a whole reply; one split anywhere (inside the length, inside the body) or
+    longer than the first read is put together; bytes past the reply or a closed connection
+    are a lost connection, not a reply."""
+    from kvtier.client.lookup_channel import READ_BYTES, _Lost
+
+    big = bytes(range(256)) * (READ_BYTES // 128)  # 2 x READ_BYTES: more than one recv
+    for pieces in ([b"\x03\x00\x00\x00abc"], [b"\x03\x00", b"\x00\x00ab", b"c"],
+                   [b"\x03\x00\x00\x00", b"abc"], [wire.frame(big)]):
+        a, b = socket.socketpair()
+        with a, b:
+            a.settimeout(5)
+
+            def send(parts: list[bytes] = pieces, peer: socket.socket = b) -> None:
+                for part in parts:
+                    peer.sendall(part)
+                    time.sleep(0.02)
+
+            writer = threading.Thread(target=send)
+            writer.start()
+            assert LookupChannel._read(a) == (big if len(pieces[0]) > 100 else b"abc")
+            writer.join()
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(wire.frame(b"abc") + b"\x01")
+        time.sleep(0.02)
+        with pytest.raises(_Lost, match="1 bytes past the reply"):
+            LookupChannel._read(a)
+    a, b = socket.socketpair()
+    with a:
+        b.sendall(b"\x03\x00")
+        b.close()
+        with pytest.raises(_Lost, match="connection closed"):
+            LookupChannel._read(a)
+
+
 def test_lookup_response_in_wire_form_is_what_protobuf_writes() -> None:
     # hit_blocks 3 (field 1), tiers packed (field 2: DRAM=2, DRAM, SSD=3), no plan
     assert wire.lookup_response(b"\x02\x02\x03") == b"\x08\x03\x12\x03\x02\x02\x03"

@@ -191,13 +191,13 @@ class AsyncClient(SegmentHolder):
             await self._raw(self._stub.Release, pb.ReleaseRequest(lease_id=reply.lease_id))
             yield await self._read_stream(packed)
             return
-        views = [seg.view(o, reply.block_bytes) for o in reply.offsets]
+        views = seg.views(reply.offsets, reply.block_bytes)
         for v in views:
             v.flags.writeable = False
         started = time.perf_counter()
         try:
             yield Loaded(reply.count, views, [TIER_FROM_PB[t] for t in reply.source_tiers],
-                         tuple(map(seg.slot, reply.offsets)))
+                         tuple(seg.slots(reply.offsets)))
         finally:
             if reply.lease_id:
                 await self._raw(self._stub.Release, pb.ReleaseRequest(
@@ -253,9 +253,9 @@ class AsyncClient(SegmentHolder):
         if reply.lease_id and seg.dram is None:
             await self._raw(self._stub.Abort, pb.AbortRequest(lease_id=reply.lease_id))
             raise KvtierUnavailable(grpc.StatusCode.UNAVAILABLE, "shared segment not mappable")
-        tx = StoreTx([(i, seg.view(o, reply.block_bytes))
-                      for i, o in zip(reply.indices, reply.offsets, strict=True)],
-                     list(map(seg.slot, reply.offsets)))
+        tx = StoreTx(list(zip(reply.indices, seg.views(reply.offsets, reply.block_bytes),
+                              strict=True)),
+                     seg.slots(reply.offsets))
         started = time.perf_counter()
         try:
             yield tx

@@ -36,6 +36,7 @@ import numpy as np
 from kvtier.core import lookupwire as wire
 
 MAX_REPLY_BYTES = 8 << 20
+READ_BYTES = 64 << 10  # the first recv of a reply: a lease call's whole reply, mostly
 INVALID_ARGUMENT = 3  # grpc.StatusCode.INVALID_ARGUMENT
 DEADLINE_EXCEEDED = 4  # grpc.StatusCode.DEADLINE_EXCEEDED
 UNAVAILABLE = 14
@@ -272,11 +273,22 @@ class LookupChannel:
 
     @staticmethod
     def _read(conn: socket.socket) -> bytes:
-        head = _exactly(conn, wire.HEAD.size)
-        (size,) = wire.HEAD.unpack(head)
+        """One reply frame's payload, read with one recv when it has all arrived (a reply is the
+        only thing the daemon sends after a request, so no byte past it can be there)."""
+        got = conn.recv(READ_BYTES)
+        if len(got) < wire.HEAD.size:
+            if not got:
+                raise _Lost("connection closed")
+            got += _exactly(conn, wire.HEAD.size - len(got))
+        (size,) = wire.HEAD.unpack_from(got)
         if size > MAX_REPLY_BYTES:
             raise _Lost(f"reply of {size} bytes")
-        return _exactly(conn, size)
+        end = wire.HEAD.size + size
+        if len(got) > end:
+            raise _Lost(f"{len(got) - end} bytes past the reply")
+        if len(got) < end:
+            return got[wire.HEAD.size:] + _exactly(conn, end - len(got))
+        return got[wire.HEAD.size:]
 
     def close(self) -> None:
         while self._idle:

@@ -10,6 +10,7 @@ import logging
 import mmap
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,17 @@ class DramClient:
         if offset < h.data_offset or nbytes < 0 or offset + nbytes > h.size:
             raise DramError(f"{nbytes} bytes at offset {offset} are outside the pool")
         return self._buf[offset : offset + nbytes]
+
+    def views_at(self, offsets: Sequence[int], nbytes: int) -> list[U8Array]:
+        """`view_at` of each offset (a reply's blocks: the bounds checked once, by the lowest
+        and highest; one outside raises as `view_at` does for the first such)."""
+        if not offsets:
+            return []
+        h = self.handle
+        if min(offsets) < h.data_offset or nbytes < 0 or max(offsets) + nbytes > h.size:
+            return [self.view_at(o, nbytes) for o in offsets]
+        buf = self._buf
+        return [buf[o : o + nbytes] for o in offsets]
 
     @property
     def buffer(self) -> U8Array:

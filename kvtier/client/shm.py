@@ -11,6 +11,7 @@ daemon's pool.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,9 +57,21 @@ class MappedSegment:
     def slot(self, offset: int) -> int:
         return (offset - self.info.data_offset) // self.info.slot_stride
 
+    def slots(self, offsets: Iterable[int]) -> list[int]:
+        """`slot` of each offset."""
+        start, stride = self.info.data_offset, self.info.slot_stride
+        return [(o - start) // stride for o in offsets]
+
     def view(self, offset: int, nbytes: int) -> U8:
         assert self.dram is not None
         return self.dram.view_at(offset, nbytes)
+
+    def views(self, offsets: Sequence[int], nbytes: int) -> list[U8]:
+        """`view` of each offset."""
+        if not offsets:
+            return []
+        assert self.dram is not None
+        return self.dram.views_at(offsets, nbytes)
 
     def buffer(self) -> SlotBuffer | None:
         if self.dram is None:

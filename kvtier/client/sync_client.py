@@ -429,13 +429,13 @@ class Client(SegmentHolder):
             self._raw(self._stub.Release, pb.ReleaseRequest(lease_id=reply.lease_id))
             yield self._read_stream(packed)
             return
-        views = [seg.view(o, reply.block_bytes) for o in reply.offsets]
+        views = seg.views(reply.offsets, reply.block_bytes)
         for v in views:
             v.flags.writeable = False
         started = time.perf_counter()
         try:
             yield Loaded(reply.count, views, [TIER_FROM_PB[t] for t in reply.source_tiers],
-                         tuple(map(seg.slot, reply.offsets)))
+                         tuple(seg.slots(reply.offsets)))
         finally:
             if reply.lease_id:
                 self._raw(self._stub.Release, pb.ReleaseRequest(
@@ -450,7 +450,7 @@ class Client(SegmentHolder):
             layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, lease_ttl_ms=self.lease_ttl_ms))
         seg = self._adopt(reply.segment)
-        return Acquired(reply.lease_id, reply.count, tuple(map(seg.slot, reply.offsets)),
+        return Acquired(reply.lease_id, reply.count, tuple(seg.slots(reply.offsets)),
                         [TIER_FROM_PB[t] for t in reply.source_tiers], reply.segment,
                         reply.block_bytes)
 
@@ -539,9 +539,9 @@ class Client(SegmentHolder):
         if reply.lease_id and seg.dram is None:
             self._raw(self._stub.Abort, pb.AbortRequest(lease_id=reply.lease_id))
             raise KvtierUnavailable(grpc.StatusCode.UNAVAILABLE, "shared segment not mappable")
-        tx = StoreTx([(i, seg.view(o, reply.block_bytes)) for i, o in
-                      zip(reply.indices, reply.offsets, strict=True)],
-                     list(map(seg.slot, reply.offsets)))
+        tx = StoreTx(list(zip(reply.indices, seg.views(reply.offsets, reply.block_bytes),
+                              strict=True)),
+                     seg.slots(reply.offsets))
         started = time.perf_counter()
         try:
             yield tx

@@ -9,7 +9,8 @@ the journal in order and does, per entry, what the daemon owes it:
     ADD  SSD    charge the tenant the stored bytes (and count them in `ssd_bytes`); publish
                 BlockStored
     DROP DRAM   give the slot back to the pool and its bytes back to the tenant; count the
-                eviction under `why`; publish BlockRemoved
+                eviction under `why`; publish BlockRemoved (consecutive drops of one
+                namespace from one tier: one event)
     DROP SSD    delete the key from the store (one batch per `apply`); give the bytes back;
                 count; publish BlockRemoved
 
@@ -91,10 +92,14 @@ class Applier:
         names, pool = self.names, self.pool
         deletes: list[tuple[str, bytes]] = []
         run: list[Change] = []
+        gone: list[Change] = []  # a run of drops of one namespace's blocks from one tier
         dropped: dict[Tier, int] = {}  # the eviction counters, added once per tier
         for c in changes:
             ns = cast(Namespace, c.tenant)  # the daemon keys the index by Namespace only
             if c.op is _ADD:
+                if gone:
+                    self._removed(gone)
+                    gone = []
                 if c.tier is _SSD:
                     cost = self.ssd_cost(ns)
                     self.ssd_bytes += cost
@@ -115,8 +120,7 @@ class Applier:
             tenant = ns.tenant
             if c.tier is _DRAM:
                 if c.slot is not None:
-                    names.charge(tenant, _DRAM, -pool.stride_of(c.slot))
-                    pool.free(c.slot)
+                    names.charge(tenant, _DRAM, -pool.free(c.slot))
             else:
                 deletes.append((ns, c.key))
                 cost = self.ssd_cost(ns)
@@ -124,9 +128,14 @@ class Applier:
                 names.charge(tenant, _SSD, -cost)
             dropped[c.tier] = dropped.get(c.tier, 0) + 1
             if publish:
-                self.events.removed(tenant, ns.layout_id, c.tier, [c.key])
+                if gone and not (c.tenant == gone[-1].tenant and c.tier is gone[-1].tier):
+                    self._removed(gone)
+                    gone = []
+                gone.append(c)
         if run:
             self._stored(run)
+        if gone:
+            self._removed(gone)
         for tier, n in dropped.items():
             self.metrics.evictions.labels(tier.label, why).inc(n)
         if deletes and self.store is not None:
@@ -158,6 +167,12 @@ class Applier:
         self.events.stored(tenant, lid, first.tier, [c.key for c in run], first.parent or b"",
                            0 if layout is None else layout.block_tokens)
 
+    def _removed(self, gone: list[Change]) -> None:
+        """One BlockRemoved event for a run of drops of one namespace's blocks from one tier,
+        in the journal's order (an eviction pass: one event, as vLLM's publisher sends one)."""
+        ns = cast(Namespace, gone[0].tenant)
+        self.events.removed(ns.tenant, ns.layout_id, gone[0].tier, [c.key for c in gone])
+
     # -- held for a block not yet in a tier (module docstring) ---------------------------------
 
     def take_slots(self, tenant: str, nbytes: int) -> None:
@@ -167,8 +182,7 @@ class Applier:
 
     def give_back(self, tenant: str, slot: int) -> None:
         """Frees a taken slot that holds no block and gives its bytes back to `tenant`."""
-        self.names.charge(tenant, _DRAM, -self.pool.stride_of(slot))
-        self.pool.free(slot)
+        self.names.charge(tenant, _DRAM, -self.pool.free(slot))
 
     def reserve_ssd(self, ns: Namespace) -> None:
         """A write-back of one of `ns`'s blocks is queued: its stored bytes are charged."""

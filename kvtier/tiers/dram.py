@@ -517,14 +517,15 @@ class DramPool:
         with self._lock:
             return self.pages.can_alloc(n, cls)
 
-    def free(self, slot: int) -> None:
-        """Return a slot to its class (its page to the free pages when it was the page's last).
-        Refuses a pinned slot (SlotPinned) or a free one."""
+    def free(self, slot: int) -> int:
+        """Return a slot to its class (its page to the free pages when it was the page's last);
+        returns the bytes it spanned (its `stride_of`). Refuses a pinned slot (SlotPinned) or a
+        free one."""
         with self._lock:
             self._check(slot)
             if self._held(slot):
                 raise SlotPinned(f"slot {slot} is pinned")
-            self.pages.free(slot)
+            return self.pages.free(slot)
 
     def pin(self, slot: int) -> int:
         """Add a pin (a lease) to an allocated slot; returns the new pin count. Only for a pool

@@ -180,7 +180,8 @@ class PageTable:
         stride = self._stride[p]
         if not stride or j >= self.per_page(stride, p):
             raise ValueError(f"slot {slot} is not a slot of an allocated page")
-        return (self._first_row(p) + j) * geometric(stride)
+        g = stride - stride % UNIT  # `geometric` and `_first_row` inline: every reply's offsets
+        return (-(-(p * self.page_bytes) // g) + j) * g
 
     def slot_at(self, location: int) -> int | None:
         """The slot id starting at `location` (from the data area), None if no slot starts there."""
@@ -356,22 +357,24 @@ class PageTable:
             self._page_free.setdefault(p0, []).insert(0, self._link_slot(p0))
             self._class_free[stride] += 1
 
-    def free(self, slot: int) -> None:
+    def free(self, slot: int) -> int:
+        """Frees an allocated slot; returns the bytes it spanned (its `stride_of`)."""
         self.check(slot)
         p = slot // self.ids_per_page
         stride = self._stride[p]
+        nbytes = geometric(stride)
         loc = self.location(slot)
-        span = range(loc // self.page_bytes,
-                     (loc + geometric(stride) - 1) // self.page_bytes + 1)
+        span = range(loc // self.page_bytes, (loc + nbytes - 1) // self.page_bytes + 1)
         self._allocated[slot] = 0
         self.used -= 1
-        self.used_bytes -= geometric(stride)
+        self.used_bytes -= nbytes
         self._live[p] -= 1
         self._page_free.setdefault(p, []).append(slot)
         self._class_free[stride] += 1
         for q in span:  # its pages go back when no allocated row lies on them any more
             if self._stride[q] == stride and not self._live[q] and not self._borrowed(q):
                 self._release_page(q)
+        return nbytes
 
     def _release_page(self, p: int) -> None:
         stride = self._stride[p]
