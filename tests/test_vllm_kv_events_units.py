@@ -137,8 +137,17 @@ def test_a_remote_copy_is_announced_and_does_not_keep_the_block_on_this_node(
             remote = [e for e in got if isinstance(e, BlockStored) and e.medium == "REMOTE"]
             assert {(e.locality, e.ownership) for e in remote} == {("REMOTE", "kvtier")}
             for i in range(3):  # 24 more blocks through a 16-block pool: a's leave DRAM
-                kv.store([bytes([3, i, j]) + bytes(29) for j in range(8)], data)
-            deadline = time.monotonic() + 15
+                more = [bytes([3, i, j]) + bytes(29) for j in range(8)]
+                kv.store(more, data)
+                # a block queued for the store stays pinned until written: the next 8 find
+                # room only once these are (on a loaded machine redis may lag a store behind)
+                want = {maybe_convert_block_hash(BlockHash(k)) for k in more}
+                deadline = time.monotonic() + 30
+                while not want <= seen(BlockStored, "REMOTE"):
+                    assert time.monotonic() < deadline, got
+                    got += tier.take()
+                    time.sleep(0.05)
+            deadline = time.monotonic() + 30
             while not set(as_vllm) <= seen(BlockRemoved, "CPU"):
                 assert time.monotonic() < deadline, got
                 got += tier.take()
