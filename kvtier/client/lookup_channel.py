@@ -159,7 +159,7 @@ class LookupChannel:
         if conn is None or isinstance(conn, Refusal):
             return conn
         try:
-            head = _answer(self._read(conn))
+            head = _answer(self._read(conn, exact=True))  # the blocks' bytes follow it
             if isinstance(head, Refusal):
                 self._idle.append(conn)
                 return head
@@ -272,9 +272,15 @@ class LookupChannel:
         return conn
 
     @staticmethod
-    def _read(conn: socket.socket) -> bytes:
+    def _read(conn: socket.socket, exact: bool = False) -> bytes:
         """One reply frame's payload, read with one recv when it has all arrived (a reply is the
-        only thing the daemon sends after a request, so no byte past it can be there)."""
+        only thing the daemon sends after a request, so no byte past it can be there); `exact`
+        for a reply that raw bytes follow (a ReadBlocks' count): no byte past it is taken."""
+        if exact:
+            (size,) = wire.HEAD.unpack(_exactly(conn, wire.HEAD.size))
+            if size > MAX_REPLY_BYTES:
+                raise _Lost(f"reply of {size} bytes")
+            return _exactly(conn, size)
         got = conn.recv(READ_BYTES)
         if len(got) < wire.HEAD.size:
             if not got:
