@@ -24,6 +24,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -106,10 +107,13 @@ class EngineProc:
                # several engines share the test machine's cores: no pinning, no OMP spinning
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads)}
         log = open(self.log_path, "a")  # noqa: SIM115 (owned by the child)
+        self._exiting = False  # a restarted engine (close, then start) is asked to exit again
+        # a session of its own: `close` ends vLLM's EngineCore and workers with it, even when
+        # the child itself has to be killed (they would outlive it, orphaned, holding GiBs)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.vllm_engine", json.dumps(self.spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
-            env=env)
+            env=env, start_new_session=True)
         log.close()
 
     def wait_ready(self) -> EngineProc:
@@ -198,6 +202,8 @@ class EngineProc:
                 except (OSError, subprocess.TimeoutExpired):
                     self.proc.kill()
                     self.proc.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # what of its session is left
             self.proc = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
