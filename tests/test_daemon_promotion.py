@@ -88,3 +88,38 @@ def test_a_cancelled_async_acquire_still_finishes_and_its_lease_expires(
     clock.now += 2.0
     assert c.expire() == 1
     assert c.leaked_slots() == 0 and c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+
+
+def test_a_cancelled_async_acquire_queued_behind_busy_workers_still_finishes(
+    ssd_cache: tuple[Cache, Clock],
+) -> None:
+    """The caller gives up (a client's deadline) while every worker thread is busy, so the
+    Acquire's read has not started: it still runs later. Were it dropped, its claimed slots and
+    pins would leak, and every later Acquire of those blocks would wait PROMOTION_WAIT_S for a
+    promotion that never ends."""
+    c, clock = ssd_cache
+    busy = threading.Event()
+
+    async def main() -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+        blocker = loop.run_in_executor(None, busy.wait, 30.0)  # the only worker thread
+        task = asyncio.create_task(c.acquire_async(T, LID, keys(1, 2), 32, 1.0))
+        for _ in range(3):
+            await asyncio.sleep(0)  # step 1 ran; the read waits for a worker thread
+        assert c.tiers.claimed == 2
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        busy.set()
+        await blocker
+
+    asyncio.run(main())  # waits for the default executor: the queued read ran
+    assert c.active_leases() == 1 and c.tiers.claimed == 0
+    clock.now += 2.0
+    assert c.expire() == 1
+    assert c.leaked_slots() == 0 and c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+    again = c.acquire_begin(T, LID, keys(1, 2), 32, 0)
+    assert not again.waits and not again.claimed  # no promotion left behind to wait for
+    c.release(T, c.acquirer.end(again).lease_id)

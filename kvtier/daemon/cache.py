@@ -332,7 +332,11 @@ class Cache:
     async def _acquired(self, a: Acquiring) -> AcquireResult:
         if not a.io:
             return self._in_session(self.acquirer.end(a), a)
-        return self._in_session(await asyncio.to_thread(self.acquirer.finish, a), a)
+        # shielded: a caller cancelled while the read waits for a worker thread must not drop
+        # it (its claims and pins would stay, and every later Acquire of its blocks would wait
+        # PROMOTION_WAIT_S for a promotion that never ends); its lease then expires by TTL
+        return self._in_session(
+            await asyncio.shield(asyncio.to_thread(self.acquirer.finish, a)), a)
 
     def _first_step(self, steps: Steps[T]) -> tuple[T | None, PageMoves | None]:
         """Runs a residency operation's steps (`Tiers.taking`) under the cache lock up to its
