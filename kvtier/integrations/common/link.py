@@ -90,21 +90,21 @@ class DaemonLink:
         if time.monotonic() < self._down_until:
             return None
         if not listening(self.socket):
-            self._mark_down(ConnectionError(f"no daemon listening on {self.socket}"))
+            self._mark_down(ConnectionError(f"no daemon listening on {self.socket}"), "connect")
             return None
         s = self.settings
         try:
             self._client = Client(self.socket, layout=self.decl, token=s.token or None,
                                   timeout=s.timeout_s, lease_ttl_s=s.lease_ttl_s)
         except Exception as exc:
-            self._mark_down(exc)
+            self._mark_down(exc, "connect")
             return None
         if not self._client.uses_shm:
             self._client.close()
             self._client = None
             self._mark_down(ConnectionError(
                 "the daemon's shared-memory segment cannot be mapped from this process "
-                "(another host or user?); the engine integration needs it"))
+                "(another host or user?); the engine integration needs it"), "connect")
             return None
         if self._down:
             log.warning("kvtier %s: daemon on %s reachable again", self.role, self.socket)
@@ -118,17 +118,17 @@ class DaemonLink:
 
     def _failed(self, exc: BaseException, what: str) -> None:
         if unreachable(exc):
-            self._mark_down(exc)
+            self._mark_down(exc, what)
         else:
             log.warning("kvtier %s: %s failed, recomputing instead: %s: %s", self.role, what,
                         type(exc).__name__, exc)
 
-    def _mark_down(self, exc: BaseException) -> None:
+    def _mark_down(self, exc: BaseException, what: str) -> None:
         if not self._down:
             self.outages += 1
-            log.warning("kvtier %s: daemon unavailable or refusing (%s: %s); the engine runs "
-                        "without kvtier, retrying every %g s", self.role, type(exc).__name__,
-                        exc, self.settings.retry_after_s)
+            log.warning("kvtier %s: daemon unavailable or refusing (%s: %s: %s); the engine "
+                        "runs without kvtier, retrying every %g s", self.role, what,
+                        type(exc).__name__, exc, self.settings.retry_after_s)
         self._down = True
         if self._client is not None:
             with contextlib.suppress(Exception):
