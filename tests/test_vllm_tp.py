@@ -60,8 +60,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint) -> I
     split_model = checkpoint(llama_config(kv_heads=2))
     replica_model = checkpoint(llama_config(kv_heads=1))
     args = {"tensor_parallel_size": TP}
-    procs = [EngineProc(root / "e-split", split_model, daemon.socket, engine_args=args),
-             EngineProc(root / "e-replica", replica_model, daemon.socket, engine_args=args)]
+    # each call to the daemon may take 30 s (the default 1 s is an outage when two TP engines,
+    # the daemon and the test share 2 cores, or when the VM stalls: seen for 8-10 s here, every
+    # process frozen); these tests stop the daemon only while the engines are idle
+    extra = {"timeout_s": 30.0}
+    procs = [EngineProc(root / "e-split", split_model, daemon.socket, extra, engine_args=args),
+             EngineProc(root / "e-replica", replica_model, daemon.socket, extra,
+                        engine_args=args)]
     try:
         for p in procs:
             p.launch()
@@ -88,9 +93,22 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(n)]
 
 
-def reload_from_kvtier(engine: EngineProc, p: list[int]) -> None:
+def wait_stored(socket: Path, layouts: list[EngineKV], keys: list[bytes]) -> None:
+    """Until the daemon holds every key in every layout (an engine's saves run in the
+    background, after its request returned)."""
+    deadline = time.monotonic() + 60
+    for lay in layouts:
+        with Client(socket, layout=lay.decl()) as kv:
+            while (hit := kv.lookup(keys).hit_blocks) < len(keys):
+                assert time.monotonic() < deadline, f"{hit} of {len(keys)} blocks stored"
+                time.sleep(0.05)
+
+
+def reload_from_kvtier(engine: EngineProc, p: list[int], socket: Path,
+                       layouts: list[EngineKV]) -> None:
     first = engine.generate([p])[0]
     assert first.cached == 0
+    wait_stored(socket, layouts, block_keys(p, BLOCK)[: len(p) // BLOCK])
     engine.reset_prefix_cache()
     loaded = engine.metric("vllm:kvtier_loaded_blocks")
     second = engine.generate([p])[0]
@@ -102,7 +120,8 @@ def reload_from_kvtier(engine: EngineProc, p: list[int]) -> None:
 
 def test_each_rank_stores_and_loads_its_own_kv_head_shard(setup: Setup) -> None:
     p = prompt(1, 20 * BLOCK + 9)
-    reload_from_kvtier(setup.split, p)
+    reload_from_kvtier(setup.split, p, setup.daemon[0].socket,
+                       [rank_layout(setup.split_model, 1, Shard(r, TP, True)) for r in range(TP)])
     keys = block_keys(p, BLOCK)
     for rank in range(TP):
         shard = Shard(rank, TP, True)
@@ -124,7 +143,7 @@ def test_replicated_kv_is_stored_once_and_loaded_by_every_rank(setup: Setup) -> 
     keys = block_keys(p, BLOCK)
     one_copy = rank_layout(setup.replica_model, 1, Shard(0, 1, True))
     before = dram_blocks(setup, one_copy)
-    reload_from_kvtier(setup.replica, p)
+    reload_from_kvtier(setup.replica, p, setup.daemon[0].socket, [one_copy])
     # node-wide DRAM blocks (no auth: one tenant): one copy of each block, not one per rank
     assert dram_blocks(setup, one_copy) - before == len(keys)
     with Client(setup.daemon[0].socket, layout=one_copy.decl()) as kv:
@@ -148,18 +167,13 @@ def test_negative_controls_wrong_shards_answer_wrong(setup: Setup) -> None:
                                                            *kc.VARIANTS))}
     other = prompt(9, n)
     full = n // BLOCK
-    layouts = [rank_layout(setup.split_model, 1, Shard(r, TP, True)).decl() for r in range(TP)]
+    ranks = [rank_layout(setup.split_model, 1, Shard(r, TP, True)) for r in range(TP)]
+    layouts = [r.decl() for r in ranks]
     wants = {k: setup.split.generate([p])[0] for k, p in cases.items()}
     setup.split.generate([other], max_tokens=1)
     sock = setup.daemon[0].socket
     for p in [*cases.values(), other]:
-        keys = block_keys(p, BLOCK)[:full]
-        deadline = time.monotonic() + 30
-        for lay in layouts:
-            with Client(sock, layout=lay) as kv:
-                while kv.lookup(keys).hit_blocks < full:
-                    assert time.monotonic() < deadline, "blocks never stored"
-                    time.sleep(0.05)
+        wait_stored(sock, ranks, block_keys(p, BLOCK)[:full])
     right = {k: [kc.read_blocks(sock, lay, block_keys(p, BLOCK)[:full]) for lay in layouts]
              for k, p in cases.items()}
     others = [kc.read_blocks(sock, lay, block_keys(other, BLOCK)[:full]) for lay in layouts]
