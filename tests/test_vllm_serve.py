@@ -97,7 +97,10 @@ class Server:
         self.tmp.mkdir(exist_ok=True)
         ktc = {"kv_connector": "KvtierConnector",
                "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False}}
+               "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False,
+                                             # a call may take 30 s on a loaded machine (1 s
+                                             # by default: a timeout is an outage for 10 s)
+                                             "timeout_s": 30.0}}
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(self.tmp),

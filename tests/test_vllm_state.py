@@ -81,7 +81,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     root = tmp_path_factory.mktemp("state")
     model = write_hybrid(root / "model", "qwen3-next")
     d = DaemonProc(root / "d", DAEMON_ARGS).start()
-    e = EngineProc(root / "e", model, d.socket, engine_args=ARGS)
+    # each daemon call may take 30 s (1 s by default: on a loaded 2-core machine a call after
+    # the daemon's restart can time out, an outage that recomputes what the test plants)
+    e = EngineProc(root / "e", model, d.socket, {"timeout_s": 30.0}, engine_args=ARGS)
     try:
         e.start()
         yield Setup(layout(model), e, d, root)
