@@ -266,30 +266,35 @@ def test_daemon_sigkilled_between_requests(engines: Engines) -> None:
 
 
 def test_daemon_sigkilled_during_a_request(engines: Engines) -> None:
-    p = prompt(70, 1500)
-    engines.e1.generate([p], max_tokens=1)
-    stored(engines, p)
-    want = engines.ref.generate([p], max_tokens=300)[0].tokens
-    # the kill lands after the request reached the daemon (its Lookup counted there) and before
-    # e2 answered (300 tokens decode for seconds): checked, not assumed from a timer
-    before = engines.daemon.proc.metric_sum("kvtier_lookups_total")
-    wait = engines.e2.generate_async([p], max_tokens=300)
-    try:
-        deadline = time.monotonic() + 120
-        while engines.daemon.proc.metric_sum("kvtier_lookups_total") == before:
-            assert time.monotonic() < deadline, "e2 never looked the prompt up"
-            time.sleep(0.02)
-        engines.daemon.kill()
-        in_flight = not engines.e2.answered()
-    finally:
+    """The kill lands after the request reached the daemon (its Lookup counted there) and before
+    e2 answered (300 tokens decode for seconds): checked, not assumed from a timer. A try where
+    the test process was held off the CPU until e2 had answered (this 2-core VM freezes a vCPU
+    for 8-10 s at times) proves nothing: it is made again with another prompt, up to 3 tries."""
+    for attempt in range(3):
+        p = prompt(70 if attempt == 0 else 270 + attempt, 1500)
+        engines.e1.generate([p], max_tokens=1)
+        stored(engines, p)
+        want = engines.ref.generate([p], max_tokens=300)[0].tokens
+        before = engines.daemon.proc.metric_sum("kvtier_lookups_total")
+        wait = engines.e2.generate_async([p], max_tokens=300)
         try:
-            got = wait()  # the reply is read whatever happened: the next command's comes next
+            deadline = time.monotonic() + 120
+            while engines.daemon.proc.metric_sum("kvtier_lookups_total") == before:
+                assert time.monotonic() < deadline, "e2 never looked the prompt up"
+                time.sleep(0.02)
+            engines.daemon.kill()
+            in_flight = not engines.e2.answered()
         finally:
-            engines.daemon.kill()  # a no-op after the kill above
-            engines.daemon.start()
-    assert in_flight, "e2 had answered before the kill"
-    assert got[0].tokens == want
-    time.sleep(1.2)
+            try:
+                got = wait()  # the reply is read whatever happened: the next command's comes next
+            finally:
+                engines.daemon.kill()  # a no-op after the kill above
+                engines.daemon.start()
+        time.sleep(1.2)  # the connector's retry_after_s: e2 uses the daemon again
+        if in_flight:
+            assert got[0].tokens == want
+            return
+    pytest.fail("e2 had answered before the kill in each of 3 tries")
 
 
 def test_corrupted_ssd_block_is_recomputed(engines: Engines) -> None:

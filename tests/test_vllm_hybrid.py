@@ -226,29 +226,37 @@ def test_daemon_sigkilled_during_a_request(setup: Setup) -> None:
     """The daemon dies while e2 serves a batch from it (loads, saves in flight): every request
     still answers as e1 did (a failed hybrid load is recomputed whole), nothing crashes. The kill
     lands after the batch reached the daemon (its Lookups counted there) and before e2 answered
-    (no reply in e2's pipe yet): checked, not assumed from a sleep."""
+    (no reply in e2's pipe yet): checked, not assumed from a sleep. A try where the test process
+    was held off the CPU until e2 had answered (this 2-core VM freezes a vCPU for 8-10 s at
+    times) proves nothing: it is made again with other prompts, up to 3 tries."""
     s = setup
-    batch = [prompt(70 + i) for i in range(3)]
-    want = s.e1.generate(batch, max_tokens=300)
-    for p in batch[:2]:
-        keys = stored(s.a.socket, s.kv, p)
-        put(s.b.socket, s.kv, keys, read(s.a.socket, s.kv, keys))
-    before = s.b.metric_sum("kvtier_lookups_total")
-    wait = s.e2.generate_async(batch, max_tokens=300)
-    try:
-        deadline = time.monotonic() + 120
-        while s.b.metric_sum("kvtier_lookups_total") == before:  # looked up when admitted
-            assert time.monotonic() < deadline, "e2 never looked the batch up"
-            time.sleep(0.02)
-        s.b.kill()
-        in_flight = not s.e2.answered()
-    finally:
-        got = wait()  # read whatever happened: the next command's reply comes next
-    try:
-        assert in_flight, (
-            "e2 had answered the batch before the kill: 300 tokens per request decode for seconds")
-        assert [o.tokens for o in got] == [o.tokens for o in want]
-        again = s.e2.generate([prompt(79)], max_tokens=4)[0]  # the daemon is gone: computes
-        assert again.cached == 0
-    finally:
-        s.b.start()
+    for attempt in range(3):
+        base = 70 if attempt == 0 else 170 + 10 * attempt
+        batch = [prompt(base + i) for i in range(3)]
+        want = s.e1.generate(batch, max_tokens=300)
+        for p in batch[:2]:
+            keys = stored(s.a.socket, s.kv, p)
+            put(s.b.socket, s.kv, keys, read(s.a.socket, s.kv, keys))
+        before = s.b.metric_sum("kvtier_lookups_total")
+        wait = s.e2.generate_async(batch, max_tokens=300)
+        try:
+            deadline = time.monotonic() + 120
+            while s.b.metric_sum("kvtier_lookups_total") == before:  # looked up when admitted
+                assert time.monotonic() < deadline, "e2 never looked the batch up"
+                time.sleep(0.02)
+            s.b.kill()
+            in_flight = not s.e2.answered()
+        finally:
+            got = wait()  # read whatever happened: the next command's reply comes next
+        try:
+            if not in_flight:
+                continue  # (b restarts below)
+            assert [o.tokens for o in got] == [o.tokens for o in want]
+            again = s.e2.generate([prompt(base + 9)], max_tokens=4)[0]  # the daemon is gone
+            assert again.cached == 0
+            return
+        finally:
+            s.b.start()
+            time.sleep(1.2)  # the connector's retry_after_s: e2 uses b again
+    pytest.fail("e2 had answered the batch before the kill in each of 3 tries: 300 tokens per "
+                "request decode for seconds")
