@@ -33,6 +33,13 @@ BIG = LayoutDecl(fingerprint=b"test-layout-tierev-64k", block_bytes=65536, block
                  model_id="test-model-tierev")
 
 
+def key(*tag: int) -> bytes:
+    """A 32-byte block key that ends with `tag`: vLLM's integer event hashes keep a key's low
+    64 bits (`maybe_convert_block_hash`), so keys that differ only in their first bytes would
+    all publish as hash 0 and every wait on one key's event would pass on another's."""
+    return bytes(32 - len(tag)) + bytes(tag)
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
     d = DaemonProc(tmp_path / "d", ["--ssd-bytes", "0"]).start()
@@ -51,16 +58,16 @@ def test_dropped_tier_events_are_counted_and_exported_with_the_connector_stats(
     data = [np.zeros(4096, np.uint8).tobytes()]
     try:
         with Client(daemon.socket, layout=LAYOUT) as kv:
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60
             n = 0
             while not (probed := tier.take()):  # until the watch stream is up (it starts now)
                 assert time.monotonic() < deadline
-                kv.store([bytes([1, n]) + bytes(30)], data)
+                kv.store([key(1, n)], data)
                 n += 1
                 time.sleep(0.1)
             # every probe's event taken: up to the last probe's (a fixed 0.2 s let a late one
             # on a loaded machine take a place in the queue below)
-            last = maybe_convert_block_hash(BlockHash(bytes([1, n - 1]) + bytes(30)))
+            last = maybe_convert_block_hash(BlockHash(key(1, n - 1)))
             while last not in {h for e in probed for h in e.block_hashes}:  # type: ignore[attr-defined]
                 assert time.monotonic() < deadline, probed
                 time.sleep(0.05)
@@ -68,8 +75,8 @@ def test_dropped_tier_events_are_counted_and_exported_with_the_connector_stats(
             tier.take_dropped()  # what the stats below report starts here
             base = tier.dropped  # (a burst of probes' events can overflow the queue too)
             for i in range(8):  # eight one-block chains: eight BlockStored events
-                kv.store([bytes([2, i]) + bytes(30)], data)
-        deadline = time.monotonic() + 10
+                kv.store([key(2, i)], data)
+        deadline = time.monotonic() + 60
         while tier.dropped - base < 5:
             assert time.monotonic() < deadline, tier.dropped - base
             time.sleep(0.05)
@@ -114,22 +121,23 @@ def test_a_remote_copy_is_announced_and_does_not_keep_the_block_on_this_node(
     data = [np.zeros(65536, np.uint8).tobytes()] * 8
     try:
         with Client(d.socket, layout=BIG) as kv:
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60
             n = 0
             while not tier.take():  # until the watch stream is up (it starts from now)
                 assert time.monotonic() < deadline
-                kv.store([bytes([1, n]) + bytes(30)], data[:1])
+                kv.store([key(1, n)], data[:1])
                 n += 1
                 time.sleep(0.1)
-            a = [bytes([2, i]) + bytes(30) for i in range(8)]
+            a = [key(2, i) for i in range(8)]
             as_vllm = [maybe_convert_block_hash(BlockHash(k)) for k in a]
+            assert len(set(as_vllm)) == len(a)  # each wait below is on its own blocks
 
             def seen(kind: type, medium: str) -> set[object]:
                 return {h for e in got if isinstance(e, kind) and e.medium == medium
                         for h in e.block_hashes}
 
             kv.store(a, data)
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60
             while not set(as_vllm) <= seen(BlockStored, "REMOTE"):
                 assert time.monotonic() < deadline, got
                 got += tier.take()
@@ -137,17 +145,17 @@ def test_a_remote_copy_is_announced_and_does_not_keep_the_block_on_this_node(
             remote = [e for e in got if isinstance(e, BlockStored) and e.medium == "REMOTE"]
             assert {(e.locality, e.ownership) for e in remote} == {("REMOTE", "kvtier")}
             for i in range(3):  # 24 more blocks through a 16-block pool: a's leave DRAM
-                more = [bytes([3, i, j]) + bytes(29) for j in range(8)]
+                more = [key(3, i, j) for j in range(8)]
                 kv.store(more, data)
                 # a block queued for the store stays pinned until written: the next 8 find
                 # room only once these are (on a loaded machine redis may lag a store behind)
                 want = {maybe_convert_block_hash(BlockHash(k)) for k in more}
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + 60
                 while not want <= seen(BlockStored, "REMOTE"):
                     assert time.monotonic() < deadline, got
                     got += tier.take()
                     time.sleep(0.05)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while not set(as_vllm) <= seen(BlockRemoved, "CPU"):
                 assert time.monotonic() < deadline, got
                 got += tier.take()

@@ -33,7 +33,7 @@ from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
-from tests.daemon_fixture import DaemonProc
+from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
 
 pytest.importorskip("vllm.entrypoints.openai.api_server")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -59,7 +59,7 @@ def same(x: dict[str, Any], y: dict[str, Any]) -> bool:
 
 def wait_stored(daemon_socket: Path, model: Path, tokens: list[int]) -> None:
     keys = block_keys(tokens, BLOCK)[: len(tokens) // BLOCK]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + ENGINE_CALL_TIMEOUT_S
     with Client(daemon_socket, layout=decl(model).decl()) as kv:
         while kv.lookup(keys).hit_blocks < len(keys):
             assert time.monotonic() < deadline, "server A's blocks never reached the daemon"
@@ -98,9 +98,7 @@ class Server:
         ktc = {"kv_connector": "KvtierConnector",
                "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
                "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False,
-                                             # a call may take 30 s on a loaded machine (1 s
-                                             # by default: a timeout is an outage for 10 s)
-                                             "timeout_s": 30.0}}
+                                             "timeout_s": ENGINE_CALL_TIMEOUT_S}}
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(self.tmp),

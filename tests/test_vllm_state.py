@@ -29,7 +29,7 @@ from bench.vllm_engine import EngineProc
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
-from tests.daemon_fixture import DaemonProc
+from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
 from tests.kv_controls import differs, plant, read_blocks, same
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
@@ -81,9 +81,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     root = tmp_path_factory.mktemp("state")
     model = write_hybrid(root / "model", "qwen3-next")
     d = DaemonProc(root / "d", DAEMON_ARGS).start()
-    # each daemon call may take 30 s (1 s by default: on a loaded 2-core machine a call after
-    # the daemon's restart can time out, an outage that recomputes what the test plants)
-    e = EngineProc(root / "e", model, d.socket, {"timeout_s": 30.0}, engine_args=ARGS)
+    e = EngineProc(root / "e", model, d.socket, {"timeout_s": ENGINE_CALL_TIMEOUT_S},
+                   engine_args=ARGS)
     try:
         e.start()
         yield Setup(layout(model), e, d, root)
@@ -104,7 +103,8 @@ def hit_keys(kv: EngineKV, tokens: list[int]) -> list[bytes]:
     return [*keys[:-1], kv.state_key(keys[-1])]
 
 
-def wait_stored(socket: Path, kv: EngineKV, keys: list[bytes], timeout: float = 30.0) -> None:
+def wait_stored(socket: Path, kv: EngineKV, keys: list[bytes],
+                timeout: float = ENGINE_CALL_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     with Client(socket, layout=kv.decl()) as c:
         while (hit := c.lookup(keys).hit_blocks) < len(keys):

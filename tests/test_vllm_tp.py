@@ -30,7 +30,7 @@ from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
-from tests.daemon_fixture import DaemonProc
+from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -60,10 +60,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint) -> I
     split_model = checkpoint(llama_config(kv_heads=2))
     replica_model = checkpoint(llama_config(kv_heads=1))
     args = {"tensor_parallel_size": TP}
-    # each call to the daemon may take 30 s (the default 1 s is an outage when two TP engines,
-    # the daemon and the test share 2 cores, or when the VM stalls: seen for 8-10 s here, every
-    # process frozen); these tests stop the daemon only while the engines are idle
-    extra = {"timeout_s": 30.0}
+    # two TP engines, the daemon and the test share 2 cores; these tests stop the daemon only
+    # while the engines are idle
+    extra = {"timeout_s": ENGINE_CALL_TIMEOUT_S}
     procs = [EngineProc(root / "e-split", split_model, daemon.socket, extra, engine_args=args),
              EngineProc(root / "e-replica", replica_model, daemon.socket, extra,
                         engine_args=args)]
@@ -96,7 +95,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def wait_stored(socket: Path, layouts: list[EngineKV], keys: list[bytes]) -> None:
     """Until the daemon holds every key in every layout (an engine's saves run in the
     background, after its request returned)."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + ENGINE_CALL_TIMEOUT_S
     for lay in layouts:
         with Client(socket, layout=lay.decl()) as kv:
             while (hit := kv.lookup(keys).hit_blocks) < len(keys):
