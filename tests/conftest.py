@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -130,7 +131,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _SEEN_IN.setdefault(name, item.nodeid)
 
 
+def _kill_leftovers() -> list[str]:
+    """Kills the daemons and redis servers tests started and left running (`LIVE` in their
+    fixture modules, when a test imported them); what they were."""
+    left: list[str] = []
+    for name in ("tests.daemon_fixture", "tests.redis_fixture"):
+        module = sys.modules.get(name)
+        for proc in list(getattr(module, "LIVE", ())):
+            if proc.proc is not None and proc.proc.poll() is None:
+                left.append(f"{type(proc).__name__} in {proc.workdir}")
+            proc.kill()
+    return left
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left_running = _kill_leftovers()
+    if left_running:
+        _fail(session, "tests left processes running (killed now; stop them in a finally): "
+              + ", ".join(left_running))
     if _TMP is not None and _TMP.exists():
         left = left_in(_TMP)
         shutil.rmtree(_TMP, ignore_errors=True)

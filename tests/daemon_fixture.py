@@ -40,6 +40,11 @@ run. A call to a live daemon never waits this long otherwise; a module that SIGK
 keeps 1 s (a call to a killed daemon waits its whole timeout)."""
 
 
+LIVE: set[DaemonProc] = set()
+"""The daemons started and not yet seen to exit: `conftest.pytest_sessionfinish` kills any a
+test left running (one whose start raised before its `try`, say) and fails the session."""
+
+
 class DaemonProc:
     def __init__(self, workdir: Path, args: Sequence[str] = (), env: dict[str, str] | None = None,
                  launcher: Sequence[str] = ()):
@@ -68,6 +73,7 @@ class DaemonProc:
             stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
         )
         log.close()
+        LIVE.add(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -106,6 +112,7 @@ class DaemonProc:
             self.kill()
             raise
         self._reclaim_segment()  # a no-op after a clean exit (the daemon removed its record)
+        LIVE.discard(self)
         return code
 
     def _reclaim_segment(self) -> None:
@@ -119,6 +126,7 @@ class DaemonProc:
             self.proc.wait()
         if self.proc is not None:
             self._reclaim_segment()
+        LIVE.discard(self)
 
     def metrics_text(self) -> str:
         import urllib.request

@@ -52,6 +52,11 @@ class _PortTaken(RuntimeError):
     """redis-server could not bind its port: another process took it meanwhile."""
 
 
+LIVE: set[RedisServer] = set()
+"""The servers started and not yet stopped: `conftest.pytest_sessionfinish` kills any a test
+left running and fails the session."""
+
+
 class RedisServer:
     def __init__(self, workdir: Path, args: Sequence[str] = (), port: int = 0,
                  bus: bool = False, password: str = "") -> None:
@@ -94,6 +99,7 @@ class RedisServer:
              "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", *self.args],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
         )
+        LIVE.add(self)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -131,6 +137,7 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        LIVE.discard(self)
 
     def pause(self) -> None:
         assert self.proc is not None
@@ -148,6 +155,7 @@ class RedisServer:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.kill()
+        LIVE.discard(self)
 
 
 class RedisCluster3:
