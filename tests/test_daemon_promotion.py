@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,16 @@ from kvtier.core.errors import ResourceExhausted
 from kvtier.core.types import Tier
 from kvtier.daemon.cache import Cache
 from tests.test_daemon_cache import BLOCK, LID, Clock, T, keys, make, store
+
+
+async def settled(c: Cache) -> None:
+    """Until the cancelled Acquire's read has run and granted its lease. `asyncio.run` cancels
+    the tasks left when `main` returns, and a read still queued for a worker thread then would
+    never run (only a daemon's shutdown does that; a test must not race it)."""
+    deadline = time.monotonic() + 60
+    while c.active_leases() == 0:
+        assert time.monotonic() < deadline, "the cancelled Acquire never finished"
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -82,8 +93,9 @@ def test_a_cancelled_async_acquire_still_finishes_and_its_lease_expires(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        await settled(c)
 
-    asyncio.run(main())  # waits for the default executor: the worker has finished
+    asyncio.run(main())
     assert c.active_leases() == 1 and c.tiers.claimed == 0
     clock.now += 2.0
     assert c.expire() == 1
@@ -114,8 +126,9 @@ def test_a_cancelled_async_acquire_queued_behind_busy_workers_still_finishes(
             await task
         busy.set()
         await blocker
+        await settled(c)
 
-    asyncio.run(main())  # waits for the default executor: the queued read ran
+    asyncio.run(main())
     assert c.active_leases() == 1 and c.tiers.claimed == 0
     clock.now += 2.0
     assert c.expire() == 1
