@@ -352,13 +352,19 @@ def test_engine_reports_its_prefill_rate_to_the_planner(engines: Engines) -> Non
     assert daemon_metric(engines.daemon, "kvtier_rate_prefill_samples") >= 1
     rate = daemon_metric(engines.daemon, "kvtier_rate_prefill_flops_per_second")
     assert 1e8 < rate < 1e14, rate  # a CPU's, far below the seeded H100 figure (5.9e14)
-    recompute = engines.ref.generate([p], max_tokens=1)[0].seconds
+    # the fastest of 3 recomputes: CPU contention or a stop of this VM only slows one (a single
+    # timing once came out 12x slower than the engine's own prefill rate predicted)
+    times = []
+    for _ in range(3):
+        engines.ref.reset_prefix_cache()  # each a full recompute, not the ref's own cache hit
+        times.append(engines.ref.generate([p], max_tokens=1)[0].seconds)
+    recompute = min(times)
     with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
         got = kv.lookup(block_keys(p, BLOCK), prompt_tokens=len(p), plan=True)
     assert got.hit_blocks == len(p) // BLOCK and got.plan is not None
     assert got.fetch_blocks == got.hit_blocks, got.plan  # fetching beats recomputing
     predicted = got.plan.predicted_recompute_seconds
-    assert recompute / 5 < predicted < recompute * 5, (predicted, recompute)
+    assert recompute / 5 < predicted < recompute * 5, (predicted, times)
 
 
 def test_oracle_early_tokens_change_the_answer(engines: Engines) -> None:
