@@ -29,6 +29,15 @@ async def settled(c: Cache) -> None:
         await asyncio.sleep(0.01)
 
 
+def lease_expires_and_frees_all(c: Cache, clock: Clock) -> None:
+    """The cancelled Acquire's one lease, its claims settled, ends by TTL and leaves no slot
+    leaked; its blocks stay in DRAM."""
+    assert c.active_leases() == 1 and c.tiers.claimed == 0
+    clock.now += 2.0
+    assert c.expire() == 1
+    assert c.leaked_slots() == 0 and c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+
+
 @pytest.fixture
 def ssd_cache(tmp_path: Path) -> Iterator[tuple[Cache, Clock]]:
     clock = Clock()
@@ -96,10 +105,7 @@ def test_a_cancelled_async_acquire_still_finishes_and_its_lease_expires(
         await settled(c)
 
     asyncio.run(main())
-    assert c.active_leases() == 1 and c.tiers.claimed == 0
-    clock.now += 2.0
-    assert c.expire() == 1
-    assert c.leaked_slots() == 0 and c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+    lease_expires_and_frees_all(c, clock)
 
 
 def test_a_cancelled_async_acquire_queued_behind_busy_workers_still_finishes(
@@ -129,10 +135,7 @@ def test_a_cancelled_async_acquire_queued_behind_busy_workers_still_finishes(
         await settled(c)
 
     asyncio.run(main())
-    assert c.active_leases() == 1 and c.tiers.claimed == 0
-    clock.now += 2.0
-    assert c.expire() == 1
-    assert c.leaked_slots() == 0 and c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+    lease_expires_and_frees_all(c, clock)
     again = c.acquire_begin(T, LID, keys(1, 2), 32, 0)
     assert not again.waits and not again.claimed  # no promotion left behind to wait for
     c.release(T, c.acquirer.end(again).lease_id)
