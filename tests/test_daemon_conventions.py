@@ -225,6 +225,57 @@ def test_sighup_reloads_tenants_and_keeps_dram(tmp_path: Path) -> None:
         assert d.stop() == 0
 
 
+def test_sighup_adding_a_tokens_file_changes_no_authentication(tmp_path: Path) -> None:
+    """Tenants on is restart-only: the reload names it and the daemon keeps serving as it was
+    started (one shared segment, no tokens asked), never half-switched to enforcing tokens."""
+    conf = tmp_path / "kvtier.toml"
+    conf.write_text('log_level = "info"\n')
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(tokens_toml(alice="alice-token-1"))
+    d = DaemonProc(tmp_path / "d", ["--config", str(conf)]).start()
+    try:
+        assert d.proc is not None
+        with Client(d.socket, layout=LAYOUT) as kv:
+            kv.store(keys(11, 2), blocks(2, 11))
+        conf.write_text(f'log_level = "info"\ntokens_file = "{tokens}"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "cannot change while serving" in d.log())
+        kept = next(ln for ln in d.log().splitlines() if "cannot change while serving" in ln)
+        assert "tokens_file" in kept
+        with Client(d.socket, layout=LAYOUT) as kv:  # still open: no token asked
+            assert kv.lookup(keys(11, 2)).hit_blocks == 2
+            kv.store(keys(12, 1), blocks(1, 12))
+            assert kv.lookup(keys(12, 1)).hit_blocks == 1
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_sighup_removing_the_tokens_file_keeps_enforcing_tokens(tmp_path: Path) -> None:
+    """The other direction: a tokens file dropped from the config leaves the daemon refusing
+    clients without a token until it restarts."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(tokens_toml(alice="alice-token-1"))
+    conf = tmp_path / "kvtier.toml"
+    conf.write_text(f'log_level = "info"\ntokens_file = "{tokens}"\n')
+    d = DaemonProc(tmp_path / "d", ["--config", str(conf)]).start()
+    try:
+        assert d.proc is not None
+        data = blocks(2, 13)
+        with Client(d.socket, layout=LAYOUT, token="alice-token-1") as kv:
+            kv.store(keys(13, 2), data)
+        conf.write_text('log_level = "info"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "cannot change while serving" in d.log())
+        with pytest.raises(KvtierRpcError, match="UNAUTHENTICATED"), \
+                Client(d.socket, layout=LAYOUT) as kv:
+            kv.lookup(keys(13, 2))
+        with Client(d.socket, layout=LAYOUT, token="alice-token-1") as kv, \
+                kv.load(keys(13, 2)) as loaded:
+            assert [bytes(v) for v in loaded.views] == data
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 def test_sighup_bad_tokens_file_changes_nothing(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
     tokens.write_text(tokens_toml(alice="alice-token-1"))

@@ -7,7 +7,9 @@ applies it (nothing changes when anything is invalid: one ERROR line says why). 
     tokens file            re-read even when its path is the same: tenants added, revoked, their
                            tokens, quotas and guarantees; the DRAM and SSD contents stay (a
                            revoked tenant's calls are refused from then on, its blocks are evicted
-                           like any other's and lose its DRAM guarantee)
+                           like any other's and lose its DRAM guarantee); tenants on or off
+                           (a tokens file set or removed) needs a restart: the running
+                           authenticator and pool stay as they are, in both directions
     log_level              the root logger's level
     ssd_dwpd, ssd_write_bytes_per_day, ssd_write_burst_bytes     the SSD wear budget's rate/burst
     remote_write_bytes_per_s, remote_write_burst_bytes          the remote write-through rate
@@ -155,7 +157,9 @@ def prepare(source: ConfigSource, running: Config, auth: Authenticator,
     new_file = source.file_values()
     loaded = source.load()
     found = changes(running, loaded, old_file, new_file)
-    new_auth = Authenticator.from_file(loaded.tokens_file)
+    # tenants on or off is restart-only: the running authenticator stays, whichever direction
+    new_auth = (auth if "tokens_file" in found.fixed
+                else Authenticator.from_file(loaded.tokens_file))
     guaranteed = sum(t.dram_guarantee_bytes for t in new_auth.tenants())
     if guaranteed > running.dram_bytes:
         raise UsageError(f"tokens file {loaded.tokens_file}: the tenants' dram_guarantee add up "
