@@ -3,10 +3,12 @@ domain rules without gRPC — eviction under pressure, expiry, no leaked slots, 
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvtier.core.errors import (
@@ -69,7 +71,7 @@ def keys(tag: int, n: int) -> bytes:
 def store(c: Cache, k: bytes, parent: bytes = b"", fill: int = 7) -> int:
     a = c.allocate(T, LID, k, 32, parent, 0)
     for off in a.offsets:
-        c.slot_view(off, BLOCK)[:] = bytes([fill]) * BLOCK
+        c.slot_view(off, BLOCK, T.name)[:] = bytes([fill]) * BLOCK
     return c.commit(T, a.lease_id, len(a.offsets) * BLOCK) if a.lease_id else 0
 
 
@@ -286,15 +288,17 @@ def test_applier_keeps_tenant_usage_equal_to_a_recount(tmp_path: Path, clock: Cl
 def test_a_rekeyed_tenant_leaves_its_old_file_now_or_at_release(
         tmp_path: Path, clock: Clock) -> None:
     """Isolated pool (a tokens file): a reload that changes t's token (`set_tenants(...,
-    rekeyed)`) drops t's unpinned DRAM blocks of its old file now; a block leased then is not
-    served to another Acquire and goes at its release; a write lease allocated before commits
-    into the old file and its blocks leave DRAM (no SSD here: gone); what t stores after lies in
-    its fresh file. No slot leaks."""
+    rekeyed)`) drops t's unpinned DRAM blocks of its old region now; a block leased then is not
+    served to another Acquire and goes at its release; a write lease allocated before ends
+    uncommitted (its holder wrote as the old token); what t stores after lies in its fresh
+    region, and the old one is released once its last slot is freed. No slot leaks."""
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[tenants.t]\ntoken = "token-of-t-1"\n')
     c = make(tmp_path, clock, tokens_file=str(tokens))
     try:
+        c.set_tenants([T], [])  # as the daemon does at start
         pool = c.pool
+        old_fd = pool.tenant_fd("t")
         assert store(c, keys(1, 2)) == 2
         held = c.acquire(T, LID, keys(1, 1), 32, 30.0)  # block 0 of chain 1, leased
         w = c.allocate(T, LID, keys(3, 1), 32, b"", 0)  # a write lease open across the reload
@@ -302,16 +306,19 @@ def test_a_rekeyed_tenant_leaves_its_old_file_now_or_at_release(
         c.set_tenants([T], [], ["t"])
         assert [len(c.lookup(T, LID, keys(1, 2), 32).tiers)] == [1]  # block 1 dropped now
         assert c.acquire(T, LID, keys(1, 1), 32, 30.0).lease_id == ""  # not served
-        assert c.commit(T, w.lease_id, BLOCK) == 1
-        assert len(c.lookup(T, LID, keys(3, 1), 32).tiers) == 0  # committed, then out of DRAM
+        with pytest.raises(NotFound):
+            c.commit(T, w.lease_id, BLOCK)
+        assert len(c.lookup(T, LID, keys(3, 1), 32).tiers) == 0  # never committed
+        assert pool.tenant_fd("t") != old_fd  # a fresh region, made on first use
         c.release(T, held.lease_id)
         assert len(c.lookup(T, LID, keys(1, 1), 32).tiers) == 0  # out at its release
         assert pool.stats().slots_used == 0 and c.leaked_slots() == 0
+        assert pool.tenant_bytes() == {"t": pool.tenant_handle("t").size}  # the old released
         assert store(c, keys(4, 1), fill=9) == 1
         got = c.acquire(T, LID, keys(4, 1), 32, 30.0)
-        slot = pool.slot_at(got.offsets[0])
-        assert slot is not None and not pool.slot_stale(slot)
-        assert bytes(c.slot_view(got.offsets[0], BLOCK)) == bytes([9]) * BLOCK
+        view = np.frombuffer(mmap.mmap(pool.tenant_fd("t"), pool.tenant_handle("t").size),
+                             dtype=np.uint8)
+        assert bytes(view[got.offsets[0]:got.offsets[0] + BLOCK]) == bytes([9]) * BLOCK
         c.release(T, got.lease_id)
     finally:
         c.close()

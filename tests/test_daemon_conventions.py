@@ -22,6 +22,7 @@ import pytest
 
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
 from kvtier.core.paths import SOCKET_PATH_MAX
+from kvtier.core.types import Tier
 from kvtier.tiers import segment_owner
 from tests.daemon_fixture import ROOT, DaemonProc, wait_for
 
@@ -184,13 +185,18 @@ def test_usr_signals_are_logged_and_ignored(tmp_path: Path, sig: signal.Signals)
 # ---- SIGHUP reload --------------------------------------------------------------------------
 
 
-def tokens_toml(**tenants: str) -> str:
-    return "".join(f'[tenants.{name}]\ntoken = "{token}"\n\n' for name, token in tenants.items())
+def tokens_toml(quota: str = "", **tenants: str) -> str:
+    """A tokens file; `quota` (a size) is the first tenant's dram_quota."""
+    return "".join(f'[tenants.{name}]\ntoken = "{token}"\n'
+                   + (f'dram_quota = "{quota}"\n' if quota and i == 0 else "") + "\n"
+                   for i, (name, token) in enumerate(tenants.items()))
 
 
 def test_sighup_reloads_tenants_and_keeps_dram(tmp_path: Path) -> None:
+    """alice's quota leaves half the pool to tenants added later: adding bob takes nothing
+    from her (her blocks stay in DRAM); revoking her ends her calls."""
     tokens = tmp_path / "tokens.toml"
-    tokens.write_text(tokens_toml(alice="alice-token-1"))
+    tokens.write_text(tokens_toml("8MiB", alice="alice-token-1"))
     d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)]).start()
     try:
         assert d.proc is not None
@@ -201,9 +207,10 @@ def test_sighup_reloads_tenants_and_keeps_dram(tmp_path: Path) -> None:
                 Client(d.socket, layout=LAYOUT, token="bob-token-22") as kv:
             kv.lookup(keys(5, 3))
 
-        tokens.write_text(tokens_toml(alice="alice-token-1", bob="bob-token-22"))
+        tokens.write_text(tokens_toml("8MiB", alice="alice-token-1", bob="bob-token-22"))
         d.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: "tenants added: bob" in d.log())
+        assert "slice changed" not in d.log()
         with Client(d.socket, layout=LAYOUT, token="bob-token-22") as kv:
             kv.store(keys(6, 1), blocks(1, 8))
             assert kv.lookup(keys(6, 1)).hit_blocks == 1
@@ -272,6 +279,35 @@ def test_sighup_removing_the_tokens_file_keeps_enforcing_tokens(tmp_path: Path) 
         with Client(d.socket, layout=LAYOUT, token="alice-token-1") as kv, \
                 kv.load(keys(13, 2)) as loaded:
             assert [bytes(v) for v in loaded.views] == data
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_sighup_adding_a_tenant_to_a_full_pool_divides_it_again(tmp_path: Path) -> None:
+    """alice holds the whole pool (no quota): a tenant added takes half of it; her region
+    moves (one WARNING names her), her blocks leave DRAM and come back from SSD, bob stores."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(tokens_toml(alice="alice-token-1"))
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens), "--ssd-admit-after",
+                                    "1"]).start()
+    try:
+        assert d.proc is not None
+        data = blocks(3, 7)
+        with Client(d.socket, layout=LAYOUT, token="alice-token-1") as kv:
+            kv.store(keys(5, 3), data)
+            wait_for(lambda: kv.stats().tiers[1].blocks == 3)  # on SSD too
+        tokens.write_text(tokens_toml(alice="alice-token-1", bob="bob-token-22"))
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "tenants added: bob" in d.log())
+        warned = [ln for ln in d.log().splitlines() if "slice changed" in ln]
+        assert len(warned) == 1 and "WARNING" in warned[0] and "alice" in warned[0]
+        with Client(d.socket, layout=LAYOUT, token="alice-token-1") as kv, \
+                kv.load(keys(5, 3)) as loaded:
+            assert [bytes(v) for v in loaded.views] == data
+            assert set(loaded.tiers) == {Tier.SSD}
+        with Client(d.socket, layout=LAYOUT, token="bob-token-22") as kv:
+            kv.store(keys(6, 1), blocks(1, 8))
+            assert kv.lookup(keys(6, 1)).hit_blocks == 1
     finally:
         assert d.stop() == 0, d.log()
 

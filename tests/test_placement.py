@@ -37,16 +37,6 @@ def test_tenant_victims_are_one_tenants_coldest_leaves_first() -> None:
     assert len(ix) == 6  # intents only: nothing dropped
 
 
-def test_share_plan_takes_from_the_tenant_over_its_share() -> None:
-    stride = 4096
-    # 10-slot pool, a holds 8 slots, b (asking for 3, 1 free) holds 1: equal shares of 5
-    holdings = {"a": (8 * stride, 0), "b": (1 * stride, 0)}
-    assert placement.share_plan("b", 3, 2, holdings, stride, 10 * stride) == [("a", 3), ("b", 2)]
-    # only the asker holds DRAM: no plan (its own coldest go by the policy's order)
-    assert placement.share_plan("a", 3, 2, {"a": (8 * stride, 0), "b": (0, 0)}, stride,
-                                10 * stride) == []
-
-
 def test_room_hopeless_with_one_class_and_with_several() -> None:
     ix = lru(dram=4)
     for i in range(4):

@@ -3,7 +3,7 @@
     allocate  keys not cached and not being written get fresh slots, as far as the index's
               DRAM admission (its policy, `PrefixIndex.admit`) stores them (tenant DRAM quota
               first: its own unpinned blocks are evicted for room, else RESOURCE_EXHAUSTED; then a
-              full pool makes room by fair shares, `kvtier.core.fairshare`); the keys
+              full pool, or a tenant's full slice of it, makes room by eviction); the keys
               become `pending` in their namespace, so a second Allocate skips them
     commit    inserts the blocks in chain order as DRAM blocks; one whose parent vanished
               meanwhile (or that appeared meanwhile) is dropped and its slot freed, so no block

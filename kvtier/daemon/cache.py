@@ -12,8 +12,8 @@ shared pool), on SSD, or both.
 Rules enforced here (each raises a `CacheError` subclass and changes nothing):
 - the layout must be registered; key width, counts and sizes must match it;
 - a lease can only be used by the tenant that holds it, and only for its kind;
-- DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks — LRU for a single tenant, by
-  fair shares with guaranteed minimums between tenants (`kvtier.core.fairshare`) — or refuses.
+- DRAM/SSD quotas per tenant; a full pool evicts unpinned blocks in the policy's order — with
+  tenants, each its own in its own slice of the pool (`kvtier.tiers.dram_regions`) — or refuses.
 
 Invariants kept:
 - a pinned block is never evicted, moved or rewritten (the DramPool asks the index: its slot
@@ -94,6 +94,7 @@ from kvtier.daemon.residency import PageMoves, Steps, Tiers
 from kvtier.daemon.slot_stream import SlotStream
 from kvtier.daemon.tenant_rates import TenantRates
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER
+from kvtier.tiers.dram_regions import TenantShare
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +119,21 @@ def _check_reported(nbytes: int, most: int) -> None:
 _NO_REPLICA = "-"  # never registered (real names contain the namespace): lookups without HBM
 
 
+def dram_shares(tenants: Iterable[Tenant]) -> list[TenantShare]:
+    """What each tenant may hold in DRAM, as the pool slices it (`DramPool.set_tenants`)."""
+    return [TenantShare(t.name, t.dram_quota_bytes, t.dram_guarantee_bytes) for t in tenants]
+
+
 class Cache:
     """Owns all block metadata and the tiers. See the module docstring for the rules."""
 
     def __init__(
         self, cfg: Config, metrics: DaemonMetrics, events: EventLog | None = None,
         clock: Callable[[], float] = time.monotonic, rates: RateBook | None = None,
+        tenants: int = 0,
     ) -> None:
+        """`tenants`: the tokens file's tenants at start (an isolated pool sizes its pages for
+        their slices)."""
         self.cfg = cfg
         self.metrics = metrics
         self.events = events or EventLog()
@@ -136,7 +145,8 @@ class Cache:
         self._mrc_lock = threading.Lock()  # the MRC sampler's own: off the cache lock
         self._leases = LeaseTable(clock)
         self.names = Namespaces(cfg.max_block_bytes, cfg.max_blocks_per_request)
-        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names)
+        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names,
+                           tenants)
         self.pool = self.tiers.pool
         self.names.max_block_bytes = self.pool.max_block  # a small pool's pages may be smaller
         self.index = self.tiers.index
@@ -603,9 +613,10 @@ class Cache:
         return SlotStream(self._lock, self._leases, self.pool, tenant, lease_id, offsets,
                           block_bytes)
 
-    def slot_view(self, offset: int, nbytes: int) -> memoryview:
-        """View of a slot the caller holds under a lease (READ: read it; WRITE: fill it)."""
-        slot = self.pool.slot_at(offset)
+    def slot_view(self, offset: int, nbytes: int, tenant: str | None = None) -> memoryview:
+        """View of a slot the caller holds under a lease (READ: read it; WRITE: fill it); in
+        an isolated pool, at `offset` of `tenant`'s region now."""
+        slot = self.pool.slot_at(offset, tenant)
         if slot is None:
             raise InvalidArgument(f"no slot starts at offset {offset}")
         return memoryview(self.pool.view(slot, nbytes))  # type: ignore[arg-type]
@@ -670,19 +681,41 @@ class Cache:
         return self.tiers.flush(timeout)
 
     def set_tenants(self, tenants: Iterable[Tenant], revoked: Iterable[str],
-                    rekeyed: Iterable[str] = ()) -> None:
-        """A reloaded tokens file (SIGHUP): the tenants' quotas and guarantees apply from now on;
-        a revoked tenant keeps its blocks (evicted like any, reachable again if it comes back)
-        but loses its DRAM guarantee. In an isolated pool a `rekeyed` tenant (revoked, or its
-        token changed) moves to a fresh file, and its DRAM blocks in the old one leave DRAM,
-        now or at their release (`Tiers.rekey`; SSD and remote copies stay)."""
+                    rekeyed: Iterable[str] = (), where: object = "tokens file") -> None:
+        """The tokens file's tenants (at start, and at a reload): their quotas apply from now
+        on; a revoked tenant keeps its blocks (evicted like any, reachable again if it comes
+        back). In an isolated pool each tenant's slice of the pool is set (UsageError when they
+        do not fit, nothing changed), and a `rekeyed` tenant (revoked, or its token changed) or
+        one whose slice changed moves to a fresh region: its DRAM blocks in the old one leave
+        DRAM, now or at their release (`Tiers.rekey`; SSD and remote copies stay), and its
+        write leases end uncommitted (what their holders wrote is the old token's)."""
+        tenants = list(tenants)
         with self._lock:
+            resized = self.pool.set_tenants(dram_shares(tenants), where)
             for tenant in tenants:
                 self.names.tenant(tenant.name, tenant)
             for name in revoked:
                 if name in self.names.tenants:
                     self.names.tenant(name, Tenant(name))
-            for name in rekeyed:
+            moved = {*rekeyed, *resized}
+            if not moved:
+                return
+            if resized:
+                log.warning("tenants %s: their DRAM slice changed (the pool was divided again "
+                            "for the tenants added or changed): they move to fresh regions, "
+                            "their DRAM blocks leave DRAM (SSD and remote copies stay)",
+                            ", ".join(resized))
+            # a write begun before (under the old token, into the old region) never commits:
+            # its lease ends now, its slots go back, its stream or Commit finds it gone
+            ended = [lease for lease in self._leases
+                     if lease.kind is LeaseKind.WRITE and lease.tenant in moved]
+            for lease in ended:
+                self._leases.pop(lease.id)
+                self._end(lease)
+            if ended:
+                log.info("reload: %d write lease(s) of rekeyed tenants ended uncommitted",
+                         len(ended))
+            for name in sorted(moved):
                 self.tiers.rekey(name)
 
     def close(self, timeout: float = 10.0) -> None:

@@ -219,11 +219,6 @@ class Namespaces:
             usage.tenant = tenant
         return usage
 
-    def dram_holdings(self) -> dict[str, tuple[int, int]]:
-        """Tenant -> (DRAM bytes it holds, its guaranteed DRAM bytes): for fair shares."""
-        return {name: (s.dram_bytes, s.tenant.dram_guarantee_bytes)
-                for name, s in self.tenants.items()}
-
     def layouts_of(self, tenant: str) -> int:
         return sum(1 for name, _ in self.layouts if name == tenant)
 

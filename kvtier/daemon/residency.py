@@ -3,9 +3,9 @@
 `Tiers` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
 `ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing. Deciding is the placement
 planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`: write-backs, SSD and
-DRAM room, fair-share and quota victims, victims across size classes, promotions, remote
-offers); the index journals every residency change and the `Applier` (`kvtier.daemon.applier`)
-acts on it (slots freed, tenants charged, SSD keys deleted, events); what is left here is
+DRAM room, quota victims, victims across size classes, promotions, remote offers); the index
+journals every residency change and the `Applier` (`kvtier.daemon.applier`) acts on it (slots
+freed, tenants charged, SSD keys deleted, events); what is left here is
 applying the planner's intents and moving:
 
 - index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot,
@@ -13,7 +13,8 @@ applying the planner's intents and moving:
   (page moves' targets, which hold no block, are the pool's own);
 - DRAM eviction goes through the index (leaf-first, or demotion when an SSD copy exists):
   `placement.dram_room` with one size class, `placement.class_victim` (one at a time) with
-  several; between tenants `placement.share_plan` then `placement.tenant_victims`;
+  several; in an isolated pool (tenants) a tenant's region holds its blocks only, so its own
+  coldest go (`placement.tenant_victims`);
 - write-back (mover) starts when the planner says so (`placement.write_backs`: a DRAM-only block
   admitted by the k-th access whose parent is on SSD or queued, so SSD stays prefix-closed); the
   block is pinned while queued;
@@ -84,7 +85,7 @@ STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 class Tiers:
     def __init__(
         self, cfg: Config, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
-        lock: threading.RLock, names: Namespaces,
+        lock: threading.RLock, names: Namespaces, tenants: int = 0,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
@@ -97,7 +98,7 @@ class Tiers:
             name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
             slot_count=cfg.slots, replace_stale=True, max_block=cfg.max_block_bytes,
             page_bytes=cfg.dram_page_bytes, group=cfg.group or None,
-            prefault=cfg.dram_prefault, isolated=bool(cfg.tokens_file),
+            prefault=cfg.dram_prefault, isolated=bool(cfg.tokens_file), tenants=tenants,
         ))
         # SSD blocks of every size: LMDB values (a slot file has one slot size) bounded in bytes
         # by `_make_ssd_room`; the index bounds their count at the smallest block's. A pool of
@@ -477,8 +478,8 @@ class Tiers:
 
     def taking(self, n: int, tenant: str, nbytes: int) -> Steps[list[int]]:
         """`n` free slots for `tenant`'s blocks of `nbytes`, charged to it (`Applier.take_slots`,
-        until the applier or `give_back` frees them), evicting unpinned DRAM blocks as needed:
-        LRU when only it holds DRAM, else by fair shares (`kvtier.core.fairshare`);
+        until the applier or `give_back` frees them), evicting unpinned DRAM blocks as needed
+        in the policy's order (in an isolated pool the tenant's own: `_own_room`);
         [] when impossible (when even every unpinned block would not make room, nothing is
         evicted). Slots come in size classes on pages (`kvtier.tiers.dram_pages`): a victim of
         another class frees a slot only that class can use, so before the first eviction and
@@ -509,19 +510,17 @@ class Tiers:
             self.applier.take_slots(tenant, n * stride)
             self.apply()
             return slots
+        if pool.isolated:
+            yield from self._own_room(tenant, n, nbytes)
+            slots = pool.alloc_many(n, nbytes) or []
+            if slots:
+                self.applier.take_slots(tenant, n * stride)
+            self.apply()
+            return slots
         one_class = pool.strides() == {cls}
         if placement.room_hopeless(self.index, n, pool.room(nbytes),
                                    self._pinned_blocks(pool.slots_pinned()), one_class):
             return []
-        short = n - pool.room(nbytes)
-        plan = placement.share_plan(tenant, n, short, self.names.dram_holdings(), stride,
-                                    pool.data_bytes)
-        for who, most in plan:
-            short -= self.evict_tenant_dram(who, min(most, short), "share")
-            if pool.can_alloc(n, nbytes) or short <= 0:
-                break
-        if plan:
-            yield from self._gather(stride, n, nbytes)  # their victims' slots, for another class
         while not pool.can_alloc(n, nbytes):
             # one class: a victim frees one slot (`placement.dram_room`); else one victim at a
             # time (`placement.class_victim`), each freeing a slot only its own class can use,
@@ -544,6 +543,23 @@ class Tiers:
         self.apply()
         return slots
 
+    def _own_room(self, tenant: str, n: int, nbytes: int) -> Steps[None]:
+        """Isolated pool: room for `n` of `tenant`'s blocks of class `nbytes` in its region,
+        which holds its blocks only: its own coldest unpinned DRAM blocks leave (all that are
+        missing at once when its region has that class only; else one at a time, each then
+        gathered with the free slots of its class), until the blocks fit or none can go."""
+        pool = self.pool
+        stride, cls = pool.class_stride(nbytes), pool.class_of(nbytes)
+        wide = stride > pool.page_bytes
+        while not pool.can_alloc(n, nbytes):
+            want = n - pool.room(nbytes) if pool.strides(nbytes) <= {cls} else 1
+            if not self.evict_tenant_dram(tenant, max(1, want), "capacity"):
+                return
+            while wide and not pool.can_alloc(n, nbytes) and (
+                    yield from self._clear_row(nbytes)):
+                pass
+            yield from self._gather(stride, n, nbytes)
+
     def _pinned_blocks(self, slots_pinned: int) -> int:
         """DRAM blocks that cannot leave now, from the pool's pinned slots: less the targets
         of page moves in flight (pinned slots that hold no block yet)."""
@@ -554,7 +570,7 @@ class Tiers:
         class that can move its blocks into its own free slots (`_free_a_page`), until `n`
         blocks of `nbytes` fit — moving, not evicting."""
         mine = self.pool.class_of(nbytes)
-        for c in sorted(self.pool.strides() - {mine}):
+        for c in sorted(self.pool.strides(nbytes) - {mine}):
             if self.pool.can_alloc(n, nbytes):
                 return
             yield from self._free_a_page(c, stride)
@@ -622,7 +638,7 @@ class Tiers:
         self.apply()
 
     def evict_tenant_dram(self, tenant: str, n: int, reason: str = "quota") -> int:
-        """Evicts up to `n` of one tenant's DRAM blocks, coldest first (quota, fair share);
+        """Evicts up to `n` of one tenant's DRAM blocks, coldest first (quota, its region);
         O(evictable blocks) per block of the longest chain it shortens."""
         done = 0
         while done < n:

@@ -64,7 +64,7 @@ from kvtier.core.paths import socket_path_problem
 from kvtier.core.units import format_bytes
 from kvtier.daemon import fdpass, kept_rates, memory, reload, sdnotify, sharing, sockpath
 from kvtier.daemon.auth import Authenticator
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache import Cache, dram_shares
 from kvtier.daemon.config import Config, write_kept
 from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.fdpass import FdServer
@@ -208,7 +208,8 @@ class Daemon:
         try:
             self._dir_lock = DataDirLock.acquire(cfg.data_dir, cfg.socket)  # before any file in it
             rates = kept_rates.start_rates(cfg.data_dir)
-            self.cache = cache = Cache(cfg, self.metrics, rates=rates.book)
+            self.cache = cache = Cache(cfg, self.metrics, rates=rates.book,
+                                       tenants=len(self.auth.tenants()))
             cache.tenant_rates.seed(rates.tenants)
             if cache.tiers.store is not None:
                 write_kept(cfg.data_dir, cfg.ssd_bytes)
@@ -225,6 +226,8 @@ class Daemon:
                                                   self.metrics)
                 cache.events.sink = self.kv_events.offer
             pool = cache.pool
+            if pool.isolated:  # each tenant's slice of the pool, before any call
+                cache.set_tenants(self.auth.tenants(), (), (), f"tokens file {cfg.tokens_file}")
             if pool.isolated:  # no file to leak; its memory is handed out on the fd socket
                 if not fdpass.make_undumpable():
                     log.warning("the daemon stays dumpable: a process of its user can take its "
@@ -252,7 +255,9 @@ class Daemon:
         if self.kv_events is not None:
             events = self.kv_events.endpoint + (f" (replay {self.kv_events.replay_endpoint})"
                                                 if self.kv_events.replay_endpoint else "")
-        tenants = ", ".join(t.name for t in self.auth.tenants())
+        slices = cache.pool.slices()  # an isolated pool: each tenant's DRAM is its own
+        tenants = ", ".join(t.name + (f" ({format_bytes(slices[t.name])} of DRAM)"
+                                      if t.name in slices else "") for t in self.auth.tenants())
         auth = "token auth" if self.auth.required else "no auth"
         return (f"kvtier serving on unix:{cfg.socket}{tcp}; metrics {metrics}; DRAM pool "
                 f"{format_bytes(cfg.dram_bytes)} (blocks up to "
@@ -380,6 +385,8 @@ class Daemon:
                     raise UsageError(f"{problem} (with the tenants that stored since the start "
                                      "and a fresh tag for each token changed; a restart starts "
                                      "over)")
+                self.cache.pool.slice_pages(dram_shares(done.auth.tenants()),
+                                            f"tokens file {done.cfg.tokens_file}")
         except UsageError as exc:
             log.error("reload (SIGHUP) refused, nothing changed: %s", exc)
             sdnotify.notify("READY=1")

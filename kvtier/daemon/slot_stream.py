@@ -19,11 +19,25 @@ import threading
 from typing import TypeAlias
 
 from kvtier.core.errors import NotFound
+from kvtier.daemon.acquire import ReadLease
+from kvtier.daemon.allocate import WriteLease
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.tiers.dram import DramPool
 
 Buffer: TypeAlias = bytes | memoryview
+
+
+def _slot(payload: object, block: int) -> int:
+    """The pool slot of a lease's block `block`: a WRITE lease's `block`-th slot, a READ lease's
+    `block`-th pinned block's (slot ids, not offsets: an isolated pool's offsets are per
+    region)."""
+    if isinstance(payload, WriteLease):
+        return payload.todo[block][1]
+    assert isinstance(payload, ReadLease)
+    slot = payload.blocks[block].dram_slot
+    assert slot is not None  # pinned in DRAM for the lease's life
+    return slot
 
 
 class SlotStream:
@@ -66,10 +80,8 @@ class SlotStream:
                 )
             if lease.expires_at - self._leases.clock() < lease.ttl_s / 2:
                 self._leases.renew(lease.id, lease.ttl_s)
-            pool = self._pool
-            slot = pool.slot_at(self.offsets[block])
-            assert slot is not None  # the lease's own offsets, pinned: never moved nor freed
-            view = memoryview(pool.view(slot, self.block_bytes))  # type: ignore[arg-type]
+            slot = _slot(lease.payload, block)  # the lease's own: pinned, never moved nor freed
+            view = memoryview(self._pool.view(slot, self.block_bytes))  # type: ignore[arg-type]
             if data is None:
                 return head + view[at : at + n]
             view[at : at + len(data)] = data

@@ -16,13 +16,10 @@ trace through both):
                  would not make room.
     room_hopeless whether no eviction can make room for `n` blocks (nothing to evict; or one
                  size class and fewer evictable blocks than missing slots), so none is made.
-    share_plan   with several tenants holding DRAM: who gives up how many blocks so the asker
-                 gets its slots (`kvtier.core.fairshare.room_plan` over the holdings in bytes,
-                 counted in slots of the asker's size class). Intents: the caller evicts each
-                 tenant's coldest (`tenant_victims`) in turn until it has room.
     over_quota   how many of its blocks a tenant must give up for more bytes to fit its DRAM
                  quota (the caller evicts them with `tenant_victims`, then asks again).
-    tenant_victims  one tenant's evictable DRAM blocks, coldest first (quota, fair share):
+    tenant_victims  one tenant's evictable DRAM blocks, coldest first (quota, its region of an
+                 isolated pool):
                  intents the caller drops; dropping a leaf exposes its parent, so the caller
                  asks again until it has dropped enough or none is left.
     class_victim with several size classes, a victim frees a slot only its own class can use:
@@ -48,10 +45,9 @@ Threading: none; the daemon calls these under its cache lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import NamedTuple
 
-from kvtier.core.fairshare import room_plan
 from kvtier.core.types import BlockKey, Tier
 from kvtier.index.prefix import Block, PrefixIndex, Tenant
 
@@ -125,20 +121,6 @@ def room_hopeless(index: PrefixIndex, n: int, room: int, pinned: int, one_class:
     classes a victim may empty a page of another: not judged here."""
     evictable = index.blocks(_DRAM) - pinned
     return evictable <= 0 or (one_class and evictable < n - room)
-
-
-def share_plan(asker: str, n: int, short: int, holdings: Mapping[str, tuple[int, int]],
-               stride: int, pool_bytes: int) -> list[tuple[str, int]]:
-    """Who gives up how many DRAM blocks (in turn) so `asker` gets `n` slots of `stride` bytes,
-    `short` of them missing: [] when only the asker holds DRAM (its own coldest go, the
-    policy's order: `dram_room` / `class_victim`). `holdings`: tenant -> (DRAM bytes held,
-    guaranteed DRAM bytes); `pool_bytes`: the pool's data bytes. Fair shares with guaranteed
-    minimums: `kvtier.core.fairshare.room_plan`."""
-    held = {t: b // stride for t, (b, _) in holdings.items() if b}
-    if set(held) <= {asker}:
-        return []
-    guarantee = {t: g // stride for t, (_, g) in holdings.items()}
-    return room_plan(asker, n, short, held, guarantee, pool_bytes // stride)
 
 
 def over_quota(held: int, more: int, quota: int, stride: int) -> int:

@@ -12,10 +12,13 @@ Segment layout and header: `kvtier.core.segment` (the contract clients check at 
 
 Trust boundary: whoever can open the file can read and write every slot. Only the daemon's user
 (mode 0600), or members of the configured group (0660), may map it. That is the single-tenant
-pool (no tokens file). With tenants (`DramSpec.isolated`) there is no file: the pool's pages are
-backed by one anonymous file per tenant (`kvtier.tiers.dram_regions`), a tenant's client maps only
-its own, handed over after its token is checked, and holds none of another tenant's bytes.
-Remote clients use the daemon's Read/WriteBlocks byte stream.
+pool (no tokens file). With tenants (`DramSpec.isolated`) there is no file: each tenant has a
+region of its own, an anonymous file laid out as a pool (header, its slice of the pages) with its
+own page table (`kvtier.tiers.dram_regions`); a tenant's client maps only its own, handed over
+after its token is checked, and holds none of another tenant's bytes. Slot ids stay global (a
+region's pages stand for pages of the pool's page space); offsets and `SegmentHandle`s of an
+isolated pool are those of the slot's region (`tenant_handle`). Remote clients use the daemon's
+Read/WriteBlocks byte stream.
 
 Lease rule (invariant 3): a pinned slot is never freed nor rewritten through the pool: `free` and
 `write` refuse it (`SlotPinned`). Pins have one owner. A pool on its own (tools, tests, the
@@ -70,8 +73,8 @@ from kvtier.core.segment import (
     slot_stride,
     unpack_header,
 )
-from kvtier.tiers.dram_pages import ClassStats, PageTable, geometric
-from kvtier.tiers.dram_regions import TenantRegions, anonymous_file
+from kvtier.tiers.dram_pages import UNIT, ClassStats, PageTable, geometric
+from kvtier.tiers.dram_regions import Region, RegionSpec, TenantRegions, TenantShare, reslice
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +117,8 @@ class DramSpec:
     shm_dir: str = "/dev/shm"
     max_block: int = 0
     page_bytes: int = 0
-    isolated: bool = False  # tenants: no named file, per-tenant memory (`dram_regions`)
+    isolated: bool = False  # tenants: no named file, a region per tenant (`dram_regions`)
+    tenants: int = 0  # isolated: automatic pages small enough for 4 pages a tenant, if they can
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -137,6 +141,8 @@ class DramSpec:
         big = min(max(self.max_block, self.slot_size), data)
         if not self.page_bytes and want < big:
             want = big // 4 // 4096 * 4096  # a row of the largest block spans 4 pages
+        if not self.page_bytes and self.isolated and self.tenants:
+            want = min(want, data // (4 * self.tenants) // 4096 * 4096)  # slices of 4+ pages
         count = max(1, data // max(want, stride))
         size = data // count // 4096 * 4096
         return max(size, stride), count
@@ -278,37 +284,34 @@ class DramPool:
         self.mlocked = False
         self.huge_pages = False
         self._regions: TenantRegions | None = None
+        self._shares: dict[str, tuple[TenantShare, int]] = {}  # tenant -> (share, its pages)
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        if spec.isolated:
-            self._fd = anonymous_file(spec.name, self.size)
+        self._map: SegmentMapping | None = None
+        if spec.isolated:  # no memory of its own: the tenants' regions hold it all
+            self._fd = -1
+            self._regions = TenantRegions(RegionSpec(
+                self.page_bytes, self.slot_stride, self.slot_size, self.data_offset,
+                HUGE_PAGE if spec.huge_pages else mmap.PAGESIZE, spec.prefault, spec.mlock,
+                spec.huge_pages), self.page_count)
+            self.huge_pages, self.mlocked = spec.huge_pages, spec.mlock
+            return
+        self._fd = self._create_file()
+        try:
+            os.ftruncate(self._fd, self.size)
+            if spec.prefault:
+                self._allocate()
             self._map = SegmentMapping(self._fd, self.size)
-        else:
-            self._fd = self._create_file()
-            try:
-                os.ftruncate(self._fd, self.size)
-                if spec.prefault:
-                    self._allocate()
-                self._map = SegmentMapping(self._fd, self.size)
-            except BaseException:
-                os.close(self._fd)
-                os.unlink(self.path)
-                raise
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(self.path)
+            raise
         pack_header(self._map.mm, SegmentHeader.live(self.handle()))
-        if spec.isolated:
-            self._regions = TenantRegions(
-                self._fd, _address(self._map.buf), self.size, self.data_offset,
-                self.page_bytes, self.page_count, bytes(self._map.mm[:HEADER.size]),
-                prefault=spec.prefault)
-            self.pages.backing = self._regions.back
-        else:
-            self._finalizer = weakref.finalize(
-                self, _unlink_forgotten, self.path, self.generation, os.getpid())
+        self._finalizer = weakref.finalize(
+            self, _unlink_forgotten, self.path, self.generation, os.getpid())
         if spec.huge_pages:
             self.huge_pages = self._advise_huge()
         if spec.mlock:
             self.mlocked = self._mlock()
-        if self._regions is not None:
-            self._regions.huge, self._regions.mlock = self.huge_pages, self.mlocked
 
     def _allocate(self) -> None:
         """Every page of the segment now (tmpfs fallocate): a full /dev/shm fails here, not as
@@ -351,6 +354,7 @@ class DramPool:
 
     def _advise_huge(self) -> bool:
         try:
+            assert self._map is not None
             self._map.mm.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError) as exc:
             log.warning("huge pages unavailable for %s (%s); using 4 KiB pages", self.path, exc)
@@ -367,7 +371,7 @@ class DramPool:
 
     def _mlock(self) -> bool:
         libc = _libc()
-        if libc.mlock(ctypes.c_void_p(_address(self._map.buf)), ctypes.c_size_t(self.size)) != 0:
+        if libc.mlock(ctypes.c_void_p(_address(self._buf())), ctypes.c_size_t(self.size)) != 0:
             err = ctypes.get_errno()
             log.warning(
                 "mlock of %d bytes failed (%s); the DRAM pool may swap (raise RLIMIT_MEMLOCK)",
@@ -389,6 +393,32 @@ class DramPool:
     def slot_ids(self) -> int:
         """Slot ids are below this (for tables indexed by slot id)."""
         return self.pages.slot_ids
+
+    def _buf(self) -> U8Array:
+        assert self._map is not None, "an isolated pool's bytes are its regions'"
+        return self._map.buf
+
+    def _table(self, cls: int) -> tuple[PageTable | None, Region | None]:
+        """The page table class `cls` allocates from (None: the region waits for its pages),
+        and its region in an isolated pool."""
+        if self._regions is None:
+            return self.pages, None
+        r = self._regions.of_class(cls)
+        return r.pages, r
+
+    def _slot(self, slot: int) -> tuple[PageTable, int, Region | None]:
+        """(page table, slot id in it, region) of global slot id `slot`; DramError when out of
+        range (in an isolated pool: in no region)."""
+        if self._regions is None:
+            if not 0 <= slot < self.pages.slot_ids:
+                raise DramError(f"slot {slot} out of range 0..{self.pages.slot_ids - 1}")
+            return self.pages, slot, None
+        r, local = self._regions.locate(slot)
+        assert r.pages is not None  # a region holds slot ids once all its pages are granted
+        return r.pages, local, r
+
+    def _global(self, r: Region | None, local: int) -> int:
+        return local if r is None or self._regions is None else self._regions.to_global(r, local)
 
     def stride_for(self, nbytes: int) -> int:
         """The slot stride a block of `nbytes` bytes gets; raises DramError above `max_block`.
@@ -412,65 +442,89 @@ class DramPool:
 
     def _class_of(self, nbytes: int) -> int:
         """The class blocks of `nbytes` go to: a tenant's class (`class_bytes`) is itself."""
-        if self._regions is not None and self._regions.is_class(nbytes):
+        if self._regions is not None and nbytes % UNIT and self._regions.is_class(nbytes):
             return nbytes
         return self._stride_of_size(nbytes)
 
     def class_bytes(self, nbytes: int, tenant: str) -> int:
         """What to ask the pool for `tenant`'s blocks of `nbytes` (`alloc_many`, `room`,
         `can_alloc`, `stride_for`...): `nbytes` itself in a shared pool; in an isolated one the
-        id of the tenant's own class of their stride (`TenantRegions.class_id`: the stride
-        plus a tag below 256), so its pages hold its blocks only."""
+        id of the class of their stride in the tenant's region now (the stride plus the
+        region's tag, below 256: `kvtier.tiers.dram_regions`)."""
         if self._regions is None:
             return nbytes
         stride = self._stride_of_size(nbytes)  # a size: never read as another's class id
         with self._lock:
-            return self._regions.class_id(tenant, stride)
+            return stride + self._regions.region(tenant).tag
+
+    def slice_pages(self, shares: list[TenantShare], where: object = "tokens file"
+                    ) -> dict[str, int]:
+        """The tenants' pages `set_tenants` would give (`dram_regions.reslice` over the shares
+        set so far); UsageError when they do not fit. Changes nothing."""
+        with self._lock:
+            before = dict(self._shares)
+        return reslice(shares, self.page_bytes, self.page_count, before, where)
+
+    def set_tenants(self, shares: list[TenantShare], where: object = "tokens file") -> list[str]:
+        """The tenants' slices of an isolated pool from now on (`slice_pages`; UsageError when
+        they do not fit, nothing changed). Returns the tenants whose region now has another
+        size: the caller retires them (`retire_tenant`)."""
+        if self._regions is None:
+            return []
+        slices = self.slice_pages(shares, where)
+        with self._lock:
+            self._shares = {t.name: (t, slices[t.name]) for t in shares}
+            return self._regions.set_slices(slices)
+
+    def slices(self) -> dict[str, int]:
+        """Tenant -> the bytes of its slice (isolated pools; {} for a shared one)."""
+        if self._regions is None:
+            return {}
+        with self._lock:
+            return {t: p * self.page_bytes for t, p in self._regions.slices().items()}
 
     def tenant_fd(self, tenant: str) -> int:
-        """The anonymous file of `tenant`'s pages (isolated pools only; the pool keeps it open,
-        a caller sends or dups it). DramError for a shared pool."""
-        if self._regions is None:
-            raise DramError("a shared pool has no per-tenant memory")
-        with self._lock:
-            return self._regions.fd(tenant)
+        """The anonymous file of `tenant`'s region now (isolated pools only; the pool keeps it
+        open, a caller sends or dups it). DramError for a shared pool."""
+        return self.tenant_file(tenant)[0]
 
     def tenant_file(self, tenant: str) -> tuple[int, int]:
         """(`tenant_fd`, the generation in its header): what the fd socket hands out."""
         if self._regions is None:
             raise DramError("a shared pool has no per-tenant memory")
         with self._lock:
-            return self._regions.fd(tenant), self._regions.generation(tenant)
+            r = self._regions.region(tenant)
+            return r.fd, r.generation
 
     def tenant_handle(self, tenant: str) -> SegmentHandle:
-        """The pool as `tenant`'s client maps it: `handle()`, with the generation of the
-        tenant's file in an isolated pool (a fresh file after `retire_tenant` has another, so
-        a client that mapped the old one fetches the new)."""
-        h = self.handle()
+        """The pool as `tenant`'s client maps it: `handle()`, or in an isolated pool its region
+        now (its own file's size, geometry and generation: a fresh region after
+        `retire_tenant` has another, so a client that mapped the old one fetches the new)."""
         if self._regions is None:
-            return h
+            return self.handle()
         with self._lock:
-            return h._replace(generation=self._regions.generation(tenant))
+            return self._regions.region(tenant).handle()
 
     def retire_tenant(self, tenant: str) -> bool:
-        """A reload changed or revoked `tenant`'s token (isolated pools): from now on its blocks
-        go to a fresh file under fresh class ids, and the slots of its classes so far are
-        `slot_stale` (their blocks must leave the pool). False when the tenant had no file."""
+        """A reload changed or revoked `tenant`'s token, or its slice (isolated pools): from now
+        on its blocks go to a fresh region, and the slots of the one so far are `slot_stale`
+        (their blocks must leave the pool; the region is released when its last slot is
+        freed). False when the tenant had no region."""
         if self._regions is None:
             return False
         with self._lock:
             return self._regions.retire(tenant)
 
     def slot_stale(self, slot: int) -> bool:
-        """Whether allocated `slot` is of a class of a retired tenant file (`retire_tenant`):
-        its block is no longer served from the pool."""
+        """Whether allocated `slot` is of a retired region (`retire_tenant`): its block is no
+        longer served from the pool."""
         if self._regions is None:
             return False
         with self._lock:
-            return self._regions.stale(self.pages.page_class(self.pages.page_of(slot)))
+            return self._slot(slot)[2].retired  # type: ignore[union-attr]
 
     def tagged_tenants(self) -> set[str]:
-        """The tenants whose file now has a class (isolated pools; tags are never reused: at
+        """The tenants that have a region now (isolated pools; tags are never reused: at
         most `dram_regions.MAX_TENANTS`, `tags_needed`)."""
         if self._regions is None:
             return set()
@@ -478,20 +532,24 @@ class DramPool:
             return self._regions.tagged()
 
     def tags_needed(self, tenants: set[str], retiring: set[str]) -> int:
-        """The class tags in use once each of `tenants` has one (isolated pools): those given
-        since the start, never reused, plus one per tenant whose file now has none or is
+        """The region tags in use once each of `tenants` has a region (isolated pools): those
+        given since the start, never reused, plus one per tenant without a region now or
         `retiring` (`retire_tenant` next)."""
         if self._regions is None:
             return 0
         with self._lock:
             return self._regions.tags_needed(tenants, retiring)
 
-    def page_tenant(self, page: int) -> str | None:
-        """The tenant whose memory backs page `page` (isolated pools; None: a free page)."""
+    def tenant_bytes(self) -> dict[str, int]:
+        """The bytes of every region's file (isolated pools; retired ones not yet released
+        under their tenant's name too): what the tenants' memory can reach at most."""
         if self._regions is None:
-            return None
+            return {}
         with self._lock:
-            return self._regions.page_owner(page)
+            out: dict[str, int] = {}
+            for r in self._regions.regions():
+                out[r.tenant] = out.get(r.tenant, 0) + r.size
+            return out
 
     def alloc(self, nbytes: int | None = None) -> int | None:
         """One free slot for a block of `nbytes` (default: the smallest slot), or None."""
@@ -502,30 +560,37 @@ class DramPool:
         """`n` slots for blocks of `nbytes`, all or none (None when they do not fit now)."""
         cls = self._class_of(nbytes or self.slot_size)
         with self._lock:
-            if self._regions is not None:
-                self._regions.owner(cls)  # a tenant's class only (`class_bytes`)
-            return self.pages.alloc_many(n, cls)
+            pages, r = self._table(cls)
+            got = None if pages is None else pages.alloc_many(n, cls)
+            if r is None or got is None:
+                return got
+            return [self._global(r, s) for s in got]
 
     def room(self, nbytes: int) -> int:
         """Slots for blocks of `nbytes` free now: the class's own and those of free pages."""
         cls = self._class_of(nbytes)
         with self._lock:
-            return self.pages.room(cls)
+            pages = self._table(cls)[0]
+            return 0 if pages is None else pages.room(cls)
 
     def can_alloc(self, n: int, nbytes: int) -> bool:
         cls = self._class_of(nbytes)
         with self._lock:
-            return self.pages.can_alloc(n, cls)
+            pages = self._table(cls)[0]
+            return pages is not None and pages.can_alloc(n, cls)
 
     def free(self, slot: int) -> int:
         """Return a slot to its class (its page to the free pages when it was the page's last);
         returns the bytes it spanned (its `stride_of`). Refuses a pinned slot (SlotPinned) or a
-        free one."""
+        free one. The last slot of a retired region releases it."""
         with self._lock:
-            self._check(slot)
+            pages, local, r = self._check(slot)
             if self._held(slot):
                 raise SlotPinned(f"slot {slot} is pinned")
-            return self.pages.free(slot)
+            n = pages.free(local)
+            if r is not None and r.retired and self._regions is not None:
+                self._regions.release_if_drained(r)
+            return n
 
     def pin(self, slot: int) -> int:
         """Add a pin (a lease) to an allocated slot; returns the new pin count. Only for a pool
@@ -561,13 +626,17 @@ class DramPool:
         return bool(self._pins.get(slot)) or (owner is not None and owner.slot_pinned(slot))
 
     def is_allocated(self, slot: int) -> bool:
-        return self.pages.is_allocated(slot)
+        try:
+            pages, local, _ = self._slot(slot)
+        except DramError:
+            return False
+        return pages.is_allocated(local)
 
-    def _check(self, slot: int) -> None:
-        if not 0 <= slot < self.pages.slot_ids:
-            raise DramError(f"slot {slot} out of range 0..{self.pages.slot_ids - 1}")
-        if not self.pages.is_allocated(slot):
+    def _check(self, slot: int) -> tuple[PageTable, int, Region | None]:
+        pages, local, r = self._slot(slot)
+        if not pages.is_allocated(local):
             raise DramError(f"slot {slot} is not allocated")
+        return pages, local, r
 
     # -- reclaim ----------------------------------------------------------------------------
 
@@ -576,7 +645,9 @@ class DramPool:
         fit the class's free slots elsewhere (what `evacuate` needs, before the caller's rule)."""
         cls = self._class_of(nbytes)
         with self._lock:
-            return self.pages.evacuation(cls, lambda s: not self._held(s)) is not None
+            pages, r = self._table(cls)
+            return pages is not None and pages.evacuation(
+                cls, lambda s: not self._held(self._global(r, s))) is not None
 
     def evacuate(self, nbytes: int, movable: Callable[[int], bool],
                  moved: Callable[[int, int], None], for_nbytes: int = 0) -> int:
@@ -611,18 +682,22 @@ class DramPool:
         one: the caller pins its block there), so neither is freed, rewritten or moved again
         meanwhile. None when no page can be freed so. `for_nbytes`: the block size the page is
         freed for (the page chosen keeps its slots next to that class's pages when it can:
-        `PageTable.evacuation`)."""
+        `PageTable.evacuation`). In an isolated pool pages move within a region only."""
         cls = self._class_of(nbytes)
         want = self._class_of(for_nbytes) if for_nbytes else 0
         with self._lock:
-            found = self.pages.evacuation(
-                cls, lambda s: not self._held(s) and movable(s), want)
+            pages, r = self._table(cls)
+            if pages is None:
+                return None
+            found = pages.evacuation(
+                cls, lambda s: not self._held(g := self._global(r, s)) and movable(g), want)
             if found is None:
                 return None
             page, live = found
-            dst = self.pages.targets(cls, page, len(live))
-            self.pages.claim(dst)
-            return self._planned(list(zip(live, dst, strict=True)))
+            dst = pages.targets(cls, page, len(live))
+            pages.claim(dst)
+            return self._planned([(self._global(r, a), self._global(r, b))
+                                  for a, b in zip(live, dst, strict=True)])
 
     def plan_row(self, nbytes: int, movable: Callable[[int], bool]) -> list[SlotMove]:
         """For blocks of `nbytes` larger than a page (a row spans pages): the moves that free
@@ -632,9 +707,12 @@ class DramPool:
         freed so."""
         cls = self._class_of(nbytes)
         with self._lock:
-            pairs = self.pages.relocation(
-                cls, lambda s: not self._held(s) and movable(s))
-            return self._planned(pairs)
+            pages, r = self._table(cls)
+            if pages is None:
+                return []
+            pairs = pages.relocation(
+                cls, lambda s: not self._held(g := self._global(r, s)) and movable(g))
+            return self._planned([(self._global(r, a), self._global(r, b)) for a, b in pairs])
 
     def _planned(self, pairs: list[tuple[int, int]]) -> list[SlotMove]:
         """Pins the ends of each move the pool owns (`_ends`) and notes where their bytes are
@@ -643,8 +721,9 @@ class DramPool:
         for old, new in pairs:
             for s in self._ends(old, new):
                 self._pins[s] = self._pins.get(s, 0) + 1
-            n = self.pages.stride_of(old)
-            out.append(SlotMove(old, new, self.offset(old), self.offset(new), n))
+            pages, local, _ = self._slot(old)
+            out.append(SlotMove(old, new, self.offset(old), self.offset(new),
+                                pages.stride_of(local)))
         return out
 
     def _ends(self, old: int, new: int) -> tuple[int, ...]:
@@ -656,9 +735,16 @@ class DramPool:
         """Copies each planned move's bytes, old slot to new. Takes no lock: both slots are
         pinned (nobody frees or rewrites them) and their offsets were fixed when planned; call
         it on any thread, without the caller's locks."""
-        buf = self._map.buf
         for m in moves:
+            buf = self._bytes_of(m.old)
             buf[m.dst : m.dst + m.nbytes] = buf[m.src : m.src + m.nbytes]
+
+    def _bytes_of(self, slot: int) -> U8Array:
+        """The daemon's view of the file slot `slot` lies in (a pinned or allocated slot's
+        region is never released under it)."""
+        if self._regions is None:
+            return self._buf()
+        return self._regions.locate(slot)[0].buf
 
     def end_move(self, move: SlotMove, moved: bool) -> None:
         """Ends a planned move: unpins its ends (`_ends`), then frees the old slot when the block
@@ -674,49 +760,67 @@ class DramPool:
             gone = move.old if moved else move.new
             if self._held(gone):
                 raise SlotPinned(f"slot {gone} is pinned; the move cannot free it")
-            self.pages.free(gone)
+            pages, local, r = self._slot(gone)
+            pages.free(local)
+            if r is not None and r.retired and self._regions is not None:
+                self._regions.release_if_drained(r)
 
     # -- bytes ----------------------------------------------------------------------------
 
     def offset(self, slot: int) -> int:
-        """Byte offset of a slot in the segment (what a client is told)."""
+        """Byte offset of a slot in its file (what a client is told: the segment's, or in an
+        isolated pool its region's)."""
         try:
-            return self.data_offset + self.pages.location(slot)
+            if self._regions is None:
+                return self.data_offset + self.pages.location(slot)
+            r, local = self._regions.locate(slot)
+            assert r.pages is not None
+            return r.data_offset + r.pages.location(local)
         except ValueError as exc:
             raise DramError(str(exc)) from None
 
-    def slot_at(self, offset: int) -> int | None:
-        """The slot starting at segment byte `offset` (None when none starts there)."""
-        return self.pages.slot_at(offset - self.data_offset)
+    def slot_at(self, offset: int, tenant: str | None = None) -> int | None:
+        """The slot starting at byte `offset` of the segment, or in an isolated pool of
+        `tenant`'s region now (None when none starts there)."""
+        if self._regions is None:
+            return self.pages.slot_at(offset - self.data_offset)
+        if tenant is None:
+            raise DramError("an isolated pool's offsets name a slot only within a region")
+        with self._lock:
+            r = self._regions.region(tenant)
+            local = None if r.pages is None else r.pages.slot_at(offset - r.data_offset)
+            return None if local is None else self._global(r, local)
 
     def stride_of(self, slot: int) -> int:
         """The bytes an allocated slot spans (its class stride)."""
         with self._lock:
-            self._check(slot)
-            return self.pages.stride_of(slot)
+            pages, local, _ = self._check(slot)
+            return pages.stride_of(local)
 
     def view(self, slot: int, nbytes: int | None = None) -> U8Array:
         """Zero-copy writable view of a slot's first `nbytes` (default: all its stride) bytes.
 
-        Valid while the pool is open; the caller must respect the pin rule when writing.
+        Valid while the pool is open (in an isolated pool, while the slot is allocated: a
+        retired region is released once its last slot is freed); the caller must respect the
+        pin rule when writing.
         """
-        if not 0 <= slot < self.pages.slot_ids:
-            raise DramError(f"slot {slot} out of range")
+        pages, local, r = self._slot(slot)
         o = self.offset(slot)
-        stride = self.pages.stride_of(slot) if self.pages.is_allocated(slot) else 0
+        stride = pages.stride_of(local) if pages.is_allocated(local) else 0
         n = stride if nbytes is None else nbytes
         if nbytes is not None and stride and nbytes > stride:
             raise DramError(f"{nbytes} bytes do not fit slot {slot} ({stride} B)")
-        return self._map.buf[o : o + n]
+        buf = self._buf() if r is None else r.buf
+        return buf[o : o + n]
 
     def write(self, slot: int, data: Any) -> None:
         """Copy `data` (a buffer of at most the slot's stride) into an allocated, unpinned slot."""
         src = np.frombuffer(data, dtype=np.uint8)
         with self._lock:
-            self._check(slot)
+            pages, local, _ = self._check(slot)
             if self._held(slot):
                 raise SlotPinned(f"slot {slot} is leased; it cannot be rewritten")
-            stride = self.pages.stride_of(slot)
+            stride = pages.stride_of(local)
         if src.nbytes > stride:
             raise DramError(f"{src.nbytes} bytes do not fit a {stride}-byte slot")
         np.copyto(self.view(slot, src.nbytes), src)
@@ -733,10 +837,20 @@ class DramPool:
         for slot, out in zip(slots, outs, strict=True):
             self.read_into(slot, out)
 
-    def strides(self) -> set[int]:
-        """The size classes (slot strides) holding pages now."""
+    def _tables(self) -> list[PageTable]:
+        if self._regions is None:
+            return [self.pages]
+        return [r.pages for r in self._regions.regions() if r.pages is not None]
+
+    def strides(self, nbytes: int | None = None) -> set[int]:
+        """The size classes (slot strides, tagged in an isolated pool) holding pages now; with
+        `nbytes`, those of the page table its class allocates from (an isolated pool's region:
+        pages move between its classes only)."""
         with self._lock:
-            return self.pages.strides()
+            if nbytes is not None:
+                pages = self._table(self._class_of(nbytes))[0]
+                return set() if pages is None else pages.strides()
+            return set().union(*(t.strides() for t in self._tables()))
 
     def slots_pinned(self) -> int:
         """`stats().slots_pinned` alone (what eviction asks on every Allocate that evicts),
@@ -746,14 +860,19 @@ class DramPool:
 
     def stats(self) -> DramStats:
         with self._lock:
-            t = self.pages
-            used, used_bytes, pinned = t.used, t.used_bytes, len(self._pins)
+            tables = self._tables()
+            used = sum(t.used for t in tables)
+            used_bytes = sum(t.used_bytes for t in tables)
+            pinned = len(self._pins)
             if self.owner is not None:
                 pinned += self.owner.pinned_slots
-            classes = tuple(t.classes())
-            pages_free = t.free_pages
-            small = next((c for c in classes if c.stride == self.slot_stride), None)
-            free_small = (small.slots - small.slots_used if small else 0) + pages_free * (
+            classes = tuple(c for t in tables for c in t.classes())
+            if self._regions is None:
+                pages_free = self.pages.free_pages
+            else:  # pages no region holds yet count as free
+                pages_free = self.page_count - sum(t.page_count - t.free_pages for t in tables)
+            small = [c for c in classes if geometric(c.stride) == self.slot_stride]
+            free_small = sum(c.slots - c.slots_used for c in small) + pages_free * (
                 self.page_bytes // self.slot_stride)
         return DramStats(
             self.slot_size, self.data_bytes // self.slot_stride, used, free_small, pinned,
@@ -762,10 +881,15 @@ class DramPool:
         )
 
     def close(self) -> None:
-        """Mark the header closed, unlink the file and unmap. Clients keep their mapping."""
+        """Mark the header(s) closed, unlink the file and unmap. Clients keep their mapping."""
         if self._closed:
             return
         self._closed = True
+        if self._regions is not None:
+            with self._lock:
+                self._regions.close()
+            return
+        assert self._map is not None
         mark_closed(self._map.mm)
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -773,10 +897,6 @@ class DramPool:
                 os.unlink(self.path)
             except FileNotFoundError:
                 log.warning("shared-memory segment %s was already removed", self.path)
-        if self._regions is not None:
-            with self._lock:
-                self._regions.mark_closed()
-                self._regions.close()
         self._map.close()
         os.close(self._fd)
 

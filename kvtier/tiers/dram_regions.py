@@ -1,40 +1,45 @@
-"""Per-tenant memory behind the DRAM pool of a daemon with a tokens file: no name to open, and a
-tenant's mapping holds its own blocks only.
+"""Per-tenant memory behind the DRAM pool of a daemon with a tokens file: no name to open, each
+tenant's memory its own, and none of it ever handed to another tenant while a client may map it.
 
 Without tenants the pool is one named file under /dev/shm that every local client maps whole
-(`kvtier.tiers.dram`). With a tokens file the pool's address range is backed page by page by
-anonymous files (`memfd_create`): a base file the daemon never hands out, and one file per tenant
-(its region), each as large as the pool (sparse: only pages written hold memory) and sealed against
-shrinking and growing (a client that holds the fd cannot truncate it under the daemon's mapping),
-with the segment header at offset 0. A size class belongs to one tenant (`class_id`: the stride
-plus the tenant's tag, 1..255, below the 256 B stride unit — same geometry, another class:
-`kvtier.tiers.dram_pages.geometric`), and a page belongs to one class, so a page holds one tenant's
-blocks only; the pool takes at most 255 tenants. When a page joins a class of another tenant than
-the one whose file backs it, the daemon maps that page of the new tenant's file over it (`mmap`
-MAP_FIXED, at the same offset: offsets and size-class grids are the ones the pool hands out anyway)
-and punches the page out of the previous file (the base one, or the previous tenant's: its bytes
-there are gone, not left for it). A page that goes back to the free pages keeps its tenant's
-memory, as a free page of the single-tenant pool keeps its bytes: only that tenant's bytes are
-there, and the tenant taking it again costs no remap and no fresh zeroed pages (punching at every
-release cost 5x in store+load bandwidth). A tenant's client gets its own file's fd over the
-daemon's fd socket (`kvtier.daemon.fdpass`, after its token is checked) and maps it whole: at the
-offsets of its blocks it finds them, everywhere else zeros, its own earlier blocks or what it
-wrote there itself — never another tenant's bytes, and nothing it writes reaches them.
+(`kvtier.tiers.dram`). With a tokens file each tenant has a *region*: an anonymous file
+(`memfd_create`, sealed against shrinking and growing) laid out as a pool of its own — the
+segment header, then `pages` pages — with a page table of its own (`kvtier.tiers.dram_pages`).
+Its client gets the file's fd over the daemon's fd socket (`kvtier.daemon.fdpass`, after its
+token is checked) and maps it whole: every byte of it is the tenant's.
 
-A tenant's file is one *region* of it. A reload that changes or revokes its token retires the
-region (`retire`: its header marked closed); the tenant's next region has a fresh file, a fresh
-tag (fresh class ids; tags are never reused, so each counts toward the 255) and a generation of
-its own in its header, which its clients compare to re-fetch. The retired region's classes are
-`stale` (the daemon evicts their blocks: `kvtier.daemon.residency.Tiers.rekey`), and its pages
-are punched out of its file when another region, the tenant's new one included, takes them: an
-fd fetched before the reload sees no block stored after it.
+Slices. At start the pool's pages are divided among the tenants (`slice_pages`): a tenant with a
+`dram_quota` gets the pages that hold it, the others share the rest equally (each at least its
+`dram_guarantee`). A reload keeps the slice of every tenant whose quota and guarantee did not
+change and divides the pages those do not hold among the tenants added or changed; when those
+pages are too few it divides the whole pool again (`reslice`: tenants whose slice changes move to
+a fresh region, their DRAM blocks leave DRAM, their SSD and remote copies stay).
+A region has exactly its tenant's slice of pages, so the tenants' files together never hold more
+than the pool's data bytes plus one header each, whatever their clients write or read through
+their mappings.
 
-Every move of a page from one tenant to another costs two syscalls (mmap, fallocate) under the
-pool's lock, at page granularity (megabytes), not per block.
+Pages never move between tenants. A page of a live region stays in that region's file at the
+same offset for the region's whole life, so a mapping a client pinned (cudaHostRegister, an
+io_uring fixed buffer) always sees the bytes the daemon serves. Each region page stands for one
+page of the pool's global page space (`home`): slot ids are global (page * ids_per_page + slot
+of the page, as in a shared pool), so tables sized by slot id cover every tenant.
+
+Retirement. A reload that changes or revokes a tenant's token, or changes its slice, retires its
+region (`retire`: the header marked closed); the tenant's next region is a fresh file with a
+fresh tag (tags 1..255 are never reused) and a generation of its own, which its clients compare
+to re-fetch. The retired region's blocks are served no more (`stale`: the daemon drops them, at
+once or at their last release). When its last slot is freed the region is released: its file's
+data is punched out (a client still mapping it sees its closed header and zeros; only pages a
+client pinned stay allocated, held by that client), the daemon closes it, and its global pages go
+to the regions that wait for pages (a new region takes free global pages at once and the rest as
+they are released).
+
+Called under the pool's lock (`kvtier.tiers.dram.DramPool`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import fcntl
@@ -42,22 +47,34 @@ import logging
 import mmap
 import os
 import secrets
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
-from kvtier.core.segment import STATE, STATE_CLOSED, STATE_OFFSET, DramError
-from kvtier.tiers.dram_pages import UNIT, geometric
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.core.errors import UsageError
+from kvtier.core.segment import (
+    STATE,
+    STATE_CLOSED,
+    STATE_OFFSET,
+    DramError,
+    SegmentHandle,
+    SegmentHeader,
+    pack_header,
+)
+from kvtier.core.units import format_bytes
+from kvtier.tiers.dram_pages import UNIT, PageTable
 
 log = logging.getLogger(__name__)
 
-MAP_FIXED = 0x10
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
-MADV_HUGEPAGE = 14
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-GENERATION_AT = STATE_OFFSET + STATE.size  # the header's generation (u64, after the state)
 MAX_TENANTS = UNIT - 1
-"""Tenants an isolated pool serves (their tags, 1..255, lie below the stride unit); a tokens file
-with more is refused at start and at a reload (`tenant_count_problem`)."""
+"""Regions an isolated pool makes over its life (their tags, 1..255, lie below the stride unit;
+a tenant's first region and one per retirement); a tokens file with more tenants is refused at
+start and at a reload (`tenant_count_problem`)."""
 
 
 def tenant_count_problem(tenants: int, tokens_file: object) -> str | None:
@@ -68,15 +85,66 @@ def tenant_count_problem(tenants: int, tokens_file: object) -> str | None:
             "isolated DRAM pool serves")
 
 
-def _libc() -> Any:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
+class TenantShare(NamedTuple):
+    """What a tenant may hold in DRAM (`kvtier.daemon.auth.Tenant`): 0 = not set."""
+
+    name: str
+    quota_bytes: int = 0
+    guarantee_bytes: int = 0
+
+
+def _needed(tenants: Sequence[TenantShare], page_bytes: int) -> dict[str, int]:
+    """The pages each tenant needs at least: its quota's, or its guarantee's and one."""
+    return {t.name: -(-t.quota_bytes // page_bytes) if t.quota_bytes
+            else max(1, -(-t.guarantee_bytes // page_bytes)) for t in tenants}
+
+
+def slice_pages(tenants: Sequence[TenantShare], page_bytes: int, page_count: int,
+                where: object = "tokens file") -> dict[str, int]:
+    """Each tenant's pages of `page_count` pages: a tenant with a quota the pages that hold it;
+    the others the rest in equal shares (the first by name take one more each while pages are
+    left over), each at least the pages its guarantee needs. UsageError when the quotas and
+    guarantees, with a page for every tenant, need more pages than there are."""
+    floor = _needed(tenants, page_bytes)
+    need = sum(floor.values())
+    if need > page_count:
+        raise UsageError(
+            f"{where}: the tenants' DRAM quotas and guarantees, with at least one page of "
+            f"{format_bytes(page_bytes)} for each tenant, need {need} pages; the DRAM pool has "
+            f"{page_count} (raise dram_bytes, lower the quotas, or set smaller dram_page_bytes)")
+    pages = {t.name: floor[t.name] for t in tenants if t.quota_bytes}
+    rest = page_count - sum(pages.values())
+    shared = sorted(t.name for t in tenants if not t.quota_bytes)
+    while shared:  # equal shares; a tenant whose guarantee needs more takes that and leaves
+        share, extra = divmod(rest, len(shared))
+        over = [n for n in shared if floor[n] > share]
+        if not over:
+            for i, n in enumerate(shared):
+                pages[n] = share + (i < extra)
+            break
+        for n in over:
+            pages[n] = floor[n]
+            rest -= floor[n]
+            shared.remove(n)
+    return pages
+
+
+def reslice(tenants: Sequence[TenantShare], page_bytes: int, page_count: int,
+            before: Mapping[str, tuple[TenantShare, int]],
+            where: object = "tokens file") -> dict[str, int]:
+    """The tenants' pages after a reload: a tenant whose quota and guarantee are unchanged
+    keeps its slice (`before`: tenant -> (share, pages)), and the tenants added or changed
+    share the pages the kept ones do not hold (`slice_pages`), so a reload takes no DRAM from a
+    tenant it did not change — unless those pages are too few: then the whole pool is divided
+    again (`slice_pages`; the caller moves every tenant whose slice changed to a fresh
+    region). UsageError when even that does not fit."""
+    kept = {t.name: before[t.name][1] for t in tenants
+            if t.name in before and before[t.name][0] == t}
+    fresh = [t for t in tenants if t.name not in kept]
+    free = page_count - sum(kept.values())
+    if sum(_needed(fresh, page_bytes).values()) > free:
+        return slice_pages(tenants, page_bytes, page_count, where)
+    return {**kept, **slice_pages(fresh, page_bytes, free, where)}
 
 
 def anonymous_file(name: str, size: int, header: bytes = b"") -> int:
@@ -93,180 +161,238 @@ def anonymous_file(name: str, size: int, header: bytes = b"") -> int:
     return fd
 
 
+def _libc() -> Any:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+class RegionSpec(NamedTuple):
+    """The geometry every region shares (the pool's) and how its memory is taken."""
+
+    page_bytes: int
+    min_stride: int  # the smallest slot stride (the pool's `slot_stride`)
+    slot_size: int  # the smallest slot
+    data_offset: int  # the header area before page 0
+    align: int  # the file size is a multiple of it (huge pages: 2 MiB)
+    prefault: bool = False
+    mlock: bool = False
+    huge: bool = False
+
+
+class Region:
+    """One tenant's file: a pool of `len(home)` pages of its own (module docstring). `home[p]`
+    is the global page local page p stands for, -1 until one is free for it; `pages`, its page
+    table, is None until every local page has one (a region made while a retired one still
+    holds its pages waits for them, and holds no block meanwhile)."""
+
+    def __init__(self, tenant: str, tag: int, pages: int, generation: int,
+                 spec: RegionSpec) -> None:
+        self.tenant = tenant
+        self.tag = tag
+        self.generation = generation
+        self.spec = spec
+        self.data_offset = spec.data_offset
+        size = spec.data_offset + pages * spec.page_bytes
+        self.size = -(-size // spec.align) * spec.align
+        self.count = pages
+        self.pages: PageTable | None = None
+        self.home = [-1] * pages
+        self.retired = False
+        self.name = f"kvtier-dram-{tenant}-{tag}"
+        self.fd = anonymous_file(self.name, self.size)
+        try:
+            self.mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.buf: npt.NDArray[np.uint8] = np.frombuffer(self.mm, dtype=np.uint8)
+        pack_header(self.mm, SegmentHeader.live(self.handle()))
+        if spec.prefault:
+            try:
+                os.posix_fallocate(self.fd, 0, self.size)
+            except OSError as exc:
+                log.warning("cannot allocate tenant %r's DRAM now: %s", tenant, exc)
+        if spec.huge:
+            with contextlib.suppress(AttributeError, OSError):
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
+        if spec.mlock:
+            libc = _libc()
+            if libc.mlock(ctypes.c_void_p(int(self.buf.ctypes.data)), self.size) != 0:
+                log.warning("mlock of tenant %r's DRAM failed: %s", tenant,
+                            os.strerror(ctypes.get_errno()))
+
+    def handle(self) -> SegmentHandle:
+        """What the tenant's client attaches: its own file's geometry and generation."""
+        s = self.spec
+        return SegmentHandle(self.name, self.size, self.generation, s.slot_size, s.min_stride,
+                             self.count * s.page_bytes // s.min_stride, self.data_offset,
+                             "/dev/shm", s.page_bytes, self.count)
+
+    @property
+    def used(self) -> int:
+        """Allocated slots (page-move targets included)."""
+        return 0 if self.pages is None else self.pages.used
+
+    def close_header(self) -> None:
+        os.pwrite(self.fd, STATE.pack(STATE_CLOSED), STATE_OFFSET)
+
+    def release(self) -> None:
+        """Punches the file's data memory out (a client still mapping it reads its closed
+        header and zeros; pages a client pinned stay with that client), closes the daemon's fd
+        and unmaps (views still held keep the mapping until they go)."""
+        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        n = self.size - self.data_offset
+        if _libc().fallocate(self.fd, mode, self.data_offset, n) != 0:
+            log.warning("cannot free tenant %r's retired DRAM: %s", self.tenant,
+                        os.strerror(ctypes.get_errno()))
+        os.close(self.fd)
+        del self.buf
+        try:
+            self.mm.close()
+        except BufferError:
+            log.debug("a retired region is still viewed; unmapped when its views go")
+
+
 class TenantRegions:
-    """The tenants' files behind the pool's pages (see the module docstring). Called under the
+    """The tenants' regions of an isolated pool (see the module docstring). Called under the
     pool's lock."""
 
-    def __init__(self, base_fd: int, base_address: int, size: int, data_offset: int,
-                 page_bytes: int, page_count: int, header: bytes, *, prefault: bool = False,
-                 mlock: bool = False, huge: bool = False) -> None:
-        if data_offset % mmap.PAGESIZE or page_bytes % mmap.PAGESIZE:
-            raise DramError(f"pages of {page_bytes} B at {data_offset} are not aligned to the "
-                            f"{mmap.PAGESIZE} B memory page")
-        self._libc = _libc()
-        self._base_fd = base_fd
-        self._base = base_address
-        self.size = size
-        self._data_offset = data_offset
-        self._page_bytes = page_bytes
-        self._header = header
-        self._prefault = prefault
-        self.mlock = mlock
-        self.huge = huge
-        self._generation = int.from_bytes(header[GENERATION_AT:GENERATION_AT + 8], "little")
-        # A region is one file of one tenant: the tenant's first is keyed by its name, one made
-        # after a reload changed or revoked its token (`retire`) by "<name>#<n>" (a tenant name
-        # never holds "#": `kvtier.daemon.auth`).
-        self._current: dict[str, str] = {}  # tenant -> its region now
-        self._tenant: dict[str, str] = {}  # region -> its tenant
-        self._gens: dict[str, int] = {}  # region -> the generation in its file's header
-        self._fds: dict[str, int] = {}  # region -> its file
-        self._tags: dict[str, int] = {}  # region -> its tag (1..UNIT-1)
-        self._owner: dict[int, str] = {}  # class id -> its region
-        self._pages: list[str | None] = [None] * page_count  # page -> its region
-        self._renewed = 0
+    def __init__(self, spec: RegionSpec, page_count: int) -> None:
+        self.spec = spec
+        self.page_count = page_count
+        self.ids_per_page = -(-spec.page_bytes // spec.min_stride)
+        self._slices: dict[str, int] = {}
+        self._current: dict[str, Region] = {}  # tenant -> its region now
+        self._by_tag: dict[int, Region] = {}  # live and retired, until released
+        self._tags = 0  # tags given so far (never reused)
+        self._global: list[Region | None] = [None] * page_count  # global page -> its region
+        self._local = [0] * page_count  # global page -> the region's local page
+        self._free_global = list(range(page_count - 1, -1, -1))
+        self._waiting: list[Region] = []  # regions with local pages no global page backs yet
 
-    def _region(self, tenant: str) -> str:
-        """The tenant's region now (made on first use: its first, or a fresh one after
-        `retire`, with a generation of its own)."""
-        region = self._current.get(tenant)
-        if region is None:
-            if tenant not in self._tenant:  # its first: keyed by its name
-                region, gen = tenant, self._generation
-            else:
-                self._renewed += 1
-                region = f"{tenant}#{self._renewed}"
-                gen = secrets.randbits(63) | 1
-            self._current[tenant], self._tenant[region], self._gens[region] = region, tenant, gen
-        return region
+    # -- slices and regions -------------------------------------------------------------
 
-    def fd(self, tenant: str) -> int:
-        """The file of the tenant's region now (created on first use). The daemon keeps it; a
-        client gets a dup."""
-        return self._file(self._region(tenant))
+    def set_slices(self, slices: dict[str, int]) -> list[str]:
+        """The tenants' pages from now on (`reslice`); returns the tenants whose region now has
+        another size (the caller retires them: their next region has the new one). A tenant
+        left out keeps its region until the caller retires it (revoked)."""
+        self._slices = dict(slices)
+        return sorted(t for t, r in self._current.items() if slices.get(t, r.count) != r.count)
 
-    def generation(self, tenant: str) -> int:
-        """The generation in the header of the tenant's file now (its first file's is the
-        pool's; a fresh file after `retire` has its own: a client compares it and re-fetches)."""
-        return self._gens[self._region(tenant)]
+    def slices(self) -> dict[str, int]:
+        """Tenant -> its pages, as set last (`set_slices`)."""
+        return dict(self._slices)
 
-    def _file(self, region: str) -> int:
-        fd = self._fds.get(region)
-        if fd is None:
-            header = bytearray(self._header)
-            header[GENERATION_AT:GENERATION_AT + 8] = self._gens[region].to_bytes(8, "little")
-            fd = self._fds[region] = anonymous_file(f"kvtier-dram-{region}"[:200], self.size,
-                                                    bytes(header))
-        return fd
+    def region(self, tenant: str) -> Region:
+        """The tenant's region now (made on first use, with the tenant's slice of pages)."""
+        r = self._current.get(tenant)
+        if r is not None:
+            return r
+        pages = self._slices.get(tenant)
+        if not pages:
+            raise DramError(f"tenant {tenant!r} has no DRAM slice (not in the tokens file)")
+        if self._tags >= MAX_TENANTS:
+            raise DramError(f"an isolated DRAM pool makes at most {MAX_TENANTS} tenant regions "
+                            "(one per tenant, one more per token change; a restart starts over)")
+        self._tags += 1
+        r = Region(tenant, self._tags, pages, secrets.randbits(63) | 1, self.spec)
+        self._current[tenant] = self._by_tag[r.tag] = r
+        self._waiting.append(r)
+        self._grant()
+        return r
 
-    def class_id(self, tenant: str, stride: int) -> int:
-        """The id of `tenant`'s class of blocks of stride `stride` now: the stride plus the
-        tag of its region. DramError past 255 tags."""
-        region = self._region(tenant)
-        tag = self._tags.get(region)
-        if tag is None:
-            if len(self._tags) >= MAX_TENANTS:  # regions of earlier tokens files included
-                raise DramError(f"an isolated DRAM pool serves at most {MAX_TENANTS} tenants "
-                                "(tags, one more per token change, never reused)")
-            self._file(region)
-            tag = self._tags[region] = len(self._tags) + 1
-        cls = geometric(stride) + tag
-        self._owner[cls] = region
-        return cls
+    def _grant(self) -> None:
+        """Free global pages to the regions waiting for them, oldest first."""
+        while self._waiting and self._free_global:
+            r = self._waiting[0]
+            p = r.home.index(-1)
+            g = self._free_global.pop()
+            r.home[p] = g
+            self._global[g], self._local[g] = r, p
+            if -1 not in r.home:
+                r.pages = PageTable(self.spec.page_bytes, r.count, self.spec.min_stride)
+                self._waiting.pop(0)
 
-    def tagged(self) -> set[str]:
-        """The tenants whose region now has a tag."""
-        return {t for t, r in self._current.items() if r in self._tags}
-
-    def tags_needed(self, tenants: set[str], retiring: set[str]) -> int:
-        """The tags in use once every tenant of `tenants` has one (those given so far, never
-        reused, plus one per tenant whose region now has none or is `retiring`)."""
-        return len(self._tags) + len(tenants - (self.tagged() - retiring))
-
-    def retire(self, tenant: str) -> bool:
-        """A reload changed or revoked `tenant`'s token: its region now is retired (its file's
-        header marked closed) and its next file and classes are fresh (`_region`); the pages of
-        the retired region stay its until another region takes them (`back` punches them
-        then). Its blocks there must leave (`stale`). False when the tenant had no region."""
-        region = self._current.pop(tenant, None)
-        if region is None:
-            return False
-        fd = self._fds.get(region)
-        if fd is not None:
-            os.pwrite(fd, STATE.pack(STATE_CLOSED), STATE_OFFSET)
-        return True
-
-    def stale(self, cls: int) -> bool:
-        """Whether class `cls` is of a retired region (its blocks are served no more)."""
-        region = self._owner.get(cls)
-        return region is not None and self._current.get(self._tenant[region]) != region
-
-    def is_class(self, cls: int) -> bool:
-        return cls in self._owner
-
-    def owner(self, cls: int) -> str:
-        """The region of class `cls`; DramError for a class no tenant has (a bare stride)."""
-        tenant = self._owner.get(cls)
-        if tenant is None:
+    def of_class(self, cls: int) -> Region:
+        """The region of class id `cls` (its stride plus the region's tag)."""
+        r = self._by_tag.get(cls % UNIT)
+        if r is None:
             raise DramError(f"no tenant has size class {cls} (isolated pool: allocate through "
                             "the tenant's class, `DramPool.class_bytes`)")
-        return tenant
+        return r
 
-    def page_owner(self, page: int) -> str | None:
-        """The tenant whose file backs page `page` (None: the base file, never handed out)."""
-        region = self._pages[page]
-        return None if region is None else self._tenant[region]
+    def is_class(self, cls: int) -> bool:
+        """Whether `cls` names a class of a region not released (a stride plus its tag)."""
+        return cls % UNIT in self._by_tag
 
-    def back(self, page: int, cls: int) -> None:
-        """`PageTable.backing`: page `page` joins class `cls` (0: goes back to the free
-        pages). A page joining another tenant's class gets that tenant's memory, and the
-        previous tenant's bytes there are dropped; a free page keeps its tenant's memory (its
-        bytes are that tenant's, and the tenant taking it again costs nothing: no remap, no
-        fresh zeroed pages)."""
-        if not cls:
-            return
-        region = self.owner(cls)
-        old = self._pages[page]
-        if old == region:
-            return
-        o = self._data_offset + page * self._page_bytes
-        fd = self._file(region)
-        self._map(fd, o)
-        self._punch(self._base_fd if old is None else self._fds[old], o)
-        if self._prefault:
-            try:
-                os.posix_fallocate(fd, o, self._page_bytes)
-            except OSError as exc:
-                log.warning("cannot allocate a DRAM page of tenant %r now: %s",
-                            self._tenant[region], exc)
-        self._pages[page] = region
+    def locate(self, slot: int) -> tuple[Region, int]:
+        """(region, local slot id) of global slot id `slot`; DramError when no region has it."""
+        g, j = divmod(slot, self.ids_per_page)
+        r = self._global[g] if 0 <= g < self.page_count else None
+        if r is None:
+            raise DramError(f"slot {slot} is in no tenant's memory")
+        return r, self._local[g] * self.ids_per_page + j
 
-    def _map(self, fd: int, offset: int) -> None:
-        libc, n, address = self._libc, self._page_bytes, self._base + offset
-        got = libc.mmap(ctypes.c_void_p(address), n, mmap.PROT_READ | mmap.PROT_WRITE,
-                        mmap.MAP_SHARED | MAP_FIXED, fd, offset)
-        if got != address:
-            err = ctypes.get_errno()
-            raise DramError(f"cannot map a DRAM page at offset {offset}: {os.strerror(err)}")
-        if self.huge:
-            libc.madvise(ctypes.c_void_p(address), n, MADV_HUGEPAGE)
-        if self.mlock and libc.mlock(ctypes.c_void_p(address), n) != 0:
-            log.warning("mlock of a remapped DRAM page failed: %s",
-                        os.strerror(ctypes.get_errno()))
+    def to_global(self, r: Region, local: int) -> int:
+        p, j = divmod(local, self.ids_per_page)
+        return r.home[p] * self.ids_per_page + j
 
-    def _punch(self, fd: int, offset: int) -> None:
-        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-        if self._libc.fallocate(fd, mode, offset, self._page_bytes) != 0:
-            log.warning("cannot free a DRAM page's old memory at offset %d: %s", offset,
-                        os.strerror(ctypes.get_errno()))
+    def retire(self, tenant: str) -> bool:
+        """The tenant's region now is retired (header closed; its classes `stale`); its next
+        one is fresh (`region`). False when the tenant had none."""
+        r = self._current.pop(tenant, None)
+        if r is None:
+            return False
+        r.retired = True
+        r.close_header()
+        if r in self._waiting:
+            self._waiting.remove(r)
+        self.release_if_drained(r)
+        return True
+
+    def release_if_drained(self, r: Region) -> bool:
+        """Releases retired region `r` once no slot of it is allocated: its memory punched out,
+        its file closed, its global pages to the regions waiting for them."""
+        if not r.retired or r.used or self._by_tag.get(r.tag) is not r:
+            return False
+        del self._by_tag[r.tag]
+        for g in r.home:
+            if g >= 0:
+                self._global[g] = None
+                self._free_global.append(g)
+        self._free_global.sort(reverse=True)
+        r.release()
+        self._grant()
+        return True
+
+    def tagged(self) -> set[str]:
+        """The tenants that have a region now."""
+        return set(self._current)
+
+    def tags_needed(self, tenants: set[str], retiring: set[str]) -> int:
+        """Tags in use once every tenant of `tenants` has a region (those given so far, never
+        reused, plus one per tenant without a region now or `retiring`)."""
+        return self._tags + len(tenants - (self.tagged() - retiring))
+
+    def regions(self) -> Iterator[Region]:
+        """Every region not released (live and retired)."""
+        return iter(list(self._by_tag.values()))
 
     def mark_closed(self) -> None:
-        """Marks every tenant file's header closed (their clients see the pool went)."""
-        closed = STATE.pack(STATE_CLOSED)
-        for fd in self._fds.values():
-            os.pwrite(fd, closed, STATE_OFFSET)
+        for r in self._by_tag.values():
+            r.close_header()
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for r in list(self._by_tag.values()):
+            r.close_header()
+            os.close(r.fd)
+            del r.buf
+            try:
+                r.mm.close()
+            except BufferError:
+                log.debug("a region is still viewed at close; unmapped when its views go")
+        self._by_tag.clear()
+        self._current.clear()
