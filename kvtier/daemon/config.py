@@ -215,7 +215,7 @@ SETTINGS: tuple[Setting, ...] = (
        "the size kept in <data-dir>/kept.toml, else min(free disk / 4, 16 GiB)", machine=True),
     _S("metrics", "text", "127.0.0.1:9464", "HOST:PORT of /metrics ('' = off, port 0 = any)",
        "127.0.0.1:9464", _host_port),
-    _S("tokens_file", "text", "", "TOML file of tenants and tokens (see kvtier.daemon.auth)",
+    _S("tokens_file", "text", "", "TOML file of tenants and tokens (example: deploy/tokens.toml)",
        "none: one tenant 'default', no authentication"),
     _S("lease_ttl_s", "float", 30.0, "default lease TTL in seconds", "30",
        _between(0, 86400, " seconds", low_open=True)),
