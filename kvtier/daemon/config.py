@@ -7,7 +7,7 @@ setting has a default that works on any machine, so `kvtier serve` needs no conf
 `kvtier serve --help` lists each with its default (on this machine where it depends on it).
 Sizes are read by `kvtier.core.units.parse_bytes`, the one size parser of kvtier.
 
-The remote tier is off unless `remote_url` is set (see README "Sharing across nodes").
+The remote tier is off unless `remote_url` is set (docs/remote.md).
 
 Write-back sizing. A write-back pins its DRAM slot until written; `writeback_queue_bytes` bounds
 those slots, and a write-back that finds the queue full is dropped and counted (the load path
