@@ -3,13 +3,13 @@
     python -m bench.fleet [--trace FILE] [--nodes 8] [--out FILE.json]
 
 Runs `kvtier simulate --nodes` (the CLI, `--json`, one process per row) on the shared Mooncake
-trace: 8 nodes of Llama-3-8B, each with 32 GiB DRAM and 128 GiB SSD (the fleet's total is the
-README's single-node example, 256 GiB + 1 TiB), with round-robin, least-loaded and prefix-aware
-routing, without and with a shared 1 TiB remote tier (written at kvtier serve's default rate,
-200 MB/s per node, and without a write limit); then prefix-aware with its router seeing node
-contents 1 s and 10 s late, without its load guard, and with the remote fetched at 12.5 GB/s
-(100 GbE) instead of kvtier serve's seed (1.2 GB/s). Baselines in the same run: round-robin (the
-router that sees nothing) and one node holding the fleet's whole capacity.
+trace: 8 nodes of Llama-3-8B, each with 32 GiB DRAM and 128 GiB SSD (the fleet's total is
+docs/simulation.md's single-node trace example, 256 GiB + 1 TiB), with round-robin, least-loaded and
+prefix-aware routing, without and with a shared 1 TiB remote tier (written at kvtier serve's default
+rate, 200 MB/s per node, and without a write limit); then prefix-aware with its router seeing node
+contents 1 s and 10 s late, without its load guard, and with the remote fetched at 12.5 GB/s (100
+GbE) instead of kvtier serve's seed (1.2 GB/s). Baselines in the same run: round-robin (the router
+that sees nothing) and one node holding the fleet's whole capacity.
 
 Issue 26's goal: prefix-aware routing with load imbalance (max / mean requests per node) <= 1.25.
 Prints a table and writes JSON (default: a file in the temp directory; the path is printed).

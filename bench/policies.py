@@ -234,7 +234,7 @@ def print_table(summary: Sequence[dict[str, Any]]) -> None:
 
 
 def markdown(summary: Sequence[dict[str, Any]]) -> str:
-    """The table of `print_table` as Markdown (for docs/benchmarks.md and the README)."""
+    """The table of `print_table` as Markdown (for docs/benchmarks.md and docs/simulation.md)."""
     lines = ["| workload | tiers | capacity | kvtier | LRU | best peer | peer hit | ×LRU | ×peer "
              "| ×Belady | Belady ×LRU | worst seed ×LRU | SSD writes kvtier / LRU |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,3 +1,3 @@
 """The package version (one place; `kvtier.__version__` re-exports it)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from kvtier._version import __version__
 from kvtier.core.errors import UsageError
 
 # name -> module; a module that does not exist yet is simply not offered.
@@ -59,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="kvtier", description="Multi-tier KV cache service for LLM inference.")
-    parser.add_argument("--version", action="version", version="kvtier 0.1.0")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         if only is not None and name != only:

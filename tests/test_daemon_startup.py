@@ -15,6 +15,7 @@ import lmdb
 import numpy as np
 import pytest
 
+from kvtier._version import __version__
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.types import Tier
 from kvtier.daemon import config
@@ -154,7 +155,7 @@ def test_store_that_cannot_be_opened_is_moved_aside(tmp_path: Path, damage: str)
         errors = [ln for ln in d.log().splitlines() if " ERROR " in ln]
         assert len(errors) == 1 and str(d.data_dir / "ssd") in errors[0]
         assert str(aside[0]) in errors[0] and "moved it aside" in errors[0]
-        assert first_line(d).split(": ", 1)[1].startswith("kvtier serving on")  # item 17 too
+        assert first_line(d).split(": ", 1)[1].startswith(f"kvtier {__version__} serving on")
         assert metric(d, "kvtier_ssd_damage_total", kind="store_moved_aside") == 1
         serves_and_keeps(d)
     finally:
@@ -215,7 +216,7 @@ def test_ssd_size_is_kept_and_a_shrink_evicts_and_says_how_much(tmp_path: Path) 
         d.stop()
         without_ssd_flag(d).start()  # no setting: the size kept, not a fresh default
         assert capacity() == 4 << 20
-        serving = [ln for ln in d.log().splitlines() if "kvtier serving on" in ln]
+        serving = [ln for ln in d.log().splitlines() if " serving on unix:" in ln]
         assert len(serving) == 2 and "SSD tier 4 MiB under" in serving[-1]
         assert "SSD tier shrank" not in d.log()
         printed = subprocess.run(
@@ -267,7 +268,7 @@ def test_first_log_line_says_where_and_how_much(tmp_path: Path) -> None:
     d = DaemonProc(tmp_path / "d").start()
     try:
         line = first_line(d)
-        assert " INFO kvtier.daemon.server: kvtier serving on unix:" in line
+        assert f" INFO kvtier.daemon.server: kvtier {__version__} serving on unix:" in line
         for what in (str(d.socket), "metrics http://127.0.0.1:", "DRAM pool 16 MiB",
                      f"SSD tier 64 MiB under {d.data_dir}", "planner rates from"):
             assert what in line, what

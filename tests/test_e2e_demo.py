@@ -67,8 +67,9 @@ def test_demo_without_torch_is_a_one_line_error() -> None:
             "sys.exit(main(['demo'] + sys.argv[1:]))")
     proc = run_demo([], {}, code=code)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("kvtier demo: error: the demo needs torch, an optional extra: "
-                                   "pip install 'kvtier[torch]'")
+    assert proc.stderr.strip() == ("kvtier demo: error: the demo needs torch (its CPU build: pip "
+                                   "install 'torch==2.13.0+cpu' --extra-index-url "
+                                   "https://download.pytorch.org/whl/cpu)")
 
 
 @pytest.mark.parametrize(

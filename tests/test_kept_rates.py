@@ -50,7 +50,7 @@ def test_measured_rates_survive_a_restart(tmp_path: Path) -> None:
         assert saved["tenants"]["default"]["prefill_flops_per_s"] == pytest.approx(SLOW)
 
         d.start()
-        first = d.log().split("kvtier serving on")[-1].splitlines()[0]
+        first = d.log().split(" serving on unix:")[-1].splitlines()[0]
         assert re.search(r"planner rates from measured before the restart \(\S+rates\.json, "
                          r"saved \d{4}-\d\d-\d\dT[\d:]+Z: dram_write, prefill; "
                          r"per tenant: default\), else defaults", first), first

@@ -1,5 +1,5 @@
-"""The package face: every public name imports from `kvtier`, the README uses only those, and
-the README's API table lists exactly `kvtier.__all__`."""
+"""The package face: every public name imports from `kvtier`, the README and the documentation
+pages use only those, and the API page's table lists exactly `kvtier.__all__`."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from pathlib import Path
 import kvtier
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TEXT = "\n".join(p.read_text() for p in PAGES)
 
 
 def _code_blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, re.S)
+    return re.findall(rf"```{lang}\n(.*?)```", TEXT, re.S)
 
 
 def test_every_public_name_resolves_to_its_defining_module() -> None:
@@ -35,20 +36,21 @@ def test_unknown_name_is_an_attribute_error() -> None:
         raise AssertionError("expected AttributeError")
 
 
-def test_readme_code_imports_only_the_package_face() -> None:
+def test_pages_code_imports_only_the_package_face() -> None:
     imports = []
     for block in _code_blocks("python") + _code_blocks("bash"):
         imports += re.findall(r"^\s*from (kvtier[\w.]*) import ([^\n#]+)", block, re.M)
-    assert imports, "the README shows no kvtier imports"
+    assert imports, "the pages show no kvtier imports"
     for module, names in imports:
-        assert module == "kvtier", f"README imports from {module}: use `from kvtier import ...`"
+        assert module == "kvtier", f"a page imports from {module}: use `from kvtier import ...`"
         for name in (n.strip() for n in names.split(",")):
-            assert name in kvtier.__all__, f"README imports {name}, not in kvtier.__all__"
+            assert name in kvtier.__all__, f"a page imports {name}, not in kvtier.__all__"
             assert getattr(kvtier, name) is not None
 
 
-def test_readme_api_table_lists_exactly_all() -> None:
-    section = README.split("## Python API", 1)[1].split("\n## ", 1)[0]
+def test_api_page_table_lists_exactly_all() -> None:
+    page = (ROOT / "docs" / "api.md").read_text()
+    section = page.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     listed = {n for row in rows for n in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert listed == set(kvtier.__all__) - {"__version__"}

@@ -179,15 +179,14 @@ def test_every_flipped_bit_of_a_stored_value_is_caught(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_readme_remote_config_example_loads(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Sharing across nodes", 1)[1].split("\n## ", 1)[0]
+def test_remote_page_config_example_loads(tmp_path: Path) -> None:
+    section = (Path(__file__).resolve().parents[1] / "docs" / "remote.md").read_text()
     toml = section.split("```toml\n", 1)[1].split("```", 1)[0]
     (tmp_path / "kvtier.toml").write_text(toml)
     cfg = config.load({}, {"HOME": str(tmp_path)}, str(tmp_path / "kvtier.toml"))
     assert cfg.remote_url == "rediss://kv-cache.internal:6380/0"
     assert cfg.remote_write_bytes_per_s == 400_000_000 and cfg.remote_username == "kvtier"
-    # every key the README's table names is a setting
+    # every key the page's table names is a setting
     for key in ("remote_url", "remote_mode", "remote_username", "remote_password",
                 "remote_tls_ca", "remote_tls_cert", "remote_tls_key", "remote_timeout_s",
                 "remote_write_bytes_per_s", "remote_write_burst_bytes", "remote_queue_bytes",

@@ -1,4 +1,4 @@
-"""The SSD tier is reserved on disk at open (README "Running the daemon"), with the default
+"""The SSD tier is reserved on disk at open (docs/daemon.md), with the default
 settings too: a real daemon's `data.mdb` holds its whole map in allocated blocks after the start,
 and a tier larger than the free disk is refused at start, in one line, with nothing allocated."""
 

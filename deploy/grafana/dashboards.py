@@ -5,7 +5,7 @@
 Two dashboards over the recording rules of deploy/prometheus/kvtier.rules.yml (load them) and the
 raw `kvtier_*` metrics: **fleet** (every daemon of a Prometheus datasource, by model, tenant and
 node) and **node** (one or more daemons picked with the `instance` variable). Each panel is a
-`Panel` below: its title, what it means (shown as the panel's description and in the README's
+`Panel` below: its title, what it means (shown as the panel's description and in docs/fleet.md's
 "Watching a fleet"), its PromQL and unit. tests/test_grafana.py checks that the committed JSON is
 what this builds, and evaluates every query against a real Prometheus scraping real daemons.
 """

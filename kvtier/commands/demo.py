@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     if importlib.util.find_spec("torch") is None:
-        raise UsageError("the demo needs torch, an optional extra: pip install 'kvtier[torch]'")
+        raise UsageError("the demo needs torch (its CPU build: pip install 'torch==2.13.0+cpu' "
+                         "--extra-index-url https://download.pytorch.org/whl/cpu)")
     if not 1 <= args.turns <= 50:
         raise UsageError(f"--turns must be 1..50, got {args.turns}")
     if not 16 <= args.system_tokens <= 4096:

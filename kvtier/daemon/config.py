@@ -7,7 +7,7 @@ setting has a default that works on any machine, so `kvtier serve` needs no conf
 `kvtier serve --help` lists each with its default (on this machine where it depends on it).
 Sizes are read by `kvtier.core.units.parse_bytes`, the one size parser of kvtier.
 
-The remote tier is off unless `remote_url` is set (see README "Sharing across nodes").
+The remote tier is off unless `remote_url` is set (docs/remote.md).
 
 Write-back sizing. A write-back pins its DRAM slot until written; `writeback_queue_bytes` bounds
 those slots, and a write-back that finds the queue full is dropped and counted (the load path
@@ -215,7 +215,7 @@ SETTINGS: tuple[Setting, ...] = (
        "the size kept in <data-dir>/kept.toml, else min(free disk / 4, 16 GiB)", machine=True),
     _S("metrics", "text", "127.0.0.1:9464", "HOST:PORT of /metrics ('' = off, port 0 = any)",
        "127.0.0.1:9464", _host_port),
-    _S("tokens_file", "text", "", "TOML file of tenants and tokens (see kvtier.daemon.auth)",
+    _S("tokens_file", "text", "", "TOML file of tenants and tokens (example: deploy/tokens.toml)",
        "none: one tenant 'default', no authentication"),
     _S("lease_ttl_s", "float", 30.0, "default lease TTL in seconds", "30",
        _between(0, 86400, " seconds", low_open=True)),

@@ -58,6 +58,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvtier._proto import kvtier_pb2 as pb
+from kvtier._version import __version__
 from kvtier.core.errors import UsageError
 from kvtier.core.lookupwire import CALLS
 from kvtier.core.paths import socket_path_problem
@@ -259,8 +260,8 @@ class Daemon:
         tenants = ", ".join(t.name + (f" ({format_bytes(slices[t.name])} of DRAM)"
                                       if t.name in slices else "") for t in self.auth.tenants())
         auth = "token auth" if self.auth.required else "no auth"
-        return (f"kvtier serving on unix:{cfg.socket}{tcp}; metrics {metrics}; DRAM pool "
-                f"{format_bytes(cfg.dram_bytes)} (blocks up to "
+        return (f"kvtier {__version__} serving on unix:{cfg.socket}{tcp}; metrics {metrics}; "
+                f"DRAM pool {format_bytes(cfg.dram_bytes)} (blocks up to "
                 f"{format_bytes(cfg.max_block_bytes)} in size classes, slots from "
                 f"{format_bytes(cfg.slot_bytes)}); SSD tier {ssd}; planner rates from "
                 f"{rates.described}; KV events {events}; tenants: {tenants} ({auth})")

@@ -82,7 +82,7 @@ def check_plot_target(path: str) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError(
-            "--plot needs matplotlib, which is not installed (pip install 'kvtier[plot]')"
+            "--plot needs matplotlib, which is not installed (pip install 'matplotlib>=3.8')"
         ) from None
     target = Path(path)
     if target.suffix.lower() != ".png":

@@ -20,7 +20,7 @@ Then "/<dtype>" (the weights' compute dtype changes every K and V) and "/q:<meth
 engine quantizes. The KV cache dtype, block size and shard are the layout fingerprint's, not the
 id's. Each engine's adapter reads these from its own configuration (vLLM:
 `integrations/vllm/layout.default_model_id`; SGLang: `integrations/sglang/layout.default_model_id`)
-and the id is pinned by hand with the `model_id` key of its extra config (README). Pure apart
+and the id is pinned by hand with the `model_id` key of its extra config (docs/vllm.md). Pure apart
 from reading the model's files; no engine import.
 """
 

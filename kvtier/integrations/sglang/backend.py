@@ -1,6 +1,6 @@
 """kvtier as SGLang's HiCache L3 storage backend (`HiCacheStorage`), loaded by SGLang's dynamic
 backend factory: `module_path` "kvtier.integrations.sglang.backend", `class_name`
-"KvtierStorage" (README "Using kvtier with SGLang"). Each TP rank builds one; it is a client
+"KvtierStorage" (docs/sglang.md). Each TP rank builds one; it is a client
 of the local daemon (`store.PageStore`), never a second cache.
 
 Paths: with `"interface_v1": 1` SGLang calls `batch_get_v1` / `batch_set_v1` with host pool

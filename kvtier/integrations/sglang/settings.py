@@ -26,8 +26,8 @@ WHERE = "hicache_storage_backend_extra_config"
 
 @dataclass(frozen=True, slots=True)
 class StorageSettings:
-    """What the backend reads from the extra config (README "Using kvtier with SGLang" lists
-    the same keys and defaults)."""
+    """What the backend reads from the extra config (docs/sglang.md lists the same
+    keys and defaults)."""
 
     socket: str = ""
     """The daemon's Unix socket; "" = `$KVTIER_SOCKET`, else the default of `kvtier serve`."""

@@ -1,5 +1,5 @@
 """vLLM's KV connector for kvtier: `kv_connector_module_path="kvtier.integrations.vllm"`,
-`kv_connector="KvtierConnector"` (see `connector.py` and README "Using kvtier with vLLM").
+`kv_connector="KvtierConnector"` (see `connector.py` and docs/vllm.md).
 
 The connector class is imported on first access, so the pure modules here (settings, layout)
 import without vLLM."""

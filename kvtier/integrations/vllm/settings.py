@@ -21,8 +21,8 @@ TRANSFERS = ("auto", "engine", "torch")
 
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
-    """What the connector reads from `kv_connector_extra_config` (README "Using kvtier with
-    vLLM" lists the same keys and defaults)."""
+    """What the connector reads from `kv_connector_extra_config` (docs/vllm.md lists the
+    same keys and defaults)."""
 
     socket: str = ""
     """The daemon's Unix socket; "" = `$KVTIER_SOCKET`, else the default of `kvtier serve`."""

@@ -166,7 +166,7 @@ class WorkerSide:
 
             if not available():
                 log.warning("kvtier worker %d: the TransferEngine's CUDA backend needs CuPy "
-                            "(pip install 'kvtier[gpu]'); loading with torch copies",
+                            "(pip install 'cupy-cuda12x>=13'); loading with torch copies",
                             self.rank)
                 choice = "torch"
         groups = [self.kv.group_of(i) for i in range(len(self.kv.layer_names))]
