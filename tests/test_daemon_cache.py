@@ -1,5 +1,6 @@
-"""`kvtier.daemon.cache.Cache` in-process (real shm pool, real LMDB, injected lease clock): the
-domain rules without gRPC — eviction under pressure, expiry, no leaked slots, SSD round trip."""
+"""`kvtier.daemon.cache.cache.Cache` in-process (real shm pool, real LMDB, injected lease
+clock): the domain rules without gRPC — eviction under pressure, expiry, no leaked slots, SSD
+round trip."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from kvtier.core.keys import layout_id
 from kvtier.core.types import Tier
 from kvtier.daemon import config
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
 from kvtier.daemon.metrics import DaemonMetrics
 
 FINGERPRINT = b"cache-test-layout"

@@ -23,9 +23,9 @@ from kvtier.core.keys import layout_id
 from kvtier.core.types import Tier
 from kvtier.daemon import config
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
+from kvtier.daemon.cache.residency import PageMoves
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.residency import PageMoves
 
 KiB = 1 << 10
 T = Tenant("t")

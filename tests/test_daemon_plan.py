@@ -15,9 +15,9 @@ from kvtier.core.planner import Reason
 from kvtier.core.types import Tier
 from kvtier.daemon import config
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.rates import Link, LinkRate, RateBook
+from kvtier.daemon.rates.book import Link, LinkRate, RateBook
 
 FINGERPRINT = b"plan-test-layout"
 MODEL = "plan-test-model"

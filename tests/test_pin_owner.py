@@ -16,7 +16,7 @@ from kvtier.core.segment import DramError
 from kvtier.core.types import Tier
 from kvtier.daemon import config
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.index.prefix import PrefixIndex
 from kvtier.tiers.dram import SlotPinned

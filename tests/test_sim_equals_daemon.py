@@ -28,9 +28,9 @@ from kvtier.core.keys import layout_id
 from kvtier.core.types import Tier
 from kvtier.daemon import config
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
+from kvtier.daemon.cache.namespaces import Namespace
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespace
 from kvtier.index.policy_registry import DEFAULT_POLICY
 from kvtier.sim.config import TierConfig
 from kvtier.sim.fleet import RemoteStore

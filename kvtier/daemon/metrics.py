@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from kvtier._version import __version__
 from kvtier.core.planner import Plan, Reason
 from kvtier.daemon.httpd import HttpEndpoint, Readiness
-from kvtier.daemon.rates import Link, RateBook
+from kvtier.daemon.rates.book import Link, RateBook
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed")

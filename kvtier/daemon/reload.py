@@ -44,7 +44,7 @@ from kvtier.daemon.config import Config
 from kvtier.tiers.dram_regions import tenant_count_problem
 
 if TYPE_CHECKING:
-    from kvtier.daemon.cache import Cache
+    from kvtier.daemon.cache.cache import Cache
 
 log = logging.getLogger(__name__)
 

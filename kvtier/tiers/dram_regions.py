@@ -25,7 +25,7 @@ A tenant's file is one *region* of it. A reload that changes or revokes its toke
 region (`retire`: its header marked closed); the tenant's next region has a fresh file, a fresh
 tag (fresh class ids; tags are never reused, so each counts toward the 255) and a generation of
 its own in its header, which its clients compare to re-fetch. The retired region's classes are
-`stale` (the daemon evicts their blocks: `kvtier.daemon.residency.Tiers.rekey`), and its pages
+`stale` (the daemon evicts their blocks: `kvtier.daemon.cache.residency.Tiers.rekey`), and its pages
 are punched out of its file when another region, the tenant's new one included, takes them: an
 fd fetched before the reload sees no block stored after it.
 

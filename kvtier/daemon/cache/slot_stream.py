@@ -20,7 +20,7 @@ from typing import TypeAlias
 
 from kvtier.core.errors import NotFound
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
 from kvtier.tiers.dram import DramPool
 
 Buffer: TypeAlias = bytes | memoryview

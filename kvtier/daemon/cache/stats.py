@@ -11,11 +11,11 @@ from typing import NamedTuple
 
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import Namespace, Namespaces
+from kvtier.daemon.cache.residency import Tiers
 from kvtier.daemon.config import Config
-from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
-from kvtier.daemon.namespaces import Namespace, Namespaces
-from kvtier.daemon.residency import Tiers
 from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 
 

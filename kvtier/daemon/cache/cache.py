@@ -23,11 +23,11 @@ Invariants kept:
 - every slot is owned by exactly one of: the free list, a WRITE lease, a cached block — leases
   that end (released, committed, aborted, expired) give back what they held exactly once.
 
-`Cache` is the facade that takes the lock, validates requests against namespaces and owns the
-lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.daemon.acquire`
-(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers),
-`kvtier.daemon.applier` (what a residency change entails) and `kvtier.daemon.cache_stats` (what it
-reports).
+`Cache` is the facade that takes the lock, validates requests against namespaces and owns the lease
+table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.daemon.cache.acquire`
+(the load path), `kvtier.daemon.cache.allocate` (the store path), `kvtier.daemon.cache.residency`
+(the tiers), `kvtier.daemon.cache.applier` (what a residency change entails) and
+`kvtier.daemon.cache.stats` (what it reports).
 
 Locks, outermost first (a thread holding one only ever takes those below it):
 
@@ -71,7 +71,8 @@ from kvtier.core.errors import (
 from kvtier.core.planner import Plan, Prefix, plan
 from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
-from kvtier.daemon.acquire import (
+from kvtier.daemon.auth import Tenant
+from kvtier.daemon.cache.acquire import (
     NOT_ASKED,
     Acquirer,
     AcquireResult,
@@ -79,20 +80,19 @@ from kvtier.daemon.acquire import (
     ReadLease,
     RemoteCheck,
 )
-from kvtier.daemon.allocate import AllocateResult as AllocateResult
-from kvtier.daemon.allocate import Allocator, WriteLease, quota_room
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache_stats import CacheStats as CacheStats
-from kvtier.daemon.cache_stats import cache_stats, mrc_gauges, new_sampler, pool_gauges
+from kvtier.daemon.cache.allocate import AllocateResult as AllocateResult
+from kvtier.daemon.cache.allocate import Allocator, WriteLease, quota_room
+from kvtier.daemon.cache.events import EventLog
+from kvtier.daemon.cache.leases import Lease, LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import LayoutInfo, NamespaceInfo, Namespaces
+from kvtier.daemon.cache.residency import PageMoves, Steps, Tiers
+from kvtier.daemon.cache.slot_stream import SlotStream
+from kvtier.daemon.cache.stats import CacheStats as CacheStats
+from kvtier.daemon.cache.stats import cache_stats, mrc_gauges, new_sampler, pool_gauges
 from kvtier.daemon.config import Config
-from kvtier.daemon.events import EventLog
-from kvtier.daemon.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.metrics import DaemonMetrics, MrcGauges, PoolGauges
-from kvtier.daemon.namespaces import LayoutInfo, NamespaceInfo, Namespaces
-from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.residency import PageMoves, Steps, Tiers
-from kvtier.daemon.slot_stream import SlotStream
-from kvtier.daemon.tenant_rates import TenantRates
+from kvtier.daemon.rates.book import Link, RateBook
+from kvtier.daemon.rates.tenants import TenantRates
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ class Cache:
         """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
         slots (on this thread); stops before a block that cannot be promoted. After a whole
         local prefix, the blocks the remote store holds follow it (fetched into DRAM slots
-        claimed for them only). See `kvtier.daemon.acquire`."""
+        claimed for them only). See `kvtier.daemon.cache.acquire`."""
         a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
         return self._in_session(self.acquirer.finish(a) if a.io else self.acquirer.end(a), a)
 
@@ -453,7 +453,7 @@ class Cache:
         ttl_s: float, session: str = "",
     ) -> AllocateResult:
         """Slots for the keys not cached or being written, under a WRITE lease. See
-        `kvtier.daemon.allocate`."""
+        `kvtier.daemon.cache.allocate`."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
             self._check_session(tenant, session)

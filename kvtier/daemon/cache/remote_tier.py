@@ -6,7 +6,7 @@
              each key it holds, none for the rest ─▶ `fetch_into(ns, keys, slots)`: one
              pipelined GET round trip, each value verified and copied into its slot → the cache
              inserts the good prefix into the index as DRAM blocks under the Acquire's lease
-             (`kvtier.daemon.acquire`)
+             (`kvtier.daemon.cache.acquire`)
     Commit   admitted blocks ─▶ `offer(RemoteWrite)`: never blocks; a queue bounded in bytes of
              pinned slots and a byte-rate token bucket decide, else the write is dropped and
              counted; a writer thread (`kvtier.tiers.writeq`, shared with the SSD mover) sends
@@ -46,7 +46,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.core.wear import TokenBucket
-from kvtier.daemon.rates import Link, RateBook
+from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.remote import RemoteStore, RemoteUnavailable

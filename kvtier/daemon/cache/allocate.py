@@ -12,7 +12,7 @@
 
 Every slot of a WRITE lease is charged to its tenant from `allocate` until `commit` makes it a
 block's (still charged) or `end` frees it. The lease table, ownership checks and TTLs are the
-cache's (`kvtier.daemon.cache`); this module only sees leases it was handed.
+cache's (`kvtier.daemon.cache.cache`); this module only sees leases it was handed.
 
 Threading: every function is called with the cache lock held.
 """
@@ -25,9 +25,9 @@ from typing import NamedTuple, TypeVar, cast
 from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.namespaces import NamespaceInfo, TenantUsage
-from kvtier.daemon.residency import Steps, Tiers
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import NamespaceInfo, TenantUsage
+from kvtier.daemon.cache.residency import Steps, Tiers
 from kvtier.index import placement
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 

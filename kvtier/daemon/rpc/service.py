@@ -1,4 +1,5 @@
-"""The gRPC servicer: a thin translation between kvtier.v1 messages and `kvtier.daemon.cache.Cache`.
+"""The gRPC servicer: a thin translation between kvtier.v1 messages and
+`kvtier.daemon.cache.cache.Cache`.
 
 Each handler authenticates the caller (`kvtier.daemon.auth`), validates the message's own fields,
 calls the cache, and maps domain errors to gRPC status codes:
@@ -10,17 +11,17 @@ calls the cache, and maps domain errors to gRPC status codes:
 A refused request changes nothing. Every call is counted and timed per method in the metrics.
 `answer` is that whole treatment of a unary call — tenant, guard's verdict, handler, error
 mapping, metrics — for any transport: the gRPC handlers call it through `_unary`, and the lookup
-socket (`kvtier.daemon.lookup_socket`) through `lookup` and `call` (Lookup and the lease calls of
+socket (`kvtier.daemon.rpc.local_socket`) through `lookup` and `call` (Lookup and the lease calls of
 the shared-memory path), so a call means the same on both.
-Requests arrive through `kvtier.daemon.rpc_guard` (per-method size limits, decoding that never
+Requests arrive through `kvtier.daemon.rpc.guard` (per-method size limits, decoding that never
 raises): a request it refused reaches the handler as a `Refused` value and is answered with its
 code.
 
-Tenancy: layouts, cost models and prefill rates are the caller's own (`kvtier.daemon.namespaces`);
-Stats and WatchEvents show the caller's own figures and events, node-wide ones only for an admin
-token. Sessions (OpenSession): leases granted to a call carrying `kvtier-session` metadata end when
-that session's stream ends — within moments of the client process dying.
-Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
+Tenancy: layouts, cost models and prefill rates are the caller's own
+(`kvtier.daemon.cache.namespaces`); Stats and WatchEvents show the caller's own figures and events,
+node-wide ones only for an admin token. Sessions (OpenSession): leases granted to a call carrying
+`kvtier-session` metadata end when that session's stream ends — within moments of the client process
+dying. Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
 promotions (Acquire, ReadBlocks), whose reads run on a worker thread (`Cache.acquire_async`), and
 the page moves Allocate, WriteBlocks and Acquire's claims make room with, whose copies run on a
 worker thread without the cache lock (`Cache.allocate_async`, `acquire_async`).
@@ -58,8 +59,8 @@ from kvtier.core.segment import VERSION as SEGMENT_VERSION
 from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
-from kvtier.daemon.cache import AllocateResult, Cache
-from kvtier.daemon.rpc_guard import Refused, RefusedError, decoded
+from kvtier.daemon.cache.cache import AllocateResult, Cache
+from kvtier.daemon.rpc.guard import Refused, RefusedError, decoded
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
@@ -210,7 +211,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     async def lookup(self, request: pb.LookupRequest | Refused, tenant: Callable[[], Tenant]
                      ) -> bytes:
-        """Lookup for a transport other than gRPC (`kvtier.daemon.lookup_socket`): the same
+        """Lookup for a transport other than gRPC (`kvtier.daemon.rpc.local_socket`): the same
         checks, errors, metrics and stats as the RPC; raises `Failed` for a refused request."""
         return await self.answer("Lookup", request, tenant,
                                  partial(self._lookup, request))  # type: ignore[arg-type]
@@ -231,7 +232,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     async def _lookup(self, request: pb.LookupRequest, tenant: Tenant) -> bytes:
         """The `LookupResponse` in wire form (`kvtier.core.lookupwire.lookup_response`), which
-        gRPC sends as is (`kvtier.daemon.rpc_guard`) and the lookup socket frames."""
+        gRPC sends as is (`kvtier.daemon.rpc.guard`) and the lookup socket frames."""
         res = await self.cache.lookup_async(
             tenant, request.layout, request.keys, request.key_width, request.start_token,
             request.prompt_tokens, request.want_plan, request.replica,

@@ -4,7 +4,7 @@
 `ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing. Deciding is the placement
 planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`: write-backs, SSD and
 DRAM room, fair-share and quota victims, victims across size classes, promotions, remote
-offers); the index journals every residency change and the `Applier` (`kvtier.daemon.applier`)
+offers); the index journals every residency change and the `Applier` (`kvtier.daemon.cache.applier`)
 acts on it (slots freed, tenants charged, SSD keys deleted, events); what is left here is
 applying the planner's intents and moving:
 
@@ -29,22 +29,22 @@ applying the planner's intents and moving:
   pinned in the index by the caller.
 
 Index "tenants" are namespaces, `Namespace(tenant, layout id)` (layout id = H(model id, layout
-fingerprint), `kvtier.daemon.namespaces`), whose value `"<tenant>/ns2:<layout id hex>"` is also
-the SSD store's (and the remote tier's) key, so after a restart the stored blocks come back under
-the right tenant, model and layout (the rebuild turns each stored key back into a `Namespace`).
-Blocks stored under any other namespace form — the pre-model-id `"<tenant>/<fingerprint hex>"` —
-cannot be attributed to a model: the rebuild deletes them (one warning line with the count) and
-never serves them.
+fingerprint), `kvtier.daemon.cache.namespaces`), whose value `"<tenant>/ns2:<layout id hex>"` is
+also the SSD store's (and the remote tier's) key, so after a restart the stored blocks come back
+under the right tenant, model and layout (the rebuild turns each stored key back into a
+`Namespace`). Blocks stored under any other namespace form — the pre-model-id
+`"<tenant>/<fingerprint hex>"` — cannot be attributed to a model: the rebuild deletes them (one
+warning line with the count) and never serves them.
 
 Threading: every method is called with the cache lock held, except `on_written`, which the mover
-calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must
-be called without it. Lock order (all of it: `kvtier.daemon.cache`): cache lock → a write queue's
-lock (`Mover.submit`, `RemoteTier.offer`) → the pool's lock; cache lock → the SSD store's write
-lock (deletes). The writer threads never hold their queue's or the store's lock while taking ours.
-Page moves (`_gather`, `_clear_row`) are planned under the cache lock and yielded (`taking`'s
-steps, `PageMoves`); the driver copies them without it (`Cache._off_loop`: a worker thread) or,
-for in-process callers, on its own thread with it held (`run_here`), and `end_moves` finishes
-them under it. Never under the pool's lock.
+calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must be
+called without it. Lock order (all of it: `kvtier.daemon.cache.cache`): cache lock → a write queue's
+lock (`Mover.submit`, `RemoteTier.offer`) → the pool's lock; cache lock → the SSD store's write lock
+(deletes). The writer threads never hold their queue's or the store's lock while taking ours. Page
+moves (`_gather`, `_clear_row`) are planned under the cache lock and yielded (`taking`'s steps,
+`PageMoves`); the driver copies them without it (`Cache._off_loop`: a worker thread) or, for
+in-process callers, on its own thread with it held (`run_here`), and `end_moves` finishes them under
+it. Never under the pool's lock.
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ from typing import NamedTuple, TypeVar, cast
 from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
 from kvtier.core.wear import WriteBudget
-from kvtier.daemon.applier import Applier
+from kvtier.daemon.cache.applier import Applier
+from kvtier.daemon.cache.events import EventLog
+from kvtier.daemon.cache.namespaces import Namespace, Namespaces
+from kvtier.daemon.cache.remote_tier import RemoteTier, RemoteWrite
 from kvtier.daemon.config import Config
-from kvtier.daemon.events import EventLog
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespace, Namespaces
-from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.remote_tier import RemoteTier, RemoteWrite
+from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.index import placement
 from kvtier.index.prefix import Block as IndexBlock
 from kvtier.index.prefix import IndexStateError, PrefixIndex
@@ -689,8 +689,8 @@ def _open_remote(
     cfg: Config, pool: DramPool, rates: RateBook, metrics: DaemonMetrics,
     on_written: Callable[[list[RemoteWrite], list[RemoteWrite]], None],
 ) -> RemoteTier:
+    from kvtier.daemon.cache.remote_tier import RemoteTierSpec
     from kvtier.daemon.config import remote_spec_args
-    from kvtier.daemon.remote_tier import RemoteTierSpec
     from kvtier.tiers.remote import RemoteSpec, RemoteStore
 
     spec = RemoteSpec(**remote_spec_args({f: getattr(cfg, f) for f in cfg.__dataclass_fields__}))

@@ -115,8 +115,8 @@ def check_groups(groups: tuple[tuple[str, int], ...], block_bytes: int) -> None:
 @dataclass(slots=True)
 class TenantUsage:
     """What one tenant holds and did: DRAM and SSD bytes charged to it (slots from their taking
-    until freed, SSD copies and queued write-backs; see `kvtier.daemon.applier`) and its Lookup
-    counts. `tenant`: its authenticated identity and quotas (`kvtier.daemon.auth.Tenant`)."""
+    until freed, SSD copies and queued write-backs; see `kvtier.daemon.cache.applier`) and its
+    Lookup counts. `tenant`: its authenticated identity and quotas (`kvtier.daemon.auth.Tenant`)."""
 
     tenant: Tenant
     dram_bytes: int = 0
@@ -229,7 +229,7 @@ class Namespaces:
 
     def charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
         """Adds `nbytes` (negative: gives back) to `tenant`'s usage in `tier`. Only the applier
-        calls it (`kvtier.daemon.applier`: tenant bytes change in one place)."""
+        calls it (`kvtier.daemon.cache.applier`: tenant bytes change in one place)."""
         usage = self.tenant(tenant)
         if tier is Tier.DRAM:
             usage.dram_bytes += nbytes

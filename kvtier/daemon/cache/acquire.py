@@ -42,7 +42,7 @@ Threading: `begin` and `end` take the cache lock (begin and release are called w
 `finish` must be called without it, from any thread: it reads SSD and remote payloads into the
 claimed slots (pinned, owned by the claim) with no daemon lock held, and waits on `_settled` (a
 condition on the cache lock) for another Acquire's promotion of the same block. Lock order:
-`kvtier.daemon.cache`.
+`kvtier.daemon.cache.cache`.
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ from typing import NamedTuple
 
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Tenant
-from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import NamespaceInfo
+from kvtier.daemon.cache.residency import Steps, Tiers
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import NamespaceInfo
-from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.residency import Steps, Tiers
+from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.index import placement
 from kvtier.index.prefix import Block, IndexStateError
 
@@ -116,7 +116,7 @@ class Acquiring:
     remote_keys: list[bytes] = field(default_factory=list)  # after the local prefix
     remote_slots: list[int] = field(default_factory=list)  # claimed, one per remote key
     remote_got: list[int | None] | None = None
-    session: str = ""  # the lease's session (see `kvtier.daemon.leases`)
+    session: str = ""  # the lease's session (see `kvtier.daemon.cache.leases`)
 
     @property
     def io(self) -> bool:
