@@ -20,8 +20,8 @@ from kvtier.core.errors import (
 from kvtier.core.keys import layout_id
 from kvtier.core.types import Tier
 from kvtier.daemon import config
-from kvtier.daemon.auth import Tenant
 from kvtier.daemon.cache.cache import Cache
+from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.metrics import DaemonMetrics
 
 FINGERPRINT = b"cache-test-layout"
@@ -46,7 +46,7 @@ def make(tmp: Path, clock: Clock, slots: int = 8, ssd: str = "0", **kw: str) -> 
         "writeback_queue_bytes": str(slots * BLOCK),  # tiny pools: the default quarter is 1 slot
         **kw,
     }, {"HOME": str(tmp)})
-    cache = Cache(cfg, DaemonMetrics(), clock=clock)
+    cache = Cache(config.cache_spec(cfg), DaemonMetrics(), clock=clock)
     cache.register_layout(T, MODEL, FINGERPRINT, BLOCK, 16, 32, None)
     return cache
 

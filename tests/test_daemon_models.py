@@ -20,7 +20,7 @@ from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.keys import root_seed
 from kvtier.core.types import Tier
 from kvtier.daemon.cache.namespaces import Namespace
-from kvtier.daemon.cache.residency import STORE_FINGERPRINT
+from kvtier.daemon.cache.spec import STORE_FINGERPRINT
 from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore
 from tests.daemon_fixture import DaemonProc, daemon, ssd_blocks, wait_ssd_blocks  # noqa: F401
 

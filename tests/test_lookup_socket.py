@@ -27,7 +27,8 @@ from kvtier.client.lookup_channel import LookupChannel, Refusal
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Authenticator, Tenant
+from kvtier.daemon.auth import Authenticator
+from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.rpc.local_socket import LookupServer, _Connection
 from tests.daemon_fixture import DaemonProc, daemon, wait_for  # noqa: F401
 

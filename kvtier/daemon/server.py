@@ -66,9 +66,10 @@ from kvtier.daemon import fdpass, memory, reload, sdnotify, sharing, sockpath
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache.cache import Cache
 from kvtier.daemon.cache.namespaces import KEY_WIDTHS
-from kvtier.daemon.config import Config, write_kept
+from kvtier.daemon.config import Config, cache_spec, write_kept
 from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.fdpass import FdServer
+from kvtier.daemon.httpd import HttpEndpoint
 from kvtier.daemon.kv_publisher import KvEventPublisher
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.rates import kept as kept_rates
@@ -150,6 +151,7 @@ class Daemon:
         self.lookups: LookupServer | None = None  # `kvtier.daemon.rpc.local_socket`
         self.health = HealthServicer()
         self.metrics_port: int | None = None
+        self.http: HttpEndpoint | None = None  # /metrics and the probes
         self._stopping = asyncio.Event()
         self._done = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
@@ -203,21 +205,23 @@ class Daemon:
         addr = self.cfg.metrics_address()
         if addr is not None:
             try:
-                self.metrics_port = self.metrics.serve(*addr, readiness=lambda: self._not_ready)
+                self.http = HttpEndpoint(*addr, self.metrics.registry,
+                                         readiness=lambda: self._not_ready)
+                self.metrics_port = self.http.port
             except OSError as exc:
                 raise UsageError(f"metrics address {cfg.metrics}: {exc}") from None
         try:
             self._dir_lock = DataDirLock.acquire(cfg.data_dir, cfg.socket)  # before any file in it
             rates = kept_rates.start_rates(cfg.data_dir)
-            self.cache = cache = Cache(cfg, self.metrics, rates=rates.book)
+            self.cache = cache = Cache(cache_spec(cfg), self.metrics, rates=rates.book)
             cache.tenant_rates.seed(rates.tenants)
             if cache.tiers.store is not None:
                 write_kept(cfg.data_dir, cfg.ssd_bytes)
         except (OSError, lmdb.Error) as exc:
-            self.metrics.close()
+            self._close_http()
             raise UsageError(f"cannot set up the storage tiers: {exc}") from None
         except BaseException:
-            self.metrics.close()
+            self._close_http()
             raise
         try:
             if cfg.kv_events:
@@ -238,7 +242,7 @@ class Daemon:
             await self._start_server(cache)
         except BaseException:
             self._close_cache(cache)
-            self.metrics.close()
+            self._close_http()
             raise
         self._reaper = asyncio.create_task(self._reap())
         ssd = "off"
@@ -260,6 +264,11 @@ class Daemon:
                 f"{format_bytes(cfg.max_block_bytes)} in size classes, slots from "
                 f"{format_bytes(cfg.slot_bytes)}); SSD tier {ssd}; planner rates from "
                 f"{rates.described}; KV events {events}; tenants: {tenants} ({auth})")
+
+    def _close_http(self) -> None:
+        if self.http is not None:
+            self.http.close()
+            self.http = None
 
     @property
     def segment_record(self) -> Path:
@@ -427,7 +436,7 @@ class Daemon:
             self.save_rates()
             self._close_cache(cache)
             log.info("kvtier stopped (%d lease(s) ended at shutdown)", left)
-        self.metrics.close()
+        self._close_http()
         with contextlib.suppress(FileNotFoundError):
             self.cfg.socket.unlink()
         if self._dir_lock is not None:

@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Tenant
+from kvtier.daemon.cache.api import AcquireResult
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
-from kvtier.daemon.cache.namespaces import NamespaceInfo
+from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant
 from kvtier.daemon.cache.residency import Steps, Tiers
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.rates.book import Link, RateBook
@@ -89,13 +89,6 @@ class RemoteCheck(NamedTuple):
 
 
 NOT_ASKED = RemoteCheck(0, 0)  # no remote tier, or not asked: nothing is fetched
-
-
-class AcquireResult(NamedTuple):
-    lease_id: str  # "" when nothing was acquired
-    offsets: list[int]
-    source_tiers: list[Tier]
-    ttl_s: float
 
 
 @dataclass(slots=True)

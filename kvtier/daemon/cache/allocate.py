@@ -20,13 +20,13 @@ Threading: every function is called with the cache lock held.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar, cast
+from typing import TypeVar, cast
 
 from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Tenant
+from kvtier.daemon.cache.api import AllocateResult
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
-from kvtier.daemon.cache.namespaces import NamespaceInfo, TenantUsage
+from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant, TenantUsage
 from kvtier.daemon.cache.residency import Steps, Tiers
 from kvtier.index import placement
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
@@ -42,13 +42,6 @@ class WriteLease:
     keys: list[bytes]
     parent: bytes
     todo: list[tuple[int, int]]  # (index in keys, slot)
-
-
-class AllocateResult(NamedTuple):
-    lease_id: str  # "" when every key was already cached
-    indices: list[int]
-    offsets: list[int]
-    ttl_s: float
 
 
 def quota_room(tiers: Tiers, usage: TenantUsage, n: int, stride: int) -> bool:

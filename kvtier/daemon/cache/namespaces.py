@@ -34,11 +34,21 @@ from kvtier.core.errors import (
 )
 from kvtier.core.keys import LAYOUT_ID_BYTES, check_model_id, layout_id
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Tenant
 
 KEY_WIDTHS = (16, 32)
 FINGERPRINT_BYTES = (8, 64)
 _NS_TAG = "ns2:"
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """An authenticated caller (`kvtier.daemon.auth` maps tokens to them) and its quotas."""
+
+    name: str
+    dram_quota_bytes: int = 0  # 0 = unlimited
+    ssd_quota_bytes: int = 0
+    dram_guarantee_bytes: int = 0  # other tenants' allocations never evict it below this
+    admin: bool = False  # Stats / WatchEvents see the whole node
 
 
 class Namespace(str):

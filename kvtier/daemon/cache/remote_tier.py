@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter
@@ -46,6 +45,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.core.wear import TokenBucket
+from kvtier.daemon.cache.spec import RemoteTierSpec
 from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.dram import DramPool
@@ -62,19 +62,6 @@ class RemoteWrite(NamedTuple):
     key: bytes
     slot: int
     nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteTierSpec:
-    """`queue_bytes` bounds the DRAM pinned by queued writes (slots); `write_bytes_per_s` is the
-    long-run write rate, `burst_bytes` what may go at once."""
-
-    queue_bytes: int
-    write_bytes_per_s: float
-    burst_bytes: int
-    batch_blocks: int = 16
-    backoff_first_s: float = 0.5
-    backoff_max_s: float = 30.0
 
 
 class RemoteMetrics:

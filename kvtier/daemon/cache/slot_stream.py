@@ -19,8 +19,8 @@ import threading
 from typing import TypeAlias
 
 from kvtier.core.errors import NotFound
-from kvtier.daemon.auth import Tenant
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.tiers.dram import DramPool
 
 Buffer: TypeAlias = bytes | memoryview

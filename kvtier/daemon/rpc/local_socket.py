@@ -61,7 +61,8 @@ from kvtier.core import lookupwire as wire
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import socket_path_problem
 from kvtier.daemon import sharing, sockpath
-from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
+from kvtier.daemon.auth import Authenticator, Unauthenticated
+from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.rpc.guard import WARNINGS, Refused, deserializer
 from kvtier.daemon.rpc.service import BlockWrite, Failed, KvTierService
 
