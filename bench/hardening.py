@@ -36,10 +36,10 @@ from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.sync_client import LayoutDecl
 from kvtier.daemon.memory import TRIM_EVERY_S
-from kvtier.daemon.service import CHUNK_BYTES
+from kvtier.daemon.rpc.service import CHUNK_BYTES
 
 try:
-    from kvtier.daemon.rpc_guard import Limits
+    from kvtier.daemon.rpc.guard import Limits
     LARGEST = Limits.for_daemon(4096, 32, CHUNK_BYTES).largest
 except ImportError:  # a daemon from before per-method limits (baseline runs of an old tree)
     LARGEST = CHUNK_BYTES + (4 << 10)

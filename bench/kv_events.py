@@ -36,7 +36,7 @@ from bench.daemon import start_daemon
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core import kv_events as wire
 from kvtier.core.types import Tier
-from kvtier.daemon.events import BlockEvent
+from kvtier.daemon.cache.events import BlockEvent
 from kvtier.daemon.kv_publisher import KvEventPublisher
 
 ROOT = Path(__file__).resolve().parents[1]

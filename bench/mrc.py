@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.types import Tier
-from kvtier.daemon.cache_stats import INDEX_BYTES_PER_BLOCK, MRC_MIN_KEYS
+from kvtier.daemon.cache.stats import INDEX_BYTES_PER_BLOCK, MRC_MIN_KEYS
 from kvtier.index.mrc import (
     ReuseSampler,
     capacity_grid,

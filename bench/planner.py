@@ -3,9 +3,9 @@
     python -m bench.planner [--data-dir DIR | --defaults | --calibrate-quick] [--repeats N]
 
 Rates: a `kvtier calibrate` file in the data dir when present; else (or with `--defaults`) the
-DESIGN.md physics defaults of `kvtier.daemon.rates` (H100-class: 48 GB/s H2D, 6.9 GB/s NVMe, 593
-TFLOP/s achieved prefill); `--calibrate-quick` measures this machine first. The source is printed
-and saved.
+DESIGN.md physics defaults of `kvtier.daemon.rates.book` (H100-class: 48 GB/s H2D, 6.9 GB/s NVMe,
+593 TFLOP/s achieved prefill); `--calibrate-quick` measures this machine first. The source is
+printed and saved.
 
 Per preset, tier (DRAM, SSD) and context (1K, 8K, 32K, 128K tokens, one request's whole prefix):
   fetch/recompute = predicted fetch time of the prefix (latency + transfer) / its recompute time;
@@ -34,8 +34,8 @@ from kvtier.core.costmodel import CostModel
 from kvtier.core.planner import PlanRates, Prefix, plan
 from kvtier.core.presets import get_preset, list_presets
 from kvtier.core.types import Tier
-from kvtier.daemon.calibrate import calibration_path, load_calibration, run_calibration
-from kvtier.daemon.rates import RateBook
+from kvtier.daemon.rates.book import RateBook
+from kvtier.daemon.rates.calibrate import calibration_path, load_calibration, run_calibration
 
 CONTEXTS = (1024, 8192, 32768, 131072)
 RESULTS = Path(__file__).parent / "results" / "planner.json"
@@ -51,7 +51,7 @@ def _rates(args: argparse.Namespace) -> tuple[PlanRates, str]:
     if not args.defaults and path.exists():
         cal = load_calibration(path)
         return RateBook.from_calibration(cal).snapshot(), f"calibration {path}"
-    return RateBook().snapshot(), "DESIGN physics defaults (kvtier.daemon.rates; H100-class)"
+    return RateBook().snapshot(), "DESIGN physics defaults (kvtier.daemon.rates.book; H100-class)"
 
 
 def tier_row(cm: CostModel, r: PlanRates, tier: Tier, ctx: int) -> dict[str, Any]:

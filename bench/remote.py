@@ -35,8 +35,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from kvtier.client.sync_client import Client, LayoutDecl
-from kvtier.daemon.rates import RateBook
-from kvtier.daemon.remote_tier import RemoteTier, RemoteTierSpec, RemoteWrite
+from kvtier.daemon.cache.remote_tier import RemoteTier, RemoteWrite
+from kvtier.daemon.cache.spec import RemoteTierSpec
+from kvtier.daemon.rates.book import RateBook
 from kvtier.engine.local_daemon import LocalDaemon
 from kvtier.tiers.dram import DramPool, DramSpec
 from kvtier.tiers.remote import FETCH_CHUNK, RemoteSpec, RemoteStore

@@ -9,7 +9,8 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.core.errors import UsageError
-from kvtier.daemon.calibrate import (
+from kvtier.daemon.rates.book import Link, LinkRate, RateBook
+from kvtier.daemon.rates.calibrate import (
     CONTROL_RTT_S,
     Calibration,
     calibration_path,
@@ -19,7 +20,6 @@ from kvtier.daemon.calibrate import (
     run_calibration,
     save_calibration,
 )
-from kvtier.daemon.rates import Link, LinkRate, RateBook
 
 
 def _cli(*args, env=None):

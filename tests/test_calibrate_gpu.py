@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvtier.daemon.calibrate import measure_copy, measure_prefill
-from kvtier.daemon.rates import Link
+from kvtier.daemon.rates.book import Link
+from kvtier.daemon.rates.calibrate import measure_copy, measure_prefill
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,6 @@
-"""`kvtier.daemon.cache.Cache` in-process (real shm pool, real LMDB, injected lease clock): the
-domain rules without gRPC — eviction under pressure, expiry, no leaked slots, SSD round trip."""
+"""`kvtier.daemon.cache.cache.Cache` in-process (real shm pool, real LMDB, injected lease
+clock): the domain rules without gRPC — eviction under pressure, expiry, no leaked slots, SSD
+round trip."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from kvtier.core.errors import (
 from kvtier.core.keys import layout_id
 from kvtier.core.types import Tier
 from kvtier.daemon import config
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
+from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.metrics import DaemonMetrics
 
 FINGERPRINT = b"cache-test-layout"
@@ -47,7 +48,7 @@ def make(tmp: Path, clock: Clock, slots: int = 8, ssd: str = "0", **kw: str) -> 
         "writeback_queue_bytes": str(slots * BLOCK),  # tiny pools: the default quarter is 1 slot
         **kw,
     }, {"HOME": str(tmp)})
-    cache = Cache(cfg, DaemonMetrics(), clock=clock)
+    cache = Cache(config.cache_spec(cfg), DaemonMetrics(), clock=clock)
     cache.register_layout(T, MODEL, FINGERPRINT, BLOCK, 16, 32, None)
     return cache
 

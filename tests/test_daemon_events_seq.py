@@ -1,11 +1,11 @@
-"""Event sequence numbers per tenant (kvtier.daemon.events), and node-wide ones for admin."""
+"""Event sequence numbers per tenant (kvtier.daemon.cache.events), and node-wide ones for admin."""
 
 from __future__ import annotations
 
 import asyncio
 
 from kvtier.core.types import Tier
-from kvtier.daemon.events import EventLog
+from kvtier.daemon.cache.events import EventLog
 
 
 def test_each_tenant_counts_its_own_events_and_admins_see_all() -> None:

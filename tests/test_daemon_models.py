@@ -19,8 +19,8 @@ from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.keys import root_seed
 from kvtier.core.types import Tier
-from kvtier.daemon.namespaces import Namespace
-from kvtier.daemon.residency import STORE_FINGERPRINT
+from kvtier.daemon.cache.namespaces import Namespace
+from kvtier.daemon.cache.spec import STORE_FINGERPRINT
 from kvtier.tiers.ssd.store import PutItem, SsdSpec, SsdStore
 from tests.daemon_fixture import DaemonProc, daemon, ssd_blocks, wait_ssd_blocks  # noqa: F401
 

@@ -22,10 +22,10 @@ import pytest
 from kvtier.core.keys import layout_id
 from kvtier.core.types import Tier
 from kvtier.daemon import config
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
+from kvtier.daemon.cache.namespaces import Tenant
+from kvtier.daemon.cache.residency import PageMoves
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.residency import PageMoves
 
 KiB = 1 << 10
 T = Tenant("t")
@@ -40,7 +40,7 @@ def cache(tmp_path: Path) -> Iterator[Cache]:
         "slot_bytes": "4KiB", "dram_bytes": "128KiB", "dram_page_bytes": "16KiB",
         "max_block_bytes": "16KiB", "ssd_bytes": "0", "metrics": "", "policy": "lru",
     }, {"HOME": str(tmp_path)})
-    c = Cache(cfg, DaemonMetrics())
+    c = Cache(config.cache_spec(cfg), DaemonMetrics())
     c.register_layout(T, "small", b"fp-small-layout", SMALL, 16, 32, None)
     c.register_layout(T, "big", b"fp-big-layout", BIG, 16, 32, None)
     yield c
@@ -219,7 +219,7 @@ def ssd_cache(tmp_path: Path) -> Iterator[Cache]:
         "max_block_bytes": "16KiB", "ssd_bytes": "1MiB", "metrics": "", "policy": "lru",
         "ssd_admit_after": "1", "writeback_queue_bytes": "128KiB",
     }, {"HOME": str(tmp_path)})
-    c = Cache(cfg, DaemonMetrics())
+    c = Cache(config.cache_spec(cfg), DaemonMetrics())
     c.register_layout(T, "small", b"fp-small-layout", SMALL, 16, 32, None)
     c.register_layout(T, "big", b"fp-big-layout", BIG, 16, 32, None)
     yield c

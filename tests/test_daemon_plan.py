@@ -14,10 +14,10 @@ from kvtier.core.keys import layout_id
 from kvtier.core.planner import Reason
 from kvtier.core.types import Tier
 from kvtier.daemon import config
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
+from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.rates import Link, LinkRate, RateBook
+from kvtier.daemon.rates.book import Link, LinkRate, RateBook
 
 FINGERPRINT = b"plan-test-layout"
 MODEL = "plan-test-model"
@@ -35,7 +35,7 @@ def make(tmp: Path, rates: RateBook, slots: int = 8, ssd: str = "0") -> Cache:
         "ssd_admit_after": "1",
         "writeback_queue_bytes": str(slots * BLOCK),  # tiny pools: the default quarter is 1 slot
     }, {"HOME": str(tmp)})
-    cache = Cache(cfg, DaemonMetrics(), rates=rates)
+    cache = Cache(config.cache_spec(cfg), DaemonMetrics(), rates=rates)
     cache.register_layout(T, MODEL, FINGERPRINT, BLOCK, TOKENS, 32, COST)
     return cache
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.core.errors import ResourceExhausted
 from kvtier.core.types import Tier
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
 from tests.test_daemon_cache import BLOCK, LID, Clock, T, keys, make, store
 
 

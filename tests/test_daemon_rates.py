@@ -14,8 +14,13 @@ import pytest
 
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core.costmodel import CostModel
-from kvtier.daemon.calibrate import CONTROL_RTT_S, Calibration, calibration_path, save_calibration
-from kvtier.daemon.rates import DEFAULT_LINKS, DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate
+from kvtier.daemon.rates.book import DEFAULT_LINKS, DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate
+from kvtier.daemon.rates.calibrate import (
+    CONTROL_RTT_S,
+    Calibration,
+    calibration_path,
+    save_calibration,
+)
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536

@@ -89,3 +89,25 @@ def test_engines_stay_apart_and_common_knows_no_engine(tmp_path: Path, module: s
     out = _lint(root)
     assert out.returncode != 0
     assert message in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(("module", "line", "message"), [
+    ("daemon/cache/leases.py", "import grpc", "kvtier.daemon.cache is not allowed to import grpc"),
+    ("daemon/cache/leases.py", "from kvtier.daemon.rpc import guard",
+     "kvtier.daemon.cache.leases -> kvtier.daemon.rpc.guard"),
+    ("daemon/cache/leases.py", "from kvtier.daemon import config",
+     "kvtier.daemon.cache is not allowed to import kvtier.daemon.config"),
+    ("daemon/rates/book.py", "from kvtier._proto import kvtier_pb2",
+     "kvtier.daemon.rates is not allowed to import kvtier._proto"),
+    ("daemon/rpc/guard.py", "from kvtier.tiers import dram",
+     "kvtier.daemon.rpc is not allowed to import kvtier.tiers"),
+    ("daemon/rpc/guard.py", "from kvtier.daemon.cache import residency",
+     "kvtier.daemon.rpc is not allowed to import kvtier.daemon.cache.residency"),
+], ids=["cache->grpc", "cache->rpc", "cache->config", "rates->proto", "rpc->tiers",
+        "rpc->cache internals"])
+def test_the_daemons_walls_hold(tmp_path: Path, module: str, line: str, message: str) -> None:
+    root = _copy(tmp_path)
+    _append(root / "kvtier" / module, line)
+    out = _lint(root)
+    assert out.returncode != 0
+    assert message in out.stdout, out.stdout

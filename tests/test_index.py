@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.core.types import Tier
+from kvtier.index import placement
 from kvtier.index.policies import KthAccess
 from kvtier.index.policy_registry import make_policy
 from kvtier.index.prefix import (
@@ -159,24 +160,6 @@ def test_demotion_keeps_children_reachable() -> None:
         ix.drop(0, b"b", D)
 
 
-def test_write_back_evict_writes_chain_and_respects_admission() -> None:
-    # k = 2: a block is admitted on its second access (commit = 1st, a lookup hit = 2nd).
-    ix = PrefixIndex(dram_blocks=4, ssd_blocks=4, admission_k=2)
-    chain(ix, [b"a", b"b"])
-    chain(ix, [b"x"])
-    ix.lookup(0, [b"a", b"b"])  # a, b: 2 accesses; x: 1
-    ev = ix.evict(D, 2, write_back=True)
-    # x is colder and not admitted -> dropped; b admitted -> written back with its ancestor a.
-    assert [(e.key, e.tier, e.reason) for e in ev] == [
-        (b"x", D, Reason.DROPPED),
-        (b"a", S, Reason.WRITTEN),
-        (b"b", D, Reason.WRITTEN_BACK),
-    ]
-    st = ix.stats()
-    assert (st.dram_blocks, st.ssd_blocks, st.ssd_writes) == (1, 2, 2)
-    assert ix.lookup(0, [b"a", b"b"]).tiers == [D, S]
-
-
 def test_byte_accounting() -> None:
     ix = PrefixIndex(dram_blocks=4, block_bytes=2 << 20)  # 2 MiB blocks (Llama-3-8B, 16 tokens)
     chain(ix, [b"a", b"b", b"c"])
@@ -184,24 +167,6 @@ def test_byte_accounting() -> None:
     assert ix.bytes_in(D) == 3 * (2 << 20) and ix.bytes_in(S) == 2 << 20
     assert ix.free(D) == 1 and ix.free(S) is None
     assert PrefixIndex().bytes_in(D) is None
-
-
-def test_write_back_without_ssd_room_drops() -> None:
-    ix = PrefixIndex(ssd_blocks=1, admission_k=1)
-    chain(ix, [b"a", b"b"])  # writing b needs 2 SSD blocks (a then b): only 1 -> drop
-    ev = ix.evict(D, 1, write_back=True)
-    assert [(e.key, e.reason) for e in ev] == [(b"b", Reason.DROPPED)]
-
-
-def test_write_back_evicts_ssd_leaves_for_room() -> None:
-    ix = PrefixIndex(ssd_blocks=1, admission_k=1)
-    ix.insert(0, b"old", None, S)
-    ix.insert(0, b"new", None, D)
-    ev = ix.evict(D, 1, write_back=True)
-    assert [(e.key, e.tier, e.reason) for e in ev] == [
-        (b"old", S, Reason.DROPPED),
-        (b"new", D, Reason.WRITTEN_BACK),
-    ]
 
 
 def test_ssd_eviction_is_leaf_first() -> None:
@@ -333,15 +298,16 @@ def test_dropped_block_comes_back_with_its_count() -> None:
 
 
 def test_history_lets_a_block_reused_beyond_dram_reach_k2() -> None:
-    """DRAM of 1 block, k=2: `a` is evicted after its commit (1 access: dropped, not admitted);
-    committed again it counts 2 and its next eviction writes it back. Without history it would
-    restart at 1 and be dropped again."""
-    for history, want in ((None, Reason.WRITTEN_BACK), (0, Reason.DROPPED)):
+    """DRAM of 1 block, k=2: `a` is evicted after its commit (1 access: not admitted, dropped);
+    committed again it counts 2 and the placement planner writes it back. Without history it
+    would restart at 1 and stay out of SSD again."""
+    for history, admitted in ((None, True), (0, False)):
         ix = PrefixIndex(dram_blocks=1, ssd_blocks=1, admission_k=2, admission_history=history)
-        ix.insert(0, b"a", None)
-        assert [e.reason for e in ix.evict(D, 1, write_back=True)] == [Reason.DROPPED]
-        ix.insert(0, b"a", None)
-        assert [e.reason for e in ix.evict(D, 1, write_back=True)] == [want]
+        a = ix.insert(0, b"a", None)
+        assert placement.write_backs(ix, 0, [a]) == []
+        assert [e.reason for e in ix.evict(D, 1)] == [Reason.DROPPED]
+        a = ix.insert(0, b"a", None)
+        assert bool(placement.write_backs(ix, 0, [a])) is admitted
 
 
 def test_history_is_bounded_and_sized_from_capacity() -> None:
@@ -369,7 +335,10 @@ def test_evict_count_matches_evict() -> None:
         return ix
 
     one, two = build(), build()
-    out = one.evict(D, 4, write_back=True)
-    n = two.evict_count(D, 4, write_back=True)
+    for ix in (one, two):  # the chain a-b-c goes to SSD: its DRAM copies demote
+        for w in placement.write_backs(ix, 0, ix.lookup(0, [b"a", b"b", b"c"]).blocks):
+            ix.add_tier(0, w.key, S)
+    out = one.evict(D, 4)
+    n = two.evict_count(D, 4)
     assert n == sum(e.tier is D for e in out) == 4
     assert one.stats() == two.stats()

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.core.types import Tier
+from kvtier.index import placement
 from kvtier.index.policy_adaptive import SHARES, AdaptiveQueue
 from kvtier.index.policy_registry import POLICIES
 from kvtier.index.prefix import (
@@ -111,11 +112,6 @@ class IndexMachine(RuleBasedStateMachine):
               slot: int | None) -> None:
         tk = (tenant, ev_key)
         e = self.m[tk]
-        if reason is Reason.WRITTEN:
-            assert D in e.tiers and S not in e.tiers and slot == e.slot
-            e.tiers.add(S)
-            self.ssd_writes += 1
-            return
         assert not e.pins, "a pinned block was evicted"
         assert tier in e.tiers
         self.evictions[f"{tier.label}_{reason.value}"] += 1
@@ -267,13 +263,13 @@ class IndexMachine(RuleBasedStateMachine):
                 with pytest.raises(IndexStateError):
                     self.ix.unpin(*tk)
 
-    @rule(tier=st.sampled_from([D, S]), n=st.integers(0, 4), write_back=st.booleans())
-    def evict(self, tier: Tier, n: int, write_back: bool) -> None:
-        out = self.ix.evict(tier, n, write_back=write_back)
+    @rule(tier=st.sampled_from([D, S]), n=st.integers(0, 4))
+    def evict(self, tier: Tier, n: int) -> None:
+        out = self.ix.evict(tier, n)
         main = 0
         for ev in out:
-            if ev.tier is tier and ev.reason is not Reason.WRITTEN:
-                main += 1
+            assert ev.tier is tier
+            main += 1
             self.apply(ev.tenant, ev.key, ev.tier, ev.reason, ev.dram_slot)
         assert main <= n
         if main < n:
@@ -553,12 +549,15 @@ def audit(ix: PrefixIndex) -> None:
                                            *((p, 2) for p in sorted(POLICIES)
                                              if p not in ("lru", "slru"))])
 def test_write_back_drain_keeps_invariants(policy: str, k: int) -> None:
-    """A random forest in DRAM, random lookups, then write-back evictions until DRAM is empty:
-    exercises chain write-back (ancestors WRITTEN), SSD room-making and leaf-first drops."""
+    """A random forest in DRAM, random lookups whose chains the placement planner writes back
+    (`placement.write_backs`, after `placement.ssd_room`: the daemon's and the simulator's
+    path), then evictions until DRAM is empty: exercises chain write-back under admission,
+    SSD room-making, free demotion and leaf-first drops."""
     import random
 
     rng = random.Random(f"{policy}{k}")
     seen: dict[Reason, int] = {}
+    ssd_room_made = written = 0
     for _ in range(30):
         ix = PrefixIndex(dram_blocks=60, ssd_blocks=rng.choice([5, 15, 40]), policy=policy,
                          admission_k=k)
@@ -568,17 +567,32 @@ def test_write_back_drain_keeps_invariants(policy: str, k: int) -> None:
             parent = rng.choice([None, *keys[-8:]]) if keys else None
             ix.insert(0, key, parent, D, dram_slot=i)
             keys.append(key)
-        for _ in range(40):
-            b = ix.get(0, rng.choice(keys))
-            chain = []
-            while b is not None:
-                chain.append(b.key)
-                b = b.parent
-            ix.lookup(0, chain[::-1])
+        lookups = 40
         while ix.blocks(D):
-            for ev in ix.evict(D, rng.randint(1, 5), write_back=True):
+            for _ in range(lookups):
+                b = ix.get(0, rng.choice(keys))
+                chain = []
+                while b is not None:
+                    chain.append(b.key)
+                    b = b.parent
+                queued: list[bytes] = []  # as the daemon queues them: pinned, room made first
+                for w in placement.write_backs(ix, 0, ix.lookup(0, chain[::-1]).blocks):
+                    before = dict(ix.stats().evictions)
+                    if not placement.ssd_room(ix, 1 + len(queued)):
+                        break
+                    ssd_room_made += ix.stats().evictions != before
+                    ix.pin(0, w.key)
+                    queued.append(w.key)
+                for key in queued:  # written: recorded in order
+                    ix.unpin(0, key)
+                    ix.add_tier(0, key, S)
+                    written += 1
+                audit(ix)
+            lookups = 3  # then lookups between evictions: room is made from SSD-only blocks
+            for ev in ix.evict(D, rng.randint(1, 5)):
                 seen[ev.reason] = seen.get(ev.reason, 0) + 1
             audit(ix)
         assert ix.stats().evictable_dram == 0
-    # every path was taken: chain write-back, free demotion, drops from both tiers
-    assert {Reason.WRITTEN, Reason.WRITTEN_BACK, Reason.DEMOTED, Reason.DROPPED} <= set(seen)
+    # every path was taken: chain write-back, SSD room made, free demotion, drops
+    assert written and ssd_room_made
+    assert {Reason.DEMOTED, Reason.DROPPED} <= set(seen)

@@ -15,9 +15,9 @@ import pytest
 
 from kvtier.client.sync_client import Client, LayoutDecl, ModelCost
 from kvtier.core.costmodel import CostModel
-from kvtier.daemon import kept_rates
-from kvtier.daemon.calibrate import Calibration, calibration_path, save_calibration
-from kvtier.daemon.rates import DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate, RateBook
+from kvtier.daemon.rates import kept as kept_rates
+from kvtier.daemon.rates.book import DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate, RateBook
+from kvtier.daemon.rates.calibrate import Calibration, calibration_path, save_calibration
 from tests.daemon_fixture import DaemonProc
 from tests.test_daemon_rates import sample
 

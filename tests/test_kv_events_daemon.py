@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core import kv_events as wire
 from kvtier.core.types import Tier
-from kvtier.daemon.events import BlockEvent
+from kvtier.daemon.cache.events import BlockEvent
 from kvtier.daemon.kv_publisher import KvEventPublisher
 from tests.daemon_fixture import ROOT, DaemonProc
 from tests.redis_fixture import RedisServer, needs_redis

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
 
 
 class Clock:

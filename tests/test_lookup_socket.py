@@ -1,4 +1,4 @@
-"""The lookup socket (`<socket>.lookup`, `kvtier.daemon.lookup_socket`) against a real daemon:
+"""The lookup socket (`<socket>.lookup`, `kvtier.daemon.rpc.local_socket`) against a real daemon:
 the clients use it for Lookup and get what gRPC gives (replies, errors, metrics), fall back to
 gRPC where it is missing, reconnect after a restart, see a SIGHUP's revoked token, and the
 socket is created, claimed and removed like the gRPC socket. (Hostile frames: the lookup-socket
@@ -27,8 +27,9 @@ from kvtier.client.lookup_channel import LookupChannel, Refusal
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Authenticator, Tenant
-from kvtier.daemon.lookup_socket import LookupServer, _Connection
+from kvtier.daemon.auth import Authenticator
+from kvtier.daemon.cache.namespaces import Tenant
+from kvtier.daemon.rpc.local_socket import LookupServer, _Connection
 from tests.daemon_fixture import DaemonProc, daemon, wait_for  # noqa: F401
 
 LAYOUT = LayoutDecl(b"lookup-socket-layout", 4096, 16, model_id="ls/model",

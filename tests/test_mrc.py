@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.daemon.cache_stats import MRC_MIN_KEYS
+from kvtier.daemon.cache.stats import MRC_MIN_KEYS
 from kvtier.index import mrc
 from kvtier.index.mrc import (
     ReuseSampler,

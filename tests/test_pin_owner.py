@@ -15,8 +15,8 @@ from kvtier.core.keys import layout_id
 from kvtier.core.segment import DramError
 from kvtier.core.types import Tier
 from kvtier.daemon import config
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
+from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.index.prefix import PrefixIndex
 from kvtier.tiers.dram import SlotPinned
@@ -56,7 +56,7 @@ def cache(tmp_path: Path) -> Iterator[Cache]:
         "slot_bytes": "4KiB", "dram_bytes": "32KiB", "ssd_bytes": "1MiB", "metrics": "",
         "ssd_admit_after": "1", "writeback_queue_bytes": "32KiB",
     }, {"HOME": str(tmp_path)})
-    c = Cache(cfg, DaemonMetrics())
+    c = Cache(config.cache_spec(cfg), DaemonMetrics())
     c.register_layout(T, MODEL, FP, BLOCK, 16, 32, None)
     yield c
     c.close()

@@ -7,7 +7,13 @@ import pytest
 
 from kvtier.core.costmodel import CostModel
 from kvtier.core.planner import PlanRates
-from kvtier.daemon.rates import DEFAULT_LINKS, DEFAULT_PREFILL_FLOPS_PER_S, Link, LinkRate, RateBook
+from kvtier.daemon.rates.book import (
+    DEFAULT_LINKS,
+    DEFAULT_PREFILL_FLOPS_PER_S,
+    Link,
+    LinkRate,
+    RateBook,
+)
 
 
 def test_defaults_come_from_design_physics():

@@ -16,7 +16,7 @@ from kvtier.core.errors import UsageError
 from kvtier.core.planner import PlanRates, Prefix, Reason, plan
 from kvtier.core.types import Tier
 from kvtier.daemon import config
-from kvtier.daemon.rates import Link, RateBook
+from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.tiers.backoff import Backoff
 from tests.redis_fixture import RedisServer, needs_redis
 

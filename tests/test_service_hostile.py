@@ -23,8 +23,8 @@ from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
 from kvtier.core.types import Tier
-from kvtier.daemon.rpc_guard import WARN_EVERY_S, Limits
-from kvtier.daemon.service import CHUNK_BYTES
+from kvtier.daemon.rpc.guard import WARN_EVERY_S, Limits
+from kvtier.daemon.rpc.service import CHUNK_BYTES
 from tests.daemon_fixture import DaemonProc
 
 BLOCK = 65536
@@ -346,7 +346,7 @@ CASES: list[Case] = [
     ("prefill report on another tenant's layout", lambda e: e.stub.ReportPrefill(
         pb.ReportPrefillRequest(layout=e.bob_only, tokens=16, seconds=1.0), metadata=ALICE),
      Code.NOT_FOUND),
-    # issue 25: the lookup socket (`<socket>.lookup`, `kvtier.daemon.lookup_socket`)
+    # issue 25: the lookup socket (`<socket>.lookup`, `kvtier.daemon.rpc.local_socket`)
     ("lookup socket: garbage hello", lambda e: on_socket(
         e, b"", hello=wire.frame(b"GET / HTTP/1.1\r\n")), Code.INVALID_ARGUMENT),
     ("lookup socket: hello without a frame", lambda e: on_socket(

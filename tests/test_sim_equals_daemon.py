@@ -27,10 +27,9 @@ from kvtier.core.errors import ResourceExhausted
 from kvtier.core.keys import layout_id
 from kvtier.core.types import Tier
 from kvtier.daemon import config
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache import Cache
+from kvtier.daemon.cache.cache import Cache
+from kvtier.daemon.cache.namespaces import Namespace, Tenant
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespace
 from kvtier.index.policy_registry import DEFAULT_POLICY
 from kvtier.sim.config import TierConfig
 from kvtier.sim.fleet import RemoteStore
@@ -72,7 +71,7 @@ def drive_daemon(tmp: Path, reqs: list[Request], dram: int, ssd: int, k: int, po
         **remote_cfg,
     }, {"HOME": str(tmp)})
     metrics = DaemonMetrics()
-    c = Cache(cfg, metrics)
+    c = Cache(config.cache_spec(cfg), metrics)
     try:
         c.register_layout(T, MODEL, FP, BLOCK, TRACE_BLOCK_TOKENS, 32, None)
         got = dict.fromkeys(("dram", "ssd", "refs"), 0)

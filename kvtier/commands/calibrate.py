@@ -59,7 +59,7 @@ def _table(doc: dict[str, Any], saved: Path | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.daemon.calibrate import calibration_path, run_calibration, save_calibration
+    from kvtier.daemon.rates.calibrate import calibration_path, run_calibration, save_calibration
 
     data_dir = _data_dir(args)
     if data_dir.exists() and not data_dir.is_dir():

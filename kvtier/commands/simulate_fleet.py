@@ -156,7 +156,7 @@ def saving(args: argparse.Namespace, block_bytes: int | None) -> tuple[Saving | 
     from kvtier.core.costmodel import CostModel
     from kvtier.core.layout import DType
     from kvtier.core.units import parse_size
-    from kvtier.daemon.rates import RateBook
+    from kvtier.daemon.rates.book import RateBook
     from kvtier.sim.fleet import planner_saving
 
     if args.preset is not None:

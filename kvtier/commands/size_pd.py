@@ -27,7 +27,7 @@ from kvtier.core.presets import ModelSpec, get_preset, list_presets
 
 MFU = 0.6
 """Prefill model-FLOP utilization assumed for the GPU table (the planner's default uses it too:
-kvtier.daemon.rates DEFAULT_PREFILL_FLOPS_PER_S)."""
+kvtier.daemon.rates.book DEFAULT_PREFILL_FLOPS_PER_S)."""
 GPUS: dict[str, float] = {
     "A100": 312e12,
     "L40S": 362.05e12,

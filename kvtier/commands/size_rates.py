@@ -2,7 +2,7 @@
 
 Precedence, per rate: a stated flag, else the calibration file (`--calibration`, else
 `<data dir>/calibration.json` when present, as `serve` seeds its planner), else
-`kvtier.daemon.rates`' defaults. The flags take the planner's rate names (`PlanRates`,
+`kvtier.daemon.rates.book`' defaults. The flags take the planner's rate names (`PlanRates`,
 `RateBook`) in the vocabulary of the settings (`remote_write_bytes_per_s`): a bandwidth is a size
 per second (`--h2d-bytes-per-s 48GB`), the prefill rate a FLOP count per second
 (`--prefill-flops-per-s 5.934e14`). Latencies stay the calibration's or the defaults'.
@@ -18,8 +18,7 @@ from pathlib import Path
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import data_dir
 from kvtier.core.units import parse_size
-from kvtier.daemon.calibrate import calibration_path, load_calibration
-from kvtier.daemon.rates import (
+from kvtier.daemon.rates.book import (
     DEFAULT_LINKS,
     DEFAULT_PREFILL_FLOPS_PER_S,
     MAX_BYTES_PER_S,
@@ -27,6 +26,7 @@ from kvtier.daemon.rates import (
     Link,
     RateBook,
 )
+from kvtier.daemon.rates.calibrate import calibration_path, load_calibration
 
 STATED_LINKS: dict[str, tuple[str, Link, str]] = {
     # flag -> (rate key, link, what it is)

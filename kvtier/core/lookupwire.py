@@ -10,7 +10,7 @@ the gRPC status code (one byte) and the UTF-8 message — the code and message t
 gets over gRPC. One request at a time per connection (no pipelining).
 
 A frame longer than the receiver's limit (the daemon: the size gRPC allows a Lookup, see
-`kvtier.daemon.rpc_guard.Limits`; `HELLO_MAX` for the hello) is refused before it is read: the
+`kvtier.daemon.rpc.guard.Limits`; `HELLO_MAX` for the hello) is refused before it is read: the
 daemon answers RESOURCE_EXHAUSTED and closes the connection.
 
 Calls (issue 25, the shared-memory data path): a connection opened with the hello

@@ -51,11 +51,11 @@ _HBM, _DRAM, _SSD, _REMOTE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(T
 
 
 class PlanRates(NamedTuple):
-    """Rates the planner prices with (from `kvtier.daemon.rates.RateBook.snapshot`, or by hand).
+    """Rates the planner prices with (`kvtier.daemon.rates.book.RateBook.snapshot`, or by hand).
 
     Bandwidths in bytes/s (> 0, inf allowed), latencies in seconds per request (>= 0, finite),
     `prefill_flops_per_s` is the *achieved* rate of one GPU in prefill (> 0). The remote link
-    (fetch from the shared store into DRAM) defaults to the `kvtier.daemon.rates` seed.
+    (fetch from the shared store into DRAM) defaults to the `kvtier.daemon.rates.book` seed.
     """
 
     h2d_bytes_per_s: float

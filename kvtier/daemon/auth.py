@@ -27,11 +27,11 @@ import hmac
 import re
 import tomllib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.errors import KvtierError, UsageError
-from kvtier.daemon.config import parse_bytes
+from kvtier.core.units import parse_bytes
+from kvtier.daemon.cache.namespaces import Tenant
 
 DEFAULT_TENANT = "default"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -39,15 +39,6 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 class Unauthenticated(KvtierError):
     """Missing, malformed or unknown token."""
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    name: str
-    dram_quota_bytes: int = 0  # 0 = unlimited
-    ssd_quota_bytes: int = 0
-    dram_guarantee_bytes: int = 0  # other tenants' allocations never evict it below this
-    admin: bool = False  # Stats / WatchEvents see the whole node
 
 
 class Authenticator:

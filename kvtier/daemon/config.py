@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import grp
+import hashlib
 import json
 import os
 import re
@@ -51,7 +52,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import CONFIG_FILE, SOCKET_NAME, config_dirs, runtime_dir
@@ -60,6 +61,9 @@ from kvtier.core.suggest import closest
 from kvtier.core.units import exact_size, parse_bytes
 from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
+
+if TYPE_CHECKING:
+    from kvtier.daemon.cache.spec import CacheSpec
 
 __all__ = ["SETTINGS", "Config", "Setting", "env_var", "load", "parse_bytes", "to_toml"]
 
@@ -631,3 +635,47 @@ def remote_spec_args(c: Mapping[str, Any]) -> dict[str, Any]:
         "tls_key": str(c["remote_tls_key"]), "timeout_s": float(c["remote_timeout_s"]),
         "prefix": str(c["remote_prefix"]),
     }
+
+
+def cache_spec(cfg: Config, tenants: int = 0) -> CacheSpec:
+    """What the cache is built from (`kvtier.daemon.cache.spec`): the pool named after the socket
+    (one daemon per socket; with a tokens file of `tenants` tenants, its pages sized for their
+    slices), the SSD store under the data dir (a slot file when every block is one size, else
+    LMDB values), the remote tier when configured. (Imported here: `serve --help` and
+    `--print-config` need none of the tiers' libraries.)"""
+    from kvtier.daemon.cache.spec import (
+        STORE_FINGERPRINT,
+        CacheSpec,
+        RemoteTier,
+        RemoteTierSpec,
+        SsdTier,
+    )
+    from kvtier.tiers.dram import DramSpec
+    from kvtier.tiers.remote import RemoteSpec
+    from kvtier.tiers.ssd.types import SsdSpec
+
+    pool = DramSpec(
+        name="kvtier-" + hashlib.sha256(str(cfg.socket).encode()).hexdigest()[:16],
+        slot_size=cfg.slot_bytes, slot_count=cfg.slots, replace_stale=True,
+        max_block=cfg.max_block_bytes, page_bytes=cfg.dram_page_bytes, group=cfg.group or None,
+        prefault=cfg.dram_prefault, isolated=bool(cfg.tokens_file), tenants=tenants,
+    )
+    ssd = None
+    if cfg.ssd_bytes // (cfg.slot_bytes + BLOCK_HEADER_BYTES) > 0:
+        ssd = SsdTier(
+            SsdSpec(path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
+                    layout_fingerprint=STORE_FINGERPRINT,
+                    **({"slot_size": cfg.slot_bytes} if cfg.slot_bytes == cfg.max_block_bytes
+                       else {"payload": "lmdb"})),
+            cfg.ssd_write_bytes_per_day, cfg.ssd_write_burst_bytes, cfg.writeback_queue_bytes,
+        )
+    remote = None
+    if cfg.remote_url:
+        remote = RemoteTier(
+            RemoteSpec(**remote_spec_args({f: getattr(cfg, f) for f in cfg.__dataclass_fields__})),
+            RemoteTierSpec(cfg.remote_queue_bytes, cfg.remote_write_bytes_per_s,
+                           cfg.remote_write_burst_bytes),
+            cfg.remote_admit_after, cfg.remote_mode,
+        )
+    return CacheSpec(pool, ssd, remote, cfg.policy, cfg.ssd_admit_after, cfg.lease_ttl_s,
+                     cfg.max_lease_ttl_s, cfg.max_blocks_per_request)

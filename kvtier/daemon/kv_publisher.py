@@ -35,7 +35,7 @@ import zmq
 
 from kvtier.core import kv_events as wire
 from kvtier.core.errors import UsageError
-from kvtier.daemon.events import BlockEvent
+from kvtier.daemon.cache.events import BlockEvent
 from kvtier.daemon.metrics import DaemonMetrics
 
 log = logging.getLogger(__name__)

@@ -6,16 +6,16 @@ direction/reason/result/action ∈ small fixed sets below) — never a key, tena
 
 Counters and histograms are updated by the cache and the service as things happen; pool gauges
 (capacity, usage, blocks, active leases, wear budget) and the planner's rate estimates
-(`kvtier_rate_*`, from the `RateBook`) are read at scrape time, so they can never drift from the
-truth.
+(`kvtier_rate_*`, `kvtier.daemon.rates.gauges`) are read at scrape time, so they can never drift
+from the truth.
 
 Planner metrics: `kvtier_plan_decisions_total{action}` counts looked-up blocks by what the plan
 does with them (`PLAN_ACTIONS`), `kvtier_plans_total{reason}` plans by `planner.Reason`, and
 `kvtier_plan_fetch_time_ratio{link}` is the prediction error as realized / predicted time of
 the fetch part a lease actually did (1.0 = exact; see `observe_fetch`).
 
-`serve` exposes the registry over HTTP with the probes (`kvtier.daemon.httpd`). Thread-safe
-(prometheus-client's primitives are).
+The shell serves the registry over HTTP with the probes (`kvtier.daemon.httpd`). Thread-safe
+(prometheus-client's primitives are). Imports no other daemon module: everything records here.
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier._version import __version__
 from kvtier.core.planner import Plan, Reason
-from kvtier.daemon.httpd import HttpEndpoint, Readiness
-from kvtier.daemon.rates import Link, RateBook
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed")
@@ -45,7 +43,8 @@ PLAN_ACTIONS = ("fetch_dram", "fetch_ssd", "fetch_remote", "recompute", "use_hbm
 use the replica's own GPU copy (an HBM block inside the cut costs nothing)."""
 KV_EVENT_RESULTS = ("published", "dropped_queue", "dropped_hwm")
 SSD_DAMAGE = ("store_moved_aside", "undecodable_entry")
-FETCH_LINKS = (Link.DRAM_READ, Link.SSD_READ, Link.REMOTE_READ)
+FETCH_LINKS = ("dram_read", "ssd_read", "remote_read")
+"""The links (`kvtier.daemon.rates.book.Link`) whose fetches are predicted and timed."""
 RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, 10.0)
 
 
@@ -119,45 +118,6 @@ def group_family(group_bytes: dict[tuple[str, str], dict[str, int]]) -> GaugeMet
         fam.add_metric(list(labels), value)
     return fam
 
-
-class _RateCollector(Collector):
-    """The planner's current estimates: the windowed median of samples, else the seed
-    (calibration or defaults); `*_samples` says which (0 = seed)."""
-
-    def __init__(self, book: RateBook) -> None:
-        self._book = book
-
-    def collect(self) -> Iterator[Metric]:
-        book = self._book
-        snap = book.export()
-        labels = ["tier", "direction"]
-        bw = GaugeMetricFamily("kvtier_rate_bandwidth_bytes_per_second",
-                               "Planner's bandwidth estimate per tier and direction", labels=labels)
-        lat = GaugeMetricFamily("kvtier_rate_latency_seconds",
-                                "Planner's fixed per-request latency estimate", labels=labels)
-        n = GaugeMetricFamily("kvtier_rate_samples",
-                              "Bandwidth samples in the estimate's window (0: seeded value)",
-                              labels=labels)
-        for link in Link:
-            tier_dir = [link.tier, link.direction]
-            bw.add_metric(tier_dir, snap[f"{link}_bytes_per_s"])
-            lat.add_metric(tier_dir, snap[f"{link}_latency_seconds"])
-            n.add_metric(tier_dir, book.samples(link))
-        yield from (bw, lat, n)
-        yield GaugeMetricFamily("kvtier_rate_prefill_flops_per_second",
-                                "Planner's achieved prefill FLOP-rate estimate (one GPU)",
-                                value=snap["prefill_flops_per_s"])
-        yield GaugeMetricFamily("kvtier_rate_prefill_samples",
-                                "Prefill samples in the estimate's window (0: seeded value)",
-                                value=book.samples(None))
-        yield CounterMetricFamily(
-            "kvtier_rate_samples_rejected",
-            "Rate samples refused as impossible (non-positive, NaN, too high)",
-            value=snap["rejected_total"])
-        yield CounterMetricFamily(
-            "kvtier_rate_samples_skipped",
-            "Whole-request samples too short to say anything about bandwidth",
-            value=snap["skipped_total"])
 
 MAX_TENANT_LABELS = 32
 MAX_MODEL_LABELS = 16
@@ -233,7 +193,8 @@ class _MrcCollector(Collector):
 
 
 class DaemonMetrics:
-    """All of one daemon's metrics. `attach_pool()` once the cache exists; `serve()` for HTTP."""
+    """All of one daemon's metrics. `attach_pool()` once the cache exists; the shell serves
+    `registry` over HTTP (`kvtier.daemon.httpd`)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -334,7 +295,6 @@ class DaemonMetrics:
             "kvtier_client_copy_seconds", "Client-reported copy time per lease", ["direction"],
             registry=r, buckets=(1e-4, 1e-3, 5e-3, 2e-2, 0.1, 0.5, 2.0),
         )
-        self._http: HttpEndpoint | None = None
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of one sample (0 when it was never set), e.g. for the Stats RPC."""
@@ -364,8 +324,9 @@ class DaemonMetrics:
     def attach_pool(self, snapshot: Callable[[], PoolGauges]) -> None:
         self.registry.register(_PoolCollector(snapshot))
 
-    def attach_rates(self, book: RateBook) -> None:
-        self.registry.register(_RateCollector(book))
+    def attach(self, collector: Collector) -> None:
+        """A collector read at scrape time (the planner's rates: `kvtier.daemon.rates.gauges`)."""
+        self.registry.register(collector)
 
     def record_plan(self, plan: Plan) -> None:
         """Counts one Lookup's plan: its blocks by action, its reason, the seconds it saves."""
@@ -377,7 +338,7 @@ class DaemonMetrics:
         self.plans.labels(plan.reason.value).inc()
         self.predicted_seconds_saved.inc(max(0.0, plan.saved_s))
 
-    def observe_fetch(self, link: Link, realized_s: float, predicted_s: float) -> None:
+    def observe_fetch(self, link: str, realized_s: float, predicted_s: float) -> None:
         """One fetch's prediction error, as realized / predicted seconds of the same work: the
         bytes moved over `link` divided by the link's bandwidth estimate when the lease was
         granted — transfer time only, no per-request latency, like the realized time.
@@ -386,15 +347,4 @@ class DaemonMetrics:
         Ignored unless both are finite and > 0."""
         if link not in FETCH_LINKS or not (0 < realized_s < 1e6 and 0 < predicted_s < 1e6):
             return
-        self.fetch_time_ratio.labels(link.value).observe(realized_s / predicted_s)
-
-    def serve(self, host: str, port: int, readiness: Readiness = lambda: None) -> int:
-        """Starts the HTTP endpoint (/metrics and the probes, `kvtier.daemon.httpd`) on a daemon
-        thread; returns the bound port (useful when port is 0)."""
-        self._http = HttpEndpoint(host, port, self.registry, readiness)
-        return self._http.port
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-            self._http = None
+        self.fetch_time_ratio.labels(str(link)).observe(realized_s / predicted_s)

@@ -31,9 +31,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import CONFIG_FILE, config_dirs
@@ -44,7 +44,9 @@ from kvtier.daemon.config import Config
 from kvtier.tiers.dram_regions import tenant_count_problem
 
 if TYPE_CHECKING:
-    from kvtier.daemon.cache import Cache
+    from kvtier.core.wear import WriteBudget
+    from kvtier.daemon.cache.namespaces import Tenant
+    from kvtier.daemon.cache.remote_tier import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +192,20 @@ def prepare(source: ConfigSource, running: Config, auth: Authenticator,
     return Reloaded(cfg, new_auth, summary, kept), new_file
 
 
-def apply(r: Reloaded, running: Config, cache: Cache | None, old_auth: Authenticator) -> None:
+class Running(Protocol):
+    """What a reload changes in the running cache (`kvtier.daemon.cache.cache.Cache`)."""
+
+    @property
+    def write_budget(self) -> WriteBudget | None: ...
+
+    @property
+    def remote(self) -> RemoteTier | None: ...
+
+    def set_tenants(self, tenants: Iterable[Tenant], revoked: Iterable[str],
+                    rekeyed: Iterable[str] = ()) -> None: ...
+
+
+def apply(r: Reloaded, running: Config, cache: Running | None, old_auth: Authenticator) -> None:
     """Applies a prepared reload to the running tiers (the caller swaps in `r.cfg`/`r.auth`)."""
     if r.cfg.log_level != running.log_level:
         logging.getLogger().setLevel(r.cfg.log_level.upper())
@@ -198,10 +213,10 @@ def apply(r: Reloaded, running: Config, cache: Cache | None, old_auth: Authentic
         return
     who = tenant_changes(old_auth, r.auth)
     cache.set_tenants(r.auth.tenants(), who.revoked, who.rekeyed)
-    budget = cache.tiers.budget
+    budget = cache.write_budget
     if budget is not None and any(getattr(r.cfg, k) != getattr(running, k) for k in LIVE_BUDGET):
         budget.retune(r.cfg.ssd_write_bytes_per_day, r.cfg.ssd_write_burst_bytes)
-    remote = cache.tiers.remote
+    remote = cache.remote
     if remote is not None and any(getattr(r.cfg, k) != getattr(running, k) for k in LIVE_REMOTE):
         remote.retune_writes(r.cfg.remote_write_bytes_per_s, r.cfg.remote_write_burst_bytes)
     if remote is not None and any(getattr(r.cfg, k) != getattr(running, k)

@@ -1,12 +1,12 @@
 """Runs the daemon: gRPC on a Unix socket (mode 0600; optional TCP with TLS) and the lookup socket
-beside it (`kvtier.daemon.lookup_socket`, closed with the gRPC server), health, reflection,
+beside it (`kvtier.daemon.rpc.local_socket`, closed with the gRPC server), health, reflection,
 /metrics with the /healthz and /readyz probes (`kvtier.daemon.httpd`), the lease reaper, a
 draining shutdown on SIGTERM/SIGINT/SIGQUIT and a live reload on SIGHUP (`kvtier.daemon.reload`).
 SIGUSR1 and SIGUSR2, whose default action would end the process without its cleanup, have no
 meaning here: each is logged (one WARNING naming the signals kvtier does use) and ignored, from
 the start of `run` on, as daemons that give them no job commonly do.
 
-Planner rates (`kvtier.daemon.kept_rates`): the `RateBook` is seeded from the rates this daemon
+Planner rates (`kvtier.daemon.rates.kept`): the `RateBook` is seeded from the rates this daemon
 measured before its last restart (`<data_dir>/rates.json`, kept every minute and at shutdown),
 over `<data_dir>/calibration.json` (`kvtier calibrate`) when present, else the built-in defaults;
 a file that cannot be read or parsed is logged as a one-line warning and ignored — the daemon
@@ -63,18 +63,20 @@ from kvtier.core.errors import UsageError
 from kvtier.core.lookupwire import CALLS
 from kvtier.core.paths import socket_path_problem
 from kvtier.core.units import format_bytes
-from kvtier.daemon import fdpass, kept_rates, memory, reload, sdnotify, sharing, sockpath
+from kvtier.daemon import fdpass, memory, reload, sdnotify, sharing, sockpath
 from kvtier.daemon.auth import Authenticator
-from kvtier.daemon.cache import Cache, dram_shares
-from kvtier.daemon.config import Config, write_kept
+from kvtier.daemon.cache.cache import Cache, dram_shares
+from kvtier.daemon.cache.namespaces import KEY_WIDTHS
+from kvtier.daemon.config import Config, cache_spec, write_kept
 from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.fdpass import FdServer
+from kvtier.daemon.httpd import HttpEndpoint
 from kvtier.daemon.kv_publisher import KvEventPublisher
-from kvtier.daemon.lookup_socket import LookupServer
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import KEY_WIDTHS
-from kvtier.daemon.rpc_guard import Limits, add_service
-from kvtier.daemon.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
+from kvtier.daemon.rates import kept as kept_rates
+from kvtier.daemon.rpc.guard import Limits, add_service
+from kvtier.daemon.rpc.local_socket import LookupServer
+from kvtier.daemon.rpc.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
 from kvtier.tiers import segment_owner
 from kvtier.tiers.dram_regions import tenant_count_problem
 
@@ -147,9 +149,10 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.service: KvTierService | None = None
         self.fds: FdServer | None = None  # an isolated pool's fd socket (`kvtier.daemon.fdpass`)
-        self.lookups: LookupServer | None = None  # `kvtier.daemon.lookup_socket`
+        self.lookups: LookupServer | None = None  # `kvtier.daemon.rpc.local_socket`
         self.health = HealthServicer()
         self.metrics_port: int | None = None
+        self.http: HttpEndpoint | None = None  # /metrics and the probes
         self._stopping = asyncio.Event()
         self._done = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
@@ -203,22 +206,24 @@ class Daemon:
         addr = self.cfg.metrics_address()
         if addr is not None:
             try:
-                self.metrics_port = self.metrics.serve(*addr, readiness=lambda: self._not_ready)
+                self.http = HttpEndpoint(*addr, self.metrics.registry,
+                                         readiness=lambda: self._not_ready)
+                self.metrics_port = self.http.port
             except OSError as exc:
                 raise UsageError(f"metrics address {cfg.metrics}: {exc}") from None
         try:
             self._dir_lock = DataDirLock.acquire(cfg.data_dir, cfg.socket)  # before any file in it
             rates = kept_rates.start_rates(cfg.data_dir)
-            self.cache = cache = Cache(cfg, self.metrics, rates=rates.book,
-                                       tenants=len(self.auth.tenants()))
+            spec = cache_spec(cfg, tenants=len(self.auth.tenants()))
+            self.cache = cache = Cache(spec, self.metrics, rates=rates.book)
             cache.tenant_rates.seed(rates.tenants)
             if cache.tiers.store is not None:
                 write_kept(cfg.data_dir, cfg.ssd_bytes)
         except (OSError, lmdb.Error) as exc:
-            self.metrics.close()
+            self._close_http()
             raise UsageError(f"cannot set up the storage tiers: {exc}") from None
         except BaseException:
-            self.metrics.close()
+            self._close_http()
             raise
         try:
             if cfg.kv_events:
@@ -241,7 +246,7 @@ class Daemon:
             await self._start_server(cache)
         except BaseException:
             self._close_cache(cache)
-            self.metrics.close()
+            self._close_http()
             raise
         self._reaper = asyncio.create_task(self._reap())
         ssd = "off"
@@ -265,6 +270,11 @@ class Daemon:
                 f"{format_bytes(cfg.max_block_bytes)} in size classes, slots from "
                 f"{format_bytes(cfg.slot_bytes)}); SSD tier {ssd}; planner rates from "
                 f"{rates.described}; KV events {events}; tenants: {tenants} ({auth})")
+
+    def _close_http(self) -> None:
+        if self.http is not None:
+            self.http.close()
+            self.http = None
 
     @property
     def segment_record(self) -> Path:
@@ -338,7 +348,7 @@ class Daemon:
                 await asyncio.to_thread(self.save_rates)
 
     def save_rates(self) -> None:
-        """Keeps the measured planner rates in the data dir (`kvtier.daemon.kept_rates`)."""
+        """Keeps the measured planner rates in the data dir (`kvtier.daemon.rates.kept`)."""
         self._rates_saved = time.monotonic()
         cache = self.cache
         if cache is None:
@@ -434,7 +444,7 @@ class Daemon:
             self.save_rates()
             self._close_cache(cache)
             log.info("kvtier stopped (%d lease(s) ended at shutdown)", left)
-        self.metrics.close()
+        self._close_http()
         with contextlib.suppress(FileNotFoundError):
             self.cfg.socket.unlink()
         if self._dir_lock is not None:

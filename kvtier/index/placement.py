@@ -1,9 +1,9 @@
 """The placement planner: where blocks go, decided once for the daemon and for `kvtier simulate`.
 
-Pure functions over a `kvtier.index.prefix.PrefixIndex`; the daemon (`kvtier.daemon.residency`)
-and the simulator (`kvtier.sim.replay`) call the same ones at the same points of a request, so
-the simulator's hits and SSD writes are the daemon's (tests/test_sim_equals_daemon.py replays one
-trace through both):
+Pure functions over a `kvtier.index.prefix.PrefixIndex`; the daemon
+(`kvtier.daemon.cache.residency`) and the simulator (`kvtier.sim.replay`) call the same ones at the
+same points of a request, so the simulator's hits and SSD writes are the daemon's
+(tests/test_sim_equals_daemon.py replays one trace through both):
 
     write_backs  which blocks of a looked-up or just committed chain go to SSD now: DRAM-only,
                  admitted by the index's rule (the k-th access), root first and only under a

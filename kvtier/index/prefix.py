@@ -27,7 +27,7 @@ Invariants (checked by tests/test_index_props.py after every step):
 
 Eviction structure: one queue per managed tier holds exactly the blocks that may leave it now, so
 a victim is a queue's cold end, never a scan (`kvtier.index.state`); `kvtier.index.evict` picks
-and evicts victims (with an optional write-back at eviction); `kvtier.index.placement` decides
+and evicts victims (demotion or leaf-first drop, never a write); `kvtier.index.placement` decides
 write-backs and room for the daemon and the simulator alike.
 
 Access statistics: `hits` counts accesses (the commit is the first, each lookup hit adds one);

@@ -26,9 +26,9 @@ Journal. With `journal=True` every residency change — a copy added to or dropp
 (`_add`/`_drop`), a DRAM copy moved to another slot — is appended to a list of `Change` entries in
 the order it happened, whatever public call made it; `take_changes` hands them out and starts a new
 list (as SGLang's radix cache hands out its KV events with `take_events`). The daemon's applier
-(`kvtier.daemon.applier`) acts on them — frees slots, charges tenants, deletes SSD keys, publishes
-events — so no caller of the index repeats that bookkeeping. Off by default (the simulator and the
-benchmarks do not read it), so the request path pays one `is None` test per change.
+(`kvtier.daemon.cache.applier`) acts on them — frees slots, charges tenants, deletes SSD keys,
+publishes events — so no caller of the index repeats that bookkeeping. Off by default (the simulator
+and the benchmarks do not read it), so the request path pays one `is None` test per change.
 
 Threading: none; the owner serialises calls (see `kvtier.index.prefix`).
 """

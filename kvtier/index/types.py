@@ -116,9 +116,6 @@ class Reason(enum.Enum):
     """DRAM copy dropped; the block stays on SSD with its children reachable."""
     WRITTEN_BACK = "written_back"
     """Like DEMOTED, but the SSD copy is new: the caller writes the bytes from `dram_slot` first."""
-    WRITTEN = "written"
-    """No eviction: an SSD copy was added (the block stays in DRAM at `dram_slot`, which is not
-    freed); the caller writes the bytes. Ancestors of a WRITTEN_BACK block, for prefix closure."""
     COPY_DROPPED = "copy_dropped"
     """SSD copy dropped; the block stays in DRAM."""
     DROPPED = "dropped"
@@ -131,8 +128,8 @@ EVICTION_COUNTERS = ("dram_demoted", "dram_written_back", "dram_dropped", "ssd_c
 
 
 class Evicted(NamedTuple):
-    """What one eviction/drop did to one block in `tier`. `dram_slot`: the DRAM slot freed (the
-    copy source for WRITTEN, which frees nothing); None if no slot is involved."""
+    """What one eviction/drop did to one block in `tier`. `dram_slot`: the DRAM slot freed; None
+    if no slot is involved."""
 
     tenant: Tenant
     key: BlockKey

@@ -4,7 +4,7 @@
     value  64-byte `blockfmt` header + payload             (header: payload xxh3-64, key digest
                                                             of the whole redis key, lengths)
 
-The namespace (authenticated tenant × layout id, `kvtier.daemon.namespaces`) is part of every
+The namespace (authenticated tenant × layout id, `kvtier.daemon.cache.namespaces`) is part of every
 key, so two daemons sharing a store share blocks only within one tenant and one model layout,
 and the header's key digest covers the whole key: a value copied or renamed to another key (another
 tenant's) fails verification. Every fetched value is checked (header checksum, magic, version,
@@ -15,7 +15,7 @@ caller's buffer, so what is served is what was verified; a damaged value is a mi
 Requests are pipelined (one round trip per call; in cluster mode redis-py's `ClusterPipeline`
 groups the commands per node — no sharding of ours) and bounded by `timeout_s` per socket
 operation (connect, send, receive). redis-py retries only a broken pooled connection, once; the
-caller (`kvtier.daemon.remote_tier`) decides what a failure means and when to try again.
+caller (`kvtier.daemon.cache.remote_tier`) decides what a failure means and when to try again.
 Eviction is the store's (`maxmemory-policy allkeys-lru`): nothing here tracks what the store holds.
 
 `redis` is imported when the first connection is made, so a daemon without a remote tier does not

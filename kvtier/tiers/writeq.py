@@ -7,7 +7,7 @@
     unpin each slot, then done(batch, R)   (R None: nothing of the batch was written)
 
 Both write-behind paths of the daemon use it: the SSD mover (`kvtier.tiers.mover`) and the
-remote tier's write-through (`kvtier.daemon.remote_tier`). The bound is in slot bytes (each
+remote tier's write-through (`kvtier.daemon.cache.remote_tier`). The bound is in slot bytes (each
 item counts its slot's size-class stride, `DramPool.stride_of`) because what a queued write
 costs is the DRAM it keeps pinned; an empty queue takes one item of any size. `offer` never
 blocks and never waits on I/O: the caller learns at once whether the slot is now the queue's.

@@ -42,7 +42,7 @@ Threading: `begin` and `end` take the cache lock (begin and release are called w
 `finish` must be called without it, from any thread: it reads SSD and remote payloads into the
 claimed slots (pinned, owned by the claim) with no daemon lock held, and waits on `_settled` (a
 condition on the cache lock) for another Acquire's promotion of the same block. Lock order:
-`kvtier.daemon.cache`.
+`kvtier.daemon.cache.cache`.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.api import AcquireResult
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant
+from kvtier.daemon.cache.residency import Steps, Tiers
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import NamespaceInfo
-from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.residency import Steps, Tiers
+from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.index import placement
 from kvtier.index.prefix import Block, IndexStateError
 
@@ -78,6 +78,12 @@ class ReadLease:
     blocks: list[Block]
     h2d_bytes_per_s: float  # the planner's DRAM-read estimate when granted (prediction error)
 
+    def slot_of(self, block: int) -> int:
+        """The slot of the lease's `block`-th pinned block (`SlotStream`)."""
+        slot = self.blocks[block].dram_slot
+        assert slot is not None  # pinned in DRAM for the lease's life
+        return slot
+
 
 class RemoteCheck(NamedTuple):
     """The remote store's existence check for an Acquire's chain, made before `begin` without
@@ -89,13 +95,6 @@ class RemoteCheck(NamedTuple):
 
 
 NOT_ASKED = RemoteCheck(0, 0)  # no remote tier, or not asked: nothing is fetched
-
-
-class AcquireResult(NamedTuple):
-    lease_id: str  # "" when nothing was acquired
-    offsets: list[int]
-    source_tiers: list[Tier]
-    ttl_s: float
 
 
 @dataclass(slots=True)
@@ -116,7 +115,7 @@ class Acquiring:
     remote_keys: list[bytes] = field(default_factory=list)  # after the local prefix
     remote_slots: list[int] = field(default_factory=list)  # claimed, one per remote key
     remote_got: list[int | None] | None = None
-    session: str = ""  # the lease's session (see `kvtier.daemon.leases`)
+    session: str = ""  # the lease's session (see `kvtier.daemon.cache.leases`)
 
     @property
     def io(self) -> bool:

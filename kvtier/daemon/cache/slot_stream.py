@@ -16,28 +16,21 @@ Threading: any thread; `read`/`write` take the cache lock (an RLock: callers may
 from __future__ import annotations
 
 import threading
-from typing import TypeAlias
+from typing import Protocol, TypeAlias, cast
 
 from kvtier.core.errors import NotFound
-from kvtier.daemon.acquire import ReadLease
-from kvtier.daemon.allocate import WriteLease
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.tiers.dram import DramPool
 
 Buffer: TypeAlias = bytes | memoryview
 
 
-def _slot(payload: object, block: int) -> int:
-    """The pool slot of a lease's block `block`: a WRITE lease's `block`-th slot, a READ lease's
-    `block`-th pinned block's (slot ids, not offsets: an isolated pool's offsets are per
-    region)."""
-    if isinstance(payload, WriteLease):
-        return payload.todo[block][1]
-    assert isinstance(payload, ReadLease)
-    slot = payload.blocks[block].dram_slot
-    assert slot is not None  # pinned in DRAM for the lease's life
-    return slot
+class SlotHolder(Protocol):
+    """A lease payload that names its slots (`WriteLease`, `ReadLease`): slot ids, not
+    offsets (an isolated pool's offsets are per region)."""
+
+    def slot_of(self, block: int) -> int: ...
 
 
 class SlotStream:
@@ -80,7 +73,8 @@ class SlotStream:
                 )
             if lease.expires_at - self._leases.clock() < lease.ttl_s / 2:
                 self._leases.renew(lease.id, lease.ttl_s)
-            slot = _slot(lease.payload, block)  # the lease's own: pinned, never moved nor freed
+            # the lease's own slot: pinned, never moved nor freed while the lease lives
+            slot = cast(SlotHolder, lease.payload).slot_of(block)
             view = memoryview(self._pool.view(slot, self.block_bytes))  # type: ignore[arg-type]
             if data is None:
                 return head + view[at : at + n]

@@ -54,9 +54,9 @@ from collections.abc import Callable
 from typing import cast
 
 from kvtier.core.types import Tier
-from kvtier.daemon.events import EventLog
+from kvtier.daemon.cache.events import EventLog
+from kvtier.daemon.cache.namespaces import Namespace, Namespaces
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespace, Namespaces
 from kvtier.index.prefix import Change, Op, PrefixIndex
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.ssd.store import SsdStore

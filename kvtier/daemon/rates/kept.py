@@ -5,7 +5,7 @@ A daemon that restarts with blocks on SSD must not forget what it measured: on d
 SSD read that, measured on this machine, was faster — and the first prompts after a restart
 recompute what is cached. So the daemon writes what its `RateBook`s measured (from samples, not
 seeds: `RateBook.measured`) — the node's copy, SSD, remote and prefill rates, and each tenant's
-own copy and prefill rates (`kvtier.daemon.tenant_rates`; a prefill rate is FLOP/s, turned into
+own copy and prefill rates (`kvtier.daemon.rates.tenants`; a prefill rate is FLOP/s, turned into
 seconds per layout by that layout's cost model) — every `SAVE_EVERY_S` while serving and at
 shutdown, atomically (temp file + rename). At start they are the seeds, laid over the
 calibration's (`kvtier calibrate`) or the defaults; the first samples replace them as before.
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvtier.core.errors import UsageError
-from kvtier.daemon.calibrate import calibration_path, load_calibration_if_present
-from kvtier.daemon.rates import Link, LinkRate, Measured, RateBook
+from kvtier.daemon.rates.book import Link, LinkRate, Measured, RateBook
+from kvtier.daemon.rates.calibrate import calibration_path, load_calibration_if_present
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ plan) and to the node's book, which feeds the `kvtier_rate_*` gauges. A tenant's
 DRAM copy and prefill rates and the SSD read rates the daemon measured itself (`plan_rates`), so a
 tenant reporting absurd prefills or copies only misleads its own planner.
 
-Seeds kept from before a restart (`kvtier.daemon.kept_rates`) seed a tenant's book when it is made;
+Seeds kept from before a restart (`kvtier.daemon.rates.kept`) seed a tenant's book when it is made;
 `books()` is what is kept in turn.
 
 Thread-safe (a lock around the table; each `RateBook` locks itself).
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from kvtier.core.planner import PlanRates
-from kvtier.daemon.rates import Link, Measured, RateBook
+from kvtier.daemon.rates.book import Link, Measured, RateBook
 
 
 class TenantRates:

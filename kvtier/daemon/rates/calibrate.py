@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.core.errors import UsageError
-from kvtier.daemon.rates import Link, LinkRate
+from kvtier.daemon.rates.book import Link, LinkRate
 
 FORMAT_VERSION = 1
 FILE_NAME = "calibration.json"

@@ -6,7 +6,7 @@
              each key it holds, none for the rest ─▶ `fetch_into(ns, keys, slots)`: one
              pipelined GET round trip, each value verified and copied into its slot → the cache
              inserts the good prefix into the index as DRAM blocks under the Acquire's lease
-             (`kvtier.daemon.acquire`)
+             (`kvtier.daemon.cache.acquire`)
     Commit   admitted blocks ─▶ `offer(RemoteWrite)`: never blocks; a queue bounded in bytes of
              pinned slots and a byte-rate token bucket decide, else the write is dropped and
              counted; a writer thread (`kvtier.tiers.writeq`, shared with the SSD mover) sends
@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter
@@ -46,7 +45,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.core.wear import TokenBucket
-from kvtier.daemon.rates import Link, RateBook
+from kvtier.daemon.cache.spec import RemoteTierSpec
+from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.remote import RemoteStore, RemoteUnavailable
@@ -62,19 +62,6 @@ class RemoteWrite(NamedTuple):
     key: bytes
     slot: int
     nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteTierSpec:
-    """`queue_bytes` bounds the DRAM pinned by queued writes (slots); `write_bytes_per_s` is the
-    long-run write rate, `burst_bytes` what may go at once."""
-
-    queue_bytes: int
-    write_bytes_per_s: float
-    burst_bytes: int
-    batch_blocks: int = 16
-    backoff_first_s: float = 0.5
-    backoff_max_s: float = 30.0
 
 
 class RemoteMetrics:

@@ -1,9 +1,9 @@
 """The lease table: every pin and every allocation the daemon hands out is a lease with a TTL.
 
-Pure bookkeeping, no I/O and no threads: the owner (`kvtier.daemon.cache.Cache`) calls `expired()`
-periodically and undoes what each returned lease held (unpins blocks, aborts allocations). A lease
-that is released, aborted, committed or expired leaves the table exactly once, so whatever it holds
-is freed exactly once — that is how no slot ever leaks.
+Pure bookkeeping, no I/O and no threads: the owner (`kvtier.daemon.cache.cache.Cache`) calls
+`expired()` periodically and undoes what each returned lease held (unpins blocks, aborts
+allocations). A lease that is released, aborted, committed or expired leaves the table exactly once,
+so whatever it holds is freed exactly once — that is how no slot ever leaks.
 
 Lease ids are 128-bit random hex strings: unguessable, so one tenant cannot name another's lease
 (ownership is still checked by the caller against `Lease.tenant`).

@@ -12,7 +12,7 @@
 
 Every slot of a WRITE lease is charged to its tenant from `allocate` until `commit` makes it a
 block's (still charged) or `end` frees it. The lease table, ownership checks and TTLs are the
-cache's (`kvtier.daemon.cache`); this module only sees leases it was handed.
+cache's (`kvtier.daemon.cache.cache`); this module only sees leases it was handed.
 
 Threading: every function is called with the cache lock held.
 """
@@ -20,14 +20,14 @@ Threading: every function is called with the cache lock held.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar, cast
+from typing import TypeVar, cast
 
 from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.leases import LeaseKind, LeaseTable
-from kvtier.daemon.namespaces import NamespaceInfo, TenantUsage
-from kvtier.daemon.residency import Steps, Tiers
+from kvtier.daemon.cache.api import AllocateResult
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant, TenantUsage
+from kvtier.daemon.cache.residency import Steps, Tiers
 from kvtier.index import placement
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 
@@ -43,12 +43,9 @@ class WriteLease:
     parent: bytes
     todo: list[tuple[int, int]]  # (index in keys, slot)
 
-
-class AllocateResult(NamedTuple):
-    lease_id: str  # "" when every key was already cached
-    indices: list[int]
-    offsets: list[int]
-    ttl_s: float
+    def slot_of(self, block: int) -> int:
+        """The slot of the lease's `block`-th block (`SlotStream`)."""
+        return self.todo[block][1]
 
 
 def quota_room(tiers: Tiers, usage: TenantUsage, n: int, stride: int) -> bool:

@@ -4,8 +4,8 @@
 `ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing. Deciding is the placement
 planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`: write-backs, SSD and
 DRAM room, quota victims, victims across size classes, promotions, remote offers); the index
-journals every residency change and the `Applier` (`kvtier.daemon.applier`) acts on it (slots
-freed, tenants charged, SSD keys deleted, events); what is left here is
+journals every residency change and the `Applier` (`kvtier.daemon.cache.applier`) acts on it
+(slots freed, tenants charged, SSD keys deleted, events); what is left here is
 applying the planner's intents and moving:
 
 - index DRAM residency == an allocated pool slot; a pinned index block == a pinned pool slot,
@@ -30,22 +30,22 @@ applying the planner's intents and moving:
   pinned in the index by the caller.
 
 Index "tenants" are namespaces, `Namespace(tenant, layout id)` (layout id = H(model id, layout
-fingerprint), `kvtier.daemon.namespaces`), whose value `"<tenant>/ns2:<layout id hex>"` is also
-the SSD store's (and the remote tier's) key, so after a restart the stored blocks come back under
-the right tenant, model and layout (the rebuild turns each stored key back into a `Namespace`).
-Blocks stored under any other namespace form — the pre-model-id `"<tenant>/<fingerprint hex>"` —
-cannot be attributed to a model: the rebuild deletes them (one warning line with the count) and
-never serves them.
+fingerprint), `kvtier.daemon.cache.namespaces`), whose value `"<tenant>/ns2:<layout id hex>"` is
+also the SSD store's (and the remote tier's) key, so after a restart the stored blocks come back
+under the right tenant, model and layout (the rebuild turns each stored key back into a
+`Namespace`). Blocks stored under any other namespace form — the pre-model-id
+`"<tenant>/<fingerprint hex>"` — cannot be attributed to a model: the rebuild deletes them (one
+warning line with the count) and never serves them.
 
 Threading: every method is called with the cache lock held, except `on_written`, which the mover
-calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must
-be called without it. Lock order (all of it: `kvtier.daemon.cache`): cache lock → a write queue's
-lock (`Mover.submit`, `RemoteTier.offer`) → the pool's lock; cache lock → the SSD store's write
-lock (deletes). The writer threads never hold their queue's or the store's lock while taking ours.
-Page moves (`_gather`, `_clear_row`) are planned under the cache lock and yielded (`taking`'s
-steps, `PageMoves`); the driver copies them without it (`Cache._off_loop`: a worker thread) or,
-for in-process callers, on its own thread with it held (`run_here`), and `end_moves` finishes
-them under it. Never under the pool's lock.
+calls on its writer thread and which takes the cache lock itself, and `read_claimed`, which must be
+called without it. Lock order (all of it: `kvtier.daemon.cache.cache`): cache lock → a write queue's
+lock (`Mover.submit`, `RemoteTier.offer`) → the pool's lock; cache lock → the SSD store's write lock
+(deletes). The writer threads never hold their queue's or the store's lock while taking ours. Page
+moves (`_gather`, `_clear_row`) are planned under the cache lock and yielded (`taking`'s steps,
+`PageMoves`); the driver copies them without it (`Cache._off_loop`: a worker thread) or, for
+in-process callers, on its own thread with it held (`run_here`), and `end_moves` finishes them under
+it. Never under the pool's lock.
 """
 
 from __future__ import annotations
@@ -59,55 +59,50 @@ from typing import NamedTuple, TypeVar, cast
 from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
 from kvtier.core.wear import WriteBudget
-from kvtier.daemon.applier import Applier
-from kvtier.daemon.config import Config
-from kvtier.daemon.events import EventLog
+from kvtier.daemon.cache.applier import Applier
+from kvtier.daemon.cache.events import EventLog
+from kvtier.daemon.cache.namespaces import Namespace, Namespaces
+from kvtier.daemon.cache.remote_tier import RemoteTier, RemoteWrite
+from kvtier.daemon.cache.spec import CacheSpec, SsdTier
+from kvtier.daemon.cache.spec import RemoteTier as RemoteTierConfig
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.daemon.namespaces import Namespace, Namespaces
-from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.remote_tier import RemoteTier, RemoteWrite
+from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.index import placement
 from kvtier.index.prefix import Block as IndexBlock
 from kvtier.index.prefix import IndexStateError, PrefixIndex
 from kvtier.tiers import blockfmt
-from kvtier.tiers.dram import DramPool, DramSpec, SlotMove
+from kvtier.tiers.dram import DramPool, SlotMove
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
-from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdSpec, SsdStore, open_store
+from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdStore, open_store
 
 log = logging.getLogger(__name__)
 
 _UNSEEN = Namespace("", b"")  # `_rebuild`'s "not parsed yet" marker
 
-STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 """The SSD store's own layout tag; each block's namespace (tenant + layout id) is in its key."""
 
 
 class Tiers:
     def __init__(
-        self, cfg: Config, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
-        lock: threading.RLock, names: Namespaces, tenants: int = 0,
+        self, spec: CacheSpec, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
+        lock: threading.RLock, names: Namespaces,
     ) -> None:
-        self.cfg = cfg
+        self.spec = spec
         self.metrics = metrics
         self.events = events
         self.rates = rates
         self._lock = lock
         self.names = names  # tenants' usage (charged only by the applier), quotas, shares
-        self.slot_bytes = cfg.slot_bytes  # the smallest slot: a block's default size
-        self.pool = DramPool.create(DramSpec(
-            name="kvtier-" + _digest(str(cfg.socket)), slot_size=cfg.slot_bytes,
-            slot_count=cfg.slots, replace_stale=True, max_block=cfg.max_block_bytes,
-            page_bytes=cfg.dram_page_bytes, group=cfg.group or None,
-            prefault=cfg.dram_prefault, isolated=bool(cfg.tokens_file), tenants=tenants,
-        ))
+        self.slot_bytes = spec.pool.slot_size  # the smallest slot: a block's default size
+        self.pool = DramPool.create(spec.pool)
         # SSD blocks of every size: LMDB values (a slot file has one slot size) bounded in bytes
         # by `_make_ssd_room`; the index bounds their count at the smallest block's. A pool of
         # one size (slot_bytes == max_block_bytes) keeps the slot file.
-        self.ssd_block_bytes = cfg.slot_bytes + blockfmt.HEADER_SIZE
-        ssd_blocks = cfg.ssd_bytes // self.ssd_block_bytes
+        self.ssd_block_bytes = self.slot_bytes + blockfmt.HEADER_SIZE
+        ssd_blocks = spec.ssd_bytes // self.ssd_block_bytes
         self.index = PrefixIndex(
             dram_blocks=self.pool.slot_ids, ssd_blocks=ssd_blocks,
-            admission_k=cfg.ssd_admit_after, policy=cfg.policy, journal=True,
+            admission_k=spec.ssd_admit_after, policy=spec.policy, journal=True,
         )
         self.pool.owner = self.index  # the index's block pins are the only pins
         self.applier = Applier(self.index, self.pool, names, events, metrics, self.ssd_bytes_of)
@@ -123,10 +118,11 @@ class Tiers:
         self.block_bytes: dict[str, int] = {}  # namespace -> payload bytes (from its layout)
         self.remote: RemoteTier | None = None
         try:
-            if ssd_blocks > 0:
-                self._open_ssd()
-            if cfg.remote_url:
-                self.remote = _open_remote(cfg, self.pool, rates, metrics, self.on_remote_written)
+            if spec.ssd is not None:
+                self._open_ssd(spec.ssd)
+            if spec.remote is not None:
+                self.remote = _open_remote(spec.remote, self.pool, rates, metrics,
+                                           self.on_remote_written)
         except BaseException:
             self.close(0.0)  # never leave the segment behind
             raise
@@ -177,23 +173,17 @@ class Tiers:
 
     # -- SSD ----------------------------------------------------------------------------------
 
-    def _open_ssd(self) -> None:
-        cfg = self.cfg
-        opened = open_store(SsdSpec(
-            path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
-            layout_fingerprint=STORE_FINGERPRINT,
-            **({"slot_size": cfg.slot_bytes} if cfg.slot_bytes == cfg.max_block_bytes
-               else {"payload": "lmdb"}),
-        ))
+    def _open_ssd(self, ssd: SsdTier) -> None:
+        opened = open_store(ssd.store)
         self.store = self.applier.store = opened.store
         if opened.moved_aside:
             self.metrics.ssd_damage.labels("store_moved_aside").inc()
         damaged = self.store.counters.undecodable + self.store.dropped_at_open.damaged
         if damaged:
             self.metrics.ssd_damage.labels("undecodable_entry").inc(damaged)
-        self.budget = WriteBudget(cfg.ssd_write_bytes_per_day, cfg.ssd_write_burst_bytes)
+        self.budget = WriteBudget(ssd.write_bytes_per_day, ssd.write_burst_bytes)
         self.mover = Mover(self.pool, self.store, self.budget,
-                           MoverSpec(queue_bytes=cfg.writeback_queue_bytes),
+                           MoverSpec(queue_bytes=ssd.queue_bytes),
                            on_written=self.on_written)
         self._rebuild(opened.entries)
 
@@ -219,7 +209,7 @@ class Tiers:
                         len({ns for ns, _ in foreign}))
             self.store.delete_many(foreign)
         doomed: list[tuple[str, bytes]] = []
-        room, no_room = self.cfg.ssd_bytes, False  # the byte cap (it may have shrunk)
+        room, no_room = self.spec.ssd_bytes, False  # the byte cap (it may have shrunk)
         for ns, parents in by_ns.items():
             kids: dict[bytes, list[bytes]] = {}
             stack: list[bytes] = []
@@ -249,7 +239,7 @@ class Tiers:
             size = shrunk.shrunk_bytes + sum(self.ssd_bytes_of(ns) for ns, _ in doomed)
             log.warning("SSD tier shrank to %s (ssd_bytes): evicted %d stored blocks (%s) that "
                         "no longer fit, with their descendants; %d kept",
-                        format_bytes(self.cfg.ssd_bytes), evicted, format_bytes(size),
+                        format_bytes(self.spec.ssd_bytes), evicted, format_bytes(size),
                         len(entries) - len(doomed) - len(foreign))
         elif doomed:
             log.warning("SSD tier: dropping %d stored blocks without a cached parent or room",
@@ -314,7 +304,7 @@ class Tiers:
         # the index's SSD bytes (kept by the applier), not the store's: a batch the writer
         # thread has stored but not yet reported would count twice, stored and queued
         queued = sum(self.ssd_bytes_of(ns) for ns, _ in self._queued)
-        over = self.applier.ssd_bytes + queued + nbytes - self.cfg.ssd_bytes
+        over = self.applier.ssd_bytes + queued + nbytes - self.spec.ssd_bytes
         while over > 0:
             before = self.applier.ssd_bytes
             if not self.index.evict_count(Tier.SSD, 1):
@@ -416,9 +406,10 @@ class Tiers:
         """Offers admitted DRAM blocks to the remote tier's write queue: at Commit when
         `remote_admit_after` is 1, else at the lookup that makes a block's k-th access. Each
         offered block stays pinned until `on_remote_written`."""
-        remote, k = self.remote, self.cfg.remote_admit_after
-        if remote is None:
+        remote, spec = self.remote, self.spec.remote
+        if remote is None or spec is None:
             return
+        k = spec.admit_after
         nbytes = self.block_bytes.get(ns, self.slot_bytes)
         todo = placement.remote_offers(blocks, committed, k)
         for i, b in enumerate(todo):
@@ -702,20 +693,16 @@ def _tenant_of(ns: object) -> str:
 
 
 def _open_remote(
-    cfg: Config, pool: DramPool, rates: RateBook, metrics: DaemonMetrics,
+    spec: RemoteTierConfig, pool: DramPool, rates: RateBook, metrics: DaemonMetrics,
     on_written: Callable[[list[RemoteWrite], list[RemoteWrite]], None],
 ) -> RemoteTier:
-    from kvtier.daemon.config import remote_spec_args
-    from kvtier.daemon.remote_tier import RemoteTierSpec
-    from kvtier.tiers.remote import RemoteSpec, RemoteStore
+    from kvtier.tiers.remote import RemoteStore
 
-    spec = RemoteSpec(**remote_spec_args({f: getattr(cfg, f) for f in cfg.__dataclass_fields__}))
-    tier = RemoteTier(RemoteStore(spec), pool, rates, metrics.registry, RemoteTierSpec(
-        cfg.remote_queue_bytes, cfg.remote_write_bytes_per_s, cfg.remote_write_burst_bytes,
-    ), on_written)
+    tier = RemoteTier(RemoteStore(spec.store), pool, rates, metrics.registry, spec.writes,
+                      on_written)
     try:
         tier.store.ping()
-        log.info("remote tier: %s (%s)", tier.store.where(), cfg.remote_mode)
+        log.info("remote tier: %s (%s)", tier.store.where(), spec.mode)
     except Exception as exc:  # a store down at start is an outage, not a failed start
         tier.backoff.failed()
         tier.metrics.outages.inc()
@@ -723,8 +710,3 @@ def _open_remote(
                     "backoff: %s", exc)
     return tier
 
-
-def _digest(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -7,48 +7,14 @@ and mover, which lock themselves.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.config import Config
-from kvtier.daemon.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.api import CacheStats, GroupUsage
+from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import Namespace, Namespaces, Tenant
+from kvtier.daemon.cache.residency import Tiers
+from kvtier.daemon.cache.spec import CacheSpec
 from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
-from kvtier.daemon.namespaces import Namespace, Namespaces
-from kvtier.daemon.residency import Tiers
 from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
-
-
-class GroupUsage(NamedTuple):
-    """Bytes one KV cache group of a model holds per tier: its layouts' blocks there times the
-    group's bytes per block (`RegisterLayoutRequest.groups`)."""
-
-    model_id: str
-    group: str
-    dram_bytes: int
-    ssd_bytes: int
-
-
-class CacheStats(NamedTuple):
-    """Node totals, or (`node_wide` False) the figures of one tenant: its used bytes, blocks,
-    leases, layouts and lookups; capacities stay the node's."""
-
-    dram_capacity_bytes: int
-    dram_used_bytes: int
-    dram_blocks: int
-    ssd_capacity_bytes: int
-    ssd_used_bytes: int
-    ssd_blocks: int
-    read_leases: int
-    write_leases: int
-    layouts: int
-    tenant_dram_bytes: int  # of the tenant asked about (0 without one)
-    tenant_ssd_bytes: int
-    node_wide: bool = True
-    lookups: int = 0  # the tenant's (node-wide ones are the metrics' counters)
-    blocks_hit: int = 0
-    blocks_missed: int = 0
-    groups: tuple[GroupUsage, ...] = ()
 
 
 def group_usage(tiers: Tiers, names: Namespaces, tenant: str | None) -> tuple[GroupUsage, ...]:
@@ -127,15 +93,16 @@ INDEX_BYTES_PER_BLOCK = 288
 the MRC's budget is 1% of it times the index's capacity."""
 
 
-def new_sampler(cfg: Config, ssd_blocks: int, dram_blocks: int | None = None) -> ReuseSampler:
+def new_sampler(spec: CacheSpec, ssd_blocks: int, dram_blocks: int | None = None
+                ) -> ReuseSampler:
     """The daemon's MRC estimator: capacities `capacity_grid` of its DRAM and SSD blocks
     (DRAM: `dram_blocks`, by default its smallest slots), memory bounded to 1% of the full
     index's (but at least `MRC_MIN_KEYS` keys)."""
-    dram = cfg.slots if dram_blocks is None else dram_blocks
+    dram = spec.pool.slot_count if dram_blocks is None else dram_blocks
     budget = (dram + ssd_blocks) * INDEX_BYTES_PER_BLOCK // 100
     grid = capacity_grid(dram, ssd_blocks)
     ssd_points = sum(1 for _d, s in grid if s)
-    return ReuseSampler(grid, admit_k=cfg.ssd_admit_after,
+    return ReuseSampler(grid, admit_k=spec.ssd_admit_after,
                         max_keys=max(MRC_MIN_KEYS, keys_for_budget(budget, ssd_points)))
 
 

@@ -23,11 +23,11 @@ Invariants kept:
 - every slot is owned by exactly one of: the free list, a WRITE lease, a cached block — leases
   that end (released, committed, aborted, expired) give back what they held exactly once.
 
-`Cache` is the facade that takes the lock, validates requests against namespaces and owns the
-lease table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.daemon.acquire`
-(the load path), `kvtier.daemon.allocate` (the store path), `kvtier.daemon.residency` (the tiers),
-`kvtier.daemon.applier` (what a residency change entails) and `kvtier.daemon.cache_stats` (what it
-reports).
+`Cache` is the facade that takes the lock, validates requests against namespaces and owns the lease
+table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.daemon.cache.acquire`
+(the load path), `kvtier.daemon.cache.allocate` (the store path), `kvtier.daemon.cache.residency`
+(the tiers), `kvtier.daemon.cache.applier` (what a residency change entails) and
+`kvtier.daemon.cache.stats` (what it reports).
 
 Locks, outermost first (a thread holding one only ever takes those below it):
 
@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import NamedTuple, TypeVar, cast
+from typing import TypeVar, cast
 
 from kvtier.core.costmodel import CostModel
 from kvtier.core.errors import (
@@ -68,47 +68,43 @@ from kvtier.core.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvtier.core.planner import Plan, Prefix, plan
-from kvtier.core.segment import SegmentHandle
+from kvtier.core.planner import Prefix, plan
 from kvtier.core.types import Tier
-from kvtier.daemon.acquire import (
+from kvtier.core.wear import WriteBudget
+from kvtier.daemon.cache.acquire import (
     NOT_ASKED,
     Acquirer,
-    AcquireResult,
     Acquiring,
     ReadLease,
     RemoteCheck,
 )
-from kvtier.daemon.allocate import AllocateResult as AllocateResult
-from kvtier.daemon.allocate import Allocator, WriteLease, quota_room
-from kvtier.daemon.auth import Tenant
-from kvtier.daemon.cache_stats import CacheStats as CacheStats
-from kvtier.daemon.cache_stats import cache_stats, mrc_gauges, new_sampler, pool_gauges
-from kvtier.daemon.config import Config
-from kvtier.daemon.events import EventLog
-from kvtier.daemon.leases import Lease, LeaseKind, LeaseTable
+from kvtier.daemon.cache.allocate import Allocator, WriteLease, quota_room
+from kvtier.daemon.cache.api import (
+    AcquireResult,
+    AllocateResult,
+    CacheStats,
+    LookupResult,
+    Registered,
+    SegmentView,
+)
+from kvtier.daemon.cache.events import EventLog
+from kvtier.daemon.cache.leases import Lease, LeaseKind, LeaseTable
+from kvtier.daemon.cache.namespaces import LayoutInfo, NamespaceInfo, Namespaces, Tenant
+from kvtier.daemon.cache.remote_tier import RemoteTier
+from kvtier.daemon.cache.residency import PageMoves, Steps, Tiers
+from kvtier.daemon.cache.slot_stream import SlotStream
+from kvtier.daemon.cache.spec import CacheSpec
+from kvtier.daemon.cache.stats import cache_stats, mrc_gauges, new_sampler, pool_gauges
 from kvtier.daemon.metrics import DaemonMetrics, MrcGauges, PoolGauges
-from kvtier.daemon.namespaces import LayoutInfo, NamespaceInfo, Namespaces
-from kvtier.daemon.rates import Link, RateBook
-from kvtier.daemon.residency import PageMoves, Steps, Tiers
-from kvtier.daemon.slot_stream import SlotStream
-from kvtier.daemon.tenant_rates import TenantRates
+from kvtier.daemon.rates.book import Link, RateBook
+from kvtier.daemon.rates.gauges import RateCollector
+from kvtier.daemon.rates.tenants import TenantRates
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER
 from kvtier.tiers.dram_regions import TenantShare
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class Registered(NamedTuple):
-    layout_id: bytes  # what data requests name (see `kvtier.core.keys.layout_id`)
-    segment: SegmentHandle
-
-
-class LookupResult(NamedTuple):
-    tiers: list[Tier]
-    plan: Plan | None
 
 
 def _check_reported(nbytes: int, most: int) -> None:
@@ -128,13 +124,10 @@ class Cache:
     """Owns all block metadata and the tiers. See the module docstring for the rules."""
 
     def __init__(
-        self, cfg: Config, metrics: DaemonMetrics, events: EventLog | None = None,
+        self, spec: CacheSpec, metrics: DaemonMetrics, events: EventLog | None = None,
         clock: Callable[[], float] = time.monotonic, rates: RateBook | None = None,
-        tenants: int = 0,
     ) -> None:
-        """`tenants`: the tokens file's tenants at start (an isolated pool sizes its pages for
-        their slices)."""
-        self.cfg = cfg
+        self.spec = spec
         self.metrics = metrics
         self.events = events or EventLog()
         self.rates = rates if rates is not None else RateBook()
@@ -144,9 +137,8 @@ class Cache:
         self._lock = threading.RLock()
         self._mrc_lock = threading.Lock()  # the MRC sampler's own: off the cache lock
         self._leases = LeaseTable(clock)
-        self.names = Namespaces(cfg.max_block_bytes, cfg.max_blocks_per_request)
-        self.tiers = Tiers(cfg, metrics, self.events, self.rates, self._lock, self.names,
-                           tenants)
+        self.names = Namespaces(spec.max_block_bytes, spec.max_blocks_per_request)
+        self.tiers = Tiers(spec, metrics, self.events, self.rates, self._lock, self.names)
         self.pool = self.tiers.pool
         self.names.max_block_bytes = self.pool.max_block  # a small pool's pages may be smaller
         self.index = self.tiers.index
@@ -154,10 +146,10 @@ class Cache:
                                  self._claim)
         self.allocator = Allocator(self.tiers, self._leases)
         metrics.attach_pool(self.gauges)
-        metrics.attach_rates(self.rates)
-        self.mrc = new_sampler(cfg, self.index.capacity(Tier.SSD) or 0)
+        metrics.attach(RateCollector(self.rates))
+        self.mrc = new_sampler(spec, self.index.capacity(Tier.SSD) or 0)
         self._sized_for: list[int] = []  # block sizes `_size_by_blocks` last saw
-        self._sized_dram = cfg.slots  # DRAM blocks the MRC and the policy are sized for
+        self._sized_dram = spec.pool.slot_count  # DRAM blocks the MRC and the policy are sized for
         metrics.attach_mrc(self.mrc_gauges)
 
     def register_layout(
@@ -186,21 +178,39 @@ class Cache:
         ssd_cap = self.index.capacity(Tier.SSD)
         ssd = 0
         if ssd_cap:
-            ssd = max(1, int(self.cfg.ssd_bytes // (sum(sizes) / len(sizes) + BLOCK_HEADER)))
+            ssd = max(1, int(self.spec.ssd_bytes // (sum(sizes) / len(sizes) + BLOCK_HEADER)))
         if abs(dram - self._sized_dram) <= self._sized_dram // 4:
             return
         log.info("capacity in blocks for the MRC and the %s policy: DRAM %d, SSD %d (mean block "
-                 "%d B over %d layout size(s))", self.cfg.policy, dram, ssd,
+                 "%d B over %d layout size(s))", self.spec.policy, dram, ssd,
                  sum(sizes) // len(sizes), len(sizes))
         self._sized_dram = dram
         with self._lock:
             self.index.resize_policy(dram)
         with self._mrc_lock:
-            self.mrc = new_sampler(self.cfg, ssd, dram)
+            self.mrc = new_sampler(self.spec, ssd, dram)
 
     def layout(self, tenant: Tenant, layout_id: bytes) -> LayoutInfo:
         with self._lock:
             return self.names.layout(tenant, layout_id)
+
+    @property
+    def write_budget(self) -> WriteBudget | None:
+        """The SSD tier's wear budget (a reload retunes it); None without an SSD tier."""
+        return self.tiers.budget
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        """The remote tier (a reload retunes its writes or replaces its store), if on."""
+        return self.tiers.remote
+
+    def segment(self, tenant: Tenant, block_bytes: int = 0) -> SegmentView:
+        """The pool as `tenant` maps it, on the grid of `block_bytes`' class (0: the smallest
+        slot's)."""
+        pool = self.pool
+        stride = (pool.class_stride(pool.class_bytes(block_bytes, tenant.name)) if block_bytes
+                  else pool.slot_stride)
+        return SegmentView(pool.tenant_handle(tenant.name), stride, pool.isolated)
 
     def _ns(self, tenant: Tenant, layout_id: bytes) -> NamespaceInfo:
         ns = self.names.get(tenant, layout_id)
@@ -301,7 +311,7 @@ class Cache:
         """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
         slots (on this thread); stops before a block that cannot be promoted. After a whole
         local prefix, the blocks the remote store holds follow it (fetched into DRAM slots
-        claimed for them only). See `kvtier.daemon.acquire`."""
+        claimed for them only). See `kvtier.daemon.cache.acquire`."""
         a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
         return self._in_session(self.acquirer.finish(a) if a.io else self.acquirer.end(a), a)
 
@@ -463,7 +473,7 @@ class Cache:
         ttl_s: float, session: str = "",
     ) -> AllocateResult:
         """Slots for the keys not cached or being written, under a WRITE lease. See
-        `kvtier.daemon.allocate`."""
+        `kvtier.daemon.cache.allocate`."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
             self._check_session(tenant, session)
@@ -549,11 +559,11 @@ class Cache:
     def _ttl(self, ttl_s: float) -> float:
         if not ttl_s >= 0:
             raise InvalidArgument(f"lease TTL must be >= 0, got {ttl_s}")
-        if ttl_s > self.cfg.max_lease_ttl_s:
+        if ttl_s > self.spec.max_lease_ttl_s:
             raise InvalidArgument(
-                f"lease TTL {ttl_s:g} s exceeds the maximum {self.cfg.max_lease_ttl_s:g} s"
+                f"lease TTL {ttl_s:g} s exceeds the maximum {self.spec.max_lease_ttl_s:g} s"
             )
-        return ttl_s or self.cfg.lease_ttl_s
+        return ttl_s or self.spec.lease_ttl_s
 
     def _own(self, tenant: Tenant, lease_id: str, kind: LeaseKind | None) -> Lease:
         if not lease_id:
@@ -664,6 +674,11 @@ class Cache:
         """The online miss-ratio curve (`kvtier.index.mrc`), for the metrics and Stats."""
         with self._mrc_lock:
             return mrc_gauges(self.mrc)
+
+    def mrc_sampled(self) -> int:
+        """Block references the miss-ratio curve has sampled so far."""
+        with self._mrc_lock:
+            return self.mrc.sampled_refs
 
     def gauges(self) -> PoolGauges:
         return pool_gauges(self.stats(), self.tiers)

@@ -34,11 +34,21 @@ from kvtier.core.errors import (
 )
 from kvtier.core.keys import LAYOUT_ID_BYTES, check_model_id, layout_id
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Tenant
 
 KEY_WIDTHS = (16, 32)
 FINGERPRINT_BYTES = (8, 64)
 _NS_TAG = "ns2:"
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """An authenticated caller (`kvtier.daemon.auth` maps tokens to them) and its quotas."""
+
+    name: str
+    dram_quota_bytes: int = 0  # 0 = unlimited
+    ssd_quota_bytes: int = 0
+    dram_guarantee_bytes: int = 0  # other tenants' allocations never evict it below this
+    admin: bool = False  # Stats / WatchEvents see the whole node
 
 
 class Namespace(str):
@@ -115,8 +125,8 @@ def check_groups(groups: tuple[tuple[str, int], ...], block_bytes: int) -> None:
 @dataclass(slots=True)
 class TenantUsage:
     """What one tenant holds and did: DRAM and SSD bytes charged to it (slots from their taking
-    until freed, SSD copies and queued write-backs; see `kvtier.daemon.applier`) and its Lookup
-    counts. `tenant`: its authenticated identity and quotas (`kvtier.daemon.auth.Tenant`)."""
+    until freed, SSD copies and queued write-backs; see `kvtier.daemon.cache.applier`) and its
+    Lookup counts. `tenant`: its authenticated identity and quotas (`kvtier.daemon.auth.Tenant`)."""
 
     tenant: Tenant
     dram_bytes: int = 0
@@ -224,7 +234,7 @@ class Namespaces:
 
     def charge(self, tenant: str, tier: Tier, nbytes: int) -> None:
         """Adds `nbytes` (negative: gives back) to `tenant`'s usage in `tier`. Only the applier
-        calls it (`kvtier.daemon.applier`: tenant bytes change in one place)."""
+        calls it (`kvtier.daemon.cache.applier`: tenant bytes change in one place)."""
         usage = self.tenant(tenant)
         if tier is Tier.DRAM:
             usage.dram_bytes += nbytes

@@ -1,4 +1,5 @@
-"""The gRPC servicer: a thin translation between kvtier.v1 messages and `kvtier.daemon.cache.Cache`.
+"""The gRPC servicer: a thin translation between kvtier.v1 messages and
+`kvtier.daemon.cache.cache.Cache`.
 
 Each handler authenticates the caller (`kvtier.daemon.auth`), validates the message's own fields,
 calls the cache, and maps domain errors to gRPC status codes:
@@ -10,17 +11,17 @@ calls the cache, and maps domain errors to gRPC status codes:
 A refused request changes nothing. Every call is counted and timed per method in the metrics.
 `answer` is that whole treatment of a unary call — tenant, guard's verdict, handler, error
 mapping, metrics — for any transport: the gRPC handlers call it through `_unary`, and the lookup
-socket (`kvtier.daemon.lookup_socket`) through `lookup` and `call` (Lookup and the lease calls of
+socket (`kvtier.daemon.rpc.local_socket`) through `lookup` and `call` (Lookup and the lease calls of
 the shared-memory path), so a call means the same on both.
-Requests arrive through `kvtier.daemon.rpc_guard` (per-method size limits, decoding that never
+Requests arrive through `kvtier.daemon.rpc.guard` (per-method size limits, decoding that never
 raises): a request it refused reaches the handler as a `Refused` value and is answered with its
 code.
 
-Tenancy: layouts, cost models and prefill rates are the caller's own (`kvtier.daemon.namespaces`);
-Stats and WatchEvents show the caller's own figures and events, node-wide ones only for an admin
-token. Sessions (OpenSession): leases granted to a call carrying `kvtier-session` metadata end when
-that session's stream ends — within moments of the client process dying.
-Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
+Tenancy: layouts, cost models and prefill rates are the caller's own
+(`kvtier.daemon.cache.namespaces`); Stats and WatchEvents show the caller's own figures and events,
+node-wide ones only for an admin token. Sessions (OpenSession): leases granted to a call carrying
+`kvtier-session` metadata end when that session's stream ends — within moments of the client process
+dying. Handlers run on the server's event loop; cache calls are short and synchronous, except SSD
 promotions (Acquire, ReadBlocks), whose reads run on a worker thread (`Cache.acquire_async`), and
 the page moves Allocate, WriteBlocks and Acquire's claims make room with, whose copies run on a
 worker thread without the cache lock (`Cache.allocate_async`, `acquire_async`).
@@ -55,11 +56,11 @@ from kvtier.core.errors import (
 )
 from kvtier.core.lookupwire import lookup_response
 from kvtier.core.segment import VERSION as SEGMENT_VERSION
-from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
-from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
-from kvtier.daemon.cache import AllocateResult, Cache
-from kvtier.daemon.rpc_guard import Refused, RefusedError, decoded
+from kvtier.daemon.auth import Authenticator, Unauthenticated
+from kvtier.daemon.cache.api import AllocateResult, CacheApi, SegmentView
+from kvtier.daemon.cache.namespaces import Tenant
+from kvtier.daemon.rpc.guard import Refused, RefusedError, decoded
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
@@ -94,10 +95,11 @@ def tiers_to_pb(tiers: list[Tier]) -> list[Any]:
     return list(bytes(tiers).translate(_PLUS_ONE))
 
 
-def segment_info(h: SegmentHandle, stride: int, by_fd: bool = False) -> pb.SegmentInfo:
-    """The segment as a client of a class of slot `stride` sees it (`kvtier.core.segment`);
+def segment_info(view: SegmentView) -> pb.SegmentInfo:
+    """The segment as a client of a class of slot `view.stride` sees it (`kvtier.core.segment`);
     `by_fd`: an isolated pool, mapped from the fd the daemon's fd socket hands out."""
-    return pb.SegmentInfo(by_fd=by_fd,
+    h, stride = view.handle, view.stride
+    return pb.SegmentInfo(by_fd=view.by_fd,
         name=h.name, size=h.size, generation=h.generation, slot_bytes=stride,
         slot_stride=stride, slot_count=h.page_bytes * h.page_count // stride,
         data_offset=h.data_offset, shm_dir=h.shm_dir, format_version=SEGMENT_VERSION,
@@ -122,7 +124,8 @@ def _seconds(value: float, name: str) -> float:
 
 
 class KvTierService(pb_grpc.KvTierServicer):
-    def __init__(self, cache: Cache, auth: Authenticator, started_at: float | None = None) -> None:
+    def __init__(self, cache: CacheApi, auth: Authenticator,
+                 started_at: float | None = None) -> None:
         self.cache = cache
         self.auth = auth
         self.metrics = cache.metrics
@@ -159,9 +162,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     def _segment(self, tenant: Tenant, block_bytes: int) -> pb.SegmentInfo:
         """The pool as `tenant`'s blocks of `block_bytes` lie in it (their class's grid)."""
-        pool = self.cache.pool
-        stride = pool.class_stride(pool.class_bytes(block_bytes, tenant.name))
-        return segment_info(pool.tenant_handle(tenant.name), stride, pool.isolated)
+        return segment_info(self.cache.segment(tenant, block_bytes))
 
     @staticmethod
     def _session(context: Ctx) -> str:
@@ -198,8 +199,8 @@ class KvTierService(pb_grpc.KvTierServicer):
             return pb.RegisterLayoutResponse(
                 segment=self._segment(tenant, request.block_bytes),
                 layout_id=reg.layout_id,
-                max_blocks_per_request=self.cache.cfg.max_blocks_per_request,
-                default_lease_ttl_ms=int(self.cache.cfg.lease_ttl_s * 1000),
+                max_blocks_per_request=self.cache.spec.max_blocks_per_request,
+                default_lease_ttl_ms=int(self.cache.spec.lease_ttl_s * 1000),
                 tenant=tenant.name,
             )
 
@@ -210,7 +211,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     async def lookup(self, request: pb.LookupRequest | Refused, tenant: Callable[[], Tenant]
                      ) -> bytes:
-        """Lookup for a transport other than gRPC (`kvtier.daemon.lookup_socket`): the same
+        """Lookup for a transport other than gRPC (`kvtier.daemon.rpc.local_socket`): the same
         checks, errors, metrics and stats as the RPC; raises `Failed` for a refused request."""
         return await self.answer("Lookup", request, tenant,
                                  partial(self._lookup, request))  # type: ignore[arg-type]
@@ -231,7 +232,7 @@ class KvTierService(pb_grpc.KvTierServicer):
 
     async def _lookup(self, request: pb.LookupRequest, tenant: Tenant) -> bytes:
         """The `LookupResponse` in wire form (`kvtier.core.lookupwire.lookup_response`), which
-        gRPC sends as is (`kvtier.daemon.rpc_guard`) and the lookup socket frames."""
+        gRPC sends as is (`kvtier.daemon.rpc.guard`) and the lookup socket frames."""
         res = await self.cache.lookup_async(
             tenant, request.layout, request.keys, request.key_width, request.start_token,
             request.prompt_tokens, request.want_plan, request.replica,
@@ -358,9 +359,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                 tenant_dram_quota_bytes=tenant.dram_quota_bytes,
                 tenant_ssd_quota_bytes=tenant.ssd_quota_bytes,
                 tenant_dram_guarantee_bytes=tenant.dram_guarantee_bytes,
-                segment=segment_info(self.cache.pool.tenant_handle(tenant.name),
-                                     self.cache.pool.slot_stride,
-                                     self.cache.pool.isolated),
+                segment=segment_info(self.cache.segment(tenant)),
                 uptime_seconds=time.time() - self.started_at,
                 layouts=s.layouts, version=_version, node_wide=s.node_wide,
                 groups=[pb.GroupStats(model_id=g.model_id, group=g.group, dram_bytes=g.dram_bytes,
@@ -377,7 +376,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                     pb.MrcPoint(scaled=p.scaled, factor=p.factor, dram_blocks=p.dram_blocks,
                                 ssd_blocks=p.ssd_blocks, dram_hit_ratio=p.dram_hit_ratio,
                                 hit_ratio=p.hit_ratio) for p in self.cache.mrc_gauges().points)
-                reply.mrc_sampled_blocks = self.cache.mrc.sampled_refs
+                reply.mrc_sampled_blocks = self.cache.mrc_sampled()
             return reply
 
         return await self._unary("Stats", request, context, go)

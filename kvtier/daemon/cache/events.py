@@ -1,6 +1,6 @@
 """Block events (stored / removed, per tier) with sequence numbers, for WatchEvents subscribers.
 
-`EventLog.stored` / `EventLog.removed` are called by the applier (`kvtier.daemon.applier`, the
+`EventLog.stored` / `EventLog.removed` are called by the applier (`kvtier.daemon.cache.applier`, the
 one producer) from any thread; it appends to a bounded ring (for replay
 after a reconnect, `since`) and wakes subscribers. A subscriber is an asyncio queue bound to its
 event loop; a subscriber that falls `max_queue` events behind is dropped (its stream ends with a

@@ -13,7 +13,7 @@ work on it while leases drain, as over gRPC).
 
 The semantics are the RPC's, not a copy of them: each request goes through
 `KvTierService.lookup` / `KvTierService.call` — the same per-method size limits and non-raising
-decoding (`kvtier.daemon.rpc_guard`), the same tenant resolution by the same `Authenticator`,
+decoding (`kvtier.daemon.rpc.guard`), the same tenant resolution by the same `Authenticator`,
 handler, session binding (the frame's session id stands for the `kvtier-session` metadata),
 error codes, metrics and stats.
 The token of the hello is checked at once (a wrong one: one UNAUTHENTICATED reply, then the
@@ -61,9 +61,10 @@ from kvtier.core import lookupwire as wire
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import socket_path_problem
 from kvtier.daemon import sharing, sockpath
-from kvtier.daemon.auth import Authenticator, Tenant, Unauthenticated
-from kvtier.daemon.rpc_guard import WARNINGS, Refused, deserializer
-from kvtier.daemon.service import BlockWrite, Failed, KvTierService
+from kvtier.daemon.auth import Authenticator, Unauthenticated
+from kvtier.daemon.cache.namespaces import Tenant
+from kvtier.daemon.rpc.guard import WARNINGS, Refused, deserializer
+from kvtier.daemon.rpc.service import BlockWrite, Failed, KvTierService
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0

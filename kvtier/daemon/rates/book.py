@@ -15,7 +15,7 @@ Nonsense — non-positive, NaN or infinite values, or a rate beyond any hardware
 > 100 PFLOP/s per GPU) — is rejected and counted, never stored.
 
 Until a link has samples its estimate is the seed: the rates the daemon measured before its last
-restart (`kvtier.daemon.kept_rates`: `measured()` out, `reseeded()` in), else `kvtier calibrate`
+restart (`kvtier.daemon.rates.kept`: `measured()` out, `reseeded()` in), else `kvtier calibrate`
 results, else the DESIGN.md physics defaults (documented on `DEFAULT_LINKS` /
 `DEFAULT_PREFILL_FLOPS_PER_S`).
 
@@ -76,7 +76,7 @@ DEFAULT_LINKS: Mapping[Link, LinkRate] = {
     Link.SSD_WRITE: LinkRate(3e9, 1e-3),
     # A Redis/Valkey store across a 10 GbE link: ~1.2 GB/s of large values, and a pipelined
     # round trip (EXISTS/GET of a chain) ~0.5 ms. Measured rates replace these within a few
-    # requests (`kvtier.daemon.remote_tier` times every fetch and check).
+    # requests (`kvtier.daemon.cache.remote_tier` times every fetch and check).
     Link.REMOTE_READ: LinkRate(1.2e9, 500e-6),
     Link.REMOTE_WRITE: LinkRate(1.2e9, 500e-6),
 }
@@ -96,7 +96,7 @@ class Measured(NamedTuple):
 
 
 class CalibrationLike(Protocol):
-    """What `RateBook.from_calibration` reads (see `kvtier.daemon.calibrate.Calibration`)."""
+    """What `RateBook.from_calibration` reads (see `kvtier.daemon.rates.calibrate.Calibration`)."""
 
     @property
     def prefill_flops_per_s(self) -> float | None: ...

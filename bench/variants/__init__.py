@@ -1,1 +1,0 @@
-"""Policy variants for `bench.policy_sweep --patch` (README.md)."""

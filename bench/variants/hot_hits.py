@@ -1,8 +1,0 @@
-"""`HOT_HITS` (accesses from which a block enters a queue at the top frequency) = HOT
-(default 5)."""
-
-import os
-
-from kvtier.index import policy_adaptive as pa
-
-pa.HOT_HITS = int(os.environ.get("HOT", "5"))

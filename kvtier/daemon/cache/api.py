@@ -1,0 +1,178 @@
+"""The cache as the transports see it: `CacheApi`, the calls `kvtier.daemon.rpc` makes, and the
+results they return. `kvtier.daemon.cache.cache.Cache` implements it; rpc imports only this
+module of the cache's internals, so it reaches the index and the tiers through these calls alone.
+
+Contract of every call (the facade's rules, `kvtier.daemon.cache.cache`):
+- the tenant is the authenticated caller's (`Tenant`), never something a request claims; a
+  layout id names one of that tenant's registrations (NOT_FOUND otherwise);
+- a refused request raises a `kvtier.core.errors.CacheError` subclass and changes nothing;
+- a lease is used only by its tenant, for its kind, while it lives (TTL, session);
+- the plain methods take the cache lock for a short time and return; the `*_async` ones run on
+  the event loop and do their waits (the remote tier's round trips, SSD reads, page moves) on a
+  worker thread without the lock, shielded: a cancelled caller's steps still end (its lease
+  then expires).
+
+Lifetimes: offsets and the segment are valid while the lease that returned them lives; a
+`SlotStream` from `reading`/`writing` touches slots only while its lease is in the table.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import NamedTuple, Protocol
+
+from kvtier.core.costmodel import CostModel
+from kvtier.core.planner import Plan
+from kvtier.core.segment import SegmentHandle
+from kvtier.core.types import Tier
+from kvtier.daemon.cache.events import EventLog
+from kvtier.daemon.cache.namespaces import LayoutInfo, Tenant
+from kvtier.daemon.cache.slot_stream import SlotStream
+from kvtier.daemon.cache.spec import CacheSpec
+from kvtier.daemon.metrics import DaemonMetrics, MrcGauges
+
+
+class Registered(NamedTuple):
+    layout_id: bytes  # what data requests name (see `kvtier.core.keys.layout_id`)
+    segment: SegmentHandle
+
+
+class SegmentView(NamedTuple):
+    """The pool as one tenant maps it: its handle, the slot grid of one size class (`stride`),
+    and whether it is mapped from an fd the fd socket hands out (an isolated pool)."""
+
+    handle: SegmentHandle
+    stride: int
+    by_fd: bool
+
+
+class LookupResult(NamedTuple):
+    tiers: list[Tier]
+    plan: Plan | None
+
+
+class AcquireResult(NamedTuple):
+    lease_id: str  # "" when nothing was acquired
+    offsets: list[int]
+    source_tiers: list[Tier]
+    ttl_s: float
+
+
+class AllocateResult(NamedTuple):
+    lease_id: str  # "" when every key was already cached
+    indices: list[int]
+    offsets: list[int]
+    ttl_s: float
+
+
+class GroupUsage(NamedTuple):
+    """Bytes one KV cache group of a model holds per tier: its layouts' blocks there times the
+    group's bytes per block (`RegisterLayoutRequest.groups`)."""
+
+    model_id: str
+    group: str
+    dram_bytes: int
+    ssd_bytes: int
+
+
+class CacheStats(NamedTuple):
+    """Node totals, or (`node_wide` False) the figures of one tenant: its used bytes, blocks,
+    leases, layouts and lookups; capacities stay the node's."""
+
+    dram_capacity_bytes: int
+    dram_used_bytes: int
+    dram_blocks: int
+    ssd_capacity_bytes: int
+    ssd_used_bytes: int
+    ssd_blocks: int
+    read_leases: int
+    write_leases: int
+    layouts: int
+    tenant_dram_bytes: int  # of the tenant asked about (0 without one)
+    tenant_ssd_bytes: int
+    node_wide: bool = True
+    lookups: int = 0  # the tenant's (node-wide ones are the metrics' counters)
+    blocks_hit: int = 0
+    blocks_missed: int = 0
+    groups: tuple[GroupUsage, ...] = ()
+
+
+class CacheApi(Protocol):
+    """What the transports call (see the module docstring for the rules every call keeps)."""
+
+    spec: CacheSpec
+    metrics: DaemonMetrics
+    events: EventLog  # WatchEvents subscribes here
+
+    def register_layout(
+        self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
+        block_tokens: int, key_width: int, cost: CostModel | None,
+        groups: tuple[tuple[str, int], ...] = (),
+    ) -> Registered:
+        """Declares a model's layout for this tenant (idempotent): its layout id."""
+
+    def layout(self, tenant: Tenant, layout_id: bytes) -> LayoutInfo: ...
+
+    def segment(self, tenant: Tenant, block_bytes: int = 0) -> SegmentView:
+        """The pool as `tenant` maps it, on the grid of `block_bytes`' class (0: the smallest
+        slot's)."""
+
+    async def lookup_async(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
+        start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
+        replica: str = "",
+    ) -> LookupResult:
+        """The longest cached prefix, each block's tier (HBM for `replica`'s own, REMOTE after
+        the local prefix), and the plan when asked and the layout has a cost model."""
+
+    async def acquire_async(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
+        session: str = "",
+    ) -> AcquireResult:
+        """Pins the longest cached prefix under a READ lease (SSD and remote blocks promoted
+        into DRAM slots first)."""
+
+    def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0,
+                seconds: float = 0.0) -> None:
+        """Ends a READ lease; `nbytes`/`seconds`: the client's copy (a rate sample)."""
+
+    def renew(self, tenant: Tenant, lease_id: str, ttl_s: float) -> float: ...
+
+    async def allocate_async(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
+        ttl_s: float, session: str = "",
+    ) -> AllocateResult:
+        """Slots for the keys neither cached nor being written, under a WRITE lease."""
+
+    def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0,
+               seconds: float = 0.0) -> int:
+        """The lease's slots become cached blocks (chain order; a block whose parent vanished
+        is dropped); how many were inserted."""
+
+    def abort(self, tenant: Tenant, lease_id: str) -> None: ...
+
+    def reading(self, tenant: Tenant, layout_id: bytes, keys: bytes,
+                key_width: int) -> AbstractAsyncContextManager[SlotStream]:
+        """An Acquire for a ReadBlocks: the held blocks' `SlotStream`, released at the end."""
+
+    def writing(self, tenant: Tenant, lease_id: str, offsets: list[int],
+                block_bytes: int) -> SlotStream:
+        """The WriteBlocks side of `SlotStream` over a WRITE lease from `allocate_async`."""
+
+    def report_hbm(self, tenant: Tenant, layout_id: bytes, replica: str, key_width: int,
+                   added: bytes, removed: bytes, reset: bool) -> int: ...
+
+    def report_prefill(self, tenant: Tenant, layout_id: bytes, tokens: int, seconds: float,
+                       context: int) -> bool: ...
+
+    def stats(self, tenant: Tenant | None = None) -> CacheStats: ...
+
+    def mrc_gauges(self) -> MrcGauges: ...
+
+    def mrc_sampled(self) -> int:
+        """Block references the miss-ratio curve has sampled so far."""
+
+    def open_session(self, tenant: Tenant) -> str: ...
+
+    def close_session(self, session: str) -> int:
+        """Ends every lease still held under `session`; how many."""
