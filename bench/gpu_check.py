@@ -196,9 +196,11 @@ def plan_install(reqs: list[str], have: Callable[[str], str | None],
             continue
         if req.extras and source is not None:
             for r in source():
-                marker = Requirement(r).marker
-                if marker is not None and any(marker.evaluate({"extra": e}) for e in req.extras):
-                    queue.append(r)
+                needed = Requirement(r)
+                if needed.marker is not None and any(
+                        needed.marker.evaluate({"extra": e}) for e in req.extras):
+                    needed.marker = None  # evaluated here, for the extras asked for
+                    queue.append(str(needed))
     return plan
 
 
@@ -212,16 +214,18 @@ def distributions(paths: list[str]) -> dict[str, importlib.metadata.Distribution
     return out
 
 
-def install(site: Path, dry: bool) -> dict[str, Any]:
+def install(site: Path, dry: bool, reqs: list[str] | None = None,
+            wheel_dir: Path = WHEELS) -> dict[str, Any]:
     """The install step: plan against this interpreter (and `site`), install unless dry."""
     paths = [str(site), *sys.path]
     dists = distributions(paths)
-    wheels, notes = wheels_here(WHEELS)
+    wheels, notes = wheels_here(wheel_dir)
     plan = plan_install(
-        requirements(), lambda k: dists[k].version if k in dists else None,
+        requirements() if reqs is None else reqs,
+        lambda k: dists[k].version if k in dists else None,
         lambda k: list(dists[k].requires or []) if k in dists else [], wheels)
     out: dict[str, Any] = {
-        "python": platform.python_version(), "wheel_dir": str(WHEELS),
+        "python": platform.python_version(), "wheel_dir": str(wheel_dir),
         "wheels_found": sorted(w.path.name for w in wheels.values()), "notes": notes,
         "install": [w.path.name for w in plan.install], "missing": plan.missing,
         "satisfied": plan.satisfied}
