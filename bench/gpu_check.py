@@ -396,7 +396,7 @@ def figures(name: str, rec: dict[str, Any]) -> str:
         links = doc.get("links", {})
         parts = [f"{k} {v['bytes_per_s'] / 1e9:.1f} GB/s" for k, v in links.items()]
         if doc.get("prefill"):
-            parts.append(f"prefill {doc['prefill']['flops_per_s'] / 1e12:.0f} TFLOP/s")
+            parts.append(f"prefill {doc['prefill']['flops_per_s'] / 1e12:.3g} TFLOP/s")
         return ", ".join(parts)
     if name == "engine" and doc:
         return "; ".join(f"{c['tokens']}: {c['speedup_p50']:.1f}x, exact "

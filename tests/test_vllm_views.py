@@ -76,3 +76,29 @@ def test_with_vllm_the_base_is_vllms() -> None:
     from bench.vllm_views import connector_base
 
     assert connector_base() == "vllm"
+
+
+def test_vllm_loads_bench_runs_without_vllm(tmp_path: Path) -> None:
+    """bench.vllm_loads with every `vllm` import refused but the stand-in base's (as on the GPU
+    machine): a real daemon, the connector's worker, layer-by-layer loads."""
+    out = tmp_path / "loads.json"
+    code = (
+        "import runpy, sys\n"
+        "from bench.vllm_views import install_stand_in\n"
+        "install_stand_in()\n"
+        f"sys.argv = ['bench.vllm_loads', '--layers', '2', '--blocks', '4', '--repeats', '1',"
+        f" '--json', {str(out)!r}]\n"
+        "try:\n"
+        "    runpy.run_module('bench.vllm_loads', run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    assert not exc.code, exc.code\n"
+        "real = [m for m, v in sys.modules.items() if m.startswith('vllm') and\n"
+        "        getattr(v, '__file__', None)]\n"
+        "print('real vllm modules:', real)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = __import__("json").loads(out.read_text())
+    assert doc["connector_base"] == "stand-in"
+    assert doc["summary"]["engine"]["n"] == 1
+    assert "real vllm modules: []" in proc.stdout
