@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.gpu import kernels
+from kvtier.gpu import backend, kernels
 
 KERNEL_PARAMS = ["slots", "slot_stride", "bases", "block_stride", "chunk_bytes", "n_chunks",
                  "pairs", "n_pairs", "tile_bytes"]
@@ -180,8 +180,9 @@ def installed() -> Iterator[FakeRuntime]:
     module.cuda = cuda_mod  # type: ignore[attr-defined]
     saved = {k: sys.modules.get(k) for k in ("cupy", "cupy.cuda", "cupy.cuda.runtime")}
     sys.modules.update({"cupy": module, "cupy.cuda": cuda_mod, "cupy.cuda.runtime": runtime_mod})
-    kernels._function.cache_clear()
-    kernels._sm_count.cache_clear()
+    caches = (kernels._function, kernels._sm_count, backend.measured)
+    for cache in caches:
+        cache.cache_clear()
     try:
         yield rt
     finally:
@@ -190,8 +191,8 @@ def installed() -> Iterator[FakeRuntime]:
                 sys.modules.pop(k, None)
             else:
                 sys.modules[k] = v
-        kernels._function.cache_clear()
-        kernels._sm_count.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
 
 
 def main(argv: list[str]) -> int:

@@ -157,3 +157,23 @@ def test_bench_gpu_sections_run_on_fake_cuda(fake: FakeRuntime, tmp_path: Any,
     cal = calibrate_pool(PoolGeometry(PoolKind.LAYERED, 1, 64, 4096, 4096), budget_bytes=1 << 18)
     assert sorted({r.chunk_bytes for r in cal.rows}) == [4096, 16_384, 65_536, 262_144]
     assert fake.registered == []
+
+
+def test_first_use_calibration_is_measured_once_per_chunk_size(
+        fake: FakeRuntime, monkeypatch: Any) -> None:
+    """A backend built per transfer (the reference engine's adapter builds one per copy) does
+    not measure again: the first measurement of a (device, chunk size) serves the process."""
+    from kvtier.gpu import measure
+
+    calls: list[int] = []
+    real = measure.calibrate_pool
+
+    def counted(pool: Any, *args: Any) -> Calibration:
+        calls.append(pool.chunk_bytes)
+        return real(pool, 1 << 16)
+
+    monkeypatch.setattr(measure, "calibrate_pool", counted)
+    for _ in range(3):
+        res, *_ = _run(Direction.LOAD, "auto", [0, 1], [2, 3])
+        assert res.all_ok
+    assert calls == [48]
