@@ -252,6 +252,51 @@ def install(site: Path, dry: bool, reqs: list[str] | None = None,
     return out
 
 
+PROBE = """
+import importlib.util, json, shutil, sys
+out = {"python": sys.version.split()[0], "vllm": importlib.util.find_spec("vllm") is not None}
+try:
+    out["shm_free_bytes"] = shutil.disk_usage("/dev/shm").free
+except OSError:
+    out["shm_free_bytes"] = None
+try:
+    import torch
+    out["torch"] = torch.__version__
+    out["torch_cuda"] = torch.version.cuda
+    if torch.cuda.is_available():
+        out["device"] = torch.cuda.get_device_name(0)
+        out["capability"] = list(torch.cuda.get_device_capability(0))
+except Exception as exc:
+    out["torch"] = f"{type(exc).__name__}: {exc}"
+try:
+    import cupy
+    out["cupy"] = cupy.__version__
+    rt = cupy.cuda.runtime
+    out["cuda_runtime"], out["cuda_driver"] = rt.runtimeGetVersion(), rt.driverGetVersion()
+    out["cupy_devices"] = rt.getDeviceCount()
+except Exception as exc:
+    out["cupy"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+"""What the steps will find: versions, the device, /dev/shm's free space (the daemon's pool)."""
+
+
+def probe(env: dict[str, str], timeout: float) -> dict[str, Any]:
+    try:
+        proc = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+        out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, json.JSONDecodeError, IndexError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            lines = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                                   timeout=10).stdout.strip().splitlines()
+            out["nvcc"] = lines[-1] if lines else None
+    return out
+
+
 # -- steps -------------------------------------------------------------------------------------
 
 def step_env(site: Path) -> dict[str, str]:
@@ -407,6 +452,11 @@ def figures(name: str, rec: dict[str, Any]) -> str:
 def table(report: dict[str, Any]) -> str:
     lines = [f"\nGPU check ({'dry run' if report['dry_run'] else 'GPU'}), "
              f"{report['date']}, {report['gpu'] or 'no GPU'}"]
+    env = report.get("environment", {})
+    shm = env.get("shm_free_bytes")
+    lines.append(f"  python {env.get('python')}, torch {env.get('torch')} (CUDA "
+                 f"{env.get('torch_cuda')}), cupy {env.get('cupy')}, device {env.get('device')}, "
+                 f"/dev/shm free {shm / 2**30:.1f} GiB" if shm else "")
     for name, rec in report["steps"].items():
         spent = f"{rec.get('seconds', 0):.0f}/{rec.get('budget_s', 0)} s"
         lines.append(f"  {name:<13} {rec['status']:<10} {spent:>10}  {figures(name, rec)}"[:160])
@@ -484,11 +534,13 @@ def main(argv: list[str] | None = None) -> int:
                 rec["status"] = "ok" if rec["ok"] else "failed"
             except Exception as exc:  # recorded; the steps still run
                 rec = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            env = step_env(a.site)
+            report["environment"] = probe(env, max(5.0, INSTALL_S - (time.monotonic() - t0)))
+            print(f"environment: {json.dumps(report['environment'])}", flush=True)
             rec.update(seconds=round(time.monotonic() - t0, 1), budget_s=INSTALL_S)
             report["steps"]["install"] = rec
             log.write(json.dumps({"install": rec}, indent=1) + "\n")
             save()
-            env = step_env(a.site)
             for step in (s for s in steps() if s.name in a.steps):
                 left = TOTAL_S - (time.monotonic() - started)
                 if left < 5:

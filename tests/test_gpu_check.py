@@ -32,6 +32,7 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert list(steps) == ["install", *(s.name for s in gpu_check.steps())]
     assert report["dry_run"] and report["ok"] and report["seconds"] < TOTAL_S
     assert steps["install"]["missing"] == [] and steps["install"]["install"] == []
+    assert report["environment"]["torch"].startswith("2.") and "vllm" in report["environment"]
     assert steps["pytest"]["counts"]["collected"] >= 200  # the dtype matrix alone is 192
     transfer = steps["gpu-transfer"]["json"]
     assert transfer["gpu"] == "FakeGPU (host memory)"  # the GPU sections ran, on the fake
