@@ -164,3 +164,17 @@ def test_the_requirements_are_pyprojects() -> None:
     named = {gpu_check.norm(p.split("==")[0]) for p in pins if "==" in p}
     assert {"lmdb", "cbor2", "grpcio-health-checking", "redis", "hiredis", "msgspec",
             "pyzmq"} <= named
+
+
+def test_test_daemons_see_the_install_steps_packages(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The install step's directory is on the steps' PYTHONPATH: a daemon a test starts keeps
+    it (after the checkout), or it could not import what was installed there (lmdb...)."""
+    from tests.daemon_fixture import DaemonProc
+
+    site = tmp_path / "site"
+    env = gpu_check.step_env(site)
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(site), str(ROOT)]
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    paths = DaemonProc(tmp_path / "d").env["PYTHONPATH"].split(os.pathsep)
+    assert paths[0] == str(ROOT) and str(site) in paths
