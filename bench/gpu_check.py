@@ -393,7 +393,16 @@ def _rows(rec: dict[str, Any] | None, *path: str) -> list[dict[str, Any]]:
 
 
 def goals(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's goals on the H200, from the steps' JSON: measured value, target, met."""
+    """The goals on an H200, from the steps' JSON: measured value, target, met (a JSON of
+    another shape gives no goals rather than an error)."""
+    try:
+        return _goals(records)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return [{"goal": f"goals unreadable ({type(exc).__name__}: {exc})", "value": float("nan"),
+                 "target": "-", "met": False}]
+
+
+def _goals(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     rows = _rows(records.get("gpu-transfer"), "sections", "gpu_goals", "rows")
     for r in rows:
@@ -419,7 +428,15 @@ def goals(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def figures(name: str, rec: dict[str, Any]) -> str:
-    """A few words of what a step measured, for the table."""
+    """A few words of what a step measured, for the table (never raises: a JSON of another
+    shape is said to be so)."""
+    try:
+        return _figures(name, rec)
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+        return f"figures unreadable ({type(exc).__name__}: {exc})"
+
+
+def _figures(name: str, rec: dict[str, Any]) -> str:
     doc = rec.get("json") or {}
     if name == "install":
         return (f"{len(rec.get('install', []))} installed, {len(rec.get('missing', []))} "

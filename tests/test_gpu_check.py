@@ -178,3 +178,28 @@ def test_test_daemons_see_the_install_steps_packages(tmp_path: Path,
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
     paths = DaemonProc(tmp_path / "d").env["PYTHONPATH"].split(os.pathsep)
     assert paths[0] == str(ROOT) and str(site) in paths
+
+
+def test_goals_from_the_steps_json() -> None:
+    transfer = {"sections": {"gpu_goals": {"rows": [
+        {"direction": "load", "goal_ceiling": True, "kernel_over_ceiling": 0.9,
+         "kernel_over_loop": 6.0},
+        {"direction": "store", "goal_ceiling": None, "kernel_over_ceiling": 0.2,
+         "kernel_over_loop": 4.0}]}}}
+    engine = {"contexts": [
+        {"tokens": 8192, "hits_exact": False, "cold_exact": True, "hits_max_abs_diff": 0.01,
+         "recompute_spread": 0.02, "speedup_p50": 3.0},
+        {"tokens": 32768, "hits_exact": True, "cold_exact": True, "hits_max_abs_diff": 0.0,
+         "recompute_spread": 0.0, "speedup_p50": 9.5}]}
+    got = {g["goal"]: g["met"] for g in gpu_check.goals(
+        {"gpu-transfer": {"json": transfer}, "engine": {"json": engine}})}
+    assert got == {
+        "2 MiB blocks vs one contiguous copy, load": True,
+        "16-token blocks vs per-chunk loop, TP1 load": True,
+        "16-token blocks vs per-chunk loop, TP8 rank store": False,
+        "logits with kvtier hits = recompute, 8192 tokens": True,  # within the spread
+        "logits with kvtier hits = recompute, 32768 tokens": True,
+        "TTFT DRAM hits vs recompute, 32768 tokens": False}
+    odd = {"vllm-loads": {"json": {"something": "else"}}, "engine": {"json": {"contexts": [{}]}}}
+    assert "unreadable" in gpu_check.figures("vllm-loads", odd["vllm-loads"])
+    assert [g["met"] for g in gpu_check.goals(odd)] == [False]
