@@ -1,6 +1,7 @@
 """Block transfer benchmark: CPU reference always; on a CUDA machine, kernels vs DMA vs ceiling.
 
     python -m bench.gpu_transfer            # a few minutes on an H200; seconds without a GPU
+    python -m bench.gpu_transfer --quick    # tiny sizes: a smoke run of every section
 
 Sections (each fails on its own; the JSON records the error and the rest still runs):
   cpu        reference path (numpy fancy index) vs a per-(block, chunk) copy loop vs one contiguous
@@ -230,13 +231,13 @@ def gpu_goals(total: int = 512 * MIB, max_pairs: int = 1024) -> dict[str, Any]:
     return {"rows": out}
 
 
-def gpu_calib(results: Path = RESULTS) -> dict[str, Any]:
+def gpu_calib(results: Path = RESULTS, budget_bytes: int = 32 * MIB) -> dict[str, Any]:
     from kvtier.gpu.measure import calibrate_pool
 
     rows: list[Any] = []
     for heads in (8, 1):
         chunk = LLAMA["block_tokens"] * heads * LLAMA["head_dim"] * LLAMA["dtype_bytes"]
-        cal = calibrate_pool(PoolGeometry(PoolKind.LAYERED, 1, 64, chunk, chunk))
+        cal = calibrate_pool(PoolGeometry(PoolKind.LAYERED, 1, 64, chunk, chunk), budget_bytes)
         rows.extend(cal.to_json()["rows"])  # type: ignore[arg-type]
     table = {"source": f"bench.gpu_transfer {datetime.now(UTC).isoformat()}", "rows": rows}
     results.mkdir(parents=True, exist_ok=True)
@@ -263,11 +264,15 @@ def main(argv: list[str] | None = None) -> int:
                                  description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--results", default=str(RESULTS), metavar="DIR",
                     help="where the JSON goes (default bench/results)")
-    results = Path(ap.parse_args(argv).results)
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes (a smoke run: every section's setup, no meaningful numbers)")
+    args = ap.parse_args(argv)
+    results = Path(args.results)
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "command": "python -m bench.gpu_transfer", "sections": {}}
+        "command": "python -m bench.gpu_transfer" + (" --quick" if args.quick else ""),
+        "sections": {}}
     sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [("cpu", cpu_section)]
     device = _gpu_device()
     report["gpu"] = device
@@ -276,9 +281,13 @@ def main(argv: list[str] | None = None) -> int:
               "numbers are pending a GPU session (run this script there).")
     else:
         print(f"\nGPU: {device}")
-        sections += [("gpu_check", gpu_check), ("gpu_sweep", gpu_sweep),
-                     ("gpu_goals", gpu_goals),
-                     ("gpu_calib", functools.partial(gpu_calib, results))]
+        quick = {"sweep": {"chunks": (4 * KIB, 64 * KIB), "total": MIB, "max_pairs": 64},
+                 "goals": {"total": 4 * MIB, "max_pairs": 4}, "calib": {"budget_bytes": MIB}}
+        size = quick if args.quick else {"sweep": {}, "goals": {}, "calib": {}}
+        sections += [("gpu_check", gpu_check),
+                     ("gpu_sweep", functools.partial(gpu_sweep, **size["sweep"])),
+                     ("gpu_goals", functools.partial(gpu_goals, **size["goals"])),
+                     ("gpu_calib", functools.partial(gpu_calib, results, **size["calib"]))]
     failed = []
     for name, fn in sections:
         t0 = time.perf_counter()

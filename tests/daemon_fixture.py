@@ -60,7 +60,10 @@ class DaemonProc:
             "--dram-bytes", "16MiB", "--slot-bytes", "64KiB", "--ssd-bytes", "64MiB",
             "--metrics", "127.0.0.1:0", "--grace-s", "2", *args,
         ]
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        # the checkout first; what the caller's PYTHONPATH adds stays (packages installed
+        # beside the interpreter's, as bench.gpu_check's install step does)
+        path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **(env or {})}
         self.env.pop("KVTIER_CONFIG", None)
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_port = 0

@@ -122,3 +122,54 @@ def test_host_registration_and_calibration() -> None:
     cal = calibrate_pool(PoolGeometry(PoolKind.LAYERED, 8, 64, 32 << 10, 32 << 10))
     assert {r.direction for r in cal.rows} == set(Direction)
     assert all(r.kernel_gbps > 0 and r.dma_gbps > 0 for r in cal.rows)
+
+
+TORCH_DTYPES = ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+                "int8", "uint8"]
+
+
+@pytest.mark.parametrize("path", ["kernel", "dma"])
+@pytest.mark.parametrize("direction", list(Direction))
+@pytest.mark.parametrize("kind", list(PoolKind))
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+@pytest.mark.parametrize(("chunk_shape", "slot_pad"), [((16, 2, 64), 0), ((3, 1, 5), 3)],
+                         ids=["aligned", "odd"])
+def test_every_dtype_on_torch_pools(dtype: str, kind: PoolKind, direction: Direction, path: str,
+                                    chunk_shape: tuple[int, ...], slot_pad: int) -> None:
+    """Torch CUDA pools of every KV dtype an engine uses (the bytes move as bytes: random bit
+    patterns, NaNs included), each pool kind, both directions, both paths; "odd": 3*1*5
+    elements per chunk (15 B for one-byte dtypes) and slot rows 3 bytes longer than the payload,
+    so no chunk or slot start is aligned."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from kvtier.gpu.backend import CudaBackend
+
+    tdtype = getattr(torch, dtype)
+    blocks, n_tensors = 11, {PoolKind.LAYERED: 6, PoolKind.CONTIGUOUS: 1, PoolKind.PAGED: 3}[kind]
+    shape = (blocks, *chunk_shape) if kind is not PoolKind.CONTIGUOUS else (blocks, 4, *chunk_shape)
+    g = torch.Generator().manual_seed(TORCH_DTYPES.index(dtype) + 10 * list(PoolKind).index(kind))
+    itemsize = torch.empty((), dtype=tdtype).element_size()
+    tensors = [torch.randint(0, 256, (int(np.prod(shape)) * itemsize,), generator=g,
+                             dtype=torch.uint8).view(tdtype).view(shape).cuda()
+               for _ in range(n_tensors)]
+    pool = {PoolKind.LAYERED: lambda: KVPool.layered(tensors[0::2], tensors[1::2]),
+            PoolKind.CONTIGUOUS: lambda: KVPool.contiguous(tensors[0]),
+            PoolKind.PAGED: lambda: KVPool.paged(tensors)}[kind]()
+    geom = pool.geometry()
+    slots = _host_slots(9, geom.payload_bytes + slot_pad, seed=11)
+    rng = np.random.default_rng(12)
+    if direction is Direction.LOAD:
+        blk, slt = rng.permutation(blocks)[:7], rng.integers(0, 9, 7)
+    else:
+        slt, blk = rng.permutation(9)[:7], rng.integers(0, blocks, 7)
+    want_slots = slots.copy()
+    want = [t.view(torch.uint8).reshape(blocks, -1).cpu().numpy().copy() for t in tensors]
+    reference_copy(direction, want_slots, want, geom, slt.astype(np.int64), blk.astype(np.int64))
+    backend = CudaBackend(geom, pool.chunks, slots, slot_geometry(slots), force_path=path)
+    with TransferEngine(pool, slots, backend=backend) as eng:
+        res = eng.wait(eng.submit(TransferJob(direction, slt, blk)))
+    assert res.all_ok and res.path == path, res.error
+    np.testing.assert_array_equal(slots, want_slots)
+    for t, w in zip(tensors, want, strict=True):
+        np.testing.assert_array_equal(t.view(torch.uint8).reshape(blocks, -1).cpu().numpy(), w)

@@ -1,6 +1,6 @@
 """The connector's loads (`pages.py`, `common/loads.py`, the worker's layer-by-layer path) over KV
 views built by vLLM's own code (`create_kv_cache_views`) for each of its physical layouts: on
-the TransferEngine's CPU backend, on the fake CUDA of tests/test_transfer_fakecuda.py (the
+the TransferEngine's CPU backend, on the fake CUDA of tests/fake_cuda.py (the
 CUDA backend's real plumbing over host memory), and in a `WorkerSide` against a real daemon."""
 
 from __future__ import annotations

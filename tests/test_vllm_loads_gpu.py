@@ -1,10 +1,12 @@
-"""The connector's worker loads on a real GPU (`pytest -m gpu`; skipped without CUDA + CuPy +
-vLLM): per-layer CUDA KV views built by vLLM's own `create_kv_cache_views` in the layouts its
-CUDA backends register (LBHNC: flash_attn, triton, flashinfer with the layout the connector asks
-for; BLHNC: flashinfer's trtllm-gen on Blackwell; LHBNC: head groups outside the block), loaded
-from a real daemon's shared-memory slots through the TransferEngine's CUDA backend, layer by
-layer. Checks the bytes of every layer and that layer 0 is usable while later layers are still
-copying. Not run on the CPU-only dev machine (see docs/benchmarks.md)."""
+"""The connector's worker loads and saves on a real GPU (`pytest -m gpu`; skipped without CUDA,
+CuPy and torch CUDA): per-layer CUDA KV views in the layouts vLLM's CUDA backends register
+(LBHNC: flash_attn, triton, flashinfer with the layout the connector asks for; BLHNC:
+flashinfer's trtllm-gen on Blackwell; LHBNC: head groups outside the block), built as vLLM's
+`create_kv_cache_views` builds them (`bench.vllm_views`, checked against vLLM in
+tests/test_vllm_views.py: the GPU machine has no vLLM), saved through pinned staging into a real
+daemon and loaded back from its shared-memory slots through the TransferEngine's CUDA backend,
+layer by layer. Checks the bytes of every layer and that layer 0 is usable while later layers
+are still copying."""
 
 from __future__ import annotations
 
@@ -15,24 +17,17 @@ from typing import Any
 
 import pytest
 
+from bench.vllm_views import connector_base, kv_views
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from kvtier.gpu import available
 from tests.daemon_fixture import DaemonProc
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("vllm.v1.kv_cache_interface")
+connector_base()  # vLLM's, or the stand-in where vLLM is not installed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (available() and torch.cuda.is_available()), reason="needs CUDA, CuPy and torch CUDA")]
-
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheTensor,
-    compute_layout_strides,
-    create_kv_cache_views,
-)
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvtier.integrations.vllm.layout import EngineKV, Shard  # noqa: E402
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob  # noqa: E402
@@ -42,8 +37,7 @@ from kvtier.integrations.vllm.worker import WorkerSide  # noqa: E402
 # Llama-3-8B at TP1: 32 layers, 8 KV heads of 128, bf16, 16-token blocks -> 64 KiB pages
 BT, HEADS, HEAD, LAYERS, BLOCKS, LOADED = 16, 8, 128, 32, 96, 64
 NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
-SPEC = FullAttentionSpec(block_size=BT, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
-PAGE = int(SPEC.page_size_bytes)
+PAGE = 2 * BT * HEADS * HEAD * 2
 KV = EngineKV("test/gpu-loads@1", "bfloat16", BT, NAMES, PAGE, HEADS, HEAD, "cuda",
               Shard(0, 1, True))
 
@@ -59,26 +53,27 @@ def big_daemon(tmp_path: Path) -> Iterator[DaemonProc]:
         d.stop()
 
 
-def cuda_views(layout: KVCacheLayout, seed: int) -> list[Any]:
-    ls, bs, *_ = compute_layout_strides(SPEC, BLOCKS, LAYERS, layout)
-    tensor = KVCacheTensor(size=BLOCKS * LAYERS * PAGE, layers=list(NAMES), layer_stride=ls,
-                           block_stride=bs)
+def cuda_views(layout: str, seed: int) -> list[Any]:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(-128, 128, (tensor.size,), generator=g, dtype=torch.int8).cuda()
-    return list(create_kv_cache_views(raw, SPEC, BLOCKS, layout, tensor))
+    raw = torch.randint(-128, 128, (BLOCKS * LAYERS * PAGE,), generator=g, dtype=torch.int8)
+    return kv_views(raw.cuda(), LAYERS, BLOCKS, HEADS, BT, HEAD, torch.bfloat16, layout)
 
 
 def page(view: Any, block: int) -> Any:
     return view[block].contiguous().view(torch.uint8).flatten().cpu()
 
 
-@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC,
-                                    KVCacheLayout.LHBNC], ids=lambda x: x.name)
-def test_cuda_worker_loads_layer_by_layer(big_daemon: DaemonProc, layout: KVCacheLayout) -> None:
+CUDA_LAYOUTS = ["LBHNC", "BLHNC", "LHBNC"]
+
+
+@pytest.mark.parametrize("saved", CUDA_LAYOUTS)
+def test_cuda_worker_loads_layer_by_layer(big_daemon: DaemonProc, saved: str) -> None:
+    """Saved from `saved`'s views, loaded into the next layout's (each layout saves and loads)."""
+    layout = CUDA_LAYOUTS[(CUDA_LAYOUTS.index(saved) + 1) % len(CUDA_LAYOUTS)]
     settings = ConnectorSettings(socket=str(big_daemon.socket), use_plan=False,
                                  async_save=False, transfer="engine")
     keys = block_keys(list(range(3, 3 + LOADED * BT + 1)), BT)
-    src = cuda_views(KVCacheLayout.LBHNC, 1)
+    src = cuda_views(saved, 1)
     w1 = WorkerSide(settings, KV, 0)
     w1.register_kv_caches(dict(zip(NAMES, src, strict=True)))
     stored = list(range(LOADED))
@@ -102,7 +97,7 @@ def test_cuda_worker_loads_layer_by_layer(big_daemon: DaemonProc, layout: KVCach
             w2.wait_for_layer_load(name)
         last = time.perf_counter()
         assert w2.take_load_errors() == set()
-    print(f"{layout.name}: issue {1e3 * (issued - t0):.2f} ms, layer 0 after "
+    print(f"{saved} -> {layout}: issue {1e3 * (issued - t0):.2f} ms, layer 0 after "
           f"{1e3 * (first - t0):.2f} ms, all {LAYERS} layers after {1e3 * (last - t0):.2f} ms")
     # layers are copied in order on one stream: layer 0 is ready well before the last one
     assert first - t0 < 0.5 * (last - t0)

@@ -3,8 +3,9 @@
 Streams and events come from pools: one non-blocking stream per direction (loads and stores
 overlap; jobs of one direction stay in order) and recycled events marking each job's end. The
 path per job is chosen by a measured `Calibration` (given, loaded from
-$KVTIER_TRANSFER_CALIBRATION, or measured on scratch buffers of this pool's geometry at first
-use — never a constant).
+$KVTIER_TRANSFER_CALIBRATION, or measured on scratch buffers of this pool's chunk size at first
+use — never a constant; a measurement serves every later backend of the process with that
+device and chunk size, `measured`).
 
 Failures: an enqueue error fails exactly the pairs of the ops (DMA) or the launch (kernel) that
 failed; an error seen while waiting fails every pair of the job (CUDA errors are sticky, so
@@ -17,6 +18,7 @@ buffer is registered here and unregistered at `close`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -35,6 +37,7 @@ from kvtier.gpu.plan import (
     Direction,
     IntArray,
     PoolGeometry,
+    PoolKind,
     SlotGeometry,
     copy_ops,
     merge_runs,
@@ -80,6 +83,16 @@ def wait_on(after: object | None, stream: Any, event: Any) -> None:
 
 def load_calibration(path: str | os.PathLike[str]) -> Calibration:
     return Calibration.from_json(json.loads(Path(path).read_text()))
+
+
+@functools.cache
+def measured(device: int, chunk_bytes: int) -> Calibration:
+    """Kernel vs DMA rates measured on `device` at `chunk_bytes` (and larger merged runs), once
+    per process: the rates depend on the device and the chunk size only, and a measurement takes
+    about a second, too long to repeat for each backend."""
+    from kvtier.gpu.measure import calibrate_pool
+
+    return calibrate_pool(PoolGeometry(PoolKind.CONTIGUOUS, 1, 1, chunk_bytes, chunk_bytes))
 
 
 class CudaBackend:
@@ -132,9 +145,9 @@ class CudaBackend:
         if self.force_path is not None:
             return self.force_path
         if self.calibration is None:
-            from kvtier.gpu.measure import calibrate_pool
+            import cupy
 
-            self.calibration = calibrate_pool(self._pool)
+            self.calibration = measured(int(cupy.cuda.Device().id), self._pool.chunk_bytes)
         return self.calibration.choose(direction, ops)
 
     def _sub_pool(self, chunks: tuple[int, int] | None) -> tuple[PoolGeometry, Any, int]:
