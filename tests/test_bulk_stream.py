@@ -16,13 +16,14 @@ import pytest
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core import lookupwire as wire
+from kvtier.core.methods import BY_NAME
 from tests.daemon_fixture import DaemonProc, wait_for
 
 BLOCK = 64 << 10  # the fixture's slot size
 LAYOUT = LayoutDecl(b"bulk-stream-layout", BLOCK, 16, model_id="bulk/model")
 BOB_LAYOUT = LayoutDecl(b"bulk-stream-bob-only", BLOCK, 16, model_id="bulk/model")
 ALICE, BOB = "alice-bulk-token-1", "bob-bulk-token-22"
-WRITE, READ = len(wire.CALLS), len(wire.CALLS) + 1
+WRITE, READ = BY_NAME["WriteBlocks"].number, BY_NAME["ReadBlocks"].number
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,8 @@ def connect(d: DaemonProc, token: str = ALICE) -> socket.socket:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(10)
     conn.connect(str(d.socket) + ".lookup")
-    conn.sendall(wire.hello(token, calls=True))
-    assert reply(conn) == (wire.BULK_HELLO, None)  # the daemon offers the bulk calls
+    conn.sendall(wire.hello(token))
+    assert reply(conn) == (b"", None)
     return conn
 
 
@@ -99,7 +100,7 @@ def test_a_streaming_client_stores_and_loads_through_the_bulk_calls(daemon: Daem
     with Client(daemon.socket, layout=LAYOUT, token=ALICE, streaming=True) as kv:
         assert not kv.uses_shm
         stored = kv.store(keys(1, 6), data)
-        assert kv._lookups is not None and kv._lookups.bulk  # over the lookup socket
+        assert kv._lookups is not None and kv._lookups._idle  # over the socket (kept)
         assert (stored.stored, stored.skipped) == (6, 0)
         again = kv.store(keys(1, 4), data[:4])  # cached already: skipped, bytes not stored
         assert (again.stored, again.skipped) == (0, 4)
@@ -158,7 +159,7 @@ def test_bytes_past_the_payload_are_a_new_frame_and_land_in_no_slot(daemon: Daem
     # the third block's first 4 bytes read as a frame length (0xFFFFFFFF): refused, closed
     code, message = reply(conn)
     assert code == 8  # RESOURCE_EXHAUSTED
-    assert str(message).startswith(f"Lookup message of {0xFFFFFFFF} bytes exceeds the limit")
+    assert str(message).startswith(f"call frame of {0xFFFFFFFF} bytes exceeds the limit")
     assert closed(conn)
     conn.close()
     assert hits(daemon, keys(12, 3)) == 2

@@ -15,7 +15,6 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -26,11 +25,15 @@ from kvtier.client.async_client import AsyncClient
 from kvtier.client.lookup_channel import LookupChannel, Refusal
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
+from kvtier.core.methods import BY_NAME, LOCAL, PROTOCOL_VERSION
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Authenticator
-from kvtier.daemon.cache.namespaces import Tenant
+from kvtier.daemon.rpc.calls import Call
+from kvtier.daemon.rpc.guard import Limits
 from kvtier.daemon.rpc.local_socket import LookupServer, _Connection
 from tests.daemon_fixture import DaemonProc, daemon, wait_for  # noqa: F401
+
+LOOKUP = BY_NAME["Lookup"].number
 
 LAYOUT = LayoutDecl(b"lookup-socket-layout", 4096, 16, model_id="ls/model",
                     model=ModelCost(1e9, 16, 1024))
@@ -94,7 +97,7 @@ def rpc_count(d: DaemonProc, method: str) -> float:
 
 def test_lease_calls_go_over_the_socket_with_grpcs_answers(daemon: DaemonProc) -> None:  # noqa: F811
     """The shared-memory path's Allocate, Commit, Acquire, Release and Abort go over the socket
-    (a KVTLK2 connection, under the client's session), answered as over gRPC: same replies,
+    (under the client's session), answered as over gRPC: same replies,
     same refusals, the same metrics."""
     with Client(daemon.socket, layout=LAYOUT) as kv, \
             Client(daemon.socket, layout=LAYOUT, lookup_socket=False) as slow:
@@ -104,7 +107,7 @@ def test_lease_calls_go_over_the_socket_with_grpcs_answers(daemon: DaemonProc) -
 
         def spy(method: int, session: str, data: bytes) -> object:
             got = request(method, session, data)
-            sent.append((wire.CALLS[method], session, isinstance(got, bytes)))
+            sent.append((LOCAL[method].name, session, isinstance(got, bytes)))
             return got
 
         kv._lookups.request = spy  # type: ignore[method-assign]
@@ -151,17 +154,17 @@ def test_lease_calls_go_over_the_socket_with_grpcs_answers(daemon: DaemonProc) -
 
 
 def _name(kv: Client, method: object) -> str:
-    return wire.CALLS[kv._local_calls[method][0]]
+    return LOCAL[kv._local_calls[method][0]].name
 
 
 class _FakeSocket:
-    """A lookup socket that records the frames it gets: as a daemon from before the lease calls
-    (KVTLK1 only: it refuses a KVTLK2 hello as such a daemon does), or with `calls` one that
-    takes KVTLK2; with `drop` it closes each connection right after reading a request."""
+    """A local socket that records the frames it gets; with `drop` it closes each connection
+    right after reading a request, with `refuse` it refuses every hello as a daemon of another
+    protocol version does."""
 
-    def __init__(self, path: Path, calls: bool = False, drop: bool = False) -> None:
-        self.calls = calls
+    def __init__(self, path: Path, drop: bool = False, refuse: bool = False) -> None:
         self.drop = drop
+        self.refuse = refuse
         self.hellos: list[bytes] = []
         self.requests: list[bytes] = []
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -182,9 +185,8 @@ class _FakeSocket:
                 if hello is None:
                     continue
                 self.hellos.append(hello)
-                got = wire.parse_any_hello(hello)
-                if got is None or (got[1] and not self.calls):
-                    conn.sendall(wire.error_reply(3, "expected the hello 'KVTLK1 <token>' as "
+                if self.refuse or wire.parse_hello(hello) is None:
+                    conn.sendall(wire.error_reply(3, "expected the hello 'KVTLK9 <token>' as "
                                                      "the first frame"))
                     continue
                 conn.sendall(wire.ok_reply())
@@ -211,39 +213,33 @@ class _FakeSocket:
         assert not self.thread.is_alive()
 
 
-def test_an_older_daemons_socket_takes_lookups_and_the_lease_calls_go_over_grpc(
-        tmp_path: Path) -> None:
-    old = _FakeSocket(tmp_path / "d.sock.lookup")
+def test_a_daemon_of_another_protocol_version_refuses_the_hello(tmp_path: Path) -> None:
+    """Its refusal is the answer (not a fallback to another hello): the client raises it, and
+    RegisterLayout's version check has already refused such a daemon at the client's start."""
+    other = _FakeSocket(tmp_path / "d.sock.lookup", refuse=True)
     channel = LookupChannel(str(tmp_path / "d.sock"), "tok", 5.0)
     try:
-        assert channel.call(b"lookup-1") == b"reply to lookup-1"
-        assert not channel.calls  # its KVTLK2 hello was refused: KVTLK1 from then on
-        assert old.hellos == [b"KVTLK2 tok", b"KVTLK1 tok"]
-        assert channel.request(wire.CALLS.index("Commit"), "s" * 32, b"commit") is None
-        assert not channel.bulk  # no bulk calls offered: WriteBlocks / ReadBlocks over gRPC
-        assert channel.write_blocks(b"header", [b"block"]) is None
-        assert channel.read_blocks(b"request", 4096) is None
-        assert channel.call(b"lookup-2") == b"reply to lookup-2"
-        assert old.requests == [b"lookup-1", b"lookup-2"]  # plain LookupRequest frames
-        assert len(old.hellos) == 2  # one connection, kept
+        got = channel.request(LOOKUP, "", b"lookup-1")
+        assert isinstance(got, Refusal) and got.code == 3
+        assert other.hellos == [wire.HELLO + b"tok"] and not other.requests
     finally:
         channel.close()
-        old.close()
+        other.close()
 
 
 def test_a_lease_call_is_never_sent_twice_when_its_connection_drops(tmp_path: Path) -> None:
     """A Commit whose connection closes after the daemon read it answers UNAVAILABLE (it may
     have been applied: it is not sent again); a Lookup is sent again on a new connection."""
-    fake = _FakeSocket(tmp_path / "d.sock.lookup", calls=True, drop=True)
+    fake = _FakeSocket(tmp_path / "d.sock.lookup", drop=True)
     channel = LookupChannel(str(tmp_path / "d.sock"), "tok", 5.0)
     try:
-        got = channel.request(wire.CALLS.index("Commit"), "s" * 32, b"commit")
+        got = channel.request(BY_NAME["Commit"].number, "s" * 32, b"commit")
         assert got == Refusal(14, "connection to the daemon lost during Commit")
         commit = b"\x04\x20" + b"s" * 32 + b"commit"
         assert fake.requests == [commit]  # once
-        assert channel.call(b"lookup") is None  # lost twice: the caller goes over gRPC
+        assert channel.request(LOOKUP, "", b"lookup") is None  # lost twice: over gRPC
         assert fake.requests == [commit, b"\x00\x00lookup", b"\x00\x00lookup"]
-        assert fake.hellos == [b"KVTLK2 tok"] * 3
+        assert fake.hellos == [wire.HELLO + b"tok"] * 3
     finally:
         channel.close()
         fake.close()
@@ -353,15 +349,16 @@ class _Transport(asyncio.Transport):
 
 
 class _Service:
-    """The one thing the protocol asks of `KvTierService`: `lookup` (and `auth`)."""
+    """What the protocol asks of `Service` for a Lookup: `answer` (and `auth`)."""
 
     def __init__(self) -> None:
         self.auth = Authenticator()
         self.calls = 0
 
-    async def lookup(self, request: object, tenant: Callable[[], Tenant]) -> bytes:
-        """The reply in wire form, as `KvTierService.lookup` gives it."""
-        assert tenant().name == "default" and isinstance(request, pb.LookupRequest)
+    async def answer(self, method: str, request: object, call: Call) -> bytes:
+        """The reply in wire form, as `Service.answer` gives Lookup's."""
+        assert method == "Lookup" and call.tenant().name == "default"
+        assert isinstance(request, pb.LookupRequest)
         self.calls += 1
         return pb.LookupResponse(hit_blocks=len(request.keys) // 32).SerializeToString()
 
@@ -369,12 +366,14 @@ class _Service:
 def test_protocol_reads_no_further_while_its_replies_are_not_taken(tmp_path: Path) -> None:
     async def go() -> None:
         service = _Service()
-        server = LookupServer(tmp_path / "s", service, 1 << 16)  # type: ignore[arg-type]
+        limits = Limits.for_daemon(1024, 32, 1 << 16)
+        server = LookupServer(tmp_path / "s", service, limits)  # type: ignore[arg-type]
         conn, transport = _Connection(server), _Transport()
         conn.connection_made(transport)
         conn.data_received(wire.hello(""))
         assert bytes(transport.written) == wire.ok_reply()
-        request = wire.frame(pb.LookupRequest(keys=bytes(64), key_width=32).SerializeToString())
+        request = wire.call_frame(LOOKUP, "", pb.LookupRequest(keys=bytes(64), key_width=32)
+                                  .SerializeToString())
         conn.data_received(request)
         assert service.calls == 1
         conn.pause_writing()  # the client takes no replies: the transport's buffer is full
@@ -399,17 +398,16 @@ def test_wire_frames() -> None:
     buf += b"\x00\x00"
     with pytest.raises(wire.FrameTooLarge, match="frame of 5 bytes exceeds the limit of 3"):
         wire.take_frame(buf, 3)
-    assert wire.parse_hello(b"KVTLK1 tok") == "tok"
-    assert wire.parse_hello(b"KVTLK1 \xff") is None and wire.parse_hello(b"GET /") is None
-    assert wire.parse_hello(b"KVTLK2 tok") is None  # a KVTLK1 daemon's answer to it
-    assert wire.parse_any_hello(b"KVTLK2 tok") == ("tok", True)
-    assert wire.parse_any_hello(b"KVTLK1 tok") == ("tok", False)
-    assert wire.hello("tok", calls=True) == b"\x0a\x00\x00\x00KVTLK2 tok"
-    assert wire.CALLS.index("Release") == 2
+    assert wire.HELLO == b"KVTLK%d " % PROTOCOL_VERSION
+    assert wire.parse_hello(wire.HELLO + b"tok") == "tok"
+    assert wire.parse_hello(wire.HELLO + b"\xff") is None and wire.parse_hello(b"GET /") is None
+    assert wire.parse_hello(b"KVTLK%d tok" % (PROTOCOL_VERSION + 1)) is None  # another version
+    assert wire.hello("tok") == bytes((len(wire.HELLO) + 3, 0, 0, 0)) + wire.HELLO + b"tok"
+    assert BY_NAME["Release"].number == 2
     release = wire.call_frame(2, "ab", b"req")
     assert release == b"\x07\x00\x00\x00\x02\x02abreq"
     assert wire.parse_call(release[4:]) == (2, "ab", b"req")
-    assert wire.parse_call(b"\x06\x00") is None  # method 6: none
+    assert wire.parse_call(bytes((len(LOCAL), 0))) is None  # no method of that number
     assert wire.parse_call(b"\x02\x05ab") is None  # the session id overruns the frame
     assert wire.parse_call(b"\x02") is None
     with pytest.raises(ValueError, match="session id of 256 bytes"):

@@ -299,8 +299,8 @@ def test_lookup_socket_requests_that_wait_on_the_store(
     a, b = pair
     keys = chain(12, 2)
     store_and_publish(a, redis_server, keys, payloads(2, 12))
-    req = wire.frame(pb.LookupRequest(layout=LAYOUT.layout_id, keys=b"".join(keys),
-                                      key_width=32).SerializeToString())
+    req = wire.call_frame(0, "", pb.LookupRequest(  # method 0: Lookup
+        layout=LAYOUT.layout_id, keys=b"".join(keys), key_width=32).SerializeToString())
     with Client(b.socket, layout=LAYOUT):  # registers the layout on B
         with _lookup_conn(b) as conn:
             conn.sendall(req * 3)  # pipelined, though the protocol has one at a time

@@ -22,6 +22,7 @@ from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
+from kvtier.core.methods import BY_NAME
 from kvtier.core.types import Tier
 from kvtier.daemon.rpc.guard import WARN_EVERY_S, Limits
 from kvtier.daemon.rpc.service import CHUNK_BYTES
@@ -170,24 +171,27 @@ def on_socket(e: Env, data: bytes, hello: bytes = ALICE_HELLO) -> pb.LookupRespo
         conn.settimeout(5)
         conn.connect(wire.lookup_socket_path(str(e.d.socket)))
         conn.sendall(hello)
-        # a KVTLK2 hello's answer offers the bulk calls (`wire.BULK`)
-        assert _answer(conn) == (wire.BULK_HELLO if hello[4:].startswith(wire.HELLO_CALLS)
-                                 else b"")
+        assert _answer(conn) == b""
         with contextlib.suppress(BrokenPipeError):  # refused and closed before all was sent
             conn.sendall(data)
         return pb.LookupResponse.FromString(_answer(conn))
 
 
+def lookup_raw(body: bytes) -> bytes:
+    """A Lookup call frame of the local socket carrying `body` as its request."""
+    return wire.call_frame(BY_NAME["Lookup"].number, "", body)
+
+
 def lookup_frame(**fields: Any) -> bytes:
-    return wire.frame(pb.LookupRequest(**fields).SerializeToString())
+    return lookup_raw(pb.LookupRequest(**fields).SerializeToString())
 
 
-ALICE_CALLS = wire.hello("alice-secret-token", calls=True)
+ALICE_CALLS = ALICE_HELLO
 
 
 def on_call_socket(e: Env, method: str, request: Any, session: str = "") -> Any:
-    """One call of `wire.CALLS` on a `KVTLK2` connection of the lookup socket, as alice."""
-    frame = wire.call_frame(wire.CALLS.index(method), session, request.SerializeToString())
+    """One call of `method` on the local socket, as alice."""
+    frame = wire.call_frame(BY_NAME[method].number, session, request.SerializeToString())
     return on_socket(e, frame, hello=ALICE_CALLS)
 
 
@@ -362,9 +366,9 @@ CASES: list[Case] = [
     ("lookup socket: Lookup above its method's limit", lambda e: on_socket(
         e, lookup_frame(layout=LID, keys=bytes(1 << 20), key_width=32)),
      Code.RESOURCE_EXHAUSTED),
-    ("lookup socket: not protobuf", lambda e: on_socket(e, wire.frame(b"\xff\xff\xff\xff")),
+    ("lookup socket: not protobuf", lambda e: on_socket(e, lookup_raw(b"\xff\xff\xff\xff")),
      Code.INVALID_ARGUMENT),
-    ("lookup socket: truncated Lookup", lambda e: on_socket(e, wire.frame(
+    ("lookup socket: truncated Lookup", lambda e: on_socket(e, lookup_raw(
         pb.LookupRequest(layout=LID, keys=bytes(64)).SerializeToString()[:-9])),
      Code.INVALID_ARGUMENT),
     ("lookup socket: unknown layout", lambda e: on_socket(

@@ -67,7 +67,7 @@ class ModelCost(_message.Message):
     def __init__(self, active_params: _Optional[float] = ..., num_layers: _Optional[int] = ..., attn_dim: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class RegisterLayoutRequest(_message.Message):
-    __slots__ = ("layout", "block_bytes", "block_tokens", "key_width", "model", "model_id", "groups")
+    __slots__ = ("layout", "block_bytes", "block_tokens", "key_width", "model", "model_id", "groups", "protocol_version")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class RegisterLayoutRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     layout: bytes
     block_bytes: int
     block_tokens: int
@@ -82,7 +83,8 @@ class RegisterLayoutRequest(_message.Message):
     model: ModelCost
     model_id: str
     groups: _containers.RepeatedCompositeFieldContainer[LayoutGroup]
-    def __init__(self, layout: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., key_width: _Optional[int] = ..., model: _Optional[_Union[ModelCost, _Mapping]] = ..., model_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[LayoutGroup, _Mapping]]] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, layout: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., key_width: _Optional[int] = ..., model: _Optional[_Union[ModelCost, _Mapping]] = ..., model_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[LayoutGroup, _Mapping]]] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class LayoutGroup(_message.Message):
     __slots__ = ("name", "block_bytes")
@@ -105,18 +107,20 @@ class GroupStats(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., group: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterLayoutResponse(_message.Message):
-    __slots__ = ("segment", "max_blocks_per_request", "default_lease_ttl_ms", "tenant", "layout_id")
+    __slots__ = ("segment", "max_blocks_per_request", "default_lease_ttl_ms", "tenant", "layout_id", "protocol_version")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     segment: SegmentInfo
     max_blocks_per_request: int
     default_lease_ttl_ms: int
     tenant: str
     layout_id: bytes
-    def __init__(self, segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., layout_id: _Optional[bytes] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., layout_id: _Optional[bytes] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("fetch_blocks", "predicted_fetch_seconds", "predicted_recompute_seconds", "reason", "promote_in_background")

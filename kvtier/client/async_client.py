@@ -129,8 +129,6 @@ class AsyncClient(SegmentHolder):
         try:
             first = await call.read()
         except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                return  # an older daemon: leases end by TTL only
             raise rpc_error(exc) from None
         if not isinstance(first, pb.SessionEvent):  # the stream ended at once (EOF)
             return

@@ -9,6 +9,7 @@ from typing import Any
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.errors import InvalidArgument
 from kvtier.core.keys import check_model_id, layout_id
+from kvtier.core.methods import PROTOCOL_VERSION
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ class LayoutDecl:
 def register_request(layout: LayoutDecl) -> pb.RegisterLayoutRequest:
     req = pb.RegisterLayoutRequest(layout=layout.fingerprint, block_bytes=layout.block_bytes,
                                    block_tokens=layout.block_tokens, key_width=layout.key_width,
-                                   model_id=layout.model_id,
+                                   model_id=layout.model_id, protocol_version=PROTOCOL_VERSION,
                                    groups=[pb.LayoutGroup(name=n, block_bytes=b)
                                            for n, b in layout.groups])
     if layout.model is not None:

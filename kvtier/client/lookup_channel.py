@@ -1,26 +1,23 @@
-"""The client's side of the lookup socket (`kvtier.core.lookupwire`): Lookup — and, from the
-blocking client, the shared-memory lease calls (`LookupChannel.request`) — without gRPC's
-transport when the client reaches the daemon over its Unix socket.
+"""The client's side of the local socket (`kvtier.core.lookupwire`): the daemon's calls of
+`kvtier.core.methods.LOCAL` without gRPC's transport when the client reaches the daemon over its
+Unix socket.
 
-`LookupChannel.call` (blocking) and `AsyncLookupChannel.call` (asyncio) send one serialized
-`LookupRequest` and return the daemon's serialized `LookupResponse`, a `Refusal` (the gRPC status
-code and message the daemon answered — the same as over gRPC), or None when the lookup socket
-cannot be used (the daemon has none: an older one, or a TCP target; it is not listening; the
-connection was lost twice in a row): the caller then makes the same call over gRPC, which waits
-for a restarting daemon as every call does.
+`LookupChannel.request` (blocking) and `AsyncLookupChannel.call` (asyncio, Lookup) send one call
+frame and return the daemon's serialized reply, a `Refusal` (the gRPC status code and message
+the daemon answered — the same as over gRPC), or None when the local socket cannot be used (no
+socket: a TCP target, or a daemon that has none; it is not listening; the connection was lost
+twice in a row): the caller then makes the same call over gRPC, which waits for a restarting
+daemon as every call does.
 
-Connections are kept open and reused, one request at a time each; threads (or tasks) calling at
+Connections are kept open and reused, one call at a time each; threads (or tasks) calling at
 once each take a connection of their own from the idle list, so a client shared by threads stays
 safe (a forked child opens its own). A connection that fails mid-call is dropped and a Lookup
 retried once on a new one (Lookup changes nothing a client relies on, so a retry is harmless);
 another call is sent again only when it could not be sent at all (a kept connection the daemon
 closed: its restart), and otherwise answers UNAVAILABLE, as gRPC does for a connection lost
-mid-call — an Allocate or Commit is never run twice. A daemon that refuses the `KVTLK2` hello
-(older) is spoken to with `KVTLK1`, its lease calls going over gRPC, for this channel's life.
-The bulk calls (`LookupChannel.write_blocks`, `read_blocks`: WriteBlocks and ReadBlocks with
-their payload as raw bytes, `wire.BULK`) are made only on a daemon whose hello answer offers them;
-elsewhere they answer None and go over gRPC. One whose connection breaks answers UNAVAILABLE and
-is not sent again.
+mid-call — an Allocate or Commit is never run twice. The bulk calls (`LookupChannel.write_blocks`,
+`read_blocks`: WriteBlocks and ReadBlocks with their payload as raw bytes) likewise; one whose
+connection breaks answers UNAVAILABLE and is not sent again.
 """
 
 from __future__ import annotations
@@ -34,10 +31,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvtier.core import lookupwire as wire
+from kvtier.core.methods import BY_NAME, LOCAL
+
+_LOOKUP = BY_NAME["Lookup"].number
+_WRITE, _READ = BY_NAME["WriteBlocks"].number, BY_NAME["ReadBlocks"].number
 
 MAX_REPLY_BYTES = 8 << 20
 READ_BYTES = 64 << 10  # the first recv of a reply: a lease call's whole reply, mostly
-INVALID_ARGUMENT = 3  # grpc.StatusCode.INVALID_ARGUMENT
 DEADLINE_EXCEEDED = 4  # grpc.StatusCode.DEADLINE_EXCEEDED
 UNAVAILABLE = 14
 
@@ -66,8 +66,7 @@ def _answer(payload: bytes) -> bytes | Refusal:
 
 
 class LookupChannel:
-    """Blocking calls on `<socket>.lookup` (see the module docstring): Lookup (`call`) and, on a
-    daemon that takes them (a `KVTLK2` hello), the lease calls of `wire.CALLS` (`request`)."""
+    """Blocking calls on `<socket>.lookup` (see the module docstring)."""
 
     def __init__(self, socket_path: str, token: str, timeout: float) -> None:
         self.path = wire.lookup_socket_path(socket_path)
@@ -75,19 +74,12 @@ class LookupChannel:
         self._timeout = timeout
         self._idle: list[socket.socket] = []
         self._pid = os.getpid()
-        self.calls = True  # False once the daemon refused a KVTLK2 hello (an older one)
-        self.bulk = False  # the daemon's hello answer offered the bulk calls
-
-    def call(self, request: bytes) -> bytes | Refusal | None:
-        """One Lookup (`request` a serialized `LookupRequest`)."""
-        return self.request(0, "", request)
 
     def request(self, method: int, session: str, request: bytes) -> bytes | Refusal | None:
-        """One call of `wire.CALLS[method]` under `session`; None when it must go over gRPC
-        (no lookup socket, or a daemon that takes Lookup only and `method` is another). A
-        connection lost before the request was sent is replaced and the call sent again; one lost
-        after it was sent answers UNAVAILABLE, as gRPC does — except a Lookup's, sent again once
-        (it changes nothing a client relies on)."""
+        """One call of `LOCAL[method]` under `session`; None when it must go over gRPC (no
+        local socket). A connection lost before the request was sent is replaced and the call
+        sent again; one lost after it was sent answers UNAVAILABLE, as gRPC does — except a
+        Lookup's, sent again once (it changes nothing a client relies on)."""
         if os.getpid() != self._pid:  # a forked child: the parent's connections are not its own
             self._idle, self._pid = [], os.getpid()
         for _ in (0, 1):
@@ -103,12 +95,8 @@ class LookupChannel:
                 if isinstance(got, Refusal):
                     return got
                 conn = got
-            if method and not self.calls:
-                self._idle.append(conn)
-                return None
             try:
-                conn.sendall(wire.call_frame(method, session, request) if self.calls
-                             else wire.frame(request))
+                conn.sendall(wire.call_frame(method, session, request))
             except TimeoutError:
                 conn.close()
                 return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
@@ -122,10 +110,10 @@ class LookupChannel:
                 return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
             except (OSError, _Lost):
                 conn.close()
-                if not method:
+                if method == _LOOKUP:
                     continue
                 return Refusal(UNAVAILABLE, f"connection to the daemon lost during "
-                               f"{wire.CALLS[method]}")
+                               f"{LOCAL[method].name}")
             self._idle.append(conn)
             return reply
         return None
@@ -134,7 +122,7 @@ class LookupChannel:
         """A WriteBlocks (`header`: a serialized `WriteHeader`; `blocks`: buffers of the layout's
         block size, one per key) with the payload sent as raw bytes: the serialized
         `WriteBlocksResponse`, a `Refusal`, or None when it must go over gRPC."""
-        conn = self._bulk_conn(0, header)
+        conn = self._bulk_conn(_WRITE, header)
         if conn is None or isinstance(conn, Refusal):
             return conn
         try:
@@ -155,7 +143,7 @@ class LookupChannel:
                     ) -> list[np.ndarray[Any, np.dtype[np.uint8]]] | Refusal | None:
         """A ReadBlocks (`request`: a serialized `ReadBlocksRequest`), its blocks received as
         raw bytes into arrays of their own; a `Refusal`, or None when it must go over gRPC."""
-        conn = self._bulk_conn(1, request)
+        conn = self._bulk_conn(_READ, request)
         if conn is None or isinstance(conn, Refusal):
             return conn
         try:
@@ -180,8 +168,8 @@ class LookupChannel:
         self._idle.append(conn)
         return blocks
 
-    def _bulk_conn(self, which: int, request: bytes) -> socket.socket | Refusal | None:
-        """A connection that has sent bulk call `wire.BULK[which]`, its first answer taken when
+    def _bulk_conn(self, method: int, request: bytes) -> socket.socket | Refusal | None:
+        """A connection that has sent bulk call `LOCAL[method]`, its first answer taken when
         the call is a write (the go-ahead: a `Refusal` when the daemon refused it)."""
         if os.getpid() != self._pid:
             self._idle, self._pid = [], os.getpid()
@@ -198,18 +186,15 @@ class LookupChannel:
                 if isinstance(got, Refusal):
                     return got
                 conn = got
-            if not self.bulk:
-                self._idle.append(conn)
-                return None
             try:
-                conn.sendall(wire.call_frame(len(wire.CALLS) + which, "", request))
+                conn.sendall(wire.call_frame(method, "", request))
             except TimeoutError:
                 conn.close()
                 return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")
             except OSError:
                 conn.close()  # the daemon closed it (restarted, or dropped it): not sent
                 continue
-            if which:
+            if method == _READ:
                 return conn
             try:
                 go = _answer(self._read(conn))
@@ -242,22 +227,14 @@ class LookupChannel:
         return reply
 
     def _connect(self) -> socket.socket | Refusal:
-        """A connection past its hello (`KVTLK2`; `KVTLK1` to a daemon that refuses it); raises
-        _Lost when the socket cannot be used."""
-        answer = self._open()
-        if isinstance(answer, Refusal) and self.calls and answer.code == INVALID_ARGUMENT:
-            self.calls = False  # an older daemon: Lookup only, the other calls over gRPC
-            answer = self._open()
-        return answer
-
-    def _open(self) -> socket.socket | Refusal:
+        """A connection past its hello; raises _Lost when the socket cannot be used."""
         if not os.path.exists(self.path):
             raise _Lost("no lookup socket")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(self._timeout)
         try:
             conn.connect(self.path)
-            conn.sendall(wire.hello(self._token, calls=self.calls))
+            conn.sendall(wire.hello(self._token))
             answer = _answer(self._read(conn))
         except TimeoutError:
             conn.close()
@@ -268,7 +245,6 @@ class LookupChannel:
         if isinstance(answer, Refusal):
             conn.close()
             return answer
-        self.bulk = self.calls and answer == wire.BULK_HELLO
         return conn
 
     @staticmethod
@@ -339,7 +315,9 @@ class AsyncLookupChannel:
         self._idle: list[_Stream] = []
 
     async def call(self, request: bytes) -> bytes | Refusal | None:
-        data = wire.frame(request)
+        """One Lookup (`request` a serialized `LookupRequest`), sent again once on a new
+        connection when its connection was lost."""
+        data = wire.call_frame(_LOOKUP, "", request)
         for _ in (0, 1):
             try:
                 async with asyncio.timeout(self._timeout):

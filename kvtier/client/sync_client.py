@@ -24,7 +24,7 @@ restart or its TTL: the `load`/`store_into` block that held it ends with `Kvtier
 
 Sessions: a Client opens one OpenSession stream and sends its id with every Acquire/Allocate,
 so when the process dies (its connection closes) the daemon ends its leases at once instead of
-after their TTL; a daemon without sessions (older) falls back to the TTL alone.
+after their TTL.
 
 Lifetimes: views from `load` are valid only inside its `with` block (afterwards the slot may be
 reused), and only while the lease lives: a `with` block held longer than the lease TTL (daemon
@@ -59,7 +59,7 @@ from kvtier.client.shm import MappedSegment, SegmentHolder
 from kvtier.client.shm import SlotBuffer as SlotBuffer
 from kvtier.core.chunkwire import Chunk, chunk_head, parse_chunk
 from kvtier.core.errors import KvtierError
-from kvtier.core.lookupwire import CALLS
+from kvtier.core.methods import BY_NAME, METHODS, PROTOCOL_VERSION, Local
 from kvtier.core.paths import default_socket as _default_socket
 from kvtier.core.types import Tier
 
@@ -171,7 +171,13 @@ def pack_keys(keys: Sequence[bytes], width: int) -> bytes:
 
 
 def check_registered(layout: LayoutDecl, reply: pb.RegisterLayoutResponse) -> None:
-    """The daemon must confirm the layout id this client names its requests by."""
+    """The daemon must speak this client's protocol version and confirm the layout id this
+    client names its requests by."""
+    if reply.protocol_version != PROTOCOL_VERSION:
+        raise KvtierRpcError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the daemon speaks protocol {reply.protocol_version}, this client protocol "
+            f"{PROTOCOL_VERSION}: upgrade the daemon and its clients together")
     if reply.layout_id != layout.layout_id:
         raise KvtierRpcError(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -219,6 +225,7 @@ def rpc_error(exc: grpc.RpcError, unreachable: str | None = None) -> KvtierRpcEr
 
 
 SESSION_METADATA = "kvtier-session"
+_LOOKUP = BY_NAME["Lookup"].number
 
 
 def is_closed_session(exc: KvtierRpcError) -> bool:
@@ -309,11 +316,11 @@ class Client(SegmentHolder):
         local = lookup_socket_of(self.target)
         self._lookups = (LookupChannel(local, self._token, timeout)
                          if local is not None and lookup_socket else None)
-        # the calls the lookup socket also carries (`kvtier.core.lookupwire.CALLS`): by stub
-        # method, (its number there, its reply type)
+        # the unary calls the local socket also carries (`kvtier.core.methods`), Lookup aside
+        # (`_lookup`): by stub method, (its number there, its reply type)
         self._local_calls: dict[Any, tuple[int, Any]] = {
-            getattr(self._stub, name): (number, getattr(pb, name + "Response"))
-            for number, name in enumerate(CALLS) if number}
+            getattr(self._stub, m.name): (m.number, getattr(pb, m.response))
+            for m in METHODS if m.local is Local.CALL and m.name != "Lookup"}
         try:
             require_daemon(self.target)
             self._register(first=True)
@@ -366,8 +373,6 @@ class Client(SegmentHolder):
             try:
                 first = next(call)
             except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                    return  # an older daemon: leases end by TTL only
                 raise rpc_error(exc) from None
             self._session, self._session_id = call, first.session_id
             self._call_metadata = (*self._metadata, (SESSION_METADATA, first.session_id))
@@ -406,7 +411,7 @@ class Client(SegmentHolder):
         """Lookup on the lookup socket when there is one (`kvtier.client.lookup_channel`),
         else over gRPC."""
         if self._lookups is not None:
-            got = self._lookups.call(request.SerializeToString())
+            got = self._lookups.request(_LOOKUP, "", request.SerializeToString())
             if isinstance(got, Refusal):
                 raise refused(got)
             if got is not None:

@@ -40,3 +40,7 @@ class FailedPrecondition(CacheError):
 
 class Unavailable(CacheError):
     """The daemon is draining: no new leases."""
+
+
+class Unauthenticated(KvtierError):
+    """Missing, malformed or unknown token (UNAUTHENTICATED)."""

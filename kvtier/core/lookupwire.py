@@ -1,41 +1,34 @@
-"""The lookup socket's wire: Lookup without gRPC's transport, for a client on the daemon's machine.
+"""The local socket's wire: the daemon's calls without gRPC's transport, for clients on its host.
 
 The daemon listening on Unix socket `S` also listens on `S.lookup` (`lookup_socket_path`). On a
 connection every message is a frame: a 4-byte little-endian length, then that many bytes. The
-first frame the client sends is the hello, `KVTLK1 <token>` (the token empty without a tokens
-file); the daemon answers it with an OK reply (empty body) or an error reply, after which it
-closes the connection. Then each client frame is one serialized `kvtier.v1.LookupRequest` and each
-daemon frame the reply to it: status byte 0 and a serialized `LookupResponse`, or status byte 1,
-the gRPC status code (one byte) and the UTF-8 message — the code and message the same request
-gets over gRPC. One request at a time per connection (no pipelining).
+first frame the client sends is the hello, `KVTLK<PROTOCOL_VERSION> <token>` (the token empty
+without a tokens file); the daemon answers it with an OK reply (empty body) or an error reply,
+after which it closes the connection (a hello of another protocol version: INVALID_ARGUMENT).
 
-A frame longer than the receiver's limit (the daemon: the size gRPC allows a Lookup, see
-`kvtier.daemon.rpc.guard.Limits`; `HELLO_MAX` for the hello) is refused before it is read: the
-daemon answers RESOURCE_EXHAUSTED and closes the connection.
-
-Calls (issue 25, the shared-memory data path): a connection opened with the hello
-`KVTLK2 <token>` carries, besides Lookup, the lease calls of that path — Acquire, Release,
-Allocate, Commit, Abort (`CALLS`) — each client frame being `call_frame`'s: the method's number
-(one byte, its index in `CALLS`), the length of the session id (one byte) and the session id
+Then each client frame is a call (`call_frame`): the method's number (one byte: `Method.number`
+of `kvtier.core.methods.LOCAL`), the length of the session id (one byte) and the session id
 (ASCII: the `kvtier-session` the client would send as gRPC metadata; empty without one), then
-the serialized request of that method. The replies are as above. An older daemon refuses the
-`KVTLK2` hello (INVALID_ARGUMENT) and its clients keep to `KVTLK1` and gRPC.
+the serialized request. Each daemon frame is the reply to one: status byte 0 and the serialized
+response, or status byte 1, the gRPC status code (one byte) and the UTF-8 message — the code and
+message the same request gets over gRPC. One call at a time per connection (no pipelining).
 
-Bulk calls (issue 25, the streaming byte path for clients that cannot map the pool): a daemon
-that takes them answers the `KVTLK2` hello with the OK body `BULK_HELLO` (an older one: an empty
-body, which older clients ignore), and then also takes method numbers `len(CALLS) + i` for
-`BULK[i]`, whose payload travels as raw bytes after the frames:
-- WriteBlocks: the request is a serialized `kvtier.v1.WriteHeader`. The daemon answers OK with
-  an empty body (slots claimed: send the payload) or an error (nothing claimed). After the OK the
-  client sends exactly `count × block_bytes` raw bytes (count = len(keys) / key_width,
-  block_bytes the layout's), the blocks in key order; the daemon then answers OK with a
-  serialized `WriteBlocksResponse`, or an error and closes the connection. The payload must
-  arrive without a pause of `FRAME_TIMEOUT_S`; a connection that ends before all of it arrived
-  has nothing committed and its slots freed.
-- ReadBlocks: the request is a serialized `kvtier.v1.ReadBlocksRequest`. The daemon answers OK
-  with the number of cached blocks (`COUNT`, 4 bytes little-endian) or an error; after the OK
-  follow `count × block_bytes` raw bytes. A read that fails once its bytes have begun ends with
-  the connection closed (the client sees a short payload).
+A frame longer than the receiver's limit (the daemon: the size gRPC allows the largest of these
+methods, see `kvtier.daemon.rpc.guard.Limits`; `HELLO_MAX` for the hello) is refused before it
+is read: the daemon answers RESOURCE_EXHAUSTED and closes the connection.
+
+The bulk calls carry their payload as raw bytes after the frames:
+- WriteBlocks (`Local.BULK_WRITE`): the request is a serialized `kvtier.v1.WriteHeader`. The
+  daemon answers OK with an empty body (slots claimed: send the payload) or an error (nothing
+  claimed). After the OK the client sends exactly `count × block_bytes` raw bytes (count =
+  len(keys) / key_width, block_bytes the layout's), the blocks in key order; the daemon then
+  answers OK with a serialized `WriteBlocksResponse`, or an error and closes the connection. The
+  payload must arrive without a pause of `FRAME_TIMEOUT_S`; a connection that ends before all
+  of it arrived has nothing committed and its slots freed.
+- ReadBlocks (`Local.BULK_READ`): the request is a serialized `kvtier.v1.ReadBlocksRequest`. The
+  daemon answers OK with the number of cached blocks (`COUNT`, 4 bytes little-endian) or an
+  error; after the OK follow `count × block_bytes` raw bytes. A read that fails once its bytes
+  have begun ends with the connection closed (the client sees a short payload).
 """
 
 from __future__ import annotations
@@ -43,16 +36,11 @@ from __future__ import annotations
 import struct
 
 from kvtier.core.chunkwire import varint
+from kvtier.core.methods import LOCAL, PROTOCOL_VERSION
 
 LOOKUP_SOCKET_SUFFIX = ".lookup"
-HELLO = b"KVTLK1 "
-HELLO_CALLS = b"KVTLK2 "
+HELLO = b"KVTLK%d " % PROTOCOL_VERSION
 HELLO_MAX = 4096
-CALLS = ("Lookup", "Acquire", "Release", "Allocate", "Commit", "Abort")
-"""The methods of a `KVTLK2` connection, by number."""
-BULK = ("WriteBlocks", "ReadBlocks")
-"""The bulk calls, by number after `CALLS` (`len(CALLS) + i`)."""
-BULK_HELLO = b"bulk"
 COUNT = struct.Struct("<I")
 SESSION_MAX = 255
 HEAD = struct.Struct("<I")
@@ -94,41 +82,33 @@ def frame(payload: bytes) -> bytes:
     return HEAD.pack(len(payload)) + payload
 
 
-def hello(token: str, calls: bool = False) -> bytes:
-    """The first frame of a connection (`calls`: one that carries `CALLS`, `KVTLK2`)."""
-    return frame((HELLO_CALLS if calls else HELLO) + token.encode())
+def hello(token: str) -> bytes:
+    """The first frame of a connection."""
+    return frame(HELLO + token.encode())
 
 
 def parse_hello(payload: bytes) -> str | None:
-    """The token of a `KVTLK1` hello; None when `payload` is not one."""
-    got = parse_any_hello(payload)
-    return got[0] if got is not None and not got[1] else None
-
-
-def parse_any_hello(payload: bytes) -> tuple[str, bool] | None:
-    """(token, whether the connection carries `CALLS`) of a hello; None when `payload` is not
-    one."""
-    calls = payload.startswith(HELLO_CALLS)
-    if not calls and not payload.startswith(HELLO):
+    """The token of a hello of this protocol version; None when `payload` is not one."""
+    if not payload.startswith(HELLO):
         return None
     try:
-        return payload[len(HELLO):].decode(), calls
+        return payload[len(HELLO):].decode()
     except UnicodeDecodeError:
         return None
 
 
 def call_frame(method: int, session: str, request: bytes) -> bytes:
-    """A client frame of a `KVTLK2` connection: method `CALLS[method]` under `session`."""
+    """A client frame: method `LOCAL[method]` under `session`."""
     sid = session.encode("ascii")
     if len(sid) > SESSION_MAX:
         raise ValueError(f"a session id of {len(sid)} bytes (at most {SESSION_MAX})")
     return HEAD.pack(len(request) + 2 + len(sid)) + bytes((method, len(sid))) + sid + request
 
 
-def parse_call(payload: bytes, methods: int = len(CALLS)) -> tuple[int, str, bytes] | None:
-    """(method number, session id, request bytes) of a `KVTLK2` frame; None when it is not
-    one (too short, a method number from `methods` on, a session id that is not ASCII)."""
-    if len(payload) < 2 or payload[0] >= methods or len(payload) < 2 + payload[1]:
+def parse_call(payload: bytes) -> tuple[int, str, bytes] | None:
+    """(method number, session id, request bytes) of a client frame; None when it is not one
+    (too short, no method of that number, a session id that is not ASCII)."""
+    if len(payload) < 2 or payload[0] >= len(LOCAL) or len(payload) < 2 + payload[1]:
         return None
     end = 2 + payload[1]
     try:

@@ -29,16 +29,12 @@ import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvtier.core.errors import KvtierError, UsageError
+from kvtier.core.errors import Unauthenticated, UsageError
 from kvtier.core.units import parse_bytes
 from kvtier.daemon.cache.namespaces import Tenant
 
 DEFAULT_TENANT = "default"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-class Unauthenticated(KvtierError):
-    """Missing, malformed or unknown token."""
 
 
 class Authenticator:

@@ -50,17 +50,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 import lmdb
 import prometheus_client
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
-from kvtier._proto import kvtier_pb2 as pb
 from kvtier._version import __version__
 from kvtier.core.errors import UsageError
-from kvtier.core.lookupwire import CALLS
 from kvtier.core.paths import socket_path_problem
 from kvtier.core.units import format_bytes
 from kvtier.daemon import fdpass, memory, reload, sdnotify, sharing, sockpath
@@ -74,24 +68,23 @@ from kvtier.daemon.httpd import HttpEndpoint
 from kvtier.daemon.kv_publisher import KvEventPublisher
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.rates import kept as kept_rates
-from kvtier.daemon.rpc.guard import Limits, add_service
+from kvtier.daemon.rpc.grpc_server import GrpcServer
+from kvtier.daemon.rpc.guard import Limits
 from kvtier.daemon.rpc.local_socket import LookupServer
-from kvtier.daemon.rpc.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
+from kvtier.daemon.rpc.service import CHUNK_BYTES, Service
 from kvtier.tiers import segment_owner
 from kvtier.tiers.dram_regions import tenant_count_problem
 
 log = logging.getLogger("kvtier.daemon.server")
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvTier"].full_name
 REAP_INTERVAL_S = 0.25
 
 
-def _tls_credentials(cfg: Config) -> grpc.ServerCredentials:
+def _tls_pair(cfg: Config) -> tuple[bytes, bytes]:
+    """The TLS (key, certificate) PEM of the TCP listener."""
     try:
-        key = Path(cfg.tls_key).read_bytes()
-        cert = Path(cfg.tls_cert).read_bytes()
+        return Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes()
     except OSError as exc:
         raise UsageError(f"TLS key/certificate: {exc}") from None
-    return grpc.ssl_server_credentials([(key, cert)])
 
 
 class _HeldLogs(logging.Handler):
@@ -146,11 +139,10 @@ class Daemon:
         self.auth = Authenticator.from_file(cfg.tokens_file)
         self.metrics = DaemonMetrics()
         self.cache: Cache | None = None
-        self.server: grpc.aio.Server | None = None
-        self.service: KvTierService | None = None
+        self.server: GrpcServer | None = None
+        self.service: Service | None = None
         self.fds: FdServer | None = None  # an isolated pool's fd socket (`kvtier.daemon.fdpass`)
         self.lookups: LookupServer | None = None  # `kvtier.daemon.rpc.local_socket`
-        self.health = HealthServicer()
         self.metrics_port: int | None = None
         self.http: HttpEndpoint | None = None  # /metrics and the probes
         self._stopping = asyncio.Event()
@@ -295,45 +287,18 @@ class Daemon:
     async def _start_server(self, cache: Cache) -> None:
         cfg = self.cfg
         limits = Limits.for_daemon(cfg.max_blocks_per_request, max(KEY_WIDTHS), CHUNK_BYTES)
-        server = self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limits.largest),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ])
-        self.service = KvTierService(cache, self.auth)
-        add_service(self.service, server, limits)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        old_umask = os.umask(sharing.socket_umask(cfg.group))  # created 0600 (0660: group)
-        try:
-            server.add_insecure_port(f"unix:{cfg.socket}")
-        except RuntimeError:
-            raise UsageError(f"socket {cfg.socket}: cannot listen on it") from None
-        finally:
-            os.umask(old_umask)
-        if cfg.tcp:
-            if cfg.tls_cert:
-                bound = server.add_secure_port(cfg.tcp, _tls_credentials(cfg))
-            else:
-                bound = server.add_insecure_port(cfg.tcp)
-            if not bound:
-                raise UsageError(f"cannot listen on tcp {cfg.tcp}")
-        await server.start()
-        sharing.share_socket(cfg.socket, cfg.group)
-        lookups = LookupServer(cfg.socket, self.service, limits.of("Lookup"), cfg.group,
-                               {m: limits.of(m) for m in CALLS}
-                               | {"WriteBlocks": limits.of("Allocate"),  # its header
-                                  "ReadBlocks": limits.of("ReadBlocks")})
+        self.service = Service(cache, self.auth)
+        server = self.server = GrpcServer(self.service, limits)
+        await server.start(cfg.socket, cfg.group, cfg.tcp,
+                           _tls_pair(cfg) if cfg.tcp and cfg.tls_cert else None)
+        lookups = LookupServer(cfg.socket, self.service, limits, cfg.group)
         try:
             if await lookups.start():
                 self.lookups = lookups
         except BaseException:
             await server.stop(None)
             raise
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await server.serving()
 
     async def _reap(self) -> None:
         assert self.cache is not None
@@ -422,7 +387,8 @@ class Daemon:
         sdnotify.notify("STOPPING=1")
         cache = self.cache
         log.info("kvtier draining (grace %.1f s)", self.cfg.grace_s)
-        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.draining()
         if cache is not None:
             cache.draining = True
             deadline = time.monotonic() + self.cfg.grace_s

@@ -19,7 +19,7 @@ Lifetimes: offsets and the segment are valid while the lease that returned them 
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeAlias
 
 from kvtier.core.costmodel import CostModel
 from kvtier.core.planner import Plan
@@ -27,9 +27,29 @@ from kvtier.core.segment import SegmentHandle
 from kvtier.core.types import Tier
 from kvtier.daemon.cache.events import EventLog
 from kvtier.daemon.cache.namespaces import LayoutInfo, Tenant
-from kvtier.daemon.cache.slot_stream import SlotStream
 from kvtier.daemon.cache.spec import CacheSpec
 from kvtier.daemon.metrics import DaemonMetrics, MrcGauges
+
+Buffer: TypeAlias = bytes | memoryview
+
+
+class SlotStream(Protocol):
+    """A streaming call's view of the slots its lease holds (ReadBlocks reads them, WriteBlocks
+    fills them; block i is the lease's i-th slot): every piece is checked against the live lease
+    and copied under the cache lock, so a slot is never touched once its lease ended (a stream
+    stalled past its TTL fails at its next piece, NotFound). A piece renews the lease once half
+    its TTL has passed. Any thread."""
+
+    block_bytes: int
+    copied: int  # bytes read or written so far (what Release/Commit report)
+
+    def __len__(self) -> int: ...
+
+    def read(self, block: int, at: int, n: int, head: bytes = b"") -> bytes:
+        """`head` followed by up to `n` bytes of block `block` from byte `at` (one copy)."""
+
+    def write(self, block: int, at: int, data: Buffer) -> None:
+        """`data` into block `block` at byte `at`."""
 
 
 class Registered(NamedTuple):

@@ -92,7 +92,7 @@ from kvtier.daemon.cache.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.cache.namespaces import LayoutInfo, NamespaceInfo, Namespaces, Tenant
 from kvtier.daemon.cache.remote_tier import RemoteTier
 from kvtier.daemon.cache.residency import PageMoves, Steps, Tiers
-from kvtier.daemon.cache.slot_stream import SlotStream
+from kvtier.daemon.cache.slot_stream import LeasedSlots
 from kvtier.daemon.cache.spec import CacheSpec
 from kvtier.daemon.cache.stats import cache_stats, mrc_gauges, new_sampler, pool_gauges
 from kvtier.daemon.metrics import DaemonMetrics, MrcGauges, PoolGauges
@@ -603,12 +603,12 @@ class Cache:
     @asynccontextmanager
     async def reading(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
-    ) -> AsyncIterator[SlotStream]:
+    ) -> AsyncIterator[LeasedSlots]:
         """Acquire (`acquire_async`) under a READ lease for a ReadBlocks stream, then release.
         The stream copies its bytes out with `SlotStream.read`, one chunk at a time under the
         lock (see `SlotStream`)."""
         got = await self.acquire_async(tenant, layout_id, keys, key_width, 0.0)
-        stream = SlotStream(self._lock, self._leases, self.pool, tenant, got.lease_id,
+        stream = LeasedSlots(self._lock, self._leases, self.pool, tenant, got.lease_id,
                             got.offsets, self.layout(tenant, layout_id).block_bytes)
         try:
             yield stream
@@ -618,9 +618,9 @@ class Cache:
                     self.release(tenant, got.lease_id, stream.copied)
 
     def writing(self, tenant: Tenant, lease_id: str, offsets: list[int],
-                block_bytes: int) -> SlotStream:
+                block_bytes: int) -> LeasedSlots:
         """The WriteBlocks side of `SlotStream` over a WRITE lease from `allocate`."""
-        return SlotStream(self._lock, self._leases, self.pool, tenant, lease_id, offsets,
+        return LeasedSlots(self._lock, self._leases, self.pool, tenant, lease_id, offsets,
                           block_bytes)
 
     def slot_view(self, offset: int, nbytes: int, tenant: str | None = None) -> memoryview:

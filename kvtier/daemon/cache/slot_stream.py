@@ -1,5 +1,6 @@
-"""A streaming call's view of the slots its lease holds (ReadBlocks reads them, WriteBlocks
-fills them): the rule that a slot is touched only under a live lease that holds it.
+"""`LeasedSlots`, the cache's `kvtier.daemon.cache.api.SlotStream`: a streaming call's view of
+the slots its lease holds (ReadBlocks reads them, WriteBlocks fills them), and the rule that a
+slot is touched only under a live lease that holds it.
 
 Every chunk takes the cache lock, checks that the stream's lease is still in the lease table (same
 tenant, same kind), and copies its bytes out of or into the slot before letting go of the lock. A
@@ -33,7 +34,7 @@ class SlotHolder(Protocol):
     def slot_of(self, block: int) -> int: ...
 
 
-class SlotStream:
+class LeasedSlots:
     """The slots of one lease (block i = the lease's i-th slot, at pool offset `offsets[i]`)."""
 
     def __init__(self, lock: threading.RLock, leases: LeaseTable, pool: DramPool,

@@ -9,17 +9,15 @@ bytes before they are parsed into a message — a 4 MiB `Release` is never decod
 
 WriteBlocks chunks are read by hand (`kvtier.core.chunkwire`: a `Chunk` whose data is a view of
 the received bytes, the payload not copied); any message not in the plain form that reader takes
-is decoded by protobuf as before. Replies already in wire form (ReadBlocks chunks) go out as they
-are.
+is decoded by protobuf.
 
 A message that is over its method's limit, or is not valid protobuf (a truncated field, a
 `string` field that is not UTF-8), becomes a `Refused` value instead of an exception: the
 servicer answers it with RESOURCE_EXHAUSTED or INVALID_ARGUMENT like any other bad request
-(`KvTierService` checks for it), and the log gets at most one WARNING line per `WARN_EVERY_S`
+(`Service.answer` checks for it), and the log gets at most one WARNING line per `WARN_EVERY_S`
 with the count of the requests it stands for — never a traceback per request.
 
-`add_service` registers the servicer with these deserializers (it replaces the generated
-`add_KvTierServicer_to_server`, whose deserializers raise).
+Both transports decode with these (`kvtier.daemon.rpc.grpc_server`, `.local_socket`).
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.chunkwire import Chunk, parse_chunk
+from kvtier.core.methods import METHODS, Local, Method, Size
 
 log = logging.getLogger(__name__)
 
@@ -52,20 +51,24 @@ class Refused(NamedTuple):
 
 
 class Limits(NamedTuple):
-    """Largest accepted message per method, from the daemon's key-count limit and chunk size."""
+    """Largest accepted message per method (`kvtier.core.methods.Size` in bytes, from the
+    daemon's key-count limit and chunk size)."""
 
     per_method: dict[str, int]
 
     @classmethod
     def for_daemon(cls, max_blocks: int, key_width: int, chunk_bytes: int) -> Limits:
         chain = max_blocks * key_width + SLACK_BYTES
-        keyed = {"Lookup": chain, "Acquire": chain, "Allocate": chain, "ReadBlocks": chain,
-                 "ReportHbm": 2 * chain,  # added + removed
-                 "WriteBlocks": max(chain, chunk_bytes + SLACK_BYTES)}
-        return cls({m.name: keyed.get(m.name, SMALL_BYTES) for m in SERVICE.methods})
+        size = {Size.SMALL: SMALL_BYTES, Size.KEYS: chain, Size.TWO_CHAINS: 2 * chain,
+                Size.CHUNK: max(chain, chunk_bytes + SLACK_BYTES)}
+        return cls({m.name: size[m.size] for m in METHODS})
 
     def of(self, method: str) -> int:
         return self.per_method[method]
+
+    def local(self, m: Method) -> int:
+        """The largest request of `m` on the local socket (a WriteBlocks there: its header)."""
+        return self.of("Allocate") if m.local is Local.BULK_WRITE else self.of(m.name)
 
     @property
     def largest(self) -> int:
@@ -120,32 +123,6 @@ def deserializer(method: str, msg_type: type[Message], limit: int
 def _reason(exc: DecodeError) -> str:
     text = str(exc)
     return text.rpartition(": ")[2] or "invalid protobuf"
-
-
-def _serialize(msg: Message | bytes) -> bytes:
-    """A reply; one already in wire form (a ReadBlocks chunk, `kvtier.core.chunkwire`) as is."""
-    return msg if isinstance(msg, bytes) else msg.SerializeToString()
-
-
-def add_service(servicer: Any, server: grpc.aio.Server, limits: Limits) -> None:
-    """Registers every KvTier method of `servicer` with size-checked, non-raising decoding."""
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-    for m in SERVICE.methods:
-        decode = deserializer(m.name, getattr(pb, m.input_type.name), limits.of(m.name))
-        behavior = getattr(servicer, m.name)
-        if m.client_streaming and not m.server_streaming:
-            handlers[m.name] = grpc.stream_unary_rpc_method_handler(
-                behavior, request_deserializer=decode, response_serializer=_serialize)
-        elif m.server_streaming and not m.client_streaming:
-            handlers[m.name] = grpc.unary_stream_rpc_method_handler(
-                behavior, request_deserializer=decode, response_serializer=_serialize)
-        elif not m.client_streaming:
-            handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-                behavior, request_deserializer=decode, response_serializer=_serialize)
-        else:  # pragma: no cover - the service has no bidirectional method
-            raise AssertionError(f"unsupported method shape {m.name}")
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
 
 
 async def decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -1,44 +1,43 @@
-"""The lookup socket: Lookup and the shared-memory lease calls for clients on this machine
-without gRPC's per-call machinery.
+"""The local socket: the calls engines make most — Lookup and the shared-memory path's lease
+calls — and the bulk calls, for clients on this machine, without gRPC's per-call machinery.
 
-gRPC costs the daemon about 0.3 ms of CPU per call before a handler runs (docs/benchmarks.md,
-issue 25); Lookup is the call engines make most, and a shared-memory store+load is four calls
-(Allocate, Commit; Acquire, Release) around its copies. So the daemon also answers them on
-`<socket>.lookup` (`kvtier.core.lookupwire`: length-prefixed frames, a hello with the token,
-then one `LookupRequest` per frame — or, after a `KVTLK2` hello, one call of `wire.CALLS` per
-frame, with the caller's session id), an asyncio server on the daemon's event loop, created with
-the same mode and group as the gRPC socket, claimed like it (`kvtier.daemon.sockpath`: only a
-stale socket is removed) and removed at shutdown (after the drain: Release, Commit and Abort
-work on it while leases drain, as over gRPC).
+gRPC costs the daemon about 0.3 ms of CPU per call before a handler runs (docs/benchmarks.md);
+Lookup is the call engines make most, and a shared-memory store+load is four calls (Allocate,
+Commit; Acquire, Release) around its copies. So the daemon also answers the methods of
+`kvtier.core.methods.LOCAL` on `<socket>.lookup` (`kvtier.core.lookupwire`: length-prefixed
+frames, a hello with the protocol version and the token, then one call per frame with the
+caller's session id), an asyncio server on the daemon's event loop, created with the same mode
+and group as the gRPC socket, claimed like it (`kvtier.daemon.sockpath`: only a stale socket is
+removed) and removed at shutdown (after the drain: Release, Commit and Abort work on it while
+leases drain, as over gRPC).
 
-The semantics are the RPC's, not a copy of them: each request goes through
-`KvTierService.lookup` / `KvTierService.call` — the same per-method size limits and non-raising
-decoding (`kvtier.daemon.rpc.guard`), the same tenant resolution by the same `Authenticator`,
-handler, session binding (the frame's session id stands for the `kvtier-session` metadata),
-error codes, metrics and stats.
-The token of the hello is checked at once (a wrong one: one UNAUTHENTICATED reply, then the
-connection is closed) and again whenever a SIGHUP reload has swapped the authenticator, as every
-gRPC call is checked against the tokens of the moment.
+The dispatcher is built from the method table and the semantics are the RPC's, not a copy of
+them: each call goes through `Service.answer` — the same per-method size limits and
+non-raising decoding (`kvtier.daemon.rpc.guard`), the same tenant resolution by the same
+`Authenticator`, handler, session binding (the frame's session id stands for the
+`kvtier-session` metadata), error codes, metrics and stats; the bulk calls through the one bulk
+path (`kvtier.daemon.rpc.bulk`), their payload raw after the frames. The token of the hello is
+checked at once (a wrong one: one UNAUTHENTICATED reply, then the connection is closed) and
+again whenever a SIGHUP reload has swapped the authenticator, as every gRPC call is checked
+against the tokens of the moment.
 
-Each request runs inside the protocol's `data_received`, without a task: the handler completes
-without suspending unless a remote tier is configured, and only then is the rest of it run by a
-task (reading from the connection paused meanwhile). A connection holds only its buffer: the
-hello must arrive within `HELLO_TIMEOUT_S` and a frame, once begun, within `FRAME_TIMEOUT_S`, or
-the connection is closed; no read is ever waited for, so a silent client blocks nobody; a client
-that sends requests without reading the replies is read no further once its unread replies pass
-the transport's high-water mark (`pause_writing`), so it cannot grow the daemon's memory. At most
-`connection_cap()` connections are open at once (a quarter of the daemon's file-descriptor limit):
-one more is closed at once, and its client goes on over gRPC — a flood of idle connections cannot
-take the descriptors the gRPC socket, LMDB and the pool need.
+Each call runs inside the protocol's `data_received`, without a task: a handler that does not
+wait answers at once, and only one that waits (`Method.waits`: a remote tier's check, a page
+move, an SSD read) has the rest of it run by a task, reading from the connection paused
+meanwhile. A connection holds only its buffer: the hello must arrive within `HELLO_TIMEOUT_S`
+and a frame, once begun, within `FRAME_TIMEOUT_S`, or the connection is closed; no read is ever
+waited for, so a silent client blocks nobody; a client that sends requests without reading the
+replies is read no further once its unread replies pass the transport's high-water mark
+(`pause_writing`), so it cannot grow the daemon's memory. At most `connection_cap()` connections
+are open at once (a quarter of the daemon's file-descriptor limit): one more is closed at once,
+and its client goes on over gRPC — a flood of idle connections cannot take the descriptors the
+gRPC socket, LMDB and the pool need.
 
-The bulk calls (`wire.BULK`: WriteBlocks and ReadBlocks with their payload as raw bytes after
-the frames, for clients that cannot map the pool) go through `KvTierService.begin_write` /
-`read_blocks`: the RPC's tenant, layout and size checks, slots claimed and committed as the
-RPC's, its codes and metrics. A write's payload is copied into the slots as it arrives, in
-`data_received` (no per-chunk messages); the connection waits for no read meanwhile: a pause of
-`FRAME_TIMEOUT_S` mid-payload, a lease that ends, or the connection's end aborts the write (its
-slots freed, nothing committed). A read runs as a task, each block copied out under the lock and
-written to the transport, waiting while the client has not taken `pause_writing`'s worth.
+A WriteBlocks' payload is copied into the slots as it arrives, in `data_received`; the
+connection waits for no read meanwhile: a pause of `FRAME_TIMEOUT_S` mid-payload, a lease that
+ends, or the connection's end aborts the write (its slots freed, nothing committed). A
+ReadBlocks runs as a task, each block copied out under the lock and written to the transport in
+pieces, waiting while the client has not taken `pause_writing`'s worth.
 """
 
 from __future__ import annotations
@@ -58,13 +57,16 @@ from google.protobuf.message import Message
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core import lookupwire as wire
-from kvtier.core.errors import UsageError
+from kvtier.core.errors import Unauthenticated, UsageError
+from kvtier.core.methods import BULK_WRITE_HEADER, LOCAL, Local
 from kvtier.core.paths import socket_path_problem
 from kvtier.daemon import sharing, sockpath
-from kvtier.daemon.auth import Authenticator, Unauthenticated
+from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache.namespaces import Tenant
-from kvtier.daemon.rpc.guard import WARNINGS, Refused, deserializer
-from kvtier.daemon.rpc.service import BlockWrite, Failed, KvTierService
+from kvtier.daemon.rpc.bulk import BulkRead, BulkWrite
+from kvtier.daemon.rpc.calls import Call, Failed
+from kvtier.daemon.rpc.guard import WARNINGS, Limits, Refused, deserializer
+from kvtier.daemon.rpc.service import Service
 
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0
@@ -90,22 +92,17 @@ def _code(code: grpc.StatusCode) -> int:
 class LookupServer:
     """Serves `<socket>.lookup` for `service` (see the module docstring)."""
 
-    def __init__(self, socket_path: Path, service: KvTierService, limit: int,
-                 group: str = "", call_limits: dict[str, int] | None = None) -> None:
-        """`limit`: the largest Lookup request; `call_limits`: each of `wire.CALLS`' (default:
-        `limit` for each)."""
+    def __init__(self, socket_path: Path, service: Service, limits: Limits,
+                 group: str = "") -> None:
+        """`limits`: each method's largest request (a WriteBlocks here: its header's)."""
         self.path = Path(wire.lookup_socket_path(str(socket_path)))
         self.service = service
-        self.limit = limit
-        limits = {m: limit for m in wire.CALLS} | (call_limits or {}) | {"Lookup": limit}
-        self.decoders = [deserializer(m, getattr(pb, m + "Request"), limits[m])
-                         for m in wire.CALLS]
-        self.decode = self.decoders[0]
-        self.bulk_decoders = [deserializer(m + " header" if m == "WriteBlocks" else m, t,
-                                           limits.get(m, limit))
-                              for m, t in zip(wire.BULK, (pb.WriteHeader, pb.ReadBlocksRequest),
-                                              strict=True)]
-        self.call_limit = max(limits.values()) + 2 + wire.SESSION_MAX  # a KVTLK2 frame
+        self.decoders = [  # by method number, from the table
+            deserializer(m.name + " header" if m.local is Local.BULK_WRITE else m.name,
+                         getattr(pb, BULK_WRITE_HEADER if m.local is Local.BULK_WRITE
+                                 else m.request), limits.local(m))
+            for m in LOCAL]
+        self.limit = max(limits.local(m) for m in LOCAL) + 2 + wire.SESSION_MAX  # a frame
         self._group = group
         self._server: asyncio.AbstractServer | None = None
         self.connections: set[_Connection] = set()
@@ -151,13 +148,12 @@ class _Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.token: str | None = None  # after the hello
-        self.calls = False  # a KVTLK2 connection: frames name their method and session
         self.auth: Authenticator | None = None  # the authenticator `tenant` was checked by
         self.tenant: Tenant | None = None
         self.busy = False  # a request still running (a remote tier's check)
         self.full = False  # the replies not yet taken by the client are over the high-water mark
         self.timer: asyncio.TimerHandle | None = None
-        self.writing: BlockWrite | None = None  # a bulk WriteBlocks taking its payload
+        self.writing: BulkWrite | None = None  # a bulk WriteBlocks taking its payload
         self.reading: asyncio.Task[None] | None = None  # a bulk ReadBlocks sending its payload
         self.sent_head = False  # the running ReadBlocks has answered OK (its bytes follow)
         self.big_buffer = False  # the socket's send buffer was raised for a ReadBlocks
@@ -224,13 +220,12 @@ class _Connection(asyncio.Protocol):
                 if self.writing is not None:
                     return
                 continue
-            limit = (wire.HELLO_MAX if self.token is None else
-                     self.server.call_limit if self.calls else self.server.limit)
+            limit = wire.HELLO_MAX if self.token is None else self.server.limit
             try:
                 payload = wire.take_frame(self.buf, limit)
             except wire.FrameTooLarge as exc:
                 WARNINGS.warn("oversized", f"lookup socket frame of {exc.size} bytes")
-                what = "hello" if self.token is None else "Lookup message"
+                what = "hello" if self.token is None else "call frame"
                 self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{what} of {exc.size} bytes exceeds the limit of {limit} bytes")
                 return
@@ -248,19 +243,20 @@ class _Connection(asyncio.Protocol):
                 self._request(payload)
 
     def _hello(self, payload: bytes) -> None:
-        hello = wire.parse_any_hello(payload)
-        if hello is None:
+        token = wire.parse_hello(payload)
+        if token is None:
             self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                         "expected the hello 'KVTLK1 <token>' as the first frame")
+                         f"expected the hello '{wire.HELLO.decode()}<token>' as the first frame "
+                         "(a client of another protocol version?)")
             return
-        self.token, self.calls = hello
+        self.token = token
         try:
             self._tenant()
         except Unauthenticated as exc:
             self._refuse(grpc.StatusCode.UNAUTHENTICATED, str(exc))
             return
         self._deadline(None)
-        self._write(wire.ok_reply(wire.BULK_HELLO if self.calls else b""))
+        self._write(wire.ok_reply())
 
     def _tenant(self) -> Tenant:
         """The tenant of the hello's token, checked again after a reload swapped the
@@ -273,26 +269,27 @@ class _Connection(asyncio.Protocol):
         return self.tenant
 
     def _request(self, payload: bytes) -> None:
-        if not self.calls:
-            request = cast("pb.LookupRequest | Refused", self.server.decode(payload))
-            coro: Coroutine[Any, Any, bytes] = self.server.service.lookup(request,
-                                                                          self._tenant)
+        call = wire.parse_call(payload)
+        if call is None:
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
+                         "malformed call frame (method, session id, request)")
+            return
+        number, session, body = call
+        m = LOCAL[number]
+        request = cast("Message | Refused", self.server.decoders[number](body))
+        who = Call(self._tenant, session)
+        if m.local is Local.BULK_READ:
+            self._read(self.server.service.begin_read(
+                cast("pb.ReadBlocksRequest | Refused", request), who))
+            return
+        if m.local is Local.BULK_WRITE:
+            coro: Coroutine[Any, Any, Any] = self.server.service.begin_write(
+                cast("pb.WriteHeader | Refused", request), who)
         else:
-            call = wire.parse_call(payload, len(wire.CALLS) + len(wire.BULK))
-            if call is None:
-                self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                             "malformed call frame (method, session id, request)")
-                return
-            method, session, body = call
-            if method >= len(wire.CALLS):
-                self._bulk(method - len(wire.CALLS), body)
-                return
-            coro = self.server.service.call(
-                wire.CALLS[method], cast("Message | Refused", self.server.decoders[method](body)),
-                session, self._tenant)
+            coro = self.server.service.answer(m.name, request, who)
         self._step(coro)
 
-    def _step(self, coro: Coroutine[Any, Any, bytes | BlockWrite]) -> None:
+    def _step(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Runs a handler to its first wait, the rest (if any) in a task; answers its result."""
         try:
             yielded = coro.send(None)
@@ -302,16 +299,19 @@ class _Connection(asyncio.Protocol):
         except Failed as failed:
             self._answer_failed(failed)
             return
-        # the handler waits (a remote tier's check): the rest of it runs in a task
+        # the handler waits (a remote tier's check, a page move): the rest of it runs in a task
         self.busy = True
         assert self.transport is not None
         self.transport.pause_reading()
         task = asyncio.ensure_future(_finish(coro, yielded))
         task.add_done_callback(self._finished)
 
-    def _done(self, result: bytes | BlockWrite) -> None:
+    def _done(self, result: Message | bytes | BulkWrite) -> None:
         if isinstance(result, bytes):
             self._write(wire.ok_reply(result))
+            return
+        if not isinstance(result, BulkWrite):
+            self._write(wire.ok_reply(result.SerializeToString()))
             return
         if self.transport is None:  # gone while the slots were claimed
             result.abort()
@@ -325,12 +325,7 @@ class _Connection(asyncio.Protocol):
 
     # -- bulk calls -------------------------------------------------------------------------
 
-    def _bulk(self, which: int, body: bytes) -> None:
-        request = self.server.bulk_decoders[which](body)
-        if wire.BULK[which] == "WriteBlocks":
-            self._step(self.server.service.begin_write(
-                cast("pb.WriteHeader | Refused", request), self._tenant))
-            return
+    def _read(self, read: BulkRead) -> None:
         self.busy = True
         self.sent_head = False
         assert self.transport is not None
@@ -340,10 +335,18 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
             self.big_buffer = True
         self.transport.pause_reading()
-        self.reading = asyncio.ensure_future(self.server.service.read_blocks(
-            cast("pb.ReadBlocksRequest | Refused", request), self._tenant, self._begin_read,
-            self._send))
+        self.reading = asyncio.ensure_future(self._send_blocks(read))
         self.reading.add_done_callback(self._read_done)
+
+    async def _send_blocks(self, read: BulkRead) -> None:
+        """The held blocks' count, then each block (copied under the lock while the lease
+        lives) in pieces; raises `Failed` (recorded), after the count: the connection ends."""
+        async with read:
+            self.sent_head = True
+            self._write(wire.ok_reply(wire.COUNT.pack(read.count)))
+            for block in read.pieces(read.stream.block_bytes if read.stream else 0,
+                                     chunked=False):
+                await self._send(block)
 
     def _feed(self, data: memoryview) -> int:
         """Gives `data` to the running write; how many bytes it took. Answers and ends it once
@@ -358,17 +361,13 @@ class _Connection(asyncio.Protocol):
                 return took
             self.writing = None
             self._deadline(None)
-            self._write(wire.ok_reply(write.finish()))
+            self._write(wire.ok_reply(write.finish().SerializeToString()))
         except Failed as failed:
             self.writing = None
             self._write(wire.error_reply(_code(failed.code), failed.message))
             self.close()
             return len(data)
         return took
-
-    def _begin_read(self, count: int) -> None:
-        self.sent_head = True
-        self._write(wire.ok_reply(wire.COUNT.pack(count)))
 
     async def _send(self, data: bytes) -> None:
         """Writes `data` (a copy the daemon owns) in pieces of `SEND_PIECE` bytes, each once
@@ -413,7 +412,7 @@ class _Connection(asyncio.Protocol):
         self.busy = False
         if self.transport is None:
             if not task.cancelled() and task.exception() is None and isinstance(
-                    task.result(), BlockWrite):
+                    task.result(), BulkWrite):
                 task.result().abort()  # gone while its slots were claimed
             return
         exc = task.exception() if not task.cancelled() else None
