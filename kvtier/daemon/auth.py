@@ -9,7 +9,7 @@ are namespaced by that tenant, never by anything the client claims. The tokens f
     token = "s3cret-alice"          # or token_sha256 = "<hex digest of the token>"
     dram_quota = "2GiB"             # optional; 0 or absent = unlimited
     ssd_quota = "20GiB"
-    dram_guarantee = "1GiB"         # optional: DRAM other tenants can never evict it below
+    dram_guarantee = "1GiB"         # optional: its slice of the DRAM pool is at least this
     admin = true                    # optional: Stats and WatchEvents show the whole node
 
     [tenants.bob]

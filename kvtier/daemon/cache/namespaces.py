@@ -47,7 +47,7 @@ class Tenant:
     name: str
     dram_quota_bytes: int = 0  # 0 = unlimited
     ssd_quota_bytes: int = 0
-    dram_guarantee_bytes: int = 0  # other tenants' allocations never evict it below this
+    dram_guarantee_bytes: int = 0  # its slice of an isolated pool is at least this
     admin: bool = False  # Stats / WatchEvents see the whole node
 
 
