@@ -138,8 +138,9 @@ def test_a_retired_region_sees_nothing_stored_after_and_is_released_when_drained
     the old one still holds a's slice; the old is released (its memory punched out) when its
     last slot is freed, and the fresh one gets the pages."""
     a, b = pool.class_bytes(BLOCK, "a"), pool.class_bytes(BLOCK, "b")  # every page held
-    old_fd, old_gen = pool.tenant_file("a")
-    kept_fd = os.dup(old_fd)
+    kept_fd, old_gen, size = pool.tenant_file("a")  # a duplicate, ours to close
+    old_fd = pool.tenant_fd("a")
+    assert size == pool.tenant_handle("a").size
     sa = pool.alloc_many(4, a)
     assert sa is not None
     for s in sa:
@@ -151,8 +152,9 @@ def test_a_retired_region_sees_nothing_stored_after_and_is_released_when_drained
     assert old[12] == 2  # the old file's header: STATE_CLOSED (u32 at offset 12)
     new = pool.class_bytes(BLOCK, "a")
     assert new == BLOCK + 3 and pool.tenant_handle("a").generation != old_gen
-    new_fd, new_gen = pool.tenant_file("a")
-    assert new_fd != old_fd and new_gen == pool.tenant_handle("a").generation
+    new_fd, new_gen, _ = pool.tenant_file("a")
+    assert pool.tenant_fd("a") != old_fd and new_gen == pool.tenant_handle("a").generation
+    os.close(new_fd)
     assert pool.room(new) == 0 and pool.alloc_many(1, new) is None  # waits for a's pages
     assert pool.room(b) == 16  # b's slice is b's
     for s in sa[:3]:

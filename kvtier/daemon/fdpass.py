@@ -4,7 +4,7 @@
 An isolated pool (`kvtier.tiers.dram_regions`) has no name to open, so a client cannot map it by
 itself: it connects to `<socket>.fds` (`kvtier.core.segment.fd_socket_path`, mode 0600 like the
 gRPC socket, or 0660 with the socket group), sends `KVTFD1 <token>\\n` and gets one JSON line
-naming its tenant, its file's generation and the pool's size, with its tenant's file as ancillary
+naming its tenant, its file's generation and size, with its tenant's file as ancillary
 data — the memory of that tenant's pages only. A reload that changes or revokes a tenant's token
 gives it a fresh file with another generation (`DramPool.retire_tenant`); replies name it, so its
 clients fetch the new one, and an fd fetched before sees no block stored after. A missing,
@@ -171,13 +171,15 @@ class FdServer:
             if token is None:
                 raise KvtierError("expected 'KVTFD1 <token>\\n'")
             tenant = self._auth().authenticate((("authorization", f"Bearer {token}"),))
-            fd, generation = self._pool.tenant_file(tenant.name)
+            fd, generation, size = self._pool.tenant_file(tenant.name)
         except KvtierError as exc:
             self.refused += 1
             conn.sendall(fd_reply(error=str(exc)))
             return
-        reply = fd_reply(tenant.name, generation, self._pool.size)
-        socket.send_fds(conn, [reply], [fd])
+        try:
+            socket.send_fds(conn, [fd_reply(tenant.name, generation, size)], [fd])
+        finally:
+            os.close(fd)
         self.served += 1
 
     def close(self) -> None:

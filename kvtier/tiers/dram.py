@@ -484,17 +484,23 @@ class DramPool:
             return {t: p * self.page_bytes for t, p in self._regions.slices().items()}
 
     def tenant_fd(self, tenant: str) -> int:
-        """The anonymous file of `tenant`'s region now (isolated pools only; the pool keeps it
-        open, a caller sends or dups it). DramError for a shared pool."""
-        return self.tenant_file(tenant)[0]
+        """The anonymous file of `tenant`'s region now (isolated pools only; the pool's own fd,
+        valid while the region lives: to hand it out, `tenant_file`). DramError for a shared
+        pool."""
+        if self._regions is None:
+            raise DramError("a shared pool has no per-tenant memory")
+        with self._lock:
+            return self._regions.region(tenant).fd
 
-    def tenant_file(self, tenant: str) -> tuple[int, int]:
-        """(`tenant_fd`, the generation in its header): what the fd socket hands out."""
+    def tenant_file(self, tenant: str) -> tuple[int, int, int]:
+        """(a duplicate of `tenant_fd` the caller owns and closes, the generation in its header,
+        its size): what the fd socket hands out. Duplicated under the pool's lock, so a region
+        released meanwhile (its fd closed, the number reused) can never be sent instead."""
         if self._regions is None:
             raise DramError("a shared pool has no per-tenant memory")
         with self._lock:
             r = self._regions.region(tenant)
-            return r.fd, r.generation
+            return os.dup(r.fd), r.generation, r.size
 
     def tenant_handle(self, tenant: str) -> SegmentHandle:
         """The pool as `tenant`'s client maps it: `handle()`, or in an isolated pool its region
