@@ -285,6 +285,18 @@ def _kv_formula(layout: KVLayout) -> str:
     return " + ".join(parts) or "0 (no attention layers)"
 
 
+def stored_note(layout: KVLayout) -> str:
+    """How kvtier's host tiers count this layout's KV across the TP group, in words."""
+    tp, rep, copies = layout.tp_size, layout.kv_replication, layout.kv_copies
+    if rep == 1:
+        return f"TP {tp} x per rank: each rank holds its own shard"
+    if not layout.has_head_layers:
+        return (f"1 x per rank: all {tp} ranks hold the same latent (MLA); kvtier stores it "
+                "once (one rank saves it)")
+    return (f"{copies} shards x per rank: each KV-head shard is on {rep} ranks; kvtier stores "
+            "it once (vLLM connector: its first rank saves; SGLang stores every rank's)")
+
+
 def compute(a: argparse.Namespace) -> dict[str, Any]:
     """The whole answer as a JSON-ready dict (the `--json` output)."""
     spec, source, reading = _model(a)
@@ -394,6 +406,10 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token_total": layout.bytes_per_token_total(),
         "block_bytes": layout.block_bytes(),
         "block_bytes_total": layout.block_bytes_total(),
+        "kv_copies_stored": layout.kv_copies,
+        "kv_bytes_per_token_stored": layout.bytes_per_token_stored(),
+        "block_bytes_stored": layout.block_bytes_stored(),
+        "stored_note": stored_note(layout),
         "state_bytes_per_sequence": layout.state_bytes_per_sequence(),
         "page_bytes": page,
         "kv_groups": groups,

@@ -14,6 +14,8 @@ kv_heads % tp == 0 (tp <= kv_heads) or tp % kv_heads == 0 (tp > kv_heads); anyth
 `UsageError`. MLA latents are not split (vLLM keeps the full latent on every rank).
 
 Contracts for consumers:
+- `bytes_per_token_stored()` / `block_bytes_stored()` are what kvtier's host tiers hold for
+  the whole TP group: one copy of each distinct shard (replicas are stored once).
 - `bytes_per_token()` / `block_bytes()` are per rank and cover every attention layer, windowed ones
   included (a kvtier block carries the block's tokens for all layers); recurrent state is
   per sequence (`state_bytes_per_sequence()`) and is never part of a block.
@@ -265,6 +267,17 @@ class KVLayout:
             return self.tp_size
         return self.tp_size // shards(self.num_kv_heads, self.tp_size, "KV heads")
 
+    @property
+    def kv_copies(self) -> int:
+        """Distinct copies of the KV across the TP group: tp_size / kv_replication (1 for MLA).
+
+        A replicated shard is the same bytes on every rank that holds it, so kvtier keeps one
+        copy of it (vLLM's connector: only the shard's first rank stores,
+        `kvtier.integrations.vllm.layout.kv_shard`); host tiers hold `kv_copies` blocks per
+        block of tokens, not `tp_size`.
+        """
+        return self.tp_size // self.kv_replication
+
     def layer_token_bytes(self, layer: LayerSpec) -> int:
         """Bytes one token occupies in `layer` on this rank (0 for recurrent layers)."""
         elem = self.dtype.itemsize
@@ -292,12 +305,21 @@ class KVLayout:
         """
         return self.tp_size * self.bytes_per_token()
 
+    def bytes_per_token_stored(self) -> int:
+        """KV bytes one token occupies in kvtier's host tiers for the whole TP group: one copy
+        of each distinct shard (`kv_copies` x per rank; replicas are stored once)."""
+        return self.kv_copies * self.bytes_per_token()
+
     def block_bytes(self) -> int:
         """Bytes of one block (`block_tokens` tokens, all attention layers) on this rank."""
         return self.block_tokens * self.bytes_per_token()
 
     def block_bytes_total(self) -> int:
         return self.tp_size * self.block_bytes()
+
+    def block_bytes_stored(self) -> int:
+        """One block's bytes in kvtier's host tiers for the whole TP group (replicas once)."""
+        return self.kv_copies * self.block_bytes()
 
     def state_bytes_per_sequence(self) -> int:
         """Recurrent state one sequence keeps on this rank, whatever its length."""
