@@ -41,6 +41,7 @@ from kvtier.core.sizing import (
     tier_capacity,
 )
 from kvtier.core.units import Size, parse_size
+from kvtier.core.weightquant import weight_bytes
 
 HELP = "KV bytes per token/block, GPU pool pages, workload fit and host-tier capacity"
 
@@ -134,8 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--weight-bytes-per-param",
         metavar="B",
-        default="2",
-        help="bytes per weight for the default (2 = bf16; ~0.53 for MXFP4 experts)",
+        help="bytes per weight for the default (2 = bf16; ~0.53 for MXFP4 experts) (default: "
+        "2, or what an --hf-config's quantization_config stores)",
     )
     g.add_argument(
         "--reserved",
@@ -318,8 +319,13 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
     if a.weights is not None:
         weights = parse_size(a.weights, "--weights").bytes
         weights_note = f"--weights {a.weights}"
+    elif (a.weight_bytes_per_param is None and a.params is None and reading is not None
+          and reading.quantization is not None):
+        quant = weight_bytes(reading.quantization, reading.params, a.hf_config)
+        weights = math.ceil(quant.bytes / tp)
+        weights_note = f"{quant.note}, / TP {tp}"
     else:
-        per = _fraction(a.weight_bytes_per_param, "--weight-bytes-per-param", 0.0, 8.0)
+        per = _fraction(a.weight_bytes_per_param or "2", "--weight-bytes-per-param", 0.0, 8.0)
         weights = math.ceil(spec.total_params * per / tp)
         weights_note = f"{spec.total_params:,} params x {per:g} B / TP {tp}"
         if spec.total_params == 0:
