@@ -200,4 +200,5 @@ def test_deploy_examples_are_valid(tmp_path: Path) -> None:
     assert cfg.slot_bytes == 16 << 10 and cfg.ssd_admit_after == 2
     auth = Authenticator.from_file(root / "deploy" / "tokens.toml")
     assert [t.name for t in auth.tenants()] == ["team-chat", "team-agents"]
-    assert auth.authenticate([("authorization", "Bearer foo")]).name == "team-chat"
+    token = "example-token-team-chat"  # the published example token the file names
+    assert auth.authenticate([("authorization", f"Bearer {token}")]).name == "team-chat"

@@ -26,6 +26,9 @@ def test_daemon_reserves_the_ssd_tier_at_start(tmp_path: Path) -> None:
         data = d.data_dir / "ssd" / "data.mdb"
         assert allocated(data) >= 64 * MiB
         assert "SSD tier 64 MiB" in d.log()
+        # the start line says what it took: 64 MiB x 1.25 + 64 MiB of LMDB map
+        assert "144 MiB reserved on disk" in d.log()
+        assert allocated(data) >= 144 * MiB
     finally:
         assert d.stop() == 0
 

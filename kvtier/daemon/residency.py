@@ -81,6 +81,17 @@ STORE_FINGERPRINT = b"kvtier-daemon-store/v1"
 """The SSD store's own layout tag; each block's namespace (tenant + layout id) is in its key."""
 
 
+def ssd_spec(cfg: Config) -> SsdSpec:
+    """The SSD tier's store under `cfg` (its files under data_dir/ssd); `disk_bytes()` is what
+    it reserves on disk at the start."""
+    return SsdSpec(
+        path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
+        layout_fingerprint=STORE_FINGERPRINT,
+        **({"slot_size": cfg.slot_bytes} if cfg.slot_bytes == cfg.max_block_bytes
+           else {"payload": "lmdb"}),
+    )
+
+
 class Tiers:
     def __init__(
         self, cfg: Config, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
@@ -178,12 +189,7 @@ class Tiers:
 
     def _open_ssd(self) -> None:
         cfg = self.cfg
-        opened = open_store(SsdSpec(
-            path=str(cfg.data_dir / "ssd"), capacity_bytes=cfg.ssd_bytes,
-            layout_fingerprint=STORE_FINGERPRINT,
-            **({"slot_size": cfg.slot_bytes} if cfg.slot_bytes == cfg.max_block_bytes
-               else {"payload": "lmdb"}),
-        ))
+        opened = open_store(ssd_spec(cfg))
         self.store = self.applier.store = opened.store
         if opened.moved_aside:
             self.metrics.ssd_damage.labels("store_moved_aside").inc()

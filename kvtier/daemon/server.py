@@ -72,6 +72,7 @@ from kvtier.daemon.kv_publisher import KvEventPublisher
 from kvtier.daemon.lookup_socket import LookupServer
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import KEY_WIDTHS
+from kvtier.daemon.residency import ssd_spec
 from kvtier.daemon.rpc_guard import Limits, add_service
 from kvtier.daemon.service import CHUNK_BYTES, MAX_MESSAGE_BYTES, KvTierService
 from kvtier.tiers import segment_owner
@@ -245,7 +246,8 @@ class Daemon:
             ssd = (f"{format_bytes(cfg.ssd_bytes)} under {cfg.data_dir} (write-back queue "
                    f"{format_bytes(cfg.writeback_queue_bytes)}, SSD writes "
                    f"{format_bytes(cfg.ssd_write_bytes_per_day)}/day (burst "
-                   f"{format_bytes(cfg.ssd_write_burst_bytes)}))")
+                   f"{format_bytes(cfg.ssd_write_burst_bytes)})), "
+                   f"{format_bytes(ssd_spec(cfg).disk_bytes())} reserved on disk")
         tcp = f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else ""
         metrics = f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off"
         events = "off"
