@@ -219,7 +219,36 @@ def test_print_config_round_trips_through_config(tmp_path: Path) -> None:
     path.write_text(first.stdout)
     again = kvtier("serve", "--config", str(path), "--print-config", env=env)
     assert again.returncode == 0, again.stderr
-    assert again.stdout == first.stdout
+
+    def settled(text: str) -> list[str]:  # derived values follow the free disk: their names
+        return [ln.split(" = ")[0] if "# derived:" in ln else ln for ln in text.splitlines()]
+
+    assert settled(again.stdout) == settled(first.stdout)
+
+
+def test_print_config_read_back_derives_again_on_another_machine(tmp_path: Path) -> None:
+    """Defect: --print-config froze what it derived (this machine's paths and sizes, the SSD
+    write budget and queue), so its file, read back with --config elsewhere, kept them."""
+    here = clean_env(tmp_path / "a")
+    first = kvtier("serve", "--print-config", "--grace-s", "3", env=here)
+    assert first.returncode == 0, first.stderr
+    derived = {ln.split(" = ")[0].removeprefix("# ") for ln in first.stdout.splitlines()
+               if "  # derived: " in ln}
+    assert derived >= {"socket", "data_dir", "dram_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
+                       "ssd_write_burst_bytes", "writeback_queue_bytes"}
+    path = tmp_path / "printed.toml"
+    path.write_text(first.stdout)
+    # "another machine": other runtime and data dirs, and an SSD tier of its own size
+    there = {**clean_env(tmp_path / "b"), "XDG_DATA_HOME": str(tmp_path / "b-data")}
+    again = kvtier("serve", "--config", str(path), "--ssd-bytes", "1GiB", "--print-config",
+                   env=there)
+    assert again.returncode == 0, again.stderr
+    lines = again.stdout.splitlines()
+    assert f'# socket = "{tmp_path}/b/run/kvtier/kvtier.sock"  # derived: ' in "\n".join(lines)
+    assert any(ln.startswith(f'# data_dir = "{tmp_path}/b-data/kvtier"') for ln in lines)
+    # the write budget follows this SSD tier: 1 GiB x 1 drive write a day
+    assert any(ln.startswith('# ssd_write_bytes_per_day = "1GiB"  # derived: ') for ln in lines)
+    assert "grace_s = 3.0  # SIGTERM drain period in seconds" in lines  # what was set stays
 
 
 def test_invalid_environment_value_names_the_variable(tmp_path: Path) -> None:

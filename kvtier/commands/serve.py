@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--print-config", action="store_true",
-        help="print the merged configuration as TOML (a file --config reads) and exit "
+        help="print the merged configuration as TOML (a file --config reads) and exit: what "
+             "was set, and fixed defaults; values derived on this machine commented out "
              "(default: off)",
     )
     for s in SETTINGS:
@@ -38,10 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.daemon import config
 
     flags = {s.name: getattr(args, s.name) for s in config.SETTINGS}
-    cfg = config.load(flags, config_path=args.config)
-    if args.print_config:
-        print(config.to_toml(cfg), end="")
+    if args.print_config:  # for this machine or another: a group only that one has is fine
+        cfg, trace = config.load_traced(flags, config_path=args.config, check_group=False)
+        print(config.to_toml(cfg, trace), end="")
         return 0
+    cfg = config.load(flags, config_path=args.config)
     from kvtier.daemon.reload import ConfigSource
     from kvtier.daemon.server import serve
 

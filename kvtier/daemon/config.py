@@ -51,7 +51,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import CONFIG_FILE, SOCKET_NAME, config_dirs, runtime_dir
@@ -61,7 +61,8 @@ from kvtier.core.units import exact_size, parse_bytes
 from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 
-__all__ = ["SETTINGS", "Config", "Setting", "env_var", "load", "parse_bytes", "to_toml"]
+__all__ = ["SETTINGS", "Config", "Setting", "Trace", "env_var", "load", "load_traced",
+           "parse_bytes", "to_toml"]
 
 GiB = 1 << 30
 KiB = 1 << 10
@@ -276,6 +277,11 @@ SETTINGS: tuple[Setting, ...] = (
 BY_NAME = {s.name: s for s in SETTINGS}
 SECRETS = frozenset(s.name for s in SETTINGS if s.secret)
 """Settings `to_toml` (`--print-config`) never prints."""
+ZERO_DERIVES = frozenset({"writeback_queue_bytes", "ssd_write_bytes_per_day",
+                          "ssd_write_burst_bytes", "remote_write_bytes_per_s",
+                          "remote_write_burst_bytes", "remote_queue_bytes"})
+"""Settings whose 0 (their default) means "derive from the others": `Config` holds the derived
+value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,16 +414,36 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return {k: v for k, v in section.items() if k != "serve"}
 
 
+class Trace(NamedTuple):
+    """Where a loaded configuration's values came from: `origin` per setting ("defaults" when
+    nothing set it), and `given`, each set setting's value as given (before any derivation)."""
+
+    origin: dict[str, str]
+    given: dict[str, object]
+
+
 def load(
     flags: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
     config_path: str | None = None,
 ) -> Config:
     """Merges defaults < TOML < env < flags (flags whose value is None are unset) and validates."""
+    return load_traced(flags, env, config_path)[0]
+
+
+def load_traced(
+    flags: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_path: str | None = None,
+    check_group: bool = True,
+) -> tuple[Config, Trace]:
+    """`load`, and where each value came from (for `to_toml`). `check_group=False` accepts a
+    group this machine lacks (a configuration printed here for another machine)."""
     env = os.environ if env is None else env
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     merged: dict[str, object] = dict(defaults(env))
     origin = dict.fromkeys(merged, "defaults")
+    given: dict[str, object] = {}
     path = config_path or env.get("KVTIER_CONFIG")
     if not path:
         found = [d / CONFIG_FILE for d in config_dirs(env) if (d / CONFIG_FILE).is_file()]
@@ -430,6 +456,7 @@ def load(
             _set(merged, origin, key, env[env_var(key)], f"environment variable {env_var(key)}")
     for key, value in flags.items():
         _set(merged, origin, key, value, f"flag --{key.replace('_', '-')}")
+    given.update((k, merged[k]) for k, where in origin.items() if where != "defaults")
     if origin["ssd_bytes"] == "defaults":  # sized for the data dir actually configured
         data = Path(str(merged["data_dir"])).expanduser()
         kept = read_kept(data)
@@ -437,7 +464,7 @@ def load(
             merged["ssd_bytes"], origin["ssd_bytes"] = kept
         else:
             merged["ssd_bytes"] = default_ssd_bytes(data)
-    return _validate(merged, origin)
+    return _validate(merged, origin, check_group), Trace(origin, given)
 
 
 def env_var(setting: str) -> str:
@@ -484,27 +511,57 @@ def write_kept(data_dir: Path, ssd_bytes: int) -> None:
     os.replace(tmp, path)
 
 
-def to_toml(cfg: Config) -> str:
-    """`cfg` as a TOML file that `load(config_path=...)` reads back into an equal Config."""
+def to_toml(cfg: Config, trace: Trace | None = None) -> str:
+    """`cfg` as a TOML file that `load(config_path=...)` reads back into an equal Config here.
+
+    With `trace` (`load_traced`), what was set (a flag, a variable, the file) is printed as set
+    and a fixed default as it is, but a value derived on this machine (its sizes and paths, the
+    SSD size kept in its data dir, a budget or queue derived from other settings) is printed
+    commented out, marked "# derived: ...": the file then behaves the same on another machine.
+    Without `trace` every value is printed."""
     lines = ["# kvtier serve configuration (kvtier serve --print-config); use with --config"]
+    if trace is not None:
+        lines.append("# Lines marked '# derived:' were worked out on this machine (from its "
+                     "memory, disk, paths\n# or other settings) and are left to be worked out "
+                     "again where this file is used.")
     for setting in SETTINGS:
-        value = getattr(cfg, setting.name)
+        name = setting.name
+        value = getattr(cfg, name)
         if value and setting.secret:
-            lines.append(f"# {setting.name} is set (not printed; give it again to use this file)")
+            lines.append(f"# {name} is set (not printed; give it again to use this file)")
             continue
-        if setting.kind == "size":
-            text = json.dumps(exact_size(int(value))) if value else "0"
-        elif setting.kind == "bool":
-            text = "true" if value else "false"
-        elif setting.kind in ("int", "float"):
-            text = str(value)
+        if trace is None:
+            lines.append(f"{name} = {_toml_value(setting, value)}  # {setting.doc}")
+            continue
+        origin = trace.origin[name]
+        given = trace.given.get(name)
+        if name in ZERO_DERIVES and given == 0 and value != 0:
+            lines.append(f"{name} = 0  # {setting.doc} (derived here: "
+                         f"{_toml_value(setting, value)})")
+        elif name in trace.given and not origin.endswith("kept from an earlier start"):
+            lines.append(f"{name} = {_toml_value(setting, value)}  # {setting.doc}")
+        elif callable(setting.default) or origin != "defaults" or (
+                name in ZERO_DERIVES and value != 0):
+            why = origin if origin != "defaults" else setting.default_doc
+            lines.append(f"# {name} = {_toml_value(setting, value)}  # derived: {why}")
         else:
-            text = json.dumps(str(value))  # a JSON string is a valid TOML basic string
-        lines.append(f"{setting.name} = {text}  # {setting.doc}")
+            lines.append(f"{name} = {_toml_value(setting, value)}  # {setting.doc}")
+        if name == "group" and value and _group(str(value)):
+            lines.append(f"# (no group {value!r} on this machine: kvtier serve refuses it here)")
     return "\n".join(lines) + "\n"
 
 
-def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
+def _toml_value(setting: Setting, value: object) -> str:
+    if setting.kind == "size":
+        return json.dumps(exact_size(int(cast(int, value)))) if value else "0"
+    if setting.kind == "bool":
+        return "true" if value else "false"
+    if setting.kind in ("int", "float"):
+        return str(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def _validate(v: dict[str, object], origin: dict[str, str], check_group: bool = True) -> Config:
     def bad(name: str, why: str) -> UsageError:
         return UsageError(f"{name} (from {origin[name]}): {why}")
 
@@ -545,7 +602,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     if bool(v["tls_cert"]) != bool(v["tls_key"]):
         raise bad("tls_cert", "tls_cert and tls_key go together")
     missing = _group(str(v["group"]))  # the final value only: a file's may be overridden
-    if missing:
+    if missing and check_group:
         raise bad("group", missing)
     if v["kv_events_replay"] and not v["kv_events"]:
         raise bad("kv_events_replay", "needs kv_events")
