@@ -33,6 +33,7 @@ from kvtier._version import __version__
 from kvtier.core.planner import Plan, Reason
 from kvtier.daemon.httpd import HttpEndpoint, Readiness
 from kvtier.daemon.rates import Link, RateBook
+from kvtier.index.mrc import MIN_SAMPLES
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed")
@@ -194,13 +195,15 @@ class MrcPoint(NamedTuple):
 
 
 class MrcGauges(NamedTuple):
-    """What the MRC collector reads: per (scaled tier, factor) the estimated hit ratios, and the
+    """What the MRC collector reads: per (scaled tier, factor) the estimated hit ratios (none
+    until the estimator has sampled enough block references to trust: `sampled_blocks`), and the
     estimator's own cost."""
 
     points: list[MrcPoint]
     sampling_ratio: float
     tracked_keys: int
     memory_bytes: int
+    sampled_blocks: int = 0
 
 
 class _MrcCollector(Collector):
@@ -212,16 +215,22 @@ class _MrcCollector(Collector):
         labels = ["scaled", "factor"]
         hit = GaugeMetricFamily(
             "kvtier_mrc_hit_ratio",
-            "Estimated hit ratio (DRAM + SSD blocks) with the `scaled` tier's capacity x factor",
+            "Estimated hit ratio (DRAM + SSD blocks) with the `scaled` tier's capacity x factor "
+            "(absent until enough block references were sampled)",
             labels=labels)
         dram = GaugeMetricFamily(
             "kvtier_mrc_dram_hit_ratio",
-            "Estimated DRAM-only hit ratio with the `scaled` tier's capacity x factor",
+            "Estimated DRAM-only hit ratio with the `scaled` tier's capacity x factor (absent "
+            "until enough block references were sampled)",
             labels=labels)
         for p in snap.points:
             hit.add_metric([p.scaled, f"{p.factor:g}"], p.hit_ratio)
             dram.add_metric([p.scaled, f"{p.factor:g}"], p.dram_hit_ratio)
         yield from (hit, dram)
+        yield CounterMetricFamily("kvtier_mrc_sampled_blocks",
+                                  "Block references the MRC estimator has sampled (its hit "
+                                  f"ratios are published from {MIN_SAMPLES} on)",
+                                  value=snap.sampled_blocks)
         yield GaugeMetricFamily("kvtier_mrc_sampling_ratio",
                                 "Share of block keys the MRC estimator samples",
                                 value=snap.sampling_ratio)
