@@ -279,3 +279,19 @@ def test_serve_help_shows_every_default_and_variable(tmp_path: Path) -> None:
         if option not in ("--config", "--print-config"):
             var = "KVTIER_" + option[2:].replace("-", "_").upper()
             assert f"env {var})" in helptext, option
+
+
+def test_serve_help_shows_the_kept_ssd_size_here(tmp_path: Path) -> None:
+    """Defect: `serve --help` said the free-disk default was the SSD size "here" while the
+    daemon would run with the size kept in its data dir."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "kept.toml").write_text("ssd_bytes = 4194304\n")
+    proc = kvtier("serve", "--help", env={**clean_env(tmp_path), "KVTIER_DATA_DIR": str(data),
+                                          "COLUMNS": "400"})
+    assert proc.returncode == 0, proc.stderr
+    line = " ".join(proc.stdout.split("--ssd-bytes SIZE", 2)[-1].split())
+    assert f"; 4MiB here (kept in {data}/kept.toml);" in line, line
+    printed = kvtier("serve", "--print-config", env={**clean_env(tmp_path),
+                                                     "KVTIER_DATA_DIR": str(data)})
+    assert '# ssd_bytes = "4MiB"  # derived: ' in printed.stdout  # what serve would use

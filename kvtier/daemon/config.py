@@ -166,16 +166,24 @@ def _ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _free_bytes(path: Path) -> int:
+def free_bytes(path: Path) -> int:
+    """Free bytes of the filesystem that holds `path` (or would: its nearest existing parent)."""
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return shutil.disk_usage(probe).free
 
 
+MIN_DEFAULT_SSD_BYTES = 64 * MiB
+"""Below this a default SSD tier is off (0): its reservation (1.25 x its size + 64 MiB) would
+take most of a small disk, or not fit at all."""
+
+
 def default_ssd_bytes(data_dir: Path) -> int:
-    """The first start's SSD size: a quarter of the free disk under `data_dir`, at most 16 GiB."""
-    return min(_free_bytes(data_dir) // 4, 16 * GiB)
+    """The first start's SSD size: a quarter of the free disk under `data_dir`, at most 16 GiB;
+    0 (no SSD tier) when that is under `MIN_DEFAULT_SSD_BYTES` (a disk under 256 MiB free)."""
+    size = min(free_bytes(data_dir) // 4, 16 * GiB)
+    return size if size >= MIN_DEFAULT_SSD_BYTES else 0
 
 
 def _data_dir(env: Mapping[str, str]) -> Path:
@@ -213,7 +221,8 @@ SETTINGS: tuple[Setting, ...] = (
        "$XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier", _not_empty),
     _S("ssd_bytes", "size", lambda env: default_ssd_bytes(_data_dir(env)),
        "SSD tier cap, e.g. 64GiB (0 = no SSD tier)",
-       "the size kept in <data-dir>/kept.toml, else min(free disk / 4, 16 GiB)", machine=True),
+       "the size kept in <data-dir>/kept.toml, else min(free disk / 4, 16 GiB), off below "
+       "64 MiB", machine=True),
     _S("metrics", "text", "127.0.0.1:9464", "HOST:PORT of /metrics ('' = off, port 0 = any)",
        "127.0.0.1:9464", _host_port),
     _S("tokens_file", "text", "", "TOML file of tenants and tokens (see kvtier.daemon.auth)",

@@ -65,7 +65,7 @@ from kvtier.core.units import format_bytes
 from kvtier.daemon import fdpass, kept_rates, memory, reload, sdnotify, sharing, sockpath
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache import Cache
-from kvtier.daemon.config import Config, write_kept
+from kvtier.daemon.config import MIN_DEFAULT_SSD_BYTES, Config, free_bytes, write_kept
 from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.fdpass import FdServer
 from kvtier.daemon.kv_publisher import KvEventPublisher
@@ -242,6 +242,10 @@ class Daemon:
             raise
         self._reaper = asyncio.create_task(self._reap())
         ssd = "off"
+        free = free_bytes(cfg.data_dir)
+        if not cfg.ssd_bytes and free // 4 < MIN_DEFAULT_SSD_BYTES:
+            ssd = (f"off ({format_bytes(free)} free under {cfg.data_dir}: a default tier needs "
+                   f"{format_bytes(4 * MIN_DEFAULT_SSD_BYTES)})")
         if cfg.ssd_bytes:
             ssd = (f"{format_bytes(cfg.ssd_bytes)} under {cfg.data_dir} (write-back queue "
                    f"{format_bytes(cfg.writeback_queue_bytes)}, SSD writes "
