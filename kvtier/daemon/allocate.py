@@ -24,6 +24,7 @@ from typing import NamedTuple, TypeVar, cast
 
 from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.core.types import Tier
+from kvtier.core.units import format_bytes
 from kvtier.daemon.auth import Tenant
 from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.namespaces import NamespaceInfo, TenantUsage
@@ -156,6 +157,14 @@ class Allocator:
 
     def _take_slots(self, usage: TenantUsage, n: int, nbytes: int) -> Steps[list[int]]:
         stride = self.tiers.pool.stride_for(nbytes)
+        whole = self.tiers.pool.data_bytes // stride
+        if n > whole:  # no eviction or release could ever make room: say so, not "pinned"
+            raise ResourceExhausted(
+                f"{n} blocks of {nbytes} bytes do not fit the DRAM pool at all: its "
+                f"{format_bytes(self.tiers.pool.data_bytes)} hold at most {whole} "
+                f"slots of {stride} bytes; store them in requests of at most {whole} blocks "
+                "(or give the daemon a larger dram_bytes)"
+            )
         if not quota_room(self.tiers, usage, n, stride):
             raise ResourceExhausted(
                 f"tenant {usage.tenant.name!r} DRAM quota of {usage.tenant.dram_quota_bytes} "
@@ -168,7 +177,7 @@ class Allocator:
             room = pool.room(pool.class_bytes(nbytes, usage.tenant.name))
             raise ResourceExhausted(
                 f"DRAM pool full: {n} slots of {stride} bytes wanted, "
-                f"{room} free, the rest pinned by leases or being written"
+                f"{room} free, the rest held by blocks pinned by leases or being written"
             )
         return slots
 

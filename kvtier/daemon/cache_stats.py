@@ -16,14 +16,7 @@ from kvtier.daemon.leases import LeaseKind, LeaseTable
 from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
 from kvtier.daemon.namespaces import Namespace, Namespaces
 from kvtier.daemon.residency import Tiers
-from kvtier.index.mrc import (
-    MIN_SAMPLES,
-    ReuseSampler,
-    capacity_grid,
-    keys_for_budget,
-    labelled,
-    memory_bytes,
-)
+from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 
 
 class GroupUsage(NamedTuple):
@@ -147,11 +140,10 @@ def new_sampler(cfg: Config, ssd_blocks: int, dram_blocks: int | None = None) ->
 
 
 def mrc_gauges(sampler: ReuseSampler) -> MrcGauges:
-    """The estimator's curve, empty until it has sampled `MIN_SAMPLES` block references (a
-    curve of zeros before then would read as a cache that never hits)."""
-    ready = sampler.sampled_refs >= MIN_SAMPLES
+    """The estimator's curve (its hit ratios mean nothing before `MIN_SAMPLES` sampled block
+    references: /metrics leaves them out until then, Stats says how many there are)."""
     return MrcGauges(
         [MrcPoint(scaled, f, p.dram_blocks, p.ssd_blocks, p.dram_hit_ratio, p.hit_ratio)
-         for scaled, f, p in labelled(sampler.points())] if ready else [],
+         for scaled, f, p in labelled(sampler.points())],
         sampler.rate, sampler.tracked_keys, memory_bytes(sampler), sampler.sampled_refs,
     )

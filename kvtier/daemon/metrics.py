@@ -195,9 +195,9 @@ class MrcPoint(NamedTuple):
 
 
 class MrcGauges(NamedTuple):
-    """What the MRC collector reads: per (scaled tier, factor) the estimated hit ratios (none
-    until the estimator has sampled enough block references to trust: `sampled_blocks`), and the
-    estimator's own cost."""
+    """What the MRC collector reads: per (scaled tier, factor) the estimated hit ratios
+    (published once the estimator has sampled `MIN_SAMPLES` block references: `sampled_blocks`),
+    and the estimator's own cost."""
 
     points: list[MrcPoint]
     sampling_ratio: float
@@ -223,7 +223,7 @@ class _MrcCollector(Collector):
             "Estimated DRAM-only hit ratio with the `scaled` tier's capacity x factor (absent "
             "until enough block references were sampled)",
             labels=labels)
-        for p in snap.points:
+        for p in snap.points if snap.sampled_blocks >= MIN_SAMPLES else ():  # no zeros early
             hit.add_metric([p.scaled, f"{p.factor:g}"], p.hit_ratio)
             dram.add_metric([p.scaled, f"{p.factor:g}"], p.dram_hit_ratio)
         yield from (hit, dram)
