@@ -301,11 +301,11 @@ def stored_note(layout: KVLayout) -> str:
 def compute(a: argparse.Namespace) -> dict[str, Any]:
     """The whole answer as a JSON-ready dict (the `--json` output)."""
     spec, source, reading = _model(a)
-    dtype = DType.FP8 if size_quant.is_int8(a) else DType.parse(a.dtype)
+    dtype = DType.parse(a.dtype)
     tp = _count(a.tp, "--tp", 1)
     scale_bytes = _count(a.fp8_scale_bytes, "--fp8-scale-bytes", 0)
     per_token = a.scale_layout is not None and a.scale_layout.strip().lower() == "per-token"
-    if per_token and dtype is DType.FP8:
+    if per_token and dtype.quantized:
         scale_bytes = scale_bytes or _count(a.scale_bytes, "--scale-bytes", 1)
     layout = spec.layout(
         dtype=dtype,
@@ -401,7 +401,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
             "total_params": spec.total_params,
             "active_params": spec.active_params,
         },
-        "dtype": "int8" if size_quant.is_int8(a) else dtype.value,
+        "dtype": dtype.value,
         "fp8_scale_bytes": layout.fp8_scale_bytes,
         "block_tokens": layout.block_tokens,
         "tp_size": layout.tp_size,

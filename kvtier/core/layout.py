@@ -47,12 +47,19 @@ class AttentionKind(enum.Enum):
 
 
 class DType(enum.Enum):
-    """KV element type; `.itemsize` is bytes per element. FP8 is e4m3 (vLLM's "fp8")."""
+    """KV element type; `.itemsize` is bytes per element. FP8 is e4m3 (vLLM's "fp8"); INT8 is
+    vLLM's int8 KV (`int8_per_token_head`)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
     FP8 = "fp8"
+    INT8 = "int8"
+
+    @property
+    def quantized(self) -> bool:
+        """One byte per element with scales (fp8, int8)."""
+        return self in (DType.FP8, DType.INT8)
 
     @property
     def itemsize(self) -> int:
@@ -69,7 +76,7 @@ class DType(enum.Enum):
             raise UsageError(f"unknown dtype {text!r} (choose from {names})") from None
 
 
-_ITEMSIZE = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1}
+_ITEMSIZE = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1, DType.INT8: 1}
 _DTYPE_ALIASES = {
     "float32": "fp32",
     "bfloat16": "bf16",
@@ -218,8 +225,8 @@ class KVLayout:
             raise UsageError(f"dtype must be a DType, got {self.dtype!r}")
         if self.tp_rank >= self.tp_size:
             raise UsageError(f"TP rank {self.tp_rank} is out of range for TP size {self.tp_size}")
-        if self.fp8_scale_bytes and self.dtype is not DType.FP8:
-            raise UsageError("fp8 scale bytes are only meaningful with dtype fp8")
+        if self.fp8_scale_bytes and not self.dtype.quantized:
+            raise UsageError("scale bytes are only meaningful with dtype fp8 or int8")
         if self.has_head_layers:
             shards(self.num_kv_heads, self.tp_size, "KV heads")
         for layer in self.layers:
