@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -295,3 +296,41 @@ def test_serve_help_shows_the_kept_ssd_size_here(tmp_path: Path) -> None:
     printed = kvtier("serve", "--print-config", env={**clean_env(tmp_path),
                                                      "KVTIER_DATA_DIR": str(data)})
     assert '# ssd_bytes = "4MiB"  # derived: ' in printed.stdout  # what serve would use
+
+
+def test_model_and_policy_names_take_any_case(tmp_path: Path) -> None:
+    """Defect: `--preset llama-3-8b` worked in size but `--policy LRU` was refused by simulate
+    and serve (and `demo --preset TINY` by demo): names now take any case everywhere."""
+    env = clean_env(tmp_path)
+    assert kvtier("size", "--preset", "LLAMA-3-8B", "--json", env=env).returncode == 0
+    sim = kvtier("simulate", "--workload", "chat", "--requests", "20", "--dram-blocks", "8",
+                 "--policy", "LRU", "--quiet", "--json", env=env)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["policy"] == "lru"
+    served = kvtier("serve", "--policy", "Vllm-ARC", "--print-config", env=env)
+    assert served.returncode == 0, served.stderr
+    assert 'policy = "vllm-arc"  #' in served.stdout
+    bad = kvtier("simulate", "--workload", "chat", "--dram-blocks", "8", "--policy", "lfu",
+                 env=env)
+    assert bad.returncode == 2 and "invalid choice: 'lfu'" in bad.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the demo needs torch")
+def test_demo_preset_names_its_models_and_says_what_a_size_preset_is(tmp_path: Path) -> None:
+    """Defect: `--preset` is documented as a built-in model of size, simulate and demo, and
+    `demo --preset Llama-3-8B` (a size preset) was refused as an "unknown engine model". The
+    demo's own models take any case, and a size preset gets a line saying what the demo runs."""
+    env = clean_env(tmp_path)
+    ok = kvtier("demo", "--preset", "TINY", "--turns", "1", "--system-tokens", "16", "--json",
+                env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["model"] == "tiny"
+    size_preset = kvtier("demo", "--preset", "Llama-3-8B", env=env)
+    assert size_preset.returncode == 2 and size_preset.stdout == ""
+    assert size_preset.stderr.splitlines() == [
+        "kvtier demo: error: 'Llama-3-8B' is a model `kvtier size` and `kvtier simulate` size; "
+        "the demo runs one of its own small reference models on the CPU (bench, demo, tiny), "
+        "with random weights (to measure a real model, run it in vLLM with the kvtier "
+        "connector)"]
+    assert "tiny, demo (default) or bench" in " ".join(kvtier("demo", "--help",
+                                                              env=env).stdout.split())

@@ -34,6 +34,11 @@ examples:
 """
 
 
+def _folded(name: str) -> str:
+    """A policy name in any case, as presets are (`--preset llama-3-8b`)."""
+    return name.strip().lower()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvtier.commands.flags import alias
     from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
@@ -65,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-bytes", metavar="SIZE", help="bytes of one 512-token block")
     parser.add_argument(
-        "--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+        "--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY, type=_folded,
         help=f"eviction and admission policy ({DEFAULT_POLICY})",
     )
     parser.add_argument("--ssd-admit-after", type=int, default=2, metavar="K",

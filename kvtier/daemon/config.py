@@ -238,7 +238,7 @@ SETTINGS: tuple[Setting, ...] = (
     _S("ssd_admit_after", "int", 2, "write a block to SSD from its k-th access", "2",
        _at_least(1)),
     _S("policy", "text", DEFAULT_POLICY, "prefix-index eviction/admission policy (kvtier, lru, "
-       "vllm-arc, ...)", DEFAULT_POLICY, _one_of(lambda: POLICIES)),
+       "vllm-arc, ...; any case)", DEFAULT_POLICY, _one_of(lambda: POLICIES, fold=True)),
     _S("ssd_dwpd", "float", 1.0, "SSD writes per day in units of --ssd-bytes", "1.0",
        _between(0, 100, " drive writes per day", low_open=True)),
     _S("ssd_write_bytes_per_day", "size", 0, "SSD write budget, e.g. 500GiB",
@@ -639,7 +639,7 @@ def _validate(v: dict[str, object], origin: dict[str, str], check_group: bool = 
         grace_s=f("grace_s"),
         max_blocks_per_request=i("max_blocks_per_request"),
         ssd_admit_after=i("ssd_admit_after"),
-        policy=str(v["policy"]),
+        policy=str(v["policy"]).lower(),
         ssd_dwpd=f("ssd_dwpd"),
         ssd_write_bytes_per_day=per_day,
         ssd_write_burst_bytes=burst,
