@@ -334,3 +334,46 @@ def test_demo_preset_names_its_models_and_says_what_a_size_preset_is(tmp_path: P
         "connector)"]
     assert "tiny, demo (default) or bench" in " ".join(kvtier("demo", "--help",
                                                               env=env).stdout.split())
+
+
+def test_an_unknown_kvtier_variable_is_refused(tmp_path: Path) -> None:
+    """Defect: a misspelt setting variable (KVTIER_SSD_BYTES less its S) was silently ignored, the
+    default left in force. `serve` refuses an unknown KVTIER_* in one line naming the nearest
+    setting, and starts nothing."""
+    typo = "KVTIER_SSD_BYTES"[:-1]  # (spelt out, the repository-wide check below would see it)
+    env = {**clean_env(tmp_path), typo: "1GiB"}
+    for args in (["serve", "--print-config"],
+                 ["serve", "--socket", str(tmp_path / "s.sock"), "--metrics", ""]):
+        proc = kvtier(*args, env=env)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.splitlines() == [
+            f"kvtier serve: error: unknown environment variable {typo}; did you mean "
+            "KVTIER_SSD_BYTES? (the settings' variables are listed by kvtier serve --help; "
+            "unset it)"]
+    assert not (tmp_path / "s.sock").exists()
+    known = {**clean_env(tmp_path), "KVTIER_SSD_BYTES": "1GiB", "KVTIER_TOKEN": "x" * 16,
+             "KVTIER_MEMORY_LIMIT_BYTES": "1073741824", "KVTIER_VENV": "/v"}
+    assert kvtier("serve", "--print-config", env=known).returncode == 0
+
+
+def test_every_kvtier_variable_the_project_names_is_known() -> None:
+    """Each `KVTIER_*` variable named anywhere in the repository (code, tests, scripts, deploy
+    files, docs) is a setting's or one `config.OTHER_VARIABLES` lists, so none that the project
+    itself sets trips the refusal above."""
+    from kvtier.daemon import config
+
+    known = {config.env_var(s.name) for s in config.SETTINGS} | config.OTHER_VARIABLES
+    named: dict[str, str] = {}
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if not path.is_file() or (parts[0].startswith(".") and parts[0] != ".ci") \
+                or "__pycache__" in parts:
+            continue
+        if path.suffix not in (".py", ".sh", ".toml", ".yaml", ".yml", ".md", ".service", "") \
+                or path.stat().st_size > 2_000_000:
+            continue
+        text = path.read_text(errors="replace")
+        for var in re.findall(r"\bKVTIER_[A-Z0-9_]*[A-Z0-9]\b", text):
+            named.setdefault(var, str(path.relative_to(ROOT)))
+    assert {"KVTIER_VENV", "KVTIER_REQUIRE_REDIS", "KVTIER_SSD_BYTES"} <= set(named)
+    assert {v: f for v, f in named.items() if v not in known} == {}

@@ -286,6 +286,19 @@ SETTINGS: tuple[Setting, ...] = (
 BY_NAME = {s.name: s for s in SETTINGS}
 SECRETS = frozenset(s.name for s in SETTINGS if s.secret)
 """Settings `to_toml` (`--print-config`) never prints."""
+OTHER_VARIABLES = frozenset({
+    "KVTIER_CONFIG",  # the config file (`load`)
+    "KVTIER_TOKEN",  # clients: kvtier stats/top/demo's bearer token
+    "KVTIER_TRANSFER_CALIBRATION", "KVTIER_KERNELS_DIR",  # engines' transfer engine, kernels
+    "KVTIER_MEMORY_LIMIT_BYTES", "KVTIER_BIN", "KVTIER_PIP_ARGS",  # deploy/: image, install
+    # the project's own scripts, tests and benchmarks (bin/, scripts/, tests/, bench/)
+    "KVTIER_VENV", "KVTIER_SGLANG_VENV", "KVTIER_BENCH_VENV", "KVTIER_SGLANG_PYTHON",
+    "KVTIER_SGLANG", "KVTIER_REQUIRE_ALL", "KVTIER_REQUIRE_PROMETHEUS", "KVTIER_REQUIRE_SGLANG",
+    "KVTIER_REQUIRE_REDIS", "KVTIER_NESTED_PYTEST", "KVTIER_TRACES_DIR", "KVTIER_TRACE",
+    "KVTIER_TEST_VLLM_LOG", "KVTIER_SGLANG_UNITS_DEBUG",
+})
+"""`KVTIER_*` variables that are not settings but that kvtier, its deploy files or its own
+scripts read: `load` refuses any other (a misspelt setting must not be silently ignored)."""
 ZERO_DERIVES = frozenset({"writeback_queue_bytes", "ssd_write_bytes_per_day",
                           "ssd_write_burst_bytes", "remote_write_bytes_per_s",
                           "remote_write_burst_bytes", "remote_queue_bytes"})
@@ -460,6 +473,7 @@ def load_traced(
     if path:
         for key, value in _read_toml(Path(path)).items():
             _set(merged, origin, key, value, f"config file {path}")
+    _refuse_unknown_variables(env)
     for key in _FIELDS:
         if env_var(key) in env:
             _set(merged, origin, key, env[env_var(key)], f"environment variable {env_var(key)}")
@@ -474,6 +488,20 @@ def load_traced(
         else:
             merged["ssd_bytes"] = default_ssd_bytes(data)
     return _validate(merged, origin, check_group), Trace(origin, given)
+
+
+def _refuse_unknown_variables(env: Mapping[str, str]) -> None:
+    """A `KVTIER_*` variable that is neither a setting's nor in `OTHER_VARIABLES` is a
+    `UsageError` (a misspelt setting, silently ignored, would leave its default in force)."""
+    known = {env_var(name) for name in _FIELDS} | OTHER_VARIABLES
+    unknown = sorted(k for k in env if k.startswith("KVTIER_") and k not in known)
+    if not unknown:
+        return
+    near = closest(unknown[0].removeprefix("KVTIER_").lower(), _FIELDS)
+    hint = f"; did you mean {env_var(near)}?" if near else ""
+    others = f" (and {', '.join(unknown[1:])})" if unknown[1:] else ""
+    raise UsageError(f"unknown environment variable {unknown[0]}{others}{hint} (the settings' "
+                     "variables are listed by kvtier serve --help; unset it)")
 
 
 def env_var(setting: str) -> str:
