@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -219,7 +220,36 @@ def test_print_config_round_trips_through_config(tmp_path: Path) -> None:
     path.write_text(first.stdout)
     again = kvtier("serve", "--config", str(path), "--print-config", env=env)
     assert again.returncode == 0, again.stderr
-    assert again.stdout == first.stdout
+
+    def settled(text: str) -> list[str]:  # derived values follow the free disk: their names
+        return [ln.split(" = ")[0] if "# derived:" in ln else ln for ln in text.splitlines()]
+
+    assert settled(again.stdout) == settled(first.stdout)
+
+
+def test_print_config_read_back_derives_again_on_another_machine(tmp_path: Path) -> None:
+    """Defect: --print-config froze what it derived (this machine's paths and sizes, the SSD
+    write budget and queue), so its file, read back with --config elsewhere, kept them."""
+    here = clean_env(tmp_path / "a")
+    first = kvtier("serve", "--print-config", "--grace-s", "3", env=here)
+    assert first.returncode == 0, first.stderr
+    derived = {ln.split(" = ")[0].removeprefix("# ") for ln in first.stdout.splitlines()
+               if "  # derived: " in ln}
+    assert derived >= {"socket", "data_dir", "dram_bytes", "ssd_bytes", "ssd_write_bytes_per_day",
+                       "ssd_write_burst_bytes", "writeback_queue_bytes"}
+    path = tmp_path / "printed.toml"
+    path.write_text(first.stdout)
+    # "another machine": other runtime and data dirs, and an SSD tier of its own size
+    there = {**clean_env(tmp_path / "b"), "XDG_DATA_HOME": str(tmp_path / "b-data")}
+    again = kvtier("serve", "--config", str(path), "--ssd-bytes", "1GiB", "--print-config",
+                   env=there)
+    assert again.returncode == 0, again.stderr
+    lines = again.stdout.splitlines()
+    assert f'# socket = "{tmp_path}/b/run/kvtier/kvtier.sock"  # derived: ' in "\n".join(lines)
+    assert any(ln.startswith(f'# data_dir = "{tmp_path}/b-data/kvtier"') for ln in lines)
+    # the write budget follows this SSD tier: 1 GiB x 1 drive write a day
+    assert any(ln.startswith('# ssd_write_bytes_per_day = "1GiB"  # derived: ') for ln in lines)
+    assert "grace_s = 3.0  # SIGTERM drain period in seconds" in lines  # what was set stays
 
 
 def test_invalid_environment_value_names_the_variable(tmp_path: Path) -> None:
@@ -250,3 +280,100 @@ def test_serve_help_shows_every_default_and_variable(tmp_path: Path) -> None:
         if option not in ("--config", "--print-config"):
             var = "KVTIER_" + option[2:].replace("-", "_").upper()
             assert f"env {var})" in helptext, option
+
+
+def test_serve_help_shows_the_kept_ssd_size_here(tmp_path: Path) -> None:
+    """Defect: `serve --help` said the free-disk default was the SSD size "here" while the
+    daemon would run with the size kept in its data dir."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "kept.toml").write_text("ssd_bytes = 4194304\n")
+    proc = kvtier("serve", "--help", env={**clean_env(tmp_path), "KVTIER_DATA_DIR": str(data),
+                                          "COLUMNS": "400"})
+    assert proc.returncode == 0, proc.stderr
+    line = " ".join(proc.stdout.split("--ssd-bytes SIZE", 2)[-1].split())
+    assert f"; 4MiB here (kept in {data}/kept.toml);" in line, line
+    printed = kvtier("serve", "--print-config", env={**clean_env(tmp_path),
+                                                     "KVTIER_DATA_DIR": str(data)})
+    assert '# ssd_bytes = "4MiB"  # derived: ' in printed.stdout  # what serve would use
+
+
+def test_model_and_policy_names_take_any_case(tmp_path: Path) -> None:
+    """Defect: `--preset llama-3-8b` worked in size but `--policy LRU` was refused by simulate
+    and serve (and `demo --preset TINY` by demo): names now take any case everywhere."""
+    env = clean_env(tmp_path)
+    assert kvtier("size", "--preset", "LLAMA-3-8B", "--json", env=env).returncode == 0
+    sim = kvtier("simulate", "--workload", "chat", "--requests", "20", "--dram-blocks", "8",
+                 "--policy", "LRU", "--quiet", "--json", env=env)
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["policy"] == "lru"
+    served = kvtier("serve", "--policy", "Vllm-ARC", "--print-config", env=env)
+    assert served.returncode == 0, served.stderr
+    assert 'policy = "vllm-arc"  #' in served.stdout
+    bad = kvtier("simulate", "--workload", "chat", "--dram-blocks", "8", "--policy", "lfu",
+                 env=env)
+    assert bad.returncode == 2 and "invalid choice: 'lfu'" in bad.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the demo needs torch")
+def test_demo_preset_names_its_models_and_says_what_a_size_preset_is(tmp_path: Path) -> None:
+    """Defect: `--preset` is documented as a built-in model of size, simulate and demo, and
+    `demo --preset Llama-3-8B` (a size preset) was refused as an "unknown engine model". The
+    demo's own models take any case, and a size preset gets a line saying what the demo runs."""
+    env = clean_env(tmp_path)
+    ok = kvtier("demo", "--preset", "TINY", "--turns", "1", "--system-tokens", "16", "--json",
+                env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["model"] == "tiny"
+    size_preset = kvtier("demo", "--preset", "Llama-3-8B", env=env)
+    assert size_preset.returncode == 2 and size_preset.stdout == ""
+    assert size_preset.stderr.splitlines() == [
+        "kvtier demo: error: 'Llama-3-8B' is a model `kvtier size` and `kvtier simulate` size; "
+        "the demo runs one of its own small reference models on the CPU (bench, demo, tiny), "
+        "with random weights (to measure a real model, run it in vLLM with the kvtier "
+        "connector)"]
+    assert "tiny, demo (default) or bench" in " ".join(kvtier("demo", "--help",
+                                                              env=env).stdout.split())
+
+
+def test_an_unknown_kvtier_variable_is_refused(tmp_path: Path) -> None:
+    """Defect: a misspelt setting variable (KVTIER_SSD_BYTES less its S) was silently ignored, the
+    default left in force. `serve` refuses an unknown KVTIER_* in one line naming the nearest
+    setting, and starts nothing."""
+    typo = "KVTIER_SSD_BYTES"[:-1]  # (spelt out, the repository-wide check below would see it)
+    env = {**clean_env(tmp_path), typo: "1GiB"}
+    for args in (["serve", "--print-config"],
+                 ["serve", "--socket", str(tmp_path / "s.sock"), "--metrics", ""]):
+        proc = kvtier(*args, env=env)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.splitlines() == [
+            f"kvtier serve: error: unknown environment variable {typo}; did you mean "
+            "KVTIER_SSD_BYTES? (the settings' variables are listed by kvtier serve --help; "
+            "unset it)"]
+    assert not (tmp_path / "s.sock").exists()
+    known = {**clean_env(tmp_path), "KVTIER_SSD_BYTES": "1GiB", "KVTIER_TOKEN": "x" * 16,
+             "KVTIER_MEMORY_LIMIT_BYTES": "1073741824", "KVTIER_VENV": "/v"}
+    assert kvtier("serve", "--print-config", env=known).returncode == 0
+
+
+def test_every_kvtier_variable_the_project_names_is_known() -> None:
+    """Each `KVTIER_*` variable named anywhere in the repository (code, tests, scripts, deploy
+    files, docs) is a setting's or one `config.OTHER_VARIABLES` lists, so none that the project
+    itself sets trips the refusal above."""
+    from kvtier.daemon import config
+
+    known = {config.env_var(s.name) for s in config.SETTINGS} | config.OTHER_VARIABLES
+    named: dict[str, str] = {}
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if not path.is_file() or (parts[0].startswith(".") and parts[0] != ".ci") \
+                or "__pycache__" in parts:
+            continue
+        if path.suffix not in (".py", ".sh", ".toml", ".yaml", ".yml", ".md", ".service", "") \
+                or path.stat().st_size > 2_000_000:
+            continue
+        text = path.read_text(errors="replace")
+        for var in re.findall(r"\bKVTIER_[A-Z0-9_]*[A-Z0-9]\b", text):
+            named.setdefault(var, str(path.relative_to(ROOT)))
+    assert {"KVTIER_VENV", "KVTIER_REQUIRE_REDIS", "KVTIER_SSD_BYTES"} <= set(named)
+    assert {v: f for v, f in named.items() if v not in known} == {}

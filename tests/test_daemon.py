@@ -543,3 +543,27 @@ def test_a_failed_start_leaves_no_segment_behind(tmp_path: Path) -> None:
     assert "cannot set up the storage tiers" in proc.stderr
     segment = "kvtier-" + __import__("hashlib").sha256(str(sock).encode()).hexdigest()[:16]
     assert not (Path("/dev/shm") / segment).exists()
+
+
+def test_a_request_larger_than_the_whole_pool_says_so(tmp_path: Path) -> None:
+    """Defect: storing more blocks than the whole DRAM pool holds answered "DRAM pool full: 300
+    slots wanted, 256 free, the rest pinned by leases or being written" on an empty, lease-free
+    daemon. It names the pool's size and the largest request that can fit, and stores nothing."""
+    d = DaemonProc(tmp_path / "d").start()  # 16 MiB of 64 KiB slots: 256 at most
+    try:
+        layout = LayoutDecl(fingerprint=b"whole-pool-fp-01", block_bytes=65536,
+                            block_tokens=16, model_id="whole/pool")
+        keys = [i.to_bytes(2, "big") * 16 for i in range(300)]
+        with Client(d.socket, layout=layout) as kv:
+            with pytest.raises(KvtierRpcError) as err:
+                kv.store(keys, [np.zeros(65536, np.uint8)] * 300)
+            assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details == (
+                "300 blocks of 65536 bytes do not fit the DRAM pool at all: its 16 MiB hold at "
+                "most 256 slots of 65536 bytes; store them in requests of at most 256 blocks (or "
+                "give the daemon a larger dram_bytes)")
+            assert "lease" not in err.value.details
+            assert kv.lookup(keys).hit_blocks == 0 and kv.stats().active_leases == 0
+            assert kv.store(keys[:256], [np.zeros(65536, np.uint8)] * 256).stored == 256
+    finally:
+        assert d.stop() == 0

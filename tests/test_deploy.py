@@ -7,6 +7,7 @@ steps and entry point in a fresh venv from a wheel built with `python -m build`,
 from __future__ import annotations
 
 import grp
+import json
 import os
 import re
 import shutil
@@ -428,3 +429,217 @@ def test_every_variable_and_flag_named_in_deploy_exists() -> None:
         for flag in set(re.findall(r"kvtier serve((?: --[\w-]+(?:[= ]\S+)?)+)", text)):
             for name in re.findall(r"--[\w-]+", flag):
                 assert name in flags, (path.name, name)
+
+
+def test_manifests_give_the_ssd_tier_the_disk_it_reserves(tmp_path: Path) -> None:
+    """The daemon reserves the SSD tier's disk at start (`SsdSpec.disk_bytes`: the LMDB map,
+    ssd_bytes x 1.25 + 64 MiB with the defaults): a pod-local volume must hold it (else kubelet
+    evicts the pod: 100 GiB once sat on a 110 Gi volume), and a node's hostPath manifest says
+    how much it takes."""
+    from kvtier.daemon.residency import ssd_spec
+
+    from kvtier.core.units import format_bytes
+
+    for path, pod, c in _kvtier_containers():
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        cfg = config.load({}, {**_env(tmp_path), **env, "KVTIER_GROUP": _this_group()})
+        reserved = ssd_spec(cfg).disk_bytes()
+        assert reserved >= cfg.ssd_bytes * 1.25
+        data = next(v for v in pod["volumes"] if v["name"] == "data")
+        if "emptyDir" in data:
+            limit = parse_bytes(data["emptyDir"]["sizeLimit"] + "B")
+            assert reserved + (64 << 20) <= limit, (path.name, format_bytes(reserved))
+            request = c["resources"]["requests"]["ephemeral-storage"]
+            assert parse_bytes(request + "B") >= limit, path.name
+        else:
+            assert format_bytes(reserved) in path.read_text(), (path.name, reserved)
+        assert "1.25 + 64 MiB" in path.read_text()
+
+
+def test_daemonset_and_engines_tolerate_the_gpu_node_taint() -> None:
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    pods = {(p.name, d["metadata"]["name"]): d["spec"]["template"]["spec"] for p, d in _docs()
+            if d["kind"] in ("DaemonSet", "Deployment")}
+    assert set(pods) == {("daemonset.yaml", "kvtier"), ("daemonset.yaml", "vllm"),
+                         ("sidecar.yaml", "vllm-kvtier")}
+    for name, pod in pods.items():
+        assert gpu in pod.get("tolerations", []), name
+
+
+def test_the_systemd_recipe_installs_the_tokens_file_the_config_names() -> None:
+    """The unit's install steps put every file the installed config names in place, and the
+    shipped tokens file says plainly which example tokens its hashes are of (and they are)."""
+    import hashlib
+    import tomllib
+
+    header = "\n".join(ln for ln in UNIT.read_text().splitlines() if ln.startswith("#"))
+    named = tomllib.loads((DEPLOY / "kvtier.toml").read_text())["serve"]["tokens_file"]
+    assert f"deploy/tokens.toml {named}" in header
+    assert re.search(r"install -m 0600 -o kvtier -g kvtier deploy/tokens\.toml", header)
+    text = (DEPLOY / "tokens.toml").read_text()
+    examples = re.findall(r'"(example-token-[\w-]+)"', text.split("[tenants.")[0])
+    assert len(examples) == 2 and "Anyone who reads this file can use them" in text
+    hashes = {hashlib.sha256(t.encode()).hexdigest() for t in examples}
+    assert hashes == set(re.findall(r'^token_sha256 = "([0-9a-f]{64})"$', text, flags=re.M))
+    assert "openssl rand -hex 32" in text and "sha256sum" in text
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="no systemd-analyze")
+def test_systemd_unit_is_hardened(tmp_path: Path) -> None:
+    """`systemd-analyze security` (offline, on the unit file) rates the unit at most 2.5 "OK"
+    (it rated 8.5 EXPOSED before the sandbox)."""
+    unit = tmp_path / "kvtier.service"
+    unit.write_text(UNIT.read_text())
+    proc = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    m = re.search(r"Overall exposure level for kvtier\.service: ([\d.]+) (\w+)", proc.stdout)
+    assert m, proc.stdout[-2000:] + proc.stderr
+    assert float(m.group(1)) <= 2.5 and m.group(2) == "OK", m.group(0)
+    assert f"rates it {m.group(1)} {m.group(2)}" in UNIT.read_text()  # the comment says so
+
+
+def _unit_filter_syscalls(lines: list[str]) -> set[str]:
+    """The system calls the unit's SystemCallFilter= lines allow, in order (the first an allow
+    list, each later one adding, or removing with ~), groups expanded by systemd-analyze."""
+    def expand(name: str) -> set[str]:
+        if not name.startswith("@"):
+            return {name}
+        out: set[str] = set()
+        text = subprocess.run(["systemd-analyze", "syscall-filter", name], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+        for word in (w.strip() for w in text.splitlines()[1:]):
+            if word and not word.startswith("#"):
+                out |= expand(word)
+        return out
+
+    allowed: set[str] = set()
+    for line in lines:
+        deny = line.startswith("~")
+        names = set().union(*(expand(w) for w in line.removeprefix("~").split()))
+        allowed = allowed - names if deny else allowed | names
+    return allowed
+
+
+_CALL = re.compile(r"^\d+\s+(?:<\.\.\. (\w+) resumed>|(\w+)\()")
+_OPEN = re.compile(r'\bopen(?:at)?\((?:AT_FDCWD, )?"([^"]+)", ([A-Z_|]+)')
+
+
+def _sandbox_breaches(trace: str, unit: dict[str, list[str]], writable: tuple[str, ...],
+                      allowed: set[str]) -> list[str]:
+    """What in an strace log of the daemon the unit's sandbox would refuse: a system call
+    outside SystemCallFilter, a socket family outside RestrictAddressFamilies, writable and
+    executable memory (MemoryDenyWriteExecute), a file opened for writing outside `writable`
+    (ProtectSystem=strict with ReadWritePaths, PrivateTmp, PrivateDevices)."""
+    families = set(unit["Service.RestrictAddressFamilies"][0].split())
+    assert unit["Service.MemoryDenyWriteExecute"] == ["true"]
+    bad = []
+    for line in trace.splitlines():
+        m = _CALL.match(line)
+        if not m:
+            continue
+        call = m.group(1) or m.group(2)
+        if call not in allowed:
+            bad.append(f"system call outside the filter: {line}")
+        if m.group(1):  # "<... call resumed>": its arguments were on the "<unfinished ...>" line
+            continue
+        if call == "socket" and line.split("(", 1)[1].split(",")[0] not in families:
+            bad.append(f"socket family: {line}")
+        if call in ("mmap", "mprotect", "pkey_mprotect") and "PROT_EXEC" in line and (
+                call != "mmap" or "PROT_WRITE" in line):
+            bad.append(f"executable memory: {line}")
+        opened = _OPEN.search(line)
+        if opened and any(f in opened.group(2) for f in ("O_WRONLY", "O_RDWR", "O_CREAT")):
+            path = opened.group(1)
+            if "__pycache__" not in path and not path.startswith(writable):
+                bad.append(f"write outside ReadWritePaths: {line}")
+    return bad
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not (shutil.which("systemd-analyze") and shutil.which("strace")),
+                    reason="needs systemd-analyze and strace")
+def test_the_daemon_works_within_the_unit_sandbox(tmp_path: Path) -> None:
+    """A real daemon, without capabilities (CapabilityBoundingSet= is empty), under strace: one
+    with a group (the named DRAM segment in /dev/shm, fchown), SSD write-back and a promotion
+    from SSD, metrics and a SIGHUP reload; one with tenants (memfd pools, fds passed over the
+    socket). Every system call, socket family, mapping and write it makes is one the unit's
+    sandbox allows (`_sandbox_breaches`), so the hardening takes nothing the daemon uses."""
+    import urllib.request
+
+    import numpy as np
+
+    from kvtier.client.sync_client import Client, LayoutDecl
+    from tests.daemon_fixture import DaemonProc, wait_ssd_blocks
+    from tests.test_shm_isolation import CAPLESS
+
+    unit = _unit()
+    allowed = _unit_filter_syscalls(unit["Service.SystemCallFilter"])
+    assert "fchown" in allowed and "reboot" not in allowed and "mount" not in allowed
+    layout = LayoutDecl(fingerprint=b"sandbox-layout-1", block_bytes=65536, block_tokens=16,
+                        model_id="sandbox/model")
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tenants.a]\ntoken = "sandbox-token-a"\n')
+
+    def chain(tag: int, n: int) -> list[bytes]:
+        return [bytes([tag, i % 256, i // 256]) * 10 + b"kv" for i in range(n)]
+
+    runs = (("group", ["--group", _this_group(), "--ssd-admit-after", "1"], None),
+            ("tenants", ["--tokens-file", str(tokens)], "sandbox-token-a"))
+    for name, args, token in runs:
+        trace = tmp_path / f"{name}.strace"
+        d = DaemonProc(tmp_path / name, args,
+                       launcher=[*CAPLESS, "strace", "-f", "-qq", "-o", str(trace)])
+        d.start(timeout=120)
+        try:
+            with Client(d.socket, layout=layout, token=token) as kv:
+                assert kv.uses_shm
+                first = chain(1, 8)
+                assert kv.store(first, [np.full(65536, i, np.uint8) for i in range(8)]).stored
+                if name == "group":
+                    assert wait_ssd_blocks(kv, 8, timeout=60) >= 8
+                    more = chain(2, 256)  # the pool's 256 slots: the first chain leaves DRAM
+                    kv.store(more, [np.full(65536, 9, np.uint8)] * 256)
+                with kv.load(first) as got:
+                    assert got.blocks == 8 and bytes(got.views[7][:4]) == b"\x07" * 4
+            with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics") as r:
+                text = r.read().decode()
+            if name == "group":
+                moved = re.search(r'^kvtier_moved_bytes_total\{direction="promote",tier="ssd"\} '
+                                  r'(\S+)', text, flags=re.M)
+                assert moved and float(moved.group(1)) > 0, "no promotion from SSD"
+            assert d.proc is not None
+            # the daemon (strace's child: a signal to strace would not reach it), by its lock
+            daemon_pid = int(json.loads((d.data_dir / "daemon.lock").read_text())["pid"])
+            os.kill(daemon_pid, signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while "reload" not in d.log().lower() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.kill(daemon_pid, signal.SIGTERM)
+            assert d.proc.wait(120) == 0, d.log()
+        finally:
+            d.kill()
+        writable = (str(d.data_dir), str(d.socket.parent), "/dev/shm/", "/dev/null", "/tmp/")
+        assert _sandbox_breaches(trace.read_text(), unit, writable, allowed) == [], name
+
+
+def test_print_config_of_the_shipped_config_works_without_its_group(tmp_path: Path) -> None:
+    """Defect: `kvtier serve --print-config` of deploy/kvtier.toml failed on a machine without
+    the group kvtier (a configuration is printed to be used on another machine). `serve` itself
+    still refuses a group this machine lacks, in one line."""
+    env = {**_env(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    missing = "kvtier-no-such-group"
+    for extra in ({}, {"KVTIER_GROUP": missing}):
+        proc = subprocess.run([sys.executable, "-m", "kvtier", "serve", "--config",
+                               str(DEPLOY / "kvtier.toml"), "--print-config"],
+                              env={**env, **extra}, capture_output=True, text=True, timeout=60,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr
+    assert f'group = "{missing}"' in proc.stdout
+    assert f"# (no group '{missing}' on this machine: kvtier serve refuses it here)" in proc.stdout
+    served = subprocess.run([sys.executable, "-m", "kvtier", "serve", "--config",
+                             str(DEPLOY / "kvtier.toml")], env={**env, "KVTIER_GROUP": missing},
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert served.returncode == 2
+    assert served.stderr.strip().splitlines() == [
+        f"kvtier serve: error: group (from environment variable KVTIER_GROUP): no group named "
+        f"'{missing}' on this machine (create it, or leave group empty)"]

@@ -58,7 +58,7 @@ def test_fp8_with_declared_scales():
 
 
 def test_dtypes():
-    assert [d.itemsize for d in DType] == [4, 2, 2, 1]
+    assert [d.itemsize for d in DType] == [4, 2, 2, 1, 1]  # fp32 bf16 fp16 fp8 int8
     assert LLAMA8.layout(dtype=DType.FP32).bytes_per_token() == 2 * 131_072
     assert DType.parse("bfloat16") is DType.BF16
     with pytest.raises(UsageError, match="unknown dtype 'int3'"):

@@ -257,3 +257,19 @@ def test_simulate_applies_the_write_budget_serve_enforces():
                  "--ssd-blocks", "2000",
                  "--ssd-admit-after", "1")
     assert "SSD writes refused by the write budget" in p.stdout
+
+
+def test_byte_capacity_counts_replicated_kv_once():
+    """Defect: a byte capacity was divided by every rank's copy of replicated KV (DeepSeek-V3
+    at TP 8: 3,819 blocks in 1 TiB), while kvtier stores one copy."""
+    proc = simulate("--workload", "chat", "--requests", "20", "--quiet", "--preset",
+                    "DeepSeek-V3", "--tp", "8", "--dram-bytes", "1TiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    cap = doc["capacity"]
+    # 512 tokens x 61 x (512 + 64) x 2 B = 35,979,264 B, stored once: 2^40 // that = 30,559
+    assert (cap["block_bytes"], cap["dram_blocks"]) == (35_979_264, 30_559)
+    assert "stores it once" in doc["block_note"]
+    table = simulate("--workload", "chat", "--requests", "20", "--quiet", "--preset",
+                     "DeepSeek-V3", "--tp", "8", "--dram-bytes", "1TiB")
+    assert "block: a 512-token block of DeepSeek-V3 at TP 8, bf16: 35,979,264 B" in table.stdout

@@ -258,3 +258,42 @@ def test_every_section_as_json_for_every_preset(name, capsys, tmp_path, monkeypa
     for key in ("tiers", "pd", "samples", "overload", "quantized", "hybrid", "gpu_memory"):
         assert r[key], key
     assert isinstance(r["tiers"]["tiers"]["dram"]["worth_it"], bool)
+
+
+def test_replicated_kv_is_counted_once_in_host_tiers():
+    """Defect: `size` charged every rank's copy of replicated KV to the host tiers, while the
+    connector stores one: DeepSeek-V3 at TP 8 in 1 TiB of DRAM read 1,955,808 tokens."""
+    proc = kvtier("--preset", "DeepSeek-V3", "--tp", "8", "--dram-bytes", "1TiB", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    # MLA: 61 x (512 + 64) x 2 B = 70,272 B/token on every rank, stored once;
+    # 2^40 // (16 x 70,272 = 1,124,352) = 977,906 blocks x 16 = 15,646,496 tokens
+    assert (r["kv_copies_stored"], r["block_bytes_stored"]) == (1, 1_124_352)
+    assert r["dram"]["tokens"] == 15_646_496
+    table = kvtier("--preset", "DeepSeek-V3", "--tp", "8", "--dram-bytes", "1TiB")
+    assert "15,646,496 tokens of the whole model (TP 8, replicated KV stored once)" in table.stdout
+    assert "kvtier stores it once" in table.stdout
+    # GQA beyond the KV heads: Llama-3-8B at TP 16 holds 8 shards of 16 KiB/token, each twice
+    r = json.loads(kvtier("--preset", "Llama-3-8B", "--tp", "16", "--dram-bytes", "1TiB",
+                          "--json").stdout)
+    assert (r["kv_copies_stored"], r["kv_bytes_per_token_stored"]) == (8, 131_072)
+    # 2^40 // (8 x 256 KiB) = 524,288 blocks x 16 = 8,388,608 tokens (TP 8 holds as many)
+    assert r["dram"]["tokens"] == 8_388_608
+
+
+@pytest.mark.parametrize(("preset", "tp"), [("DeepSeek-V3", 8), ("DeepSeek-V3", 2),
+                                             ("Llama-3-8B", 16), ("Llama-3-8B", 4),
+                                             ("Llama-3-8B", 1)])
+def test_stored_copies_are_the_ranks_the_connector_saves_from(preset, tp):
+    """`size` counts a block of the TP group as the vLLM connector stores it: one copy per
+    rank whose shard says `saves` (kvtier.integrations.vllm.layout.kv_shard)."""
+    from kvtier.core.layout import AttentionKind
+    from kvtier.core.presets import get_preset
+    from kvtier.integrations.vllm.layout import kv_shard
+
+    spec = get_preset(preset)
+    mla = spec.layers[0].kind is AttentionKind.MLA
+    savers = sum(kv_shard(tp, r, spec.num_kv_heads, replicated=mla).saves for r in range(tp))
+    layout = spec.layout(tp_size=tp)
+    assert layout.kv_copies == savers
+    assert layout.block_bytes_stored() == savers * layout.block_bytes()

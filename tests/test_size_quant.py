@@ -65,3 +65,30 @@ def test_cli_bad_input(capsys):
     assert "unknown scale layout 'x'" in capsys.readouterr().err
     with pytest.raises(UsageError):
         quantized_bytes(LLAMA8_FP8, ScaleLayout.PER_TOKEN, scale_bytes=0)
+
+
+def test_int8_is_named_int8_everywhere() -> None:
+    """Defect: `--dtype int8` sized int8 KV as fp8 and printed "fp8" in the layout line (and
+    gave it fp8's fingerprint)."""
+    import json
+    import subprocess
+    import sys
+
+    def size(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvtier", "size", "--preset", "Llama-3-8B",
+                               *args], capture_output=True, text=True, timeout=60)
+
+    table = size("--dtype", "int8")
+    assert table.returncode == 0, table.stderr
+    assert "fp8" not in table.stdout
+    assert "8 KV heads (8 on rank) x 128, int8, 16-token blocks" in table.stdout
+    as_int8 = json.loads(size("--dtype", "int8", "--json").stdout)
+    as_fp8 = json.loads(size("--dtype", "fp8", "--json").stdout)
+    assert as_int8["dtype"] == "int8" and "int8" in as_int8["model"]["layers"]
+    assert as_int8["kv_bytes_per_token"] == as_fp8["kv_bytes_per_token"] == 65_536  # 1 B each
+    assert as_int8["fingerprint"] != as_fp8["fingerprint"]
+    per_token = json.loads(size("--dtype", "int8", "--scale-layout", "per-token",
+                                "--json").stdout)
+    # vLLM's int8_per_token_head: a 4 B scale after each head's K and V, in the pages:
+    # 2 x 32 layers x 8 heads x (128 + 4) B = 67,584 B
+    assert per_token["kv_bytes_per_token"] == 67_584

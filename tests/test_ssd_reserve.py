@@ -26,6 +26,9 @@ def test_daemon_reserves_the_ssd_tier_at_start(tmp_path: Path) -> None:
         data = d.data_dir / "ssd" / "data.mdb"
         assert allocated(data) >= 64 * MiB
         assert "SSD tier 64 MiB" in d.log()
+        # the start line says what it took: 64 MiB x 1.25 + 64 MiB of LMDB map
+        assert "144 MiB reserved on disk" in d.log()
+        assert allocated(data) >= 144 * MiB
     finally:
         assert d.stop() == 0
 
@@ -46,3 +49,38 @@ def test_a_full_disk_is_found_at_start(tmp_path: Path) -> None:
     data = tmp_path / "data" / "ssd" / "data.mdb"
     assert not data.exists() or allocated(data) < 64 * MiB
     assert not (tmp_path / "data" / "kept.toml").exists()
+
+
+def test_shrinking_the_ssd_tier_gives_its_disk_back(tmp_path: Path) -> None:
+    """Defect: a smaller ssd_bytes evicted what no longer fit but the store's file kept its old
+    reservation (LMDB never shrinks a file), and no line said so. The daemon now rewrites the
+    file without its free pages at the start that shrinks the tier, reserves the new size, and
+    says what it gave back; the blocks that fit are still served."""
+    import numpy as np
+
+    from kvtier.client.sync_client import Client, LayoutDecl
+    from tests.daemon_fixture import wait_ssd_blocks
+
+    layout = LayoutDecl(fingerprint=b"shrink-layout-01", block_bytes=65536, block_tokens=16,
+                        model_id="shrink/model")
+    keys = [bytes([7, i]) * 16 for i in range(24)]
+    d = DaemonProc(tmp_path / "d", ["--ssd-admit-after", "1"]).start()
+    data = d.data_dir / "ssd" / "data.mdb"
+    try:
+        with Client(d.socket, layout=layout) as kv:
+            assert kv.store(keys, [np.full(65536, i, np.uint8) for i in range(24)]).stored == 24
+            assert wait_ssd_blocks(kv, 24) == 24
+    finally:
+        assert d.stop() == 0
+    assert allocated(data) >= 144 * MiB  # 64 MiB x 1.25 + 64 MiB
+    d.args += ["--ssd-bytes", "8MiB"]  # 8 MiB x 1.25 + 64 MiB = 74 MiB of map
+    d.start()
+    try:
+        assert allocated(data) <= 75 * MiB
+        line = next(ln for ln in d.log().splitlines() if "gave back" in ln)
+        assert "SSD tier: its file now reserves 74 MiB (was 144 MiB): gave back" in line, line
+        assert "74 MiB reserved on disk" in d.log()
+        with Client(d.socket, layout=layout) as kv:
+            assert kv.lookup(keys).hit_blocks == 24  # 1.5 MiB of blocks: all still fit
+    finally:
+        assert d.stop() == 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.commands.top_view import Sample, from_metrics, row, sparkline
+from kvtier.index.mrc import MIN_SAMPLES
 from tests.daemon_fixture import ROOT, DaemonProc
 from tests.fleet_load import load
 
@@ -75,6 +76,9 @@ def busy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
             deadline = time.monotonic() + 60
             while d.metric_sum("kvtier_blocks_hit_total") < 1:
                 assert time.monotonic() < deadline, "the load never hit"
+                time.sleep(0.1)
+            while d.metric_sum("kvtier_mrc_sampled_blocks_total") < MIN_SAMPLES:  # its curve
+                assert time.monotonic() < deadline + 60, "the MRC never warmed up"
                 time.sleep(0.1)
             yield d
     finally:
@@ -162,3 +166,66 @@ def test_live_view_in_tmux(busy: DaemonProc, tmp_path: Path,
         assert "EXITED 0" in text, text
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+def test_a_refused_token_is_said_not_called_no_daemon(tmp_path: Path) -> None:
+    """Defect: `kvtier top` without the token a daemon with tenants needs said "no kvtier daemon
+    at ..."; it names what the daemon answered and where the token goes."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tenants.a]\ntoken = "top-token-a1"\n')
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)]).start()
+    try:
+        env_token = os.environ.pop("KVTIER_TOKEN", None)
+        try:
+            out = kvtier("top", "--once", "--interval", "0.1", str(d.socket))
+            wrong = kvtier("top", "--once", "--interval", "0.1", "--token", "not-the-token",
+                           str(d.socket))
+        finally:
+            if env_token is not None:
+                os.environ["KVTIER_TOKEN"] = env_token
+        assert out.returncode == 2 and out.stdout == ""
+        assert out.stderr.splitlines() == [
+            f"kvtier top: error: {d.socket}: UNAUTHENTICATED: missing 'authorization: Bearer "
+            "<token>' metadata (give --token TOKEN or $KVTIER_TOKEN)"]
+        assert wrong.returncode == 2 and "UNAUTHENTICATED: unknown token" in wrong.stderr
+        ok = kvtier("top", "--once", "--interval", "0.1", "--token", "top-token-a1",
+                    str(d.socket))
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        d.stop()
+
+
+def test_mrc_is_absent_until_it_has_enough_samples(tmp_path: Path) -> None:
+    """Defect: before the MRC had `MIN_SAMPLES` sampled block references, /metrics and `top`
+    showed its hit ratios as 0.0 (charts and the rules built on them read zeros). Now the series
+    are absent, `kvtier_mrc_sampled_blocks_total` counts toward them, and `top` says it is
+    warming up; from `MIN_SAMPLES` on the curve is there."""
+    from kvtier.client.sync_client import Client, LayoutDecl
+
+    d = DaemonProc(tmp_path / "d").start()
+    try:
+        text = d.metrics_text()
+        assert "kvtier_mrc_hit_ratio{" not in text and "kvtier_mrc_dram_hit_ratio{" not in text
+        assert "kvtier_mrc_sampled_blocks_total 0.0" in text
+        url = f"http://127.0.0.1:{d.metrics_port}"
+        out = kvtier("top", "--json", "--interval", "0.1", str(d.socket), url)
+        assert out.returncode == 0, out.stderr
+        for r in json.loads(out.stdout):
+            assert r["mrc"] == {} and r["mrc_headroom"] == {} and r["mrc_samples"] == 0
+        table = kvtier("top", "--once", "--interval", "0.1", str(d.socket))
+        assert f"warming up (0 of {MIN_SAMPLES} sampled blocks)" in table.stdout
+        layout = LayoutDecl(fingerprint=b"mrc-warmup-fp-01", block_bytes=4096,
+                            block_tokens=16, model_id="mrc/warmup")
+        with Client(d.socket, layout=layout) as kv:
+            for n in range(8):  # chains of 512 keys, sampled (nearly all) at this size
+                if d.metric_sum("kvtier_mrc_sampled_blocks_total") >= MIN_SAMPLES:
+                    break
+                kv.lookup([(n * 512 + i).to_bytes(4, "big") * 8 for i in range(512)])
+        assert d.metric_sum("kvtier_mrc_sampled_blocks_total") >= MIN_SAMPLES
+        text = d.metrics_text()
+        assert 'kvtier_mrc_hit_ratio{factor="1",scaled="none"}' in text
+        out = kvtier("top", "--json", "--interval", "0.1", str(d.socket), url)
+        for r in json.loads(out.stdout):
+            assert len(r["mrc"]) >= 1 and r["mrc_samples"] >= MIN_SAMPLES
+    finally:
+        d.stop()

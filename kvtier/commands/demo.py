@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", metavar="TOKEN",
                         help="bearer token of an existing daemon (else $KVTIER_TOKEN)")
     parser.add_argument("--preset", dest="model", default="demo", metavar="NAME",
-                        help="reference model preset: tiny, demo (default) or bench")
+                        help="the demo's reference model (small, random weights, on the CPU): "
+                             "tiny, demo (default) or bench; not the models of kvtier size")
     from kvtier.commands.flags import alias
 
     alias(parser, "--model", "--preset", "model")
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.engine.local_daemon import LocalDaemon, daemon_alive
 
     cfg = get_config(args.model)
+    args.model = args.model.strip().lower()
     needed = args.system_tokens + args.turns * (USER_TOKENS + REPLY_TOKENS)
     if needed > cfg.max_positions:
         raise UsageError(f"the conversation reaches {needed} tokens; model {args.model!r} "

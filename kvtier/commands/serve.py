@@ -22,26 +22,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--print-config", action="store_true",
-        help="print the merged configuration as TOML (a file --config reads) and exit "
+        help="print the merged configuration as TOML (a file --config reads) and exit: what "
+             "was set, and fixed defaults; values derived on this machine commented out "
              "(default: off)",
     )
+    kept = _kept_here(str(here["data_dir"]))
     for s in SETTINGS:
         default = s.default_doc
-        if s.machine:
+        if s.name == "ssd_bytes" and kept is not None:
+            default += f"; {exact_size(kept[0])} here (kept in {kept[1]})"
+        elif s.machine:
             default += f"; {exact_size(int(here[s.name]))} here"
         metavar = {"size": "SIZE", "int": "N", "float": "X", "bool": "BOOL"}.get(s.kind, "VALUE")
         parser.add_argument(s.flag, dest=s.name, metavar=metavar,
                             help=f"{s.doc} (default: {default}; env {env_var(s.name)})")
 
 
+def _kept_here(data_dir: str) -> tuple[int, str] | None:
+    """The SSD size kept in this machine's default data dir and the file's path (None: none,
+    or one that cannot be read: `serve` itself then says why)."""
+    from pathlib import Path
+
+    from kvtier.core.errors import UsageError
+    from kvtier.daemon.config import KEPT_FILE, read_kept
+
+    where = Path(data_dir).expanduser()
+    try:
+        kept = read_kept(where)
+    except UsageError:
+        return None
+    return None if kept is None else (kept[0], str(where / KEPT_FILE))
+
+
 def run(args: argparse.Namespace) -> int:
     from kvtier.daemon import config
 
     flags = {s.name: getattr(args, s.name) for s in config.SETTINGS}
-    cfg = config.load(flags, config_path=args.config)
-    if args.print_config:
-        print(config.to_toml(cfg), end="")
+    if args.print_config:  # for this machine or another: a group only that one has is fine
+        cfg, trace = config.load_traced(flags, config_path=args.config, check_group=False)
+        print(config.to_toml(cfg, trace), end="")
         return 0
+    cfg = config.load(flags, config_path=args.config)
     from kvtier.daemon.reload import ConfigSource
     from kvtier.daemon.server import serve
 

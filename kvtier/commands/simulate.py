@@ -34,6 +34,11 @@ examples:
 """
 
 
+def _folded(name: str) -> str:
+    """A policy name in any case, as presets are (`--preset llama-3-8b`)."""
+    return name.strip().lower()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvtier.commands.flags import alias
     from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
@@ -65,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-bytes", metavar="SIZE", help="bytes of one 512-token block")
     parser.add_argument(
-        "--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+        "--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY, type=_folded,
         help=f"eviction and admission policy ({DEFAULT_POLICY})",
     )
     parser.add_argument("--ssd-admit-after", type=int, default=2, metavar="K",
@@ -121,10 +126,25 @@ def _block_bytes(args: argparse.Namespace) -> int | None:
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
     spec = read_hf_config(args.hf_config)
-    n = spec.layout(DType.parse(args.dtype), TRACE_BLOCK_TOKENS, args.tp).block_bytes_total()
+    n = spec.layout(DType.parse(args.dtype), TRACE_BLOCK_TOKENS, args.tp).block_bytes_stored()
     if n < 1:
         raise UsageError(f"{args.hf_config} stores no per-token KV; byte capacities mean nothing")
     return n
+
+
+def block_note(args: argparse.Namespace, block_bytes: int | None) -> str | None:
+    """What one trace block of the model is in kvtier, in words (None without a model)."""
+    if block_bytes is None or (args.preset is None and args.hf_config is None):
+        return None
+    from kvtier.commands.size import read_hf_config, stored_note
+    from kvtier.core.layout import DType
+    from kvtier.core.presets import get_preset
+    from kvtier.sim.trace import TRACE_BLOCK_TOKENS
+
+    spec = get_preset(args.preset) if args.preset is not None else read_hf_config(args.hf_config)
+    layout = spec.layout(DType.parse(args.dtype), TRACE_BLOCK_TOKENS, args.tp)
+    return (f"a {TRACE_BLOCK_TOKENS}-token block of {spec.name} at TP {args.tp}, "
+            f"{layout.dtype.value}: {block_bytes:,} B in kvtier = {stored_note(layout)}")
 
 
 def capacity(args: argparse.Namespace, tier: str, block_bytes: int | None,
@@ -204,8 +224,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--sweep-points must be >= 2, got {args.sweep_points}")
     requests, source = _load(args)
     show = not args.quiet and sys.stderr.isatty()
+    note = block_note(args, block_bytes)
     if fleet is not None:
-        return _print(simulate_fleet.run(args, fleet, requests, source, block_bytes, show))
+        return _print(simulate_fleet.run(args, fleet, requests, source, block_bytes, show, note))
 
     refs = flatten(requests)
     with progress_bar(len(requests), "replay", show) as bar:
@@ -220,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         belady(requests, config.total_blocks).prefix_hits,
     )
     doc = to_json(report)
+    doc["block_note"] = note
     if args.plot:
         from kvtier.sim.sweep import plot, run_sweep, sweep_configs, sweep_json
 
@@ -235,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
         doc["sweep"] = sweep_json(points)
         doc["plot"] = args.plot
     text = json.dumps(doc, indent=2) if args.json else format_table(report)
+    if note and not args.json:
+        text = f"{text}\nblock: {note}"
     if args.plot and not args.json:
         text += f"\nplot: {args.plot} ({len(doc['sweep'])} capacities)"
     return _print(text)

@@ -167,7 +167,11 @@ def saving(args: argparse.Namespace, block_bytes: int | None) -> tuple[Saving | 
         from kvtier.commands.size import read_hf_config
 
         spec = read_hf_config(args.hf_config)
-    cost = CostModel.from_spec(spec, tp=args.tp, dtype=DType.parse(args.dtype))
+    dtype = DType.parse(args.dtype)
+    cost = CostModel.from_spec(spec, tp=args.tp, dtype=dtype)
+    from kvtier.sim.trace import TRACE_BLOCK_TOKENS
+
+    rank_bytes = spec.layout(dtype, TRACE_BLOCK_TOKENS, args.tp).block_bytes()
     rates = RateBook().snapshot()
     if args.remote_bandwidth is not None:
         bw = parse_size(args.remote_bandwidth, "--remote-bandwidth").bytes
@@ -176,7 +180,7 @@ def saving(args: argparse.Namespace, block_bytes: int | None) -> tuple[Saving | 
                              f"{args.remote_bandwidth!r}")
         rates = rates._replace(remote_bytes_per_s=float(bw))
     name = f"{spec.name}, remote {rates.remote_bytes_per_s / 1e9:g} GB/s"
-    return planner_saving(cost, rates, max(1, block_bytes // args.tp)), name
+    return planner_saving(cost, rates, max(1, rank_bytes)), name
 
 
 def report(requests: list[Request], fleet: FleetConfig, source: str, distinct: int,
@@ -195,9 +199,9 @@ def report(requests: list[Request], fleet: FleetConfig, source: str, distinct: i
 
 
 def run(args: argparse.Namespace, fleet: FleetConfig, requests: list[Request], source: str,
-        block_bytes: int | None, show: bool) -> str:
+        block_bytes: int | None, show: bool, note: str | None = None) -> str:
     """The fleet replay's printed text (table or JSON); with --plot, every routing replayed
-    and drawn."""
+    and drawn. `note` says what a block of the model is in kvtier (`simulate.block_note`)."""
     from kvtier.sim.ceilings import flatten
     from kvtier.sim.fleet import ROUTINGS
     from kvtier.sim.fleet_report import compare_json, format_table, plot, to_json
@@ -206,6 +210,7 @@ def run(args: argparse.Namespace, fleet: FleetConfig, requests: list[Request], s
     distinct = len(set(flatten(requests)))
     main = report(requests, fleet, source, distinct, block_bytes, save, cost_name, show)
     doc = to_json(main)
+    doc["block_note"] = note
     if args.plot:
         every = [main if r == fleet.routing else report(
             requests, fleet._replace(routing=r), source, distinct, block_bytes, save,
@@ -218,7 +223,7 @@ def run(args: argparse.Namespace, fleet: FleetConfig, requests: list[Request], s
         doc["plot"] = args.plot
     if args.json:
         return json.dumps(doc, indent=2)
-    text = format_table(main)
+    text = format_table(main) + (f"\nblock: {note}" if note else "")
     if args.plot:
         rows = ", ".join(f"{r['routing']} {r['hit_ratio']:.1%} (imbalance {r['imbalance']:.2f})"
                          for r in doc["routings"])

@@ -41,6 +41,7 @@ from kvtier.core.sizing import (
     tier_capacity,
 )
 from kvtier.core.units import Size, parse_size
+from kvtier.core.weightquant import weight_bytes
 
 HELP = "KV bytes per token/block, GPU pool pages, workload fit and host-tier capacity"
 
@@ -134,8 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--weight-bytes-per-param",
         metavar="B",
-        default="2",
-        help="bytes per weight for the default (2 = bf16; ~0.53 for MXFP4 experts)",
+        help="bytes per weight for the default (2 = bf16; ~0.53 for MXFP4 experts) (default: "
+        "2, or what an --hf-config's quantization_config stores)",
     )
     g.add_argument(
         "--reserved",
@@ -285,14 +286,26 @@ def _kv_formula(layout: KVLayout) -> str:
     return " + ".join(parts) or "0 (no attention layers)"
 
 
+def stored_note(layout: KVLayout) -> str:
+    """How kvtier's host tiers count this layout's KV across the TP group, in words."""
+    tp, rep, copies = layout.tp_size, layout.kv_replication, layout.kv_copies
+    if rep == 1:
+        return f"TP {tp} x per rank: each rank holds its own shard"
+    if not layout.has_head_layers:
+        return (f"1 x per rank: all {tp} ranks hold the same latent (MLA); kvtier stores it "
+                "once (one rank saves it)")
+    return (f"{copies} shards x per rank: each KV-head shard is on {rep} ranks; kvtier stores "
+            "it once (vLLM connector: its first rank saves; SGLang stores every rank's)")
+
+
 def compute(a: argparse.Namespace) -> dict[str, Any]:
     """The whole answer as a JSON-ready dict (the `--json` output)."""
     spec, source, reading = _model(a)
-    dtype = DType.FP8 if size_quant.is_int8(a) else DType.parse(a.dtype)
+    dtype = DType.parse(a.dtype)
     tp = _count(a.tp, "--tp", 1)
     scale_bytes = _count(a.fp8_scale_bytes, "--fp8-scale-bytes", 0)
     per_token = a.scale_layout is not None and a.scale_layout.strip().lower() == "per-token"
-    if per_token and dtype is DType.FP8:
+    if per_token and dtype.quantized:
         scale_bytes = scale_bytes or _count(a.scale_bytes, "--scale-bytes", 1)
     layout = spec.layout(
         dtype=dtype,
@@ -306,8 +319,13 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
     if a.weights is not None:
         weights = parse_size(a.weights, "--weights").bytes
         weights_note = f"--weights {a.weights}"
+    elif (a.weight_bytes_per_param is None and a.params is None and reading is not None
+          and reading.quantization is not None):
+        quant = weight_bytes(reading.quantization, reading.params, a.hf_config)
+        weights = math.ceil(quant.bytes / tp)
+        weights_note = f"{quant.note}, / TP {tp}"
     else:
-        per = _fraction(a.weight_bytes_per_param, "--weight-bytes-per-param", 0.0, 8.0)
+        per = _fraction(a.weight_bytes_per_param or "2", "--weight-bytes-per-param", 0.0, 8.0)
         weights = math.ceil(spec.total_params * per / tp)
         weights_note = f"{spec.total_params:,} params x {per:g} B / TP {tp}"
         if spec.total_params == 0:
@@ -383,7 +401,7 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
             "total_params": spec.total_params,
             "active_params": spec.active_params,
         },
-        "dtype": "int8" if size_quant.is_int8(a) else dtype.value,
+        "dtype": dtype.value,
         "fp8_scale_bytes": layout.fp8_scale_bytes,
         "block_tokens": layout.block_tokens,
         "tp_size": layout.tp_size,
@@ -394,6 +412,10 @@ def compute(a: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token_total": layout.bytes_per_token_total(),
         "block_bytes": layout.block_bytes(),
         "block_bytes_total": layout.block_bytes_total(),
+        "kv_copies_stored": layout.kv_copies,
+        "kv_bytes_per_token_stored": layout.bytes_per_token_stored(),
+        "block_bytes_stored": layout.block_bytes_stored(),
+        "stored_note": stored_note(layout),
         "state_bytes_per_sequence": layout.state_bytes_per_sequence(),
         "page_bytes": page,
         "kv_groups": groups,

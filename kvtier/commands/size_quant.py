@@ -31,10 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def is_int8(a: argparse.Namespace) -> bool:
-    return str(a.dtype).strip().lower() == "int8"
-
-
 def compute(layout: KVLayout, a: argparse.Namespace) -> dict[str, Any] | None:
     dtype = str(a.dtype).strip().lower()
     if a.scale_layout is None and dtype not in QUANTIZED:

@@ -29,10 +29,12 @@ def render(r: dict[str, Any]) -> str:
         "",
         "KV per token",
         f"  per rank   {_b(r['kv_bytes_per_token'])} = {r['kv_formula']}",
-        f"  all ranks  {_b(r['kv_bytes_per_token_total'])} = TP {tp} x per rank",
+        f"  all ranks  {_b(r['kv_bytes_per_token_total'])} = TP {tp} x per rank (GPU memory)",
+        f"  in kvtier  {_b(r['kv_bytes_per_token_stored'])} = {r['stored_note']}",
         f"KV per block ({r['block_tokens']} tokens)",
         f"  per rank   {_b(r['block_bytes'])} = {r['block_tokens']} tokens x per-token bytes",
         f"  all ranks  {_b(r['block_bytes_total'])}",
+        f"  in kvtier  {_b(r['block_bytes_stored'])}",
     ]
     if r["state_bytes_per_sequence"]:
         lines.append(f"recurrent state per sequence (rank): {_b(r['state_bytes_per_sequence'])}")
@@ -81,7 +83,8 @@ def render(r: dict[str, Any]) -> str:
             lines += [
                 f"{name.upper()} tier     {t['unit']}",
                 f"  holds {t['blocks']:,} blocks of {format_bytes(r['block_bytes'])} (one rank's "
-                f"layout) = {t['tokens']:,} tokens of the whole model (TP {tp})",
+                f"layout) = {t['tokens']:,} tokens of the whole model (TP {tp}"
+                + (", replicated KV stored once)" if r["kv_copies_stored"] < tp else ")"),
             ]
     if r["tiers"]:
         lines += render_tiers(r["tiers"])

@@ -48,6 +48,7 @@ def _reader(source: str, token: str | None, timeout: float,
     from kvtier.commands import top_view
 
     if source.startswith(("http://", "https://")):
+        import urllib.error
         import urllib.parse
         import urllib.request
 
@@ -60,6 +61,8 @@ def _reader(source: str, token: str | None, timeout: float,
                 with urllib.request.urlopen(url, timeout=timeout) as r:
                     text = r.read().decode()
                 return top_view.from_metrics(source, t, text)
+            except urllib.error.HTTPError as exc:  # the endpoint answered, with an error
+                return top_view.down(source, t, f"HTTP {exc.code}: {exc.reason}", True)
             except (OSError, ValueError) as exc:
                 return top_view.down(source, t, str(exc))
 
@@ -81,7 +84,12 @@ def _reader(source: str, token: str | None, timeout: float,
         try:
             s = stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            return top_view.down(source, t, f"{exc.code().name}: {exc.details()}")
+            code = exc.code()
+            why = f"{code.name}: {exc.details()}"
+            if code is grpc.StatusCode.UNAUTHENTICATED:
+                why += " (give --token TOKEN or $KVTIER_TOKEN)"
+            unreached = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return top_view.down(source, t, why, answered=not unreached)
         return top_view.from_stats(source, t, s)
 
     return read_socket
@@ -125,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     if not any(r.ok for r in first):  # nothing answers: one line, as `kvtier stats` says it
         from kvtier.client.sync_client import no_daemon
 
+        refused = [s for s in prev if s is not None and s.answered]
+        if refused:  # a daemon is there and said no: say what it said
+            raise UsageError("; ".join(f"{_where(s.source)}: {s.error}" for s in refused))
         if len(sources) == 1:
             raise UsageError(no_daemon(_where(sources[0])).details)
         raise UsageError(f"no kvtier daemon answers at any of {', '.join(sources)} "

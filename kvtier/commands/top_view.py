@@ -4,7 +4,8 @@ A `Sample` is one reading of one daemon, from its /metrics text (`from_metrics`:
 its Stats RPC (`from_stats`: no traffic or planner counters, which only /metrics has). `Row`
 compares two samples of a source: the hit ratio over the interval and since start, its trend,
 tier fill, lookups/s, traffic, leases, the planner's decisions over the interval, and the MRC's
-headroom (the best gain in hit-ratio points from 2x..8x DRAM or SSD).
+headroom (the best gain in hit-ratio points from 2x..8x DRAM or SSD), or that the MRC is still
+warming up (fewer than `MIN_SAMPLES` sampled blocks: no curve yet, never a curve of zeros).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from kvtier.index.mrc import MIN_SAMPLES
 
 SPARK = "▁▂▃▄▅▆▇█"
 ACTIONS = ("use_hbm", "fetch_dram", "fetch_ssd", "recompute")
@@ -37,10 +40,13 @@ class Sample:
     mrc: dict[tuple[str, float], float] = field(default_factory=dict)
     writeback_dropped: float = 0.0
     checksum_failures: float = 0.0
+    mrc_samples: float | None = None  # block references the MRC has sampled (None: unknown)
+    answered: bool = False  # a failed reading the daemon refused (reached, not down)
 
 
-def down(source: str, t: float, error: str) -> Sample:
-    return Sample(source, t, False, error)
+def down(source: str, t: float, error: str, answered: bool = False) -> Sample:
+    """A failed reading; `answered`: the daemon was reached and refused (a bad token, say)."""
+    return Sample(source, t, False, error, answered=answered)
 
 
 def from_metrics(source: str, t: float, text: str) -> Sample:
@@ -76,6 +82,8 @@ def from_metrics(source: str, t: float, text: str) -> Sample:
                 add("plan", lb["action"], v)
             elif name == "kvtier_mrc_hit_ratio":
                 mrc[(lb["scaled"], float(lb["factor"]))] = v
+            elif name == "kvtier_mrc_sampled_blocks_total":
+                sums[name] = v
             elif name == "kvtier_build_info":
                 version = lb.get("version", "")
     hits = by.get("hit", {})
@@ -87,6 +95,7 @@ def from_metrics(source: str, t: float, text: str) -> Sample:
         plan_decisions=by.get("plan", {}), mrc=mrc,
         writeback_dropped=sums.get("kvtier_writeback_dropped_total", 0.0),
         checksum_failures=sums.get("kvtier_checksum_failures_total", 0.0),
+        mrc_samples=sums.get("kvtier_mrc_sampled_blocks_total"),
     )
 
 
@@ -99,9 +108,11 @@ def from_stats(source: str, t: float, s: Any) -> Sample:
         source, t, True, version=s.version, lookups=float(s.lookups),
         blocks_hit=float(s.blocks_hit), blocks_missed=float(s.blocks_missed),
         capacity_bytes=cap, used_bytes=used, leases={"all": float(s.active_leases)},
-        mrc={(p.scaled, float(p.factor)): float(p.hit_ratio) for p in s.mrc},
+        mrc={(p.scaled, float(p.factor)): float(p.hit_ratio) for p in s.mrc
+             if s.mrc_sampled_blocks >= MIN_SAMPLES},  # (an older daemon sends zeros early)
         writeback_dropped=float(s.writeback_dropped),
         checksum_failures=float(s.checksum_failures),
+        mrc_samples=float(s.mrc_sampled_blocks) if s.node_wide else None,
     )
 
 
@@ -122,6 +133,7 @@ class Row(NamedTuple):
     mrc_headroom: dict[str, float]  # "dram", "ssd" -> best gain (points) over `none x1`
     writeback_dropped: float
     checksum_failures: float
+    mrc_samples: float | None = None  # block references the MRC has sampled (None: unknown)
 
 
 def _ratio(hit: float, missed: float) -> float | None:
@@ -167,7 +179,7 @@ def row(prev: Sample | None, cur: Sample, trend: Sequence[float] = ()) -> Row:
     return Row(cur.source, True, "", cur.version, interval,
                _ratio(cur.blocks_hit, cur.blocks_missed), new_trend[-60:], fill, lookups,
                traffic, dict(sorted(cur.leases.items())), share, mrc, headroom,
-               cur.writeback_dropped, cur.checksum_failures)
+               cur.writeback_dropped, cur.checksum_failures, cur.mrc_samples)
 
 
 def sparkline(values: Sequence[float], width: int = 20) -> str:
@@ -215,6 +227,8 @@ def _cells(r: Row) -> list[str]:
         planner = " ".join(f"{a.removeprefix('fetch_')} {r.plan_share[a]:.0%}"
                            for a in ACTIONS if r.plan_share[a])
     head = " ".join(f"{k} x2+: {100 * v:+.1f} pts" for k, v in r.mrc_headroom.items())
+    if not r.mrc and r.mrc_samples is not None and r.mrc_samples < MIN_SAMPLES:
+        head = f"warming up ({r.mrc_samples:.0f} of {MIN_SAMPLES} sampled blocks)"
     problems = []
     if r.writeback_dropped:
         problems.append(f"{r.writeback_dropped:g} write-backs dropped")

@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.core.errors import UsageError
 from kvtier.core.layout import LayerSpec
@@ -110,6 +110,22 @@ _QWEN_WINDOWED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 
 
+class ParamParts(NamedTuple):
+    """A model's weights by what quantization methods treat differently (counts, all ranks):
+    `linear` the projections of attention, dense MLPs and shared experts; `experts` the routed
+    experts' weight matrices; `embeddings` the input table and an untied output head; `other`
+    norms, biases, routers and attention sinks (never quantized)."""
+
+    linear: int = 0
+    experts: int = 0
+    embeddings: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.experts + self.embeddings + self.other
+
+
 @dataclass(frozen=True, slots=True)
 class ConfigReading:
     """A config read the vLLM way: the spec, and what the spec alone cannot say.
@@ -126,6 +142,10 @@ class ConfigReading:
     chunked_layers: int = 0
     chunk_size: int = 0
     state_dtype_bytes: int = 0
+    params: ParamParts = ParamParts(0, 0, 0, 0)  # noqa: RUF009 (an immutable tuple)
+    """The parameter estimate by kind of weight (sums to `spec.total_params`)."""
+    quantization: Mapping[str, Any] | None = None
+    """The config's `quantization_config` (None when the checkpoint is not quantized)."""
 
 
 class _Config:
@@ -229,7 +249,11 @@ def read_config(
         else:
             kinds = _layer_kinds(c, layers)
     vocab = c.count("vocab_size")
-    total, active = estimate_params(c, layers, hidden, heads, kv_heads, head_dim, vocab)
+    parts, active = _estimate(c, layers, hidden, heads, kv_heads, head_dim, vocab)
+    total = parts.total
+    quant = doc.get("quantization_config")
+    if quant is not None and not isinstance(quant, Mapping):
+        raise UsageError(f"{path}: 'quantization_config' must be a JSON object, got {quant!r}")
     inter, experts = _mlp_shape(c, hidden)
     name = str(c.get("_name_or_path") or default_name or "custom")
     spec = ModelSpec(
@@ -248,7 +272,7 @@ def read_config(
         active_experts=experts,
     )
     rules = tuple(dict.fromkeys(c.rules))
-    return ConfigReading(spec, c.model_type, rules, chunked, chunk, state_bytes)
+    return ConfigReading(spec, c.model_type, rules, chunked, chunk, state_bytes, parts, quant)
 
 
 def _mlp_shape(c: _Config, hidden: int) -> tuple[int, int]:
@@ -444,6 +468,14 @@ def estimate_params(
     c: _Config, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, vocab: int
 ) -> tuple[int, int]:
     """(total, active) parameters from the config's dimensions; see `kvtier.core.presets`."""
+    parts, active = _estimate(c, layers, hidden, heads, kv_heads, head_dim, vocab)
+    return parts.total, active
+
+
+def _estimate(
+    c: _Config, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, vocab: int
+) -> tuple[ParamParts, int]:
+    """The total by kind of weight (`ParamParts`), and the active count."""
     mt = c.model_type
     bias = 1 if c.get("attention_bias") else 0
     if c.get("kv_lora_rank") is not None:
@@ -452,35 +484,43 @@ def estimate_params(
         v_dim = c.count("v_head_dim", default=nope)
         q_rank = c.get("q_lora_rank")
         q = hidden * heads * (nope + rope)
+        small = rank  # kv_a_layernorm
         if q_rank:
-            q = hidden * q_rank + q_rank + q_rank * heads * (nope + rope)
-        attn = q + hidden * (rank + rope) + rank + rank * heads * (nope + v_dim)
-        attn += heads * v_dim * hidden
+            q = hidden * q_rank + q_rank * heads * (nope + rope)
+            small += q_rank  # q_a_layernorm
+        attn_w = q + hidden * (rank + rope) + rank * heads * (nope + v_dim)
+        attn_w += heads * v_dim * hidden
     else:
         q_out, kv_out = heads * head_dim, kv_heads * head_dim
         gate = q_out if mt == "qwen3_next" else 0  # gated attention: q_proj also emits a gate
-        attn = hidden * (q_out + gate + 2 * kv_out) + q_out * hidden
-        attn += bias * (q_out + 2 * kv_out + hidden)
+        attn_w = hidden * (q_out + gate + 2 * kv_out) + q_out * hidden
+        small = bias * (q_out + 2 * kv_out + hidden)
         if mt in ("qwen2", "qwen2_moe"):
-            attn += q_out + 2 * kv_out  # q, k, v biases (hard-coded in Qwen2)
+            small += q_out + 2 * kv_out  # q, k, v biases (hard-coded in Qwen2)
         if mt in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "gemma3"):
-            attn += 2 * head_dim  # q_norm, k_norm
+            small += 2 * head_dim  # q_norm, k_norm
         if mt == "gpt_oss":
-            attn += heads
+            small += heads  # attention sinks
+    attn = attn_w + small
     norms = (4 if mt in ("gemma2", "gemma3_text", "gemma3") else 2) * hidden
     inter = c.count("intermediate_size", default=4 * hidden)
     experts = c.count("num_local_experts", "num_experts", "n_routed_experts", default=0, minimum=0)
     dense_mlp = 3 * hidden * inter
     linear = _gated_deltanet_params(c, hidden) if mt == "qwen3_next" else 0
     types = _mixer_types(c, layers)
-    total = active = 0
+    n_linear = sum(types)
+    n_attn = layers - n_linear
+    parts = ParamParts(
+        linear=n_attn * attn_w + n_linear * linear,
+        other=n_attn * small + layers * norms,
+    )
+    active = 0
     if experts:
         moe_inter = c.count("moe_intermediate_size", default=inter)
-        per_expert = 3 * hidden * moe_inter
-        if mt == "gpt_oss":
-            per_expert += 2 * moe_inter + hidden
+        expert_w = 3 * hidden * moe_inter
+        per_expert = expert_w + (2 * moe_inter + hidden if mt == "gpt_oss" else 0)
         top_k = c.count("num_experts_per_tok", "experts_per_token")
-        shared = c.count("n_shared_experts", default=0, minimum=0) * per_expert
+        shared = c.count("n_shared_experts", default=0, minimum=0) * expert_w
         shared_inter = c.count("shared_expert_intermediate_size", default=0, minimum=0)
         if shared_inter:
             shared += 3 * hidden * shared_inter + hidden
@@ -496,21 +536,23 @@ def estimate_params(
             common = (linear if types[i] else attn) + norms
             if i < dense_first or (mt == "llama4_text" and (i + 1) % moe_step):
                 mlp = 3 * hidden * dense_inter if mt == "llama4_text" else dense_mlp
-                total += common + mlp
                 active += common + mlp
+                parts = parts._replace(linear=parts.linear + mlp)
             else:
-                total += common + experts * per_expert + shared + router
                 active += common + top_k * per_expert + shared + router
+                parts = parts._replace(
+                    linear=parts.linear + shared,
+                    experts=parts.experts + experts * expert_w,
+                    other=parts.other + experts * (per_expert - expert_w) + router,
+                )
     else:
-        for i in range(layers):
-            total += (linear if types[i] else attn) + norms + dense_mlp
-        active = total
+        active = n_attn * attn + n_linear * linear + layers * (norms + dense_mlp)
+        parts = parts._replace(linear=parts.linear + layers * dense_mlp)
     embed = vocab * hidden
     tied = c.field("tie_word_embeddings")
     head = 0 if tied else vocab * hidden
-    total += embed + head + hidden
     active += head + hidden if head else embed + hidden
-    return total, active
+    return parts._replace(embeddings=embed + head, other=parts.other + hidden), active
 
 
 def _mixer_types(c: _Config, layers: int) -> list[bool]:

@@ -14,6 +14,8 @@ kv_heads % tp == 0 (tp <= kv_heads) or tp % kv_heads == 0 (tp > kv_heads); anyth
 `UsageError`. MLA latents are not split (vLLM keeps the full latent on every rank).
 
 Contracts for consumers:
+- `bytes_per_token_stored()` / `block_bytes_stored()` are what kvtier's host tiers hold for
+  the whole TP group: one copy of each distinct shard (replicas are stored once).
 - `bytes_per_token()` / `block_bytes()` are per rank and cover every attention layer, windowed ones
   included (a kvtier block carries the block's tokens for all layers); recurrent state is
   per sequence (`state_bytes_per_sequence()`) and is never part of a block.
@@ -45,12 +47,19 @@ class AttentionKind(enum.Enum):
 
 
 class DType(enum.Enum):
-    """KV element type; `.itemsize` is bytes per element. FP8 is e4m3 (vLLM's "fp8")."""
+    """KV element type; `.itemsize` is bytes per element. FP8 is e4m3 (vLLM's "fp8"); INT8 is
+    vLLM's int8 KV (`int8_per_token_head`)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
     FP8 = "fp8"
+    INT8 = "int8"
+
+    @property
+    def quantized(self) -> bool:
+        """One byte per element with scales (fp8, int8)."""
+        return self in (DType.FP8, DType.INT8)
 
     @property
     def itemsize(self) -> int:
@@ -67,7 +76,7 @@ class DType(enum.Enum):
             raise UsageError(f"unknown dtype {text!r} (choose from {names})") from None
 
 
-_ITEMSIZE = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1}
+_ITEMSIZE = {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1, DType.INT8: 1}
 _DTYPE_ALIASES = {
     "float32": "fp32",
     "bfloat16": "bf16",
@@ -216,8 +225,8 @@ class KVLayout:
             raise UsageError(f"dtype must be a DType, got {self.dtype!r}")
         if self.tp_rank >= self.tp_size:
             raise UsageError(f"TP rank {self.tp_rank} is out of range for TP size {self.tp_size}")
-        if self.fp8_scale_bytes and self.dtype is not DType.FP8:
-            raise UsageError("fp8 scale bytes are only meaningful with dtype fp8")
+        if self.fp8_scale_bytes and not self.dtype.quantized:
+            raise UsageError("scale bytes are only meaningful with dtype fp8 or int8")
         if self.has_head_layers:
             shards(self.num_kv_heads, self.tp_size, "KV heads")
         for layer in self.layers:
@@ -265,6 +274,17 @@ class KVLayout:
             return self.tp_size
         return self.tp_size // shards(self.num_kv_heads, self.tp_size, "KV heads")
 
+    @property
+    def kv_copies(self) -> int:
+        """Distinct copies of the KV across the TP group: tp_size / kv_replication (1 for MLA).
+
+        A replicated shard is the same bytes on every rank that holds it, so kvtier keeps one
+        copy of it (vLLM's connector: only the shard's first rank stores,
+        `kvtier.integrations.vllm.layout.kv_shard`); host tiers hold `kv_copies` blocks per
+        block of tokens, not `tp_size`.
+        """
+        return self.tp_size // self.kv_replication
+
     def layer_token_bytes(self, layer: LayerSpec) -> int:
         """Bytes one token occupies in `layer` on this rank (0 for recurrent layers)."""
         elem = self.dtype.itemsize
@@ -292,12 +312,21 @@ class KVLayout:
         """
         return self.tp_size * self.bytes_per_token()
 
+    def bytes_per_token_stored(self) -> int:
+        """KV bytes one token occupies in kvtier's host tiers for the whole TP group: one copy
+        of each distinct shard (`kv_copies` x per rank; replicas are stored once)."""
+        return self.kv_copies * self.bytes_per_token()
+
     def block_bytes(self) -> int:
         """Bytes of one block (`block_tokens` tokens, all attention layers) on this rank."""
         return self.block_tokens * self.bytes_per_token()
 
     def block_bytes_total(self) -> int:
         return self.tp_size * self.block_bytes()
+
+    def block_bytes_stored(self) -> int:
+        """One block's bytes in kvtier's host tiers for the whole TP group (replicas once)."""
+        return self.kv_copies * self.block_bytes()
 
     def state_bytes_per_sequence(self) -> int:
         """Recurrent state one sequence keeps on this rank, whatever its length."""

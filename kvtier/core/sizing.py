@@ -27,7 +27,8 @@ and `platforms/interface.py` `_align_hybrid_block_size`):
   allocates; "+1" because the window need not start at a block boundary. So a window caps only
   its own layers; full layers of the same model keep growing.
 - The pool: usable = device x utilization - weights - reserved; pool pages = floor(usable / page).
-Host tiers hold whole kvtier blocks (every attention layer of `block_tokens` tokens, one rank).
+Host tiers hold whole kvtier blocks (every attention layer of `block_tokens` tokens, one rank),
+one copy of each distinct TP shard.
 """
 
 from __future__ import annotations
@@ -235,7 +236,9 @@ class TierCapacity(NamedTuple):
     """What a host tier of `capacity_bytes` holds in kvtier blocks.
 
     `blocks`: blocks of one rank's layout (block_bytes each). `tokens`: tokens whose KV for the
-    whole TP group fits (every rank's share, replicas included), in whole blocks.
+    whole TP group fits, in whole blocks, counting what kvtier stores: one copy of each distinct
+    shard (`KVLayout.block_bytes_stored`; a replicated shard, MLA's latent or heads beyond the
+    KV head count, is stored once, not once per rank).
     """
 
     capacity_bytes: int
@@ -249,7 +252,7 @@ def tier_capacity(layout: KVLayout, capacity_bytes: int) -> TierCapacity:
     block = layout.block_bytes()
     if block == 0:
         return TierCapacity(capacity_bytes, 0, 0)
-    group_blocks = capacity_bytes // layout.block_bytes_total()
+    group_blocks = capacity_bytes // layout.block_bytes_stored()
     return TierCapacity(capacity_bytes, capacity_bytes // block, group_blocks * layout.block_tokens)
 
 

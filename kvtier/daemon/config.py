@@ -52,7 +52,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import CONFIG_FILE, SOCKET_NAME, config_dirs, runtime_dir
@@ -65,7 +65,8 @@ from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 if TYPE_CHECKING:
     from kvtier.daemon.cache.spec import CacheSpec
 
-__all__ = ["SETTINGS", "Config", "Setting", "env_var", "load", "parse_bytes", "to_toml"]
+__all__ = ["SETTINGS", "Config", "Setting", "Trace", "env_var", "load", "load_traced",
+           "parse_bytes", "to_toml"]
 
 GiB = 1 << 30
 KiB = 1 << 10
@@ -169,16 +170,24 @@ def _ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _free_bytes(path: Path) -> int:
+def free_bytes(path: Path) -> int:
+    """Free bytes of the filesystem that holds `path` (or would: its nearest existing parent)."""
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return shutil.disk_usage(probe).free
 
 
+MIN_DEFAULT_SSD_BYTES = 64 * MiB
+"""Below this a default SSD tier is off (0): its reservation (1.25 x its size + 64 MiB) would
+take most of a small disk, or not fit at all."""
+
+
 def default_ssd_bytes(data_dir: Path) -> int:
-    """The first start's SSD size: a quarter of the free disk under `data_dir`, at most 16 GiB."""
-    return min(_free_bytes(data_dir) // 4, 16 * GiB)
+    """The first start's SSD size: a quarter of the free disk under `data_dir`, at most 16 GiB;
+    0 (no SSD tier) when that is under `MIN_DEFAULT_SSD_BYTES` (a disk under 256 MiB free)."""
+    size = min(free_bytes(data_dir) // 4, 16 * GiB)
+    return size if size >= MIN_DEFAULT_SSD_BYTES else 0
 
 
 def _data_dir(env: Mapping[str, str]) -> Path:
@@ -216,7 +225,8 @@ SETTINGS: tuple[Setting, ...] = (
        "$XDG_DATA_HOME/kvtier, else ~/.local/share/kvtier", _not_empty),
     _S("ssd_bytes", "size", lambda env: default_ssd_bytes(_data_dir(env)),
        "SSD tier cap, e.g. 64GiB (0 = no SSD tier)",
-       "the size kept in <data-dir>/kept.toml, else min(free disk / 4, 16 GiB)", machine=True),
+       "the size kept in <data-dir>/kept.toml, else min(free disk / 4, 16 GiB), off below "
+       "64 MiB", machine=True),
     _S("metrics", "text", "127.0.0.1:9464", "HOST:PORT of /metrics ('' = off, port 0 = any)",
        "127.0.0.1:9464", _host_port),
     _S("tokens_file", "text", "", "TOML file of tenants and tokens (example: deploy/tokens.toml)",
@@ -232,7 +242,7 @@ SETTINGS: tuple[Setting, ...] = (
     _S("ssd_admit_after", "int", 2, "write a block to SSD from its k-th access", "2",
        _at_least(1)),
     _S("policy", "text", DEFAULT_POLICY, "prefix-index eviction/admission policy (kvtier, lru, "
-       "vllm-arc, ...)", DEFAULT_POLICY, _one_of(lambda: POLICIES)),
+       "vllm-arc, ...; any case)", DEFAULT_POLICY, _one_of(lambda: POLICIES, fold=True)),
     _S("ssd_dwpd", "float", 1.0, "SSD writes per day in units of --ssd-bytes", "1.0",
        _between(0, 100, " drive writes per day", low_open=True)),
     _S("ssd_write_bytes_per_day", "size", 0, "SSD write budget, e.g. 500GiB",
@@ -280,6 +290,24 @@ SETTINGS: tuple[Setting, ...] = (
 BY_NAME = {s.name: s for s in SETTINGS}
 SECRETS = frozenset(s.name for s in SETTINGS if s.secret)
 """Settings `to_toml` (`--print-config`) never prints."""
+OTHER_VARIABLES = frozenset({
+    "KVTIER_CONFIG",  # the config file (`load`)
+    "KVTIER_TOKEN",  # clients: kvtier stats/top/demo's bearer token
+    "KVTIER_TRANSFER_CALIBRATION", "KVTIER_KERNELS_DIR",  # engines' transfer engine, kernels
+    "KVTIER_MEMORY_LIMIT_BYTES", "KVTIER_BIN", "KVTIER_PIP_ARGS",  # deploy/: image, install
+    # the project's own scripts, tests and benchmarks (bin/, scripts/, tests/, bench/)
+    "KVTIER_VENV", "KVTIER_SGLANG_VENV", "KVTIER_BENCH_VENV", "KVTIER_SGLANG_PYTHON",
+    "KVTIER_SGLANG", "KVTIER_REQUIRE_ALL", "KVTIER_REQUIRE_PROMETHEUS", "KVTIER_REQUIRE_SGLANG",
+    "KVTIER_REQUIRE_REDIS", "KVTIER_NESTED_PYTEST", "KVTIER_TRACES_DIR", "KVTIER_TRACE",
+    "KVTIER_TEST_VLLM_LOG", "KVTIER_SGLANG_UNITS_DEBUG",
+})
+"""`KVTIER_*` variables that are not settings but that kvtier, its deploy files or its own
+scripts read: `load` refuses any other (a misspelt setting must not be silently ignored)."""
+ZERO_DERIVES = frozenset({"writeback_queue_bytes", "ssd_write_bytes_per_day",
+                          "ssd_write_burst_bytes", "remote_write_bytes_per_s",
+                          "remote_write_burst_bytes", "remote_queue_bytes"})
+"""Settings whose 0 (their default) means "derive from the others": `Config` holds the derived
+value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,16 +440,36 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return {k: v for k, v in section.items() if k != "serve"}
 
 
+class Trace(NamedTuple):
+    """Where a loaded configuration's values came from: `origin` per setting ("defaults" when
+    nothing set it), and `given`, each set setting's value as given (before any derivation)."""
+
+    origin: dict[str, str]
+    given: dict[str, object]
+
+
 def load(
     flags: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
     config_path: str | None = None,
 ) -> Config:
     """Merges defaults < TOML < env < flags (flags whose value is None are unset) and validates."""
+    return load_traced(flags, env, config_path)[0]
+
+
+def load_traced(
+    flags: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_path: str | None = None,
+    check_group: bool = True,
+) -> tuple[Config, Trace]:
+    """`load`, and where each value came from (for `to_toml`). `check_group=False` accepts a
+    group this machine lacks (a configuration printed here for another machine)."""
     env = os.environ if env is None else env
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     merged: dict[str, object] = dict(defaults(env))
     origin = dict.fromkeys(merged, "defaults")
+    given: dict[str, object] = {}
     path = config_path or env.get("KVTIER_CONFIG")
     if not path:
         found = [d / CONFIG_FILE for d in config_dirs(env) if (d / CONFIG_FILE).is_file()]
@@ -429,11 +477,13 @@ def load(
     if path:
         for key, value in _read_toml(Path(path)).items():
             _set(merged, origin, key, value, f"config file {path}")
+    _refuse_unknown_variables(env)
     for key in _FIELDS:
         if env_var(key) in env:
             _set(merged, origin, key, env[env_var(key)], f"environment variable {env_var(key)}")
     for key, value in flags.items():
         _set(merged, origin, key, value, f"flag --{key.replace('_', '-')}")
+    given.update((k, merged[k]) for k, where in origin.items() if where != "defaults")
     if origin["ssd_bytes"] == "defaults":  # sized for the data dir actually configured
         data = Path(str(merged["data_dir"])).expanduser()
         kept = read_kept(data)
@@ -441,7 +491,21 @@ def load(
             merged["ssd_bytes"], origin["ssd_bytes"] = kept
         else:
             merged["ssd_bytes"] = default_ssd_bytes(data)
-    return _validate(merged, origin)
+    return _validate(merged, origin, check_group), Trace(origin, given)
+
+
+def _refuse_unknown_variables(env: Mapping[str, str]) -> None:
+    """A `KVTIER_*` variable that is neither a setting's nor in `OTHER_VARIABLES` is a
+    `UsageError` (a misspelt setting, silently ignored, would leave its default in force)."""
+    known = {env_var(name) for name in _FIELDS} | OTHER_VARIABLES
+    unknown = sorted(k for k in env if k.startswith("KVTIER_") and k not in known)
+    if not unknown:
+        return
+    near = closest(unknown[0].removeprefix("KVTIER_").lower(), _FIELDS)
+    hint = f"; did you mean {env_var(near)}?" if near else ""
+    others = f" (and {', '.join(unknown[1:])})" if unknown[1:] else ""
+    raise UsageError(f"unknown environment variable {unknown[0]}{others}{hint} (the settings' "
+                     "variables are listed by kvtier serve --help; unset it)")
 
 
 def env_var(setting: str) -> str:
@@ -488,27 +552,57 @@ def write_kept(data_dir: Path, ssd_bytes: int) -> None:
     os.replace(tmp, path)
 
 
-def to_toml(cfg: Config) -> str:
-    """`cfg` as a TOML file that `load(config_path=...)` reads back into an equal Config."""
+def to_toml(cfg: Config, trace: Trace | None = None) -> str:
+    """`cfg` as a TOML file that `load(config_path=...)` reads back into an equal Config here.
+
+    With `trace` (`load_traced`), what was set (a flag, a variable, the file) is printed as set
+    and a fixed default as it is, but a value derived on this machine (its sizes and paths, the
+    SSD size kept in its data dir, a budget or queue derived from other settings) is printed
+    commented out, marked "# derived: ...": the file then behaves the same on another machine.
+    Without `trace` every value is printed."""
     lines = ["# kvtier serve configuration (kvtier serve --print-config); use with --config"]
+    if trace is not None:
+        lines.append("# Lines marked '# derived:' were worked out on this machine (from its "
+                     "memory, disk, paths\n# or other settings) and are left to be worked out "
+                     "again where this file is used.")
     for setting in SETTINGS:
-        value = getattr(cfg, setting.name)
+        name = setting.name
+        value = getattr(cfg, name)
         if value and setting.secret:
-            lines.append(f"# {setting.name} is set (not printed; give it again to use this file)")
+            lines.append(f"# {name} is set (not printed; give it again to use this file)")
             continue
-        if setting.kind == "size":
-            text = json.dumps(exact_size(int(value))) if value else "0"
-        elif setting.kind == "bool":
-            text = "true" if value else "false"
-        elif setting.kind in ("int", "float"):
-            text = str(value)
+        if trace is None:
+            lines.append(f"{name} = {_toml_value(setting, value)}  # {setting.doc}")
+            continue
+        origin = trace.origin[name]
+        given = trace.given.get(name)
+        if name in ZERO_DERIVES and given == 0 and value != 0:
+            lines.append(f"{name} = 0  # {setting.doc} (derived here: "
+                         f"{_toml_value(setting, value)})")
+        elif name in trace.given and not origin.endswith("kept from an earlier start"):
+            lines.append(f"{name} = {_toml_value(setting, value)}  # {setting.doc}")
+        elif callable(setting.default) or origin != "defaults" or (
+                name in ZERO_DERIVES and value != 0):
+            why = origin if origin != "defaults" else setting.default_doc
+            lines.append(f"# {name} = {_toml_value(setting, value)}  # derived: {why}")
         else:
-            text = json.dumps(str(value))  # a JSON string is a valid TOML basic string
-        lines.append(f"{setting.name} = {text}  # {setting.doc}")
+            lines.append(f"{name} = {_toml_value(setting, value)}  # {setting.doc}")
+        if name == "group" and value and _group(str(value)):
+            lines.append(f"# (no group {value!r} on this machine: kvtier serve refuses it here)")
     return "\n".join(lines) + "\n"
 
 
-def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
+def _toml_value(setting: Setting, value: object) -> str:
+    if setting.kind == "size":
+        return json.dumps(exact_size(int(cast(int, value)))) if value else "0"
+    if setting.kind == "bool":
+        return "true" if value else "false"
+    if setting.kind in ("int", "float"):
+        return str(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def _validate(v: dict[str, object], origin: dict[str, str], check_group: bool = True) -> Config:
     def bad(name: str, why: str) -> UsageError:
         return UsageError(f"{name} (from {origin[name]}): {why}")
 
@@ -549,7 +643,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
     if bool(v["tls_cert"]) != bool(v["tls_key"]):
         raise bad("tls_cert", "tls_cert and tls_key go together")
     missing = _group(str(v["group"]))  # the final value only: a file's may be overridden
-    if missing:
+    if missing and check_group:
         raise bad("group", missing)
     if v["kv_events_replay"] and not v["kv_events"]:
         raise bad("kv_events_replay", "needs kv_events")
@@ -577,7 +671,7 @@ def _validate(v: dict[str, object], origin: dict[str, str]) -> Config:
         grace_s=f("grace_s"),
         max_blocks_per_request=i("max_blocks_per_request"),
         ssd_admit_after=i("ssd_admit_after"),
-        policy=str(v["policy"]),
+        policy=str(v["policy"]).lower(),
         ssd_dwpd=f("ssd_dwpd"),
         ssd_write_bytes_per_day=per_day,
         ssd_write_burst_bytes=burst,

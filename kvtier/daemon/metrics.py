@@ -26,11 +26,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier._version import __version__
 from kvtier.core.planner import Plan, Reason
+from kvtier.index.mrc import MIN_SAMPLES
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed")
@@ -154,13 +155,15 @@ class MrcPoint(NamedTuple):
 
 
 class MrcGauges(NamedTuple):
-    """What the MRC collector reads: per (scaled tier, factor) the estimated hit ratios, and the
-    estimator's own cost."""
+    """What the MRC collector reads: per (scaled tier, factor) the estimated hit ratios
+    (published once the estimator has sampled `MIN_SAMPLES` block references: `sampled_blocks`),
+    and the estimator's own cost."""
 
     points: list[MrcPoint]
     sampling_ratio: float
     tracked_keys: int
     memory_bytes: int
+    sampled_blocks: int = 0
 
 
 class _MrcCollector(Collector):
@@ -172,16 +175,22 @@ class _MrcCollector(Collector):
         labels = ["scaled", "factor"]
         hit = GaugeMetricFamily(
             "kvtier_mrc_hit_ratio",
-            "Estimated hit ratio (DRAM + SSD blocks) with the `scaled` tier's capacity x factor",
+            "Estimated hit ratio (DRAM + SSD blocks) with the `scaled` tier's capacity x factor "
+            "(absent until enough block references were sampled)",
             labels=labels)
         dram = GaugeMetricFamily(
             "kvtier_mrc_dram_hit_ratio",
-            "Estimated DRAM-only hit ratio with the `scaled` tier's capacity x factor",
+            "Estimated DRAM-only hit ratio with the `scaled` tier's capacity x factor (absent "
+            "until enough block references were sampled)",
             labels=labels)
-        for p in snap.points:
+        for p in snap.points if snap.sampled_blocks >= MIN_SAMPLES else ():  # no zeros early
             hit.add_metric([p.scaled, f"{p.factor:g}"], p.hit_ratio)
             dram.add_metric([p.scaled, f"{p.factor:g}"], p.dram_hit_ratio)
         yield from (hit, dram)
+        yield CounterMetricFamily("kvtier_mrc_sampled_blocks",
+                                  "Block references the MRC estimator has sampled (its hit "
+                                  f"ratios are published from {MIN_SAMPLES} on)",
+                                  value=snap.sampled_blocks)
         yield GaugeMetricFamily("kvtier_mrc_sampling_ratio",
                                 "Share of block keys the MRC estimator samples",
                                 value=snap.sampling_ratio)

@@ -61,7 +61,13 @@ from kvtier.daemon import fdpass, memory, reload, sdnotify, sharing, sockpath
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache.cache import Cache, dram_shares
 from kvtier.daemon.cache.namespaces import KEY_WIDTHS
-from kvtier.daemon.config import Config, cache_spec, write_kept
+from kvtier.daemon.config import (
+    MIN_DEFAULT_SSD_BYTES,
+    Config,
+    cache_spec,
+    free_bytes,
+    write_kept,
+)
 from kvtier.daemon.dirlock import DataDirLock
 from kvtier.daemon.fdpass import FdServer
 from kvtier.daemon.httpd import HttpEndpoint
@@ -242,11 +248,17 @@ class Daemon:
             raise
         self._reaper = asyncio.create_task(self._reap())
         ssd = "off"
+        free = free_bytes(cfg.data_dir)
+        if not cfg.ssd_bytes and free // 4 < MIN_DEFAULT_SSD_BYTES:
+            ssd = (f"off ({format_bytes(free)} free under {cfg.data_dir}: a default tier needs "
+                   f"{format_bytes(4 * MIN_DEFAULT_SSD_BYTES)})")
         if cfg.ssd_bytes:
             ssd = (f"{format_bytes(cfg.ssd_bytes)} under {cfg.data_dir} (write-back queue "
                    f"{format_bytes(cfg.writeback_queue_bytes)}, SSD writes "
                    f"{format_bytes(cfg.ssd_write_bytes_per_day)}/day (burst "
-                   f"{format_bytes(cfg.ssd_write_burst_bytes)}))")
+                   f"{format_bytes(cfg.ssd_write_burst_bytes)})), "
+                   f"{format_bytes(spec.ssd.store.disk_bytes() if spec.ssd else 0)} "
+                   "reserved on disk")
         tcp = f" and tcp:{cfg.tcp}{' (TLS)' if cfg.tls_cert else ''}" if cfg.tcp else ""
         metrics = f"http://{addr[0]}:{self.metrics_port}/metrics" if addr else "off"
         events = "off"

@@ -106,9 +106,19 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def get_config(name: str) -> ModelConfig:
+    """A reference model by name (any case, as `kvtier size --preset` reads its presets)."""
     try:
-        return PRESETS[name]
+        return PRESETS[name.strip().lower()]
     except KeyError:
+        pass
+    from kvtier.core.presets import list_presets
+
+    if name.strip().lower() in (p.lower() for p in list_presets()):
         raise UsageError(
-            f"unknown engine model {name!r}; choose one of {', '.join(sorted(PRESETS))}"
-        ) from None
+            f"{name!r} is a model `kvtier size` and `kvtier simulate` size; the demo runs one of "
+            f"its own small reference models on the CPU ({', '.join(sorted(PRESETS))}), with "
+            "random weights (to measure a real model, run it in vLLM with the kvtier connector)"
+        )
+    raise UsageError(
+        f"unknown engine model {name!r}; choose one of {', '.join(sorted(PRESETS))}"
+    )

@@ -3,8 +3,9 @@
 `1000` or `1000blocks` is 1000 blocks; anything with a byte unit (`64GiB`, `500GB`, `2097152B`)
 is bytes (parsed by `kvtier.core.units.parse_size`) and needs the bytes of one trace block, which
 `trace_block_bytes` derives from a model preset (`kvtier.core.presets`) or takes as given. A trace
-block is `TRACE_BLOCK_TOKENS` (512) tokens; its bytes are those of all TP ranks of one replica,
-which is what one node's cache holds for it (tp = 1: bytes_per_token x 512).
+block is `TRACE_BLOCK_TOKENS` (512) tokens; its bytes are what one node's cache holds for all TP
+ranks of one replica: one copy of each distinct shard, a replicated one (MLA's latent, KV heads
+beyond the KV head count) once (`KVLayout.block_bytes_stored`; tp = 1: bytes_per_token x 512).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def trace_block_bytes(
     if tp_size < 1:
         raise UsageError(f"--tp must be >= 1, got {tp_size}")
     layout = get_preset(model).layout(DType.parse(dtype), TRACE_BLOCK_TOKENS, tp_size)
-    n = layout.block_bytes_total()
+    n = layout.block_bytes_stored()
     if n < 1:
         raise UsageError(f"{model} stores no per-token KV; byte capacities mean nothing for it")
     return n

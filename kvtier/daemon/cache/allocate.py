@@ -24,6 +24,7 @@ from typing import TypeVar, cast
 
 from kvtier.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.core.types import Tier
+from kvtier.core.units import format_bytes
 from kvtier.daemon.cache.api import AllocateResult
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
 from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant, TenantUsage
@@ -152,7 +153,19 @@ class Allocator:
         return sum(1 for i in need if i < start + n)
 
     def _take_slots(self, usage: TenantUsage, n: int, nbytes: int) -> Steps[list[int]]:
-        stride = self.tiers.pool.stride_for(nbytes)
+        pool = self.tiers.pool
+        stride = pool.stride_for(nbytes)
+        # the tenant's slice of an isolated pool, else the pool
+        data = pool.slices().get(usage.tenant.name, pool.data_bytes)
+        whole = data // stride
+        if n > whole:  # no eviction or release could ever make room: say so, not "pinned"
+            where = "its slice of the DRAM pool" if data < pool.data_bytes else "the DRAM pool"
+            raise ResourceExhausted(
+                f"{n} blocks of {nbytes} bytes do not fit {where} at all: its "
+                f"{format_bytes(data)} hold at most {whole} slots of {stride} bytes; store "
+                f"them in requests of at most {whole} blocks (or give the daemon a larger "
+                "dram_bytes)"
+            )
         if not quota_room(self.tiers, usage, n, stride):
             raise ResourceExhausted(
                 f"tenant {usage.tenant.name!r} DRAM quota of {usage.tenant.dram_quota_bytes} "
@@ -165,7 +178,7 @@ class Allocator:
             room = pool.room(pool.class_bytes(nbytes, usage.tenant.name))
             raise ResourceExhausted(
                 f"DRAM pool full: {n} slots of {stride} bytes wanted, "
-                f"{room} free, the rest pinned by leases or being written"
+                f"{room} free, the rest held by blocks pinned by leases or being written"
             )
         return slots
 

@@ -174,6 +174,7 @@ class Tiers:
     # -- SSD ----------------------------------------------------------------------------------
 
     def _open_ssd(self, ssd: SsdTier) -> None:
+        self.store_path = ssd.store.path
         opened = open_store(ssd.store)
         self.store = self.applier.store = opened.store
         if opened.moved_aside:
@@ -246,8 +247,25 @@ class Tiers:
                         len(doomed))
         if doomed:
             self.store.delete_many(doomed)
+        self._give_back_disk()
         log.info("SSD tier: %d blocks indexed in %.2f s", len(entries) - len(doomed) - len(foreign),
                  time.monotonic() - started)
+
+    def _give_back_disk(self) -> None:
+        """A tier that shrank: its store's file is rewritten to the new reservation, and a line
+        says what that gave back (or, when it cannot be, what stays taken and how to free it)."""
+        assert self.store is not None
+        try:
+            done = self.store.give_back()
+        except OSError as exc:
+            log.warning("SSD tier: its file still holds the disk of the larger size it had "
+                        "(compacting it failed: %s); stop the daemon and remove %s to free it "
+                        "(the SSD tier then starts empty)", exc, self.store_path)
+            return
+        if done is not None:
+            before, after = done
+            log.warning("SSD tier: its file now reserves %s (was %s): gave back %s of disk",
+                        format_bytes(after), format_bytes(before), format_bytes(before - after))
 
     def ssd_bytes_of(self, ns: str) -> int:
         """Stored bytes of one block of this namespace (payload + header)."""

@@ -107,8 +107,10 @@ def new_sampler(spec: CacheSpec, ssd_blocks: int, dram_blocks: int | None = None
 
 
 def mrc_gauges(sampler: ReuseSampler) -> MrcGauges:
+    """The estimator's curve (its hit ratios mean nothing before `MIN_SAMPLES` sampled block
+    references: /metrics leaves them out until then, Stats says how many there are)."""
     return MrcGauges(
         [MrcPoint(scaled, f, p.dram_blocks, p.ssd_blocks, p.dram_hit_ratio, p.hit_ratio)
          for scaled, f, p in labelled(sampler.points())],
-        sampler.rate, sampler.tracked_keys, memory_bytes(sampler),
+        sampler.rate, sampler.tracked_keys, memory_bytes(sampler), sampler.sampled_refs,
     )

@@ -352,6 +352,42 @@ class SsdStore:
     def __len__(self) -> int:
         return self._files.entries
 
+    def give_back(self) -> tuple[int, int] | None:
+        """After the capacity shrank: rewrites the LMDB file without its free pages (LMDB never
+        shrinks a file) and reserves only the new map, so the disk the old size held is free
+        again. Returns the bytes the file held on disk before and after, or None when it held
+        no more than the map. Only while nothing else uses the store (at open, before
+        serving); a copy that cannot be made (no room for it) is an OSError, the store left as
+        it was."""
+        data = os.path.join(self.spec.path, "data.mdb")
+        before = os.stat(data).st_blocks * 512
+        if before <= self.spec.map_size() + (1 << 20):
+            return None
+        self.flush_stats()
+        tmp = os.path.join(self.spec.path, "compact.tmp")
+        with self._wlock:
+            self._check_open()
+            if os.path.isdir(tmp):
+                for name in os.listdir(tmp):
+                    os.unlink(os.path.join(tmp, name))
+            else:
+                os.mkdir(tmp, 0o700)
+            try:
+                self._files.env.copy(tmp, compact=True)
+            except lmdb.Error as exc:
+                for name in os.listdir(tmp):
+                    os.unlink(os.path.join(tmp, name))
+                os.rmdir(tmp)
+                raise OSError(str(exc)) from None
+            self._files.env.close()
+            if self._slots is not None:
+                self._slots.close()
+            os.replace(os.path.join(tmp, "data.mdb"), data)
+            os.rmdir(tmp)
+            self._files = open_files(self.spec)
+            self._slots = self._files.slots
+        return before, os.stat(data).st_blocks * 512
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("SSD store is closed")

@@ -72,6 +72,11 @@ class SsdSpec:
     def slot_file_bytes(self) -> int:
         return self.slot_count() * stride_of(self.slot_size) if self.mode() == "slots" else 0
 
+    def disk_bytes(self) -> int:
+        """Bytes the store reserves on disk at open: the LMDB map and the slot file. In "lmdb"
+        mode that is capacity x (1 + map_headroom) + 64 MiB, rounded up to a page."""
+        return self.map_size() + self.slot_file_bytes()
+
 
 class SsdEntry(NamedTuple):
     """One row of the persistent SSD index (read at start without touching payloads)."""
