@@ -305,7 +305,7 @@ def test_a_daemon_on_a_small_disk_starts_with_the_ssd_tier_off(tmp_path: Path) -
         d.args += ["--data-dir", str(small / "kvtier")]
         d.start()
         try:
-            line = next(ln for ln in d.log().splitlines() if "kvtier serving on" in ln)
+            line = next(ln for ln in d.log().splitlines() if " serving on unix:" in ln)
             assert re.search(rf"SSD tier off \([\d.]+ MiB free under {small}/kvtier: a default "
                              r"tier needs 256 MiB\)", line), line
             with Client(d.socket, layout=LayoutDecl(b"small-disk-fp-01", 4096, 16,

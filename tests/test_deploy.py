@@ -436,14 +436,14 @@ def test_manifests_give_the_ssd_tier_the_disk_it_reserves(tmp_path: Path) -> Non
     ssd_bytes x 1.25 + 64 MiB with the defaults): a pod-local volume must hold it (else kubelet
     evicts the pod: 100 GiB once sat on a 110 Gi volume), and a node's hostPath manifest says
     how much it takes."""
-    from kvtier.daemon.residency import ssd_spec
-
     from kvtier.core.units import format_bytes
 
     for path, pod, c in _kvtier_containers():
         env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
         cfg = config.load({}, {**_env(tmp_path), **env, "KVTIER_GROUP": _this_group()})
-        reserved = ssd_spec(cfg).disk_bytes()
+        ssd = config.cache_spec(cfg).ssd
+        assert ssd is not None
+        reserved = ssd.store.disk_bytes()
         assert reserved >= cfg.ssd_bytes * 1.25
         data = next(v for v in pod["volumes"] if v["name"] == "data")
         if "emptyDir" in data:
