@@ -119,7 +119,7 @@ def test_a_retired_tenant_file_sees_nothing_stored_after_and_its_pages_are_punch
     new_fd, new_gen = pool.tenant_file("a")
     assert new_fd != old_fd and new_gen == pool.tenant_handle("a").generation
     for s in sa:
-        pool.free(s)  # the old blocks leave (the daemon: `Tiers.rekey`)
+        pool.free(s)  # the old blocks leave (the daemon: `Residency.rekey`)
     got = pool.alloc_many(16, new)  # every page, the old one included
     assert got is not None and not any(pool.slot_stale(s) for s in got)
     for s in got:

@@ -207,7 +207,7 @@ class Daemon:
             rates = kept_rates.start_rates(cfg.data_dir)
             self.cache = cache = Cache(cache_spec(cfg), self.metrics, rates=rates.book)
             cache.tenant_rates.seed(rates.tenants)
-            if cache.tiers.store is not None:
+            if cache.residency.store is not None:
                 write_kept(cfg.data_dir, cfg.ssd_bytes)
         except (OSError, lmdb.Error) as exc:
             self._close_http()

@@ -25,9 +25,9 @@ A tenant's file is one *region* of it. A reload that changes or revokes its toke
 region (`retire`: its header marked closed); the tenant's next region has a fresh file, a fresh
 tag (fresh class ids; tags are never reused, so each counts toward the 255) and a generation of
 its own in its header, which its clients compare to re-fetch. The retired region's classes are
-`stale` (the daemon evicts their blocks: `kvtier.daemon.cache.residency.Tiers.rekey`), and its pages
-are punched out of its file when another region, the tenant's new one included, takes them: an
-fd fetched before the reload sees no block stored after it.
+`stale` (the daemon evicts their blocks: `kvtier.daemon.cache.residency.Residency.rekey`), and
+its pages are punched out of its file when another region, the tenant's new one included, takes
+them: an fd fetched before the reload sees no block stored after it.
 
 Every move of a page from one tenant to another costs two syscalls (mmap, fallocate) under the
 pool's lock, at page granularity (megabytes), not per block.
