@@ -1,5 +1,5 @@
-"""Page moves off the cache lock (`Tiers.taking`'s steps, `Cache.allocate_async`): a page of small
-blocks is emptied for a big block by copying its blocks with no lock held, and what other
+"""Page moves off the cache lock (`Residency.taking`'s steps, `Cache.allocate_async`): a page of
+small blocks is emptied for a big block by copying its blocks with no lock held, and what other
 requests do meanwhile is kept. In-process `Cache` (real shm pool) with the move stopped between
 its plan and its end, so the interleaving is exact; a real daemon in
 tests/test_daemon_blocksizes.py.
@@ -100,14 +100,14 @@ def finish(c: Cache, steps: object, moves: PageMoves) -> object:
     it stops for); its result."""
     c.pool.copy_moves(moves.moves)
     with c._lock:
-        c.tiers.end_moves(moves)
+        c.residency.end_moves(moves)
         try:
             more = steps.send(None)  # type: ignore[attr-defined]
         except StopIteration as stop:
             return stop.value
         c.pool.copy_moves(more.moves)
-        c.tiers.end_moves(more)
-        return c.tiers.run_here(steps)  # type: ignore[arg-type]
+        c.residency.end_moves(more)
+        return c.residency.run_here(steps)  # type: ignore[arg-type]
 
 
 def test_a_move_copies_without_the_cache_lock_and_the_blocks_keep_their_bytes(cache: Cache) -> None:
@@ -126,7 +126,7 @@ def test_a_move_copies_without_the_cache_lock_and_the_blocks_keep_their_bytes(ca
     t.join()
     res = finish(cache, steps, moves)
     assert res.lease_id  # type: ignore[attr-defined]
-    assert cache.tiers.moved == 2 and cache.tiers.moving == 0
+    assert cache.residency.moved == 2 and cache.residency.moving == 0
     for i in (1, 3):
         off, data = read(cache, key(1, i))
         assert off != offsets[key(1, i)] and data == payload(key(1, i), SMALL)
@@ -245,13 +245,13 @@ def test_an_acquire_stopped_at_a_move_takes_a_promotion_made_meanwhile(ssd_cache
     assert bytes(c.slot_view(other.offsets[0], BIG)) == payload(big, BIG)
     c.pool.copy_moves(moves.moves)
     with c._lock:
-        c.tiers.end_moves(moves)
-        a = c.tiers.run_here(steps)  # resumed: the block is in DRAM now, the claim goes back
+        c.residency.end_moves(moves)
+        a = c.residency.run_here(steps)  # resumed: the block is in DRAM now, the claim goes back
     assert not a.claimed and not a.io
     got = c.acquirer.end(a)
     assert got.offsets == other.offsets and got.source_tiers == [Tier.DRAM]
     c.release(T, got.lease_id)
     c.release(T, other.lease_id)
-    assert c.leaked_slots() == 0 and c.tiers.moving == 0
+    assert c.leaked_slots() == 0 and c.residency.moving == 0
     for i in (1, 3):
         assert read(c, key(1, i))[1] == payload(key(1, i), SMALL)

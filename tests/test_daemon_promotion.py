@@ -32,7 +32,7 @@ async def settled(c: Cache) -> None:
 def lease_expires_and_frees_all(c: Cache, clock: Clock) -> None:
     """The cancelled Acquire's one lease, its claims settled, ends by TTL and leaves no slot
     leaked; its blocks stay in DRAM."""
-    assert c.active_leases() == 1 and c.tiers.claimed == 0
+    assert c.active_leases() == 1 and c.residency.claimed == 0
     clock.now += 2.0
     assert c.expire() == 1
     assert c.leaked_slots() == 0 and c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
@@ -69,7 +69,7 @@ def test_claimed_slots_and_pinned_blocks_survive_pressure_during_the_read(
     c.abort(T, w.lease_id)
     c.release(T, got.lease_id)
     assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
-    assert c.leaked_slots() == 0 and c.tiers.claimed == 0
+    assert c.leaked_slots() == 0 and c.residency.claimed == 0
 
 
 def test_a_second_acquire_waits_for_the_first_promotion(ssd_cache: tuple[Cache, Clock]) -> None:
@@ -126,7 +126,7 @@ def test_a_cancelled_async_acquire_queued_behind_busy_workers_still_finishes(
         task = asyncio.create_task(c.acquire_async(T, LID, keys(1, 2), 32, 1.0))
         for _ in range(3):
             await asyncio.sleep(0)  # step 1 ran; the read waits for a worker thread
-        assert c.tiers.claimed == 2
+        assert c.residency.claimed == 2
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -85,7 +85,7 @@ def test_a_lease_pins_through_the_index_alone(cache: Cache) -> None:
 
 
 def test_a_queued_write_back_pins_through_the_index(cache: Cache) -> None:
-    mover = cache.tiers.mover
+    mover = cache.residency.mover
     assert mover is not None
     k = bytes([2]) + bytes(31)
     a = cache.allocate(T, LID, k, 32, b"", 0)

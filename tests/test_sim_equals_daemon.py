@@ -99,7 +99,7 @@ def drive_daemon(tmp: Path, reqs: list[Request], dram: int, ssd: int, k: int, po
             if lease:
                 c.release(T, lease)
         got["ssd_writes"] = c.index.stats().ssd_writes
-        got["refused"] = c.tiers.mover.stats().dropped_budget_total if c.tiers.mover else 0
+        got["refused"] = c.residency.mover.stats().dropped_budget_total if c.residency.mover else 0
         got["budget"] = (cfg.ssd_write_bytes_per_day, cfg.ssd_write_burst_bytes)
         got["dram_blocks"] = c.index.capacity(Tier.DRAM)  # the pool's pages may hold fewer
         if remote:

@@ -1,4 +1,4 @@
-"""`kvtier size`: every GPU gigabyte of one rank beside weights and KV (issue 28 item 1).
+"""`kvtier size`: every GPU gigabyte of one rank beside weights and KV.
 
 The estimates and their sources are `kvtier.core.gpumem`; this module reads the options, builds
 the `gpu_memory` object of `--json` and renders its lines under the GPU pool.

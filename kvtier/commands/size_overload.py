@@ -1,4 +1,4 @@
-"""`kvtier size --overload TOKENS`: what a full pool costs, per way out (issue 28 item 3).
+"""`kvtier size --overload TOKENS`: what a full pool costs, per way out.
 
 When the pool cannot take a new request, an engine can make it wait (admission control), evict a
 running request and recompute it later (vLLM v1's preemption, mode RECOMPUTE), or spill that

@@ -1,5 +1,5 @@
 """`kvtier size --pd`: prefill/decode disaggregation, the KV a request moves and the link that
-keeps the move off the critical path (issue 28 item 4).
+keeps the move off the critical path.
 
 Per request, the decode instance needs every full-attention (and MLA) layer's KV of the whole
 prompt, a sliding layer's last `window` tokens and recurrent layers' state:

@@ -1,5 +1,5 @@
-"""`kvtier size --dtype fp8|int8 --scale-layout ...`: quantized KV bytes with their scales
-(issue 28 item 6). The arithmetic is `kvtier.core.kvquant`."""
+"""`kvtier size --dtype fp8|int8 --scale-layout ...`: quantized KV bytes with their scales.
+The arithmetic is `kvtier.core.kvquant`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`kvtier size --samples N`: parallel sampling's pages with and without sharing the prompt
-(issue 28 item 2). The arithmetic is `kvtier.core.sizing.parallel_sampling`."""
+"""`kvtier size --samples N`: parallel sampling's pages with and without sharing the prompt.
+The arithmetic is `kvtier.core.sizing.parallel_sampling`."""
 
 from __future__ import annotations
 

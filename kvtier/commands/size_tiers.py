@@ -1,4 +1,4 @@
-"""`kvtier size --tiers`: what each tier is worth per hit token, and SSD wear (issue 28 item 5).
+"""`kvtier size --tiers`: what each tier is worth per hit token, and SSD wear.
 
 Per hit token of a `--prompt-tokens` prefix, on one TP rank (each rank moves and computes its
 share in parallel), priced with the planner's rates (`kvtier.core.planner.PlanRates`):

@@ -1,4 +1,4 @@
-"""Quantized KV: bytes per token with scales, by scale layout (issue 28 item 6). Pure.
+"""Quantized KV: bytes per token with scales, by scale layout. Pure.
 
 One rank, one layer with h KV heads of dimension d, e = bytes per quantized element (fp8 and
 int8: 1), s = bytes per scale, B = tokens per block:

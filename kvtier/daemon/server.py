@@ -215,7 +215,7 @@ class Daemon:
             spec = cache_spec(cfg, tenants=len(self.auth.tenants()))
             self.cache = cache = Cache(spec, self.metrics, rates=rates.book)
             cache.tenant_rates.seed(rates.tenants)
-            if cache.tiers.store is not None:
+            if cache.residency.store is not None:
                 write_kept(cfg.data_dir, cfg.ssd_bytes)
         except (OSError, lmdb.Error) as exc:
             self._close_http()

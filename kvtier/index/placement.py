@@ -1,6 +1,6 @@
 """The placement planner: where blocks go, decided once for the daemon and for `kvtier simulate`.
 
-Pure functions over a `kvtier.index.prefix.PrefixIndex`; the daemon
+Functions over a `kvtier.index.prefix.PrefixIndex`; the daemon
 (`kvtier.daemon.cache.residency`) and the simulator (`kvtier.sim.replay`) call the same ones at the
 same points of a request, so the simulator's hits and SSD writes are the daemon's
 (tests/test_sim_equals_daemon.py replays one trace through both):
@@ -11,9 +11,13 @@ same points of a request, so the simulator's hits and SSD writes are the daemon'
                  the caller checks quota and wear budget, copies, then records each SSD copy
                  with `add_tier`, stopping at the first it cannot write.
     ssd_room     evicts SSD victims (the index's order) until `need` more blocks fit.
+                 Acts, and not atomically: when the victims run out first it has evicted them
+                 and reports no room (the caller then writes nothing back).
     dram_room    evicts DRAM victims (the index's order: demotion of blocks on SSD, else
-                 leaf-first drops) until `n` blocks fit; nothing when even every unpinned block
-                 would not make room.
+                 leaf-first drops) until `n` blocks fit; nothing when the count of unpinned
+                 blocks shows room cannot be made. Acts, and not atomically: past that check it
+                 may evict some and still fall short (a pinned block's DRAM-only ancestors
+                 cannot leave either).
     room_hopeless whether no eviction can make room for `n` blocks (nothing to evict; or one
                  size class and fewer evictable blocks than missing slots), so none is made.
     over_quota   how many of its blocks a tenant must give up for more bytes to fit its DRAM
@@ -35,7 +39,8 @@ same points of a request, so the simulator's hits and SSD writes are the daemon'
                  holds, by its existence check, and only after a whole local prefix — never a
                  slot for a key the store does not hold.
 
-Evictions change the index, which journals them (`PrefixIndex.take_changes`): the daemon's
+The others are pure: they decide and change nothing (intents the caller applies). Evictions
+change the index, which journals them (`PrefixIndex.take_changes`): the daemon's
 applier frees their slots and deletes their SSD keys; the simulator only counts. The daemon's
 pool has size classes of several block sizes; with one size (the simulator's, and a daemon whose
 layouts share one block size) a DRAM victim frees one slot, and `dram_room` is the whole rule.

@@ -316,7 +316,7 @@ def _scan(requests: int, seed: int, per_s: float) -> list[Request]:
 
 
 def drift(requests: int, seed: int) -> list[Request]:
-    """Held out (issue 29: never used to tune a policy; `bench.policies` reports it apart):
+    """Held out (never used to tune a policy; `bench.policies` reports it apart):
     document QA whose popular set changes twice — three phases in turn, each over its own 1,000
     documents of Zipf 0.9 popularity (1,500-12,000 tokens) — beside agent sessions that run
     through all three (a fifth of the requests)."""

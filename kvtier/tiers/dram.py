@@ -734,7 +734,7 @@ class DramPool:
 
     def _ends(self, old: int, new: int) -> tuple[int, ...]:
         """The ends of a move the pool pins itself: both, or with an owner only the target (the
-        owner pins the source's block: `Tiers._moving`)."""
+        owner pins the source's block: `Residency._moving`)."""
         return (old, new) if self.owner is None else (new,)
 
     def copy_moves(self, moves: list[SlotMove]) -> None:

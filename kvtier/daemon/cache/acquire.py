@@ -9,7 +9,7 @@ the event loop):
                           `RemoteCheck`
     begin   (cache lock)  pin every block of the prefix in the index; per block the planner
                           promotes (`placement.promotions`: the SSD-only ones) claim a
-                          DRAM slot (`Tiers.claiming`: evicts for room, charges the tenant) and
+                          DRAM slot (`Residency.claiming`: evicts for room, charges the tenant) and
                           register the promotion — or, if another Acquire is promoting that
                           block, note its `done` event; the prefix ends before a block that gets
                           no slot (nothing is forgotten); when the whole local prefix is in
@@ -17,10 +17,10 @@ the event loop):
                           (`placement.remote_fetches` over the check; those keys are in no
                           index) and none for a key it does not hold (a claim evicts for room:
                           it would evict a useful block for nothing). A claim may stop for page
-                          moves (`beginning`, `Tiers.taking`'s steps): the lock is let go while
+                          moves (`beginning`, `Residency.taking`'s steps): the lock is let go while
                           they copy, and each block is looked at again when it resumes
     finish  (no lock)     read + verify the claimed blocks in one LMDB read transaction
-                          (`Tiers.read_claimed`), fetch + verify the remote keys in one
+                          (`Residency.read_claimed`), fetch + verify the remote keys in one
                           pipelined round trip (`RemoteTier.fetch_into`; a key the store evicted
                           since the check is a miss), then wait for the other Acquires noted
     end     (cache lock)  each good slot becomes its block's DRAM copy; the prefix is cut before
@@ -31,7 +31,7 @@ the event loop):
                           the lease granted
 
 Invariants: a pinned block is never evicted (the index refuses); a claimed slot belongs to its
-Acquire until `end` settles or frees it (`Tiers.claimed` counts them, so `Cache.leaked_slots`
+Acquire until `end` settles or frees it (`Residency.claimed` counts them, so `Cache.leaked_slots`
 stays 0); a block is read by one Acquire at a time; `end` runs exactly once per `begin` — when
 `finish` raises or its caller is cancelled too — and `wait_idle` lets shutdown wait for it before
 the store closes.
@@ -57,7 +57,7 @@ from kvtier.core.types import Tier
 from kvtier.daemon.cache.api import AcquireResult
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
 from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant
-from kvtier.daemon.cache.residency import Steps, Tiers
+from kvtier.daemon.cache.residency import Residency, Steps
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.index import placement
@@ -127,15 +127,16 @@ class Acquirer:
     """The Acquire steps over the cache's tiers and lease table (see the module docstring)."""
 
     def __init__(
-        self, lock: threading.RLock, tiers: Tiers, leases: LeaseTable, metrics: DaemonMetrics,
+        self, lock: threading.RLock, residency: Residency, leases: LeaseTable,
+        metrics: DaemonMetrics,
         rates: RateBook, claim: _Claim,
     ) -> None:
         self._lock = lock
-        self.tiers = tiers
+        self.residency = residency
         self._leases = leases
         self._metrics = metrics
         self._rates = rates
-        self._claim = claim  # (namespace) -> slot | None: tenant quota, then `Tiers.claiming`
+        self._claim = claim  # (namespace) -> slot | None: tenant quota, then `Residency.claiming`
         self._settled = threading.Condition(lock)
         self._in_flight = 0  # Acquires with I/O between begin and end
         self._promoting: dict[tuple[str, bytes], threading.Event] = {}
@@ -143,19 +144,19 @@ class Acquirer:
     def begin(self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float,
               remote: RemoteCheck = NOT_ASKED) -> Acquiring:
         """Step 1 on this thread; the caller holds the cache lock (page moves a claim needs are
-        copied here, under it: `Tiers.run_here`)."""
-        return self.tiers.run_here(self.beginning(tenant, ns, chain, ttl, remote))
+        copied here, under it: `Residency.run_here`)."""
+        return self.residency.run_here(self.beginning(tenant, ns, chain, ttl, remote))
 
     def beginning(
         self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float,
         remote: RemoteCheck = NOT_ASKED,
     ) -> Steps[Acquiring]:
-        """Step 1 as `Tiers.taking`'s steps: it stops for the page moves a claim needs, the
+        """Step 1 as `Residency.taking`'s steps: it stops for the page moves a claim needs, the
         cache lock let go meanwhile (each resumption holds it again, so what another request
         changed then is checked again: a block promoted or being promoted, a key now local).
         `remote`: what the remote store holds after the local prefix (slots are claimed for
         those keys only)."""
-        index = self.tiers.index
+        index = self.residency.index
         blocks = list(index.lookup(ns.name, chain, touch=False).blocks)
         for block in blocks:  # first, so promotions cannot evict the rest
             index.pin(ns.name, block.key)
@@ -178,7 +179,7 @@ class Acquirer:
                     if slot is None:
                         break
                 if slot is not None:  # promoted, or being promoted, by another meanwhile
-                    self.tiers.unclaim(ns.name, slot)
+                    self.residency.unclaim(ns.name, slot)
                 if not block.in_dram and i not in a.claimed and i not in a.waits:
                     # no room: nothing is forgotten, the prefix ends here
                     for rest in blocks[i:]:
@@ -186,7 +187,7 @@ class Acquirer:
                     del blocks[i:]
                     break
             fetch = placement.remote_fetches(len(blocks), remote.after, remote.held)
-            store = self.tiers.remote
+            store = self.residency.remote
             if store is not None and fetch and store.ready():
                 for key in chain[len(blocks):len(blocks) + fetch]:
                     if index.get(ns.name, key) is not None:
@@ -195,7 +196,7 @@ class Acquirer:
                     if slot is None:
                         break
                     if index.get(ns.name, key) is not None:  # stored while moves were copied
-                        self.tiers.unclaim(ns.name, slot)
+                        self.residency.unclaim(ns.name, slot)
                         break
                     a.remote_keys.append(key)
                     a.remote_slots.append(slot)
@@ -211,9 +212,9 @@ class Acquirer:
         try:
             if a.claimed:
                 name = a.ns.name
-                a.got, a.read_s = self.tiers.read_claimed(
+                a.got, a.read_s = self.residency.read_claimed(
                     [(name, a.blocks[i].key, slot) for i, slot in a.claimed.items()])
-            remote = self.tiers.remote
+            remote = self.residency.remote
             if a.remote_slots and remote is not None:
                 a.remote_got = remote.fetch_into(a.ns.name, a.remote_keys, a.remote_slots,
                                                  a.ns.layout.block_bytes)
@@ -227,7 +228,7 @@ class Acquirer:
         """Step 3 (takes the lock): settle promotions, cut the prefix before the first block not
         in DRAM, grant the lease."""
         ns, name = a.ns, a.ns.name
-        tiers, pool = self.tiers, self.tiers.pool
+        residency, pool = self.residency, self.residency.pool
         got = dict(zip(a.claimed, a.got or [None] * len(a.claimed), strict=True))
         pinned: list[Block] = []
         sources: list[Tier] = []
@@ -239,10 +240,10 @@ class Acquirer:
                     if i in a.claimed:
                         del self._promoting[(name, block.key)]
                         if n is not None and i < stop:
-                            tiers.settle(name, block, a.claimed[i], n)
+                            residency.settle(name, block, a.claimed[i], n)
                             promoted += 1
                         else:
-                            tiers.unclaim(name, a.claimed[i])
+                            residency.unclaim(name, a.claimed[i])
                             if n is None and i < stop:
                                 lost = block
                             stop = min(stop, i)
@@ -250,16 +251,16 @@ class Acquirer:
                         stop = min(stop, i)  # the other promoter failed or is late
                     if (i < stop and block.dram_slot is not None
                             and pool.slot_stale(block.dram_slot)):
-                        stop = i  # in a retired tenant file (`Tiers.rekey`): not served
-                        tiers.stale.add((name, block.key))
+                        stop = i  # in a retired tenant file (`Residency.rekey`): not served
+                        residency.stale.add((name, block.key))
                     if i >= stop:
-                        tiers.index.unpin(name, block.key)
+                        residency.index.unpin(name, block.key)
                         continue
                     assert block.dram_slot is not None  # pinned in the index since begin
                     pinned.append(block)
                     sources.append(Tier.SSD if i in a.claimed or i in a.waits else Tier.DRAM)
                 if lost is not None:
-                    tiers.drop_lost(name, lost)
+                    residency.drop_lost(name, lost)
                 self._settle_remote(a, stop == len(a.blocks), pinned, sources)
                 lease_id, offsets = "", []
                 if pinned:
@@ -281,36 +282,36 @@ class Acquirer:
                        sources: list[Tier]) -> None:
         """Fetched remote payloads after a whole local prefix become DRAM blocks, pinned for the
         lease; every other remote claim is given back. Cache lock held."""
-        tiers, name = self.tiers, a.ns.name
+        residency, name = self.residency, a.ns.name
         got = a.remote_got or [None] * len(a.remote_slots)
         parent = a.blocks[-1].key if a.blocks else None
         ok = whole
         for key, slot, n in zip(a.remote_keys, a.remote_slots, got, strict=True):
-            if ok and n is not None and tiers.pool.slot_stale(slot):
-                ok = False  # claimed before a token change (`Tiers.rekey`): not settled
+            if ok and n is not None and residency.pool.slot_stale(slot):
+                ok = False  # claimed before a token change (`Residency.rekey`): not settled
             if ok and n is not None:
                 try:
-                    block = tiers.settle_remote(name, key, parent, slot)
+                    block = residency.settle_remote(name, key, parent, slot)
                 except IndexStateError:  # it appeared locally meanwhile, or its parent went
                     ok = False
                 else:
-                    tiers.index.pin(name, key)
+                    residency.index.pin(name, key)
                     pinned.append(block)
                     sources.append(Tier.REMOTE)
                     parent = key
                     continue
             ok = False
-            tiers.unclaim(name, slot)
-        tiers.apply()  # BlockStored for the new blocks (one run), and the promotions before
+            residency.unclaim(name, slot)
+        residency.apply()  # BlockStored for the new blocks (one run), and the promotions before
 
     def release(self, r: ReadLease) -> None:
         """Unpins a READ lease's blocks (Release, expiry, shutdown; its lease left the table).
         The caller holds the cache lock."""
-        index = self.tiers.index
+        index = self.residency.index
         for block in r.blocks:
             index.unpin(r.ns.name, block.key)
-        if self.tiers.stale:  # blocks of a retired tenant file waited for this release
-            self.tiers.apply()
+        if self.residency.stale:  # blocks of a retired tenant file waited for this release
+            self.residency.apply()
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no Acquire is between `begin` and `end` with I/O; False on timeout.

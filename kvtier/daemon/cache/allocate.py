@@ -28,7 +28,7 @@ from kvtier.core.units import format_bytes
 from kvtier.daemon.cache.api import AllocateResult
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
 from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant, TenantUsage
-from kvtier.daemon.cache.residency import Steps, Tiers
+from kvtier.daemon.cache.residency import Residency, Steps
 from kvtier.index import placement
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
 
@@ -49,12 +49,12 @@ class WriteLease:
         return self.todo[block][1]
 
 
-def quota_room(tiers: Tiers, usage: TenantUsage, n: int, stride: int) -> bool:
+def quota_room(residency: Residency, usage: TenantUsage, n: int, stride: int) -> bool:
     """Whether `n` more slots of `stride` bytes fit the tenant's DRAM quota, after evicting its
     own unpinned DRAM blocks for them if needed (`placement.over_quota`)."""
     quota, more = usage.tenant.dram_quota_bytes, n * stride
     while over := placement.over_quota(usage.dram_bytes, more, quota, stride):
-        if not tiers.evict_tenant_dram(usage.tenant.name, over):
+        if not residency.evict_tenant_dram(usage.tenant.name, over):
             return False
     return True
 
@@ -79,8 +79,8 @@ class _Stopped:
 class Allocator:
     """Allocate / Commit / Abort over the cache's tiers and lease table (module docstring)."""
 
-    def __init__(self, tiers: Tiers, leases: LeaseTable) -> None:
-        self.tiers = tiers
+    def __init__(self, residency: Residency, leases: LeaseTable) -> None:
+        self.residency = residency
         self._leases = leases
 
     def allocate(
@@ -88,18 +88,18 @@ class Allocator:
         session: str = "",
     ) -> AllocateResult:
         """`allocating` on this thread: the page moves it needs are copied here, cache lock
-        held (`Tiers.run_here`)."""
-        return self.tiers.run_here(self.allocating(tenant, ns, chain, parent, ttl, session))
+        held (`Residency.run_here`)."""
+        return self.residency.run_here(self.allocating(tenant, ns, chain, parent, ttl, session))
 
     def allocating(
         self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], parent: bytes, ttl: float,
         session: str = "",
     ) -> Steps[AllocateResult]:
         """Grants a WRITE lease on fresh slots for the keys of `chain` not cached or pending.
-        Steps as `Tiers.taking`'s: when it stopped for page moves (the cache lock let go), the
+        Steps as `Residency.taking`'s: when it stopped for page moves (the cache lock let go), the
         keys it needs are looked at again and, if another request stored or began writing one
         meanwhile, the slots go back and it starts over (the moves and evictions made stay)."""
-        index = self.tiers.index
+        index = self.residency.index
         if parent:
             if len(parent) != ns.layout.key_width:
                 raise InvalidArgument(
@@ -124,19 +124,19 @@ class Allocator:
                     for i in need):
                 break
             for slot in slots:  # the chain changed while the lock was let go
-                self.tiers.give_back(ns.usage.tenant.name, slot)
+                self.residency.give_back(ns.usage.tenant.name, slot)
         lease = self._leases.grant(
             tenant.name, LeaseKind.WRITE, ttl,
             WriteLease(ns, chain, parent, list(zip(need, slots, strict=True))), session,
         )
         for i in need:
             ns.pending[chain[i]] = lease.id
-        pool = self.tiers.pool
+        pool = self.residency.pool
         return AllocateResult(lease.id, need, [pool.offset(s) for s in slots], ttl)
 
     def _need(self, ns: NamespaceInfo, chain: list[bytes]) -> list[int]:
         """Positions of the keys not cached nor pending that the DRAM admission stores."""
-        index = self.tiers.index
+        index = self.residency.index
         need = [i for i, k in enumerate(chain)
                 if index.get(ns.name, k) is None and k not in ns.pending]
         return need[:self._admitted(ns, chain, need)] if need else need
@@ -147,13 +147,13 @@ class Allocator:
         index yet (pending): admission needs a cached parent."""
         start = need[0]
         try:
-            n = self.tiers.index.admit(ns.name, chain, start)
+            n = self.residency.index.admit(ns.name, chain, start)
         except MissingParent:
             return len(need)
         return sum(1 for i in need if i < start + n)
 
     def _take_slots(self, usage: TenantUsage, n: int, nbytes: int) -> Steps[list[int]]:
-        pool = self.tiers.pool
+        pool = self.residency.pool
         stride = pool.stride_for(nbytes)
         # the tenant's slice of an isolated pool, else the pool
         data = pool.slices().get(usage.tenant.name, pool.data_bytes)
@@ -166,15 +166,15 @@ class Allocator:
                 f"them in requests of at most {whole} blocks (or give the daemon a larger "
                 "dram_bytes)"
             )
-        if not quota_room(self.tiers, usage, n, stride):
+        if not quota_room(self.residency, usage, n, stride):
             raise ResourceExhausted(
                 f"tenant {usage.tenant.name!r} DRAM quota of {usage.tenant.dram_quota_bytes} "
                 f"bytes: {n} more blocks do not fit (it holds {usage.dram_bytes}, pinned or "
                 "being written)"
             )
-        slots = yield from self.tiers.taking(n, usage.tenant.name, nbytes)
+        slots = yield from self.residency.taking(n, usage.tenant.name, nbytes)
         if not slots:
-            pool = self.tiers.pool  # the room of the tenant's own class (isolated pool)
+            pool = self.residency.pool  # the room of the tenant's own class (isolated pool)
             room = pool.room(pool.class_bytes(nbytes, usage.tenant.name))
             raise ResourceExhausted(
                 f"DRAM pool full: {n} slots of {stride} bytes wanted, "
@@ -186,7 +186,7 @@ class Allocator:
         """Inserts the lease's blocks (its lease already left the table); returns how many.
         The applier publishes them (one BlockStored per run of consecutive blocks) before any
         SSD event of the same blocks."""
-        ns, index = w.ns, self.tiers.index
+        ns, index = w.ns, self.residency.index
         inserted: list[Block] = []
         for i, slot in w.todo:
             key = w.keys[i]
@@ -196,23 +196,23 @@ class Allocator:
                 inserted.append(index.insert(ns.name, key, parent or None, Tier.DRAM,
                                              dram_slot=slot))
             except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
-                self.tiers.give_back(ns.usage.tenant.name, slot)
-        self.tiers.apply()
-        self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
-        self.tiers.maybe_write_remote(ns.name, inserted, committed=True)
-        pool = self.tiers.pool
+                self.residency.give_back(ns.usage.tenant.name, slot)
+        self.residency.apply()
+        self.residency.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
+        self.residency.maybe_write_remote(ns.name, inserted, committed=True)
+        pool = self.residency.pool
         stale = [(ns.name, b.key) for b in inserted
                  if b.dram_slot is not None and pool.slot_stale(b.dram_slot)]
-        if stale:  # allocated before a token change (`Tiers.rekey`): out of DRAM once written
-            self.tiers.stale.update(stale)
-            self.tiers.apply()
+        if stale:  # allocated before a token change (`Residency.rekey`): out of DRAM once written
+            self.residency.stale.update(stale)
+            self.residency.apply()
         return len(inserted)
 
     def end(self, w: WriteLease) -> None:
         """Frees the slots of a lease that ends without Commit (its lease left the table)."""
         for i, slot in w.todo:
             w.ns.pending.pop(w.keys[i], None)
-            self.tiers.give_back(w.ns.usage.tenant.name, slot)
+            self.residency.give_back(w.ns.usage.tenant.name, slot)
 
     def slots_held(self) -> int:
         """Slots held by live WRITE leases."""

@@ -5,7 +5,7 @@ The prefix index journals every copy added to or dropped from a tier and every D
 the journal in order and does, per entry, what the daemon owes it:
 
     ADD  DRAM   publish BlockStored (consecutive blocks of one chain: one event); the slot was
-                charged to its tenant when it was taken (`Tiers.take_slots`)
+                charged to its tenant when it was taken (`Residency.take_slots`)
     ADD  SSD    charge the tenant the stored bytes (and count them in `ssd_bytes`); publish
                 BlockStored
     DROP DRAM   give the slot back to the pool and its bytes back to the tenant; count the

@@ -31,22 +31,22 @@ table (who may use a lease, TTLs, expiry); the work is in its parts: `kvtier.dae
 
 Locks, outermost first (a thread holding one only ever takes those below it):
 
-    1. the cache lock (`Cache._lock`, an RLock shared with Tiers, the Applier, Acquire's
+    1. the cache lock (`Cache._lock`, an RLock shared with Residency, the Applier, Acquire's
        condition and the slot streams): the index, the pool's ownership, leases, tenants
     2. a write queue's lock (`SlotWriteQueue._cv`, the mover's and the remote tier's): `offer`,
        taken with 1 held; the write budget is asked under it
     3. the DRAM pool's lock (`DramPool._lock`): taken with 1 and/or 2 held, takes nothing (it
        asks the index whether a slot's block is pinned, `DramPool.owner`: no lock there);
        page moves copy slot bytes under neither 1 nor 3 (`DramPool.copy_moves` on a worker
-       thread, `_off_loop`), except in-process callers' (`Tiers.run_here`: 1 held)
+       thread, `_off_loop`), except in-process callers' (`Residency.run_here`: 1 held)
     4. the SSD store's write lock (`SsdStore._wlock`): with 1 held (the applier's deletes, the
        rebuild) or on the writer thread with nothing held; takes only the store's inner locks
     5. the event log's lock (`EventLog._lock`): with 1 held (the applier); its sink only queues
 
 Taken with none of these held and taking none: the MRC sampler's lock (`_mrc_lock`), the
-promotion read lock (`Tiers._read_lock`, then store reads, which take no store lock), the rate
+promotion read lock (`Residency._read_lock`, then store reads, which take no store lock), the rate
 books' and the metrics' locks (leaves, from anywhere). The writer threads take 1 only in their
-completion callbacks (`Tiers.on_written`, `on_remote_written`), holding neither 2 nor 4 then.
+completion callbacks (`Residency.on_written`, `on_remote_written`), holding neither 2 nor 4 then.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ from kvtier.daemon.cache.events import EventLog
 from kvtier.daemon.cache.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.cache.namespaces import LayoutInfo, NamespaceInfo, Namespaces, Tenant
 from kvtier.daemon.cache.remote_tier import RemoteTier
-from kvtier.daemon.cache.residency import PageMoves, Steps, Tiers
+from kvtier.daemon.cache.residency import PageMoves, Residency, Steps
 from kvtier.daemon.cache.slot_stream import LeasedSlots
 from kvtier.daemon.cache.spec import CacheSpec
 from kvtier.daemon.cache.stats import cache_stats, mrc_gauges, new_sampler, pool_gauges
@@ -138,13 +138,13 @@ class Cache:
         self._mrc_lock = threading.Lock()  # the MRC sampler's own: off the cache lock
         self._leases = LeaseTable(clock)
         self.names = Namespaces(spec.max_block_bytes, spec.max_blocks_per_request)
-        self.tiers = Tiers(spec, metrics, self.events, self.rates, self._lock, self.names)
-        self.pool = self.tiers.pool
+        self.residency = Residency(spec, metrics, self.events, self.rates, self._lock, self.names)
+        self.pool = self.residency.pool
         self.names.max_block_bytes = self.pool.max_block  # a small pool's pages may be smaller
-        self.index = self.tiers.index
-        self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
+        self.index = self.residency.index
+        self.acquirer = Acquirer(self._lock, self.residency, self._leases, metrics, self.rates,
                                  self._claim)
-        self.allocator = Allocator(self.tiers, self._leases)
+        self.allocator = Allocator(self.residency, self._leases)
         metrics.attach_pool(self.gauges)
         metrics.attach(RateCollector(self.rates))
         self.mrc = new_sampler(spec, self.index.capacity(Tier.SSD) or 0)
@@ -197,12 +197,12 @@ class Cache:
     @property
     def write_budget(self) -> WriteBudget | None:
         """The SSD tier's wear budget (a reload retunes it); None without an SSD tier."""
-        return self.tiers.budget
+        return self.residency.budget
 
     @property
     def remote(self) -> RemoteTier | None:
         """The remote tier (a reload retunes its writes or replaces its store), if on."""
-        return self.tiers.remote
+        return self.residency.remote
 
     def segment(self, tenant: Tenant, block_bytes: int = 0) -> SegmentView:
         """The pool as `tenant` maps it, on the grid of `block_bytes`' class (0: the smallest
@@ -214,7 +214,7 @@ class Cache:
 
     def _ns(self, tenant: Tenant, layout_id: bytes) -> NamespaceInfo:
         ns = self.names.get(tenant, layout_id)
-        self.tiers.block_bytes.setdefault(ns.name, ns.layout.block_bytes)
+        self.residency.block_bytes.setdefault(ns.name, ns.layout.block_bytes)
         return ns
 
     # -- lookup, acquire, release -----------------------------------------------------------
@@ -243,7 +243,7 @@ class Cache:
         ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica,
                                               observe=False)
         asyncio.get_running_loop().call_soon(self._observe, ns.name, keys, key_width)
-        remote = self.tiers.remote
+        remote = self.residency.remote
         if remote is not None and len(tiers) < len(chain) and remote.ready():
             more = await asyncio.to_thread(self._remote_present, ns, chain, len(tiers))
             tiers += [Tier.REMOTE] * more
@@ -258,8 +258,8 @@ class Cache:
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
             who = f"{ns.name}#{replica}" if replica else _NO_REPLICA
             found = self.index.lookup(ns.name, chain, replica=who)
-            self.tiers.maybe_write_back(ns.name, found.blocks)
-            self.tiers.maybe_write_remote(ns.name, found.blocks, committed=False)
+            self.residency.maybe_write_back(ns.name, found.blocks)
+            self.residency.maybe_write_remote(ns.name, found.blocks, committed=False)
         if observe:
             self._observe(ns.name, keys, key_width)
         return ns, chain, list(found.tiers)
@@ -270,7 +270,7 @@ class Cache:
 
     def _remote_present(self, ns: NamespaceInfo, chain: list[bytes], local: int) -> int:
         """Blocks after the local prefix that the remote tier holds (no cache lock)."""
-        remote = self.tiers.remote
+        remote = self.residency.remote
         if remote is None or local >= len(chain):
             return 0
         return remote.present(ns.name, chain[local:])
@@ -359,7 +359,7 @@ class Cache:
             await asyncio.shield(asyncio.to_thread(self.acquirer.finish, a)), a)
 
     def _first_step(self, steps: Steps[T]) -> tuple[T | None, PageMoves | None]:
-        """Runs a residency operation's steps (`Tiers.taking`) under the cache lock up to its
+        """Runs a residency operation's steps (`Residency.taking`) under the cache lock up to its
         first page move: (its value, None) when it needed none, else (None, the moves)."""
         with self._lock:
             try:
@@ -386,12 +386,12 @@ class Cache:
 
     def _move(self, moves: PageMoves) -> None:
         """Copies planned page moves (no cache lock: the targets and the blocks are pinned), then
-        ends them under the lock (`Tiers.end_moves`), even when the copy failed."""
+        ends them under the lock (`Residency.end_moves`), even when the copy failed."""
         try:
             self.pool.copy_moves(moves.moves)
         finally:
             with self._lock:
-                self.tiers.end_moves(moves)
+                self.residency.end_moves(moves)
 
     def _in_session(self, res: AcquireResult, a: Acquiring) -> AcquireResult:
         """An Acquire whose session ended while it read from SSD: its lease ends now (nobody
@@ -432,16 +432,16 @@ class Cache:
             self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=False)
-            remote = self.tiers.remote
+            remote = self.residency.remote
             if remote is None or not remote.ready():
                 return ns, chain, None
             local = len(self.index.lookup(ns.name, chain, touch=False).blocks)
             return ns, chain, local if local < len(chain) else None
 
     def _claim(self, ns: NamespaceInfo) -> Steps[int | None]:
-        if not quota_room(self.tiers, ns.usage, 1, self.tiers.dram_bytes_of(ns.name)):
+        if not quota_room(self.residency, ns.usage, 1, self.residency.dram_bytes_of(ns.name)):
             return None
-        return (yield from self.tiers.claiming(ns.name))
+        return (yield from self.residency.claiming(ns.name))
 
     def release(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
@@ -668,7 +668,7 @@ class Cache:
 
     def stats(self, tenant: Tenant | None = None) -> CacheStats:
         with self._lock:
-            return cache_stats(self.tiers, self._leases, self.names, tenant)
+            return cache_stats(self.residency, self._leases, self.names, tenant)
 
     def mrc_gauges(self) -> MrcGauges:
         """The online miss-ratio curve (`kvtier.index.mrc`), for the metrics and Stats."""
@@ -681,19 +681,19 @@ class Cache:
             return self.mrc.sampled_refs
 
     def gauges(self) -> PoolGauges:
-        return pool_gauges(self.stats(), self.tiers)
+        return pool_gauges(self.stats(), self.residency)
 
     def leaked_slots(self) -> int:
         """Slots neither free nor held by a DRAM block, a WRITE lease, a promotion or a page
         move in flight (must always be 0)."""
         with self._lock:
-            held = (self.index.blocks(Tier.DRAM) + self.tiers.claimed
-                    + self.allocator.slots_held() + self.tiers.moving)
+            held = (self.index.blocks(Tier.DRAM) + self.residency.claimed
+                    + self.allocator.slots_held() + self.residency.moving)
             return self.pool.stats().slots_used - held
 
     def flush(self, timeout: float) -> bool:
         """Waits for queued SSD write-backs (tests, drain)."""
-        return self.tiers.flush(timeout)
+        return self.residency.flush(timeout)
 
     def set_tenants(self, tenants: Iterable[Tenant], revoked: Iterable[str],
                     rekeyed: Iterable[str] = (), where: object = "tokens file") -> None:
@@ -702,7 +702,7 @@ class Cache:
         back). In an isolated pool each tenant's slice of the pool is set (UsageError when they
         do not fit, nothing changed), and a `rekeyed` tenant (revoked, or its token changed) or
         one whose slice changed moves to a fresh region: its DRAM blocks in the old one leave
-        DRAM, now or at their release (`Tiers.rekey`; SSD and remote copies stay), and its
+        DRAM, now or at their release (`Residency.rekey`; SSD and remote copies stay), and its
         write leases end uncommitted (what their holders wrote is the old token's)."""
         tenants = list(tenants)
         with self._lock:
@@ -731,7 +731,7 @@ class Cache:
                 log.info("reload: %d write lease(s) of rekeyed tenants ended uncommitted",
                          len(ended))
             for name in sorted(moved):
-                self.tiers.rekey(name)
+                self.residency.rekey(name)
 
     def close(self, timeout: float = 10.0) -> None:
         """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment.
@@ -744,5 +744,5 @@ class Cache:
             self.acquirer.wait_idle(timeout)  # promotions finish before the store closes
             for lease in self._leases.pop_all():
                 self._end(lease)
-        self.tiers.close(timeout)
+        self.residency.close(timeout)
         self.events.close()

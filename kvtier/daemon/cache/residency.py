@@ -1,6 +1,6 @@
-"""Where blocks live: the prefix index (B1) over the DRAM slot pool and the SSD store + mover (E).
+"""Where blocks live: the prefix index over the DRAM pool, the SSD store and mover, the remote tier.
 
-`Tiers` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
+`Residency` is the cache's storage half. It owns the `PrefixIndex`, the `DramPool`, and (when
 `ssd_bytes > 0`) the `SsdStore` and `Mover`, and keeps them agreeing. Deciding is the placement
 planner's (`kvtier.index.placement`, pure, shared with `kvtier simulate`: write-backs, SSD and
 DRAM room, quota victims, victims across size classes, promotions, remote offers); the index
@@ -82,7 +82,7 @@ _UNSEEN = Namespace("", b"")  # `_rebuild`'s "not parsed yet" marker
 """The SSD store's own layout tag; each block's namespace (tenant + layout id) is in its key."""
 
 
-class Tiers:
+class Residency:
     def __init__(
         self, spec: CacheSpec, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
         lock: threading.RLock, names: Namespaces,
@@ -681,11 +681,11 @@ class Tiers:
 T = TypeVar("T")
 Steps = Generator["PageMoves", None, T]
 """A residency operation that may stop for page moves: it yields each batch (`PageMoves`) and
-is resumed, cache lock held, once the driver copied it and called `Tiers.end_moves`."""
+is resumed, cache lock held, once the driver copied it and called `Residency.end_moves`."""
 
 
 class PageMoves(NamedTuple):
-    """Page moves planned under the cache lock (`Tiers.taking`): the pool's moves (targets
+    """Page moves planned under the cache lock (`Residency.taking`): the pool's moves (targets
     claimed and pinned) and the block of each (pinned in the index)."""
 
     moves: list[SlotMove]

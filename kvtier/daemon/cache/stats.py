@@ -11,13 +11,14 @@ from kvtier.core.types import Tier
 from kvtier.daemon.cache.api import CacheStats, GroupUsage
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
 from kvtier.daemon.cache.namespaces import Namespace, Namespaces, Tenant
-from kvtier.daemon.cache.residency import Tiers
+from kvtier.daemon.cache.residency import Residency
 from kvtier.daemon.cache.spec import CacheSpec
 from kvtier.daemon.metrics import MrcGauges, MrcPoint, PoolGauges
 from kvtier.index.mrc import ReuseSampler, capacity_grid, keys_for_budget, labelled, memory_bytes
 
 
-def group_usage(tiers: Tiers, names: Namespaces, tenant: str | None) -> tuple[GroupUsage, ...]:
+def group_usage(residency: Residency, names: Namespaces, tenant: str | None
+                ) -> tuple[GroupUsage, ...]:
     """Per (model, group) of the layouts that declared groups (of `tenant` only, or of all):
     bytes per tier. O(the blocks of those layouts): for statistics."""
     out: dict[tuple[str, str], tuple[int, int]] = {}
@@ -25,8 +26,8 @@ def group_usage(tiers: Tiers, names: Namespaces, tenant: str | None) -> tuple[Gr
         if not info.groups or (tenant is not None and name != tenant):
             continue
         ns = Namespace(name, lid)
-        dram = tiers.index.blocks_of(ns.__eq__, Tier.DRAM)  # the index keys are str: a bool
-        ssd = tiers.index.blocks_of(ns.__eq__, Tier.SSD)
+        dram = residency.index.blocks_of(ns.__eq__, Tier.DRAM)  # the index keys are str: a bool
+        ssd = residency.index.blocks_of(ns.__eq__, Tier.SSD)
         for group, nbytes in info.groups:
             d, s = out.get((info.model_id, group), (0, 0))
             out[(info.model_id, group)] = (d + dram * nbytes, s + ssd * nbytes)
@@ -34,10 +35,10 @@ def group_usage(tiers: Tiers, names: Namespaces, tenant: str | None) -> tuple[Gr
 
 
 def cache_stats(
-    tiers: Tiers, leases: LeaseTable, names: Namespaces, tenant: Tenant | None,
+    residency: Residency, leases: LeaseTable, names: Namespaces, tenant: Tenant | None,
 ) -> CacheStats:
-    ps = tiers.pool.stats()
-    ss = tiers.store.stats() if tiers.store is not None else None
+    ps = residency.pool.stats()
+    ss = residency.store.stats() if residency.store is not None else None
     usage = names.tenants.get(tenant.name) if tenant else None
     if tenant is not None and not tenant.admin:
         name = tenant.name
@@ -48,33 +49,33 @@ def cache_stats(
         mine = [lease for lease in leases if lease.tenant == tenant.name]
         return CacheStats(
             ps.bytes_reserved, usage.dram_bytes if usage else 0,
-            tiers.index.blocks_of(of_tenant, Tier.DRAM),
+            residency.index.blocks_of(of_tenant, Tier.DRAM),
             ss.capacity_bytes if ss else 0, usage.ssd_bytes if usage else 0,
-            tiers.index.blocks_of(of_tenant, Tier.SSD),
+            residency.index.blocks_of(of_tenant, Tier.SSD),
             sum(1 for lease in mine if lease.kind is LeaseKind.READ),
             sum(1 for lease in mine if lease.kind is LeaseKind.WRITE),
             names.layouts_of(tenant.name), usage.dram_bytes if usage else 0,
             usage.ssd_bytes if usage else 0, False,
             usage.lookups if usage else 0, usage.blocks_hit if usage else 0,
-            usage.blocks_missed if usage else 0, group_usage(tiers, names, tenant.name),
+            usage.blocks_missed if usage else 0, group_usage(residency, names, tenant.name),
         )
     return CacheStats(
-        ps.bytes_reserved, ps.bytes_used, tiers.index.blocks(Tier.DRAM),
+        ps.bytes_reserved, ps.bytes_used, residency.index.blocks(Tier.DRAM),
         ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,
-        tiers.index.blocks(Tier.SSD),
+        residency.index.blocks(Tier.SSD),
         leases.count(LeaseKind.READ), leases.count(LeaseKind.WRITE),
         len(names.layouts), usage.dram_bytes if usage else 0,
-        usage.ssd_bytes if usage else 0, groups=group_usage(tiers, names, None),
+        usage.ssd_bytes if usage else 0, groups=group_usage(residency, names, None),
     )
 
 
-def pool_gauges(s: CacheStats, tiers: Tiers) -> PoolGauges:
+def pool_gauges(s: CacheStats, residency: Residency) -> PoolGauges:
     used_ratio = budget_rate = 0.0
-    if tiers.budget is not None:
-        b = tiers.budget.stats()
+    if residency.budget is not None:
+        b = residency.budget.stats()
         used_ratio = 1.0 - b.available_bytes / b.burst_bytes if b.burst_bytes else 0.0
         budget_rate = b.rate_bytes_per_s
-    mover = tiers.mover
+    mover = residency.mover
     return PoolGauges(
         {"dram": s.dram_capacity_bytes, "ssd": s.ssd_capacity_bytes},
         {"dram": s.dram_used_bytes, "ssd": s.ssd_used_bytes},

@@ -1,9 +1,9 @@
 """The local socket: the calls engines make most — Lookup and the shared-memory path's lease
 calls — and the bulk calls, for clients on this machine, without gRPC's per-call machinery.
 
-gRPC costs the daemon about 0.3 ms of CPU per call before a handler runs (docs/benchmarks.md);
-Lookup is the call engines make most, and a shared-memory store+load is four calls (Allocate,
-Commit; Acquire, Release) around its copies. So the daemon also answers the methods of
+gRPC costs the daemon CPU per call before a handler runs (docs/benchmarks.md, Daemon); Lookup
+is the call engines make most, and a shared-memory store+load is four calls (Allocate, Commit;
+Acquire, Release) around its copies. So the daemon also answers the methods of
 `kvtier.core.methods.LOCAL` on `<socket>.lookup` (`kvtier.core.lookupwire`: length-prefixed
 frames, a hello with the protocol version and the token, then one call per frame with the
 caller's session id), an asyncio server on the daemon's event loop, created with the same mode

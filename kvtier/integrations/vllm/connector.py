@@ -223,9 +223,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _init_cpu_isa() -> None:
-    """Request the AMX tile state before vLLM's CPU attention kernels can use it (see
-    docs/ARCHITECTURE.md "vLLM connector": a first forward over loaded KV otherwise died with
-    SIGILL). A no-op without AMX or off CPU."""
+    """Request the AMX tile state before vLLM's CPU attention kernels can use it (a first
+    forward over loaded KV otherwise dies with SIGILL on a CPU with AMX; docs/history/
+    architecture-log.md, "vLLM connector"). A no-op without AMX or off CPU."""
     init = getattr(torch.cpu, "_init_amx", None)
     if init is not None:
         try:

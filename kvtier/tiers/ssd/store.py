@@ -10,7 +10,7 @@ Sub-databases of one LMDB environment, always changed in the same transaction:
 
 A stored key is `len(tenant) | tenant utf-8 | block key`, so tenants never share entries.
 
-Where payloads live (`SsdSpec.payload`, measured in docs/ARCHITECTURE.md "## Storage tiers"):
+Where payloads live (`SsdSpec.payload`, measured in docs/benchmarks.md, "Storage tiers"):
     "slots"  a preallocated file of fixed-size slots (`kvtier.tiers.ssd.slots`), written with
              pwritev and read with pread; LMDB holds only the index. The default whenever the spec
              names a `slot_size` (payloads up to that size; larger ones are refused).
