@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,16 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.client.mapping import fetch_fd
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl, ModelCost
 from kvtier.core import lookupwire as wire
+from kvtier.core.segment import fd_socket_path
 from kvtier.core.types import Tier
+from kvtier.daemon.fdpass import connection_cap
 from kvtier.daemon.rpc.guard import WARN_EVERY_S, Limits
 from kvtier.daemon.rpc.service import CHUNK_BYTES
-from tests.daemon_fixture import DaemonProc
+from tests import uring
+from tests.daemon_fixture import DaemonProc, wait_for
 
 BLOCK = 65536
 FP = b"hostile-layout-01"
@@ -1030,4 +1038,348 @@ def test_a_flooding_tenant_cannot_evict_anothers_share(
         a, b = in_dram(alice, "alice"), in_dram(bob, "bob")
     assert a == before, f"alice kept {a} of {before} blocks"
     assert 0 < b <= 256 - a  # bob's slice is full of his own
+    d.stop()
+
+
+# -- the zero-copy path, memory and the local sockets (issue 35) ---------------------------------
+# Each one failed on the daemon before the fix it names; each passes a real daemon process.
+
+PIN_BLOCK = 65536
+PIN_LAYOUT = LayoutDecl(b"pinned-layout-01", PIN_BLOCK, 16, model_id="pinned/model")
+PIN_ALICE, PIN_BOB = "alice-secret-token", "bob-secret-token-2"
+
+
+def _pin_tokens(bob: str) -> str:
+    return f'[tenants.alice]\ntoken = "{PIN_ALICE}"\n\n[tenants.bob]\ntoken = "{bob}"\n'
+
+
+def _sighup(d: DaemonProc, tokens: str, line: str) -> None:
+    assert d.proc is not None
+    (d.workdir.parent / "tokens.toml").write_text(tokens)
+    seen = d.log().count(line)
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while d.log().count(line) == seen:
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.02)
+
+
+def _chain(tag: int, n: int = 16) -> list[bytes]:
+    return [bytes([tag, i]) + bytes(30) for i in range(n)]
+
+
+def _block(rng: np.random.Generator) -> bytes:
+    return rng.bytes(PIN_BLOCK)
+
+
+def _read_alices(stub: Any, k: list[bytes]) -> list[bytes]:
+    got: dict[int, bytearray] = {}
+    req = pb.ReadBlocksRequest(layout=PIN_LAYOUT.layout_id, keys=b"".join(k), key_width=32)
+    for c in stub.ReadBlocks(req, metadata=(("authorization", f"Bearer {PIN_ALICE}"),)):
+        got.setdefault(c.index, bytearray()).extend(c.data)
+    return [bytes(got[i]) for i in sorted(got) if got[i]]
+
+
+@pytest.mark.skipif(uring.available() is not None, reason=f"io_uring: {uring.available()}")
+def test_a_pinned_tenant_mapping_sees_the_bytes_the_daemon_serves(tmp_path: Path) -> None:
+    """A long-term pin of alice's whole mapping (an io_uring fixed buffer: FOLL_LONGTERM, as
+    cudaHostRegister) registered before two tenants churn the pool — alice's stores and
+    evictions, bob's floods, two rotations of bob's token: blocks alice then writes into her
+    slots through the pin are the ones the daemon serves, and blocks she stores with her CPU
+    client read exactly through the pin (before: after pages moved between tenants, 149 of 256
+    were served as zeros and 107 of 128 read stale through the pin)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(_pin_tokens(PIN_BOB))
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens), "--ssd-bytes", "0",
+                                    "--dram-page-bytes", "256KiB"]).start()
+    rng = np.random.default_rng(7)
+    ch = grpc.insecure_channel(f"unix:{d.socket}")
+    stub = pb_grpc.KvTierStub(ch)  # type: ignore[no-untyped-call]
+    try:
+        with Client(d.socket, layout=PIN_LAYOUT, token=PIN_ALICE) as a, \
+                tempfile.TemporaryFile() as src, tempfile.TemporaryFile() as dst:
+            for c in range(15):
+                assert a.store(_chain(c), [_block(rng)] * 16).stored == 16
+            buf = a.slot_buffer()
+            assert buf is not None
+            generation, base = buf.generation, int(buf.segment.ctypes.data)
+            with uring.FixedBuffer(buf.segment) as pin:
+                bob_token = PIN_BOB
+                for rnd in range(2):  # churn: bob floods the pool, his token rotates, alice
+                    with Client(d.socket, layout=PIN_LAYOUT, token=bob_token) as b:  # refills
+                        for c in range(16):
+                            b.store(_chain(100 + 16 * rnd + c), [_block(rng)] * 16)
+                    bob_token = f"bob-rotated-token-{rnd}"
+                    _sighup(d, _pin_tokens(bob_token), "tenants changed: bob")
+                    for c in range(15):
+                        a.store(_chain(20 + 15 * rnd + c), [_block(rng)] * 16)
+                # (a) blocks written into alice's slots through the pin only, then committed
+                zeros = wrong = 0
+                for c in range(16):
+                    want = [_block(rng) for _ in range(16)]
+                    src.seek(0)
+                    src.write(b"".join(want))
+                    src.flush()
+                    with a.store_into(_chain(60 + c)) as tx:
+                        assert len(tx.slots) == 16
+                        for index, view in tx.slots:
+                            pin.read_into(src.fileno(), index * PIN_BLOCK,
+                                          int(view.ctypes.data) - base, PIN_BLOCK)
+                    served = _read_alices(stub, _chain(60 + c))
+                    assert len(served) == 16
+                    zeros += sum(s == bytes(PIN_BLOCK) for s in served)
+                    wrong += sum(s != w for s, w in zip(served, want, strict=True))
+                # (b) blocks alice's CPU client stored, read through the pin
+                stale = 0
+                for c in range(8):
+                    want = [_block(rng) for _ in range(16)]
+                    assert a.store(_chain(80 + c), want).stored == 16
+                    with a.load(_chain(80 + c)) as got:
+                        assert got.blocks == 16
+                        for i, view in enumerate(got.views):
+                            pin.write_from(dst.fileno(), 0, int(view.ctypes.data) - base,
+                                           PIN_BLOCK)
+                            stale += os.pread(dst.fileno(), PIN_BLOCK, 0) != want[i]
+                late = a.slot_buffer()
+                assert late is not None and late.generation == generation  # the pinned mapping
+        print(f"through the pin: {wrong} of 256 blocks served wrong ({zeros} all zeros); "
+              f"{stale} of 128 CPU-stored blocks read stale")
+        assert (wrong, zeros, stale) == (0, 0, 0)
+    finally:
+        ch.close()
+        d.stop()
+
+
+def _daemon_memfd_bytes(d: DaemonProc) -> tuple[int, int]:
+    """(bytes of memory, count) of the tenants' files the daemon holds open: its memfds
+    `kvtier-dram-*` as /proc/<pid>/fd shows them, each once (its mapping holds a second fd of
+    the same file); st_blocks: the memory a file holds."""
+    assert d.proc is not None
+    files: dict[tuple[int, int], int] = {}
+    for link in Path(f"/proc/{d.proc.pid}/fd").iterdir():
+        try:
+            if not os.readlink(link).startswith("/memfd:kvtier-dram-"):
+                continue
+            st = os.stat(link)
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        files[st.st_dev, st.st_ino] = st.st_blocks * 512
+    return sum(files.values()), len(files)
+
+
+def _touch(segment: Any) -> None:
+    """Writes every 4 KiB page of a client's whole mapping (its own bytes back: a write fault
+    allocates the page as cudaHostRegister's pinning does)."""
+    pages = segment[::4096]
+    pages[:] = pages.copy()
+
+
+MEM_DRAM = 16 << 20
+
+
+def _both(alice: str, bob: str) -> str:
+    return f'[tenants.alice]\ntoken = "{alice}"\n\n[tenants.bob]\ntoken = "{bob}"\n'
+
+
+def test_the_tenants_files_stay_within_the_dram_bytes(tmp_path: Path) -> None:
+    """Alice's and bob's clients write every page of their whole mappings (as pinning them
+    does) and both tokens rotate twice, alice's old client holding a lease on one of her blocks
+    across each rotation and writing its old mapping after it: the memory of the tenants' files
+    the daemon holds never passes --dram-bytes plus one 4 KiB header per file (before: a fresh
+    file was handed out while the retired one still held the tenant's slice, and every page of
+    both could be written)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(_both("alice-token-0", "bob-token-0"))
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens), "--dram-page-bytes",
+                                    "256KiB", "--lease-ttl-s", "300", "--max-lease-ttl-s",
+                                    "300"]).start()
+    rng = np.random.default_rng(3)
+    worst = 0
+
+    def check(what: str) -> None:
+        nonlocal worst
+        held, files = _daemon_memfd_bytes(d)
+        worst = max(worst, held)
+        assert held <= MEM_DRAM + files * 4096, (what, held, files)
+
+    kept: list[Any] = []  # the mappings of clients from before a rotation (they keep them)
+    clients: list[Client] = []
+    lease = ""
+    try:
+        for rnd in range(3):
+            if rnd:
+                _sighup(d, _both(f"alice-token-{rnd}", f"bob-token-{rnd}"),
+                        "tenants changed: alice, bob")
+                for segment in kept:
+                    _touch(segment)
+                check(f"old mappings written after rotation {rnd}")
+            a = Client(d.socket, layout=PIN_LAYOUT, token=f"alice-token-{rnd}", lease_ttl_s=300)
+            b = Client(d.socket, layout=PIN_LAYOUT, token=f"bob-token-{rnd}")
+            clients += [a, b]
+            for c in (a, b):
+                if c.uses_shm:  # alice's, only once her old file let go of her slice
+                    buf = c.slot_buffer()
+                    assert buf is not None
+                    _touch(buf.segment)
+            check(f"new mappings written in round {rnd}")
+            if lease:
+                a.release(lease)  # the old file's last block: it is released
+            deadline = time.monotonic() + 30
+            while not (a.uses_shm and b.uses_shm):  # each maps its file at its next try
+                assert time.monotonic() < deadline, "a client never mapped its file"
+                time.sleep(0.05)
+            for c in (a, b):
+                assert c.store(_chain(70 + rnd, 8), [_block(rng) for _ in range(8)]).stored == 8
+                buf = c.slot_buffer()
+                assert buf is not None
+                _touch(buf.segment)
+                kept.append(buf.segment)
+            check(f"stored in round {rnd}")
+            held = a.acquire(_chain(70 + rnd, 1))  # pinned across the next rotation
+            assert held.blocks == 1
+            lease = held.lease_id
+    finally:
+        for c in clients:
+            c.close()
+        d.stop()
+    print(f"the tenants' files held at most {worst} bytes (--dram-bytes {MEM_DRAM})")
+
+
+def _accepted(pid: int, path: str) -> int:
+    """How many connections to Unix socket `path` process `pid` has accepted (the sockets of
+    that path in /proc/net/unix that it holds, its listener aside)."""
+    at_path = {line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+               if line.split()[-1] == path}
+    held = set()
+    for link in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            held.add(os.readlink(link).removeprefix("socket:[").removesuffix("]"))
+    return len(at_path & held) - 1
+
+
+def _unix(path: str, blocking: bool = True) -> socket.socket | None:
+    """A connection to Unix socket `path`; None when its backlog is full (non-blocking)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(blocking)
+    try:
+        s.connect(path)
+    except BlockingIOError:
+        s.close()
+        return None
+    return s
+
+
+def test_fd_socket_outlives_a_connection_flood(tmp_path: Path) -> None:
+    """The fd socket's table of waiting connections is full, and in one batch of events a new
+    connection comes (the oldest waiting one is closed to make room) while that oldest one
+    and the 39 after it hang up: the fd socket goes on handing out fds (before: its thread
+    died on the closed connection's event, and every fd fetch after failed for good while
+    health said SERVING)."""
+    d = tenants_daemon(tmp_path)
+    assert d.proc is not None
+    pid, path = d.proc.pid, fd_socket_path(str(d.socket))
+    cap = connection_cap()  # the daemon's: it inherits this process's descriptor limit
+    silent = [_unix(path) for _ in range(cap)]
+    try:
+        # every one accepted and waiting (each has 2 s to send its request: a machine too
+        # slow for that lets them go first, and this test then proves nothing, falsely green)
+        wait_for(lambda: _accepted(pid, path) == cap)
+        os.kill(pid, signal.SIGSTOP)  # the next events come to the fd thread in one batch
+        try:
+            late = _unix(path)  # the listener is readable first...
+            for conn in silent[:40]:  # ...then the oldest waiting ones hang up
+                assert conn is not None
+                conn.close()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        for _ in range(3):
+            os.close(fetch_fd(path, "alice-secret-token", timeout=30))
+        assert late is not None
+    finally:
+        for conn in silent:
+            if conn is not None:
+                conn.close()
+    assert d.healthy()
+    assert "Traceback" not in d.log()
+    d.stop()
+
+
+_LOW_NOFILE = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+               "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_fd_socket_rests_when_descriptors_run_out(tmp_path: Path) -> None:
+    """Silent connections to the gRPC socket take every descriptor of a daemon limited to 256;
+    a client then connects to the fd socket: its accept fails (EMFILE) and the fd thread rests
+    with one warning instead of spinning a core, and once the flood closes the client's next
+    fetch is served (before: the listener stayed readable, accept failed at once again, one
+    core at 100%, the error only at debug level)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(TOKENS.format(alice=""))
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)],
+                   launcher=[sys.executable, "-c", _LOW_NOFILE]).start()
+    assert d.proc is not None
+    pid, path = d.proc.pid, fd_socket_path(str(d.socket))
+    flood: list[socket.socket] = []
+    try:
+        while len(flood) < 400:  # accepted until the daemon has no descriptor left, then
+            conn = _unix(str(d.socket), blocking=False)  # queued until its backlog is full
+            if conn is None:
+                break
+            flood.append(conn)
+        wait_for(lambda: len(os.listdir(f"/proc/{pid}/fd")) >= 250)
+        client = _unix(path, blocking=False)
+        assert client is not None
+        wait_for(lambda: "fd socket: cannot accept" in d.log(), timeout=30)
+        used, t0 = _cpu_s(pid), time.monotonic()
+        time.sleep(2.0)
+        busy = (_cpu_s(pid) - used) / (time.monotonic() - t0)
+        print(f"daemon CPU while the fd socket cannot accept: {busy:.0%} of a core")
+        assert busy < 0.5, busy  # spinning: ~100% (less only when this machine stalls)
+        client.close()
+    finally:
+        for conn in flood:
+            conn.close()
+    os.close(fetch_fd(path, "alice-secret-token", timeout=30))
+    d.stop()
+
+
+def test_a_client_maps_its_tenants_pool_after_a_failed_fd_fetch(tmp_path: Path) -> None:
+    """A client's fd fetch fails (the fd socket gone for a moment): it goes on over the
+    streaming path and maps its tenant's pool at a later call (before: never again, for the
+    client's whole life); a fetch that meets a full listen backlog waits for room instead
+    of failing at once."""
+    d = tenants_daemon(tmp_path)
+    assert d.proc is not None
+    path = fd_socket_path(str(d.socket))
+    aside = path + ".aside"
+    os.rename(path, aside)
+    try:
+        kv = Client(d.socket, layout=LAYOUT, token="alice-secret-token")
+    finally:
+        os.rename(aside, path)
+    with kv:
+        assert not kv.uses_shm
+        assert kv.store([key(30, 0)], [b"\x30" * BLOCK]).stored == 1
+        wait_for(lambda: kv.uses_shm, timeout=30)  # tried again after a backoff
+        with kv.load([key(30, 0)]) as got:
+            assert got.blocks == 1 and bytes(got.views[0]) == b"\x30" * BLOCK
+    # a full backlog: the daemon stopped, connections queued until one more is refused
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    queued: list[socket.socket] = []
+    try:
+        while (conn := _unix(path, blocking=False)) is not None:
+            queued.append(conn)
+        threading.Timer(1.0, os.kill, (d.proc.pid, signal.SIGCONT)).start()
+        os.close(fetch_fd(path, "alice-secret-token", timeout=30))  # waits, then is served
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+        for conn in queued:
+            conn.close()
     d.stop()

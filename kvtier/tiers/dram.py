@@ -489,11 +489,19 @@ class DramPool:
         return self.tenant_file(tenant)[0]
 
     def tenant_file(self, tenant: str) -> tuple[int, int]:
-        """(`tenant_fd`, the generation in its header): what the fd socket hands out."""
+        """(`tenant_fd`, the generation in its header): what the fd socket hands out. DramError
+        while the region waits for the pages a retired one of the tenant still holds (a client
+        touching the whole file then would hold memory beyond the pool's): its clients use the
+        streaming path and fetch it again later."""
         if self._regions is None:
             raise DramError("a shared pool has no per-tenant memory")
         with self._lock:
             r = self._regions.region(tenant)
+            if r.pages is None:
+                raise DramError(
+                    f"tenant {tenant!r}'s DRAM is not ready: its memory from before its token "
+                    "or slice changed still holds blocks in use (leased, or being written "
+                    "to SSD or the remote tier); fetch it again later")
             return r.fd, r.generation
 
     def tenant_handle(self, tenant: str) -> SegmentHandle:
