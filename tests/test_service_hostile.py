@@ -33,7 +33,7 @@ from kvtier.daemon.fdpass import connection_cap
 from kvtier.daemon.rpc.guard import WARN_EVERY_S, Limits
 from kvtier.daemon.rpc.service import CHUNK_BYTES
 from tests import uring
-from tests.daemon_fixture import DaemonProc, wait_for
+from tests.daemon_fixture import DaemonProc, ssd_blocks, wait_for
 
 BLOCK = 65536
 FP = b"hostile-layout-01"
@@ -1383,3 +1383,117 @@ def test_a_client_maps_its_tenants_pool_after_a_failed_fd_fetch(tmp_path: Path) 
         for conn in queued:
             conn.close()
     d.stop()
+
+
+OLD_BYTES = b"\xee" * BLOCK  # what the old token writes
+
+
+def _alices_token(d: DaemonProc, before: str, after: str | None, line: str) -> None:
+    """A SIGHUP that gives alice the token `after` (None: revokes her); waits for `line`."""
+    text = TOKENS.format(alice="")
+    text = text.replace(before, after) if after else text.replace(
+        f'[tenants.alice]\ntoken = "{before}"\n\n', "")
+    _sighup(d, text, line)
+
+
+def _changes(d: DaemonProc, kind: str) -> str:
+    """Alice's token changes as `kind` says (rotated, or revoked and back later); her token
+    after."""
+    if kind == "rotated":
+        _alices_token(d, "alice-secret-token", "alice-rotated-token", "tenants changed: alice")
+    else:
+        _alices_token(d, "alice-secret-token", None, "tenants revoked: alice")
+        _sighup(d, TOKENS.format(alice="").replace("alice-secret-token", "alice-rotated-token"),
+                "tenants added: alice")
+    return "alice-rotated-token"
+
+
+def _written_below(d: DaemonProc, tier: str, redis: Any, token: str) -> None:
+    """Stores a marker block with `token` and waits until it is written back (`tier`): any
+    write-back queued before it has then been written too."""
+    with Client(d.socket, layout=LAYOUT, token=token) as kv:
+        assert kv.store([key(99, 0)], [b"\x99" * BLOCK]).stored == 1
+        if tier == "ssd":
+            wait_for(lambda: ssd_blocks(kv) >= 1, timeout=30)
+        else:
+            wait_for(lambda: redis.client().dbsize() >= 1, timeout=30)
+
+
+WRITES_BEGUN = [(tier, how, "rotated") for tier in ("ssd", "remote") for how in (
+    "grpc stream opened", "grpc stream begun", "socket write begun")] + [
+    ("ssd", how, "revoked and back") for how in ("grpc stream opened", "socket write begun")]
+
+
+@pytest.mark.parametrize("tier,how,kind", WRITES_BEGUN)
+def test_a_write_begun_before_a_token_change_never_commits_after_it(
+        tmp_path: Path, tier: str, how: str, kind: str) -> None:
+    """Alice's old token begins a WriteBlocks — a gRPC stream opened (its header not sent yet)
+    or begun (half a block sent), or a bulk write on the local socket begun — then a SIGHUP
+    rotates her token (or revokes her, and a later one brings her back with another): the
+    write never commits, and with write-back from the first access (SSD) or a remote tier at
+    its defaults her new token never loads the old token's bytes (before: the stream resolved
+    its tenant when it opened and committed; a write begun committed into the retired file and
+    was written back before that file's blocks left DRAM: 4 of 4 blocks loaded)."""
+    redis = None
+    if tier == "ssd":
+        d = tenants_daemon(tmp_path, "--ssd-admit-after", "1")
+    else:
+        from tests.redis_fixture import REDIS_SERVER, RedisServer
+
+        if REDIS_SERVER is None:
+            pytest.skip("redis-server not installed")
+        redis = RedisServer(tmp_path / "redis").start()
+        d = tenants_daemon(tmp_path, "--remote-url", redis.url, "--ssd-bytes", "0")
+    ch, stub = stub_of(d)
+    k = keys(40, 2)
+    try:
+        if how.startswith("grpc"):
+            go = threading.Event()
+            begun = how == "grpc stream begun"
+
+            def chunks() -> Iterator[pb.WriteBlocksRequest]:
+                if not begun:
+                    go.wait(60)
+                yield _header(k)
+                yield _chunk(0, 0, OLD_BYTES[: BLOCK // 2])
+                go.wait(60)
+                yield _chunk(0, BLOCK // 2, OLD_BYTES[BLOCK // 2 :])
+                yield _chunk(1, 0, OLD_BYTES)
+
+            late = stub.WriteBlocks.future(chunks(), metadata=ALICE)
+            if begun:  # its slots are claimed: the lease is there
+                wait_for(lambda: d.metric_sum("kvtier_leases_active") >= 1, timeout=30)
+            else:  # a call after it on the same connection: the stream's handler has run
+                stub.Stats(pb.StatsRequest(), metadata=ALICE)
+            new = _changes(d, kind)
+            go.set()
+            with pytest.raises(grpc.RpcError) as exc:
+                late.result(timeout=60)
+            assert exc.value.code() in (Code.NOT_FOUND, Code.UNAUTHENTICATED), exc.value
+        else:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(30)
+                conn.connect(wire.lookup_socket_path(str(d.socket)))
+                conn.sendall(ALICE_CALLS)
+                assert _answer(conn) == wire.BULK_HELLO
+                conn.sendall(wire.call_frame(len(wire.CALLS), "", pb.WriteHeader(
+                    layout=LID, keys=k, key_width=32).SerializeToString()))
+                assert _answer(conn) == b""  # go ahead: the slots are claimed
+                conn.sendall(OLD_BYTES[: BLOCK // 2])
+                new = _changes(d, kind)
+                with contextlib.suppress(OSError):  # refused and closed before all was sent
+                    conn.sendall(OLD_BYTES[BLOCK // 2 :] + OLD_BYTES)
+                with pytest.raises(SocketRefusal) as refused:
+                    _answer(conn)
+                assert refused.value.code() in (Code.NOT_FOUND, Code.DEADLINE_EXCEEDED,
+                                                Code.UNAUTHENTICATED)
+        _written_below(d, tier, redis, new)
+        with Client(d.socket, layout=LAYOUT, token=new) as kv:
+            assert kv.lookup([key(40, i) for i in range(2)]).hit_blocks == 0
+            with kv.load([key(40, i) for i in range(2)]) as got:
+                assert got.blocks == 0, "the new token loaded the old token's write"
+    finally:
+        ch.close()
+        d.stop()
+        if redis is not None:
+            redis.kill()

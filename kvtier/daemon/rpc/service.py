@@ -108,6 +108,20 @@ def segment_info(view: SegmentView) -> pb.SegmentInfo:
     )
 
 
+def still_theirs(who: Callable[[], Tenant], tenant: Tenant) -> None:
+    """A write's check before its commit: the token that began it (`who`: its tenant by the
+    tokens of the moment) is still `tenant`'s. Raises Unauthenticated when a reload rotated or
+    revoked it meanwhile (the caller aborts the write: nothing of it is committed)."""
+    try:
+        now = who()
+    except Unauthenticated as exc:
+        raise Unauthenticated(f"{exc}: the token that began this write was changed or revoked; "
+                              "nothing of it is committed") from None
+    if now.name != tenant.name:
+        raise Unauthenticated("the token that began this write belongs to another tenant now; "
+                              "nothing of it is committed")
+
+
 class Failed(Exception):
     """A call answered with a gRPC status other than OK (already recorded in the metrics)."""
 
@@ -436,19 +450,24 @@ class KvTierService(pb_grpc.KvTierServicer):
     ) -> pb.WriteBlocksResponse:
         started = time.perf_counter()
         try:
-            tenant = self._tenant(context)
-            reply = await self._write_blocks(tenant, decoded(request_iterator))
+            self._tenant(context)  # an unknown token is refused before anything is read
+            reply = await self._write_blocks(lambda: self._tenant(context),
+                                             decoded(request_iterator))
         except Exception as exc:
             await self._fail("WriteBlocks", context, exc, started)
         self._record("WriteBlocks", grpc.StatusCode.OK, started)
         return reply
 
     async def _write_blocks(
-        self, tenant: Tenant, requests: AsyncIterator[pb.WriteBlocksRequest]
+        self, who: Callable[[], Tenant], requests: AsyncIterator[pb.WriteBlocksRequest]
     ) -> pb.WriteBlocksResponse:
+        """The stream's token is checked against the tokens of the moment when its header
+        arrives and again at its commit (`still_theirs`): a stream opened before a reload that
+        rotated or revoked its token never commits after it."""
         first = await anext(aiter(requests), None)
         if first is None or isinstance(first, Chunk) or not first.HasField("header"):
             raise InvalidArgument("the first WriteBlocks message must be a header")
+        tenant = who()
         h = first.header
         info = self.cache.layout(tenant, h.layout)
         alloc = await self.cache.allocate_async(tenant, h.layout, h.keys, h.key_width,
@@ -484,6 +503,7 @@ class KvTierService(pb_grpc.KvTierServicer):
             if got != n_keys:
                 raise InvalidArgument(f"received {got} complete blocks of {n_keys}")
             if alloc.lease_id:
+                still_theirs(who, tenant)
                 done = self.cache.commit(tenant, alloc.lease_id, len(slot_of) * info.block_bytes)
             committed = True
         finally:
@@ -502,13 +522,13 @@ class KvTierService(pb_grpc.KvTierServicer):
         try:
             if isinstance(header, Refused):
                 raise RefusedError(header)
-            who = tenant()
-            info = self.cache.layout(who, header.layout)
-            alloc = await self.cache.allocate_async(who, header.layout, header.keys,
+            caller = tenant()
+            info = self.cache.layout(caller, header.layout)
+            alloc = await self.cache.allocate_async(caller, header.layout, header.keys,
                                                     header.key_width, header.parent_key, 0.0)
         except Exception as exc:
             raise self._failure("WriteBlocks", exc, started) from None
-        return BlockWrite(self, who, alloc, len(header.keys) // info.key_width,
+        return BlockWrite(self, caller, tenant, alloc, len(header.keys) // info.key_width,
                           info.block_bytes, started)
 
     async def read_blocks(self, request: pb.ReadBlocksRequest | Refused,
@@ -601,10 +621,12 @@ class BlockWrite:
     lease lives, those of blocks already cached skipped), then `finish` (commit) or `abort`
     (the payload ended short or the connection did: the slots freed, nothing committed)."""
 
-    def __init__(self, service: KvTierService, tenant: Tenant, alloc: AllocateResult, n_keys: int,
-                 block_bytes: int, started: float) -> None:
+    def __init__(self, service: KvTierService, tenant: Tenant, who: Callable[[], Tenant],
+                 alloc: AllocateResult, n_keys: int, block_bytes: int, started: float) -> None:
+        """`who`: the caller's tenant by its token now (checked again at the commit)."""
         self._service = service
         self._tenant = tenant
+        self._who = who
         self._alloc = alloc
         self._slots = service.cache.writing(tenant, alloc.lease_id, alloc.offsets, block_bytes)
         self._slot_of = {index: j for j, index in enumerate(alloc.indices)}
@@ -642,6 +664,7 @@ class BlockWrite:
         service, done = self._service, 0
         try:
             if self._alloc.lease_id:
+                still_theirs(self._who, self._tenant)
                 done = service.cache.commit(self._tenant, self._alloc.lease_id,
                                             len(self._slot_of) * self.block_bytes)
         except Exception as exc:
