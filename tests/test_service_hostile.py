@@ -1497,3 +1497,43 @@ def test_a_write_begun_before_a_token_change_never_commits_after_it(
         d.stop()
         if redis is not None:
             redis.kill()
+
+
+def test_the_first_lookup_after_a_rotation_with_a_remote_tier_is_answered(
+        tmp_path: Path) -> None:
+    """Alice's blocks wait in the remote tier's write queue (the store stalled) when a SIGHUP
+    rotates her token, so they stay in her retired file until written; then her new token
+    looks them up, the lookup that would write them back to SSD: every Lookup is answered
+    (before: making SSD room inside the write-back loop dropped those blocks, and the loop then
+    pinned one it had dropped: INTERNAL, UnknownBlock)."""
+    from tests.redis_fixture import REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed")
+    redis = RedisServer(tmp_path / "redis").start()
+    d = tenants_daemon(tmp_path, "--remote-url", redis.url, "--remote-timeout-s", "60",
+                       "--ssd-admit-after", "2")
+    chain = [key(41, i) for i in range(4)]
+    try:
+        assert redis.proc is not None
+        with Client(d.socket, layout=LAYOUT, token="alice-secret-token") as a:
+            os.kill(redis.proc.pid, signal.SIGSTOP)  # its writes wait: the blocks stay pinned
+            try:
+                assert a.store(chain, [b"\x41" * BLOCK] * 4).stored == 4
+                new = _changes(d, "rotated")
+            finally:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+        with Client(d.socket, layout=LAYOUT, token=new) as kv:
+            stream = kv._stub.WatchEvents(pb.WatchEventsRequest(since_sequence=1),
+                                          metadata=kv._metadata, timeout=60)
+            for event in stream:  # written, unpinned (the same step) and published
+                if event.stored.medium == pb.TIER_REMOTE and chain[-1] in (
+                        event.stored.block_hashes):
+                    stream.cancel()
+                    break
+            for _ in range(3):
+                kv.lookup(chain)  # raised KvtierRpcError INTERNAL before
+        assert "UnknownBlock" not in d.log(), d.log()
+    finally:
+        d.stop()
+        redis.kill()
