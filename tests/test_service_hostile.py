@@ -1537,3 +1537,48 @@ def test_the_first_lookup_after_a_rotation_with_a_remote_tier_is_answered(
     finally:
         d.stop()
         redis.kill()
+
+
+def test_whitespace_around_a_token_is_read_alike_on_every_transport(env: Env) -> None:
+    """Spaces around a token are not part of it (as around an HTTP field's value): gRPC
+    metadata, the lookup socket's hello and the fd socket's request all name its tenant."""
+    padded = " alice-secret-token  "
+    reply = env.stub.Lookup(pb.LookupRequest(layout=LID, keys=keys(7, 1), key_width=32),
+                            metadata=(("authorization", f"Bearer {padded}"),))
+    assert reply.hit_blocks == 1  # alice's block (keys(7, 1), stored in Env)
+    got = on_socket(env, lookup_frame(layout=LID, keys=keys(7, 1), key_width=32),
+                    hello=wire.hello(padded))
+    assert got.hit_blocks == 1
+    os.close(fetch_fd(fd_socket_path(str(env.d.socket)), padded))
+
+
+def test_one_tenant_cannot_take_the_lookup_sockets_connections(tmp_path: Path) -> None:
+    """Alice opens as many lookup-socket connections as the daemon takes at all (its cap, 64
+    with 256 descriptors): past her share of them (the cap divided among the 3 tenants) her
+    hellos are closed unanswered, and bob's client still gets a connection and makes its
+    Lookups there (before: she held every one, and his Lookups silently went over gRPC)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(TOKENS.format(alice=""))
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)],
+                   launcher=[sys.executable, "-c", _LOW_NOFILE]).start()
+    path = wire.lookup_socket_path(str(d.socket))
+    held: list[socket.socket] = []
+    answered = 0
+    try:
+        for _ in range(64):  # the daemon's cap: a quarter of its 256 descriptors
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(10)
+            conn.connect(path)
+            conn.sendall(ALICE_HELLO)
+            held.append(conn)
+            with contextlib.suppress(EOFError, ConnectionResetError):
+                answered += _answer(conn) == b""
+        with Client(d.socket, layout=LAYOUT, token="bob-secret-token-2") as bob:
+            assert bob.lookup([key(9, 0)]).hit_blocks == 0
+            assert bob._lookups is not None and bob._lookups._idle  # on the lookup socket
+        print(f"alice's hellos answered: {answered} of 64")
+        assert answered == 64 // 3
+    finally:
+        for conn in held:
+            conn.close()
+    d.stop()

@@ -29,7 +29,10 @@ that sends requests without reading the replies is read no further once its unre
 the transport's high-water mark (`pause_writing`), so it cannot grow the daemon's memory. At most
 `connection_cap()` connections are open at once (a quarter of the daemon's file-descriptor limit):
 one more is closed at once, and its client goes on over gRPC — a flood of idle connections cannot
-take the descriptors the gRPC socket, LMDB and the pool need.
+take the descriptors the gRPC socket, LMDB and the pool need. With tenants, each holds at most
+its share of them (`tenant_share`: the cap divided among the tokens file's tenants): a hello
+beyond it is closed unanswered and that client goes on over gRPC too, so no tenant can push the
+others' Lookups off this socket.
 
 The bulk calls (`wire.BULK`: WriteBlocks and ReadBlocks with their payload as raw bytes after
 the frames, for clients that cannot map the pool) go through `KvTierService.begin_write` /
@@ -82,6 +85,11 @@ def connection_cap() -> int:
     return max(16, min(4096, soft // 4))
 
 
+def tenant_share(cap: int, tenants: int) -> int:
+    """The connections one tenant may hold of `cap`, shared by `tenants` tenants (at least 1)."""
+    return max(1, cap // max(1, tenants))
+
+
 def _code(code: grpc.StatusCode) -> int:
     value: int = code.value[0]
     return value
@@ -110,6 +118,7 @@ class LookupServer:
         self._server: asyncio.AbstractServer | None = None
         self.connections: set[_Connection] = set()
         self.cap = connection_cap()
+        self.held: dict[str, int] = {}  # tenant -> its connections past the hello
         self.refused = 0  # connections refused at the hello, for a bad frame or over the cap
 
     async def start(self) -> bool:
@@ -162,6 +171,7 @@ class _Connection(asyncio.Protocol):
         self.sent_head = False  # the running ReadBlocks has answered OK (its bytes follow)
         self.big_buffer = False  # the socket's send buffer was raised for a ReadBlocks
         self.resumed: asyncio.Future[None] | None = None  # set when the client took replies
+        self.holder = ""  # the tenant whose share of the connections this one counts in
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -179,6 +189,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self.holder:
+            self.server.held[self.holder] -= 1
+            self.holder = ""
         self._deadline(None)
         self.transport = None
         self.buf.clear()
@@ -255,10 +268,22 @@ class _Connection(asyncio.Protocol):
             return
         self.token, self.calls = hello
         try:
-            self._tenant()
+            tenant = self._tenant()
         except Unauthenticated as exc:
             self._refuse(grpc.StatusCode.UNAUTHENTICATED, str(exc))
             return
+        auth, held = self.server.service.auth, self.server.held
+        if auth.required:
+            share = tenant_share(self.server.cap, len(auth.tenants()))
+            if held.get(tenant.name, 0) >= share:  # unanswered: its client goes over gRPC
+                self.server.refused += 1
+                WARNINGS.warn("lookup-share", f"lookup socket: tenant {tenant.name!r} holds "
+                              f"its share of {share} connections, one more closed (its client "
+                              "goes on over gRPC)")
+                self.close()
+                return
+            self.holder = tenant.name
+            held[tenant.name] = held.get(tenant.name, 0) + 1
         self._deadline(None)
         self._write(wire.ok_reply(wire.BULK_HELLO if self.calls else b""))
 
