@@ -38,10 +38,12 @@ The bulk calls (`wire.BULK`: WriteBlocks and ReadBlocks with their payload as ra
 the frames, for clients that cannot map the pool) go through `KvTierService.begin_write` /
 `read_blocks`: the RPC's tenant, layout and size checks, slots claimed and committed as the
 RPC's, its codes and metrics. A write's payload is copied into the slots as it arrives, in
-`data_received` (no per-chunk messages); the connection waits for no read meanwhile: a pause of
-`FRAME_TIMEOUT_S` mid-payload, a lease that ends, or the connection's end aborts the write (its
-slots freed, nothing committed). A read runs as a task, each block copied out under the lock and
-written to the transport, waiting while the client has not taken `pause_writing`'s worth.
+`data_received` (no per-chunk messages); the connection waits for no read meanwhile: less than
+`PROGRESS_BYTES` of it in `FRAME_TIMEOUT_S` (a pause, or a trickle), a lease that ends, or the
+connection's end aborts the write (its slots freed, nothing committed). A read runs as a task,
+each block copied out under the lock and written to the transport, waiting while the client has
+not taken `pause_writing`'s worth — at most the lease's TTL per block (`read_blocks`), then the
+connection is dropped with what it buffered; a client gone mid-payload ends it quietly.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core import lookupwire as wire
 from kvtier.core.errors import UsageError
 from kvtier.core.paths import socket_path_problem
+from kvtier.core.units import format_bytes
 from kvtier.daemon import sharing, sockpath
 from kvtier.daemon.auth import Authenticator, Unauthenticated
 from kvtier.daemon.cache.namespaces import Tenant
@@ -72,6 +75,7 @@ from kvtier.daemon.rpc.service import BlockWrite, Failed, KvTierService
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0
 FRAME_TIMEOUT_S = 2.0
+PROGRESS_BYTES = 64 << 10  # what a bulk write's payload must move in each FRAME_TIMEOUT_S
 SEND_PIECE = 1 << 20
 SEND_BUFFER = 1 << 20  # SO_SNDBUF of a connection once it reads blocks
 
@@ -172,6 +176,7 @@ class _Connection(asyncio.Protocol):
         self.big_buffer = False  # the socket's send buffer was raised for a ReadBlocks
         self.resumed: asyncio.Future[None] | None = None  # set when the client took replies
         self.holder = ""  # the tenant whose share of the connections this one counts in
+        self.armed_at = 0  # the running write's `received` when its stall deadline was set
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -346,6 +351,7 @@ class _Connection(asyncio.Protocol):
         if result.complete:  # none to send (no keys)
             self._feed(memoryview(b""))
         else:
+            self.armed_at = 0
             self._deadline(FRAME_TIMEOUT_S)
 
     # -- bulk calls -------------------------------------------------------------------------
@@ -379,7 +385,9 @@ class _Connection(asyncio.Protocol):
         try:
             took = write.feed(data)
             if not write.complete:
-                self._deadline(FRAME_TIMEOUT_S)
+                if write.received - self.armed_at >= PROGRESS_BYTES:  # moving: a new deadline
+                    self.armed_at = write.received
+                    self._deadline(FRAME_TIMEOUT_S)
                 return took
             self.writing = None
             self._deadline(None)
@@ -401,7 +409,7 @@ class _Connection(asyncio.Protocol):
         its front: a whole block there would be moved again at each send)."""
         view = memoryview(data)
         for at in range(0, len(view), SEND_PIECE):
-            if self.transport is None:
+            if self.transport is None or self.transport.is_closing():
                 raise ConnectionResetError("the client went away mid-payload")
             self.transport.write(view[at : at + SEND_PIECE])
             while self.full and self.transport is not None:
@@ -412,11 +420,11 @@ class _Connection(asyncio.Protocol):
         self.reading = None
         self.busy = False
         self.resumed = None
+        exc = task.exception() if not task.cancelled() else None  # retrieved, even if gone
         if self.transport is None:
             return
-        exc = task.exception() if not task.cancelled() else None
         if task.cancelled() or (exc is not None and self.sent_head):
-            self.close()  # its bytes had begun: the client sees them end short
+            self.close(abort=True)  # its bytes had begun: they end short, the unsent dropped
             return
         if isinstance(exc, Failed):
             self._answer_failed(exc)
@@ -486,7 +494,8 @@ class _Connection(asyncio.Protocol):
             write, self.writing = self.writing, None
             failed = write.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  f"WriteBlocks payload: {write.received} of {write.total} "
-                                 f"bytes, then nothing for {FRAME_TIMEOUT_S:g} s")
+                                 f"bytes, then less than {format_bytes(PROGRESS_BYTES)} "
+                                 f"more in {FRAME_TIMEOUT_S:g} s")
             self.server.refused += 1
             self._write(wire.error_reply(_code(failed.code), failed.message))
             self.close()
@@ -497,10 +506,15 @@ class _Connection(asyncio.Protocol):
             self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED,
                          f"no complete {what} within {limit:g} s")
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Closes the connection: what was written is flushed first, or with `abort` dropped
+        (a client that reads nothing would hold it for ever)."""
         self._deadline(None)
         if self.transport is not None:
-            self.transport.close()  # flushes what was written first
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
             self.transport = None
         self.buf.clear()
         self._end_bulk()

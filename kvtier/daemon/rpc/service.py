@@ -535,8 +535,11 @@ class KvTierService(pb_grpc.KvTierServicer):
                           tenant: Callable[[], Tenant], begin: Callable[[int], None],
                           send: Callable[[bytes], Awaitable[None]]) -> None:
         """A ReadBlocks whose payload goes out as raw bytes: `begin(count)` once the blocks are
-        held, then `send` of each block's bytes (copied under the lock while the lease lives).
-        Raises `Failed` (recorded); a failure after `begin` must end the connection."""
+        held, then `send` of each block's bytes (copied under the lock while the lease lives),
+        each sent within the lease's TTL — a client that takes no block for that long could
+        not go on (nothing renewed its lease) and is answered DEADLINE_EXCEEDED, so it holds
+        nothing longer. Raises `Failed` (recorded); a failure after `begin` must end the
+        connection (abruptly: what its client left unread is dropped)."""
         started = time.perf_counter()
         try:
             if isinstance(request, Refused):
@@ -546,7 +549,16 @@ class KvTierService(pb_grpc.KvTierServicer):
             ) as stream:
                 begin(len(stream))
                 for i in range(len(stream)):
-                    await send(stream.read(i, 0, stream.block_bytes))
+                    data = stream.read(i, 0, stream.block_bytes)
+                    try:
+                        await asyncio.wait_for(send(data), stream.ttl_s or None)
+                    except TimeoutError:
+                        self._record("ReadBlocks", grpc.StatusCode.DEADLINE_EXCEEDED, started)
+                        raise Failed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"the client took no block for {stream.ttl_s:g} s (the "
+                                     "lease's TTL)") from None
+        except Failed:
+            raise
         except ConnectionError:
             self._record("ReadBlocks", grpc.StatusCode.CANCELLED, started)
             raise Failed(grpc.StatusCode.CANCELLED, "the client went away mid-payload") from None
