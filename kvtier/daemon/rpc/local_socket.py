@@ -1,11 +1,10 @@
 """The lookup socket: Lookup and the shared-memory lease calls for clients on this machine
 without gRPC's per-call machinery.
 
-gRPC costs the daemon about 0.3 ms of CPU per call before a handler runs (docs/benchmarks.md,
-issue 25); Lookup is the call engines make most, and a shared-memory store+load is four calls
-(Allocate, Commit; Acquire, Release) around its copies. So the daemon also answers them on
-`<socket>.lookup` (`kvtier.core.lookupwire`: length-prefixed frames, a hello with the token,
-then one `LookupRequest` per frame — or, after a `KVTLK2` hello, one call of `wire.CALLS` per
+gRPC costs the daemon about 0.3 ms of CPU per call before a handler runs (docs/benchmarks.md),
+so the daemon also answers Lookup and the lease calls on `<socket>.lookup`
+(`kvtier.core.lookupwire`: length-prefixed frames, a hello with the token, then one
+`LookupRequest` per frame — or, after a `KVTLK2` hello, one call of `wire.CALLS` per
 frame, with the caller's session id), an asyncio server on the daemon's event loop, created with
 the same mode and group as the gRPC socket, claimed like it (`kvtier.daemon.sockpath`: only a
 stale socket is removed) and removed at shutdown (after the drain: Release, Commit and Abort
@@ -30,9 +29,8 @@ the transport's high-water mark (`pause_writing`), so it cannot grow the daemon'
 `connection_cap()` connections are open at once (a quarter of the daemon's file-descriptor limit):
 one more is closed at once, and its client goes on over gRPC — a flood of idle connections cannot
 take the descriptors the gRPC socket, LMDB and the pool need. With tenants, each holds at most
-its share of them (`tenant_share`: the cap divided among the tokens file's tenants): a hello
-beyond it is closed unanswered and that client goes on over gRPC too, so no tenant can push the
-others' Lookups off this socket.
+`tenant_share` of them (the cap divided among the tenants): a hello beyond it is closed unanswered
+(its client goes on over gRPC), so no tenant can push the others off this socket.
 
 The bulk calls (`wire.BULK`: WriteBlocks and ReadBlocks with their payload as raw bytes after
 the frames, for clients that cannot map the pool) go through `KvTierService.begin_write` /
