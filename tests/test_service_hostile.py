@@ -34,6 +34,7 @@ from kvtier.daemon.rpc.guard import WARN_EVERY_S, Limits
 from kvtier.daemon.rpc.service import CHUNK_BYTES
 from tests import uring
 from tests.daemon_fixture import DaemonProc, ssd_blocks, wait_for
+from tests.redis_fixture import RedisServer, needs_redis
 
 BLOCK = 65536
 FP = b"hostile-layout-01"
@@ -1419,8 +1420,9 @@ def _written_below(d: DaemonProc, tier: str, redis: Any, token: str) -> None:
             wait_for(lambda: redis.client().dbsize() >= 1, timeout=30)
 
 
-WRITES_BEGUN = [(tier, how, "rotated") for tier in ("ssd", "remote") for how in (
-    "grpc stream opened", "grpc stream begun", "socket write begun")] + [
+WRITES_BEGUN = [pytest.param(tier, how, "rotated", marks=[needs_redis] if tier == "remote" else [])
+                for tier in ("ssd", "remote") for how in (
+                    "grpc stream opened", "grpc stream begun", "socket write begun")] + [
     ("ssd", how, "revoked and back") for how in ("grpc stream opened", "socket write begun")]
 
 
@@ -1438,10 +1440,6 @@ def test_a_write_begun_before_a_token_change_never_commits_after_it(
     if tier == "ssd":
         d = tenants_daemon(tmp_path, "--ssd-admit-after", "1")
     else:
-        from tests.redis_fixture import REDIS_SERVER, RedisServer
-
-        if REDIS_SERVER is None:
-            pytest.skip("redis-server not installed")
         redis = RedisServer(tmp_path / "redis").start()
         d = tenants_daemon(tmp_path, "--remote-url", redis.url, "--ssd-bytes", "0")
     ch, stub = stub_of(d)
@@ -1499,6 +1497,7 @@ def test_a_write_begun_before_a_token_change_never_commits_after_it(
             redis.kill()
 
 
+@needs_redis
 def test_the_first_lookup_after_a_rotation_with_a_remote_tier_is_answered(
         tmp_path: Path) -> None:
     """Alice's blocks wait in the remote tier's write queue (the store stalled) when a SIGHUP
@@ -1506,10 +1505,6 @@ def test_the_first_lookup_after_a_rotation_with_a_remote_tier_is_answered(
     looks them up, the lookup that would write them back to SSD: every Lookup is answered
     (before: making SSD room inside the write-back loop dropped those blocks, and the loop then
     pinned one it had dropped: INTERNAL, UnknownBlock)."""
-    from tests.redis_fixture import REDIS_SERVER, RedisServer
-
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
     redis = RedisServer(tmp_path / "redis").start()
     d = tenants_daemon(tmp_path, "--remote-url", redis.url, "--remote-timeout-s", "60",
                        "--ssd-admit-after", "2")
