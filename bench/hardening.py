@@ -13,6 +13,12 @@ measured in the same run:
   message gRPC accepts), the daemon's RSS at start, at peak and idle afterwards (6.5 s later: the
   reaper trims the heap every 5 s). Goal: the burst raised the peak by >= 32 MiB (else it
   tested nothing) and idle RSS <= 2x start.
+- RSS around stalled bulk readers: 16 ReadBlocks of 4 blocks of 4 MiB on the lookup socket
+  whose clients take 4 KiB and then read nothing (lease TTL 2 s): the daemon's RSS at start,
+  while they are stalled, and idle once the daemon cut them off. Goal: idle RSS <= 1.25x start.
+- CPU at EMFILE: a daemon limited to 256 descriptors, all taken by silent gRPC connections, and
+  one client connecting to its fd socket: the daemon's CPU over 2 s (a core's share), against
+  the same daemon idle just before. Goal: < 0.1 of a core.
 Writes bench/results/hardening.json.
 """
 
@@ -20,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
+import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +43,8 @@ import grpc
 from bench.daemon import ROOT, start_daemon
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier._proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.client.sync_client import LayoutDecl
+from kvtier.client.sync_client import Client, LayoutDecl
+from kvtier.core import lookupwire as wire
 from kvtier.daemon.memory import TRIM_EVERY_S
 from kvtier.daemon.rpc.service import CHUNK_BYTES
 
@@ -156,6 +166,113 @@ def rss_after_burst(sock: Path, pid: int) -> dict[str, Any]:
             "idle_after_mib": after, "ratio": after / start}
 
 
+BIG = 4 << 20
+BIG_LAYOUT = LayoutDecl(b"bench-hardening-big", BIG, 16, model_id="bench-model")
+READERS = 16
+
+
+def _reader(sock: Path, keys: bytes) -> socket.socket:
+    """A bulk ReadBlocks of `keys` on the lookup socket that takes 4 KiB, then nothing."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)
+    conn.connect(wire.lookup_socket_path(str(sock)))
+    conn.sendall(wire.hello("", calls=True))
+    conn.recv(64)  # the hello's answer
+    conn.sendall(wire.call_frame(len(wire.CALLS) + 1, "", pb.ReadBlocksRequest(
+        layout=BIG_LAYOUT.layout_id, keys=keys, key_width=32).SerializeToString()))
+    conn.recv(4096)
+    return conn
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    poller = select.poll()
+    poller.register(conn, select.POLLRDHUP | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+def stalled_readers(sock: Path, pid: int) -> dict[str, Any]:
+    keys = [bytes([51, i]) + bytes(30) for i in range(4)]
+    with Client(sock, layout=BIG_LAYOUT) as kv:
+        kv.store(keys, [bytes([i]) * BIG for i in range(4)])
+    time.sleep(0.5)
+    start = _rss_mib(pid)
+    readers = [_reader(sock, b"".join(keys)) for _ in range(READERS)]
+    stalled = start
+    started = time.monotonic()
+    while not all(_hung_up(r) for r in readers) and time.monotonic() - started < 60:
+        stalled = max(stalled, _rss_mib(pid))
+        time.sleep(0.05)
+    cut_s = time.monotonic() - started
+    cut = sum(_hung_up(r) for r in readers)
+    time.sleep(TRIM_EVERY_S + 1.5)  # idle: the reaper has trimmed the heap once since
+    after = _rss_mib(pid)
+    for r in readers:
+        r.close()
+    return {"readers": READERS, "blocks": len(keys), "block_mib": BIG >> 20,
+            "start_mib": start, "stalled_mib": stalled, "idle_after_mib": after,
+            "cut_off": cut, "cut_off_s": cut_s, "ratio": after / start}
+
+
+_LOW_NOFILE = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256));"
+               " os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy(pid: int, seconds: float) -> float:
+    used, t0 = _cpu_s(pid), time.monotonic()
+    time.sleep(seconds)
+    return (_cpu_s(pid) - used) / (time.monotonic() - t0)
+
+
+def cpu_at_emfile(work: Path) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "tokens.toml").write_text('[tenants.a]\ntoken = "bench-token-a"\n')
+    sock = work / "kvtier.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LOW_NOFILE, sys.executable, "-m", "kvtier", "serve",
+         "--socket", str(sock), "--data-dir", str(work / "data"), "--dram-bytes", "16MiB",
+         "--ssd-bytes", "0", "--metrics", "", "--tokens-file", str(work / "tokens.toml")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    flood: list[socket.socket] = []
+    try:
+        fds = sock.with_name(sock.name + ".fds")
+        deadline = time.monotonic() + 60
+        while not fds.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("daemon did not start")
+            time.sleep(0.05)
+        time.sleep(1.0)
+        idle = _busy(proc.pid, 2.0)
+        while len(flood) < 400:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.setblocking(False)
+            try:
+                conn.connect(str(sock))
+            except BlockingIOError:
+                conn.close()
+                break
+            flood.append(conn)
+        while len(os.listdir(f"/proc/{proc.pid}/fd")) < 250 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.setblocking(False)
+        client.connect(str(fds))
+        time.sleep(0.5)
+        busy = _busy(proc.pid, 2.0)
+        client.close()
+    finally:
+        for conn in flood:
+            conn.close()
+        proc.terminate()
+        proc.wait(30)
+    return {"nofile": 256, "flood": len(flood), "idle_core": idle, "emfile_core": busy}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="fewer trials (smoke run)")
@@ -175,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             proc.terminate()
             proc.wait(30)
+        proc, sock = start_daemon(Path(tmp) / "readers", "64KiB", "64MiB", "--lease-ttl-s", "2")
+        try:
+            readers = stalled_readers(sock, proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        emfile = cpu_at_emfile(Path(tmp) / "emfile")
     print(f"Leases of a SIGKILLed client holding the whole pool ({trials} trials each)")
     print(f"{'path':>8}{'median s':>10}{'max s':>9}{'TTL s':>8}{'median/TTL':>12}")
     for r in leases:
@@ -192,10 +316,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goal: the burst raised the peak by >= {RAISED_MIB} MiB "
           f"({'yes' if raised else 'NO: nothing tested'}), then idle RSS <= 2x start: "
           f"{'reached' if ok_rss else 'NOT reached'}")
+    r = readers
+    print(f"\nDaemon RSS around {r['readers']} bulk readers of {r['blocks']} x "
+          f"{r['block_mib']} MiB that stop reading (lease TTL 2 s)")
+    print(f"start {r['start_mib']:.0f} MiB, stalled {r['stalled_mib']:.0f} MiB, idle after "
+          f"{r['idle_after_mib']:.0f} MiB: {r['ratio']:.2f}x start; {r['cut_off']} of "
+          f"{r['readers']} cut off after {r['cut_off_s']:.1f} s")
+    ok_readers = r["cut_off"] == r["readers"] and r["ratio"] <= 1.25
+    print(f"goal: every reader cut off, then idle RSS <= 1.25x start: "
+          f"{'reached' if ok_readers else 'NOT reached'}")
+    print(f"\nDaemon CPU with its {emfile['nofile']} descriptors taken ({emfile['flood']} silent "
+          f"gRPC connections) and a client at its fd socket: {emfile['emfile_core']:.2f} of a "
+          f"core (idle before: {emfile['idle_core']:.2f})")
+    print(f"goal: < 0.1 of a core: {'reached' if emfile['emfile_core'] < 0.1 else 'NOT reached'}")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "hardening.json").write_text(json.dumps(
-        {"lease_release": leases, "rss": rss, "quick": args.quick}, indent=2))
+        {"lease_release": leases, "rss": rss, "stalled_readers": readers, "emfile": emfile,
+         "quick": args.quick}, indent=2))
     return 0
 
 

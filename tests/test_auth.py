@@ -45,3 +45,13 @@ def test_serve_refuses_guarantees_larger_than_the_pool(tmp_path: Path) -> None:
                          '[tenants.b]\ntoken = "bbbbbbbb-token"\ndram_guarantee = "8MiB"\n')
     with pytest.raises(RuntimeError, match=r"daemon exited 2[\s\S]*dram_guarantee add up to"):
         DaemonProc(tmp_path / "d", ["--tokens-file", str(f)]).start()
+
+
+def test_whitespace_around_a_token_is_not_part_of_it(tmp_path: Path) -> None:
+    """A presented token is read without the whitespace around it; a token in the file with
+    whitespace around it could never be presented, so the file is refused."""
+    auth = Authenticator.from_file(tokens(tmp_path, '[tenants.a]\ntoken = "aaaaaaaa-token"\n'))
+    for value in ("Bearer aaaaaaaa-token", "Bearer  aaaaaaaa-token ", " bearer aaaaaaaa-token\t"):
+        assert auth.authenticate([("authorization", value)]).name == "a"
+    with pytest.raises(UsageError, match="whitespace around it"):
+        Authenticator.from_file(tokens(tmp_path, '[tenants.a]\ntoken = " aaaaaaaa-token"\n'))

@@ -20,6 +20,7 @@ from kvtier.core.errors import (
     ResourceExhausted,
 )
 from kvtier.core.keys import layout_id
+from kvtier.core.segment import DramError
 from kvtier.core.types import Tier
 from kvtier.daemon import config
 from kvtier.daemon.cache.cache import Cache
@@ -310,8 +311,10 @@ def test_a_rekeyed_tenant_leaves_its_old_file_now_or_at_release(
         with pytest.raises(NotFound):
             c.commit(T, w.lease_id, BLOCK)
         assert len(c.lookup(T, LID, keys(3, 1), 32).tiers) == 0  # never committed
-        assert pool.tenant_fd("t") != old_fd  # a fresh region, made on first use
+        with pytest.raises(DramError, match="not ready"):  # a fresh region, made on first
+            pool.tenant_fd("t")  # use, handed out once the old one let go of t's slice
         c.release(T, held.lease_id)
+        assert pool.tenant_fd("t") != old_fd
         assert len(c.lookup(T, LID, keys(1, 1), 32).tiers) == 0  # out at its release
         assert pool.stats().slots_used == 0 and c.leaked_slots() == 0
         assert pool.tenant_bytes() == {"t": pool.tenant_handle("t").size}  # the old released

@@ -152,9 +152,10 @@ def test_a_retired_region_sees_nothing_stored_after_and_is_released_when_drained
     assert old[12] == 2  # the old file's header: STATE_CLOSED (u32 at offset 12)
     new = pool.class_bytes(BLOCK, "a")
     assert new == BLOCK + 3 and pool.tenant_handle("a").generation != old_gen
-    new_fd, new_gen, _ = pool.tenant_file("a")
-    assert pool.tenant_fd("a") != old_fd and new_gen == pool.tenant_handle("a").generation
-    os.close(new_fd)
+    new_gen = pool.tenant_handle("a").generation
+    assert pool.tenant_fd("a") != old_fd
+    with pytest.raises(DramError, match="not ready"):  # its file is not handed out meanwhile
+        pool.tenant_file("a")
     assert pool.room(new) == 0 and pool.alloc_many(1, new) is None  # waits for a's pages
     assert pool.room(b) == 16  # b's slice is b's
     for s in sa[:3]:
@@ -163,6 +164,9 @@ def test_a_retired_region_sees_nothing_stored_after_and_is_released_when_drained
     pool.free(sa[3])  # the old region's last slot: released
     assert allocated_bytes(kept_fd) <= pool.data_offset  # punched: its closed header only
     assert not old[pool.data_offset :].any() and old[12] == 2
+    new_fd, got_gen, _ = pool.tenant_file("a")  # its pages came: handed out now
+    assert got_gen == new_gen
+    os.close(new_fd)
     got = pool.alloc_many(16, new)
     assert got is not None and not any(pool.slot_stale(s) for s in got)
     for s in got:

@@ -10,6 +10,7 @@ import logging
 import mmap
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -168,10 +169,22 @@ class DramClient:
 def fetch_fd(fd_socket: str, token: str, timeout: float = 5.0) -> int:
     """The fd of this token's tenant's DRAM memory from a daemon's fd socket
     (`kvtier.core.segment`: request line, JSON reply, SCM_RIGHTS). StaleSegment when the daemon
-    refuses (a wrong token) or sends no fd; OSError when nothing answers."""
+    refuses (a wrong token) or sends no fd; OSError when nothing answers. A full listen backlog
+    (a burst of connections: EAGAIN at once on a Unix socket) is tried again until `timeout`."""
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
-        s.connect(fd_socket)
+        pause = 0.005
+        while True:
+            try:
+                s.connect(fd_socket)
+                break
+            except BlockingIOError:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+        s.settimeout(max(0.001, deadline - time.monotonic()))
         s.sendall(fd_request(token))
         line, fds = b"", []
         while not line.endswith(b"\n") and len(line) < FD_MESSAGE_MAX:

@@ -5,12 +5,15 @@ offsets, and the `SlotBuffer` zero-copy engines copy through.
 Lifetime: a `MappedSegment` belongs to one pool generation; a reply naming another generation
 (the daemon restarted) replaces it (`adopt`) and the old mapping is closed — its memory stays
 valid while arrays over it are referenced (the unmap waits for them), but it no longer is the
-daemon's pool.
+daemon's pool. A pool that could not be mapped (its fd fetch refused, timed out or crowded out)
+leaves the client on the streaming path only until the next try: `uses_shm` tries again once
+`RETRY_FIRST_S` has passed, then after twice as long each time up to `RETRY_MAX_S`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,6 +29,8 @@ from kvtier.core.segment import SegmentHandle, StaleSegment, fd_socket_path, slo
 U8 = npt.NDArray[np.uint8]
 
 log = logging.getLogger(__name__)
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
 
 
 class SlotBuffer(NamedTuple):
@@ -53,6 +58,12 @@ class MappedSegment:
     info: pb.SegmentInfo
     dram: DramClient | None = None
     failed: bool = False
+    retry_in: float = 0.0  # after a failure: the wait before the next try, and the next one's
+    retry_at: float = 0.0
+
+    def retry_due(self) -> bool:
+        """A mapping that failed may be tried again now."""
+        return self.failed and time.monotonic() >= self.retry_at
 
     def slot(self, offset: int) -> int:
         return (offset - self.info.data_offset) // self.info.slot_stride
@@ -99,13 +110,16 @@ def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool,
     with `streaming`, or when the segment cannot be mapped, one without `dram`. A pool with
     tenants (`info.by_fd`) is mapped from the fd its fd socket hands out: `fd_source` is
     (the daemon's Unix socket path, this client's token)."""
-    if current is not None and (current.info.name, current.info.generation) == (
-            info.name, info.generation):
+    again = current is not None and (current.info.name, current.info.generation) == (
+        info.name, info.generation)
+    if again and current is not None and not current.retry_due():
         current.info = info  # the same pool seen as another layout's size class
         return current
     if current is not None and current.dram is not None:
         current.dram.close()
     seg = MappedSegment(info)
+    if again and current is not None:  # its mapping failed before: the backoff goes on
+        seg.retry_in = min(2 * current.retry_in, RETRY_MAX_S)
     if not streaming:
         try:
             if not info.by_fd:
@@ -117,9 +131,12 @@ def adopt(current: MappedSegment | None, info: pb.SegmentInfo, streaming: bool,
                 seg.dram = DramClient.attach_fd(
                     segment_handle(info), fd_socket_path(fd_source[0]), fd_source[1])
         except (OSError, StaleSegment) as exc:
-            log.warning("cannot map the daemon's DRAM segment (%s); using the streaming path",
-                        exc)
             seg.failed = True
+            seg.retry_in = seg.retry_in or RETRY_FIRST_S
+            seg.retry_at = time.monotonic() + seg.retry_in
+            (log.info if again else log.warning)(
+                "cannot map the daemon's DRAM segment (%s); using the streaming path, trying "
+                "again in %g s", exc, seg.retry_in)
     return seg
 
 
@@ -144,7 +161,12 @@ class SegmentHolder:
 
     @property
     def uses_shm(self) -> bool:
-        return self._segment is not None and self._segment.dram is not None
+        """Whether calls go through the mapped pool; a pool that could not be mapped is tried
+        again here once its backoff is due (module docstring)."""
+        seg = self._segment
+        if seg is not None and seg.retry_due():
+            seg = self._adopt(seg.info)
+        return seg is not None and seg.dram is not None
 
     def register_cuda(self) -> bool:
         """Pins the mapped segment and maps it into the device address space (cudaHostRegister

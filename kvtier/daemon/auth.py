@@ -15,6 +15,11 @@ are namespaced by that tenant, never by anything the client claims. The tokens f
     [tenants.bob]
     token_sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
+Whitespace around a presented token is not part of it (as around an HTTP field's value): "Bearer
+ s3cret-alice " and a hello or fd request with spaces around the token name alice on every
+transport. A token in the file with whitespace around it could therefore never be presented, and
+is refused when the file is read.
+
 Tokens are compared as SHA-256 digests in constant time. Immutable after construction; safe to
 share between threads. A SIGHUP reload (`kvtier.daemon.reload`) builds a new one from the file and
 swaps it in whole, so a call sees either the old tenants or the new ones, never a mix.
@@ -120,6 +125,9 @@ def _digest_of(spec: dict[str, object], where: str) -> bytes:
     if token is not None:
         if not isinstance(token, str) or len(token) < 8:
             raise UsageError(f"{where}: token must be a string of at least 8 characters")
+        if token != token.strip():
+            raise UsageError(f"{where}: token has whitespace around it (clients' tokens are "
+                             "read without it, so this one could never be presented)")
         return hashlib.sha256(token.encode()).digest()
     if not isinstance(hexed, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", hexed):
         raise UsageError(f"{where}: token_sha256 must be 64 hex digits")

@@ -18,17 +18,24 @@ daemon.)
 
 One thread serves the socket with a selector: many connections at once, each with a 2 s deadline
 to send its request (a client that connects and sends nothing, or sends slowly, holds nothing but
-its own connection, and no other client waits on it); at most `MAX_CONNECTIONS` are open, the
-oldest beyond that closed. The path is claimed as the gRPC socket's is (`kvtier.daemon.sockpath`):
-anything there that is not a stale socket is refused, never removed.
+its own connection, and no other client waits on it); at most `connection_cap()` are open (an
+eighth of the daemon's file-descriptor limit), the oldest waiting one closed to make room. The
+thread outlives anything a client does: a connection closed to make room is forgotten before
+its events are looked at, an error on one connection closes that one only, and when accepting
+fails for want of descriptors (EMFILE: gRPC connections can take them all) the listener rests
+`ACCEPT_PAUSE_S` rather than spin, with one warning per `WARN_EVERY_S`. The path is claimed as
+the gRPC socket's is (`kvtier.daemon.sockpath`): anything there that is not a stale socket is
+refused, never removed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
+import resource
 import selectors
 import socket
 import threading
@@ -40,6 +47,7 @@ from kvtier.core.errors import KvtierError, UsageError
 from kvtier.core.segment import FD_MESSAGE_MAX, fd_reply, fd_socket_path, parse_fd_request
 from kvtier.daemon import sharing, sockpath
 from kvtier.daemon.auth import Authenticator
+from kvtier.daemon.rpc.guard import WARNINGS
 from kvtier.tiers.dram import DramPool
 
 log = logging.getLogger(__name__)
@@ -47,7 +55,17 @@ log = logging.getLogger(__name__)
 PR_SET_DUMPABLE = 4
 PR_GET_DUMPABLE = 3
 CONNECTION_TIMEOUT_S = 2.0
-MAX_CONNECTIONS = 256
+ACCEPT_PAUSE_S = 0.1
+_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def connection_cap() -> int:
+    """How many fd-socket connections may wait at once: an eighth of the soft RLIMIT_NOFILE
+    (at least 16, at most 256; each holds one descriptor for at most `CONNECTION_TIMEOUT_S`)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(16, min(256, soft // 8))
 
 
 def make_undumpable() -> bool:
@@ -71,6 +89,8 @@ class FdServer:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.cap = connection_cap()
+        self._resume_at = 0.0  # the listener rests until then (accept ran out of descriptors)
         self.served = 0
         self.refused = 0
 
@@ -102,15 +122,25 @@ class FdServer:
         try:
             while not self._stop.is_set():
                 for key, _ in sel.select(0.2):
-                    if key.fileobj is self._sock:
+                    conn = key.fileobj
+                    if conn is self._sock:
                         self._accept(sel, pending)
-                    else:
-                        conn = key.fileobj
-                        assert isinstance(conn, socket.socket)
+                        continue
+                    assert isinstance(conn, socket.socket)
+                    if conn not in pending:  # closed to make room earlier in this batch
+                        continue
+                    try:
                         self._read(sel, pending, conn)
+                    except Exception as exc:  # one connection's trouble ends it, not the thread
+                        WARNINGS.warn("fd-socket", f"fd socket: closed a connection on {exc!r}")
+                        if conn in pending:
+                            self._drop(sel, pending, conn)
                 now = time.monotonic()
                 for conn in [c for c, (deadline, _) in pending.items() if deadline < now]:
                     self._drop(sel, pending, conn)
+                if self._resume_at and now >= self._resume_at:
+                    self._resume_at = 0.0
+                    sel.register(self._sock, selectors.EVENT_READ)
         finally:
             for conn in list(pending):
                 self._drop(sel, pending, conn)
@@ -124,10 +154,17 @@ class FdServer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            log.debug("fd socket accept: %s", exc)
+            if exc.errno in _NO_DESCRIPTORS:  # readable again at once: rest, do not spin
+                WARNINGS.warn("fd-socket-descriptors",
+                              f"fd socket: cannot accept ({exc.strerror}); pausing "
+                              f"{ACCEPT_PAUSE_S:g} s")
+                sel.unregister(self._sock)
+                self._resume_at = time.monotonic() + ACCEPT_PAUSE_S
+            else:
+                log.debug("fd socket accept: %s", exc)
             return
         conn.setblocking(False)
-        if len(pending) >= MAX_CONNECTIONS:  # the oldest waiting connection makes room
+        if len(pending) >= self.cap:  # the oldest waiting connection makes room
             self._drop(sel, pending, min(pending, key=lambda c: pending[c][0]))
         pending[conn] = (time.monotonic() + CONNECTION_TIMEOUT_S, b"")
         sel.register(conn, selectors.EVENT_READ)

@@ -495,11 +495,19 @@ class DramPool:
     def tenant_file(self, tenant: str) -> tuple[int, int, int]:
         """(a duplicate of `tenant_fd` the caller owns and closes, the generation in its header,
         its size): what the fd socket hands out. Duplicated under the pool's lock, so a region
-        released meanwhile (its fd closed, the number reused) can never be sent instead."""
+        released meanwhile (its fd closed, the number reused) can never be sent instead.
+        DramError while the region waits for the pages a retired one of the tenant still holds
+        (a client touching the whole file then would hold memory beyond the pool's): its
+        clients use the streaming path and fetch it again later."""
         if self._regions is None:
             raise DramError("a shared pool has no per-tenant memory")
         with self._lock:
             r = self._regions.region(tenant)
+            if r.pages is None:
+                raise DramError(
+                    f"tenant {tenant!r}'s DRAM is not ready: its memory from before its token "
+                    "or slice changed still holds blocks in use (leased, or being written "
+                    "to SSD or the remote tier); fetch it again later")
             return os.dup(r.fd), r.generation, r.size
 
     def tenant_handle(self, tenant: str) -> SegmentHandle:

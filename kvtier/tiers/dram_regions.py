@@ -32,7 +32,9 @@ once or at their last release). When its last slot is freed the region is releas
 data is punched out (a client still mapping it sees its closed header and zeros; only pages a
 client pinned stay allocated, held by that client), the daemon closes it, and its global pages go
 to the regions that wait for pages (a new region takes free global pages at once and the rest as
-they are released).
+they are released). A region that waits for pages is not handed out (`DramPool.tenant_file`
+refuses; its clients stream meanwhile and fetch it later) nor prefaulted, so the files a client
+can write hold no more than the pages each region has.
 
 Called under the pool's lock (`kvtier.tiers.dram.DramPool`).
 """
@@ -210,11 +212,6 @@ class Region:
             raise
         self.buf: npt.NDArray[np.uint8] = np.frombuffer(self.mm, dtype=np.uint8)
         pack_header(self.mm, SegmentHeader.live(self.handle()))
-        if spec.prefault:
-            try:
-                os.posix_fallocate(self.fd, 0, self.size)
-            except OSError as exc:
-                log.warning("cannot allocate tenant %r's DRAM now: %s", tenant, exc)
         if spec.huge:
             with contextlib.suppress(AttributeError, OSError):
                 self.mm.madvise(mmap.MADV_HUGEPAGE)
@@ -230,6 +227,17 @@ class Region:
         return SegmentHandle(self.name, self.size, self.generation, s.slot_size, s.min_stride,
                              self.count * s.page_bytes // s.min_stride, self.data_offset,
                              "/dev/shm", s.page_bytes, self.count)
+
+    def ready(self) -> None:
+        """Every local page has a global page: the region takes blocks, its file may be handed
+        out (before, a client touching it could make it hold memory beyond the pool's), and
+        with `prefault` its memory is allocated now."""
+        self.pages = PageTable(self.spec.page_bytes, self.count, self.spec.min_stride)
+        if self.spec.prefault:
+            try:
+                os.posix_fallocate(self.fd, 0, self.size)
+            except OSError as exc:
+                log.warning("cannot allocate tenant %r's DRAM now: %s", self.tenant, exc)
 
     @property
     def used(self) -> int:
@@ -313,7 +321,7 @@ class TenantRegions:
             r.home[p] = g
             self._global[g], self._local[g] = r, p
             if -1 not in r.home:
-                r.pages = PageTable(self.spec.page_bytes, r.count, self.spec.min_stride)
+                r.ready()
                 self._waiting.pop(0)
 
     def of_class(self, cls: int) -> Region:

@@ -38,10 +38,12 @@ class SlotStream(Protocol):
     fills them; block i is the lease's i-th slot): every piece is checked against the live lease
     and copied under the cache lock, so a slot is never touched once its lease ended (a stream
     stalled past its TTL fails at its next piece, NotFound). A piece renews the lease once half
-    its TTL has passed. Any thread."""
+    its TTL has passed and the stream moved some bytes since the last renewal (a trickle keeps
+    no lease). Any thread."""
 
     block_bytes: int
     copied: int  # bytes read or written so far (what Release/Commit report)
+    ttl_s: float  # the lease's TTL: how long a transport may wait for its client at most
 
     def __len__(self) -> int: ...
 

@@ -609,7 +609,7 @@ class Cache:
         lock (see `SlotStream`)."""
         got = await self.acquire_async(tenant, layout_id, keys, key_width, 0.0)
         stream = LeasedSlots(self._lock, self._leases, self.pool, tenant, got.lease_id,
-                            got.offsets, self.layout(tenant, layout_id).block_bytes)
+                             got.offsets, self.layout(tenant, layout_id).block_bytes, got.ttl_s)
         try:
             yield stream
         finally:

@@ -150,6 +150,17 @@ class Residency:
                 self.stale.add((cast(str, b.tenant), b.key))
         self.apply()
 
+    def _before_stale(self, ns: Namespace, blocks: list[IndexBlock]) -> list[IndexBlock]:
+        """The blocks of a chain (root first) before its first `stale` one: a block of a
+        retired region is leaving DRAM, and with it what hangs under it, so nothing from there
+        on is pinned or written back (an `apply` inside the write-back loops may drop them)."""
+        if not self.stale:
+            return blocks
+        for i, b in enumerate(blocks):
+            if (ns, b.key) in self.stale:
+                return blocks[:i]
+        return blocks
+
     def drop_stale(self) -> None:
         """Drops the `stale` blocks no pin holds (a DRAM-only one with children takes its
         subtree: they cannot be reached without it); a pinned one waits for its release."""
@@ -283,6 +294,7 @@ class Residency:
         mover = self.mover
         if mover is None:
             return
+        blocks = self._before_stale(ns, blocks)
         for w in placement.write_backs(self.index, ns, blocks, _Queued(ns, self._queued)):
             assert w.slot is not None  # every daemon DRAM block has a slot
             tenant, cost = ns.tenant, self.ssd_bytes_of(ns)
@@ -429,7 +441,7 @@ class Residency:
             return
         k = spec.admit_after
         nbytes = self.block_bytes.get(ns, self.slot_bytes)
-        todo = placement.remote_offers(blocks, committed, k)
+        todo = placement.remote_offers(self._before_stale(ns, blocks), committed, k)
         for i, b in enumerate(todo):
             assert b.dram_slot is not None
             self.index.pin(ns, b.key)
@@ -460,6 +472,8 @@ class Residency:
                 if self.index.get(w.ns, w.key) is not None:
                     self.index.unpin(w.ns, w.key)
             self.applier.stored_remote([(w.ns, w.key) for w in stored])
+            if self.stale:  # blocks of a retired region this write held now leave DRAM
+                self.apply("rekeyed")
 
     # -- DRAM ---------------------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ lease leaves the table — and its slots are freed for reuse — only under that
 Commit, Abort, the reaper's expiry, a session's end), so once a lease is gone its stream can never
 touch the slot again: a stream that stalls past its TTL fails at its next chunk (NotFound) instead
 of reading bytes another tenant wrote there since, or writing into a block another tenant
-committed. A chunk renews the lease once half its TTL has passed, so a stream that keeps moving
-keeps its lease; one that stops loses it after the TTL like any other holder.
+committed. A chunk renews the lease once half its TTL has passed and the stream has moved
+`RENEW_BYTES` since the last renewal, so a stream that keeps moving keeps its lease; one that
+stops — or trickles, a byte now and then — loses it after the TTL like any other holder.
 
 Threading: any thread; `read`/`write` take the cache lock (an RLock: callers may hold it).
 """
@@ -25,6 +26,7 @@ from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.tiers.dram import DramPool
 
 Buffer: TypeAlias = bytes | memoryview
+RENEW_BYTES = 64 << 10
 
 
 class SlotHolder(Protocol):
@@ -38,7 +40,9 @@ class LeasedSlots:
     """The slots of one lease (block i = the lease's i-th slot, at pool offset `offsets[i]`)."""
 
     def __init__(self, lock: threading.RLock, leases: LeaseTable, pool: DramPool,
-                 tenant: Tenant, lease_id: str, offsets: list[int], block_bytes: int) -> None:
+                 tenant: Tenant, lease_id: str, offsets: list[int], block_bytes: int,
+                 ttl_s: float = 0.0) -> None:
+        """`ttl_s`: the lease's TTL (what a transport may wait for its client at most)."""
         self._lock = lock
         self._leases = leases
         self._pool = pool
@@ -46,7 +50,9 @@ class LeasedSlots:
         self.lease_id = lease_id
         self.offsets = offsets
         self.block_bytes = block_bytes
+        self.ttl_s = ttl_s
         self.copied = 0  # bytes read or written so far (what Release/Commit report)
+        self._renewed_at = 0  # `copied` at the last renewal
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -72,8 +78,10 @@ class LeasedSlots:
                     f"lease {self.lease_id[:12]!r} of this stream expired or ended (a stream "
                     "stalled past its TTL loses its slots)"
                 )
-            if lease.expires_at - self._leases.clock() < lease.ttl_s / 2:
+            if (lease.expires_at - self._leases.clock() < lease.ttl_s / 2
+                    and self.copied - self._renewed_at >= RENEW_BYTES):
                 self._leases.renew(lease.id, lease.ttl_s)
+                self._renewed_at = self.copied
             # the lease's own slot: pinned, never moved nor freed while the lease lives
             slot = cast(SlotHolder, lease.payload).slot_of(block)
             view = memoryview(self._pool.view(slot, self.block_bytes))  # type: ignore[arg-type]

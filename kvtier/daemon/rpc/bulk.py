@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 
@@ -30,21 +30,39 @@ import grpc
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.core.chunkwire import chunk_head
-from kvtier.core.errors import InvalidArgument, NotFound
+from kvtier.core.errors import InvalidArgument, NotFound, Unauthenticated
 from kvtier.daemon.cache.api import AllocateResult, Buffer, CacheApi, SlotStream
 from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.rpc.calls import Call, Failed, Outcomes
 from kvtier.daemon.rpc.guard import Refused, RefusedError
 
 
+def still_theirs(who: Callable[[], Tenant], tenant: Tenant) -> None:
+    """A write's check before its commit: the token that began it (`who`: its tenant by the
+    tokens of the moment) is still `tenant`'s. Raises Unauthenticated when a reload rotated or
+    revoked it meanwhile (the caller aborts the write: nothing of it is committed)."""
+    try:
+        now = who()
+    except Unauthenticated as exc:
+        raise Unauthenticated(f"{exc}: the token that began this write was changed or revoked; "
+                              "nothing of it is committed") from None
+    if now.name != tenant.name:
+        raise Unauthenticated("the token that began this write belongs to another tenant now; "
+                              "nothing of it is committed")
+
+
 class BulkWrite:
     """One WriteBlocks between its claim and its end (see the module docstring)."""
 
     def __init__(self, cache: CacheApi, outcomes: Outcomes, tenant: Tenant,
-                 alloc: AllocateResult, n_keys: int, block_bytes: int, started: float) -> None:
+                 alloc: AllocateResult, n_keys: int, block_bytes: int, started: float,
+                 who: Callable[[], Tenant] | None = None) -> None:
+        """`who`: the caller's tenant by its token now (`Call.tenant`), asked again at the
+        commit (`still_theirs`)."""
         self._cache = cache
         self._outcomes = outcomes
         self._tenant = tenant
+        self._who = who
         self._alloc = alloc
         self._slots = cache.writing(tenant, alloc.lease_id, alloc.offsets, block_bytes)
         self._slot_of = {index: j for j, index in enumerate(alloc.indices)}
@@ -71,7 +89,7 @@ class BulkWrite:
         except Exception as exc:
             raise outcomes.failure("WriteBlocks", exc, started) from None
         return cls(cache, outcomes, tenant, alloc, len(header.keys) // info.key_width,
-                   info.block_bytes, started)
+                   info.block_bytes, started, call.tenant)
 
     @property
     def complete(self) -> bool:
@@ -118,6 +136,8 @@ class BulkWrite:
         done = 0
         try:
             if self._alloc.lease_id:
+                if self._who is not None:
+                    still_theirs(self._who, self._tenant)
                 done = self._cache.commit(self._tenant, self._alloc.lease_id,
                                           len(self._slot_of) * self.block_bytes)
         except Exception as exc:
@@ -193,6 +213,13 @@ class BulkRead:
                                    min(piece_bytes, size - off), wrapped=False)
                         if chunked else b"")
                 yield stream.read(i, off, piece_bytes, head)
+
+    def expired(self) -> Failed:
+        """The `Failed` (recorded) of a read whose client took no piece for the lease's TTL."""
+        ttl = self.stream.ttl_s if self.stream is not None else 0.0
+        self._outcomes.record("ReadBlocks", grpc.StatusCode.DEADLINE_EXCEEDED, self._started)
+        return Failed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                      f"the client took no block for {ttl:g} s (the lease's TTL)")
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:

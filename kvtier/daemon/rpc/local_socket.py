@@ -31,13 +31,17 @@ replies is read no further once its unread replies pass the transport's high-wat
 (`pause_writing`), so it cannot grow the daemon's memory. At most `connection_cap()` connections
 are open at once (a quarter of the daemon's file-descriptor limit): one more is closed at once,
 and its client goes on over gRPC — a flood of idle connections cannot take the descriptors the
-gRPC socket, LMDB and the pool need.
+gRPC socket, LMDB and the pool need. With tenants, each holds at most `tenant_share` of them (the
+cap divided among the tenants): a hello beyond it is closed unanswered (its client goes on over
+gRPC), so no tenant can push the others off this socket.
 
 A WriteBlocks' payload is copied into the slots as it arrives, in `data_received`; the
-connection waits for no read meanwhile: a pause of `FRAME_TIMEOUT_S` mid-payload, a lease that
-ends, or the connection's end aborts the write (its slots freed, nothing committed). A
-ReadBlocks runs as a task, each block copied out under the lock and written to the transport in
-pieces, waiting while the client has not taken `pause_writing`'s worth.
+connection waits for no read meanwhile: less than `PROGRESS_BYTES` of it in `FRAME_TIMEOUT_S` (a
+pause, or a trickle), a lease that ends, or the connection's end aborts the write (its slots
+freed, nothing committed). A ReadBlocks runs as a task, each block copied out under the lock and
+written to the transport in pieces, waiting while the client has not taken `pause_writing`'s
+worth — at most the lease's TTL per block, then the connection is dropped with what it
+buffered (DEADLINE_EXCEEDED counted); a client gone mid-payload ends it quietly.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from kvtier.core import lookupwire as wire
 from kvtier.core.errors import Unauthenticated, UsageError
 from kvtier.core.methods import BULK_WRITE_HEADER, LOCAL, Local
 from kvtier.core.paths import socket_path_problem
+from kvtier.core.units import format_bytes
 from kvtier.daemon import sharing, sockpath
 from kvtier.daemon.auth import Authenticator
 from kvtier.daemon.cache.namespaces import Tenant
@@ -71,6 +76,7 @@ from kvtier.daemon.rpc.service import Service
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0
 FRAME_TIMEOUT_S = 2.0
+PROGRESS_BYTES = 64 << 10  # what a bulk write's payload must move in each FRAME_TIMEOUT_S
 SEND_PIECE = 1 << 20
 SEND_BUFFER = 1 << 20  # SO_SNDBUF of a connection once it reads blocks
 
@@ -82,6 +88,11 @@ def connection_cap() -> int:
     if soft == resource.RLIM_INFINITY:
         return 4096
     return max(16, min(4096, soft // 4))
+
+
+def tenant_share(cap: int, tenants: int) -> int:
+    """The connections one tenant may hold of `cap`, shared by `tenants` tenants (at least 1)."""
+    return max(1, cap // max(1, tenants))
 
 
 def _code(code: grpc.StatusCode) -> int:
@@ -107,6 +118,7 @@ class LookupServer:
         self._server: asyncio.AbstractServer | None = None
         self.connections: set[_Connection] = set()
         self.cap = connection_cap()
+        self.held: dict[str, int] = {}  # tenant -> its connections past the hello
         self.refused = 0  # connections refused at the hello, for a bad frame or over the cap
 
     async def start(self) -> bool:
@@ -158,6 +170,8 @@ class _Connection(asyncio.Protocol):
         self.sent_head = False  # the running ReadBlocks has answered OK (its bytes follow)
         self.big_buffer = False  # the socket's send buffer was raised for a ReadBlocks
         self.resumed: asyncio.Future[None] | None = None  # set when the client took replies
+        self.holder = ""  # the tenant whose share of the connections this one counts in
+        self.armed_at = 0  # the running write's `received` when its stall deadline was set
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -175,6 +189,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self.holder:
+            self.server.held[self.holder] -= 1
+            self.holder = ""
         self._deadline(None)
         self.transport = None
         self.buf.clear()
@@ -251,10 +268,22 @@ class _Connection(asyncio.Protocol):
             return
         self.token = token
         try:
-            self._tenant()
+            tenant = self._tenant()
         except Unauthenticated as exc:
             self._refuse(grpc.StatusCode.UNAUTHENTICATED, str(exc))
             return
+        auth, held = self.server.service.auth, self.server.held
+        if auth.required:
+            share = tenant_share(self.server.cap, len(auth.tenants()))
+            if held.get(tenant.name, 0) >= share:  # unanswered: its client goes over gRPC
+                self.server.refused += 1
+                WARNINGS.warn("lookup-share", f"lookup socket: tenant {tenant.name!r} holds "
+                              f"its share of {share} connections, one more closed (its client "
+                              "goes on over gRPC)")
+                self.close()
+                return
+            self.holder = tenant.name
+            held[tenant.name] = held.get(tenant.name, 0) + 1
         self._deadline(None)
         self._write(wire.ok_reply())
 
@@ -321,6 +350,7 @@ class _Connection(asyncio.Protocol):
         if result.complete:  # none to send (no keys)
             self._feed(memoryview(b""))
         else:
+            self.armed_at = 0
             self._deadline(FRAME_TIMEOUT_S)
 
     # -- bulk calls -------------------------------------------------------------------------
@@ -344,9 +374,15 @@ class _Connection(asyncio.Protocol):
         async with read:
             self.sent_head = True
             self._write(wire.ok_reply(wire.COUNT.pack(read.count)))
+            ttl = read.stream.ttl_s if read.stream else 0.0
             for block in read.pieces(read.stream.block_bytes if read.stream else 0,
                                      chunked=False):
-                await self._send(block)
+                # a client that takes no block for the lease's TTL could not go on (nothing
+                # renewed its lease): it holds nothing longer
+                try:
+                    await asyncio.wait_for(self._send(block), ttl or None)
+                except TimeoutError:
+                    raise read.expired() from None
 
     def _feed(self, data: memoryview) -> int:
         """Gives `data` to the running write; how many bytes it took. Answers and ends it once
@@ -357,7 +393,9 @@ class _Connection(asyncio.Protocol):
         try:
             took = write.feed(data)
             if not write.complete:
-                self._deadline(FRAME_TIMEOUT_S)
+                if write.received - self.armed_at >= PROGRESS_BYTES:  # moving: a new deadline
+                    self.armed_at = write.received
+                    self._deadline(FRAME_TIMEOUT_S)
                 return took
             self.writing = None
             self._deadline(None)
@@ -375,7 +413,7 @@ class _Connection(asyncio.Protocol):
         its front: a whole block there would be moved again at each send)."""
         view = memoryview(data)
         for at in range(0, len(view), SEND_PIECE):
-            if self.transport is None:
+            if self.transport is None or self.transport.is_closing():
                 raise ConnectionResetError("the client went away mid-payload")
             self.transport.write(view[at : at + SEND_PIECE])
             while self.full and self.transport is not None:
@@ -386,11 +424,11 @@ class _Connection(asyncio.Protocol):
         self.reading = None
         self.busy = False
         self.resumed = None
+        exc = task.exception() if not task.cancelled() else None  # retrieved, even if gone
         if self.transport is None:
             return
-        exc = task.exception() if not task.cancelled() else None
         if task.cancelled() or (exc is not None and self.sent_head):
-            self.close()  # its bytes had begun: the client sees them end short
+            self.close(abort=True)  # its bytes had begun: they end short, the unsent dropped
             return
         if isinstance(exc, Failed):
             self._answer_failed(exc)
@@ -460,7 +498,8 @@ class _Connection(asyncio.Protocol):
             write, self.writing = self.writing, None
             failed = write.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  f"WriteBlocks payload: {write.received} of {write.total} "
-                                 f"bytes, then nothing for {FRAME_TIMEOUT_S:g} s")
+                                 f"bytes, then less than {format_bytes(PROGRESS_BYTES)} "
+                                 f"more in {FRAME_TIMEOUT_S:g} s")
             self.server.refused += 1
             self._write(wire.error_reply(_code(failed.code), failed.message))
             self.close()
@@ -471,10 +510,15 @@ class _Connection(asyncio.Protocol):
             self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED,
                          f"no complete {what} within {limit:g} s")
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Closes the connection: what was written is flushed first, or with `abort` dropped
+        (a client that reads nothing would hold it for ever)."""
         self._deadline(None)
         if self.transport is not None:
-            self.transport.close()  # flushes what was written first
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
             self.transport = None
         self.buf.clear()
         self._end_bulk()
