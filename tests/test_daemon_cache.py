@@ -5,6 +5,7 @@ round trip."""
 from __future__ import annotations
 
 import mmap
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -312,8 +313,10 @@ def test_a_rekeyed_tenant_leaves_its_old_file_now_or_at_release(
             c.commit(T, w.lease_id, BLOCK)
         assert len(c.lookup(T, LID, keys(3, 1), 32).tiers) == 0  # never committed
         with pytest.raises(DramError, match="not ready"):  # a fresh region, made on first
-            pool.tenant_fd("t")  # use, handed out once the old one let go of t's slice
+            pool.tenant_file("t")  # use, handed out once the old one let go of t's slice
         c.release(T, held.lease_id)
+        fd, _, _ = pool.tenant_file("t")
+        os.close(fd)
         assert pool.tenant_fd("t") != old_fd
         assert len(c.lookup(T, LID, keys(1, 1), 32).tiers) == 0  # out at its release
         assert pool.stats().slots_used == 0 and c.leaked_slots() == 0

@@ -1477,8 +1477,8 @@ def test_a_write_begun_before_a_token_change_never_commits_after_it(
                 conn.settimeout(30)
                 conn.connect(wire.lookup_socket_path(str(d.socket)))
                 conn.sendall(ALICE_CALLS)
-                assert _answer(conn) == wire.BULK_HELLO
-                conn.sendall(wire.call_frame(len(wire.CALLS), "", pb.WriteHeader(
+                assert _answer(conn) == b""
+                conn.sendall(wire.call_frame(BY_NAME["WriteBlocks"].number, "", pb.WriteHeader(
                     layout=LID, keys=k, key_width=32).SerializeToString()))
                 assert _answer(conn) == b""  # go ahead: the slots are claimed
                 conn.sendall(OLD_BYTES[: BLOCK // 2])
@@ -1601,8 +1601,8 @@ def _bulk_read(d: DaemonProc, k: list[bytes]) -> socket.socket:
     conn.settimeout(30)
     conn.connect(wire.lookup_socket_path(str(d.socket)))
     conn.sendall(ALICE_CALLS)
-    assert _answer(conn) == wire.BULK_HELLO
-    conn.sendall(wire.call_frame(len(wire.CALLS) + 1, "", pb.ReadBlocksRequest(
+    assert _answer(conn) == b""
+    conn.sendall(wire.call_frame(BY_NAME["ReadBlocks"].number, "", pb.ReadBlocksRequest(
         layout=BIG_LAYOUT.layout_id, keys=b"".join(k), key_width=32).SerializeToString()))
     head = bytearray()
     while len(head) < wire.HEAD.size:
@@ -1692,8 +1692,8 @@ def test_a_trickled_bulk_write_is_cut_off(tmp_path: Path) -> None:
         conn.settimeout(30)
         conn.connect(wire.lookup_socket_path(str(d.socket)))
         conn.sendall(ALICE_CALLS)
-        assert _answer(conn) == wire.BULK_HELLO
-        conn.sendall(wire.call_frame(len(wire.CALLS), "", pb.WriteHeader(
+        assert _answer(conn) == b""
+        conn.sendall(wire.call_frame(BY_NAME["WriteBlocks"].number, "", pb.WriteHeader(
             layout=LID, keys=keys(53, 1), key_width=32).SerializeToString()))
         assert _answer(conn) == b""
         deadline = time.monotonic() + 30  # fails a write held for ever, not a slow machine

@@ -95,7 +95,7 @@ def _write_blocks(service: Service) -> Callable[[AsyncIterator[Any], Ctx], Await
     async def behavior(requests: AsyncIterator[Any], context: Ctx) -> Any:
         started = time.perf_counter()
         try:
-            tenant = service.tenant_of(context.invocation_metadata())
+            service.tenant_of(context.invocation_metadata())  # an unknown token: refused at once
             stream = aiter(decoded(requests))
             first = await anext(stream, None)
             if first is None or isinstance(first, Chunk) or not first.HasField("header"):
@@ -103,7 +103,9 @@ def _write_blocks(service: Service) -> Callable[[AsyncIterator[Any], Ctx], Await
         except Exception as exc:
             return await _abort(context, service.outcomes.failure("WriteBlocks", exc, started))
         try:
-            write = await service.begin_write(first.header, Call(lambda: tenant))
+            # the token is checked again by the tokens of the moment when the header arrives
+            # and just before the commit: one a reload rotated or revoked meanwhile commits nothing
+            write = await service.begin_write(first.header, _call(service, context))
             try:
                 async for msg in stream:
                     if isinstance(msg, Chunk):  # read by hand (the guard): data is a view
