@@ -15,6 +15,7 @@ socket created 0600 (0660 with a group), TCP optional (TLS with a certificate).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -78,14 +79,24 @@ def _unary(service: Service, m: Method) -> Callable[[Any, Ctx], Awaitable[Any]]:
     return behavior
 
 
-def _read_blocks(service: Service) -> Callable[[Any, Ctx], AsyncIterator[Any]]:
-    async def behavior(request: Any, context: Ctx) -> AsyncIterator[Any]:
+def _read_blocks(service: Service) -> Callable[[Any, Ctx], Awaitable[None]]:
+    async def behavior(request: Any, context: Ctx) -> None:
         try:
             async with service.begin_read(request, _call(service, context)) as read:
+                ttl = (read.stream.ttl_s if read.stream is not None else 0.0) or None
+
+                async def send(msg: Any) -> None:
+                    # a client that takes no piece for the lease's TTL could not go on (nothing
+                    # renewed its lease): it holds nothing longer (DEADLINE_EXCEEDED)
+                    try:
+                        await asyncio.wait_for(context.write(msg), ttl)
+                    except TimeoutError:
+                        raise read.expired() from None
+
                 if not read.count:
-                    yield pb.BlockChunk(index=0, offset=0, data=b"", count=0)
+                    await send(pb.BlockChunk(index=0, offset=0, data=b"", count=0))
                 for piece in read.pieces(CHUNK_BYTES, chunked=True):
-                    yield piece
+                    await send(piece)
         except Failed as failed:
             await _abort(context, failed)
     return behavior
