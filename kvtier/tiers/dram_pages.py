@@ -398,6 +398,42 @@ class PageTable:
         if self.backing is not None:
             self.backing(p, 0)
 
+    def adopt(self, slots: dict[int, int]) -> list[int]:
+        """Marks `slots` (slot id -> class) allocated in a table that has none yet, each page
+        their rows lie on taken by their class: a kept pool's blocks, re-adopted by a successor
+        daemon (`kvtier.tiers.dram_keep`). A slot that is no row of its class's grid starting
+        in its page, or whose row lies on a page an earlier slot's class took, is left out and
+        returned (its record was wrong: nothing is adopted into it)."""
+        if self.used:
+            raise ValueError("adopt needs a table without allocated slots")
+        page_of: dict[int, int] = {}  # page -> the class that takes it
+        rows: list[tuple[int, int]] = []
+        bad: list[int] = []
+        end = self.page_bytes * self.page_count
+        for s, cls in sorted(slots.items()):
+            p, j = divmod(s, self.ids_per_page)
+            g = geometric(cls)
+            if not 0 <= p < self.page_count or g < self.min_stride or g % UNIT or g > end:
+                bad.append(s)
+                continue
+            row = -(-(p * self.page_bytes) // g) + j
+            span = self._span(cls, row)
+            if row * g >= (p + 1) * self.page_bytes or (row + 1) * g > end or any(
+                    page_of.get(q, cls) != cls for q in span):
+                bad.append(s)
+                continue
+            for q in span:
+                page_of[q] = cls
+            rows.append((s, cls))
+        for q in sorted(page_of):
+            self._own(page_of[q], q)
+        ok = [s for s, _ in rows if s in self._page_free.get(s // self.ids_per_page, ())]
+        bad.extend(s for s, _ in rows if s not in set(ok))
+        self.claim(ok)
+        for q, cls in page_of.items():  # pages no adopted row kept (a rejected one's)
+            self._untake(cls, [q])
+        return sorted(bad)
+
     # -- reclaim ---------------------------------------------------------------------------
 
     def live_slots(self, p: int) -> list[int]:

@@ -267,6 +267,8 @@ class Acquirer:
                                                   ReadLease(ns, pinned, a.h2d_bytes_per_s),
                                                   a.session).id
                     offsets = [pool.offset(b.dram_slot or 0) for b in pinned]
+                    if pool.keep is not None:  # a successor keeps them until the deadline
+                        pool.hold([b.dram_slot or 0 for b in pinned], time.monotonic() + a.ttl)
             finally:
                 a.done.set()
                 if a.io:
@@ -309,6 +311,9 @@ class Acquirer:
         index = self.tiers.index
         for block in r.blocks:
             index.unpin(r.ns.name, block.key)
+        pool = self.tiers.pool
+        if pool.keep is not None:  # no lease holds them any more
+            pool.unhold([b.dram_slot for b in r.blocks if not b.pins and b.dram_slot is not None])
         if self.tiers.stale:  # blocks of a retired tenant file waited for this release
             self.tiers.apply()
 

@@ -19,6 +19,7 @@ Threading: every function is called with the cache lock held.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -131,6 +132,7 @@ class Allocator:
         for i in need:
             ns.pending[chain[i]] = lease.id
         pool = self.tiers.pool
+        pool.writing(slots, tenant.name, time.monotonic() + ttl)  # a successor holds them
         return AllocateResult(lease.id, need, [pool.offset(s) for s in slots], ttl)
 
     def _need(self, ns: NamespaceInfo, chain: list[bytes]) -> list[int]:
@@ -185,6 +187,7 @@ class Allocator:
             except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
                 self.tiers.give_back(ns.usage.tenant.name, slot)
         self.tiers.apply()
+        self.tiers.pool.unhold([s for _, s in w.todo])  # committed or freed: no writer now
         self.tiers.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
         self.tiers.maybe_write_remote(ns.name, inserted, committed=True)
         pool = self.tiers.pool
