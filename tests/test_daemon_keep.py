@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from kvtier.core.types import Tier
 from kvtier.tiers import segment_owner
 from kvtier.tiers.dram_keep import keep_path
 from tests.daemon_fixture import DaemonProc, wait_for, wait_ssd_blocks
+from tests.fd_holder import FdHolder
 
 KEEP = ("--keep-dram", "true", "--ssd-bytes", "0")
 SMALL = LayoutDecl(b"keep-test-layout-64k", 64 << 10, 16, model_id="keep-model")
@@ -221,3 +223,107 @@ def test_an_ssd_store_of_another_format_starts_cold(tmp_path: Path) -> None:
             assert kv.lookup(keys).hit_blocks == 0
     finally:
         d.stop()
+
+
+TOKENS = ('[tenants.alice]\ntoken = "alice-token-1"\n\n'
+          '[tenants.bob]\ntoken = "bob-token-1"\n')
+
+
+class HeldDaemon:
+    """A daemon with tenants run by the fd-store holder (`tests.fd_holder`), which keeps the
+    memfds the daemon hands it and passes them to the next start, as systemd does."""
+
+    def __init__(self, workdir: Path, args: tuple[str, ...]) -> None:
+        self.d = DaemonProc(workdir, args)
+        self.d.workdir.mkdir(parents=True, exist_ok=True)
+        self.holder = FdHolder(workdir / "holder",
+                               [sys.executable, "-m", "kvtier", "serve", *self.d.args],
+                               self.d.env, self.d.log_path)
+
+    @property
+    def socket(self) -> Path:
+        return self.d.socket
+
+    def start(self) -> None:
+        self.holder.start()
+        assert self.holder.wait_ready(), self.d.log()[-3000:]  # READY=1 over NOTIFY_SOCKET
+        wait_for(self.d._healthy, 60)
+
+    def close(self) -> None:
+        self.holder.close()
+
+
+def test_tenants_dram_survives_restarts_in_the_fd_store(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(TOKENS)
+    h = HeldDaemon(tmp_path / "d", (*KEEP, "--tokens-file", str(tokens)))
+    try:
+        h.start()
+        a_keys, b_keys = chain(20, 10), chain(21, 6)
+        with Client(h.socket, layout=SMALL, token="alice-token-1") as a, \
+                Client(h.socket, layout=SMALL, token="bob-token-1") as b:
+            store(a, a_keys)
+            store(b, b_keys)
+            held = h.holder.stored()
+            assert held.pop("kvtier-keep") == 1
+            assert len(held) == 2 and all(n.startswith("kvtier-dram-") for n in held)
+            generation = a.stats().segment.generation
+            for stop in (h.holder.term, h.holder.kill):
+                stop()
+                h.start()
+                assert loaded_right(a, a_keys) == 10 and loaded_right(b, b_keys) == 6
+                assert a.lookup(b_keys).hit_blocks == 0 and b.lookup(a_keys).hit_blocks == 0
+                assert a.stats().segment.generation == generation  # the same memfd, mapped
+            assert "DRAM tier adopted from the previous daemon: 16 blocks" in h.d.log()
+            mine = a._segment.dram._buf.tobytes() if a._segment and a._segment.dram else b""
+            assert all(k in mine for k in a_keys)  # her blocks are in her mapping ...
+            assert not any(k in mine for k in b_keys)  # ... and none of his
+            # bob's token changes while the daemon is down: his region is not adopted (a client
+            # of the old token may still map it), and what that client maps is emptied
+            old = b._segment.dram._buf if b._segment and b._segment.dram else None
+            before = set(h.holder.stored())
+            h.holder.term()
+            tokens.write_text(TOKENS.replace("bob-token-1", "bob-token-2"))
+            h.start()
+            assert "tenant 'bob''s DRAM starts cold: its tenant's token changed" in h.d.log()
+            assert loaded_right(a, a_keys) == 10
+            with Client(h.socket, layout=SMALL, token="bob-token-2") as b2:
+                assert b2.lookup(b_keys).hit_blocks == 0
+            assert old is not None and not any(k in old.tobytes() for k in b_keys)
+            after = set(h.holder.stored())  # the keep file, alice's region, bob's new one
+            assert len(after) == 3 and len(before & after) == 2  # bob's old one: released
+    finally:
+        h.close()
+
+
+def test_tenants_without_a_holder_start_cold_and_say_so(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(TOKENS)
+    d = DaemonProc(tmp_path / "d", (*KEEP, "--tokens-file", str(tokens)))
+    d.env.pop("NOTIFY_SOCKET", None)
+    d.start()
+    try:
+        assert "keep_dram: nothing holds the tenants' DRAM (memfds) across a restart" in d.log()
+        keys = chain(22, 4)
+        with Client(d.socket, layout=SMALL, token="alice-token-1") as a:
+            store(a, keys)
+            d.stop()
+            d.start()
+            assert a.lookup(keys).hit_blocks == 0
+    finally:
+        d.stop()
+
+
+def test_sigkills_during_batched_writes_lose_nothing_committed_and_serve_nothing_wrong(
+        tmp_path: Path) -> None:
+    """The benchmark's loop (`bench.restart`, 50 kills there), 5 kills: a writer stores chains
+    without pause, each block copied in two halves; after each SIGKILL and restart every chain it
+    saw committed loads byte for byte, and every block that loads is the one its key names."""
+    from bench.restart import kill_loop
+
+    got = kill_loop(5, tmp_path / "k", dram="64MiB")
+    assert got["kills"] == 5 and got["committed_checked"] > 0
+    assert got["lost"] == 0 and got["wrong"] == 0
+    assert not list(Path("/dev/shm").glob(
+        "kvtier-" + hashlib.sha256(str(tmp_path / "k" / "kvtier.sock").encode()).hexdigest()[:16]
+        + "*"))
