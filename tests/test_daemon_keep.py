@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -327,3 +328,42 @@ def test_sigkills_during_batched_writes_lose_nothing_committed_and_serve_nothing
     assert not list(Path("/dev/shm").glob(
         "kvtier-" + hashlib.sha256(str(tmp_path / "k" / "kvtier.sock").encode()).hexdigest()[:16]
         + "*"))
+
+
+HOLDER = """
+import sys, time
+from kvtier.client.sync_client import Client, LayoutDecl
+from tests.test_daemon_keep import SMALL, chain
+kv = Client(sys.argv[1], layout=SMALL, lease_ttl_s=600)
+kv.acquire(chain(30, 6))
+tx = kv.store_into(chain(31, 3))
+tx.__enter__()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_clients_leases_end_with_its_session_after_a_restart(kept: DaemonProc) -> None:
+    """An engine that dies after the daemon restarted loses its leases at once, as before the
+    restart: they end with its session (600 s leases: no TTL ends them in this test)."""
+    d = kept
+    with Client(d.socket, layout=SMALL) as kv:
+        store(kv, chain(30, 6))
+        d.stop(keep=True)
+        d.start()
+        child = subprocess.Popen([sys.executable, "-c", HOLDER, str(d.socket)],
+                                 stdout=subprocess.PIPE, text=True, env=d.env,
+                                 cwd=Path(__file__).resolve().parents[1])
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "held"
+            assert kv.stats().active_leases == 2
+            child.kill()
+            child.wait()
+            wait_for(lambda: kv.stats().active_leases == 0, 30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            if child.stdout is not None:
+                child.stdout.close()
+        assert loaded_right(kv, chain(30, 6)) == 6 and kv.lookup(chain(31, 3)).hit_blocks == 0
