@@ -457,6 +457,10 @@ class DramPool:
         otherwise. Every memfd from now on is offered to the holder."""
         assert self._regions is not None
         regions, fds = self._regions, dict(keeper.fds)
+        if keeper.holder is None:  # nothing would keep the memfds: no keep file to write
+            for fd in fds.values():
+                release_fd(fd)
+            return
         regions.holder, regions.keys = keeper.holder, dict(keeper.keys)
         kfd = fds.pop(NAME, None)
         if kfd is not None:
