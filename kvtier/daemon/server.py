@@ -262,7 +262,7 @@ class Daemon:
                     pool.spec.shm_dir, pool.spec.name, pool.generation))
             await self._start_server(cache)
         except BaseException:
-            self._close_cache(cache)
+            self._close_cache(cache, keep=cfg.keep_dram)  # a failed start loses no DRAM
             self._close_http()
             raise
         self._reaper = asyncio.create_task(self._reap())

@@ -67,6 +67,9 @@ from kvtier.core.segment import (
     HEADER,
     HEADER_BYTES,
     MAGIC,
+    STATE,
+    STATE_CLOSED,
+    STATE_OFFSET,
     VERSION,
     DramError,
     SegmentHandle,
@@ -265,6 +268,18 @@ def peek_header(path: str) -> SegmentHeader | None:
     return header if header.magic == MAGIC else None
 
 
+def _close_kept(path: str) -> None:
+    """Marks the kvtier pool at `path` closed (one a successor will not adopt)."""
+    if peek_header(path) is None:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.pwrite(fd, STATE.pack(STATE_CLOSED), STATE_OFFSET)
+        finally:
+            os.close(fd)
+
+
 def _unlink_forgotten(path: str, generation: int, creator: int) -> None:
     """Unlinks a pool nobody closed (garbage-collected, or open at interpreter exit), in the
     process that created it only (a forked child must not unlink its parent's pool)."""
@@ -331,6 +346,7 @@ class DramPool:
                 self._adopt_named()
             except Refused as why:
                 self.cold = f"{self.path}: {why}"
+                _close_kept(self.path)  # a client still mapping it sees it closed
                 for gone in (self.path, keep_path(self.path)):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(gone)

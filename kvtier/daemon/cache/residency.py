@@ -130,7 +130,8 @@ class Tiers:
                 self.remote = _open_remote(spec.remote, self.pool, rates, metrics,
                                            self.on_remote_written)
         except BaseException:
-            self.close(0.0)  # never leave the segment behind
+            # never leave a fresh segment behind; an adopted one stays for the next start
+            self.close(0.0, keep=self.pool.adopted is not None)
             raise
 
     def apply(self, why: str = "capacity", publish: bool = True) -> None:
