@@ -12,12 +12,17 @@ Two parts, real `kvtier serve` daemons on temporary sockets, no SSD tier (DRAM o
   writer saw committed in that round must load from DRAM byte for byte ("lost" counts those that
   do not), and every block that loads — of every chain attempted in the round, committed or not,
   and of 200 older ones — must be the block its key names ("wrong"). Then the writer goes on.
-  Goal: 0 wrong, 0 lost over 50 kills.
+  Goal: 0 wrong, 0 lost over 50 kills. The pool is full after a few rounds; its policy is LRU,
+  so what a round commits is the newest in it and leaves only after more than a pool's worth of
+  later blocks: none of it is evicted before its check.
 - Time from a new daemon's start to serving a full pool's blocks: a pool of each size filled with
-  2 MiB blocks, the daemon stopped (SIGTERM) and started again; measured from the new process's
+  2 MiB blocks (and a 1 GiB pool of 16 KiB blocks, 64 times the records), the daemon stopped
+  (SIGTERM) and started again; measured from the new process's
   start until one client has acquired every block (each checked by a sample of bytes), against
   the same daemon started cold without `keep_dram` in the same run (start until its first Lookup
   answers). Per 10 GiB: the slope of the sizes measured, times 10 GiB.
+- What the keep records cost a store+load of 64 x 2 MiB blocks, against a payload checksum at
+  Commit (the alternative proof), in-process, same run.
 
 Writes bench/results/restart.json.
 """
@@ -145,7 +150,8 @@ def kill_loop(kills: int, work: Path, dram: str = "256MiB", seed: int = 1) -> di
     rng = random.Random(seed)
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    proc = start(work, dram, "16KiB", "--keep-dram", "true")
+    lru = ("--keep-dram", "true", "--policy", "lru")  # (module docstring: what "lost" means)
+    proc = start(work, dram, "16KiB", *lru)
     ctx = mp.get_context("spawn")
     w = ctx.Process(target=writer, args=(str(work / "kvtier.sock"), str(logs), 0), daemon=True)
     w.start()
@@ -162,7 +168,7 @@ def kill_loop(kills: int, work: Path, dram: str = "256MiB", seed: int = 1) -> di
                 os.kill(w.pid, signal.SIGSTOP)
                 committed, attempted = _seeds(logs / "committed"), _seeds(logs / "attempted")
                 began = time.monotonic()
-                proc = start(work, dram, "16KiB", "--keep-dram", "true")
+                proc = start(work, dram, "16KiB", *lru)
                 out["adopt_s"].append(time.monotonic() - began)
                 fresh = committed[seen:]
                 served, wrong, short = check(kv, fresh, True)
@@ -196,26 +202,27 @@ def kill_loop(kills: int, work: Path, dram: str = "256MiB", seed: int = 1) -> di
 
 
 def fill(kv: Client) -> int:
-    """Stores chains of 64 blocks of 2 MiB until they fill the pool; how many."""
+    """Stores chains of 64 blocks of its layout until they fill the pool; how many."""
     dram = next(t for t in kv.stats().tiers if t.tier == 2)
-    chains = dram.capacity_bytes // (64 * BIG.block_bytes)
+    n = kv.layout.block_bytes
+    chains = dram.capacity_bytes // (64 * n)
     for c in range(chains):
         keys = chain(10_000 + c, 64)
-        kv.store(keys, [payload(k, BIG.block_bytes) for k in keys])
+        kv.store(keys, [payload(k, n) for k in keys])
     return int(chains)
 
 
-def serve_time(work: Path, size: int) -> dict[str, Any]:
-    dram = str(size)
-    proc = start(work, dram, "2MiB", "--keep-dram", "true")
+def serve_time(work: Path, size: int, layout: LayoutDecl) -> dict[str, Any]:
+    dram, slot = str(size), str(layout.block_bytes)
+    proc = start(work, dram, slot, "--keep-dram", "true")
     try:
-        with Client(work / "kvtier.sock", layout=BIG, timeout=60) as kv:
+        with Client(work / "kvtier.sock", layout=layout, timeout=60) as kv:
             chains = fill(kv)
             held = [c for c in range(chains) if kv.lookup(chain(10_000 + c, 64)).hit_blocks == 64]
             proc.terminate()
             proc.wait(60)
             began = time.monotonic()
-            proc = start(work, dram, "2MiB", "--keep-dram", "true")
+            proc = start(work, dram, slot, "--keep-dram", "true")
             blocks = 0
             for c in held:
                 keys = chain(10_000 + c, 64)
@@ -229,7 +236,7 @@ def serve_time(work: Path, size: int) -> dict[str, Any]:
         proc.wait(60)
         reclaim(work)
         began = time.monotonic()
-        cold = start(work / "cold", dram, "2MiB")
+        cold = start(work / "cold", dram, slot)
         cold_s = time.monotonic() - began
         cold.terminate()
         cold.wait(60)
@@ -240,9 +247,53 @@ def serve_time(work: Path, size: int) -> dict[str, Any]:
         reclaim(work)
     log = (work / "daemon.log").read_text()
     found = re.findall(r"adopted from the previous daemon: \d+ blocks \([^)]*\) in ([\d.]+) s", log)
-    return {"pool_bytes": size, "blocks": blocks, "start_to_serving_all_s": served_s,
+    return {"pool_bytes": size, "block_bytes": layout.block_bytes, "blocks": blocks,
+            "start_to_serving_all_s": served_s,
             "adopt_log_s": float(found[-1]) if found else None, "cold_start_s": cold_s,
             "ratio_to_cold_start": served_s / cold_s}
+
+
+# -- what keeping costs the store and load paths ----------------------------------------------
+
+
+def records_cost(rounds: int = 200) -> dict[str, Any]:
+    """Per store+load of 64 blocks of 2 MiB: the keep records' writes (Allocate's, Commit's per
+    block, Acquire's and Release's deadlines) on an in-process pool, against the alternative of
+    a payload checksum at Commit (xxh3-64 of the 128 MiB, the SSD tier's checksum), measured on
+    the same slots in the same run."""
+    import xxhash
+
+    from kvtier.tiers.dram import DramPool, DramSpec
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="kvtier-bench-") as tmp:
+        pool = DramPool(DramSpec(name="p", slot_size=2 * MiB, slot_count=96, shm_dir=tmp,
+                                 max_block=2 * MiB, keep=True))
+        try:
+            slots = pool.alloc_many(64, 2 * MiB)
+            assert slots is not None
+            for s in slots:
+                pool.write(s, np.full(2 * MiB, s % 251, dtype=np.uint8))
+            keys = chain(1, 64)
+            records, sums = [], []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                pool.writing(slots, "default", 1e9)
+                for s, k in zip(slots, keys, strict=True):
+                    pool.record(s, "default", b"L" * 32, k, k, 2 * MiB)
+                pool.unhold(slots)
+                pool.hold(slots, 1e9)
+                pool.unhold(slots)
+                t1 = time.perf_counter()
+                records.append(t1 - t0)
+            for _ in range(max(5, rounds // 20)):
+                t0 = time.perf_counter()
+                for s in slots:
+                    xxhash.xxh3_64_intdigest(memoryview(pool.view(s)))  # type: ignore[arg-type]
+                sums.append(time.perf_counter() - t0)
+        finally:
+            pool.close()
+    return {"records_ms": 1e3 * statistics.median(records),
+            "checksum_ms": 1e3 * statistics.median(sums), "bytes": 64 * 2 * MiB}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,9 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     kills = 5 if args.quick else args.kills
     sizes = [GiB] if args.quick else [parse_bytes(s) for s in args.sizes.split(",")]
+    cost = records_cost()
+    print(f"keep records per store+load of 64 x 2 MiB: {cost['records_ms']:.3f} ms (median); a "
+          f"payload checksum at Commit instead (xxh3-64 of the 128 MiB): "
+          f"{cost['checksum_ms']:.1f} ms")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-restart-") as tmp:
         loop = kill_loop(kills, Path(tmp) / "kills")
-        timing = [serve_time(Path(tmp) / f"serve-{s}", s) for s in sizes]
+        timing = [serve_time(Path(tmp) / f"serve-{s}", s, BIG) for s in sizes]
+        timing.append(serve_time(Path(tmp) / "serve-small", GiB, SMALL))
     print(f"SIGKILLs during batched writes: {loop['kills']} kills, "
           f"{loop['committed_checked']} committed chains checked after their kill, "
           f"{loop['in_flight_chains']} chains in flight at a kill checked, "
@@ -266,16 +322,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{'reached' if loop['lost'] == loop['wrong'] == 0 else 'NOT reached'})")
     if loop["adopt_s"]:
         print(f"  restart to serving (median): {statistics.median(loop['adopt_s']):.2f} s")
-    print("\ntime from the new daemon's start to serving a full pool (2 MiB blocks)")
-    print(f"{'pool':>8}{'blocks':>8}{'to serving all s':>18}{'adoption s':>12}"
+    print("\ntime from the new daemon's start to serving a full pool (every block acquired "
+          "once); adoption: the daemon's own figure; cold start: the same daemon without "
+          "keep_dram, to its first answer")
+    print(f"{'pool':>8}{'block':>8}{'blocks':>8}{'to serving all s':>18}{'adoption s':>12}"
           f"{'cold start s':>14}{'ratio':>8}")
     for t in timing:
-        print(f"{format_bytes(t['pool_bytes']):>8}{t['blocks']:>8}"
-              f"{t['start_to_serving_all_s']:>18.2f}{t['adopt_log_s'] or 0:>12.3f}"
-              f"{t['cold_start_s']:>14.2f}{t['ratio_to_cold_start']:>8.2f}")
+        print(f"{format_bytes(t['pool_bytes']):>8}{format_bytes(t['block_bytes']):>8}"
+              f"{t['blocks']:>8}{t['start_to_serving_all_s']:>18.2f}"
+              f"{t['adopt_log_s'] or 0:>12.3f}{t['cold_start_s']:>14.2f}"
+              f"{t['ratio_to_cold_start']:>8.2f}")
     per10 = None
-    if len(timing) >= 2:
-        a, b = timing[0], timing[-1]
+    big = [t for t in timing if t["block_bytes"] == BIG.block_bytes]
+    if len(big) >= 2:
+        a, b = big[0], big[-1]
         slope = (b["start_to_serving_all_s"] - a["start_to_serving_all_s"]) / (
             b["pool_bytes"] - a["pool_bytes"])
         per10 = a["start_to_serving_all_s"] + slope * (10 * GiB - a["pool_bytes"])
@@ -284,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "restart.json").write_text(json.dumps(
-        {"kills": loop, "serve": timing, "ten_gib_s": per10, "quick": args.quick}, indent=2))
+        {"kills": loop, "serve": timing, "ten_gib_s": per10, "records": cost,
+         "quick": args.quick}, indent=2))
     return 0 if loop["lost"] == loop["wrong"] == 0 else 1
 
 

@@ -125,12 +125,15 @@ def test_a_torn_record_is_not_adopted(tmp_path: Path) -> None:
     at = keep._at(torn)
     BODY.pack_into(keep.mm, at + BODY_AT, 32, 0, 7, 16 * KiB, 16 * KiB, b"L" * 32, b"T" * 32,
                    bytes(32), b"default".ljust(64, b"\0"))  # the fields, not the state byte
+    nowhere = 3 * pool.pages.ids_per_page + 5  # no row of a 48 KiB class starts there
+    keep.commit(nowhere, 48 * KiB, 48 * KiB, "default", b"L" * 32, b"N" * 32, None)
     pool.close(keep=True)
     again = DramPool(spec(tmp_path), Keeper(adopt=True))
     try:
         assert again.adopted is not None
         assert [b.slot for b in again.adopted.blocks] == [whole]
-        assert not again.is_allocated(torn)
+        assert not again.is_allocated(torn) and not again.is_allocated(nowhere)
+        assert again.kept_blocks() == 1  # the record left out is cleared, not kept for later
     finally:
         again.close()
 

@@ -20,6 +20,10 @@ region's pages stand for pages of the pool's page space); offsets and `SegmentHa
 isolated pool are those of the slot's region (`tenant_handle`). Remote clients use the daemon's
 Read/WriteBlocks byte stream.
 
+Keeping (`spec.keep`, `kvtier.tiers.dram_keep`): a keep record follows each slot's meaning, and
+`close(keep=True)` leaves the memory to a successor, which re-adopts it (same generation; its
+blocks in `adopted`, for the index) or says why not in `cold` and starts empty.
+
 Lease rule (invariant 3): a pinned slot is never freed nor rewritten through the pool: `free` and
 `write` refuse it (`SlotPinned`). Pins have one owner. A pool on its own (tools, tests, the
 mover's tests) keeps them itself (`pin`/`unpin`). The daemon's pool has an owner (`PinOwner`:
@@ -329,6 +333,8 @@ class DramPool:
         self.keep: KeepFile | None = None  # with `spec.keep` (`kvtier.tiers.dram_keep`)
         self.adopted: Kept | None = None  # a kept pool's blocks and held slots, taken over
         self.cold = ""  # why a kept pool was not adopted ("": adopted, or there was none)
+        self.adopt_s = 0.0  # the seconds adopting a kept pool took here
+        started = time.monotonic()
         keeper = keeper or Keeper()
         if spec.isolated:  # no memory of its own: the tenants' regions hold it all
             self._fd = -1
@@ -339,11 +345,13 @@ class DramPool:
             self.huge_pages, self.mlocked = spec.huge_pages, spec.mlock
             if spec.keep:
                 self._keep_regions(keeper)
+                self.adopt_s = time.monotonic() - started
             return
         self._fd = -1
         if spec.keep and keeper.adopt:
             try:
                 self._adopt_named()
+                self.adopt_s = time.monotonic() - started
             except Refused as why:
                 self.cold = f"{self.path}: {why}"
                 _close_kept(self.path)  # a client still mapping it sees it closed
@@ -439,6 +447,7 @@ class DramPool:
                         exc)
         pack_header(self._map.mm, SegmentHeader.live(self.handle()))  # live again, if marked
         self.adopted = self._adopt_slots(self.pages, kept, lambda s: s)
+        keep.clear_others(self._adopted_slots())  # no record survives that was not adopted
 
     def _adopt_slots(self, pages: PageTable, kept: Kept, local: Callable[[int], int | None],
                      tag: int = 0) -> Kept:

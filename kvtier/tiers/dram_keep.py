@@ -269,19 +269,28 @@ class KeepFile:
     def _scan(self) -> Kept:
         recs = self._recs
         blocks: list[KeptBlock] = []
-        for s in np.flatnonzero(recs["state"] == COMMITTED).tolist():
-            r = recs[s]
-            kw, n = int(r["kw"]), int(r["tenant_len"])
+        idx = np.flatnonzero(recs["state"] == COMMITTED)
+        sub = recs[idx]  # the committed records, copied: columns read at C speed
+        names: dict[bytes, str | None] = {}
+        for s, kw, n, has_parent, stride, nbytes, held, layout, key, parent, tenant in zip(
+                idx.tolist(), sub["kw"].tolist(), sub["tenant_len"].tolist(),
+                sub["has_parent"].tolist(), sub["stride"].tolist(), sub["nbytes"].tolist(),
+                sub["held"].tolist(), sub["layout"], sub["key"], sub["parent"], sub["tenant"],
+                strict=True):
             if kw not in (16, 32) or not 0 < n <= 64:
                 continue  # not a record this format writes: not adopted
-            try:
-                tenant = r["tenant"][:n].tobytes().decode("ascii")
-            except UnicodeDecodeError:
+            raw = tenant[:n].tobytes()
+            if raw not in names:
+                try:
+                    names[raw] = raw.decode("ascii")
+                except UnicodeDecodeError:
+                    names[raw] = None
+            name = names[raw]
+            if name is None:
                 continue
-            parent = r["parent"][:kw].tobytes() if r["has_parent"] else None
-            blocks.append(KeptBlock(s, int(r["stride"]), int(r["nbytes"]), tenant,
-                                    r["layout"].tobytes(), r["key"][:kw].tobytes(), parent,
-                                    float(r["held"])))
+            blocks.append(KeptBlock(s, stride, nbytes, name, layout.tobytes(),
+                                    key[:kw].tobytes(),
+                                    parent[:kw].tobytes() if has_parent else None, held))
         writing: list[tuple[int, int, str, float]] = []
         for s in np.flatnonzero(recs["state"] == WRITING).tolist():
             r = recs[s]

@@ -409,27 +409,57 @@ class PageTable:
         page_of: dict[int, int] = {}  # page -> the class that takes it
         rows: list[tuple[int, int]] = []
         bad: list[int] = []
-        end = self.page_bytes * self.page_count
+        pb, ids = self.page_bytes, self.ids_per_page
+        end = pb * self.page_count
         for s, cls in sorted(slots.items()):
-            p, j = divmod(s, self.ids_per_page)
-            g = geometric(cls)
-            if not 0 <= p < self.page_count or g < self.min_stride or g % UNIT or g > end:
+            p, j = divmod(s, ids)
+            g = cls - cls % UNIT  # `geometric`, inline: a kept pool may hold millions
+            start = (-(-(p * pb) // g) + j) * g if g > 0 else -1
+            if not 0 <= p < self.page_count or g < self.min_stride or not 0 <= start < (
+                    p + 1) * pb or start + g > end:
                 bad.append(s)
                 continue
-            row = -(-(p * self.page_bytes) // g) + j
-            span = self._span(cls, row)
-            if row * g >= (p + 1) * self.page_bytes or (row + 1) * g > end or any(
-                    page_of.get(q, cls) != cls for q in span):
-                bad.append(s)
-                continue
-            for q in span:
-                page_of[q] = cls
+            q0, q1 = start // pb, (start + g - 1) // pb
+            if q0 == q1:  # a row inside one page (most)
+                if page_of.setdefault(q0, cls) != cls:
+                    bad.append(s)
+                    continue
+            else:
+                span = range(q0, q1 + 1)
+                if any(page_of.get(q, cls) != cls for q in span):
+                    bad.append(s)
+                    continue
+                for q in span:
+                    page_of[q] = cls
             rows.append((s, cls))
         for q in sorted(page_of):
             self._own(page_of[q], q)
-        ok = [s for s, _ in rows if s in self._page_free.get(s // self.ids_per_page, ())]
-        bad.extend(s for s, _ in rows if s not in set(ok))
-        self.claim(ok)
+        by_page: dict[int, set[int]] = {}
+        free: dict[int, set[int]] = {}  # (sets: `claim`'s list removal is quadratic here)
+        for s, _ in rows:
+            p = s // self.ids_per_page
+            if p not in free:
+                free[p] = set(self._page_free.get(p, ()))
+            if s in free[p]:
+                free[p].discard(s)
+                by_page.setdefault(p, set()).add(s)
+            else:
+                bad.append(s)
+        for p, taken in by_page.items():  # `claim`, a page at a time
+            if not taken:
+                continue
+            left = [s for s in self._page_free[p] if s not in taken]
+            if left:
+                self._page_free[p] = left
+            else:
+                del self._page_free[p]
+            stride = self._stride[p]
+            self._live[p] += len(taken)
+            self._class_free[stride] -= len(taken)
+            for s in taken:
+                self._allocated[s] = 1
+            self.used += len(taken)
+            self.used_bytes += len(taken) * geometric(stride)
         for q, cls in page_of.items():  # pages no adopted row kept (a rejected one's)
             self._untake(cls, [q])
         return sorted(bad)

@@ -82,6 +82,7 @@ class Applier:
         self.metrics = metrics
         self.ssd_cost = ssd_cost
         self.payload = payload  # a block's bytes in namespace ns, for the pool's keep records
+        self.recording = True  # False while the blocks of a kept pool are re-entered
         self.store: SsdStore | None = None
         self.ssd_bytes = 0  # bytes of the SSD copies the index holds (payload + header)
 
@@ -93,7 +94,7 @@ class Applier:
         if not changes:
             return
         names, pool = self.names, self.pool
-        keep = pool.keep is not None and self.payload is not None
+        keep = pool.keep is not None and self.payload is not None and self.recording
         deletes: list[tuple[str, bytes]] = []
         run: list[Change] = []
         gone: list[Change] = []  # a run of drops of one namespace's blocks from one tier

@@ -272,9 +272,12 @@ class Tiers:
             return
         started = time.monotonic()
         chains: dict[Namespace, dict[bytes, KeptBlock]] = {}
+        spaces: dict[tuple[str, bytes], Namespace] = {}
         dropped = 0
         for b in kept.blocks:
-            ns = Namespace(b.tenant, b.layout_id)
+            ns = spaces.get((b.tenant, b.layout_id))
+            if ns is None:
+                ns = spaces[b.tenant, b.layout_id] = Namespace(b.tenant, b.layout_id)
             size = self.block_bytes.setdefault(ns, b.nbytes)
             mine = chains.setdefault(ns, {})
             if b.key in mine or size != b.nbytes:
@@ -284,6 +287,7 @@ class Tiers:
             mine[b.key] = b
         now, holds = time.monotonic(), dict[float, Held]()
         adopted = nbytes = 0
+        charged: dict[str, int] = {}
         for ns, blocks in chains.items():
             kids: dict[bytes, list[bytes]] = {}
             stack: list[bytes] = []
@@ -304,7 +308,7 @@ class Tiers:
                 except IndexStateError:
                     continue
                 placed.add(b.key)
-                self.applier.take_slots(ns.tenant, b.stride)
+                charged[ns.tenant] = charged.get(ns.tenant, 0) + b.stride
                 adopted += 1
                 nbytes += b.nbytes
                 if b.held_until > now:
@@ -321,11 +325,17 @@ class Tiers:
             holds.setdefault(until, Held(until, [], [])).slots.append((tenant, slot))
             self.held_slots += 1
         self.held = sorted(holds.values(), key=lambda h: h.until)
-        self.apply(publish=False)
+        for tenant, n in charged.items():
+            self.applier.take_slots(tenant, n)
+        self.applier.recording = False  # their records are there already
+        try:
+            self.apply(publish=False)
+        finally:
+            self.applier.recording = True
         pinned = sum(len(h.blocks) for h in self.held)
         self.adopted = (
             f"DRAM tier adopted from the previous daemon: {adopted} blocks "
-            f"({format_bytes(nbytes)}) in {time.monotonic() - started:.2f} s"
+            f"({format_bytes(nbytes)}) in {pool.adopt_s + time.monotonic() - started:.2f} s"
             + (f"; {dropped} dropped (no cached parent, or a repeated key)" if dropped else "")
             + (f"; {pinned} blocks and {self.held_slots} slots held until the previous "
                "daemon's leases on them end" if self.held else "")
