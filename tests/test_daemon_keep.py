@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import lmdb
@@ -367,3 +368,34 @@ def test_a_killed_clients_leases_end_with_its_session_after_a_restart(kept: Daem
             if child.stdout is not None:
                 child.stdout.close()
         assert loaded_right(kv, chain(30, 6)) == 6 and kv.lookup(chain(31, 3)).hit_blocks == 0
+
+
+def test_an_engine_link_uses_a_restarted_daemon_at_once(kept: DaemonProc) -> None:
+    """An engine's link (`integrations/common/link.py`) that met the daemon dead waits out its
+    `retry_after_s` (10 minutes here) before it asks again — unless a new daemon takes the
+    socket: then it reconnects at once and loads the blocks the kept DRAM tier still holds. A
+    daemon that is gone and not replaced keeps the outage."""
+    from kvtier.integrations.common.link import DaemonLink
+
+    settings = SimpleNamespace(socket=str(kept.socket), token="", timeout_s=5.0,
+                               retry_after_s=600.0, lease_ttl_s=0.0)
+    link = DaemonLink(settings, SMALL, "test")
+    keys = chain(40, 6)
+    try:
+        client = link.client()
+        assert client is not None
+        store(client, keys)
+        kept.kill(keep=True)
+        with pytest.raises(KvtierRpcError) as exc:
+            client.lookup(keys)
+        link.failed(exc.value, "Lookup")
+        assert link.down() and link.client() is None
+        time.sleep(0.3)  # longer than the link's probe interval: still the dead daemon's file
+        assert link.down() and link.client() is None
+        kept.start()
+        wait_for(lambda: not link.down(), 10)
+        again = link.client()
+        assert again is not None and loaded_right(again, keys) == 6
+        assert link.outages == 1
+    finally:
+        link.close()
