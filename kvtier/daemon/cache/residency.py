@@ -288,12 +288,13 @@ class Tiers:
         now, holds = time.monotonic(), dict[float, Held]()
         adopted = nbytes = 0
         charged: dict[str, int] = {}
+        index, on_ssd = self.index, self.store is not None  # (no SSD tier: no copy to meet)
         for ns, blocks in chains.items():
             kids: dict[bytes, list[bytes]] = {}
             stack: list[bytes] = []
             for key, b in blocks.items():
-                if b.parent is None or (b.parent not in blocks
-                                        and self.index.get(ns, b.parent) is not None):
+                if b.parent is None or (b.parent not in blocks and on_ssd
+                                        and index.get(ns, b.parent) is not None):
                     stack.append(key)
                 elif b.parent in blocks:
                     kids.setdefault(b.parent, []).append(key)
@@ -301,10 +302,10 @@ class Tiers:
             while stack:
                 b = blocks[stack.pop()]
                 try:
-                    if self.index.get(ns, b.key) is not None:
-                        self.index.add_tier(ns, b.key, Tier.DRAM, dram_slot=b.slot)
+                    if on_ssd and index.get(ns, b.key) is not None:
+                        index.add_tier(ns, b.key, Tier.DRAM, dram_slot=b.slot)
                     else:
-                        self.index.insert(ns, b.key, b.parent, Tier.DRAM, dram_slot=b.slot)
+                        index.insert(ns, b.key, b.parent, Tier.DRAM, dram_slot=b.slot)
                 except IndexStateError:
                     continue
                 placed.add(b.key)
