@@ -104,8 +104,10 @@ class DaemonProc:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (drain) and wait; returns the exit code."""
+    def stop(self, timeout: float = 30.0, keep: bool = False) -> int:
+        """SIGTERM (drain) and wait; returns the exit code. `keep`: what a daemon with
+        `--keep-dram` left for the next one stays (else it is reclaimed, as a stop without
+        `--keep-dram` leaves nothing)."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -114,7 +116,8 @@ class DaemonProc:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
-        self._reclaim_segment()  # a no-op after a clean exit (the daemon removed its record)
+        if not keep:
+            self._reclaim_segment()  # a no-op after a clean exit without --keep-dram
         LIVE.discard(self)
         return code
 
@@ -122,12 +125,13 @@ class DaemonProc:
         assert self.proc is not None
         segment_owner.reclaim(segment_owner.record_path(self.socket), self.proc.pid)
 
-    def kill(self) -> None:
-        """SIGKILL; then unlinks the segment the dead daemon could not (it is RAM in /dev/shm)."""
+    def kill(self, keep: bool = False) -> None:
+        """SIGKILL; then unlinks the segment the dead daemon could not (it is RAM in /dev/shm),
+        unless `keep` (the next daemon, with `--keep-dram`, adopts it)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        if self.proc is not None:
+        if self.proc is not None and not keep:
             self._reclaim_segment()
         LIVE.discard(self)
 

@@ -215,6 +215,10 @@ SETTINGS: tuple[Setting, ...] = (
     _S("dram_prefault", "bool", False, "allocate the whole DRAM pool at start (its pages then "
        "count against the daemon's memory cgroup, and a full /dev/shm fails the start)",
        "false: pages are taken as blocks are written"),
+    _S("keep_dram", "bool", False, "keep the DRAM tier across a restart: a stop leaves the "
+       "pool to the next daemon on this socket, which re-adopts its blocks (with a tokens file "
+       "the pool's memory must be held by systemd's fd store, else it starts cold)",
+       "false: a stop frees the pool"),
     _S("slot_bytes", "size", 16 * KiB, "smallest DRAM slot: smaller blocks round up to it "
        "(not the largest block: see --max-block-bytes)", "16KiB", _page_multiple),
     _S("max_block_bytes", "size", 8 * MiB, "largest block a layout may have (every size up to "
@@ -322,6 +326,7 @@ class Config:
     tls_key: str
     dram_bytes: int
     dram_prefault: bool
+    keep_dram: bool
     slot_bytes: int
     max_block_bytes: int
     dram_page_bytes: int
@@ -659,6 +664,7 @@ def _validate(v: dict[str, object], origin: dict[str, str], check_group: bool = 
         tls_key=str(v["tls_key"]),
         dram_bytes=dram,
         dram_prefault=bool(v["dram_prefault"]),
+        keep_dram=bool(v["keep_dram"]),
         slot_bytes=slot,
         max_block_bytes=big,
         dram_page_bytes=page,
@@ -753,6 +759,7 @@ def cache_spec(cfg: Config, tenants: int = 0) -> CacheSpec:
         slot_size=cfg.slot_bytes, slot_count=cfg.slots, replace_stale=True,
         max_block=cfg.max_block_bytes, page_bytes=cfg.dram_page_bytes, group=cfg.group or None,
         prefault=cfg.dram_prefault, isolated=bool(cfg.tokens_file), tenants=tenants,
+        keep=cfg.keep_dram,
     )
     ssd = None
     if cfg.ssd_bytes // (cfg.slot_bytes + BLOCK_HEADER_BYTES) > 0:

@@ -78,8 +78,9 @@ from kvtier.daemon.rpc.grpc_server import GrpcServer
 from kvtier.daemon.rpc.guard import Limits
 from kvtier.daemon.rpc.local_socket import LookupServer
 from kvtier.daemon.rpc.service import CHUNK_BYTES, Service
-from kvtier.tiers import segment_owner
-from kvtier.tiers.dram_regions import tenant_count_problem
+from kvtier.tiers import dram_keep, segment_owner
+from kvtier.tiers.dram_keep import Keeper
+from kvtier.tiers.dram_regions import release_fd, tenant_count_problem
 
 log = logging.getLogger("kvtier.daemon.server")
 REAP_INTERVAL_S = 0.25
@@ -129,6 +130,16 @@ IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 def _ignore(sig: signal.Signals) -> None:
     log.warning("%s ignored: kvtier reloads on SIGHUP and drains and stops on SIGTERM, SIGINT "
                 "or SIGQUIT", sig.name)
+
+
+def _release(keeper: Keeper | None) -> None:
+    """A start that failed before its pool took them: the memfds given back are closed (the
+    holder keeps its own copies for the next start)."""
+    if keeper is not None:
+        for fd in keeper.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        keeper.fds.clear()
 
 
 class Daemon:
@@ -192,10 +203,12 @@ class Daemon:
         removed = sockpath.claim(cfg.socket)
         if removed:
             log.warning("%s", removed)
-        reclaimed = segment_owner.reclaim(self.segment_record)
-        if reclaimed:
-            log.warning("%s", reclaimed)
+        keeper = self._keeper()
         shm_free = shutil.disk_usage("/dev/shm").free
+        if keeper is not None and keeper.adopt:  # its own file: counted as free for itself
+            rec = segment_owner.read_record(self.segment_record)
+            with contextlib.suppress(OSError):
+                shm_free += os.stat(rec.path).st_blocks * 512 if rec is not None else 0
         if cfg.dram_bytes > shm_free:
             raise UsageError(
                 f"dram_bytes {format_bytes(cfg.dram_bytes)} exceeds the free shared memory in "
@@ -213,15 +226,17 @@ class Daemon:
             self._dir_lock = DataDirLock.acquire(cfg.data_dir, cfg.socket)  # before any file in it
             rates = kept_rates.start_rates(cfg.data_dir)
             spec = cache_spec(cfg, tenants=len(self.auth.tenants()))
-            self.cache = cache = Cache(spec, self.metrics, rates=rates.book)
+            self.cache = cache = Cache(spec, self.metrics, rates=rates.book, keeper=keeper)
             cache.tenant_rates.seed(rates.tenants)
             if cache.residency.store is not None:
                 write_kept(cfg.data_dir, cfg.ssd_bytes)
         except (OSError, lmdb.Error) as exc:
             self._close_http()
+            _release(keeper)
             raise UsageError(f"cannot set up the storage tiers: {exc}") from None
         except BaseException:
             self._close_http()
+            _release(keeper)
             raise
         try:
             if cfg.kv_events:
@@ -230,6 +245,8 @@ class Daemon:
                                                   self.metrics)
                 cache.events.sink = self.kv_events.offer
             pool = cache.pool
+            pool.set_tenant_keys({name: dram_keep.token_key(d)
+                                  for name, d in self.auth.digests().items()})
             if pool.isolated:  # each tenant's slice of the pool, before any call
                 cache.set_tenants(self.auth.tenants(), (), (), f"tokens file {cfg.tokens_file}")
             if pool.isolated:  # no file to leak; its memory is handed out on the fd socket
@@ -243,7 +260,7 @@ class Daemon:
                     pool.spec.shm_dir, pool.spec.name, pool.generation))
             await self._start_server(cache)
         except BaseException:
-            self._close_cache(cache)
+            self._close_cache(cache, keep=cfg.keep_dram)  # a failed start loses no DRAM
             self._close_http()
             raise
         self._reaper = asyncio.create_task(self._reap())
@@ -272,8 +289,57 @@ class Daemon:
         return (f"kvtier {__version__} serving on unix:{cfg.socket}{tcp}; metrics {metrics}; "
                 f"DRAM pool {format_bytes(cfg.dram_bytes)} (blocks up to "
                 f"{format_bytes(cfg.max_block_bytes)} in size classes, slots from "
-                f"{format_bytes(cfg.slot_bytes)}); SSD tier {ssd}; planner rates from "
-                f"{rates.described}; KV events {events}; tenants: {tenants} ({auth})")
+                f"{format_bytes(cfg.slot_bytes)}; {self._kept_line(cache, keeper)}); SSD tier "
+                f"{ssd}; planner rates from {rates.described}; KV events {events}; tenants: "
+                f"{tenants} ({auth})")
+
+    def _keeper(self) -> Keeper | None:
+        """What this start finds of a DRAM pool a dead daemon kept (`keep_dram`): a named pool
+        whose owner is gone may be adopted; the memfds systemd's fd store gave back are the
+        pool's with tenants. Without `keep_dram` a dead daemon's segment is reclaimed and fds
+        given back are released (and dropped from the store), as before."""
+        cfg = self.cfg
+        given = sdnotify.listen_fds()
+        store = sdnotify.FdStore.from_env()
+        ours = {name: fd for name, fd in given if dram_keep.is_ours(name)}
+        for name, fd in given:
+            if name not in ours:
+                os.close(fd)  # not the pool's: nothing of ours to keep or release
+        isolated = self.auth.required
+        rec = None
+        if cfg.keep_dram and not isolated:
+            rec = segment_owner.dead_owner(self.segment_record)
+            if rec is not None and rec.name != cache_spec(cfg).pool.name:
+                rec = None  # another pool (another shm_dir or name): reclaimed below
+        if rec is None:
+            reclaimed = segment_owner.reclaim(self.segment_record)
+            if reclaimed:
+                log.warning("%s", reclaimed)
+        if not cfg.keep_dram or not isolated:
+            for name, fd in ours.items():  # memory of a pool of another kind: freed
+                release_fd(fd)
+                if store is not None:
+                    store.forget(name)
+            return Keeper(adopt=rec is not None) if cfg.keep_dram else None
+        keys = {name: dram_keep.token_key(d) for name, d in self.auth.digests().items()}
+        return Keeper(fds=ours, keys=keys, holder=store)
+
+    def _kept_line(self, cache: Cache, keeper: Keeper | None) -> str:
+        """How the DRAM tier outlives this daemon (part of the first log line)."""
+        if keeper is None:
+            return "not kept at a stop (keep_dram off)"
+        if not cache.pool.isolated:
+            return "kept for the next daemon on this socket at a stop or a crash (keep_dram)"
+        if keeper.holder is None:
+            log.warning("keep_dram: nothing holds the tenants' DRAM (memfds) across a restart: "
+                        "no systemd fd store ($NOTIFY_SOCKET unset); the DRAM tier starts cold "
+                        "at every start (see docs/deployment.md, FileDescriptorStoreMax=)")
+            return "not kept: no holder for its memory (keep_dram without an fd store)"
+        if not sdnotify.fd_store_size():
+            log.warning("keep_dram: $FDSTORE is unset: systemd may keep none of the tenants' "
+                        "DRAM memfds (set FileDescriptorStoreMax= in the unit; systemd older "
+                        "than 254 does not say)")
+        return "kept for the next daemon in systemd's fd store (keep_dram)"
 
     def _close_http(self) -> None:
         if self.http is not None:
@@ -284,17 +350,22 @@ class Daemon:
     def segment_record(self) -> Path:
         return segment_owner.record_path(self.cfg.socket)
 
-    def _close_cache(self, cache: Cache) -> None:
+    def _close_cache(self, cache: Cache, keep: bool = False) -> None:
         """Closes the fd socket and the tiers (the segment is unlinked), then drops the
-        segment's owner record."""
+        segment's owner record. `keep` (`keep_dram`, a stop): the pool and its owner record
+        stay for the next daemon."""
         if self.fds is not None:
             self.fds.close()
             self.fds = None
-        cache.close()
+        blocks = cache.pool.kept_blocks()
+        cache.close(keep=keep)
         if self.kv_events is not None:  # after the cache: its last events go out
             self.kv_events.close()
             self.kv_events = None
-        segment_owner.remove_record(self.segment_record, cache.pool.generation)
+        if keep:
+            log.info("DRAM tier kept for the next daemon: %d blocks", blocks)
+        else:
+            segment_owner.remove_record(self.segment_record, cache.pool.generation)
 
     async def _start_server(self, cache: Cache) -> None:
         cfg = self.cfg
@@ -379,6 +450,9 @@ class Daemon:
             log.error("reload (SIGHUP) refused, nothing changed: %s", exc)
             sdnotify.notify("READY=1")
             return False
+        if self.cache is not None:  # regions made from now on carry the new tokens' keys
+            self.cache.pool.set_tenant_keys({name: dram_keep.token_key(d)
+                                             for name, d in done.auth.digests().items()})
         reload.apply(done, self.cfg, self.cache, self.auth)
         self.cfg, self.auth, self._file_values = done.cfg, done.auth, file_values
         if self.service is not None:
@@ -420,7 +494,7 @@ class Daemon:
         if cache is not None:
             left = cache.active_leases()
             self.save_rates()
-            self._close_cache(cache)
+            self._close_cache(cache, keep=self.cfg.keep_dram)
             log.info("kvtier stopped (%d lease(s) ended at shutdown)", left)
         self._close_http()
         with contextlib.suppress(FileNotFoundError):

@@ -20,6 +20,10 @@ region's pages stand for pages of the pool's page space); offsets and `SegmentHa
 isolated pool are those of the slot's region (`tenant_handle`). Remote clients use the daemon's
 Read/WriteBlocks byte stream.
 
+Keeping (`spec.keep`, `kvtier.tiers.dram_keep`): a keep record follows each slot's meaning, and
+`close(keep=True)` leaves the memory to a successor, which re-adopts it (same generation; its
+blocks in `adopted`, for the index) or says why not in `cold` and starts empty.
+
 Lease rule (invariant 3): a pinned slot is never freed nor rewritten through the pool: `free` and
 `write` refuse it (`SlotPinned`). Pins have one owner. A pool on its own (tools, tests, the
 mover's tests) keeps them itself (`pin`/`unpin`). The daemon's pool has an owner (`PinOwner`:
@@ -40,9 +44,11 @@ tools). The owner (`PinOwner`) is asked under the pool's lock and takes no lock.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import grp
 import logging
 import math
@@ -51,10 +57,11 @@ import os
 import re
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +71,10 @@ from kvtier.core.segment import (
     HEADER,
     HEADER_BYTES,
     MAGIC,
+    STATE,
+    STATE_CLOSED,
+    STATE_OFFSET,
+    VERSION,
     DramError,
     SegmentHandle,
     SegmentHeader,
@@ -73,8 +84,25 @@ from kvtier.core.segment import (
     slot_stride,
     unpack_header,
 )
+from kvtier.tiers.dram_keep import (
+    NAME,
+    Geometry,
+    Keeper,
+    KeepFile,
+    Kept,
+    KeptBlock,
+    Refused,
+    keep_path,
+)
 from kvtier.tiers.dram_pages import UNIT, ClassStats, PageTable, geometric
-from kvtier.tiers.dram_regions import Region, RegionSpec, TenantRegions, TenantShare, reslice
+from kvtier.tiers.dram_regions import (
+    Region,
+    RegionSpec,
+    TenantRegions,
+    TenantShare,
+    release_fd,
+    reslice,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +147,7 @@ class DramSpec:
     page_bytes: int = 0
     isolated: bool = False  # tenants: no named file, a region per tenant (`dram_regions`)
     tenants: int = 0  # isolated: automatic pages small enough for 4 pages a tenant, if they can
+    keep: bool = False  # a keep file says what the pool holds, for a successor (`dram_keep`)
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -243,6 +272,18 @@ def peek_header(path: str) -> SegmentHeader | None:
     return header if header.magic == MAGIC else None
 
 
+def _close_kept(path: str) -> None:
+    """Marks the kvtier pool at `path` closed (one a successor will not adopt)."""
+    if peek_header(path) is None:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.pwrite(fd, STATE.pack(STATE_CLOSED), STATE_OFFSET)
+        finally:
+            os.close(fd)
+
+
 def _unlink_forgotten(path: str, generation: int, creator: int) -> None:
     """Unlinks a pool nobody closed (garbage-collected, or open at interpreter exit), in the
     process that created it only (a forked child must not unlink its parent's pool)."""
@@ -260,7 +301,9 @@ class DramPool:
     those at the next daemon start).
     """
 
-    def __init__(self, spec: DramSpec) -> None:
+    def __init__(self, spec: DramSpec, keeper: Keeper | None = None) -> None:
+        """A fresh pool, or with `spec.keep` and a `keeper` that finds one, the pool a dead
+        daemon kept (`adopted`; `cold` says why one was not)."""
         spec.validate()
         self.spec = spec
         self.slot_size = spec.slot_size
@@ -287,6 +330,12 @@ class DramPool:
         self._shares: dict[str, tuple[TenantShare, int]] = {}  # tenant -> (share, its pages)
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._map: SegmentMapping | None = None
+        self.keep: KeepFile | None = None  # with `spec.keep` (`kvtier.tiers.dram_keep`)
+        self.adopted: Kept | None = None  # a kept pool's blocks and held slots, taken over
+        self.cold = ""  # why a kept pool was not adopted ("": adopted, or there was none)
+        self.adopt_s = 0.0  # the seconds adopting a kept pool took here
+        started = time.monotonic()
+        keeper = keeper or Keeper()
         if spec.isolated:  # no memory of its own: the tenants' regions hold it all
             self._fd = -1
             self._regions = TenantRegions(RegionSpec(
@@ -294,18 +343,37 @@ class DramPool:
                 HUGE_PAGE if spec.huge_pages else mmap.PAGESIZE, spec.prefault, spec.mlock,
                 spec.huge_pages), self.page_count)
             self.huge_pages, self.mlocked = spec.huge_pages, spec.mlock
+            if spec.keep:
+                self._keep_regions(keeper)
+                self.adopt_s = time.monotonic() - started
             return
-        self._fd = self._create_file()
-        try:
-            os.ftruncate(self._fd, self.size)
-            if spec.prefault:
-                self._allocate()
-            self._map = SegmentMapping(self._fd, self.size)
-        except BaseException:
-            os.close(self._fd)
-            os.unlink(self.path)
-            raise
-        pack_header(self._map.mm, SegmentHeader.live(self.handle()))
+        self._fd = -1
+        if spec.keep and keeper.adopt:
+            try:
+                self._adopt_named()
+                self.adopt_s = time.monotonic() - started
+            except Refused as why:
+                self.cold = f"{self.path}: {why}"
+                _close_kept(self.path)  # a client still mapping it sees it closed
+                for gone in (self.path, keep_path(self.path)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(gone)
+        if self._fd < 0:
+            self._fd = self._create_file()
+            try:
+                os.ftruncate(self._fd, self.size)
+                if spec.prefault:
+                    self._allocate()
+                self._map = SegmentMapping(self._fd, self.size)
+                if spec.keep:
+                    self.keep = KeepFile.create(self._geometry(), keep_path(self.path))
+            except BaseException:
+                if self._map is not None:
+                    self._map.close()
+                os.close(self._fd)
+                os.unlink(self.path)
+                raise
+            pack_header(self._map.mm, SegmentHeader.live(self.handle()))
         self._finalizer = weakref.finalize(
             self, _unlink_forgotten, self.path, self.generation, os.getpid())
         if spec.huge_pages:
@@ -324,8 +392,195 @@ class DramPool:
                              f"{self.spec.shm_dir}: {exc.strerror or exc}") from None
 
     @classmethod
-    def create(cls, spec: DramSpec) -> DramPool:
-        return cls(spec)
+    def create(cls, spec: DramSpec, keeper: Keeper | None = None) -> DramPool:
+        return cls(spec, keeper)
+
+    # -- keeping and adopting (`kvtier.tiers.dram_keep`) ------------------------------------
+
+    def _geometry(self, generation: int | None = None) -> Geometry:
+        return Geometry(int(self.isolated), self.generation if generation is None else generation,
+                        self.pages.slot_ids, self.page_count, self.page_bytes, self.slot_size,
+                        self.slot_stride, self.data_offset, 0 if self.isolated else self.size)
+
+    def _adopt_named(self) -> None:
+        """Maps the named pool a dead daemon kept, with its keep file; `Refused` (nothing
+        changed, nothing left open) when it is of another format or shape."""
+        path = self.path
+        header = peek_header(path)
+        if header is None:
+            raise Refused("no kvtier pool there")
+        if header.version != VERSION:
+            raise Refused(f"DRAM pool format version {header.version}; this kvtier reads "
+                          f"version {VERSION}")
+        theirs = (header.slot_size, header.slot_stride, header.data_offset, header.page_bytes,
+                  header.page_count)
+        mine = (self.slot_size, self.slot_stride, self.data_offset, self.page_bytes,
+                self.page_count)
+        if theirs != mine:
+            raise Refused(f"the kept pool has slot size, stride, data offset, page size and "
+                          f"count {theirs}, this daemon's {mine}")
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_size != self.size:
+                raise Refused(f"the kept pool has {os.fstat(fd).st_size} bytes, this daemon's "
+                              f"{self.size}")
+            try:
+                kfd = os.open(keep_path(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                raise Refused("it has no keep file (kept by a daemon without keep_dram?)"
+                              ) from None
+            keep, kept = KeepFile.read(kfd, self._geometry(), keep_path(path))
+            if kept.geometry.generation != header.generation:
+                keep.close(unlink=False)
+                raise Refused("its keep file is of another generation")
+            self._map = SegmentMapping(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self.keep, self.generation = fd, keep, header.generation
+        try:
+            if self.spec.group:
+                os.fchown(fd, -1, grp.getgrnam(self.spec.group).gr_gid)
+            os.fchmod(fd, 0o660 if self.spec.group else 0o600)
+        except (KeyError, OSError) as exc:
+            log.warning("cannot give the kept pool %s to group %r: %s", path, self.spec.group,
+                        exc)
+        pack_header(self._map.mm, SegmentHeader.live(self.handle()))  # live again, if marked
+        self.adopted = self._adopt_slots(self.pages, kept, lambda s: s)
+        keep.clear_others(self._adopted_slots())  # no record survives that was not adopted
+
+    def _adopt_slots(self, pages: PageTable, kept: Kept, local: Callable[[int], int | None],
+                     tag: int = 0) -> Kept:
+        """Takes a kept pool's blocks and still-held write slots into `pages` (global slot ->
+        `local` slot id in it, None: not this table's); what is left out is returned as not
+        adopted. The caller clears the records of every slot not adopted."""
+        now = time.monotonic()
+        want: dict[int, int] = {}
+        for b in kept.blocks:
+            s = local(b.slot)
+            if s is not None and self._fits(b.nbytes, b.stride):
+                want[s] = b.stride + tag
+        writing = [(s, st, t, until) for s, st, t, until in kept.writing
+                   if until > now and (ls := local(s)) is not None and ls not in want]
+        for s, st, _, _ in writing:
+            want[cast(int, local(s))] = st + tag
+        bad = set(pages.adopt(want))
+        return Kept(kept.geometry,
+                    [b for b in kept.blocks if (s := local(b.slot)) in want and s not in bad],
+                    [w for w in writing if local(w[0]) not in bad], [])
+
+    def _fits(self, nbytes: int, stride: int) -> bool:
+        """Whether blocks of `nbytes` go to class `stride` in this pool."""
+        try:
+            return self._stride_of_size(nbytes) == stride
+        except DramError:
+            return False
+
+    def _keep_regions(self, keeper: Keeper) -> None:
+        """A pool with tenants and `spec.keep`: adopts the regions the holder gave back when
+        the keep file it gave back describes them, else starts with none; a new keep memfd
+        otherwise. Every memfd from now on is offered to the holder."""
+        assert self._regions is not None
+        regions, fds = self._regions, dict(keeper.fds)
+        if keeper.holder is None:  # nothing would keep the memfds: no keep file to write
+            for fd in fds.values():
+                release_fd(fd)
+            return
+        regions.holder, regions.keys = keeper.holder, dict(keeper.keys)
+        kfd = fds.pop(NAME, None)
+        if kfd is not None:
+            try:
+                keep, kept = KeepFile.read(kfd, self._geometry(0))
+            except Refused as why:
+                self.cold = f"the tenants' DRAM: {why}"
+            else:
+                self.keep, self.generation = keep, kept.geometry.generation
+                adopted, notes = regions.adopt(kept, fds)
+                if notes:
+                    self.cold = "; ".join(notes)
+                blocks: list[KeptBlock] = []
+                writing: list[tuple[int, int, str, float]] = []
+                for r in adopted:
+                    assert r.pages is not None
+                    got = self._adopt_slots(r.pages, kept, functools.partial(
+                        regions.local_of, r), r.tag)
+                    blocks += [b for b in got.blocks if b.tenant == r.tenant]
+                    writing += [w for w in got.writing if w[2] == r.tenant]
+                    for b in got.blocks:  # another tenant's record: never adopted
+                        if b.tenant != r.tenant:
+                            r.pages.free(cast(int, regions.local_of(r, b.slot)))
+                    for w in got.writing:
+                        if w[2] != r.tenant:
+                            r.pages.free(cast(int, regions.local_of(r, w[0])))
+                self.adopted = Kept(kept.geometry, blocks, writing, [])
+        for name, fd in fds.items():  # not (or no longer) ours to keep
+            release_fd(fd)
+            if keeper.holder is not None:
+                keeper.holder.forget(name)
+        if self.keep is None:
+            self.keep = KeepFile.create(self._geometry())
+        self.keep.clear_others(self._adopted_slots())
+        self.keep.set_generation(self.generation)
+        regions.keep = self.keep
+        regions.record_all()
+        if keeper.holder is not None:
+            keeper.holder.keep(NAME, self.keep.fd)
+
+    def _adopted_slots(self) -> set[int]:
+        kept = self.adopted
+        if kept is None:
+            return set()
+        return {b.slot for b in kept.blocks} | {w[0] for w in kept.writing}
+
+    def set_tenant_keys(self, keys: dict[str, bytes]) -> None:
+        """Each tenant's token fingerprint now (`dram_keep.token_key`): a region made from now on
+        is written down with it, and a successor adopts it only under the same token."""
+        if self._regions is not None:
+            with self._lock:
+                self._regions.keys = dict(keys)
+
+    def record(self, slot: int, tenant: str, layout_id: bytes, key: bytes,
+               parent: bytes | None, nbytes: int) -> None:
+        """`slot` holds a block now (its DRAM copy was added): its keep record (no-op without
+        a keep file)."""
+        keep = self.keep
+        if keep is None:
+            return
+        with self._lock:
+            pages, local, _ = self._slot(slot)
+            keep.commit(slot, pages.stride_of(local), nbytes, tenant, layout_id, key, parent)
+
+    def writing(self, slots: list[int], tenant: str, until: float) -> None:
+        """`slots` are filled under `tenant`'s WRITE lease until `until` (keep record)."""
+        keep = self.keep
+        if keep is None or not slots:
+            return
+        with self._lock:
+            pages, local, _ = self._slot(slots[0])
+            keep.writing(slots, pages.stride_of(local), tenant, until)
+
+    def hold(self, slots: list[int], until: float) -> None:
+        """A READ lease holds the blocks in `slots` until `until` (keep record)."""
+        if self.keep is not None:
+            with self._lock:
+                self.keep.hold(slots, until)
+
+    def unhold(self, slots: list[int]) -> None:
+        """No lease holds the blocks in `slots` any more (keep record)."""
+        if self.keep is not None:
+            with self._lock:
+                self.keep.unhold(slots)
+
+    def freeze_keep(self) -> None:
+        """The daemon stops: the keep records stay as they are now (`KeepFile.freeze`)."""
+        if self.keep is not None:
+            with self._lock:
+                self.keep.freeze()
+
+    def kept_blocks(self) -> int:
+        """COMMITTED keep records now (what a successor would find)."""
+        keep = self.keep
+        return 0 if keep is None else keep.committed()
 
     def _create_file(self) -> int:
         mode = 0o660 if self.spec.group else 0o600
@@ -601,6 +856,8 @@ class DramPool:
             pages, local, r = self._check(slot)
             if self._held(slot):
                 raise SlotPinned(f"slot {slot} is pinned")
+            if self.keep is not None:
+                self.keep.clear(slot)  # before the slot can be taken again
             n = pages.free(local)
             if r is not None and r.retired and self._regions is not None:
                 self._regions.release_if_drained(r)
@@ -775,6 +1032,10 @@ class DramPool:
             if self._held(gone):
                 raise SlotPinned(f"slot {gone} is pinned; the move cannot free it")
             pages, local, r = self._slot(gone)
+            if self.keep is not None:
+                if moved:
+                    self.keep.move(move.old, move.new)  # before the old record goes
+                self.keep.clear(gone)
             pages.free(local)
             if r is not None and r.retired and self._regions is not None:
                 self._regions.release_if_drained(r)
@@ -894,23 +1155,34 @@ class DramPool:
             self.huge_pages, self.page_bytes, self.page_count, pages_free, classes,
         )
 
-    def close(self) -> None:
-        """Mark the header(s) closed, unlink the file and unmap. Clients keep their mapping."""
+    def close(self, keep: bool = False) -> None:
+        """Mark the header(s) closed, unlink the file and unmap. Clients keep their mapping.
+        `keep` (a pool with a keep file): the memory is left for a successor instead — the
+        named file and its keep file stay, live; memfds stay with the holder."""
         if self._closed:
             return
         self._closed = True
+        keep = keep and self.keep is not None
+        if self.keep is not None:
+            self.keep.freeze()
         if self._regions is not None:
             with self._lock:
-                self._regions.close()
+                self._regions.close(keep)
+            if self.keep is not None:
+                self.keep.close(unlink=False)
             return
         assert self._map is not None
-        mark_closed(self._map.mm)
+        if not keep:
+            mark_closed(self._map.mm)
         if self._finalizer is not None:
             self._finalizer.detach()
             try:
-                os.unlink(self.path)
+                if not keep:
+                    os.unlink(self.path)
             except FileNotFoundError:
                 log.warning("shared-memory segment %s was already removed", self.path)
+        if self.keep is not None:
+            self.keep.close(unlink=not keep)
         self._map.close()
         os.close(self._fd)
 

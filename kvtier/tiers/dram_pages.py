@@ -398,6 +398,72 @@ class PageTable:
         if self.backing is not None:
             self.backing(p, 0)
 
+    def adopt(self, slots: dict[int, int]) -> list[int]:
+        """Marks `slots` (slot id -> class) allocated in a table that has none yet, each page
+        their rows lie on taken by their class: a kept pool's blocks, re-adopted by a successor
+        daemon (`kvtier.tiers.dram_keep`). A slot that is no row of its class's grid starting
+        in its page, or whose row lies on a page an earlier slot's class took, is left out and
+        returned (its record was wrong: nothing is adopted into it)."""
+        if self.used:
+            raise ValueError("adopt needs a table without allocated slots")
+        page_of: dict[int, int] = {}  # page -> the class that takes it
+        rows: list[tuple[int, int]] = []
+        bad: list[int] = []
+        pb, ids = self.page_bytes, self.ids_per_page
+        end = pb * self.page_count
+        for s, cls in sorted(slots.items()):
+            p, j = divmod(s, ids)
+            g = cls - cls % UNIT  # `geometric`, inline: a kept pool may hold millions
+            start = (-(-(p * pb) // g) + j) * g if g > 0 else -1
+            if not 0 <= p < self.page_count or g < self.min_stride or not 0 <= start < (
+                    p + 1) * pb or start + g > end:
+                bad.append(s)
+                continue
+            q0, q1 = start // pb, (start + g - 1) // pb
+            if q0 == q1:  # a row inside one page (most)
+                if page_of.setdefault(q0, cls) != cls:
+                    bad.append(s)
+                    continue
+            else:
+                span = range(q0, q1 + 1)
+                if any(page_of.get(q, cls) != cls for q in span):
+                    bad.append(s)
+                    continue
+                for q in span:
+                    page_of[q] = cls
+            rows.append((s, cls))
+        for q in sorted(page_of):
+            self._own(page_of[q], q)
+        by_page: dict[int, set[int]] = {}
+        free: dict[int, set[int]] = {}  # (sets: `claim`'s list removal is quadratic here)
+        for s, _ in rows:
+            p = s // self.ids_per_page
+            if p not in free:
+                free[p] = set(self._page_free.get(p, ()))
+            if s in free[p]:
+                free[p].discard(s)
+                by_page.setdefault(p, set()).add(s)
+            else:
+                bad.append(s)
+        for p, taken in by_page.items():  # `claim`, a page at a time
+            if not taken:
+                continue
+            left = [s for s in self._page_free[p] if s not in taken]
+            if left:
+                self._page_free[p] = left
+            else:
+                del self._page_free[p]
+            stride = self._stride[p]
+            self._live[p] += len(taken)
+            self._class_free[stride] -= len(taken)
+            for s in taken:
+                self._allocated[s] = 1
+            self.used += len(taken)
+            self.used_bytes += len(taken) * geometric(stride)
+        for q, cls in page_of.items():  # pages no adopted row kept (a rejected one's)
+            self._untake(cls, [q])
+        return sorted(bad)
+
     # -- reclaim ---------------------------------------------------------------------------
 
     def live_slots(self, p: int) -> list[int]:

@@ -66,6 +66,7 @@ from kvtier.core.segment import (
     pack_header,
 )
 from kvtier.core.units import format_bytes
+from kvtier.tiers.dram_keep import Holder, KeepFile, Kept, region_fd_name
 from kvtier.tiers.dram_pages import UNIT, PageTable
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,19 @@ class RegionSpec(NamedTuple):
     huge: bool = False
 
 
+def release_fd(fd: int) -> None:
+    """Punches a tenant file's memory out and closes `fd` (a kept region not adopted: a client
+    still mapping it sees zeros, never a block)."""
+    mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+    try:
+        size = os.fstat(fd).st_size
+        if size and _libc().fallocate(fd, mode, 0, size) != 0:
+            log.warning("cannot free a kept tenant file's memory: %s",
+                        os.strerror(ctypes.get_errno()))
+    finally:
+        os.close(fd)
+
+
 class Region:
     """One tenant's file: a pool of `len(home)` pages of its own (module docstring). `home[p]`
     is the global page local page p stands for, -1 until one is free for it; `pages`, its page
@@ -190,7 +204,9 @@ class Region:
     holds its pages waits for them, and holds no block meanwhile)."""
 
     def __init__(self, tenant: str, tag: int, pages: int, generation: int,
-                 spec: RegionSpec) -> None:
+                 spec: RegionSpec, fd: int | None = None) -> None:
+        """A new file, or with `fd` (taken over: closed on failure) the kept file of a region
+        a dead daemon made (`TenantRegions.adopt`): same size, sealed as this one seals."""
         self.tenant = tenant
         self.tag = tag
         self.generation = generation
@@ -203,7 +219,15 @@ class Region:
         self.home = [-1] * pages
         self.retired = False
         self.name = f"kvtier-dram-{tenant}-{tag}"
-        self.fd = anonymous_file(self.name, self.size)
+        if fd is not None:
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                if os.fstat(fd).st_size != self.size or seals & SEALS != SEALS:
+                    raise DramError(f"tenant {tenant!r}'s kept file has another size or seals")
+            except BaseException:
+                os.close(fd)
+                raise
+        self.fd = anonymous_file(self.name, self.size) if fd is None else fd
         try:
             self.mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -271,6 +295,9 @@ class TenantRegions:
     def __init__(self, spec: RegionSpec, page_count: int) -> None:
         self.spec = spec
         self.page_count = page_count
+        self.keep: KeepFile | None = None  # where the regions are written down (`dram_keep`)
+        self.holder: Holder | None = None  # who keeps their memfds across a restart
+        self.keys: dict[str, bytes] = {}  # tenant -> its token's fingerprint (`token_key`)
         self.ids_per_page = -(-spec.page_bytes // spec.min_stride)
         self._slices: dict[str, int] = {}
         self._current: dict[str, Region] = {}  # tenant -> its region now
@@ -309,8 +336,78 @@ class TenantRegions:
         r = Region(tenant, self._tags, pages, secrets.randbits(63) | 1, self.spec)
         self._current[tenant] = self._by_tag[r.tag] = r
         self._waiting.append(r)
+        self._write(r)
+        if self.holder is not None:
+            self.holder.keep(region_fd_name(r.generation), r.fd)
         self._grant()
         return r
+
+    def _write(self, r: Region) -> None:
+        """Region `r` as the keep file lists it (`kvtier.tiers.dram_keep`), if there is one."""
+        if self.keep is not None:
+            self.keep.set_region(r.tag, r.tenant, self.keys.get(r.tenant, b""), r.generation,
+                                 r.count, r.retired)
+
+    def record_all(self) -> None:
+        """Every region and page as the keep file lists them (after `adopt`, or a fresh one)."""
+        keep = self.keep
+        if keep is None:
+            return
+        keep.reset_regions()
+        for r in self._by_tag.values():
+            self._write(r)
+            for p, g in enumerate(r.home):
+                if g >= 0:
+                    keep.set_page(g, r.tag, p)
+
+    def adopt(self, kept: Kept, fds: dict[str, int]) -> tuple[list[Region], list[str]]:
+        """Takes over the live regions a dead daemon's keep file lists whose memfd the holder
+        gave back (popped from `fds`), whose tenant's token is the same now (`keys`) and whose
+        pages are all its own; re-tagged 1..n. Returns them (their page tables empty: the
+        pool adopts their slots) and a line per region left out (its fd stays in `fds`: the
+        caller releases it)."""
+        adopted: list[Region] = []
+        notes: list[str] = []
+        used: set[int] = set()
+        for k in sorted(kept.regions, key=lambda k: k.tag):
+            if k.retired:
+                continue
+            name = region_fd_name(k.generation)
+            why = ""
+            if name not in fds:
+                why = "the holder gave back no memory for it"
+            elif k.tenant in self._current:
+                why = "a second region of the tenant"
+            elif self.keys.get(k.tenant) != k.digest:
+                why = "its tenant's token changed or was revoked"
+            elif any(not 0 <= g < self.page_count or g in used for g in k.home):
+                why = "its pages are not all its own"
+            if why:
+                notes.append(f"tenant {k.tenant!r}'s DRAM starts cold: {why}")
+                continue
+            try:
+                r = Region(k.tenant, len(adopted) + 1, k.pages, k.generation, self.spec,
+                           fds.pop(name))
+            except (OSError, DramError) as exc:
+                notes.append(f"tenant {k.tenant!r}'s DRAM starts cold: {exc}")
+                continue
+            r.home = list(k.home)
+            for p, g in enumerate(r.home):
+                self._global[g], self._local[g] = r, p
+                used.add(g)
+            r.pages = PageTable(self.spec.page_bytes, r.count, self.spec.min_stride)
+            self._current[r.tenant] = self._by_tag[r.tag] = r
+            adopted.append(r)
+        self._tags = len(adopted)
+        self._free_global = sorted(set(range(self.page_count)) - used, reverse=True)
+        return adopted, notes
+
+    def local_of(self, r: Region, slot: int) -> int | None:
+        """The local slot id of global slot id `slot` in region `r`, None when another's."""
+        g, j = divmod(slot, self.ids_per_page)
+        if not 0 <= g < self.page_count or self._global[g] is not r:
+            return None
+        return self._local[g] * self.ids_per_page + j
 
     def _grant(self) -> None:
         """Free global pages to the regions waiting for them, oldest first."""
@@ -320,6 +417,8 @@ class TenantRegions:
             g = self._free_global.pop()
             r.home[p] = g
             self._global[g], self._local[g] = r, p
+            if self.keep is not None:
+                self.keep.set_page(g, r.tag, p)
             if -1 not in r.home:
                 r.ready()
                 self._waiting.pop(0)
@@ -356,6 +455,9 @@ class TenantRegions:
             return False
         r.retired = True
         r.close_header()
+        self._write(r)
+        if self.holder is not None:  # a retired region is never adopted
+            self.holder.forget(region_fd_name(r.generation))
         if r in self._waiting:
             self._waiting.remove(r)
         self.release_if_drained(r)
@@ -367,10 +469,14 @@ class TenantRegions:
         if not r.retired or r.used or self._by_tag.get(r.tag) is not r:
             return False
         del self._by_tag[r.tag]
+        if self.keep is not None:
+            self.keep.drop_region(r.tag)
         for g in r.home:
             if g >= 0:
                 self._global[g] = None
                 self._free_global.append(g)
+                if self.keep is not None:
+                    self.keep.set_page(g, 0, 0)
         self._free_global.sort(reverse=True)
         r.release()
         self._grant()
@@ -393,9 +499,12 @@ class TenantRegions:
         for r in self._by_tag.values():
             r.close_header()
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Closes every region (`keep`: live headers stay live, for a successor that adopts
+        the memfds the holder keeps)."""
         for r in list(self._by_tag.values()):
-            r.close_header()
+            if not keep or r.retired:
+                r.close_header()
             os.close(r.fd)
             del r.buf
             try:

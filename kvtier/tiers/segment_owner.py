@@ -18,10 +18,16 @@ after a clean close. Before creating its pool, a daemon on the same socket calls
 Whoever SIGKILLs a daemon on purpose (tests, supervisors) may call
 `reclaim(record_path(socket), pid)` once it is dead, for the same effect. Records are 0600 files
 in the socket's 0700 directory.
+
+With `keep_dram` a daemon keeps its segment for the next one instead: a stop leaves the segment,
+its keep file (`kvtier.tiers.dram_keep`) and this record, and the next daemon on the socket asks
+`dead_owner` and re-adopts the segment rather than unlinking it (or unlinks it, with its keep
+file, when it cannot read it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +37,7 @@ from typing import NamedTuple
 from kvtier.core.errors import UsageError
 from kvtier.core.segment import STATE_LIVE
 from kvtier.tiers.dram import peek_header
+from kvtier.tiers.dram_keep import keep_path
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +122,23 @@ def remove_record(path: Path, generation: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def dead_owner(path: Path) -> OwnerRecord | None:
+    """The record at `path` when its owner is gone (its pool may be adopted: `keep_dram`),
+    else None; raises UsageError, as `reclaim` does, while the owner still runs with its
+    segment live. Changes nothing."""
+    rec = read_record(path)
+    if rec is None:
+        return None
+    header = peek_header(rec.path)
+    if (header is not None and header.generation == rec.generation
+            and header.state == STATE_LIVE and owner_alive(rec)):
+        raise UsageError(
+            f"daemon pid {rec.pid} still runs with shared-memory segment {rec.path} (recorded "
+            f"in {path}); stop it first"
+        )
+    return rec
+
+
 def reclaim(path: Path, pid: int | None = None) -> str | None:
     """Unlinks the segment recorded at `path` if its owner is gone (see the module docstring);
     returns a one-line account for the log, or None when there was no record (or, with `pid`,
@@ -137,6 +161,8 @@ def reclaim(path: Path, pid: int | None = None) -> str | None:
             os.unlink(rec.path)
         except FileNotFoundError:
             ours = False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(keep_path(rec.path))  # its keep file (`kvtier.tiers.dram_keep`)
     path.unlink(missing_ok=True)
     if ours:
         return f"reclaimed segment {rec.path} of daemon pid {rec.pid} (no longer running)"

@@ -268,6 +268,8 @@ class Acquirer:
                                                   ReadLease(ns, pinned, a.h2d_bytes_per_s),
                                                   a.session).id
                     offsets = [pool.offset(b.dram_slot or 0) for b in pinned]
+                    if pool.keep is not None:  # a successor keeps them until the deadline
+                        pool.hold([b.dram_slot or 0 for b in pinned], time.monotonic() + a.ttl)
             finally:
                 a.done.set()
                 if a.io:
@@ -310,6 +312,9 @@ class Acquirer:
         index = self.residency.index
         for block in r.blocks:
             index.unpin(r.ns.name, block.key)
+        pool = self.residency.pool
+        if pool.keep is not None:  # no lease holds them any more
+            pool.unhold([b.dram_slot for b in r.blocks if not b.pins and b.dram_slot is not None])
         if self.residency.stale:  # blocks of a retired tenant file waited for this release
             self.residency.apply()
 

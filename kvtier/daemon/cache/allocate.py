@@ -19,6 +19,7 @@ Threading: every function is called with the cache lock held.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -132,6 +133,7 @@ class Allocator:
         for i in need:
             ns.pending[chain[i]] = lease.id
         pool = self.residency.pool
+        pool.writing(slots, tenant.name, time.monotonic() + ttl)  # a successor holds them
         return AllocateResult(lease.id, need, [pool.offset(s) for s in slots], ttl)
 
     def _need(self, ns: NamespaceInfo, chain: list[bytes]) -> list[int]:
@@ -198,6 +200,7 @@ class Allocator:
             except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
                 self.residency.give_back(ns.usage.tenant.name, slot)
         self.residency.apply()
+        self.residency.pool.unhold([s for _, s in w.todo])  # committed or freed: no writer now
         self.residency.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
         self.residency.maybe_write_remote(ns.name, inserted, committed=True)
         pool = self.residency.pool

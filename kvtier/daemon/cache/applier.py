@@ -5,7 +5,8 @@ The prefix index journals every copy added to or dropped from a tier and every D
 the journal in order and does, per entry, what the daemon owes it:
 
     ADD  DRAM   publish BlockStored (consecutive blocks of one chain: one event); the slot was
-                charged to its tenant when it was taken (`Residency.take_slots`)
+                charged to its tenant when it was taken (`Residency.take_slots`); with a keep file,
+                the slot's keep record names the block (`DramPool.record`)
     ADD  SSD    charge the tenant the stored bytes (and count them in `ssd_bytes`); publish
                 BlockStored
     DROP DRAM   give the slot back to the pool and its bytes back to the tenant; count the
@@ -72,6 +73,7 @@ class Applier:
     def __init__(
         self, index: PrefixIndex, pool: DramPool, names: Namespaces, events: EventLog,
         metrics: DaemonMetrics, ssd_cost: Callable[[str], int],
+        payload: Callable[[str], int] | None = None,
     ) -> None:
         self.index = index
         self.pool = pool
@@ -79,6 +81,8 @@ class Applier:
         self.events = events
         self.metrics = metrics
         self.ssd_cost = ssd_cost
+        self.payload = payload  # a block's bytes in namespace ns, for the pool's keep records
+        self.recording = True  # False while the blocks of a kept pool are re-entered
         self.store: SsdStore | None = None
         self.ssd_bytes = 0  # bytes of the SSD copies the index holds (payload + header)
 
@@ -90,6 +94,7 @@ class Applier:
         if not changes:
             return
         names, pool = self.names, self.pool
+        keep = pool.keep is not None and self.payload is not None and self.recording
         deletes: list[tuple[str, bytes]] = []
         run: list[Change] = []
         gone: list[Change] = []  # a run of drops of one namespace's blocks from one tier
@@ -104,6 +109,9 @@ class Applier:
                     cost = self.ssd_cost(ns)
                     self.ssd_bytes += cost
                     names.charge(ns.tenant, _SSD, cost)
+                elif keep and c.slot is not None:  # what a successor re-adopts
+                    pool.record(c.slot, ns.tenant, ns.layout_id, c.key, c.parent,
+                                self.payload(ns))  # type: ignore[misc]
                 if not publish:
                     continue
                 if run and not (c.tenant == run[-1].tenant and c.tier is run[-1].tier

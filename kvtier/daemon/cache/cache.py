@@ -100,6 +100,7 @@ from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.daemon.rates.gauges import RateCollector
 from kvtier.daemon.rates.tenants import TenantRates
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER
+from kvtier.tiers.dram_keep import Keeper
 from kvtier.tiers.dram_regions import TenantShare
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,10 @@ class Cache:
     def __init__(
         self, spec: CacheSpec, metrics: DaemonMetrics, events: EventLog | None = None,
         clock: Callable[[], float] = time.monotonic, rates: RateBook | None = None,
+        keeper: Keeper | None = None,
     ) -> None:
+        """`keeper`: with `spec.pool.keep`, what the daemon found of a pool a dead daemon kept
+        (`kvtier.tiers.dram_keep`): its blocks are adopted (`Residency._adopt_dram`)."""
         self.spec = spec
         self.metrics = metrics
         self.events = events or EventLog()
@@ -138,7 +142,8 @@ class Cache:
         self._mrc_lock = threading.Lock()  # the MRC sampler's own: off the cache lock
         self._leases = LeaseTable(clock)
         self.names = Namespaces(spec.max_block_bytes, spec.max_blocks_per_request)
-        self.residency = Residency(spec, metrics, self.events, self.rates, self._lock, self.names)
+        self.residency = Residency(spec, metrics, self.events, self.rates, self._lock, self.names,
+                           keeper)
         self.pool = self.residency.pool
         self.names.max_block_bytes = self.pool.max_block  # a small pool's pages may be smaller
         self.index = self.residency.index
@@ -464,6 +469,11 @@ class Cache:
         with self._lock:
             lease = self._own(tenant, lease_id, None)
             self._leases.renew(lease.id, ttl)
+            p = lease.payload
+            slots = ([s for _, s in p.todo] if isinstance(p, WriteLease)
+                     else [b.dram_slot for b in p.blocks if b.dram_slot is not None]
+                     if isinstance(p, ReadLease) else [])
+            self.pool.hold(slots, time.monotonic() + ttl)  # the keep records' deadline
         return ttl
 
     # -- allocate, commit, abort ------------------------------------------------------------
@@ -590,6 +600,8 @@ class Cache:
             gone = self._leases.expired()
             for lease in gone:
                 self._end(lease)
+            if self.residency.held:
+                self.residency.release_held()
         for lease in gone:
             self.metrics.leases_expired.labels(lease.kind.value).inc()
         return len(gone)
@@ -687,8 +699,9 @@ class Cache:
         """Slots neither free nor held by a DRAM block, a WRITE lease, a promotion or a page
         move in flight (must always be 0)."""
         with self._lock:
-            held = (self.index.blocks(Tier.DRAM) + self.residency.claimed
-                    + self.allocator.slots_held() + self.residency.moving)
+            r = self.residency
+            held = (self.index.blocks(Tier.DRAM) + r.claimed + self.allocator.slots_held()
+                    + r.moving + r.held_slots)
             return self.pool.stats().slots_used - held
 
     def flush(self, timeout: float) -> bool:
@@ -733,8 +746,10 @@ class Cache:
             for name in sorted(moved):
                 self.residency.rekey(name)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment.
+    def close(self, timeout: float = 10.0, keep: bool = False) -> None:
+        """Ends all leases, flushes write-backs, closes LMDB and unlinks the shared segment
+        (`keep`: leaves the DRAM pool to the next daemon, its keep records as they are before
+        the leftover leases end: their holders may still be using their slots).
 
         Idempotent."""
         with self._lock:
@@ -742,7 +757,9 @@ class Cache:
                 return
             self._closed = True
             self.acquirer.wait_idle(timeout)  # promotions finish before the store closes
+            if keep:
+                self.pool.freeze_keep()
             for lease in self._leases.pop_all():
                 self._end(lease)
-        self.residency.close(timeout)
+        self.residency.close(timeout, keep)
         self.events.close()

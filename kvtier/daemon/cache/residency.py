@@ -72,6 +72,7 @@ from kvtier.index.prefix import Block as IndexBlock
 from kvtier.index.prefix import IndexStateError, PrefixIndex
 from kvtier.tiers import blockfmt
 from kvtier.tiers.dram import DramPool, SlotMove
+from kvtier.tiers.dram_keep import Keeper, KeptBlock
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdStore, open_store
 
@@ -85,7 +86,7 @@ _UNSEEN = Namespace("", b"")  # `_rebuild`'s "not parsed yet" marker
 class Residency:
     def __init__(
         self, spec: CacheSpec, metrics: DaemonMetrics, events: EventLog, rates: RateBook,
-        lock: threading.RLock, names: Namespaces,
+        lock: threading.RLock, names: Namespaces, keeper: Keeper | None = None,
     ) -> None:
         self.spec = spec
         self.metrics = metrics
@@ -94,7 +95,7 @@ class Residency:
         self._lock = lock
         self.names = names  # tenants' usage (charged only by the applier), quotas, shares
         self.slot_bytes = spec.pool.slot_size  # the smallest slot: a block's default size
-        self.pool = DramPool.create(spec.pool)
+        self.pool = DramPool.create(spec.pool, keeper)
         # SSD blocks of every size: LMDB values (a slot file has one slot size) bounded in bytes
         # by `_make_ssd_room`; the index bounds their count at the smallest block's. A pool of
         # one size (slot_bytes == max_block_bytes) keeps the slot file.
@@ -105,7 +106,11 @@ class Residency:
             admission_k=spec.ssd_admit_after, policy=spec.policy, journal=True,
         )
         self.pool.owner = self.index  # the index's block pins are the only pins
-        self.applier = Applier(self.index, self.pool, names, events, metrics, self.ssd_bytes_of)
+        self.applier = Applier(self.index, self.pool, names, events, metrics, self.ssd_bytes_of,
+                               lambda ns: self.block_bytes.get(ns, self.slot_bytes))
+        self.held: list[Held] = []  # what a dead daemon's leases hold (`_adopt_dram`)
+        self.held_slots = 0  # slots among them held for a dead daemon's writers
+        self.adopted = ""  # the start log's line about a kept DRAM pool ("" if none)
         self.stale: set[tuple[str, bytes]] = set()  # DRAM blocks of a retired tenant file
         self.moved = 0  # blocks moved to free a page for another size class
         self.moving = 0  # target slots of page moves in flight (claimed, no block yet)
@@ -120,11 +125,13 @@ class Residency:
         try:
             if spec.ssd is not None:
                 self._open_ssd(spec.ssd)
+            self._adopt_dram()
             if spec.remote is not None:
                 self.remote = _open_remote(spec.remote, self.pool, rates, metrics,
                                            self.on_remote_written)
         except BaseException:
-            self.close(0.0)  # never leave the segment behind
+            # never leave a fresh segment behind; an adopted one stays for the next start
+            self.close(0.0, keep=self.pool.adopted is not None)
             raise
 
     def apply(self, why: str = "capacity", publish: bool = True) -> None:
@@ -277,6 +284,111 @@ class Residency:
             before, after = done
             log.warning("SSD tier: its file now reserves %s (was %s): gave back %s of disk",
                         format_bytes(after), format_bytes(before), format_bytes(before - after))
+    # -- a kept DRAM pool --------------------------------------------------------------------
+
+    def _adopt_dram(self) -> None:
+        """Enters the blocks of the DRAM pool a dead daemon kept (`DramPool.adopted`) into the
+        index, parents first (a block whose parent is in no tier, or that repeats a key, is
+        dropped and its slot freed); charges their tenants. A block a dead daemon's READ lease
+        held stays pinned, and a slot its WRITE lease held stays taken, until that lease's
+        deadline (`release_held`): its holder may still be copying. Cache lock not needed
+        (start)."""
+        kept, pool = self.pool.adopted, self.pool
+        if kept is None:
+            if pool.cold:
+                log.warning("DRAM tier starts cold: %s", pool.cold)
+            return
+        started = time.monotonic()
+        chains: dict[Namespace, dict[bytes, KeptBlock]] = {}
+        spaces: dict[tuple[str, bytes], Namespace] = {}
+        dropped = 0
+        for b in kept.blocks:
+            ns = spaces.get((b.tenant, b.layout_id))
+            if ns is None:
+                ns = spaces[b.tenant, b.layout_id] = Namespace(b.tenant, b.layout_id)
+            size = self.block_bytes.setdefault(ns, b.nbytes)
+            mine = chains.setdefault(ns, {})
+            if b.key in mine or size != b.nbytes:
+                pool.free(b.slot)
+                dropped += 1
+                continue
+            mine[b.key] = b
+        now, holds = time.monotonic(), dict[float, Held]()
+        adopted = nbytes = 0
+        charged: dict[str, int] = {}
+        index, on_ssd = self.index, self.store is not None  # (no SSD tier: no copy to meet)
+        for ns, blocks in chains.items():
+            kids: dict[bytes, list[bytes]] = {}
+            stack: list[bytes] = []
+            for key, b in blocks.items():
+                if b.parent is None or (b.parent not in blocks and on_ssd
+                                        and index.get(ns, b.parent) is not None):
+                    stack.append(key)
+                elif b.parent in blocks:
+                    kids.setdefault(b.parent, []).append(key)
+            placed: set[bytes] = set()
+            while stack:
+                b = blocks[stack.pop()]
+                try:
+                    if on_ssd and index.get(ns, b.key) is not None:
+                        index.add_tier(ns, b.key, Tier.DRAM, dram_slot=b.slot)
+                    else:
+                        index.insert(ns, b.key, b.parent, Tier.DRAM, dram_slot=b.slot)
+                except IndexStateError:
+                    continue
+                placed.add(b.key)
+                charged[ns.tenant] = charged.get(ns.tenant, 0) + b.stride
+                adopted += 1
+                nbytes += b.nbytes
+                if b.held_until > now:
+                    self.index.pin(ns, b.key)
+                    holds.setdefault(b.held_until, Held(b.held_until, [], [])).blocks.append(
+                        (ns, b.key))
+                stack.extend(kids.get(b.key, ()))
+            for key, b in blocks.items():
+                if key not in placed:
+                    pool.free(b.slot)
+                    dropped += 1
+        for slot, stride, tenant, until in kept.writing:
+            self.applier.take_slots(tenant, stride)
+            holds.setdefault(until, Held(until, [], [])).slots.append((tenant, slot))
+            self.held_slots += 1
+        self.held = sorted(holds.values(), key=lambda h: h.until)
+        for tenant, n in charged.items():
+            self.applier.take_slots(tenant, n)
+        self.applier.recording = False  # their records are there already
+        try:
+            self.apply(publish=False)
+        finally:
+            self.applier.recording = True
+        pinned = sum(len(h.blocks) for h in self.held)
+        self.adopted = (
+            f"DRAM tier adopted from the previous daemon: {adopted} blocks "
+            f"({format_bytes(nbytes)}) in {pool.adopt_s + time.monotonic() - started:.2f} s"
+            + (f"; {dropped} dropped (no cached parent, or a repeated key)" if dropped else "")
+            + (f"; {pinned} blocks and {self.held_slots} slots held until the previous "
+               "daemon's leases on them end" if self.held else "")
+            + (f"; {pool.cold}" if pool.cold else ""))
+        log.info("%s", self.adopted)
+
+    def release_held(self, now: float | None = None) -> int:
+        """Ends what a dead daemon's leases held whose deadline passed (`_adopt_dram`): their
+        blocks unpinned, their write slots freed. Returns how many holds ended. Cache lock
+        held."""
+        now = time.monotonic() if now is None else now
+        done = 0
+        while self.held and self.held[0].until <= now:
+            h = self.held.pop(0)
+            for ns, key in h.blocks:
+                if self.index.get(ns, key) is not None:
+                    self.index.unpin(ns, key)
+            for tenant, slot in h.slots:
+                self.give_back(tenant, slot)
+                self.held_slots -= 1
+            done += 1
+        if done:
+            self.apply()
+        return done
 
     def ssd_bytes_of(self, ns: str) -> int:
         """Stored bytes of one block of this namespace (payload + header)."""
@@ -680,22 +792,32 @@ class Residency:
         ok = self.mover.flush(timeout) if self.mover is not None else True
         return (self.remote.flush(timeout) if self.remote is not None else True) and ok
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float, keep: bool = False) -> None:
         """Flushes the write-back queues, closes LMDB and the remote connection, unlinks the
-        segment. Call without the lock."""
+        segment (`keep`: leaves the pool to a successor, `DramPool.close`). Call without the
+        lock."""
         if self.remote is not None:
             self.remote.close(timeout)
         if self.mover is not None:
             self.mover.close(timeout)
         if self.store is not None:
             self.store.close()
-        self.pool.close()
+        self.pool.close(keep)
 
 
 T = TypeVar("T")
 Steps = Generator["PageMoves", None, T]
 """A residency operation that may stop for page moves: it yields each batch (`PageMoves`) and
 is resumed, cache lock held, once the driver copied it and called `Residency.end_moves`."""
+
+
+class Held(NamedTuple):
+    """What a dead daemon's leases that end at `until` held: blocks (pinned) and write slots
+    (taken, with their tenant)."""
+
+    until: float
+    blocks: list[tuple[Namespace, bytes]]
+    slots: list[tuple[str, int]]
 
 
 class PageMoves(NamedTuple):

@@ -1,8 +1,10 @@
 """An engine integration's connection to the daemon, for one layout, with the failure rule of
 DESIGN invariant 7: an unreachable daemon makes `client()` answer None (the engine recomputes)
-for `retry_after_s`, with one warning per outage, then it reconnects. Thread-safe (a vLLM
-worker's loads and its background saves share one link; SGLang calls a backend from several
-threads).
+for `retry_after_s`, with one warning per outage, then it reconnects — sooner when a new daemon
+takes the socket (its file is another one, checked at most every `PROBE_S`: a restarted
+daemon, whose kept DRAM tier the engine then uses again at once; a daemon still draining keeps
+its file, so it is not asked again before `retry_after_s`). Thread-safe (a vLLM worker's loads
+and its background saves share one link; SGLang calls a backend from several threads).
 
     link = DaemonLink(settings, decl, "worker 0")   # settings: any `LinkSettings` (both
                                                     # engines' extra-config dataclasses)
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -50,6 +53,19 @@ def unreachable(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError | ConnectionError | OSError)
 
 
+PROBE_S = 0.25
+"""During an outage, how often the link looks whether a new daemon took the socket."""
+
+
+def socket_id(path: Path) -> tuple[int, int, int] | None:
+    """Which file is at `path` now (device, inode, change time); None when none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
 def listening(path: Path) -> bool:
     """A process accepts connections on the Unix socket `path` (instant, unlike an RPC that
     waits for a daemon that is not there)."""
@@ -71,12 +87,30 @@ class DaemonLink:
         self._client: Client | None = None
         self._down_until = 0.0
         self._down = False
+        self._gone_from: tuple[int, int, int] | None = None  # the socket file the outage began on
+        self._probe_at = 0.0
         self.outages = 0
         self._lock = threading.RLock()
 
     def down(self) -> bool:
-        """Within an outage's `retry_after_s` (`client()` would answer None); no I/O."""
-        return self._client is None and time.monotonic() < self._down_until
+        """Within an outage's `retry_after_s` (`client()` would answer None), unless a new
+        daemon took the socket; no I/O but a stat of the socket at most every `PROBE_S`."""
+        if self._client is not None:
+            return False
+        now = time.monotonic()
+        return now < self._down_until and not self._replaced(now)
+
+    def _replaced(self, now: float) -> bool:
+        """Whether another socket file than the outage's is at the socket path (a new daemon
+        bound it), looked at most every `PROBE_S`; once seen, the outage ends."""
+        if now < self._probe_at:
+            return False
+        self._probe_at = now + PROBE_S
+        found = socket_id(self.socket)
+        if found is None or found == self._gone_from:
+            return False
+        self._down_until = 0.0
+        return True
 
     def client(self) -> Client | None:
         if self._client is not None:
@@ -87,7 +121,8 @@ class DaemonLink:
     def _connect(self) -> Client | None:
         if self._client is not None:
             return self._client
-        if time.monotonic() < self._down_until:
+        now = time.monotonic()
+        if now < self._down_until and not self._replaced(now):
             return None
         if not listening(self.socket):
             self._mark_down(ConnectionError(f"no daemon listening on {self.socket}"), "connect")
@@ -134,6 +169,7 @@ class DaemonLink:
             with contextlib.suppress(Exception):
                 self._client.close()
         self._client = None
+        self._gone_from = socket_id(self.socket)
         self._down_until = time.monotonic() + self.settings.retry_after_s
 
     def close(self) -> None:

@@ -41,7 +41,8 @@ class StorageSettings:
     """Bound on each call to the daemon; a slow or dead daemon costs a storage call at most
     this."""
     retry_after_s: float = 10.0
-    """After the daemon is found unreachable: run without kvtier this long, then reconnect."""
+    """After the daemon is found unreachable: run without kvtier this long (or until a new
+    daemon takes the socket), then reconnect."""
     lease_ttl_s: float = 0.0
     """Lease on pages being read or written; 0 = the daemon's default."""
     use_plan: bool = True

@@ -35,7 +35,8 @@ class ConnectorSettings:
     timeout_s: float = 1.0
     """Bound on each call to the daemon; a slow or dead daemon costs a step at most this."""
     retry_after_s: float = 10.0
-    """After the daemon is found unreachable: run without kvtier this long, then reconnect."""
+    """After the daemon is found unreachable: run without kvtier this long (or until a new
+    daemon takes the socket), then reconnect."""
     use_plan: bool = True
     """Ask the daemon's planner how much of a hit to fetch (False: fetch every cached block)."""
     store: bool = True
