@@ -399,3 +399,21 @@ def test_an_engine_link_uses_a_restarted_daemon_at_once(kept: DaemonProc) -> Non
         assert link.outages == 1
     finally:
         link.close()
+
+
+def test_blocks_with_an_ssd_copy_are_adopted_beside_it(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "d", ("--keep-dram", "true", "--ssd-admit-after", "1")).start()
+    try:
+        keys = chain(50, 8)
+        with Client(d.socket, layout=SMALL) as kv:
+            store(kv, keys)
+            assert wait_ssd_blocks(kv, 8) == 8
+            d.stop(keep=True)
+            d.start()
+            assert "DRAM tier adopted from the previous daemon: 8 blocks" in d.log()
+            assert loaded_right(kv, keys) == 8  # from DRAM (checked), not promoted from SSD
+            tiers = {t.tier: t.blocks for t in kv.stats().tiers}
+            assert tiers[2] == 8 and tiers[3] == 8
+            assert kv.stats().tenant_dram_bytes == 8 * SMALL.block_bytes
+    finally:
+        d.stop()
