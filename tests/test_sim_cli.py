@@ -181,7 +181,7 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
-    assert "needs matplotlib" in p.stderr and "kvtier[plot]" in p.stderr
+    assert "needs matplotlib" in p.stderr and "pip install 'matplotlib>=3.8'" in p.stderr
     assert not (tmp_path / "x.png").exists()
 
 
