@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from bench.model_weights import config_digest, llama_config, write_checkpoint
+from tests.support.model_weights import config_digest, llama_config, write_checkpoint
 
 # Hypothesis: no per-example deadline in any property test (its 200 ms default measures speed,
 # and a loaded CI machine can stall one example that long: a DeadlineExceeded/Flaky failure of
@@ -259,7 +259,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"hostile suite: {_counts['tried']} cases tried, failures: {_counts['failed']}")
 
 
-# -- model checkpoints for the engine tests (bench/model_weights.py) ---------------------------
+# -- model checkpoints for the engine tests (tests/support/model_weights.py) -----------------
 
 Checkpoint = Callable[..., Path]
 

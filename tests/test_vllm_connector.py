@@ -4,7 +4,7 @@ Four engine processes share one module (each start costs ~20-40 s alone, minutes
 machine): `ref` runs without any connector (the reference output), `e1` and `e2` with the
 connector on one daemon, `e3` with no daemon. `e2` has a small KV pool (160 blocks) so that a
 batch of long generations gets preempted. The model is a checkpoint with its own initializer's
-weights (`bench.model_weights`), a module copy (the last test rewrites it in place). Prompts
+weights (`tests.support.model_weights`), a module copy (the last test rewrites it in place). Prompts
 are random token ids; greedy decoding; outputs must equal `ref`'s token for token, and the
 first token's top-5 logprobs within `kv_controls.TOLERANCE`.
 
@@ -25,13 +25,21 @@ from typing import NamedTuple
 
 import pytest
 
-from bench.model_weights import llama_config, write_checkpoint
-from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, Output
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
 from tests.daemon_fixture import DaemonProc
+from tests.support.model_weights import llama_config, write_checkpoint
+from tests.support.vllm_engine import (
+    BLOCK,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PAGE_BYTES,
+    EngineProc,
+    Output,
+)
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # engine starts count as setup

