@@ -127,7 +127,8 @@ def summary(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_alone(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any) -> Any:
-    eng = EngineProc(root / "alone", model, threads=a.threads, engine_args=a.engine_args).start()
+    eng = EngineProc(root / "alone", model, threads=a.threads, engine_args=a.engine_args,
+                     core_process=True).start()
     try:
         eng.generate([work["docqa"][0][:256]], max_tokens=1)  # warm-up
         return ttfts(eng, work)
@@ -147,7 +148,7 @@ def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any
     eng = EngineProc(root / name, model, d.socket,
                      extra={"retry_after_s": 0.5, "use_plan": True,
                             **({"transfer": a.transfer} if a.transfer else {}), **extra},
-                     threads=a.threads, engine_args=a.engine_args).start()
+                     threads=a.threads, engine_args=a.engine_args, core_process=True).start()
     rng = random.Random(1)
     try:
         eng.generate([work["docqa"][0][:256]], max_tokens=1)
@@ -191,7 +192,7 @@ def run_lmcache(root: Path, model: Path, work: dict[str, list[list[int]]], a: An
                                           "lmcache.mp.port": port}}
     try:
         eng = EngineProc(root / "lmcache", model, connector=conn, threads=a.threads,
-                         engine_args=a.engine_args).start()
+                         engine_args=a.engine_args, core_process=True).start()
         try:
             eng.generate([work["docqa"][0][:256]], max_tokens=1)
             for ps in work.values():
@@ -380,7 +381,7 @@ def run_hybrid(a: Any) -> int:
     try:
         eng = EngineProc(root / "kvtier", model, d.socket,
                          extra={"retry_after_s": 0.5, "use_plan": False}, threads=a.threads,
-                         engine_args=args).start()
+                         engine_args=args, core_process=True).start()
         try:
             if not eng.hybrid_manager():
                 raise RuntimeError("vLLM turned its hybrid KV cache manager off")
