@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -128,6 +129,10 @@ class KvTierService(pb_grpc.KvTierServicer):
         self.metrics = cache.metrics
         self.started_at = started_at or time.time()
         self._closing = asyncio.Event()  # set at shutdown: session streams end
+        self._parked = os.environ.get("KVTIER_TEST_PARK", "")  # a test-only hook: see `answer`
+        if self._parked:
+            log.warning("KVTIER_TEST_PARK=%s (a test-only hook): every %s call waits until the "
+                        "daemon exits", self._parked, self._parked)
 
     def close_sessions(self) -> None:
         self._closing.set()
@@ -387,6 +392,9 @@ class KvTierService(pb_grpc.KvTierServicer):
         """A unary call on any transport: the caller's tenant (`tenant()`), the handler, the
         metrics; raises `Failed` (recorded) for a refused request or an internal error."""
         started = time.perf_counter()
+        if method == self._parked:  # the kill of a test lands at a known point of a request
+            log.warning("KVTIER_TEST_PARK: a %s call parked", method)
+            await asyncio.Event().wait()
         try:
             if isinstance(request, Refused):
                 raise RefusedError(request)
