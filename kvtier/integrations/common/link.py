@@ -5,7 +5,9 @@ worker's loads and its background saves share one link; SGLang calls a backend f
 threads).
 
     link = DaemonLink(settings, decl, "worker 0")   # settings: any `LinkSettings` (both
-                                                    # engines' extra-config dataclasses)
+                                                    # engines' extra-config dataclasses);
+                                                    # clock=: the time source of the outage
+                                                    # window (a test's, to step it)
     client = link.client()                          # None while the daemon is down
     link.failed(exc, "Lookup")                      # a call failed: outage or one warning
 """
@@ -17,6 +19,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -63,8 +66,10 @@ def listening(path: Path) -> bool:
 
 
 class DaemonLink:
-    def __init__(self, settings: LinkSettings, decl: LayoutDecl, role: str) -> None:
+    def __init__(self, settings: LinkSettings, decl: LayoutDecl, role: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self.clock = clock
         self.decl = decl
         self.role = role
         self.socket = Path(settings.socket) if settings.socket else default_socket()
@@ -76,7 +81,7 @@ class DaemonLink:
 
     def down(self) -> bool:
         """Within an outage's `retry_after_s` (`client()` would answer None); no I/O."""
-        return self._client is None and time.monotonic() < self._down_until
+        return self._client is None and self.clock() < self._down_until
 
     def client(self) -> Client | None:
         if self._client is not None:
@@ -87,7 +92,7 @@ class DaemonLink:
     def _connect(self) -> Client | None:
         if self._client is not None:
             return self._client
-        if time.monotonic() < self._down_until:
+        if self.clock() < self._down_until:
             return None
         if not listening(self.socket):
             self._mark_down(ConnectionError(f"no daemon listening on {self.socket}"), "connect")
@@ -134,7 +139,7 @@ class DaemonLink:
             with contextlib.suppress(Exception):
                 self._client.close()
         self._client = None
-        self._down_until = time.monotonic() + self.settings.retry_after_s
+        self._down_until = self.clock() + self.settings.retry_after_s
 
     def close(self) -> None:
         with self._lock:
