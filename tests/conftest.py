@@ -145,6 +145,9 @@ def _kill_leftovers() -> list[str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    engines = sys.modules.get("tests.support.vllm_engine")
+    if engines is not None:  # the vLLM engines' fork server (its socket is in the temp dir)
+        engines.stop_fork_server()
     left_running = _kill_leftovers()
     if left_running:
         _fail(session, "tests left processes running (killed now; stop them in a finally): "

@@ -25,6 +25,7 @@ The child's stderr (vLLM's and the connector's logs) goes to `log_path`. Its tem
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tests.support.child_tmp import child_tmpdir
+from tests.support.fork_server import Forked, ForkServer
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32  # vLLM's CPU backend needs a multiple of 32
@@ -97,7 +99,7 @@ class EngineProc:
         self.spec = {"model": str(model), "socket": str(socket) if socket else None,
                      "extra": {"retry_after_s": 1.0, "use_plan": False, **(extra or {})},
                      "engine_args": engine_args or {}, "connector": connector}
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[str] | Forked | None = None
         self._exiting = False
         self._tmp: Path | None = None
 
@@ -115,8 +117,13 @@ class EngineProc:
                # several engines share the test machine's cores: no pinning, no OMP spinning
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.core_process else "0"}
-        log = open(self.log_path, "a")  # noqa: SIM115 (owned by the child)
         self._exiting = False  # a restarted engine (close, then start) is asked to exit again
+        if not self.core_process and self.threads == 1 and FORKS:
+            # forked from the process that imported vLLM once (its own session, as below)
+            self.proc = fork_server(env).spawn("tests.support.vllm_engine:serve_json",
+                                               json.dumps(self.spec), env, ROOT, self.log_path)
+            return
+        log = open(self.log_path, "a")  # noqa: SIM115 (owned by the child)
         # a session of its own: `close` ends vLLM's EngineCore and workers with it, even when
         # the child itself has to be killed (they would outlive it, orphaned, holding GiBs)
         self.proc = subprocess.Popen(
@@ -217,6 +224,43 @@ class EngineProc:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+FORKS = os.environ.get("KVTIER_TEST_ENGINE_FORKS", "1") != "0"
+"""Engines with their EngineCore inside (`core_process=False`) and one thread are forked from a
+process that imported vLLM once (`tests.support.fork_server`; KVTIER_TEST_ENGINE_FORKS=0: each
+starts a new interpreter instead)."""
+_FORKS: ForkServer | None = None
+
+
+def fork_server(env: dict[str, str]) -> ForkServer:
+    """This process's fork server, started on first use in `env` (what its engines share: the
+    log level, one OpenMP thread)."""
+    global _FORKS
+    if _FORKS is None or not _FORKS.alive():
+        _FORKS = ForkServer(["tests.support.vllm_engine:preload"], env)
+        atexit.register(stop_fork_server)
+    return _FORKS
+
+
+def stop_fork_server() -> None:
+    """Stops this process's fork server, if any (tests/conftest.py at the session's end)."""
+    global _FORKS
+    if _FORKS is not None:
+        _FORKS.close()
+        _FORKS = None
+
+
+def preload(_: str) -> None:
+    """The fork server's imports: what `_serve` imports, ~10 s of CPU here."""
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: F401
+
+
+def serve_json(spec: str) -> None:
+    """A forked engine child's entry point."""
+    _serve(json.loads(spec))
 
 
 def _serve(spec: dict[str, Any]) -> None:
