@@ -32,8 +32,15 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.sglang_engine import PAGE, Gen, SglangServer, page_bytes, sglang_python, write_model
 from kvtier.engine.local_daemon import LocalDaemon
+from tests.support.sglang_engine import (
+    PAGE,
+    Gen,
+    SglangServer,
+    page_bytes,
+    sglang_python,
+    write_model,
+)
 
 RESULTS = Path(__file__).parent / "results"
 

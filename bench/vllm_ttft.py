@@ -2,8 +2,8 @@
 `python -m bench.vllm_ttft [--quick]` (venv: `bench/setup_vllm_ttft.sh`; LMCache is measured
 when `lmcache` imports, else reported as not measured).
 
-Model: a local Llama checkpoint (`bench.model_weights`: its own initializer's weights, so the
-outputs checked depend on the loaded KV; `--layers`, `--hidden`), sized so that an 8K-token
+Model: a local Llama checkpoint (`tests.support.model_weights`: its own initializer's weights,
+so the outputs checked depend on the loaded KV; `--layers`, `--hidden`), sized so that an 8K-token
 prefill takes seconds on the machine. Workloads (token ids from a fixed seed):
   docqa  `--docs` documents of `--doc-tokens` tokens, each + a 64-token question
   chat   one conversation of `--turns` turns: each turn the previous prompt, a 32-token reply and
@@ -22,9 +22,9 @@ Systems, one engine process at a time (so they do not share the CPU):
                     scheduler thread, saves within the step, every hit fetched), DRAM hits
   lmcache           LMCacheMPConnector + `lmcache server`, measured like kvtier-dram
 With `--hybrid [gpt-oss|qwen3-next]`: instead, a hybrid model (weights from its own initializer,
-`bench.model_weights`), vLLM's hybrid KV cache manager on (checked): the gpt-oss-like shape
-(the default: `bench.hybrid_models`' Gemma 3 architecture with gpt-oss's pattern, sliding window
-128 and full attention alternating) or the Qwen3-Next-like one (three Gated DeltaNet
+`tests.support.model_weights`), vLLM's hybrid KV cache manager on (checked): the gpt-oss-like shape
+(the default: `tests.support.hybrid_models`' Gemma 3 architecture with gpt-oss's pattern,
+sliding window 128 and full attention alternating) or the Qwen3-Next-like one (three Gated DeltaNet
 linear-attention layers to one full-attention layer; vLLM picks the block so that one attention
 page holds a layer's state, and a hit restores the state checkpoint at its last block boundary).
 One engine with the connector: each document first computed whole (a miss: the recompute
@@ -60,8 +60,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bench.vllm_engine import LOGPROB_TOLERANCE, EngineProc, logprob_distance, write_model
 from kvtier.engine.local_daemon import LocalDaemon
+from tests.support.vllm_engine import LOGPROB_TOLERANCE, EngineProc, logprob_distance, write_model
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 32
@@ -127,7 +127,8 @@ def summary(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_alone(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any) -> Any:
-    eng = EngineProc(root / "alone", model, threads=a.threads, engine_args=a.engine_args).start()
+    eng = EngineProc(root / "alone", model, threads=a.threads, engine_args=a.engine_args,
+                     core_process=True).start()
     try:
         eng.generate([work["docqa"][0][:256]], max_tokens=1)  # warm-up
         return ttfts(eng, work)
@@ -147,7 +148,7 @@ def run_kvtier(root: Path, model: Path, work: dict[str, list[list[int]]], a: Any
     eng = EngineProc(root / name, model, d.socket,
                      extra={"retry_after_s": 0.5, "use_plan": True,
                             **({"transfer": a.transfer} if a.transfer else {}), **extra},
-                     threads=a.threads, engine_args=a.engine_args).start()
+                     threads=a.threads, engine_args=a.engine_args, core_process=True).start()
     rng = random.Random(1)
     try:
         eng.generate([work["docqa"][0][:256]], max_tokens=1)
@@ -191,7 +192,7 @@ def run_lmcache(root: Path, model: Path, work: dict[str, list[list[int]]], a: An
                                           "lmcache.mp.port": port}}
     try:
         eng = EngineProc(root / "lmcache", model, connector=conn, threads=a.threads,
-                         engine_args=a.engine_args).start()
+                         engine_args=a.engine_args, core_process=True).start()
         try:
             eng.generate([work["docqa"][0][:256]], max_tokens=1)
             for ps in work.values():
@@ -291,10 +292,10 @@ HYBRID_SHAPES = ("gpt-oss", "qwen3-next")
 
 
 def hybrid_config(shape: str, layers: int, hidden: int, max_len: int) -> dict[str, Any]:
-    """The `--hybrid` model's config.json: `bench.hybrid_models`' Gemma 3 (gpt-oss-like: sliding
-    window and full attention alternating) or Qwen3-Next (three Gated DeltaNet linear-attention
-    layers, then a full one), at `hidden` (heads of 64, half as many KV heads)."""
-    from bench.hybrid_models import MODELS
+    """The `--hybrid` model's config.json: `tests.support.hybrid_models`' Gemma 3 (gpt-oss-like:
+    sliding window and full attention alternating) or Qwen3-Next (three Gated DeltaNet linear-
+    attention layers, then a full one), at `hidden` (heads of 64, half as many KV heads)."""
+    from tests.support.hybrid_models import MODELS
 
     heads = max(1, hidden // 64)
     kv_heads = max(1, heads // 2)
@@ -347,8 +348,8 @@ def first_token_agrees(ref: dict[str, Any], got: dict[str, Any],
 
 def run_hybrid(a: Any) -> int:
     """The `--hybrid [SHAPE]` run (see the module docstring)."""
-    from bench.hybrid_models import WINDOW
-    from bench.model_weights import write_checkpoint
+    from tests.support.hybrid_models import WINDOW
+    from tests.support.model_weights import write_checkpoint
 
     shape, layers = a.hybrid, a.layers
     cfg = hybrid_config(shape, layers, a.hidden, a.doc_tokens + 1024)
@@ -380,7 +381,7 @@ def run_hybrid(a: Any) -> int:
     try:
         eng = EngineProc(root / "kvtier", model, d.socket,
                          extra={"retry_after_s": 0.5, "use_plan": False}, threads=a.threads,
-                         engine_args=args).start()
+                         engine_args=args, core_process=True).start()
         try:
             if not eng.hybrid_manager():
                 raise RuntimeError("vLLM turned its hybrid KV cache manager off")

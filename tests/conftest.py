@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from bench.model_weights import config_digest, llama_config, write_checkpoint
+from tests.support.model_weights import config_digest, llama_config, write_checkpoint
 
 # Hypothesis: no per-example deadline in any property test (its 200 ms default measures speed,
 # and a loaded CI machine can stall one example that long: a DeadlineExceeded/Flaky failure of
@@ -145,6 +145,9 @@ def _kill_leftovers() -> list[str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    engines = sys.modules.get("tests.support.vllm_engine")
+    if engines is not None:  # the vLLM engines' fork server (its socket is in the temp dir)
+        engines.stop_fork_server()
     left_running = _kill_leftovers()
     if left_running:
         _fail(session, "tests left processes running (killed now; stop them in a finally): "
@@ -174,7 +177,6 @@ MAY_SKIP = re.compile(r"CUDA|CuPy|cupy installed|nvcc|on a GPU machine|port \d+ 
                       r"PYTHONHASHSEED is set")
 """Skip reasons bin/test cannot do anything about on this machine (hardware, the environment)."""
 MARKERS = ("vllm", "sglang", "slow", "gpu")
-_markers: dict[str, str] = {}
 _ran: Counter[tuple[str, str]] = Counter()
 _skipped: Counter[str] = Counter()
 
@@ -197,10 +199,19 @@ def _refuse_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
                        f"test that should run here a failure: {reason}")
 
 
+def _marker_of(item: pytest.Item) -> str:
+    names = [m for m in MARKERS if item.get_closest_marker(m) is not None]
+    return names[0] if names else "unmarked"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
     outcome = yield
-    _refuse_skip(outcome.get_result())  # type: ignore[attr-defined]
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    _refuse_skip(report)
+    # the marker travels with the report (pytest-xdist sends a report's attributes to the
+    # controller, which counts and collects no items of its own)
+    report.kvtier_marker = _marker_of(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -210,13 +221,16 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        names = [m for m in MARKERS if item.get_closest_marker(m) is not None]
-        _markers[item.nodeid] = names[0] if names else "unmarked"
+    """The engine modules (markers vllm, sglang: minutes each) run first, each module's tests
+    staying together and in order: under pytest-xdist (`--dist loadfile`, bin/test) the longest
+    modules then start at once instead of last, where one would run alone on one core."""
+    engines = {item.path for item in items
+               if item.get_closest_marker("vllm") or item.get_closest_marker("sglang")}
+    items.sort(key=lambda item: item.path not in engines)  # stable: else as collected
 
 
 def _count(report: pytest.TestReport) -> None:
-    marker = _markers.get(report.nodeid, "unmarked")
+    marker = str(getattr(report, "kvtier_marker", "unmarked"))
     if report.when == "call" or (report.when == "setup" and not report.passed):
         if report.skipped:
             _skipped[_skip_reason(report.longrepr)[:80]] += 1
@@ -259,7 +273,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"hostile suite: {_counts['tried']} cases tried, failures: {_counts['failed']}")
 
 
-# -- model checkpoints for the engine tests (bench/model_weights.py) ---------------------------
+# -- model checkpoints for the engine tests (tests/support/model_weights.py) -----------------
 
 Checkpoint = Callable[..., Path]
 

@@ -14,14 +14,15 @@ The test stores them into a daemon under the right keys (`plant`, on a daemon th
 those keys yet: a fresh or restarted one) and asserts that the engine then answers differently
 from the reference (`differs`), beside the check that the right bytes answer the same.
 
-TOLERANCE is the largest first-token logprob distance (`bench.vllm_engine.logprob_distance`) a
-right load may show. Measured on the tests' model (2 layers, hidden 256, std 0.02 weights) with
-the steps of `test_vllm_connector.py`'s controls, 2026-12-01: a right load from kvtier moved the
-first token's top-5 logprobs by 0.0 at 300, 700 and 2100 tokens (bit-identical: the loaded
-pages are the computed ones); the same prompt with its first 16 tokens changed moved them by
-0.135, 0.086, 0.058 (300, 700, 2100 tokens), another prompt ending in the same token by
-0.43-0.12; the four wrong-KV variants at 700 tokens by 0.20-0.57 (and every greedy token
-differed). 0.02 sits below every changed context and above every right load.
+TOLERANCE is the largest first-token logprob distance
+(`tests.support.vllm_engine.logprob_distance`) a right load may show. Measured on the tests'
+model (2 layers, hidden 256, std 0.02 weights) with the steps of `test_vllm_connector.py`'s
+controls, 2026-12-01: a right load from kvtier moved the first token's top-5 logprobs by 0.0 at
+300, 700 and 2100 tokens (bit-identical: the loaded pages are the computed ones); the same
+prompt with its first 16 tokens changed moved them by 0.135, 0.086, 0.058 (300, 700, 2100
+tokens), another prompt ending in the same token by 0.43-0.12; the four wrong-KV variants at 700
+tokens by 0.20-0.57 (and every greedy token differed). 0.02 sits below every changed context and
+above every right load.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.vllm_engine import LOGPROB_TOLERANCE, logprob_distance
 from kvtier.client.decl import LayoutDecl
 from kvtier.client.sync_client import Client
+from tests.support.vllm_engine import LOGPROB_TOLERANCE, logprob_distance
 
 VARIANTS = ("other_prompt", "layers_swapped", "k_v_swapped", "random")
 TOLERANCE = LOGPROB_TOLERANCE

@@ -353,10 +353,14 @@ def test_lookup_returns_the_planners_cut(shared: DaemonProc) -> None:
 
 
 def test_renew_extends_a_lease(tmp_path: Path) -> None:
+    """A renewed lease outlives its first TTL; an unrenewed control lease expires. No timing
+    race: the renewed lease's first TTL (1 s) is shorter than the control's (3 s), and the renew
+    gives it 300 s; so the first expiry seen is the control's, and only if the renew worked is
+    the renewed lease still there to Release then (without it, that lease expired first)."""
     from kvtier._proto import kvtier_pb2 as pb
     from kvtier._proto import kvtier_pb2_grpc as pb_grpc
 
-    d = DaemonProc(tmp_path / "d", ["--lease-ttl-s", "2"]).start()
+    d = DaemonProc(tmp_path / "d").start()
     try:
         with Client(d.socket, layout=LAYOUT) as kv, grpc.insecure_channel(
                 f"unix:{d.socket}") as ch:
@@ -364,19 +368,18 @@ def test_renew_extends_a_lease(tmp_path: Path) -> None:
             kv.store(chain(96, 1), payloads(1, 96))
             stub = pb_grpc.KvTierStub(ch)  # type: ignore[no-untyped-call]
             got = stub.Acquire(pb.AcquireRequest(layout=LAYOUT.layout_id, keys=chain(95, 1)[0],
-                                                 key_width=32))
-            # a control lease, never renewed: it must expire while the other is kept alive
+                                                 key_width=32, lease_ttl_ms=1000))
+            renewed = stub.RenewLease(pb.RenewLeaseRequest(lease_id=got.lease_id,
+                                                           lease_ttl_ms=300_000))
             stub.Acquire(pb.AcquireRequest(layout=LAYOUT.layout_id, keys=chain(96, 1)[0],
-                                           key_width=32))
-            assert kv.stats().active_leases == 2
-            started = time.monotonic()
-            while time.monotonic() - started < 5.0:  # 2.5 TTLs, renewed every 0.2 s
-                stub.RenewLease(pb.RenewLeaseRequest(lease_id=got.lease_id, lease_ttl_ms=2000))
-                time.sleep(0.2)
-            # the control expired (TTL 2 s, reaped every 0.25 s); the renewed one is left
+                                           key_width=32, lease_ttl_ms=3000))  # the control
+            assert renewed.lease_ttl_ms == 300_000
+            expired = 'kvtier_leases_expired_total{kind="read"}'
+            wait_for(lambda: f"{expired} 1.0" in d.metrics_text(), timeout=120)  # hang check
             assert kv.stats().active_leases == 1
-            stub.Release(pb.ReleaseRequest(lease_id=got.lease_id))
+            stub.Release(pb.ReleaseRequest(lease_id=got.lease_id))  # still held: renewed
             assert kv.stats().active_leases == 0
+            assert f"{expired} 1.0" in d.metrics_text()
     finally:
         d.stop()
 

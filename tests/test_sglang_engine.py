@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.sglang_engine import PAGE, ROOT, SglangServer, sglang_python, write_model
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client, LayoutDecl
 from tests.daemon_fixture import DaemonProc
+from tests.support.sglang_engine import PAGE, ROOT, SglangServer, sglang_python, write_model
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
 

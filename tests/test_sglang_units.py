@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -213,13 +214,14 @@ def test_default_model_id_names_dtype_quantization_and_dummy_weights(tmp_path: P
 
 # -- PageStore against a real daemon ---------------------------------------------------------
 
-def make_store(socket: Path, model_id: str = "test/sglang-units", **extra: Any
+def make_store(socket: Path, model_id: str = "test/sglang-units",
+               clock: Callable[[], float] = time.monotonic, **extra: Any
                ) -> tuple[PageStore, HostPages, LayerFirstPool]:
     pool = LayerFirstPool()
     pages = HostPages(pool)
     settings = StorageSettings.from_extra({"socket": str(socket), "retry_after_s": 0.2, **extra})
     decl = declare(pages.geometry, Config(), pool, model_id, None)
-    return PageStore(settings, decl), pages, pool
+    return PageStore(settings, decl, clock), pages, pool
 
 
 def fill(pool: LayerFirstPool, seed: int) -> None:
@@ -323,8 +325,12 @@ def test_store_with_the_daemon_down_misses_and_warns_once(
 
 
 def test_store_survives_the_daemon_killed_and_restarted(tmp_path: Path) -> None:
+    """The daemon killed: misses, no exception; restarted: the store does not call it until
+    `retry_after_s` (30 s here) passed on its clock, stepped by the test (no real wait), then it
+    reconnects at once."""
+    now = [0.0]
     d = DaemonProc(tmp_path / "d").start()
-    s, pages, pool = make_store(d.socket)
+    s, pages, pool = make_store(d.socket, clock=lambda: now[0], retry_after_s=30)
     fill(pool, 3)
     keys = page_keys(sglang_keys(2, salt="k"))
     try:
@@ -333,10 +339,11 @@ def test_store_survives_the_daemon_killed_and_restarted(tmp_path: Path) -> None:
         assert s.exists(keys, []) == 0  # a miss, not an exception
         assert not s.save(keys, [], lambda i, v: pages.copy_out(i * PAGE, v))
         d.start()
-        deadline = time.monotonic() + 10
-        while not s.save(keys, [], lambda i, v: pages.copy_out(i * PAGE, v)):
-            assert time.monotonic() < deadline, "never reconnected"
-            time.sleep(0.1)
+        now[0] = 29.9  # within the outage: the daemon is back, but not asked
+        assert s.link.down() and s.exists(keys, []) == 0
+        assert not s.save(keys, [], lambda i, v: pytest.fail("saved within the outage"))
+        now[0] = 30.0  # the outage over: the next call reconnects
+        assert s.save(keys, [], lambda i, v: pages.copy_out(i * PAGE, v))
         assert s.exists(keys, []) == 2  # stored again after the restart (DRAM was lost)
     finally:
         s.close()

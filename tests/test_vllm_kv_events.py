@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from bench.vllm_engine import BLOCK, EngineProc, write_model
 from kvtier.core import kv_events as wire
 from kvtier.core.keys import block_keys
 from tests.daemon_fixture import DaemonProc
+from tests.support.vllm_engine import BLOCK, EngineProc, write_model
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

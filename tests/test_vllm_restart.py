@@ -24,12 +24,20 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, Output
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
 from tests.daemon_fixture import DaemonProc
+from tests.support.vllm_engine import (
+    BLOCK,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PAGE_BYTES,
+    EngineProc,
+    Output,
+)
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]

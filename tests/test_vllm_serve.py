@@ -28,12 +28,12 @@ from typing import Any
 
 import pytest
 
-from bench.vllm_engine import BLOCK, ROOT
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
 from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
+from tests.support.vllm_engine import BLOCK, ROOT
 
 pytest.importorskip("vllm.entrypoints.openai.api_server")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -207,7 +207,7 @@ def test_oracle_early_tokens_change_the_answer(servers: Servers) -> None:
 def test_negative_controls_wrong_kv_answers_wrong(servers: Servers) -> None:
     """Wrong bytes under the right keys (another prompt's KV, layers or K/V swapped, random
     bytes) make B's completion differ from A's; the right bytes planted the same way do not."""
-    from bench.vllm_engine import PAGE_BYTES
+    from tests.support.vllm_engine import PAGE_BYTES
 
     a, b, box = servers
     n = 8 * BLOCK + 5

@@ -23,14 +23,14 @@ from typing import NamedTuple
 
 import pytest
 
-from bench.model_weights import llama_config
-from bench.vllm_engine import BLOCK, HEAD_DIM, LAYERS, EngineProc
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
 from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
+from tests.support.model_weights import llama_config
+from tests.support.vllm_engine import BLOCK, HEAD_DIM, LAYERS, EngineProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from bench.hybrid_models import MODELS
 from bench.vllm_ttft import (
     first_token_agrees,
     gdn_state_bytes,
@@ -15,6 +14,7 @@ from bench.vllm_ttft import (
     main,
     state_block_tokens,
 )
+from tests.support.hybrid_models import MODELS
 
 
 def test_layer_patterns_and_heads() -> None:

@@ -304,6 +304,8 @@ OTHER_VARIABLES = frozenset({
     "KVTIER_SGLANG", "KVTIER_REQUIRE_ALL", "KVTIER_REQUIRE_PROMETHEUS", "KVTIER_REQUIRE_SGLANG",
     "KVTIER_REQUIRE_REDIS", "KVTIER_NESTED_PYTEST", "KVTIER_TRACES_DIR", "KVTIER_TRACE",
     "KVTIER_TEST_VLLM_LOG", "KVTIER_SGLANG_UNITS_DEBUG", "KVTIER_TORCH_INDEX",
+    "KVTIER_TEST_WORKERS", "KVTIER_TEST_ENGINE_FORKS",
+    "KVTIER_TEST_PARK",  # a test-only hook: the daemon parks every call of that method
 })
 """`KVTIER_*` variables that are not settings but that kvtier, its deploy files or its own
 scripts read: `load` refuses any other (a misspelt setting must not be silently ignored)."""

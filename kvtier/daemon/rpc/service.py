@@ -25,6 +25,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -100,6 +101,10 @@ class Service:
         self.outcomes = Outcomes(cache.metrics)
         self.started_at = started_at or time.time()
         self.closing = asyncio.Event()  # set at shutdown: session streams end
+        self._parked = os.environ.get("KVTIER_TEST_PARK", "")  # a test-only hook: see `answer`
+        if self._parked:
+            log.warning("KVTIER_TEST_PARK=%s (a test-only hook): every %s call waits until the "
+                        "daemon exits", self._parked, self._parked)
         self.handlers: dict[str, Handler] = {}
         for m in METHODS:
             if m.local is Local.BULK_READ or m.local is Local.BULK_WRITE or (
@@ -121,6 +126,9 @@ class Service:
         """A unary call on any transport: the handler of `method` for the caller, the metrics;
         raises `Failed` (recorded) for a refused request or an internal error."""
         started = time.perf_counter()
+        if method == self._parked:  # the kill of a test lands at a known point of a request
+            log.warning("KVTIER_TEST_PARK: a %s call parked", method)
+            await asyncio.Event().wait()
         try:
             if isinstance(request, Refused):
                 raise RefusedError(request)

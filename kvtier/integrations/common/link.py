@@ -7,7 +7,9 @@ its file, so it is not asked again before `retry_after_s`). Thread-safe (a vLLM 
 and its background saves share one link; SGLang calls a backend from several threads).
 
     link = DaemonLink(settings, decl, "worker 0")   # settings: any `LinkSettings` (both
-                                                    # engines' extra-config dataclasses)
+                                                    # engines' extra-config dataclasses);
+                                                    # clock=: the time source of the outage
+                                                    # window (a test's, to step it)
     client = link.client()                          # None while the daemon is down
     link.failed(exc, "Lookup")                      # a call failed: outage or one warning
 """
@@ -20,6 +22,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -79,8 +82,10 @@ def listening(path: Path) -> bool:
 
 
 class DaemonLink:
-    def __init__(self, settings: LinkSettings, decl: LayoutDecl, role: str) -> None:
+    def __init__(self, settings: LinkSettings, decl: LayoutDecl, role: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self.clock = clock
         self.decl = decl
         self.role = role
         self.socket = Path(settings.socket) if settings.socket else default_socket()
@@ -97,7 +102,7 @@ class DaemonLink:
         daemon took the socket; no I/O but a stat of the socket at most every `PROBE_S`."""
         if self._client is not None:
             return False
-        now = time.monotonic()
+        now = self.clock()
         return now < self._down_until and not self._replaced(now)
 
     def _replaced(self, now: float) -> bool:
@@ -121,7 +126,7 @@ class DaemonLink:
     def _connect(self) -> Client | None:
         if self._client is not None:
             return self._client
-        now = time.monotonic()
+        now = self.clock()
         if now < self._down_until and not self._replaced(now):
             return None
         if not listening(self.socket):
@@ -170,7 +175,7 @@ class DaemonLink:
                 self._client.close()
         self._client = None
         self._gone_from = socket_id(self.socket)
-        self._down_until = time.monotonic() + self.settings.retry_after_s
+        self._down_until = self.clock() + self.settings.retry_after_s
 
     def close(self) -> None:
         with self._lock:

@@ -62,10 +62,12 @@ class StoreStats:
 
 
 class PageStore:
-    def __init__(self, settings: StorageSettings, decl: LayoutDecl) -> None:
+    def __init__(self, settings: StorageSettings, decl: LayoutDecl,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the time source of the outage window (`DaemonLink`)."""
         self.settings = settings
         self.decl = decl
-        self.link = DaemonLink(settings, decl, "sglang backend")
+        self.link = DaemonLink(settings, decl, "sglang backend", clock)
         self.stats = StoreStats()
         self._chains = ChainMemory(settings.chain_memory)
         self._lock = threading.Lock()

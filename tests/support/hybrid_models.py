@@ -2,7 +2,7 @@
 the output depends on the KV): Gemma 3 (sliding window + full layers, two KV cache groups) and
 Mistral with a window on every layer (one sliding-window group). Nothing is downloaded: the
 config is written here and the weights by the model's own initializer
-(`bench.model_weights.write_checkpoint`, seeded), once per directory.
+(`tests.support.model_weights.write_checkpoint`, seeded), once per directory.
 
     path = write_hybrid(tmp / "gemma3", "gemma3")       # config.json + model.safetensors
     EngineProc(workdir, path, socket=...)
@@ -69,8 +69,8 @@ def write_config(path: Path, name: str) -> Path:
 
 def write_hybrid(path: Path, name: str, seed: int = 0) -> Path:
     """The model `name` of MODELS in `path`, weights from its own initializer
-    (`bench.model_weights.write_checkpoint`; a complete checkpoint there is kept)."""
-    from bench.model_weights import write_checkpoint
+    (`tests.support.model_weights.write_checkpoint`; a complete checkpoint there is kept)."""
+    from tests.support.model_weights import write_checkpoint
 
     return write_checkpoint(path, MODELS[name], seed=seed)
 
