@@ -273,6 +273,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"hostile suite: {_counts['tried']} cases tried, failures: {_counts['failed']}")
 
 
+# -- the event loop of tests that drive a Cache in-process (tests/cache_calls.py) ------------
+
+
+@pytest.fixture(autouse=True)
+def _cache_calls_loop() -> Iterator[None]:
+    """Closes the loop `tests.cache_calls.run` made for the test, if it made one."""
+    yield
+    module = sys.modules.get("tests.cache_calls")
+    if module is not None:
+        module.close()
+
+
 # -- model checkpoints for the engine tests (tests/support/model_weights.py) -----------------
 
 Checkpoint = Callable[..., Path]

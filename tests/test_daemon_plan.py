@@ -1,5 +1,6 @@
-"""The cache's planner bookkeeping in-process (real shm pool, real LMDB): plan decisions by action,
-the prediction-error histogram on Release and on SSD promotion, and the rates it learns from."""
+"""The cache's planner bookkeeping in-process (real shm pool, real LMDB; its calls awaited as the
+transports await them): plan decisions by action, the prediction-error histogram on Release and
+on SSD promotion, and the rates it learns from."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvtier.daemon.cache.cache import Cache
 from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.rates.book import Link, LinkRate, RateBook
+from tests.cache_calls import run
 
 FINGERPRINT = b"plan-test-layout"
 MODEL = "plan-test-model"
@@ -53,7 +55,7 @@ def keys(tag: int, n: int) -> bytes:
 
 
 def store(c: Cache, k: bytes) -> None:
-    a = c.allocate(T, LID, k, 32, b"", 0)
+    a = run(c.allocate_async(T, LID, k, 32, b"", 0))
     for off in a.offsets:
         c.slot_view(off, BLOCK)[:] = bytes([9]) * BLOCK
     c.commit(T, a.lease_id)
@@ -72,8 +74,8 @@ def test_release_observes_realized_over_predicted_copy_time(
     c = make(tmp_path, RateBook({Link.DRAM_READ: LinkRate(1e9, 200e-6)}))
     closing.append(c)
     store(c, keys(1, 2))
-    first = c.acquire(T, LID, keys(1, 2), 32, 0)
-    second = c.acquire(T, LID, keys(1, 2), 32, 0)  # also predicted at 1 GB/s
+    first = run(c.acquire_async(T, LID, keys(1, 2), 32, 0))
+    second = run(c.acquire_async(T, LID, keys(1, 2), 32, 0))  # also predicted at 1 GB/s
     # predicted copy of 2 x 4096 B at 1e9 B/s = 8.192 us (no latency: Release times the copy
     # alone); the client reports 16.384 us -> ratio 2.0, and the DRAM-read estimate becomes
     # 8192 / 16.384e-6 = 5e8 B/s.
@@ -89,7 +91,7 @@ def test_release_observes_realized_over_predicted_copy_time(
     assert ratio(c, "dram_read") == (2, pytest.approx(3.0))
     # a new lease is predicted at the learned rate: the median of {5e8, 1e9} = 7.5e8 B/s, so a
     # half-block copy (2048 B) predicted at 2048 / 7.5e8 = 2.7307 us, realized 5.4613 us -> 2.0
-    third = c.acquire(T, LID, keys(1, 2), 32, 0)
+    third = run(c.acquire_async(T, LID, keys(1, 2), 32, 0))
     c.release(T, third.lease_id, 2048, 2 * 2048 / 7.5e8)
     assert ratio(c, "dram_read") == (3, pytest.approx(5.0))
 
@@ -99,7 +101,7 @@ def test_release_without_timing_observes_nothing(tmp_path: Path, closing: list[C
     closing.append(c)
     store(c, keys(1, 1))
     for nbytes, seconds in ((BLOCK, 0.0), (0, 1e-3)):
-        got = c.acquire(T, LID, keys(1, 1), 32, 0)
+        got = run(c.acquire_async(T, LID, keys(1, 1), 32, 0))
         c.release(T, got.lease_id, nbytes, seconds)
     assert ratio(c, "dram_read") == (0, 0)
     assert c.rates.samples(Link.DRAM_READ) == 0 and c.rates.export()["rejected_total"] == 0
@@ -114,15 +116,15 @@ def test_plan_decisions_are_counted_by_action(tmp_path: Path, closing: list[Cach
     assert c.flush(10)
     store(c, keys(2, 4))  # the pool is full: chain 1 drops to its SSD copies
     assert c.flush(10)
-    assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.SSD] * 2
-    res = c.lookup(T, LID, keys(2, 2), 32, want_plan=True)
+    assert run(c.lookup_async(T, LID, keys(1, 2), 32)).tiers == [Tier.SSD] * 2
+    res = run(c.lookup_async(T, LID, keys(2, 2), 32, want_plan=True))
     assert res.plan is not None and res.plan.cut == 2 and res.plan.reason is Reason.FETCH_ALL
     v = c.metrics.value
     assert v("kvtier_plan_decisions_total", action="fetch_dram") == 2
     assert v("kvtier_plans_total", reason="fetch_all") == 1
     saved = res.plan.saved_s
     assert saved > 0 and v("kvtier_plan_saved_prefill_seconds_total") == pytest.approx(saved)
-    slow = c.lookup(T, LID, keys(1, 2), 32, want_plan=True)
+    slow = run(c.lookup_async(T, LID, keys(1, 2), 32, want_plan=True))
     assert slow.plan is not None and slow.plan.cut == 0
     assert slow.plan.reason is Reason.SSD_SLOWER_THAN_RECOMPUTE
     assert slow.plan.promote_in_background == (0, 1)
@@ -141,9 +143,9 @@ def test_promotions_are_timed_into_the_rates_and_the_error_histogram(
     assert c.flush(10)
     store(c, keys(2, 4))
     assert c.flush(10)
-    assert c.lookup(T, LID, keys(1, 3), 32).tiers == [Tier.SSD] * 3
+    assert run(c.lookup_async(T, LID, keys(1, 3), 32)).tiers == [Tier.SSD] * 3
     assert c.rates.samples(Link.SSD_READ) == 0
-    got = c.acquire(T, LID, keys(1, 3), 32, 0)
+    got = run(c.acquire_async(T, LID, keys(1, 3), 32, 0))
     assert got.source_tiers == [Tier.SSD] * 3
     assert c.rates.samples(Link.SSD_READ) == 1  # one timed LMDB read + verify of the batch
     count, total = ratio(c, "ssd_read")

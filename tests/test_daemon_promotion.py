@@ -1,7 +1,8 @@
-"""SSD promotion off the cache lock (in-process, real shm pool and LMDB): an Acquire claims its
-slots, reads without the lock, then settles. Meanwhile the cache serves others, pinned blocks and
-claimed slots stay put, a second Acquire of the same blocks waits for the first, and a cancelled
-async Acquire still ends cleanly."""
+"""SSD promotion off the cache lock (in-process, real shm pool and LMDB, `Cache.acquire_async`
+as the transports await it): an Acquire claims its slots, reads on a worker thread without the
+lock, then settles. With the read held at its start (`tests.cache_calls.Gate`), the cache serves
+others, pinned blocks and claimed slots stay put, and a second Acquire of the same blocks waits
+for the first; a cancelled Acquire still ends cleanly."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from kvtier.core.errors import ResourceExhausted
 from kvtier.core.types import Tier
 from kvtier.daemon.cache.cache import Cache
+from tests.cache_calls import Gate, not_done_within, run, until
 from tests.test_daemon_cache import BLOCK, LID, Clock, T, keys, make, store
 
 
@@ -35,7 +37,8 @@ def lease_expires_and_frees_all(c: Cache, clock: Clock) -> None:
     assert c.active_leases() == 1 and c.residency.claimed == 0
     clock.now += 2.0
     assert c.expire() == 1
-    assert c.leaked_slots() == 0 and c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+    assert c.leaked_slots() == 0
+    assert run(c.lookup_async(T, LID, keys(1, 2), 32)).tiers == [Tier.DRAM] * 2
 
 
 @pytest.fixture
@@ -46,7 +49,7 @@ def ssd_cache(tmp_path: Path) -> Iterator[tuple[Cache, Clock]]:
     assert c.flush(10)
     store(c, keys(2, 4), fill=0x22)  # the pool is full: chain 1 keeps only its SSD copies
     assert c.flush(10)
-    assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.SSD] * 2
+    assert run(c.lookup_async(T, LID, keys(1, 2), 32)).tiers == [Tier.SSD] * 2
     yield c, clock
     c.close()
 
@@ -55,39 +58,54 @@ def test_claimed_slots_and_pinned_blocks_survive_pressure_during_the_read(
     ssd_cache: tuple[Cache, Clock],
 ) -> None:
     c, _ = ssd_cache
-    a = c.acquire_begin(T, LID, keys(1, 2), 32, 0)  # step 1: 2 slots claimed (chain 2 evicted)
-    assert sorted(a.claimed) == [0, 1] and not a.waits
-    assert c.leaked_slots() == 0  # claimed slots are accounted for
-    # the lock is free: other requests are served while the read has not happened yet
-    assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.SSD] * 2
-    w = c.allocate(T, LID, keys(3, 2), 32, b"", 0)  # takes the 2 remaining slots
-    with pytest.raises(ResourceExhausted):
-        c.allocate(T, LID, keys(4, 1), 32, b"", 0)  # claimed slots are never handed out
-    got = c.acquirer.finish(a)  # steps 2 and 3
-    assert got.source_tiers == [Tier.SSD] * 2
-    assert all(bytes(c.slot_view(o, BLOCK)) == bytes([0x11]) * BLOCK for o in got.offsets)
-    c.abort(T, w.lease_id)
-    c.release(T, got.lease_id)
-    assert c.lookup(T, LID, keys(1, 2), 32).tiers == [Tier.DRAM] * 2
+
+    async def main() -> None:
+        with Gate(c.residency, "read_claimed", c._lock) as read:
+            acquire = asyncio.create_task(c.acquire_async(T, LID, keys(1, 2), 32, 0))
+            await read.wait()  # step 1 ran: 2 slots claimed (chain 2 evicted); the read waits
+            assert c.residency.claimed == 2
+            assert c.leaked_slots() == 0  # claimed slots are accounted for
+            # the lock is free: other requests are served while the read has not happened yet
+            assert (await c.lookup_async(T, LID, keys(1, 2), 32)).tiers == [Tier.SSD] * 2
+            w = await c.allocate_async(T, LID, keys(3, 2), 32, b"", 0)  # the 2 slots left
+            with pytest.raises(ResourceExhausted):
+                await c.allocate_async(T, LID, keys(4, 1), 32, b"", 0)  # claims stay claimed
+            read.open()
+            got = await acquire  # steps 2 and 3
+        assert got.source_tiers == [Tier.SSD] * 2
+        assert all(bytes(c.slot_view(o, BLOCK)) == bytes([0x11]) * BLOCK for o in got.offsets)
+        c.abort(T, w.lease_id)
+        c.release(T, got.lease_id)
+
+    run(main())
+    assert run(c.lookup_async(T, LID, keys(1, 2), 32)).tiers == [Tier.DRAM] * 2
     assert c.leaked_slots() == 0 and c.residency.claimed == 0
 
 
 def test_a_second_acquire_waits_for_the_first_promotion(ssd_cache: tuple[Cache, Clock]) -> None:
     c, _ = ssd_cache
-    first = c.acquire_begin(T, LID, keys(1, 2), 32, 0)
-    second = c.acquire_begin(T, LID, keys(1, 2), 32, 0)
-    assert sorted(second.waits) == [0, 1] and not second.claimed  # no second claim, no race
-    out: list[object] = []
-    waiter = threading.Thread(target=lambda: out.append(c.acquirer.finish(second)))
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()  # blocked until the first Acquire settles
-    a = c.acquirer.finish(first)
-    waiter.join(10)
-    b = out[0]
-    assert b.offsets == a.offsets and b.source_tiers == [Tier.SSD] * 2  # type: ignore[attr-defined]
-    c.release(T, a.lease_id)
-    c.release(T, b.lease_id)  # type: ignore[attr-defined]
+    ns = c._ns(T, LID).name
+
+    def pins() -> int:
+        block = c.index.get(ns, keys(1, 1))
+        return 0 if block is None else block.pins
+
+    async def main() -> None:
+        with Gate(c.residency, "read_claimed", c._lock) as read:
+            first = asyncio.create_task(c.acquire_async(T, LID, keys(1, 2), 32, 0))
+            await read.wait()
+            second = asyncio.create_task(c.acquire_async(T, LID, keys(1, 2), 32, 0))
+            await until(lambda: pins() == 2, "the second Acquire pinned the blocks")
+            assert c.residency.claimed == 2  # no second claim, no race
+            assert await not_done_within(second, 0.2)  # it waits for the first promotion
+            read.open()
+            a = await first
+            b = await second
+        assert b.offsets == a.offsets and b.source_tiers == [Tier.SSD] * 2
+        c.release(T, a.lease_id)
+        c.release(T, b.lease_id)
+
+    run(main())
     assert c.leaked_slots() == 0 and c.active_leases() == 0
 
 
@@ -136,6 +154,7 @@ def test_a_cancelled_async_acquire_queued_behind_busy_workers_still_finishes(
 
     asyncio.run(main())
     lease_expires_and_frees_all(c, clock)
-    again = c.acquire_begin(T, LID, keys(1, 2), 32, 0)
-    assert not again.waits and not again.claimed  # no promotion left behind to wait for
-    c.release(T, c.acquirer.end(again).lease_id)
+    # no promotion left behind to wait for: served from DRAM at once, nothing claimed
+    again = run(c.acquire_async(T, LID, keys(1, 2), 32, 0))
+    assert again.source_tiers == [Tier.DRAM] * 2 and c.residency.claimed == 0
+    c.release(T, again.lease_id)

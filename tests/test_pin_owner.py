@@ -1,8 +1,8 @@
-"""One owner for pins (issue 23 item 3): the prefix index's block pins are the only pins of the
+"""One owner for pins: the prefix index's block pins are the only pins of the
 daemon's pool, which asks the index (`DramPool.owner`) instead of keeping counts of its own.
 The index's slot view on its own, then a real in-process `Cache` (real shm pool, real LMDB and
-write-back thread): a lease, a queued write-back and a page move each pin through the index
-alone, and the pool refuses to free such a slot."""
+write-back thread; its calls awaited as the transports await them): a lease and a queued
+write-back each pin through the index alone, and the pool refuses to free such a slot."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.index.prefix import PrefixIndex
 from kvtier.tiers.dram import SlotPinned
+from tests.cache_calls import run
 
 T = Tenant("t")
 FP, MODEL = b"pin-owner-layout", "pin-owner"
@@ -64,12 +65,12 @@ def cache(tmp_path: Path) -> Iterator[Cache]:
 
 def test_a_lease_pins_through_the_index_alone(cache: Cache) -> None:
     k = bytes([1]) + bytes(31)
-    a = cache.allocate(T, LID, k, 32, b"", 0)
+    a = run(cache.allocate_async(T, LID, k, 32, b"", 0))
     assert cache.commit(T, a.lease_id) == 1
     assert cache.flush(30)  # the write-back (k = 1) is on SSD: its pin is gone
     slot = cache.pool.slot_at(a.offsets[0])
     assert slot is not None
-    got = cache.acquire(T, LID, k, 32, 0)
+    got = run(cache.acquire_async(T, LID, k, 32, 0))
     assert got.offsets == a.offsets
     pool = cache.pool
     assert pool.pins(slot) == 0  # the pool keeps no count of its own...
@@ -88,7 +89,7 @@ def test_a_queued_write_back_pins_through_the_index(cache: Cache) -> None:
     mover = cache.residency.mover
     assert mover is not None
     k = bytes([2]) + bytes(31)
-    a = cache.allocate(T, LID, k, 32, b"", 0)
+    a = run(cache.allocate_async(T, LID, k, 32, b"", 0))
     with cache._lock:  # hold the writer's callback: the write-back stays queued meanwhile
         assert cache.commit(T, a.lease_id) == 1
         slot = cache.pool.slot_at(a.offsets[0])
@@ -98,4 +99,4 @@ def test_a_queued_write_back_pins_through_the_index(cache: Cache) -> None:
         assert cache.pool.stats().slots_pinned == 1
     assert cache.flush(30)
     assert block.pins == 0 and cache.pool.stats().slots_pinned == 0
-    assert cache.lookup(T, LID, k, 32).tiers == [Tier.DRAM]
+    assert run(cache.lookup_async(T, LID, k, 32)).tiers == [Tier.DRAM]

@@ -37,6 +37,7 @@ from kvtier.sim.replay import Node, replay
 from kvtier.sim.trace import TRACE_BLOCK_TOKENS, Request
 from kvtier.sim.workloads import generate
 from kvtier.tiers.blockfmt import HEADER_SIZE
+from tests.cache_calls import run
 from tests.redis_fixture import RedisServer, needs_redis
 
 BLOCK = 4096
@@ -79,17 +80,17 @@ def drive_daemon(tmp: Path, reqs: list[Request], dram: int, ssd: int, k: int, po
             got["remote"] = 0
         for r in reqs:
             chain = b"".join(key(i) for i in r.hash_ids)
-            tiers = c.lookup(T, LID, chain, 32).tiers
+            tiers = run(c.lookup_async(T, LID, chain, 32)).tiers
             got["dram"] += tiers.count(Tier.DRAM)
             got["ssd"] += tiers.count(Tier.SSD)
             got["refs"] += len(r.hash_ids)
             assert c.flush(30)
-            acquired = c.acquire(T, LID, chain, 32, 0)
+            acquired = run(c.acquire_async(T, LID, chain, 32, 0))
             lease = acquired.lease_id
             if remote:  # served from the store: what the Acquire fetched into DRAM
                 got["remote"] += acquired.source_tiers.count(Tier.REMOTE)
             try:
-                a = c.allocate(T, LID, chain, 32, b"", 0)
+                a = run(c.allocate_async(T, LID, chain, 32, b"", 0))
             except ResourceExhausted:
                 pass
             else:

@@ -38,11 +38,11 @@ the store closes.
 
 A READ lease ends (Release, TTL, shutdown) with `release`, which unpins its blocks.
 
-Threading: `begin` and `end` take the cache lock (begin and release are called with it held);
-`finish` must be called without it, from any thread: it reads SSD and remote payloads into the
-claimed slots (pinned, owned by the claim) with no daemon lock held, and waits on `_settled` (a
-condition on the cache lock) for another Acquire's promotion of the same block. Lock order:
-`kvtier.daemon.cache.cache`.
+Threading: `begin` (`Acquirer.beginning`) and `release` are called with the cache lock held,
+`end` takes it; `finish` must be called without it, from any thread: it reads SSD and remote
+payloads into the claimed slots (pinned, owned by the claim) with no daemon lock held, and waits
+on `_settled` (a condition on the cache lock) for another Acquire's promotion of the same block.
+Lock order: `kvtier.daemon.cache.cache`.
 """
 
 from __future__ import annotations
@@ -141,19 +141,14 @@ class Acquirer:
         self._in_flight = 0  # Acquires with I/O between begin and end
         self._promoting: dict[tuple[str, bytes], threading.Event] = {}
 
-    def begin(self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float,
-              remote: RemoteCheck = NOT_ASKED) -> Acquiring:
-        """Step 1 on this thread; the caller holds the cache lock (page moves a claim needs are
-        copied here, under it: `Residency.run_here`)."""
-        return self.residency.run_here(self.beginning(tenant, ns, chain, ttl, remote))
-
     def beginning(
         self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], ttl: float,
         remote: RemoteCheck = NOT_ASKED,
     ) -> Steps[Acquiring]:
-        """Step 1 as `Residency.taking`'s steps: it stops for the page moves a claim needs, the
-        cache lock let go meanwhile (each resumption holds it again, so what another request
-        changed then is checked again: a block promoted or being promoted, a key now local).
+        """Step 1 (`begin`), as `Residency.taking`'s steps: it stops for the page moves a claim
+        needs, the cache lock let go meanwhile (each resumption holds it again, so what another
+        request changed then is checked again: a block promoted or being promoted, a key now
+        local).
         `remote`: what the remote store holds after the local prefix (slots are claimed for
         those keys only)."""
         index = self.residency.index

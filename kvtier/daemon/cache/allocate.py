@@ -84,14 +84,6 @@ class Allocator:
         self.residency = residency
         self._leases = leases
 
-    def allocate(
-        self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], parent: bytes, ttl: float,
-        session: str = "",
-    ) -> AllocateResult:
-        """`allocating` on this thread: the page moves it needs are copied here, cache lock
-        held (`Residency.run_here`)."""
-        return self.residency.run_here(self.allocating(tenant, ns, chain, parent, ttl, session))
-
     def allocating(
         self, tenant: Tenant, ns: NamespaceInfo, chain: list[bytes], parent: bytes, ttl: float,
         session: str = "",

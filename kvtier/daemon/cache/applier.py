@@ -5,7 +5,7 @@ The prefix index journals every copy added to or dropped from a tier and every D
 the journal in order and does, per entry, what the daemon owes it:
 
     ADD  DRAM   publish BlockStored (consecutive blocks of one chain: one event); the slot was
-                charged to its tenant when it was taken (`Residency.take_slots`); with a keep file,
+                charged to its tenant when it was taken (`Residency.taking`); with a keep file,
                 the slot's keep record names the block (`DramPool.record`)
     ADD  SSD    charge the tenant the stored bytes (and count them in `ssd_bytes`); publish
                 BlockStored

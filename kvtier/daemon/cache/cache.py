@@ -38,7 +38,7 @@ Locks, outermost first (a thread holding one only ever takes those below it):
     3. the DRAM pool's lock (`DramPool._lock`): taken with 1 and/or 2 held, takes nothing (it
        asks the index whether a slot's block is pinned, `DramPool.owner`: no lock there);
        page moves copy slot bytes under neither 1 nor 3 (`DramPool.copy_moves` on a worker
-       thread, `_off_loop`), except in-process callers' (`Residency.run_here`: 1 held)
+       thread, `_off_loop`)
     4. the SSD store's write lock (`SsdStore._wlock`): with 1 held (the applier's deletes, the
        rebuild) or on the writer thread with nothing held; takes only the store's inner locks
     5. the event log's lock (`EventLog._lock`): with 1 held (the applier); its sink only queues
@@ -224,29 +224,18 @@ class Cache:
 
     # -- lookup, acquire, release -----------------------------------------------------------
 
-    def lookup(
+    async def lookup_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
         start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
         replica: str = "",
     ) -> LookupResult:
         """Longest cached prefix with each block's tier: HBM only for blocks `replica` reported
         holding (ReportHbm), else DRAM or SSD — where the daemon would serve it from — then
-        REMOTE for the blocks after it that the remote tier holds (asked on this thread)."""
+        REMOTE for the blocks after it that the remote tier holds (asked on a worker thread,
+        without the cache lock: a network round trip with a bounded wait). The miss-ratio curve
+        sees the keys right after the reply is on its way (the loop's next callback: before any
+        later request's handler, so a Stats after this Lookup counts it)."""
         ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica)
-        tiers += [Tier.REMOTE] * self._remote_present(ns, chain, len(tiers))
-        return self._lookup_result(ns, chain, tiers, start_token, prompt_tokens, want_plan)
-
-    async def lookup_async(
-        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
-        start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
-        replica: str = "",
-    ) -> LookupResult:
-        """`lookup` for the event loop: the remote check (a network round trip with a bounded
-        wait) runs on a worker thread, without the cache lock. The miss-ratio curve sees the
-        keys right after the reply is on its way (the loop's next callback: before any later
-        request's handler, so a Stats after this Lookup counts it)."""
-        ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica,
-                                              observe=False)
         asyncio.get_running_loop().call_soon(self._observe, ns.name, keys, key_width)
         remote = self.residency.remote
         if remote is not None and len(tiers) < len(chain) and remote.ready():
@@ -256,7 +245,6 @@ class Cache:
 
     def _lookup_local(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, replica: str,
-        observe: bool = True,
     ) -> tuple[NamespaceInfo, list[bytes], list[Tier]]:
         with self._lock:
             ns = self._ns(tenant, layout_id)
@@ -265,8 +253,6 @@ class Cache:
             found = self.index.lookup(ns.name, chain, replica=who)
             self.residency.maybe_write_back(ns.name, found.blocks)
             self.residency.maybe_write_remote(ns.name, found.blocks, committed=False)
-        if observe:
-            self._observe(ns.name, keys, key_width)
         return ns, chain, list(found.tiers)
 
     def _observe(self, ns: str, keys: bytes, key_width: int) -> None:
@@ -309,22 +295,14 @@ class Cache:
             m.record_plan(the_plan)
         return LookupResult(tiers, the_plan)
 
-    def acquire(
-        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
-        session: str = "",
-    ) -> AcquireResult:
-        """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
-        slots (on this thread); stops before a block that cannot be promoted. After a whole
-        local prefix, the blocks the remote store holds follow it (fetched into DRAM slots
-        claimed for them only). See `kvtier.daemon.cache.acquire`."""
-        a = self.acquire_begin(tenant, layout_id, keys, key_width, ttl_s, session)
-        return self._in_session(self.acquirer.finish(a) if a.io else self.acquirer.end(a), a)
-
     async def acquire_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
         session: str = "",
     ) -> AcquireResult:
-        """`acquire` for the event loop: the remote store's check, SSD and remote reads (and
+        """Pins the longest cached prefix under a READ lease, promoting SSD blocks into DRAM
+        slots; stops before a block that cannot be promoted. After a whole local prefix, the
+        blocks the remote store holds follow it (fetched into DRAM slots claimed for them only).
+        See `kvtier.daemon.cache.acquire`. The remote store's check, SSD and remote reads (and
         waits for other Acquires' promotions of the same blocks) run on a worker thread, without
         the cache lock. The worker finishes the Acquire even if the caller is cancelled; its
         lease then expires after the TTL."""
@@ -409,24 +387,6 @@ class Cache:
                         self._end(lease)
         return res
 
-    def acquire_begin(
-        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
-        session: str = "",
-    ) -> Acquiring:
-        """Validates the request, asks the remote store what it holds after the local prefix
-        (on this thread, without the cache lock) and runs the Acquire's first step
-        (`Acquirer.begin`)."""
-        ttl = self._new_lease_ttl(ttl_s)
-        ns, chain, local = self._acquire_request(tenant, layout_id, keys, key_width, session)
-        held = NOT_ASKED
-        if local is not None:
-            held = RemoteCheck(local, self._remote_present(ns, chain, local))
-        with self._lock:
-            self._check_session(tenant, session)  # (it may have ended during the check)
-            a = self.acquirer.begin(tenant, ns, chain, ttl, held)
-            a.session = session
-            return a
-
     def _acquire_request(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, session: str,
     ) -> tuple[NamespaceInfo, list[bytes], int | None]:
@@ -478,26 +438,14 @@ class Cache:
 
     # -- allocate, commit, abort ------------------------------------------------------------
 
-    def allocate(
-        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
-        ttl_s: float, session: str = "",
-    ) -> AllocateResult:
-        """Slots for the keys not cached or being written, under a WRITE lease. See
-        `kvtier.daemon.cache.allocate`."""
-        ttl = self._new_lease_ttl(ttl_s)
-        with self._lock:
-            self._check_session(tenant, session)
-            ns = self._ns(tenant, layout_id)
-            chain = self.names.split_keys(ns, keys, key_width, unique=True)
-            return self.allocator.allocate(tenant, ns, chain, parent, ttl, session)
-
     async def allocate_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
         ttl_s: float, session: str = "",
     ) -> AllocateResult:
-        """`allocate` for the event loop: the page moves that make room for the new blocks'
-        size class copy on a worker thread, without the cache lock (`_off_loop`; shielded, so
-        the steps end when the caller is cancelled — its lease then expires after its TTL)."""
+        """Slots for the keys not cached or being written, under a WRITE lease (see
+        `kvtier.daemon.cache.allocate`). The page moves that make room for the new blocks' size
+        class copy on a worker thread, without the cache lock (`_off_loop`; shielded, so the
+        steps end when the caller is cancelled — its lease then expires after its TTL)."""
         ttl = self._new_lease_ttl(ttl_s)
 
         def allocating() -> Steps[AllocateResult]:
@@ -631,7 +579,7 @@ class Cache:
 
     def writing(self, tenant: Tenant, lease_id: str, offsets: list[int],
                 block_bytes: int) -> LeasedSlots:
-        """The WriteBlocks side of `SlotStream` over a WRITE lease from `allocate`."""
+        """The WriteBlocks side of `SlotStream` over a WRITE lease from `allocate_async`."""
         return LeasedSlots(self._lock, self._leases, self.pool, tenant, lease_id, offsets,
                           block_bytes)
 

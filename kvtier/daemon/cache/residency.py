@@ -43,9 +43,8 @@ called without it. Lock order (all of it: `kvtier.daemon.cache.cache`): cache lo
 lock (`Mover.submit`, `RemoteTier.offer`) → the pool's lock; cache lock → the SSD store's write lock
 (deletes). The writer threads never hold their queue's or the store's lock while taking ours. Page
 moves (`_gather`, `_clear_row`) are planned under the cache lock and yielded (`taking`'s steps,
-`PageMoves`); the driver copies them without it (`Cache._off_loop`: a worker thread) or, for
-in-process callers, on its own thread with it held (`run_here`), and `end_moves` finishes them under
-it. Never under the pool's lock.
+`PageMoves`); the driver copies them without it (`Cache._off_loop`: a worker thread) and
+`end_moves` finishes them under it. Never under the pool's lock.
 """
 
 from __future__ import annotations
@@ -593,23 +592,6 @@ class Residency:
         """Frees a slot that holds no block (an unfilled WRITE lease slot, an unsettled claim)
         and gives its bytes back to `tenant` (`Applier.give_back`)."""
         self.applier.give_back(tenant, slot)
-
-    def take_slots(self, n: int, tenant: str, nbytes: int) -> list[int]:
-        """`taking` run to its end on this thread: the page moves it plans are copied here,
-        with the caller's cache lock held (in-process callers; the RPCs use `taking`)."""
-        return self.run_here(self.taking(n, tenant, nbytes))
-
-    def run_here(self, steps: Steps[T]) -> T:
-        """Runs a generator of `PageMoves` steps to its end, copying each batch of moves on this
-        thread (cache lock held) before it resumes."""
-        try:
-            moves = next(steps)
-            while True:
-                self.pool.copy_moves(moves.moves)
-                self.end_moves(moves)
-                moves = steps.send(None)
-        except StopIteration as stop:
-            return cast(T, stop.value)
 
     def taking(self, n: int, tenant: str, nbytes: int) -> Steps[list[int]]:
         """`n` free slots for `tenant`'s blocks of `nbytes`, charged to it (`Applier.take_slots`,
