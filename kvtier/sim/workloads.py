@@ -200,7 +200,8 @@ def chat(spec: ChatSpec = ChatSpec()) -> list[Request]:
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return round(lo * (hi / lo) ** rng.random())
+    scale: float = (hi / lo) ** rng.random()
+    return round(lo * scale)
 
 
 def conversation(spec: ConversationSpec = ConversationSpec()) -> list[Request]:
