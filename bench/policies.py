@@ -7,7 +7,7 @@ repository, or ``--trace``; skipped with a note when absent) and the generators 
 `kvtier.sim.workloads` — chat, docqa, agentic, rag, longreuse, docchat, tenants, and the
 held-out drift and conversation (the latter at 6x ``--requests``) — at ``--seeds`` seeds each.
 Every policy of
-`kvtier.index.policy_registry.POLICIES` (``lmcache-lfu`` is ``sglang-lfu``, run once) is replayed
+`kvtier.index.policies.POLICIES` (``lmcache-lfu`` is ``sglang-lfu``, run once) is replayed
 through the real index (`kvtier.sim.replay`) DRAM-only at 1, 2, 5, 10 and 20% of the workload's
 distinct blocks, and Belady MIN is computed at each capacity. A two-tier run per workload (DRAM
 2% + SSD 8% of the distinct blocks, SSD admission k = 2) adds the SSD blocks written.
@@ -45,8 +45,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvtier.index.policy_adaptive import AdaptivePolicy
-from kvtier.index.policy_registry import PEERS, POLICIES
+from kvtier.index.policies import PEERS, POLICIES
+from kvtier.index.policies.adaptive.policy import AdaptivePolicy
 from kvtier.sim.ceilings import belady, flatten, next_uses
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import new_index, replay

@@ -7,7 +7,7 @@ and every generator of `kvtier.sim.workloads.WORKLOADS` at ``--seeds`` seeds x `
 requests — ``--held-out`` adds the held-out shapes, to check a variant on traffic it was not
 tuned on; DRAM-only at 1, 2, 5, 10, 20% of each workload's distinct blocks plus DRAM 2% + SSD 8%),
 but only the policy under test and LRU (and with ``--peers`` every peer of
-`kvtier.index.policy_registry.PEERS`), no Belady, in ``--jobs`` processes: about a minute instead of
+`kvtier.index.policies.PEERS`), no Belady, in ``--jobs`` processes: about a minute instead of
 six. So its ×LRU figures equal `bench.policies`' to the last digit (the replay is deterministic).
 
 ``--trace-samples K``: the trace has a single seed, and kvtier's choice of eviction order comes
@@ -18,7 +18,7 @@ bytes 7, 6, ...) and reports their mean, with the range on a second line;
 
 ``--patch FILE`` (repeatable): a Python file executed in each worker before its replays, to
 measure a variant of a policy without editing the tree (it may monkeypatch
-`kvtier.index.policy_adaptive`, read environment variables, ...); `bench/variants/` holds the
+`kvtier.index.policies.adaptive`, read environment variables, ...); `bench/variants/` holds the
 ones docs/benchmarks.md reports.
 
 Prints, per workload, the policy's hit ratio / LRU's per capacity (mean over seeds) and, with
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.policies import CAPACITIES, LONG, SAMPLE, TWO_TIER, ratio
-from kvtier.index.policy_adaptive import AdaptivePolicy
-from kvtier.index.policy_registry import PEERS
+from kvtier.index.policies import PEERS
+from kvtier.index.policies.adaptive.policy import AdaptivePolicy
 from kvtier.sim.ceilings import flatten
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import replay

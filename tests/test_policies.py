@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvtier.core.types import Tier
-from kvtier.index import policy_minisim
-from kvtier.index.policy_adaptive import AdaptivePolicy, AdaptiveQueue, FrequencySketch
-from kvtier.index.policy_minisim import (
+from kvtier.index.policies import DEFAULT_POLICY, PEERS, POLICIES, make_policy
+from kvtier.index.policies.adaptive import minisim as policy_minisim
+from kvtier.index.policies.adaptive.minisim import (
     COLD,
     FILTER,
     LFU,
@@ -17,7 +17,9 @@ from kvtier.index.policy_minisim import (
     SeenTable,
     choose,
 )
-from kvtier.index.policy_registry import DEFAULT_POLICY, PEERS, POLICIES, make_policy
+from kvtier.index.policies.adaptive.policy import AdaptivePolicy
+from kvtier.index.policies.adaptive.predictor import FrequencySketch
+from kvtier.index.policies.adaptive.queue import AdaptiveQueue
 from kvtier.index.prefix import PrefixIndex
 
 D = Tier.DRAM
@@ -230,8 +232,8 @@ def test_kvtier_lookup_work_is_a_sample_whatever_the_keys() -> None:
 def test_kvtier_inner_block_hits_count_once_it_is_evictable() -> None:
     """An inner block is in no queue, so its hits reach no queue counter; when it becomes a leaf
     with HOT_HITS accesses it enters at the top frequency (a one-shot leaf does not)."""
-    from kvtier.index.policies import COUNT_BITS
-    from kvtier.index.policy_adaptive import HOT_HITS
+    from kvtier.index.policies.adaptive.queue import HOT_HITS
+    from kvtier.index.policies.base import COUNT_BITS
 
     ix = PrefixIndex(dram_blocks=16, ssd_blocks=0, policy="kvtier")
     ix.insert(0, k(1), None)

@@ -31,7 +31,7 @@ from kvtier.daemon.auth import Tenant
 from kvtier.daemon.cache import Cache
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.namespaces import Namespace
-from kvtier.index.policy_registry import DEFAULT_POLICY
+from kvtier.index.policies import DEFAULT_POLICY
 from kvtier.sim.config import TierConfig
 from kvtier.sim.fleet import RemoteStore
 from kvtier.sim.replay import Node, replay

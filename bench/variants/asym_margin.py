@@ -5,7 +5,7 @@ TO_LRU (default 1.05) to be chosen, S3-FIFO order LRU's by TO_S3 (default 1.0); 
 import os
 
 from bench.variants._edit import edited
-from kvtier.index import policy_minisim as pm
+from kvtier.index.policies.adaptive import minisim as pm
 
 edited(pm.MiniSims, "feed",
        [("score(top) > score(cur) * self.margin",

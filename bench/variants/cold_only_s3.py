@@ -1,7 +1,7 @@
 """Cold placement only while the queue is in S3-FIFO order (share < 1): in LRU order a block the
 predictor calls unlikely enters at the hot end like any other."""
 
-from kvtier.index import policy_adaptive as pa
+from kvtier.index.policies.adaptive import policy as pa
 from kvtier.index.types import Block
 
 _inserted = pa.AdaptivePolicy.inserted

@@ -6,7 +6,7 @@ simulations still choose LRU order, the ghosts set the share of S3-FIFO order.""
 
 import os
 
-from kvtier.index import policy_adaptive as pa
+from kvtier.index.policies.adaptive import policy as pa
 from kvtier.index.types import HITS_MAX, Block
 
 MODE = os.environ.get("MODE", "arc")

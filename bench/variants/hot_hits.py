@@ -3,6 +3,6 @@
 
 import os
 
-from kvtier.index import policy_adaptive as pa
+from kvtier.index.policies.adaptive import queue
 
-pa.HOT_HITS = int(os.environ.get("HOT", "5"))
+queue.HOT_HITS = int(os.environ.get("HOT", "5"))

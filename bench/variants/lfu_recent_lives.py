@@ -5,8 +5,8 @@ one pass of the list per eviction), so popular documents outlast a CLOCK's three
 
 import os
 
-from kvtier.index import policy_adaptive as pa
-from kvtier.index.policies import COUNT_BITS, COUNT_SHIFT, PROTECTED
+from kvtier.index.policies.adaptive import policy as pa
+from kvtier.index.policies.base import COUNT_BITS, COUNT_SHIFT, PROTECTED
 from kvtier.index.types import HITS_BITS, HITS_MAX, Block
 
 HOT = int(os.environ.get("HOT", "8"))

@@ -3,7 +3,7 @@ it was 16 before)."""
 
 import os
 
-from kvtier.index import policy_minisim as pm
+from kvtier.index.policies.adaptive import minisim as pm
 
 _init = pm.MiniSims.__init__
 _defaults = list(_init.__defaults__ or ())

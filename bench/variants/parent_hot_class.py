@@ -4,9 +4,10 @@ more times (besides none / first reuse / reused before): 768 buckets instead of 
 import os
 
 from bench.variants._edit import edited
-from kvtier.index import policy_adaptive as pa
+from kvtier.index.policies.adaptive import policy as pa
+from kvtier.index.policies.adaptive import predictor
 
-pa.BUCKETS = 8 * 3 * 4 * 4 * 2
+predictor.BUCKETS = 8 * 3 * 4 * 4 * 2
 edited(pa.AdaptivePolicy, "admit",
        [("hit = 0 if parent is None else 1 if parent.stamp & HITS_MAX <= 2 else 2",
          "ph = 0 if parent is None else parent.stamp & HITS_MAX\n"

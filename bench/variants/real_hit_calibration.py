@@ -7,8 +7,8 @@ which the mini caches do not model, enter the choice through the order that was 
 import os
 from collections.abc import Mapping, Sequence
 
-from kvtier.index import policy_adaptive as pa
-from kvtier.index import policy_minisim as pm
+from kvtier.index.policies.adaptive import minisim as pm
+from kvtier.index.policies.adaptive import policy as pa
 from kvtier.index.types import Block, Tenant
 
 EMA = float(os.environ.get("EMA", "0.5"))

@@ -3,6 +3,6 @@
 
 import os
 
-from kvtier.index import policy_adaptive as pa
+from kvtier.index.policies.adaptive import policy as pa
 
 pa.AdaptivePolicy.sample_shift = int(os.environ.get("SHIFT", "40"))

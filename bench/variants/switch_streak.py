@@ -5,7 +5,7 @@ import os
 from typing import Any
 
 from bench.variants._edit import edited
-from kvtier.index import policy_minisim as pm
+from kvtier.index.policies.adaptive import minisim as pm
 
 STREAK = int(os.environ.get("STREAK", "3"))
 _streak: dict[int, int] = {}

@@ -1,26 +1,25 @@
 """Miniature simulations: which queue mode would have hit more, measured on a sample of keys.
 
 Each candidate runs a small block-level copy of one mode of
-`kvtier.index.policy_adaptive.AdaptiveQueue` over the references of a spatial sample of the keys:
-a probation share < 1 (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on that
-frequency, S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as a
-ghost that re-enters in M), share 1.0 (plain LRU), `FILTER` (LRU behind the reuse filter: a
-missed key is stored only if a `SeenTable` saw it before, vLLM's store-after-two-lookups) or `LFU`
-(the lowest access count leaves, counts resumed from the ghosts: SGLang's LFU). The
-sample is 1 key in `rate`: those whose 64-bit XXH3 fingerprint has its top byte below `threshold`
-= 256 / rate; the caller, which fingerprints each key once anyway, samples and calls `feed`; `add`
-fingerprints for itself; deterministic, no `hash()`. The mini caches are 1/`rate` of the real
-capacity (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
-USENIX ATC 2017). Hits decay by `DECAY` each epoch; `best` moves to the candidate with the most
-only when it wins by `margin` and by `Z` standard deviations of the counts (two Poisson counts:
-a small cache's few hits an epoch do not flip the mode on noise) with `MIN_HITS` counted, and a
-probation-share candidate must beat the LRU ones by `LRU_MARGIN`, the `LFU` one by `LFU_MARGIN`
-and `Z_LFU` (LRU is the bound the policy must not fall under: the copies ignore the prefix rule
-and the predictor, so a near tie in them is no gain in the real cache; measured, issue 29). The
-probation and LFU copies are calibrated by the real cache's hits while it runs their mode
-(`MiniSims.factor`). At each quarter of an epoch (`PARTS`) the choice is made again, needing
-`Z_EARLY` deviations: a wide gap switches without waiting for the epoch's end. The mini caches
-rank modes, they do not predict hit ratios.
+`kvtier.index.policies.adaptive.queue.AdaptiveQueue` over the references of a spatial sample of the
+keys: a probation share < 1 (probation S in LRU order with a 2-bit frequency, main M as a CLOCK on
+that frequency, S's oldest moving to M when its frequency is > 1, a key dropped from S remembered as
+a ghost that re-enters in M), share 1.0 (plain LRU), `FILTER` (LRU behind the reuse filter: a missed
+key is stored only if a `SeenTable` saw it before, vLLM's store-after-two-lookups) or `LFU` (the
+lowest access count leaves, counts resumed from the ghosts: SGLang's LFU). The sample is 1 key in
+`rate`: those whose 64-bit XXH3 fingerprint has its top byte below `threshold` = 256 / rate; the
+caller, which fingerprints each key once anyway, samples and calls `feed`; `add` fingerprints for
+itself; deterministic, no `hash()`. The mini caches are 1/`rate` of the real capacity (Waldspurger
+et al., "Cache Modeling and Optimization using Miniature Simulations", USENIX ATC 2017). Hits decay
+by `DECAY` each epoch; `best` moves to the candidate with the most only when it wins by `margin` and
+by `Z` standard deviations of the counts (two Poisson counts: a small cache's few hits an epoch do
+not flip the mode on noise) with `MIN_HITS` counted, and a probation-share candidate must beat the
+LRU ones by `LRU_MARGIN`, the `LFU` one by `LFU_MARGIN` and `Z_LFU` (LRU is the bound the policy
+must not fall under: the copies ignore the prefix rule and the predictor, so a near tie in them is
+no gain in the real cache; measured, issue 29). The probation and LFU copies are calibrated by the
+real cache's hits while it runs their mode (`MiniSims.factor`). At each quarter of an epoch
+(`PARTS`) the choice is made again, needing `Z_EARLY` deviations: a wide gap switches without
+waiting for the epoch's end. The mini caches rank modes, they do not predict hit ratios.
 
 Memory: candidates x 2 x capacity/rate entries (cached + ghosts, an OrderedDict slot each,
 ~100 B; the LFU copy's keys twice: a count and a slot in their count's list) plus the filter
@@ -46,11 +45,11 @@ from kvtier.core.types import BlockKey
 _FREQ_MAX = 3
 FILTER = 2.0
 """A candidate's share above 1: LRU order behind the reuse filter (vLLM's store-after-two-lookups,
-`kvtier.index.policy_peers.ReuseFilterPolicy`): a missed key is stored only if it was seen before,
-in a direct-mapped table of fingerprint tags (`SeenTable`)."""
+`kvtier.index.policies.reuse_filter.ReuseFilterPolicy`): a missed key is stored only if it was
+seen before, in a direct-mapped table of fingerprint tags (`SeenTable`)."""
 LFU = 3.0
 """A candidate's share above `FILTER`: least frequently used first (the lowest access count, the
-least recently used among equal counts: SGLang's ``LFUStrategy``, `kvtier.index.policy_peers.
+least recently used among equal counts: SGLang's ``LFUStrategy``, `kvtier.index.policies.lfu.
 LfuQueue`), every missed key stored; a key that comes back while its ghost is remembered resumes
 its count (the real queue's counts come from the index, which the admission history restores)."""
 COLD, SKIP = 1, 2
