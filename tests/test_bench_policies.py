@@ -116,6 +116,6 @@ def test_summary_goals_and_min_row_on_a_hand_worked_input() -> None:
     assert g["max_replay_time_vs_lru"] == pytest.approx(2.0)
     md = policies.markdown(summary).splitlines()
     assert md[2] == ("| chat | dram | 2% | 0.4000 | 0.2500 | sieve | 0.3200 | 1.60 | 1.25 | 0.57 | "
-                     "2.80 | 1.50 |  |")
+                     "2.80 | 1.50 | 0.0 |  |  |")
     assert md[-1] == ("| **min** (DRAM cells) | dram | 1–20% | | | rag 10% (vllm-arc) | | "
-                      "**0.900** (rag 10%) | **0.750** | | | | |")
+                      "**0.900** (rag 10%) | **0.750** | | | | | | |")

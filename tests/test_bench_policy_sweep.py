@@ -37,13 +37,14 @@ def test_a_patch_changes_the_policy_under_test_only(tmp_path: Path) -> None:
     base, out = _sweep(tmp_path)
     assert base.returncode == 0, base.stderr
     plain = {(r["workload"], r["cell"]): r for r in json.loads(out.read_text())["summary"]}
-    proc, out = _sweep(tmp_path, "--patch", "bench/variants/ghost_share.py", env={"MODE": "arc"})
+    proc, out = _sweep(tmp_path, "--patch", "bench/variants/knockout.py",
+                       env={"OFF": "choice-lfu"})
     assert proc.returncode == 0, proc.stderr
     patched = {(r["workload"], r["cell"]): r for r in json.loads(out.read_text())["summary"]}
     assert all(patched[k]["lru"] == plain[k]["lru"] for k in plain)  # LRU runs unpatched
     assert any(patched[k]["hit"] != plain[k]["hit"] for k in plain)
     proc, out = _sweep(tmp_path, "--patch", "bench/variants/knockout.py",
-                       env={"OFF": "choice-lru"})
+                       env={"OFF": "choice-s3"})
     assert proc.returncode == 0, proc.stderr
     patched = {(r["workload"], r["cell"]): r for r in json.loads(out.read_text())["summary"]}
     assert all(patched[k]["lru"] == plain[k]["lru"] for k in plain)  # LRU runs unpatched

@@ -1,31 +1,34 @@
-"""kvtier's own policy (`AdaptivePolicy`, ``kvtier``): the adaptive queue, its mini simulations and
-the reuse predictor put together.
+"""kvtier's own policy (`AdaptivePolicy`, ``kvtier``): LRU unless a better mode is resolved.
 
-In front of a larger SSD tier (two-tier: most DRAM victims are demoted, not lost) DRAM is a
-recency buffer: its queue stays in LRU mode and nothing is bypassed; the SSD tier's k-th-access
-admission is the filter (measured on the bench's DRAM 2% + SSD 8% runs and at DRAM 9% + SSD 37%:
-the adaptive DRAM queue and the tail bypass there cost up to 3% of LRU's hits).
+DRAM alone: the DRAM queue (`kvtier.index.policies.adaptive.queue.AdaptiveQueue`) runs in LRU
+mode — the ``lru`` policy's one list, every missed block stored, no predictor: the same victims
+in the same order as ``lru`` — until the miniature simulations on a sample of the keys
+(`kvtier.index.policies.adaptive.minisim.MiniSims`) resolve that another mode hits more: the
+probation (S3-FIFO-like) order with the reuse predictor, LRU behind the reuse filter, or LFU. It
+goes back to LRU once that gain is no longer resolved. Per mode, `admit` stores: LRU and LFU,
+every missed block; the filter, the chain up to its first key the `SeenTable` did not see before;
+probation, every block, at the cold end of probation when the predictor's estimate p < `lo`, and
+a partial last block not at all when p < `bypass`. Only in the probation mode is 1 block in
+`SAMPLE` a control that trains the predictor (its label is reuse under that order). A block the
+admission history remembers (reinserted with a count above 1, a ghost hit) is flagged for main.
 
-SSD admission (wear): a DRAM victim goes to SSD on its k-th access (`KthAccess`, counts kept
-across drops by the admission history), and the SSD tier evicts in recency order (the queue in
-LRU mode). Measured alternatives, on the bench's DRAM 2% + SSD 8% runs: admitting keys the
-sketch had seen k times wrote 1.3-3.1x the blocks for 0.96-1.01x the hits, and S3-FIFO order
-on SSD lost up to 8% of the hits; so the rule stays the k-th access.
+In front of a larger SSD tier (most DRAM victims are demoted, not lost) DRAM is a recency buffer
+(the queue's two-list recency order, no switch, no bypass; the predictor's cold placement and a
+frequency sketch for "seen before") and the SSD tier's k-th-access admission is the filter; the
+SSD tier evicts in recency order. Both were measured against the alternatives (docs/benchmarks.md).
 
 Cost: O(1) per block, and almost nothing on the Lookup path. A lookup's hit blocks are scanned
 once for the `SAMPLED` bit (set at insert) and only the sampled ones (1 in 8 or fewer; all of
 them in a cache under 512 blocks) are kept for the mini simulations, which run them at the next
 `admit` (or once `DEFER_MAX` are kept); a miss costs nothing. Everything else happens in `admit`
-(the daemon's Allocate): one fingerprint per missed key gives its sketch slot, its seen-table
-word and whether it is in the mini simulations' sample; then a bucket index and one dict
-operation per stored block (a control block or a pending placement). The sketch's halving is
-O(slots) every 10 x slots references. Memory: the seen table (4 B a word, one word per block of
-DRAM, at least 1 MB) or, in front of a larger SSD, 4 B of sketch per block of the larger tier
-(>= 64 KiB) instead; the admission history (4 B a word, one word per block of DRAM + SSD: the
-ghosts), at most `TRACKED_MAX` control blocks x ~50 B, the pending placements of the requests in
-flight, 576 x 8 B per tenant, and the mini simulations (~110 B per block of DRAM up to 32K
-blocks, at most ~3.7 MB, plus their seen table at 1/rate of the policy's) — `nbytes` counts the
-predictor's part; bench.index and bench.policies measure them.
+(the daemon's Allocate): one fingerprint per missed key gives its seen-table word (or sketch
+slot) and whether it is in the sample; then a bucket index and one dict operation per stored block.
+Memory: the seen table (4 B a word, one word per block of DRAM, at least 1 MB) or, in front of a
+larger SSD, 4 B of sketch per block of the larger tier (>= 64 KiB); the admission history (4 B a
+word per block of DRAM + SSD); at most `TRACKED_MAX` control blocks x ~50 B; the pending
+placements of the requests in flight; 576 x 8 B per tenant; the mini simulations (~110 B per block
+of DRAM up to 32K blocks, at most ~3.7 MB). `nbytes` counts them; bench.index and bench.policies
+measure them.
 
 Threading: none; the index's owner serialises calls.
 """
@@ -38,7 +41,15 @@ from typing import TYPE_CHECKING
 from xxhash import xxh3_64_intdigest
 
 from kvtier.core.types import BlockKey
-from kvtier.index.policies.adaptive.minisim import COLD, FILTER, LFU, SKIP, MiniSims, SeenTable
+from kvtier.index.policies.adaptive.minisim import (
+    COLD,
+    FILTER,
+    LFU,
+    LRU,
+    SKIP,
+    MiniSims,
+    SeenTable,
+)
 from kvtier.index.policies.adaptive.predictor import (
     SKETCH_MIN,
     SKETCH_SLOTS,
@@ -55,6 +66,8 @@ if TYPE_CHECKING:
     from kvtier.index.types import Block, Tenant
 
 SAMPLE = 4
+"""In the probation mode, 1 stored block in SAMPLE is a control (stored whatever the predictor
+says, its reuse the label of its bucket)."""
 _PENDING_MAX = 1 << 14
 TRACKED_MAX = 1 << 14
 """Control blocks tracked at once (~0.8 MB): plenty of labels, bounded at any capacity."""
@@ -67,10 +80,10 @@ SAMPLED = MARK
 """`Block.flags` bit (the policy's `MARK`): the key is in the mini simulations' sample."""
 _P_COLD, _P_CONTROL, _P_SAMPLED = 1, 2, 4
 """Bits of a pending placement; the feature bucket is above them (``code >> 3``)."""
-SHARES = (0.1, 1.0, FILTER, LFU)
-"""Candidate modes, ranked by `MiniSims`: probation share 0.1 (S3-FIFO-like, with the predictor's
-cold placement and tail bypass), 1.0 (plain LRU: every missed block stored at the hot end) and
-`FILTER` (LRU behind the reuse filter: a missed block is stored only if its key was seen before)."""
+SHARES = (0.1, LRU, FILTER, LFU)
+"""The modes `MiniSims` compares: probation share 0.1 (S3-FIFO-like, with the predictor's cold
+placement and tail bypass), `LRU` (the mode unless another is resolved to hit more), `FILTER`
+(LRU behind the reuse filter) and `LFU`."""
 SEEN_MIN = 1 << 18
 """Keys the reuse filter's `SeenTable` remembers at least (vLLM's filter tracks 64,000)..."""
 DEFER_MAX = 1 << 13
@@ -103,27 +116,25 @@ class AdaptivePolicy(Policy):
         self._seen_size = 1 if self._front else max(SEEN_MIN, SEEN_PER_BLOCK * (dram_blocks or 0))
         self.seen = SeenTable(self._seen_size)
         super().__init__(dram_blocks, ssd_blocks, admission_k)
-        self.ssd = AdaptiveQueue(1.0)  # SSD: recency order (measured: S3-FIFO order lost hits)
-        if self._front:  # DRAM in front of a larger SSD: a recency buffer (measured)
-            q = self.dram
-            assert isinstance(q, AdaptiveQueue)
-            q.share = 1.0
-            q.lru_main = False
+        self.ssd = AdaptiveQueue(LRU)  # SSD: recency order (measured: S3-FIFO order lost hits)
+        if self._front:  # DRAM in front of a larger SSD: a recency buffer (measured), no bypass
             self.bypass = -1.0
         self.predictor = ReusePredictor()
         self._pending: dict[tuple[Tenant, BlockKey], int] = {}
         self._tracked: dict[Block, int] = {}
         self._deferred: list[BlockKey] = []
         self._n = 0
-        self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, SHARES[0],
+        self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, LRU,
                                  seen=self._seen_size)
 
     def make_queue(self, capacity: int | None) -> EvictionQueue:
-        return AdaptiveQueue(SHARES[0], lru_main=True)
+        """DRAM alone: LRU mode, the ``lru`` policy's one list, until the mini simulations
+        resolve a better mode; in front of a larger SSD: the two-list recency buffer."""
+        return AdaptiveQueue(LRU, lru_main=not self._front)
 
     def resize(self, dram_blocks: int) -> None:
-        """New mini caches at a fraction of the new capacity (their sample starts again; the
-        share in use stays until they pick one)."""
+        """New mini caches at a fraction of the new capacity (their sample starts again: the
+        mode in use stays until the first epoch's end, LRU from then unless resolved again)."""
         self.minisims = MiniSims(max(1, dram_blocks), SHARES, self.minisims.best,
                                  seen=self._seen_size)
         self._deferred = []
@@ -145,7 +156,10 @@ class AdaptivePolicy(Policy):
         ms.feed(sampled, placed, real_hits)
         q = self.dram
         assert isinstance(q, AdaptiveQueue)
-        q.set_share(ms.best)
+        if ms.best != q.share:
+            if q.share < LRU:  # the controls' labels would be the next mode's reuse
+                self._tracked.clear()
+            q.set_share(ms.best)
 
     def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
               partial_last: bool) -> int:
@@ -176,12 +190,11 @@ class AdaptivePolicy(Policy):
             q = self.dram
             assert isinstance(q, AdaptiveQueue)
             share = q.share
-            if share >= 1.0:  # LRU, the reuse filter or LFU: no predictor placement
-                lo = bypass = -1.0
-                if share == FILTER:  # the reuse filter: up to the first key not seen before
-                    control = 0
-                    if unseen:
-                        end = start + unseen[0]
+            if share >= 1.0:  # LRU, the reuse filter or LFU: the predictor neither places nor
+                lo = bypass = -1.0  # learns (its labels are reuse under the probation order)
+                control = 0
+                if share == FILTER and unseen:  # the reuse filter: up to the first key not seen
+                    end = start + unseen[0]
         last = len(keys) - 1
         hit = 0 if parent is None else 1 if parent.stamp & HITS_MAX <= 2 else 2
         reused, stored, total = self.predictor.table(tenant)

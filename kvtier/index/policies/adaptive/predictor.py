@@ -15,17 +15,14 @@ when it is stored —
     x blocks since the hit boundary (0, 1, 2-3, 4+) x key seen before (the seen table; the sketch
     in front of a larger SSD) = 576 buckets
 
-(prompt length as a further x3 — under 16 / 64 / more blocks — was measured and dropped: no gain
-on any workload, -5% on the sample trace at 5%), and per tenant (the daemon's tenant is the
-namespace: tenant + model) a table of (reused, stored)
-counts per bucket, with a prior from the tenant's overall rate and halving when a bucket's count
-reaches 256 (so it follows drift). In the share-0.1 mode (and in front of a larger SSD) a block
-with estimate p < `lo` enters S's cold end (evicted first); a partial last block with p < `bypass`
-is not stored at all. In the LRU modes the predictor only learns (measured, issue 29: its cold
-placement under LRU order cost up to 7% of LRU's hits at 20%). One block in `SAMPLE`
-(while fewer than `TRACKED_MAX` are tracked) is a control: stored whatever p says and tracked
-until it leaves the cache; whether it was hit meanwhile is the label its bucket learns, so
-learning never starves a bucket and the labels do not depend on the predictions.
+and per tenant (the daemon's tenant is the namespace: tenant + model) a table of (reused,
+stored) counts per bucket, with a prior from the tenant's overall rate and halving when a bucket's
+count reaches 256 (so it follows drift). In the probation mode (and in front of a larger SSD) a
+block with estimate p < `lo` enters probation's cold end (evicted first); a partial last block
+with p < `bypass` is not stored at all. Outside those the predictor neither places nor learns.
+One block in `SAMPLE` (while fewer than `TRACKED_MAX` are tracked) is a control: stored whatever
+p says and tracked until it leaves the cache; whether it was hit meanwhile is the label its bucket
+learns, so learning never starves a bucket and the labels do not depend on the predictions.
 
 Threading: none; the index's owner serialises calls.
 """
