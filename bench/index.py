@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.types import Tier
-from kvtier.index.policy_registry import DEFAULT_POLICY
+from kvtier.index.policies import DEFAULT_POLICY
 from kvtier.index.prefix import PrefixIndex
 
 RESULTS = Path(__file__).parent / "results" / "index.json"

@@ -4,9 +4,10 @@
 
 The same replays as `bench.policies` (the real index through `kvtier.sim.replay`; the shared trace
 and every generator of `kvtier.sim.workloads.WORKLOADS` at ``--seeds`` seeds x ``--requests``
-requests; DRAM-only at 1, 2, 5, 10, 20% of each workload's distinct blocks plus DRAM 2% + SSD 8%),
+requests — ``--held-out`` adds the held-out shapes, to check a variant on traffic it was not
+tuned on; DRAM-only at 1, 2, 5, 10, 20% of each workload's distinct blocks plus DRAM 2% + SSD 8%),
 but only the policy under test and LRU (and with ``--peers`` every peer of
-`kvtier.index.policy_registry.PEERS`), no Belady, in ``--jobs`` processes: about a minute instead of
+`kvtier.index.policies.PEERS`), no Belady, in ``--jobs`` processes: about a minute instead of
 six. So its ×LRU figures equal `bench.policies`' to the last digit (the replay is deterministic).
 
 ``--trace-samples K``: the trace has a single seed, and kvtier's choice of eviction order comes
@@ -17,7 +18,7 @@ bytes 7, 6, ...) and reports their mean, with the range on a second line;
 
 ``--patch FILE`` (repeatable): a Python file executed in each worker before its replays, to
 measure a variant of a policy without editing the tree (it may monkeypatch
-`kvtier.index.policy_adaptive`, read environment variables, ...); `bench/variants/` holds the
+`kvtier.index.policies.adaptive`, read environment variables, ...); `bench/variants/` holds the
 ones docs/benchmarks.md reports.
 
 Prints, per workload, the policy's hit ratio / LRU's per capacity (mean over seeds) and, with
@@ -37,14 +38,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.policies import CAPACITIES, SAMPLE, TWO_TIER, ratio
-from kvtier.index.policy_adaptive import AdaptivePolicy
-from kvtier.index.policy_registry import PEERS
+from bench.policies import CAPACITIES, LONG, SAMPLE, TWO_TIER, ratio
+from kvtier.index.policies import PEERS
+from kvtier.index.policies.adaptive.policy import AdaptivePolicy
 from kvtier.sim.ceilings import flatten
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import replay
 from kvtier.sim.trace import read_trace
-from kvtier.sim.workloads import WORKLOADS, generate
+from kvtier.sim.workloads import HELD_OUT, WORKLOADS, generate
 
 RESULTS = Path(__file__).parent / "results"
 Job = tuple[str, int, str, str, int, int]
@@ -61,7 +62,8 @@ def _patch(paths: list[str]) -> None:
 def _work(job: Job) -> tuple[str, int, str, dict[str, float]]:
     name, seed, trace, policy, requests, shift = job
     AdaptivePolicy.sample_shift = shift
-    reqs = read_trace(Path(trace)) if name == "trace" else generate(name, requests, seed)
+    reqs = (read_trace(Path(trace)) if name == "trace"
+            else generate(name, requests * LONG.get(name, 1), seed))
     distinct = len(set(flatten(reqs)))
     out: dict[str, float] = {}
     for f in CAPACITIES:
@@ -91,12 +93,16 @@ def main(argv: list[str] | None = None) -> int:
                     "fingerprint byte its mini simulations sample on): the trace has one seed")
     ap.add_argument("--samples-everywhere", action="store_true",
                     help="apply --trace-samples to the generated workloads' seeds too")
+    ap.add_argument("--held-out", action="store_true",
+                    help="also replay the held-out shapes (kvtier.sim.workloads.HELD_OUT, at "
+                    "bench.policies' lengths): to check a variant, never to tune one")
     ap.add_argument("--out", default=str(RESULTS / "policy_sweep.json"))
     args = ap.parse_args(argv)
     for patch in args.patch:
         if not Path(patch).is_file():
             ap.error(f"--patch {patch}: no such file")
-    loads: list[tuple[str, int]] = [(w, s) for w in WORKLOADS for s in range(args.seeds)]
+    names = WORKLOADS + (HELD_OUT if args.held_out else ())
+    loads: list[tuple[str, int]] = [(w, s) for w in names for s in range(args.seeds)]
     if Path(args.trace).exists():
         loads.insert(0, ("trace", 0))
     else:
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{min(hit[(args.policy, w, c)]) / mean[('lru', w, c)]:>7.3f}-"
                 f"{max(hit[(args.policy, w, c)]) / mean[('lru', w, c)]:.3f}" for c in cells)
             print(f"{'  samples':<9}{spread}")
-    dram = [r for r in summary if r["cell"] != "2-tier"]
+    dram = [r for r in summary if r["cell"] != "2-tier" and r["workload"] not in HELD_OUT]
+    held = [r for r in summary if r["cell"] != "2-tier" and r["workload"] in HELD_OUT]
     small = [r for r in dram if r["cell"] in ("1%", "2%", "5%")]
     totals: dict[str, Any] = {
         "geomean_vs_lru": _geomean([r["vs_lru"] for r in dram]),
@@ -155,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers:
         totals["min_vs_best_peer_at_1_5pct"] = min(r["vs_peer"] for r in small)
         totals["min_vs_best_peer"] = min(r["vs_peer"] for r in dram)
+    if held:  # reported apart: a variant is checked on them, never chosen by them
+        totals["held_out_min_vs_lru"] = min(r["vs_lru"] for r in held)
+        if args.peers:
+            totals["held_out_min_vs_best_peer"] = min(r["vs_peer"] for r in held)
     print("  ".join(f"{k} {v:.4f}" for k, v in totals.items()))
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ import pytest
 
 from kvtier.core.types import Tier
 from kvtier.index import placement
-from kvtier.index.policies import KthAccess
-from kvtier.index.policy_registry import make_policy
+from kvtier.index.policies import make_policy
+from kvtier.index.policies.base import KthAccess
 from kvtier.index.prefix import (
     BadSlot,
     DuplicateBlock,

@@ -21,8 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtier.core.types import Tier
 from kvtier.index import placement
-from kvtier.index.policy_adaptive import SHARES, AdaptiveQueue
-from kvtier.index.policy_registry import POLICIES
+from kvtier.index.policies import POLICIES
+from kvtier.index.policies.adaptive.policy import SHARES
+from kvtier.index.policies.adaptive.queue import AdaptiveQueue
 from kvtier.index.prefix import (
     EVICTION_COUNTERS,
     BadSlot,

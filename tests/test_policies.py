@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import hypothesis.strategies as st
 import pytest
+from hypothesis import assume, given, settings
 
 from kvtier.core.types import Tier
-from kvtier.index import policy_minisim
-from kvtier.index.policy_adaptive import AdaptivePolicy, AdaptiveQueue, FrequencySketch
-from kvtier.index.policy_minisim import (
+from kvtier.index.policies import DEFAULT_POLICY, PEERS, POLICIES, make_policy
+from kvtier.index.policies.adaptive import minisim as policy_minisim
+from kvtier.index.policies.adaptive.minisim import (
     COLD,
     FILTER,
     LFU,
+    LRU,
     SKIP,
     MiniCache,
     MiniSims,
     SeenTable,
     choose,
+    resolution,
 )
-from kvtier.index.policy_registry import DEFAULT_POLICY, PEERS, POLICIES, make_policy
-from kvtier.index.prefix import PrefixIndex
+from kvtier.index.policies.adaptive.policy import AdaptivePolicy
+from kvtier.index.policies.adaptive.predictor import FrequencySketch
+from kvtier.index.policies.adaptive.queue import AdaptiveQueue
+from kvtier.index.policies.base import PROTECTED, LruQueue
+from kvtier.index.prefix import Block, Op, PrefixIndex
+from kvtier.sim.ceilings import flatten
+from kvtier.sim.config import TierConfig
+from kvtier.sim.replay import new_index, replay
+from kvtier.sim.trace import Request
+from kvtier.sim.workloads import generate
 
 D = Tier.DRAM
 
@@ -145,12 +159,24 @@ def test_admit_checks_its_arguments() -> None:
         ix.admit(0, [k(1), k(2)], 1)
 
 
-def test_kvtier_learns_to_bypass_partial_tails_that_never_hit() -> None:
-    """Prompts whose partial last block is never reused: after a few hundred, the policy stops
-    storing them (except its 1-in-4 control sample), and still stores the full blocks."""
-    ix = PrefixIndex(dram_blocks=64, ssd_blocks=0, policy="kvtier")
+def _hold(ix: PrefixIndex, mode: float) -> AdaptivePolicy:
+    """The index's kvtier policy, its DRAM queue held in `mode` (the mini simulations still run,
+    their choice is not applied)."""
+    pol = ix._policy
+    assert isinstance(pol, AdaptivePolicy)
+    q = pol.dram
+    assert isinstance(q, AdaptiveQueue)
+    q.set_share(mode)
+    pol.minisims.best = mode
+    pol._feed = lambda *a: None  # type: ignore[method-assign]
+    return pol
+
+
+def _one_shot_tails(ix: PrefixIndex, rounds: int) -> int:
+    """Prompts of a full block and a partial last one, never reused; how many of the last 100
+    stored their tail."""
     stored_tails = 0
-    for r in range(400):
+    for r in range(rounds):
         chain = [k(1_000_000 + r * 2), k(1_000_001 + r * 2)]
         ix.lookup(0, chain)
         n = ix.admit(0, chain, 0, partial_last=True)
@@ -161,10 +187,28 @@ def test_kvtier_learns_to_bypass_partial_tails_that_never_hit() -> None:
         for key in chain[:n]:
             ix.insert(0, key, parent)
             parent = key
-        if r >= 300:
+        if r >= rounds - 100:
             stored_tails += n == 2
-    assert stored_tails <= 40  # ~25 of 100 are controls
+    return stored_tails
+
+
+def test_kvtier_in_probation_mode_learns_to_bypass_partial_tails_that_never_hit() -> None:
+    """Prompts whose partial last block is never reused: after a few hundred, the policy in its
+    probation mode stops storing them (except its 1-in-4 control sample), and still stores the
+    full blocks."""
+    ix = PrefixIndex(dram_blocks=64, ssd_blocks=0, policy="kvtier")
+    _hold(ix, 0.1)
+    assert _one_shot_tails(ix, 400) <= 40  # ~25 of 100 are controls
     assert ix.admit(0, [k(7), k(8)], 0, partial_last=False) == 2
+
+
+def test_kvtier_in_lru_mode_stores_every_block_and_its_predictor_learns_nothing() -> None:
+    """In LRU mode the policy admits what `lru` admits, every missed block, and takes no control
+    sample: the predictor's labels are reuse under the probation order only."""
+    ix = PrefixIndex(dram_blocks=64, ssd_blocks=0, policy="kvtier")
+    pol = _hold(ix, LRU)
+    assert _one_shot_tails(ix, 400) == 100
+    assert not pol._tracked and pol.predictor.table(0)[2] == [1, 2]
 
 
 def test_kvtier_policy_state_is_bounded() -> None:
@@ -220,18 +264,17 @@ def test_kvtier_lookup_work_is_a_sample_whatever_the_keys() -> None:
     assert len(ix.lookup(0, keys).blocks) == len(keys)
     # the same sample (hits of the sampled keys), held off the Lookup path for the next admit
     assert pol.minisims._seen == fed_at_admit and len(pol._deferred) == fed_at_admit
-    assert pol.minisims.real == {0.1: 0}  # the admit fed misses only
+    assert pol.minisims.real == {}  # LRU mode: nothing to calibrate
     assert ix.admit(0, [b"other"], 0) <= 1
     assert pol.minisims._seen >= 2 * fed_at_admit and not pol._deferred
-    # they were hits of the real cache, in the probation mode: its calibration counts them
-    assert pol.minisims.best == 0.1 and pol.minisims.real == {0.1: fed_at_admit}
+    assert pol.minisims.best == LRU and pol.minisims.real == {}
 
 
 def test_kvtier_inner_block_hits_count_once_it_is_evictable() -> None:
     """An inner block is in no queue, so its hits reach no queue counter; when it becomes a leaf
     with HOT_HITS accesses it enters at the top frequency (a one-shot leaf does not)."""
-    from kvtier.index.policies import COUNT_BITS
-    from kvtier.index.policy_adaptive import HOT_HITS
+    from kvtier.index.policies.adaptive.queue import HOT_HITS
+    from kvtier.index.policies.base import COUNT_BITS
 
     ix = PrefixIndex(dram_blocks=16, ssd_blocks=0, policy="kvtier")
     ix.insert(0, k(1), None)
@@ -286,56 +329,87 @@ def test_kvtier_in_filter_mode_stores_only_keys_seen_before() -> None:
     assert ix.admit(0, keys, 0) == 6
 
 
-def _copies(s3: float, lru: float, flt: float) -> list[MiniCache]:
-    out = []
-    for share, hits in ((0.1, s3), (1.0, lru), (FILTER, flt)):
-        c = MiniCache(8, share, 64)
-        c.hits = hits
-        out.append(c)
-    return out
+def _window(feeds: list[tuple[float, ...]]) -> tuple[list[float], list[float]]:
+    """The copies' hits and the sums of products of their hits per feed, from the hits each
+    copy got in each feed (one row per feed)."""
+    n = len(feeds[0])
+    hits = [sum(f[i] for f in feeds) for i in range(n)]
+    return hits, [sum(f[i] * f[j] for f in feeds) for i in range(n) for j in range(n)]
 
 
-def test_choose_switches_only_on_a_clear_win_and_holds_the_mode_otherwise() -> None:
-    """The switching rule, worked by hand with Z = 2, LRU_MARGIN = 1.05 and margin 1.01 (a
-    candidate's score: its hits; the probation copy's x factor / 1.05)."""
-    assert (policy_minisim.Z, policy_minisim.LRU_MARGIN) == (2.0, 1.05)
-    # running LRU (100); probation 110 scores 104.8 > 101 but wins by 4.8 < 2 sqrt(210) = 29
-    assert choose(_copies(110, 100, 90), 1.0, 1.01) == 1.0
-    # probation 200 scores 190.5: wins by 90.5 > 2 sqrt(300) = 34.6 -> probation
-    assert choose(_copies(200, 100, 90), 1.0, 1.01) == 0.1
-    # the same hits, the real cache got half its copy's hits in the probation mode: 95.2 < 100
-    assert choose(_copies(200, 100, 90), 1.0, 1.01, {0.1: 0.5}) == 1.0
-    # running probation (95.2 calibrated): the filter's 180 wins by 84.8 > 2 sqrt(380) = 39
-    assert choose(_copies(200, 100, 180), 0.1, 1.01, {0.1: 0.5}) == FILTER
-    # ...but LRU's 100 does not (4.8 < 2 sqrt(300)): the mode holds
-    assert choose(_copies(200, 100, 90), 0.1, 1.01, {0.1: 0.5}) == 0.1
-    # a tie between LRU and the filter goes to the first listed (LRU): 100 - 38.1 > 2 sqrt(140)
-    assert choose(_copies(40, 100, 100), 0.1, 1.01) == 1.0
-    # too few hits to tell: the filter's 40 over LRU's 10 wins by 30 > 2 sqrt(50) = 14.1 with
-    # MIN_HITS = 50 hits in all, 39 over 10 (by 29 > 14) with 49 does not
-    assert policy_minisim.MIN_HITS == 50
-    assert choose(_copies(0, 10, 40), 1.0, 1.01) == FILTER
-    assert choose(_copies(0, 10, 39), 1.0, 1.01) == 1.0
-    # a mode with no copy (the start mode of a resized policy) gives way to the top one
-    assert choose(_copies(10, 20, 30), 0.5, 1.01) == FILTER
+S3, MODES = 0.1, (0.1, LRU, FILTER)
 
 
-def test_choose_takes_lfu_only_on_a_wide_calibrated_win() -> None:
-    """The LFU candidate's score is its hits x its factor / LFU_MARGIN (1.1), and it must win by
-    Z_LFU = 3 standard deviations (worked by hand; running LRU with 100 hits, margin 1.01)."""
-    assert (policy_minisim.LFU_MARGIN, policy_minisim.Z_LFU) == (1.1, 3.0)
+def _choose(feeds: list[tuple[float, ...]], best: float = LRU, **kw: Any) -> float:
+    return choose(MODES if len(feeds[0]) == 3 else (*MODES, LFU), *_window(feeds), best, **kw)
 
-    def copies(lfu: float) -> list[MiniCache]:
-        out = _copies(0, 100, 0)
-        c = MiniCache(8, LFU)
-        c.hits = lfu
-        return [*out, c]
-    # 120 scores 109.1 > 101, but wins by 9.1 < 3 sqrt(220) = 44.5: LRU holds
-    assert choose(copies(120), 1.0, 1.01) == 1.0
-    # 200 scores 181.8: wins by 81.8 > 3 sqrt(300) = 52 -> LFU
-    assert choose(copies(200), 1.0, 1.01) == LFU
-    # the same, the real cache got 0.6 of its copy's hits in LFU mode: 109.1, by 9.1 < 52
-    assert choose(copies(200), 1.0, 1.01, {LFU: 0.6}) == 1.0
+
+def test_choose_keeps_lru_on_a_tie_and_switches_on_a_gain_of_z_deviations() -> None:
+    """The switching rule, worked by hand (Z = 3, LRU_MARGIN = 1.05): base feeds where the
+    probation and LRU copies both hit 10, then k feeds where the probation copy alone hits 5.
+    Its gain 5k has a paired deviation of sqrt(k x 25) = 5 sqrt(k): resolved when sqrt(k) > 3."""
+    assert (policy_minisim.Z, policy_minisim.LRU_MARGIN, policy_minisim.MIN_HITS) == (3.0, 1.05,
+                                                                                      50.0)
+    base = [(10.0, 10.0, 0.0)] * 10
+    assert _choose(base * 10) == LRU  # 1,000 hits each, a tie: no deviation to speak of
+    assert _choose(base + [(5.0, 0.0, 0.0)] * 9) == LRU  # 45 = 3 deviations: not more
+    assert _choose(base + [(5.0, 0.0, 0.0)] * 10) == S3  # 50 > 3 sqrt(250) = 47.4
+    # what the window resolves: 3 deviations over LRU's hits, per candidate
+    res = resolution(MODES, *_window(base + [(5.0, 0.0, 0.0)] * 10))
+    assert res[S3] == pytest.approx(3 * 5 * 10 ** 0.5 / 100) and res[FILTER] == pytest.approx(
+        3 * (100 * 10) ** 0.5 / 100)
+    # chains: one request's 50 extra hits are one observation, not 50
+    assert _choose([*base, (50.0, 0.0, 0.0)]) == LRU
+
+
+def test_choose_needs_the_margin_and_min_hits() -> None:
+    """A 4% lead of the probation copy, however sure, is under LRU_MARGIN; the filter's copy
+    has no margin. Under MIN_HITS hits between the two copies no switch is made."""
+    assert _choose([(26.0, 25.0, 0.0)] * 100) == LRU  # 10 deviations, 2,600 / 1.05 < 2,500
+    assert _choose([(0.0, 25.0, 26.0)] * 100) == FILTER
+    assert _choose([(4.0, 0.0, 0.0)] * 12) == LRU  # 48 hits, 3.5 deviations
+    assert _choose([(4.0, 0.0, 0.0)] * 13) == S3  # 52 hits, 3.6 deviations
+
+
+def test_choose_returns_to_lru_once_the_gain_is_not_resolved() -> None:
+    """Running the probation mode, it stays while it leads LRU by more than Z_STAY = 2
+    deviations and gives way to LRU at the epoch's end otherwise; a quarter-epoch check
+    (`early`) never goes back, and switches only on Z_EARLY deviations."""
+    assert (policy_minisim.Z_STAY, policy_minisim.Z_EARLY) == (2.0, 4.0)
+    base = [(10.0, 10.0, 0.0)] * 10
+    assert _choose(base + [(5.0, 0.0, 0.0)] * 5, best=S3) == S3  # sqrt(5) = 2.24 deviations
+    assert _choose(base + [(5.0, 0.0, 0.0)] * 4, best=S3) == LRU  # 2: not more
+    assert _choose(base + [(5.0, 0.0, 0.0)] * 4, best=S3, early=True) == S3
+    assert _choose(base + [(5.0, 0.0, 0.0)] * 16, z=4.0, early=True) == LRU
+    assert _choose(base + [(5.0, 0.0, 0.0)] * 17, z=4.0, early=True) == S3
+
+
+def test_choose_replaces_a_mode_only_by_one_that_beats_it_and_lru() -> None:
+    """Running probation (resolved above LRU): the filter takes over only when it beats both;
+    the calibration factor scales a calibrated copy's hits; LFU needs LFU_MARGIN = 1.1."""
+    assert _choose([(2.0, 1.0, 4.0)] * 20, best=S3) == FILTER  # 80 vs 40 by 4.5 deviations
+    assert _choose([(4.0, 1.0, 4.0)] * 20, best=S3) == S3  # the filter ties with probation
+    assert _choose([(2.0, 1.0, 0.0)] * 20) == S3  # 40 vs 20: 4.5 deviations, 38.1 > 20
+    # the real cache got half its probation copy's hits: 20 vs 20
+    assert _choose([(2.0, 1.0, 0.0)] * 20, factors={S3: 0.5}) == LRU
+    assert policy_minisim.LFU_MARGIN == 1.1
+    assert _choose([(0.0, 20.0, 0.0, 21.5)] * 100) == LRU  # +7.5%, 5 deviations
+    assert _choose([(0.0, 20.0, 0.0, 23.0)] * 100) == LFU  # +15%, 10 deviations
+
+
+def test_minisims_count_each_feed_as_one_observation_and_decay_the_window() -> None:
+    """`feed` adds the products of the copies' hits in that feed; at an epoch's end (4 x the
+    mini capacity in sampled refs) hits decay by DECAY and the products by DECAY^2."""
+    ms = MiniSims(64, (S3, LRU), LRU, rate=1, min_cap=1)
+    ms.feed([k(1), k(1), k(1)])  # both copies: a miss, then 2 hits
+    assert [c.hits for c in ms.caches] == [2, 2] and ms._q == [4.0, 4.0, 4.0, 4.0]
+    ms.feed([k(2)])  # no hit: nothing added
+    assert ms._q == [4.0] * 4 and ms.window == 4
+    ms.feed([k(3 + i) for i in range(252)])  # 256 refs: the epoch ends
+    d = policy_minisim.DECAY
+    assert [c.hits for c in ms.caches] == [2 * d, 2 * d]
+    assert ms._q == pytest.approx([4 * d * d] * 4) and ms.window == pytest.approx(256 * d)
+    assert ms.best == LRU and ms.switches == 0
 
 
 def test_lfu_copy_evicts_the_least_counted_and_ghosts_keep_counts() -> None:
@@ -347,21 +421,22 @@ def test_lfu_copy_evicts_the_least_counted_and_ghosts_keep_counts() -> None:
 
 
 def test_minisims_switch_at_a_quarter_epoch_on_a_clear_win() -> None:
-    """60 hot keys and 264 one-shot keys a round, copies of 256 keys (epochs of 1,024 refs): LRU
-    never keeps a hot key 324 refs; LFU loses them in round 1 (68 evictions, the oldest of count
-    1 first) but keeps them from their second round (their ghosts' count: 2), so round 3 gives it
-    60 hits, LRU none. At ref 768, a quarter check: 60 hits >= MIN_HITS and 60 / 1.1 = 54.5 > 3
-    sqrt(60) = 23.2, the switch comes before the epoch's end (no hits decayed yet)."""
+    """60 hot keys (each its own request) and 264 one-shot keys a round, copies of 256 keys
+    (epochs of 1,024 refs): LRU never keeps a hot key 324 refs; LFU loses them in round 1 (68
+    evictions, the oldest of count 1 first) but keeps them from their second round (their
+    ghosts' count: 2), so round 3 gives it 60 hits in 60 feeds, LRU none. At ref 768, a quarter
+    check: 60 hits >= MIN_HITS, 60 / 1.1 > 0 and 60 > Z_EARLY sqrt(60) = 31: the switch comes
+    before the epoch's end."""
     ms = MiniSims(256, (1.0, LFU), 1.0, rate=1, min_cap=1)
-    hot = [k(i) for i in range(60)]
     n = 1000
     for _ in range(3):
-        ms.feed(hot)
+        for i in range(60):
+            ms.feed([k(i)])
         ms.feed([k(n + j) for j in range(264)])
         n += 264
     assert ms._seen == 3 * 324 < 4 * 256
     assert [c.hits for c in ms.caches] == [0, 60]
-    assert ms.best == LFU
+    assert ms.best == LFU and ms.switches == 1
 
 
 def test_kvtier_lfu_mode_reranks_the_blocks_and_gives_them_back() -> None:
@@ -414,3 +489,82 @@ def test_probation_copy_follows_the_predictor_placements() -> None:
     lru = MiniCache(2, 1.0)
     lru.access([k(1)], {k(1): SKIP})
     assert list(lru.s) == [k(1)]
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["push", "push", "touch", "discard"]),
+                          st.integers(0, 11), st.booleans()), max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_OPS, st.sampled_from([S3, LFU]))
+def test_kvtier_queue_in_lru_mode_is_the_lru_queue(ops: list[tuple[str, int, bool]],
+                                                    before: float) -> None:
+    """The adaptive queue in LRU mode (after any other mode) orders its blocks as `lru`'s queue
+    does, whatever is pushed (hot or cold end), touched or discarded: the same victim first and
+    the same order behind it."""
+    q, ref = AdaptiveQueue(before, lru_main=True), LruQueue()
+    q.set_share(LRU)
+    ours = [Block(k(i), 0, None) for i in range(12)]
+    theirs = [Block(k(i), 0, None) for i in range(12)]
+    queued: set[int] = set()
+    for op, i, cold in ops:
+        if op == "push" and i not in queued:
+            ours[i].flags |= PROTECTED if cold else 0  # a ghost hit changes nothing in LRU mode
+            q.push(ours[i], cold)
+            ref.push(theirs[i], cold)
+            queued.add(i)
+        elif op == "touch" and i in queued:
+            q.touch(ours[i])
+            ref.touch(theirs[i])
+        elif op == "discard" and i in queued:
+            q.discard(ours[i])
+            ref.discard(theirs[i])
+            queued.discard(i)
+        assert [b.key for b in q] == [b.key for b in ref]
+        first, want = q.first(), ref.first()
+        assert (first and first.key) == (want and want.key)
+    assert len(q) == len(ref) == len(queued)
+
+
+def _journal(reqs: list[Request], fraction: float, policy: str) -> tuple[float, list[Any], int]:
+    """Hit ratio, every residency change in order, and mode switches of a DRAM-only replay."""
+    cfg = TierConfig(max(1, round(len(set(flatten(reqs))) * fraction)), 0, policy)
+    ix = new_index(cfg, journal=True)
+    hit = replay(reqs, cfg, index=ix).hit_ratio
+    pol = ix._policy
+    return hit, ix.take_changes(), pol.minisims.switches if isinstance(pol, AdaptivePolicy) else 0
+
+
+def test_kvtier_replays_exactly_as_lru_where_no_switch_fires() -> None:
+    """Chat at 20% of its distinct blocks: the mini simulations resolve no gain over LRU, so
+    kvtier stores, evicts and re-queues exactly as `lru` (every add and drop of the index's
+    journal, in order) and hits the same."""
+    reqs = generate("chat", 1000, 0)
+    hit, changes, switches = _journal(reqs, 0.2, "kvtier")
+    assert switches == 0
+    lru_hit, lru_changes, _ = _journal(reqs, 0.2, "lru")
+    assert len(changes) > 10_000 and sum(c.op is Op.DROP for c in changes) > 3_000
+    assert changes == lru_changes and hit == lru_hit
+
+
+_CHAINS = st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.booleans()), min_size=1,
+                   max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_CHAINS, st.integers(2, 24))
+def test_kvtier_is_lru_on_random_traces_where_no_switch_fires(
+        chains: list[tuple[int, int, bool]], cap: int) -> None:
+    """Random prompts over 5 shared prefixes (a unique last block or not), any small capacity:
+    where no switch fires, kvtier's journal is lru's."""
+    reqs, fresh = [], 10_000
+    for t, (p, n, tail) in enumerate(chains):
+        ids = [p * 100 + i for i in range(n)]
+        if tail:
+            ids.append(fresh)
+            fresh += 1
+        reqs.append(Request(float(t), len(ids) * 512 - (100 if tail else 0), 1, tuple(ids)))
+    fraction = cap / len(set(flatten(reqs)))
+    hit, changes, switches = _journal(reqs, fraction, "kvtier")
+    assume(switches == 0)
+    assert (hit, changes) == _journal(reqs, fraction, "lru")[:2]

@@ -30,7 +30,7 @@ from kvtier.daemon import config
 from kvtier.daemon.cache.cache import Cache
 from kvtier.daemon.cache.namespaces import Namespace, Tenant
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.index.policy_registry import DEFAULT_POLICY
+from kvtier.index.policies import DEFAULT_POLICY
 from kvtier.sim.config import TierConfig
 from kvtier.sim.fleet import RemoteStore
 from kvtier.sim.replay import Node, replay

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.core.types import Tier
-from kvtier.index.policy_registry import POLICIES
+from kvtier.index.policies import POLICIES
 from kvtier.sim.ceilings import belady, flatten, infinite_hits
 from kvtier.sim.config import TierConfig
 from kvtier.sim.replay import new_index, replay

@@ -41,7 +41,7 @@ def _folded(name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvtier.commands.flags import alias
-    from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
+    from kvtier.index.policies import DEFAULT_POLICY, POLICIES
     from kvtier.sim.workloads import HELD_OUT, WORKLOADS
 
     parser.epilog = _EPILOG

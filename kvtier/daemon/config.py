@@ -59,7 +59,7 @@ from kvtier.core.paths import CONFIG_FILE, SOCKET_NAME, config_dirs, runtime_dir
 from kvtier.core.paths import data_dir as default_data_dir
 from kvtier.core.suggest import closest
 from kvtier.core.units import exact_size, parse_bytes
-from kvtier.index.policy_registry import DEFAULT_POLICY, POLICIES
+from kvtier.index.policies import DEFAULT_POLICY, POLICIES
 from kvtier.tiers.blockfmt import HEADER_SIZE as BLOCK_HEADER_BYTES
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from itertools import islice
 
 from kvtier.core.types import Tier
-from kvtier.index.policies import EvictionQueue
+from kvtier.index.policies.base import EvictionQueue
 from kvtier.index.state import IndexState
 from kvtier.index.types import Block, Evicted
 

@@ -48,7 +48,7 @@ from typing import NamedTuple
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from kvtier.index.policies import ADMISSION_HISTORY_PER_BLOCK
+from kvtier.index.history import ADMISSION_HISTORY_PER_BLOCK
 
 FACTORS = (0.25, 0.5, 2.0, 4.0, 8.0)
 """Capacity multiples the daemon reports (of its DRAM, and of its SSD)."""

@@ -59,7 +59,7 @@ from typing import cast
 from kvtier.core.types import BlockKey, Tier
 from kvtier.index.evict import Eviction
 from kvtier.index.hbm import HbmReports
-from kvtier.index.policies import ADMISSION_HISTORY_PER_BLOCK
+from kvtier.index.history import ADMISSION_HISTORY_PER_BLOCK
 from kvtier.index.state import short
 from kvtier.index.types import (
     EVICTION_COUNTERS,
@@ -133,7 +133,7 @@ class PrefixIndex(Eviction, HbmReports):
     `dram_blocks`/`ssd_blocks`: tier capacities in blocks (None = unbounded). DRAM slot ids, when
     used, are validated against ``range(dram_blocks)`` and must be unique. `block_bytes`: the
     fixed size of one block, for byte accounting. `policy`: a
-    `kvtier.index.policy_registry.POLICIES` name (eviction order, DRAM admission via `admit`, SSD
+    `kvtier.index.policies.POLICIES` name (eviction order, DRAM admission via `admit`, SSD
     admission). `admission_k`: SSD admission on the k-th access. `admission_history`: words of the
     `kvtier.index.policies.AdmissionHistory` that keeps the access counts of dropped blocks (4 bytes
     each; 0 = off, a reinserted block starts again at 1); None = `ADMISSION_HISTORY_PER_BLOCK` x

@@ -38,8 +38,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from kvtier.core.types import BlockKey, Tier
-from kvtier.index.policies import AdmissionHistory, EvictionQueue
-from kvtier.index.policy_registry import DEFAULT_POLICY, make_policy
+from kvtier.index.history import AdmissionHistory
+from kvtier.index.policies import DEFAULT_POLICY, make_policy
+from kvtier.index.policies.base import EvictionQueue
 from kvtier.index.types import (
     EVICTION_COUNTERS,
     FLAG_BITS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvtier.index.policy_registry import DEFAULT_POLICY
+from kvtier.index.policies import DEFAULT_POLICY
 
 
 @dataclass(frozen=True)

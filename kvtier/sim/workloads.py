@@ -4,8 +4,11 @@ on: `longreuse` (a large, flat-popularity document set: reuse distances of a lar
 distinct blocks, where recency wins as the cache grows), `docchat` (long documents and chat
 sessions interleaved: two reuse scales in one stream) and `tenants` (three tenants' streams in one
 trace with disjoint ids — a hot chat, a cold flat-popularity RAG and a one-shot document scan —
-each with its own reuse). `drift` (popularity that moves: three document sets in turn beside
-agent sessions) is held out: no policy setting was chosen on it.
+each with its own reuse). Held out (no policy setting was chosen on them): `drift` (popularity
+that moves: three document sets in turn beside agent sessions) and `conversation` (production-like
+conversations: many apps' system prompts, sessions of a few turns opening with a long message;
+shaped like a real conversation trace, ~24 block references a request, and meant to be run at its
+length, 12,000 requests).
 
 All produce `Request`s with chained 512-token block ids exactly like a Mooncake trace, so every
 part of the simulator treats them alike. Output is a pure function of the spec (seeded
@@ -99,6 +102,26 @@ class RagSpec:
     requests_per_s: float = 3.0
 
 
+@dataclass(frozen=True)
+class ConversationSpec:
+    """Production-like conversations: many apps' system prompts (Zipf-popular), sessions of a few
+    turns whose first message is often long (a pasted document or code: log-uniform length) and
+    whose later messages are short; each turn's prompt = system prompt + transcript + message."""
+
+    requests: int = 12000
+    seed: int = 0
+    apps: int = 40
+    system_tokens: tuple[int, int] = (300, 4000)
+    zipf_s: float = 1.0
+    sessions_per_s: float = 1.3
+    mean_turns: float = 2.5
+    first_tokens: tuple[int, int] = (500, 32000)
+    user_tokens: tuple[int, int] = (20, 3000)
+    output_tokens: tuple[int, int] = (50, 1000)
+    mean_think_s: float = 60.0
+    max_context_tokens: int = 65536
+
+
 class _Ids:
     """Assigns block ids; see the module docstring."""
 
@@ -167,6 +190,48 @@ def chat(spec: ChatSpec = ChatSpec()) -> list[Request]:
             ]
             hash_ids = ids.chain(segs, prompt)
             turns.append((t, session, turn, Request(round(t * 1000.0, 3), prompt, out, hash_ids)))
+            context = prompt + out
+            if rng.random() < 1.0 / spec.mean_turns:
+                break
+            t += rng.expovariate(1.0 / spec.mean_think_s)
+        session += 1
+    turns.sort(key=lambda x: x[:3])
+    return [x[3] for x in turns[: spec.requests]]
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    scale: float = (hi / lo) ** rng.random()
+    return round(lo * scale)
+
+
+def conversation(spec: ConversationSpec = ConversationSpec()) -> list[Request]:
+    """Conversations (`ConversationSpec`): turn t's prompt = the app's system prompt + every
+    earlier message and answer + a new message; the first message log-uniform in
+    `first_tokens`, later ones in `user_tokens`."""
+    _check_positive(requests=spec.requests, apps=spec.apps, sessions_per_s=spec.sessions_per_s,
+                    mean_turns=spec.mean_turns)
+    rng = random.Random(spec.seed)
+    sys_len = [rng.randint(*spec.system_tokens) for _ in range(spec.apps)]
+    cum = _zipf_cum_weights(spec.apps, spec.zipf_s)
+    ids = _Ids()
+    turns: list[tuple[float, int, int, Request]] = []
+    start = 0.0
+    session = 0
+    while len(turns) < spec.requests:
+        start += rng.expovariate(spec.sessions_per_s)
+        a = rng.choices(range(spec.apps), cum_weights=cum)[0]
+        context = sys_len[a]
+        t = start
+        for turn in itertools.count():
+            msg = _log_uniform(rng, *(spec.first_tokens if turn == 0 else spec.user_tokens))
+            prompt = context + msg
+            if prompt > spec.max_context_tokens:
+                break
+            out = rng.randint(*spec.output_tokens)
+            segs: list[tuple[Hashable, int]] = [(("app", a), sys_len[a]),
+                                                (("conv", session), prompt)]
+            turns.append((t, session, turn,
+                          Request(round(t * 1000.0, 3), prompt, out, ids.chain(segs, prompt))))
             context = prompt + out
             if rng.random() < 1.0 / spec.mean_turns:
                 break
@@ -337,7 +402,7 @@ def drift(requests: int, seed: int) -> list[Request]:
 
 WORKLOADS = ("chat", "docqa", "agentic", "rag", "longreuse", "docchat", "tenants")
 """The generated shapes policies are measured (and tuned) on."""
-HELD_OUT = ("drift",)
+HELD_OUT = ("drift", "conversation")
 """Shapes kept out of tuning: `bench.policies` reports them in their own rows and minimum."""
 
 
@@ -360,4 +425,6 @@ def generate(name: str, requests: int, seed: int) -> list[Request]:
         return tenants(requests, seed)
     if name == "drift":
         return drift(requests, seed)
+    if name == "conversation":
+        return conversation(ConversationSpec(requests=requests, seed=seed))
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS + HELD_OUT)}")

@@ -1,8 +1,8 @@
-"""The policy contract of the prefix index (`Policy`), its base LRU, and the shared pieces.
+"""The policy contract of the prefix index (`Policy`), its base LRU and the queues' building blocks.
 
 A `Policy` owns an index's two eviction queues, its DRAM admission (`admit`) and its SSD
-admission; `kvtier.index.policy_registry` maps names to policies (the peers' in
-`kvtier.index.policy_peers`, kvtier's in `kvtier.index.policy_adaptive`).
+admission; `kvtier.index.policies` maps names to policies, one per file in this folder (the
+peers', each with where it comes from) and kvtier's own in `kvtier.index.policies.adaptive`.
 
 An eviction queue holds the blocks of one tier that may be evicted *now* (the index decides
 membership; see `kvtier.index.prefix`). The queue only orders them. Blocks are linked intrusively
@@ -11,39 +11,28 @@ O(1) and a block is in at most one queue at a time.
 
     coldest ─▶ b ⇄ b ⇄ b ⇄ b ◀─ hottest          (iteration order = eviction order)
 
-Policies:
-
-- ``lru``: one list; a touch moves the block to the hot end (`Policy`, the base).
-- ``slru``: segmented LRU, frequency-aware. A block accessed fewer than two times sits in the
-  *probation* list, one accessed again moves to the *protected* list; protected holds at most
-  `protected_fraction` of the queue (its coldest overflow falls back to probation's hot end).
-  Victims come from probation first, so one-shot blocks (a long document read once) cannot flush
-  blocks that are reused (a shared system prompt).
+``lru`` (this base): one list; a touch moves the block to the hot end.
 
 SSD admission: `KthAccess(k)` admits a block to SSD once it has been accessed k times (the commit
 counts as the first access, each lookup hit as one more); k = 2 keeps one-shot prefixes off the
-drive, k = 1 writes everything back. `AdmissionHistory` remembers the counts of recently dropped
-blocks ("ghost" entries), so a block reused at a distance larger than DRAM still reaches k.
+drive, k = 1 writes everything back. The index's `kvtier.index.history.AdmissionHistory` remembers
+the counts of recently dropped blocks ("ghost" entries), so a block reused at a distance larger
+than DRAM still reaches k.
 
 Threading: none of this is thread-safe; the index's owner serialises calls.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from xxhash import xxh3_64_intdigest
-
 from kvtier.core.types import BlockKey
+from kvtier.index.history import ADMISSION_HISTORY_PER_BLOCK
 from kvtier.index.types import HITS_MAX
 
 if TYPE_CHECKING:
     from kvtier.index.types import Block, Tenant
-
-ADMISSION_HISTORY_PER_BLOCK = 1
-"""Default admission-history words per block of total capacity (DRAM + SSD); see `PrefixIndex`."""
 
 PROTECTED = 1 << 7
 """Bit of `Block.flags` owned by the policy: SLRU's protected list, ARC's T2, S3-FIFO's main
@@ -52,6 +41,7 @@ queue, kvtier's main segment. Bits 5-6 (`COUNT_SHIFT`) are a 2-bit counter the p
 COUNT_SHIFT = 5
 COUNT_BITS = 3 << COUNT_SHIFT
 MARK = 1 << 0
+
 
 
 class BlockList:
@@ -168,67 +158,6 @@ class LruQueue(BlockList, EvictionQueue):
         return self.size
 
 
-class SlruQueue(EvictionQueue):
-    __slots__ = ("_fraction", "_probation", "_protected")
-    name = "slru"
-
-    def __init__(self, protected_fraction: float = 0.8) -> None:
-        if not 0.0 < protected_fraction < 1.0:
-            raise ValueError(f"protected_fraction must be in (0, 1), got {protected_fraction}")
-        self._fraction = protected_fraction
-        self._probation = BlockList()
-        self._protected = BlockList()
-
-    def push(self, b: Block, cold: bool = False) -> None:
-        if b.stamp & HITS_MAX < 2:
-            seg = self._probation
-        else:
-            b.flags |= PROTECTED
-            seg = self._protected
-        if cold:
-            seg.appendleft(b)
-        else:
-            seg.append(b)
-        self._rebalance()
-
-    def discard(self, b: Block) -> None:
-        if b.flags & PROTECTED:
-            b.flags &= ~PROTECTED
-            self._protected.unlink(b)
-        else:
-            self._probation.unlink(b)
-
-    def touch(self, b: Block) -> None:
-        if b.flags & PROTECTED:
-            self._protected.move_to_end(b)
-        elif b.stamp & HITS_MAX >= 2:
-            self._probation.unlink(b)
-            b.flags |= PROTECTED
-            self._protected.append(b)
-            self._rebalance()
-        else:
-            self._probation.move_to_end(b)
-
-    def _rebalance(self) -> None:
-        protected, probation = self._protected, self._probation
-        limit = max(1, int(self._fraction * (protected.size + probation.size)))
-        while protected.size > limit and protected.head is not None:
-            b = protected.head
-            protected.unlink(b)
-            b.flags &= ~PROTECTED
-            probation.append(b)
-
-    def first(self) -> Block | None:
-        return self._probation.head or self._protected.head
-
-    def __iter__(self) -> Iterator[Block]:
-        yield from self._probation
-        yield from self._protected
-
-    def __len__(self) -> int:
-        return self._probation.size + self._protected.size
-
-
 class KthAccess:
     """SSD admission: write a block back only once it has been accessed `k` times."""
 
@@ -247,7 +176,7 @@ class Policy:
     """One index's policy: the order of its two eviction queues, DRAM admission, SSD admission.
 
     This base is leaf-first LRU with every block admitted to DRAM and SSD admission on the k-th
-    access (`KthAccess`); subclasses (`kvtier.index.policy_registry`) override what differs. The
+    access (`KthAccess`); subclasses (`kvtier.index.policies`) override what differs. The
     index calls `inserted`, `unlinked` and `looked_up` only when `hooks` is true (`mark` when
     `marks` is), so a policy without
     hooks costs nothing on the request path. `admit` is a query: the caller (the simulator, the
@@ -299,83 +228,3 @@ class Policy:
         """A touching lookup hit `b`, which is in no queue (its children keep it, or it is
         pinned): what a queue's `touch` would record, for when it enters one. Called only when
         `marks` is true."""
-
-
-class SlruPolicy(Policy):
-    name = "slru"
-
-    def make_queue(self, capacity: int | None) -> EvictionQueue:
-        return SlruQueue()
-
-
-_MASK64 = (1 << 64) - 1
-_COUNT_MAX = 255
-
-
-class AdmissionHistory:
-    """Access counts of recently dropped blocks ("ghost" entries), for k-th-access admission.
-
-    A direct-mapped table of `size` 32-bit words (4 bytes each, allocated once; size 0 = off).
-    `remember` stores a dropped (tenant, key) in word ``h % size`` as ``tag << 8 | min(hits,
-    255)`` (h = XXH3-64 of the key seeded by the tenant, tag = its top 24 bits), overwriting what
-    was there; `recall` of a key whose tag matches returns the count and clears the word. So memory
-    is fixed, every operation is O(1) and keeps no key alive; a dropped block is remembered until
-    a later drop lands on its word: after m more drops with probability (1 - 1/size)^m ~
-    exp(-m/size). A tag collision (2^-24 per recall that finds a word occupied by another key)
-    restores a wrong count: it can change an admission decision, never the index's invariants.
-    Deterministic across processes and runs (no `hash()`).
-
-    Counters: `entries` = occupied words; `recalled` = counts given back so far.
-    """
-
-    __slots__ = ("_words", "entries", "recalled", "size")
-
-    def __init__(self, size: int) -> None:
-        if size < 0:
-            raise ValueError(f"admission history size must be >= 0, got {size}")
-        self.size = size
-        self._words = array("I", bytes(4 * size))
-        self.entries = 0
-        self.recalled = 0
-
-    def slot(self, tenant: Tenant, key: bytes) -> tuple[int, int]:
-        """(word index, tag) of a key; for tests and audits."""
-        h = _fingerprint(tenant, key)
-        return h % self.size, h >> 40
-
-    def remember(self, tenant: Tenant, key: bytes, hits: int) -> None:
-        """A block left the cache after `hits` accesses (>= 1)."""
-        if not self.size:
-            return
-        h = _fingerprint(tenant, key)
-        i = h % self.size
-        words = self._words
-        if not words[i]:
-            self.entries += 1
-        words[i] = (h >> 40) << 8 | (hits if hits < _COUNT_MAX else _COUNT_MAX)
-
-    def recall(self, tenant: Tenant, key: bytes) -> int:
-        """The remembered access count of a dropped key, forgetting it; 0 if not remembered."""
-        if not self.entries:
-            return 0
-        h = _fingerprint(tenant, key)
-        i = h % self.size
-        w = self._words[i]
-        if w and w >> 8 == h >> 40:
-            self._words[i] = 0
-            self.entries -= 1
-            self.recalled += 1
-            return w & _COUNT_MAX
-        return 0
-
-    def nbytes(self) -> int:
-        return self._words.itemsize * self.size
-
-    def occupied(self) -> int:
-        """Recount of `entries` (O(size), for tests)."""
-        return self.size - self._words.count(0)
-
-
-def _fingerprint(tenant: Tenant, key: bytes) -> int:
-    seed = tenant if isinstance(tenant, int) else xxh3_64_intdigest(tenant.encode())
-    return xxh3_64_intdigest(key, seed & _MASK64)
