@@ -592,6 +592,36 @@ class DramPool:
                 self._regions.release_if_drained(r)
             return n
 
+    def free_many(self, slots: list[int]) -> int:
+        """`free` of each slot under one lock; the bytes they spanned. Checks every slot first
+        (allocated, unpinned) and frees none when one fails."""
+        with self._lock:
+            owner = self.owner
+            if any(s in self._pins for s in slots) if self._pins else False:
+                raise SlotPinned("a slot to free is pinned")
+            if owner is not None and any(map(owner.slot_pinned, slots)):
+                raise SlotPinned("a slot to free holds a pinned block")
+            if self._regions is None:
+                try:
+                    return self.pages.free_many(slots)
+                except ValueError as exc:
+                    raise DramError(str(exc)) from None
+            by_table: dict[int, tuple[PageTable, Region, list[int]]] = {}
+            for s in slots:
+                pages, local, r = self._slot(s)
+                assert r is not None
+                by_table.setdefault(id(pages), (pages, r, []))[2].append(local)
+            for pages, _, ids in by_table.values():  # all checked before any is freed
+                for slot in ids:
+                    if not pages.is_allocated(slot):
+                        raise DramError(f"slot {slot} of a region is not allocated")
+            n = 0
+            for pages, r, ids in by_table.values():
+                n += pages.free_many(ids)
+                if r.retired:
+                    self._regions.release_if_drained(r)
+            return n
+
     def pin(self, slot: int) -> int:
         """Add a pin (a lease) to an allocated slot; returns the new pin count. Only for a pool
         that keeps its own pins (no `owner`: pin the block there instead)."""

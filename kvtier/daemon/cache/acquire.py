@@ -309,8 +309,8 @@ class Acquirer:
         index = self.tiers.index
         for block in r.blocks:
             index.unpin(r.ns.name, block.key)
-        if self.tiers.stale:  # blocks of a retired tenant file waited for this release
-            self.tiers.apply()
+        if self.tiers.stale or index.reap_due:  # blocks waited for this release: of a retired
+            self.tiers.apply()                    # tenant file, or evicted by an operator
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no Acquire is between `begin` and `end` with I/O; False on timeout.

@@ -128,8 +128,12 @@ class Tiers:
             raise
 
     def apply(self, why: str = "capacity", publish: bool = True) -> None:
-        """`Applier.apply`, then the `stale` blocks no pin holds any more leave DRAM."""
+        """`Applier.apply`; then the doomed blocks (an operator's evict) that nothing holds any
+        more go (`PrefixIndex.reap`), and the `stale` blocks no pin holds leave DRAM."""
         self.applier.apply(why, publish)
+        if self.index.reap_due:
+            self.index.reap()
+            self.applier.apply("operator", publish)
         if self.stale:
             self.drop_stale()
             self.applier.apply("rekeyed", publish)
@@ -442,6 +446,8 @@ class Tiers:
                 if self.index.get(w.ns, w.key) is not None:
                     self.index.unpin(w.ns, w.key)
             self.applier.stored_remote([(w.ns, w.key) for w in stored])
+            if self.index.reap_due:  # an evicted block waited for this write
+                self.apply()
 
     # -- DRAM ---------------------------------------------------------------------------------
 
