@@ -92,7 +92,7 @@ from kvtier.daemon.cache.api import (
     Scope,
     SegmentView,
 )
-from kvtier.daemon.cache.control import Control, describe
+from kvtier.daemon.cache.control import Control, describe, no_layout
 from kvtier.daemon.cache.events import EventLog
 from kvtier.daemon.cache.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.cache.namespaces import (
@@ -686,8 +686,7 @@ class Cache:
                        if self.names.layouts[(ns.tenant, ns.layout_id)].key_width
                        == scope.key_width]
         if not targets:
-            raise NotFound(f"no registered layout matches ({describe(scope)}) with key_width "
-                           f"{scope.key_width}")
+            raise no_layout(scope)
         asked = len(scope.keys) // scope.key_width
         dram = ssd = remote = missing = 0
         for ns, owner in targets:

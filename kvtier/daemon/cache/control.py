@@ -73,6 +73,16 @@ def split(keys: bytes, width: int, most: int) -> list[bytes]:
     return list(struct.unpack(f"{width}s" * n, keys))
 
 
+def no_layout(scope: Scope) -> NotFound:
+    """The refusal of a pin or prefetch that names no registered layout (a client's own layout
+    after a daemon restart: "unknown layout", which makes it register again)."""
+    if scope.layout_id:
+        return NotFound(f"unknown layout {scope.layout_id.hex()[:16]}: call RegisterLayout "
+                        "first")
+    return NotFound(f"no registered layout matches ({describe(scope)}): the engine registers "
+                    "its layouts when it connects")
+
+
 def describe(scope: Scope, clear: bool = False) -> str:
     """The scope as a log line names it (never a key: their count)."""
     parts = ["every tenant" if scope.all_tenants else f"tenant {scope.tenant}" if scope.tenant
@@ -218,8 +228,7 @@ class Control:
                                   "block)")
         nss = self.namespaces(caller, scope, registered=True)
         if not nss:
-            raise NotFound(f"no registered layout matches ({describe(scope)}): the engine "
-                           "registers its layouts when it connects")
+            raise no_layout(scope)
         width = scope.key_width
         found: list[tuple[Namespace, list[bytes], Cost]] = []
         extra: dict[str, list[int]] = {}
