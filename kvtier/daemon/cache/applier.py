@@ -162,7 +162,7 @@ class Applier:
             self.ssd_bytes -= cost
             self.names.charge(ns.tenant, _SSD, -cost)
             if self.store is not None:
-                self.store.delete_many([(ns, k) for k in d.keys])
+                self.store.delete_tenant_keys(ns, d.keys)
         self.metrics.evictions.labels(d.tier.label, why).inc(len(d.keys))
         if publish:
             self.removed(ns, d.tier, d.keys)

@@ -253,6 +253,14 @@ class SsdStore:
             self._check_open()
             return delete(self._files, [stored_key(t, k) for t, k in keys])
 
+    def delete_tenant_keys(self, tenant: str, keys: list[bytes]) -> None:
+        """`delete_many` of one tenant's keys (an operator's evict: ~10^5 at once), the stored
+        keys built with one prefix and nothing reported back."""
+        head = stored_key(tenant, b"\0")[:-1]
+        with self._wlock:
+            self._check_open()
+            delete(self._files, [head + k for k in keys], report=False)
+
     def flush_stats(self) -> None:
         """Persist pending access counts now (the mover calls this when idle and at close)."""
         with self._wlock:
