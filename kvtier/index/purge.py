@@ -136,9 +136,9 @@ class Purge(IndexState):
         self._evictions["removed"] += n
         if self._journal is not None:
             if dram:
-                self._drops.append(Drops(tenant, _DRAM, [b.key for b in dram], slots))
+                self._drops.append(Drops(tenant, _DRAM, [b.key for b in dram], slots, whole))
             if ssd_keys:
-                self._drops.append(Drops(tenant, _SSD, ssd_keys, []))
+                self._drops.append(Drops(tenant, _SSD, ssd_keys, [], whole))
         return Purged(n, len(dram), len(ssd_keys), keys, len(keep))
 
     def take_drops(self) -> list[Drops]:

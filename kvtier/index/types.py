@@ -172,6 +172,8 @@ class Drops(NamedTuple):
     tier: Tier
     keys: list[BlockKey]
     slots: list[int]
+    whole: bool = False
+    """Every block of the tenant left the index (nothing of it is cached any more)."""
 
 
 class Prefix(NamedTuple):

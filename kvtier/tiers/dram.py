@@ -154,6 +154,9 @@ class PinOwner(Protocol):
 
     def slot_pinned(self, slot: int) -> bool: ...
 
+    def any_pinned(self, slots: list[int]) -> bool:
+        """Whether any of `slots` holds a pinned block (`slot_pinned` of each, at C speed)."""
+
     @property
     def pinned_slots(self) -> int: ...
 
@@ -597,9 +600,9 @@ class DramPool:
         (allocated, unpinned) and frees none when one fails."""
         with self._lock:
             owner = self.owner
-            if any(s in self._pins for s in slots) if self._pins else False:
+            if self._pins and not self._pins.keys().isdisjoint(slots):
                 raise SlotPinned("a slot to free is pinned")
-            if owner is not None and any(map(owner.slot_pinned, slots)):
+            if owner is not None and slots and owner.any_pinned(slots):
                 raise SlotPinned("a slot to free holds a pinned block")
             if self._regions is None:
                 try:

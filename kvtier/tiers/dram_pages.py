@@ -391,7 +391,8 @@ class PageTable:
             self.check(bad)
         ipp, page, st, live = self.ids_per_page, self.page_bytes, self._stride, self._live
         page_free, class_free = self._page_free, self._class_free
-        inside: dict[tuple[int, int], int] = {}
+        inside: dict[int, int] = {}  # page -> its rows wholly inside it (a page's class stays
+        # within this call: a page goes back only once its last slot is freed)
         total = 0
         for slot in slots:
             p, j = divmod(slot, ipp)
@@ -406,9 +407,9 @@ class PageTable:
                 free.append(slot)
             class_free[stride] += 1
             total += g
-            k = inside.get((stride, p))
+            k = inside.get(p)
             if k is None:
-                k = inside[stride, p] = self.inside(stride, p)
+                k = inside[p] = self.inside(stride, p)
             if j < k:  # wholly inside page p: the only page it lies on
                 if not live[p] and not self._borrowed(p):
                     self._release_page(p)
