@@ -34,6 +34,12 @@ COMMANDS: dict[str, str] = {
     "stats": "kvtier.commands.stats",
     "demo": "kvtier.commands.demo",
     "top": "kvtier.commands.top",
+    "evict": "kvtier.commands.evict",
+    "clear": "kvtier.commands.clear",
+    "pin": "kvtier.commands.pin",
+    "unpin": "kvtier.commands.unpin",
+    "pins": "kvtier.commands.pins",
+    "prefetch": "kvtier.commands.prefetch",
 }
 
 

@@ -117,6 +117,42 @@ def test_live_blocks_never_overlap_and_accounting_adds_up(
     assert t.free_pages == t.page_count and t.used_bytes == 0  # every page came back
 
 
+def _state(t: PageTable) -> tuple[object, ...]:
+    return (bytes(t._allocated), list(t._stride), list(t._live), t.used, t.used_bytes,
+            {p: sorted(f) for p, f in t._page_free.items()}, dict(t._class_free),
+            sorted(t._free_pages), {c: sorted(ps) for c, ps in t._class_pages.items()})
+
+
+@pytest.mark.parametrize("page_bytes,pages", [(16 * MiB, 6), (4 * MiB, 22), (1536 * KiB, 20)])
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(SIZES, st.integers(1, 40)), min_size=1, max_size=30),
+       st.randoms(use_true_random=False))
+def test_freeing_many_slots_at_once_equals_freeing_them_one_by_one(
+        page_bytes: int, pages: int, allocs: list[tuple[int, int]], rng: object) -> None:
+    """`free_many` (an operator's evict) leaves the table exactly as `free` of each slot in
+    order would: the same pages back, the same free lists and counts."""
+    import random
+
+    assert isinstance(rng, random.Random)
+    one, many = PageTable(page_bytes, pages, 16 * KiB), PageTable(page_bytes, pages, 16 * KiB)
+    live: list[int] = []
+    for size, n in allocs:
+        a, b = one.alloc_many(n, one.stride_for(size)), many.alloc_many(n, many.stride_for(size))
+        assert a == b
+        live += a or []
+    doomed = rng.sample(live, rng.randint(0, len(live)))
+    want = sum(one.stride_of(s) for s in doomed)
+    for slot in doomed:
+        one.free(slot)
+    assert many.free_many(doomed) == want
+    assert _state(many) == _state(one)
+    kept = [s for s in live if s not in set(doomed)]
+    check_table(many, {s: many.stride_of(s) for s in kept})
+    with pytest.raises(ValueError):  # one slot not allocated: nothing is freed
+        many.free_many([*kept[:1], *(doomed[:1] or [10 ** 6])])
+    assert _state(many) == _state(one)
+
+
 def test_a_run_of_pages_of_one_class_holds_the_rows_that_cross_their_boundaries() -> None:
     # DeepSeek-V3 MLA blocks (1,124,352 B) in 8 MiB pages: 7 rows lie wholly in page 0, 6 in
     # page 1, 7 in page 2; the rows crossing 8 and 16 MiB are slots while both pages they touch

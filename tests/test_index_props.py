@@ -53,6 +53,7 @@ class Entry:
     pins: int = 0
     replicas: set[str] = field(default_factory=set)
     hits: int = 1
+    doomed: bool = False  # purged while pinned (or under such a block): waits for `reap`
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -92,7 +93,8 @@ class IndexMachine(RuleBasedStateMachine):
                 del self.ghost[word]
                 hits += old[1]
                 self.recalled += 1
-        self.m[tk] = Entry(parent, {tier}, slot, hits=hits)
+        doomed = parent is not None and self.m[(tk[0], parent)].doomed
+        self.m[tk] = Entry(parent, {tier}, slot, hits=hits, doomed=doomed)
 
     # ------------------------------------------------------------ model helpers
     def count(self, tier: Tier) -> int:
@@ -237,7 +239,7 @@ class IndexMachine(RuleBasedStateMachine):
         want = []
         for i, key in enumerate(keys):
             e = self.m.get((t, key))
-            if e is None or e.parent != (keys[i - 1] if i else None):
+            if e is None or e.parent != (keys[i - 1] if i else None) or e.doomed:
                 break
             held = e.replicas if replica is None else e.replicas & {replica}
             want.append(H if held else D if D in e.tiers else S)
@@ -383,6 +385,61 @@ class IndexMachine(RuleBasedStateMachine):
         assert not sub & set(self.m)
         self.evictions["removed"] += len(sub)
 
+    def subtree(self, top: tuple[int | str, bytes]) -> set[tuple[int | str, bytes]]:
+        sub = {top}
+        grew = True
+        while grew:
+            more = {tk for tk, e in self.m.items()
+                    if tk[0] == top[0] and (tk[0], e.parent) in sub} - sub
+            sub |= more
+            grew = bool(more)
+        return sub
+
+    @rule(data=st.data(), t=st.sampled_from(TENANTS), whole=st.booleans())
+    def purge(self, data: st.DataObject, t: int | str, whole: bool) -> None:
+        """An operator's evict: a tenant's blocks, or the subtrees of some keys; pinned ones and
+        their ancestors stay, doomed."""
+        keys = None if whole else data.draw(st.lists(st.sampled_from(KEYS), max_size=3))
+        if keys is None:
+            chosen = {tk for tk in self.m if tk[0] == t}
+        else:
+            chosen = set().union(*(self.subtree((t, k)) for k in keys if (t, k) in self.m))
+        keep: set[tuple[int | str, bytes]] = set()
+        for tk in chosen:
+            if self.m[tk].pins:
+                cur: tuple[int | str, bytes] | None = tk
+                while cur is not None and cur in chosen:
+                    keep.add(cur)
+                    p = self.m[cur].parent
+                    cur = None if p is None else (t, p)
+        selection = self.ix.select(t, keys)
+        assert {(b.tenant, b.key) for b in selection} == chosen
+        gone = chosen - keep
+        want = (len(gone), sum(D in self.m[tk].tiers for tk in gone),
+                sum(S in self.m[tk].tiers for tk in gone))
+        got = self.ix.purge(t, selection)
+        assert (got.removed, got.dram, got.ssd) == want and got.doomed == len(keep)
+        assert {(t, k) for k in got.keys} == gone
+        for tk in gone:
+            del self.m[tk]  # an operator's removal: no admission history
+        for tk in keep:
+            self.m[tk].doomed = True
+        self.evictions["removed"] += len(gone)
+
+    @rule()
+    def reap(self) -> None:
+        gone: set[tuple[int | str, bytes]] = set()
+        while True:
+            ready = {tk for tk, e in self.m.items()
+                     if e.doomed and not e.pins and not self.children(tk)}
+            if not ready:
+                break
+            for tk in ready:
+                self.forget(tk)
+            gone |= ready
+        assert set(self.ix.reap()) == gone
+        self.evictions["removed"] += len(gone)
+
     @rule(data=st.data(), replica=st.sampled_from(["r1", "r2"]), add=st.booleans())
     def hbm(self, data: st.DataObject, replica: str, add: bool) -> None:
         t, k = data.draw(st.sampled_from(TENANTS)), data.draw(st.sampled_from(KEYS))
@@ -454,9 +511,14 @@ class IndexMachine(RuleBasedStateMachine):
             else:
                 assert c.tier is D and self.copies[where] == c.old_slot
                 self.copies[where] = c.slot
+        for d in self.ix.take_drops():
+            freed = [self.copies.pop((d.tenant, k, d.tier)) for k in d.keys]
+            assert sorted(s for s in freed if s is not None) == sorted(d.slots)
         assert self.copies == {(t, k, tier): e.slot if tier is D else None
                                for (t, k), e in self.m.items() for tier in e.tiers}
-        assert self.ix.take_changes() == []
+        assert self.ix.take_changes() == [] and self.ix.take_drops() == []
+        assert self.ix.doomed_blocks == sum(e.doomed for e in self.m.values())
+        assert all(self.ix.doomed(t, k) == e.doomed for (t, k), e in self.m.items())
 
 
 class SlruMachine(IndexMachine):

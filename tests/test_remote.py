@@ -494,3 +494,80 @@ def test_sighup_moves_the_remote_tier_to_another_store(tmp_path: Path) -> None:
         d.stop()
         first.stop()
         second.stop()
+
+
+def test_evict_deletes_the_remote_copies(pair: tuple[DaemonProc, DaemonProc],
+                                         redis_server: RedisServer) -> None:
+    """Node A evicts a model: its DRAM blocks and every key of its namespace in the store go
+    (node B then finds none), another model's remote copies stay; a prefix evict deletes the
+    keys under it; each deletion is published as BlockRemoved in the remote tier and counted."""
+    from kvtier.client.control import Control
+
+    a, b = pair
+    other = LayoutDecl(fingerprint=LAYOUT.fingerprint, block_bytes=BLOCK, block_tokens=16,
+                       model_id="remote-test-other")
+    keys, data = chain(1, 6), payloads(6, 1)
+    store_and_publish(a, redis_server, keys, data)
+    with Client(a.socket, layout=other) as kv:
+        assert kv.store(keys, data).stored == 6
+    wait_for(lambda: redis_server.client().dbsize() == 12)
+    with Control(a.socket) as ops:
+        got = ops.evict(model_id=LAYOUT.model_id)
+        assert (got.blocks, got.remote_blocks, got.remote_error) == (6, 6, "")
+        assert redis_server.client().dbsize() == 6
+        with Client(b.socket, layout=LAYOUT) as kv:
+            assert kv.lookup(keys).hit_blocks == 0
+        with Client(b.socket, layout=other) as kv:
+            with kv.load(keys) as loaded:  # B fetches the other model's blocks
+                assert loaded.tiers == [Tier.REMOTE] * 6
+            got = ops.evict(keys[3:4], model_id=other.model_id)  # A: the blocks under key 3
+            assert (got.blocks, got.remote_blocks) == (3, 3)
+            assert redis_server.client().dbsize() == 3
+            # B, through the Client of that layout: the 6 it holds, and the 3 keys left of them
+            # in the store (a node deletes the keys of the blocks it holds under the prefix)
+            got = kv.evict(keys[:1])
+            assert (got.blocks, got.remote_blocks) == (6, 3)
+        assert redis_server.client().dbsize() == 0
+    assert metric(a, "kvtier_remote_blocks_deleted_total") == 9
+    assert removed_remotely(a) == set(keys) | set(keys[3:])
+    assert removed_remotely(b) == set(keys[:3])
+
+
+def test_evict_with_the_store_down_evicts_locally_and_says_what_stayed(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    from kvtier.client.control import Control
+
+    a = node(tmp_path, "a", redis_server.url, "--remote-timeout-s", "0.2")
+    try:
+        keys = chain(7, 4)
+        store_and_publish(a, redis_server, keys, payloads(4, 7))
+        redis_server.stop()
+        with Control(a.socket) as ops:
+            got = ops.evict(model_id=LAYOUT.model_id)
+        assert (got.blocks, got.remote_blocks) == (4, 0)
+        assert "remote store" in got.remote_error
+        with Client(a.socket, layout=LAYOUT) as kv:
+            assert kv.lookup(keys).hit_blocks == 0
+        assert "remote deletes incomplete" in a.log()
+    finally:
+        a.stop()
+
+
+def removed_remotely(d: DaemonProc) -> set[bytes]:
+    """The keys of every BlockRemoved in the remote tier the daemon published (its event log,
+    replayed: the stream ends at its deadline)."""
+    import grpc
+
+    from kvtier._proto import kvtier_pb2_grpc as pb_grpc
+
+    out: set[bytes] = set()
+    with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+        call = pb_grpc.KvTierStub(ch).WatchEvents(  # type: ignore[no-untyped-call]
+            pb.WatchEventsRequest(since_sequence=1), timeout=3)
+        try:
+            for e in call:
+                if e.HasField("removed") and e.removed.medium == pb.TIER_REMOTE:
+                    out |= set(e.removed.block_hashes)
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED, exc
+    return out

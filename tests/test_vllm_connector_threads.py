@@ -222,3 +222,61 @@ def test_worker_stats_change_only_under_their_lock() -> None:
                             "stored_blocks": 3, "load_seconds": 0.5, "store_seconds": 0.25}
     assert set(stats.take().values()) == {0}  # taken once
     assert stats.totals()["loaded_blocks"] == 2
+
+
+def test_a_pin_hint_pins_the_chain_once_its_saves_commit(daemon: DaemonProc) -> None:  # noqa: F811
+    """A request's pin hint rides its save jobs: the save thread pins the chain from the first
+    block after committing each job, so a block stored after the request finished is pinned."""
+    from kvtier.client.control import Control
+
+    keys = block_keys(tokens(60, 5 * BT + 1), BT)
+    w = WorkerSide(settings(daemon, save_buffer_mib=0.05), KV, 0)
+    w.register_kv_caches(kv_caches(16, 3))
+    try:
+        with torch.inference_mode():
+            w.wait_for_save(KvtierMetadata(saves=[
+                SaveJob("p", [1, 2, 3], keys[:3], b"", (), 300.0, keys[:3]),
+                SaveJob("p", [4, 5], keys[3:5], keys[2], (), 300.0, keys[:5])]))
+        assert w.saver.idle(10)
+        with Control(daemon.socket) as ops:
+            pins = ops.pins()
+            assert [(p.model_id, p.blocks) for p in pins] == [(KV.model_id, 5)]
+            assert 200 < pins[0].first_expiry_seconds <= 300
+            assert ops.unpin() == 5
+    finally:
+        w.close()
+
+
+def test_a_prefetch_hint_promotes_before_the_lookup(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On a daemon whose pool holds 8 blocks: a prompt of 6 on SSD only after a flood; the
+    Lookup with `prefetch` finds it in DRAM (the prefetch ran first, on the same thread)."""
+    pool = str(8 * KV.block_bytes)
+    d = DaemonProc(tmp_path / "d", ["--dram-bytes", pool, "--slot-bytes", str(KV.block_bytes),
+                                    "--writeback-queue-bytes", pool, "--ssd-admit-after", "1",
+                                    "--policy", "lru"]).start()
+    link = DaemonLink(settings(d), KV.decl(), "scheduler")
+    lk = Lookups([link], use_plan=False, background=True)
+    try:
+        keys = block_keys(tokens(70, 6 * BT + 1), BT)
+        store(d, keys)
+        with Client(d.socket, layout=KV.decl()) as kv:
+            def written(n: int) -> None:  # written back, so no longer held: evictable
+                deadline = time.monotonic() + 30
+                while kv.stats().tiers[1].blocks < n:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+
+            written(6)
+            for i in range(4):
+                store(d, block_keys(tokens(80 + i, 4 * BT + 1), BT))
+                written(6 + 4 * (i + 1))
+            assert [int(t) for t in kv.lookup(keys).tiers] == [2] * 6  # SSD only
+            while (got := lk.fetch_blocks("r", keys, len(keys) * BT + 1, prefetch=True)) is None:
+                time.sleep(0.001)
+            assert got == 6
+            assert [int(t) for t in kv.lookup(keys).tiers] == [1] * 6  # DRAM now
+            assert kv.stats().active_leases == 0
+    finally:
+        lk.close()
+        link.close()
+        d.stop()

@@ -87,3 +87,32 @@ def test_vllm_page_lists_every_key_with_its_default() -> None:
         assert f.name in rows, f"docs/vllm.md lacks key {f.name!r}"
         if not isinstance(f.default, str):  # str defaults are described ("" = ...)
             assert rows[f.name].startswith(f"`{json.dumps(f.default)}`"), (f.name, rows[f.name])
+
+
+@pytest.mark.parametrize(("params", "want", "warning"), [
+    (None, (0.0, True, False), ""),
+    ({"do_remote_prefill": True}, (0.0, True, False), ""),  # another connector's: not ours
+    ({"kvtier": {"pin_s": 600, "store": False, "prefetch": True}}, (600.0, False, True), ""),
+    ({"kvtier": {"pin_s": 1.5}}, (1.5, True, False), ""),
+    ({"kvtier": {"pin": 60, "store": False}}, (0.0, False, False), "unknown key(s) 'pin'"),
+    ({"kvtier": {"pin_s": "600"}}, (0.0, True, False), "pin_s must be a number"),
+    ({"kvtier": {"pin_s": -1, "prefetch": True}}, (0.0, True, True), "pin_s must be a number"),
+    ({"kvtier": {"pin_s": float("inf")}}, (0.0, True, False), "pin_s must be a number"),
+    ({"kvtier": {"pin_s": True}}, (0.0, True, False), "pin_s must be a number"),
+    ({"kvtier": {"store": "no"}}, (0.0, True, False), "store must be true or false"),
+    ({"kvtier": {"prefetch": 1}}, (0.0, True, False), "prefetch must be true or false"),
+    ({"kvtier": [600]}, (0.0, True, False), "expected an object"),
+])
+def test_request_hints_are_read_or_ignored_with_one_warning(
+        params: object, want: tuple[float, bool, bool], warning: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.integrations.common.hints import parse_hints
+
+    with caplog.at_level("WARNING", logger="kvtier.integrations.common"):
+        got = parse_hints(params, "request r7")
+    assert (got.pin_s, got.store, got.prefetch) == want
+    lines = [r.getMessage() for r in caplog.records]
+    if warning:
+        assert len(lines) == 1 and "request r7" in lines[0] and warning in lines[0], lines
+    else:
+        assert lines == []

@@ -130,10 +130,11 @@ class Server:
             time.sleep(1.0)
         raise RuntimeError(f"server not up after {timeout} s:\n{self.log()[-4000:]}")
 
-    def complete(self, tokens: list[int]) -> dict[str, Any]:
+    def complete(self, tokens: list[int], **extra: Any) -> dict[str, Any]:
+        """`extra`: more fields of the request's body (`kv_transfer_params`: kvtier's hints)."""
         body = json.dumps({"model": str(self.model), "prompt": tokens, "max_tokens": 8,
                            "temperature": 0.0, "ignore_eos": True,
-                           "logprobs": 5}).encode()
+                           "logprobs": 5, **extra}).encode()
         req = urllib.request.Request(self.url("/v1/completions"), body,
                                      {"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
@@ -196,6 +197,29 @@ def test_openai_server_serves_another_servers_prefix(servers: Servers) -> None:
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert same(second, first), (answer(second), answer(first))
     assert b.metric("vllm:kvtier_loaded_blocks_total") >= len(keys)
+
+
+def test_hints_ride_the_requests_kv_transfer_params(servers: Servers) -> None:
+    """docs/vllm.md's hints through the OpenAI API: `kv_transfer_params` in the request's body
+    reach the connector: `store: false` stores nothing of the request, `pin_s` pins its
+    blocks."""
+    from kvtier.client.control import Control
+
+    a, _, box = servers
+    secret, pinned, after = (prompt(60 + i, 4 * BLOCK + 5) for i in range(3))
+    a.complete(secret, kv_transfer_params={"kvtier": {"store": False}})
+    a.complete(pinned, kv_transfer_params={"kvtier": {"pin_s": 600}})
+    a.complete(after)
+    wait_stored(box[0].socket, a.model, pinned)
+    wait_stored(box[0].socket, a.model, after)  # saves run in order: secret's would be in
+    with Client(box[0].socket, layout=decl(a.model).decl()) as kv:
+        assert kv.lookup(block_keys(secret, BLOCK)).hit_blocks == 0
+    with Control(box[0].socket) as ops:
+        deadline = time.monotonic() + ENGINE_CALL_TIMEOUT_S
+        while sum(p.blocks for p in ops.pins()) < 4:
+            assert time.monotonic() < deadline, ops.pins()
+            time.sleep(0.05)
+        assert ops.unpin() == 4
 
 
 def test_oracle_early_tokens_change_the_answer(servers: Servers) -> None:

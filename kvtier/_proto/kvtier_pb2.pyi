@@ -493,3 +493,147 @@ class KvEvent(_message.Message):
     stored: BlockStored
     removed: BlockRemoved
     def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ...) -> None: ...
+
+class Selector(_message.Message):
+    __slots__ = ("tenant", "all_tenants", "model_id", "layout")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ALL_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    all_tenants: bool
+    model_id: str
+    layout: bytes
+    def __init__(self, tenant: _Optional[str] = ..., all_tenants: _Optional[bool] = ..., model_id: _Optional[str] = ..., layout: _Optional[bytes] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("scope", "keys", "key_width", "clear", "local_only")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    scope: Selector
+    keys: bytes
+    key_width: int
+    clear: bool
+    local_only: bool
+    def __init__(self, scope: _Optional[_Union[Selector, _Mapping]] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., clear: _Optional[bool] = ..., local_only: _Optional[bool] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("namespaces", "blocks", "dram_blocks", "ssd_blocks", "remote_blocks", "doomed_blocks", "remote_error")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DOOMED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    namespaces: int
+    blocks: int
+    dram_blocks: int
+    ssd_blocks: int
+    remote_blocks: int
+    doomed_blocks: int
+    remote_error: str
+    def __init__(self, namespaces: _Optional[int] = ..., blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., remote_blocks: _Optional[int] = ..., doomed_blocks: _Optional[int] = ..., remote_error: _Optional[str] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("scope", "keys", "key_width", "ttl_seconds", "hint")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    scope: Selector
+    keys: bytes
+    key_width: int
+    ttl_seconds: float
+    hint: bool
+    def __init__(self, scope: _Optional[_Union[Selector, _Mapping]] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., hint: _Optional[bool] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("namespaces", "asked", "pinned", "new_pins", "ttl_seconds")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ASKED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    NEW_PINS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    namespaces: int
+    asked: int
+    pinned: int
+    new_pins: int
+    ttl_seconds: float
+    def __init__(self, namespaces: _Optional[int] = ..., asked: _Optional[int] = ..., pinned: _Optional[int] = ..., new_pins: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("scope", "keys", "key_width")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    scope: Selector
+    keys: bytes
+    key_width: int
+    def __init__(self, scope: _Optional[_Union[Selector, _Mapping]] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("unpinned",)
+    UNPINNED_FIELD_NUMBER: _ClassVar[int]
+    unpinned: int
+    def __init__(self, unpinned: _Optional[int] = ...) -> None: ...
+
+class ListPinsRequest(_message.Message):
+    __slots__ = ("scope",)
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    scope: Selector
+    def __init__(self, scope: _Optional[_Union[Selector, _Mapping]] = ...) -> None: ...
+
+class PinnedNamespace(_message.Message):
+    __slots__ = ("tenant", "model_id", "layout", "blocks", "first_expiry_seconds", "last_expiry_seconds")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_EXPIRY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EXPIRY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model_id: str
+    layout: bytes
+    blocks: int
+    first_expiry_seconds: float
+    last_expiry_seconds: float
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[bytes] = ..., blocks: _Optional[int] = ..., first_expiry_seconds: _Optional[float] = ..., last_expiry_seconds: _Optional[float] = ...) -> None: ...
+
+class ListPinsResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[PinnedNamespace]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[PinnedNamespace, _Mapping]]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("scope", "keys", "key_width", "hint")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    scope: Selector
+    keys: bytes
+    key_width: int
+    hint: bool
+    def __init__(self, scope: _Optional[_Union[Selector, _Mapping]] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., hint: _Optional[bool] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("namespaces", "asked", "in_dram", "from_ssd", "from_remote", "missing")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ASKED_FIELD_NUMBER: _ClassVar[int]
+    IN_DRAM_FIELD_NUMBER: _ClassVar[int]
+    FROM_SSD_FIELD_NUMBER: _ClassVar[int]
+    FROM_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    namespaces: int
+    asked: int
+    in_dram: int
+    from_ssd: int
+    from_remote: int
+    missing: int
+    def __init__(self, namespaces: _Optional[int] = ..., asked: _Optional[int] = ..., in_dram: _Optional[int] = ..., from_ssd: _Optional[int] = ..., from_remote: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...

@@ -109,6 +109,31 @@ class KvTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.SessionEvent.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/kvtier.v1.KvTier/Evict',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.EvictRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.EvictResponse.FromString,
+                _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvtier.v1.KvTier/Pin',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PinResponse.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/kvtier.v1.KvTier/Unpin',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.UnpinResponse.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/kvtier.v1.KvTier/ListPins',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvtier.v1.KvTier/Prefetch',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class KvTierServicer:
@@ -221,6 +246,46 @@ class KvTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Operators: removes the scope's blocks from every tier this node holds: DRAM and SSD at once
+        (blocks a lease or a write holds when it ends, found by no lookup meanwhile), then their
+        copies in the remote store. Whole namespaces (a model, a layout, `clear`), or each given
+        key's block and every block under it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
+        """Operators and engines (a request's hint): keeps the cached blocks of a prefix through
+        pressure for a time. A tenant's pinned blocks never exceed its quota or slice of the pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Ends pins before their time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """The pins in a scope, per namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Brings the cached blocks of a prefix into DRAM (from SSD and the remote store) ahead of
+        its requests; holds no lease after.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +363,31 @@ def add_KvTierServicer_to_server(servicer, server):
                     servicer.OpenSession,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.OpenSessionRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.SessionEvent.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.EvictRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.EvictResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PinRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PinResponse.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.UnpinRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.UnpinResponse.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ListPinsRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ListPinsResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -705,6 +795,141 @@ class KvTier:
             '/kvtier.v1.KvTier/OpenSession',
             kvtier_dot_v1_dot_kvtier__pb2.OpenSessionRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.SessionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/Evict',
+            kvtier_dot_v1_dot_kvtier__pb2.EvictRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/Pin',
+            kvtier_dot_v1_dot_kvtier__pb2.PinRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/Unpin',
+            kvtier_dot_v1_dot_kvtier__pb2.UnpinRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/ListPins',
+            kvtier_dot_v1_dot_kvtier__pb2.ListPinsRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ListPinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/Prefetch',
+            kvtier_dot_v1_dot_kvtier__pb2.PrefetchRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -580,6 +580,42 @@ class Client(SegmentHolder):
         reply: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
         return reply
 
+    # -- this layout's blocks, as an operator would act on them (`kvtier.client.control`) ------
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float, hint: bool = False) -> pb.PinResponse:
+        """Keeps the cached prefix of the chain `keys` through pressure for `ttl_s` seconds
+        (a pinned block keeps the later deadline). `hint`: for one request of an engine (the
+        daemon logs it at debug level)."""
+        w = self.layout.key_width
+        reply: pb.PinResponse = self._call(self._stub.Pin, pb.PinRequest(
+            scope=pb.Selector(layout=self.layout.layout_id), keys=pack_keys(keys, w),
+            key_width=w, ttl_seconds=ttl_s, hint=hint))
+        return reply
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Ends the pins of these blocks; how many there were."""
+        w = self.layout.key_width
+        reply: pb.UnpinResponse = self._call(self._stub.Unpin, pb.UnpinRequest(
+            scope=pb.Selector(layout=self.layout.layout_id), keys=pack_keys(keys, w),
+            key_width=w))
+        return int(reply.unpinned)
+
+    def prefetch(self, keys: Sequence[bytes], hint: bool = False) -> pb.PrefetchResponse:
+        """Brings the cached prefix of the chain `keys` into DRAM (from SSD, the remote tier)."""
+        w = self.layout.key_width
+        reply: pb.PrefetchResponse = self._call(self._stub.Prefetch, pb.PrefetchRequest(
+            scope=pb.Selector(layout=self.layout.layout_id), keys=pack_keys(keys, w),
+            key_width=w, hint=hint))
+        return reply
+
+    def evict(self, keys: Sequence[bytes]) -> pb.EvictResponse:
+        """Removes each key's block and every block under it from every tier."""
+        w = self.layout.key_width
+        reply: pb.EvictResponse = self._call(self._stub.Evict, pb.EvictRequest(
+            scope=pb.Selector(layout=self.layout.layout_id), keys=pack_keys(keys, w),
+            key_width=w))
+        return reply
+
     def watch(self, since: int = 0) -> Iterator[pb.KvEvent]:
         """This tenant's block events (blocks until the stream ends or the client closes)."""
         try:

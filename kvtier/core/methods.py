@@ -73,6 +73,11 @@ METHODS: tuple[Method, ...] = (
     Method("Stats", "StatsRequest", "StatsResponse", Size.SMALL, False),
     Method("WatchEvents", "WatchEventsRequest", "KvEvent", Size.SMALL, True),
     Method("OpenSession", "OpenSessionRequest", "SessionEvent", Size.SMALL, True),
+    Method("Evict", "EvictRequest", "EvictResponse", Size.KEYS, True),
+    Method("Pin", "PinRequest", "PinResponse", Size.KEYS, False),
+    Method("Unpin", "UnpinRequest", "UnpinResponse", Size.KEYS, False),
+    Method("ListPins", "ListPinsRequest", "ListPinsResponse", Size.SMALL, False),
+    Method("Prefetch", "PrefetchRequest", "PrefetchResponse", Size.KEYS, True),
 )
 """Every method, in the proto's order."""
 

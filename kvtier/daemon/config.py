@@ -239,6 +239,8 @@ SETTINGS: tuple[Setting, ...] = (
        _between(0, 86400, " seconds", low_open=True)),
     _S("max_lease_ttl_s", "float", 600.0, "largest lease TTL a client may ask for", "600",
        _between(0, 86400, " seconds", low_open=True)),
+    _S("max_pin_ttl_s", "float", 86400.0, "longest pin an operator or a request's hint may "
+       "ask for, in seconds", "86400", _between(0, 30 * 86400, " seconds", low_open=True)),
     _S("grace_s", "float", 10.0, "SIGTERM drain period in seconds", "10",
        _between(0, 86400, " seconds")),
     _S("max_blocks_per_request", "int", 4096, "largest key chain per request", "4096",
@@ -338,6 +340,7 @@ class Config:
     tokens_file: str
     lease_ttl_s: float
     max_lease_ttl_s: float
+    max_pin_ttl_s: float
     grace_s: float
     max_blocks_per_request: int
     ssd_admit_after: int
@@ -676,6 +679,7 @@ def _validate(v: dict[str, object], origin: dict[str, str], check_group: bool = 
         tokens_file=str(v["tokens_file"]),
         lease_ttl_s=f("lease_ttl_s"),
         max_lease_ttl_s=f("max_lease_ttl_s"),
+        max_pin_ttl_s=f("max_pin_ttl_s"),
         grace_s=f("grace_s"),
         max_blocks_per_request=i("max_blocks_per_request"),
         ssd_admit_after=i("ssd_admit_after"),
@@ -781,4 +785,4 @@ def cache_spec(cfg: Config, tenants: int = 0) -> CacheSpec:
             cfg.remote_admit_after, cfg.remote_mode,
         )
     return CacheSpec(pool, ssd, remote, cfg.policy, cfg.ssd_admit_after, cfg.lease_ttl_s,
-                     cfg.max_lease_ttl_s, cfg.max_blocks_per_request)
+                     cfg.max_lease_ttl_s, cfg.max_blocks_per_request, cfg.max_pin_ttl_s)

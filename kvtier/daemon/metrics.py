@@ -34,8 +34,9 @@ from kvtier.core.planner import Plan, Reason
 from kvtier.index.mrc import MIN_SAMPLES
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
-EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed")
+EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed", "operator")
 LEASE_KINDS = ("read", "write")
+OPERATOR_ACTIONS = ("evict", "clear", "pin", "unpin", "prefetch", "pin_hint", "prefetch_hint")
 MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("ssd", "demote"),
          ("remote", "promote"))
 """(tier, direction) pairs of `kvtier_moved_bytes_total` the daemon produces."""
@@ -299,6 +300,23 @@ class DaemonMetrics:
         self.rpc_seconds = Histogram(
             "kvtier_rpc_duration_seconds", "RPC handling time", ["method"], registry=r,
             buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5),
+        )
+        self.operator_actions = Counter(
+            "kvtier_operator_actions", "Operators' actions on the cache (evict, clear, pin, "
+            "unpin, prefetch; pin_hint and prefetch_hint: a request's hints from an engine)",
+            ["action"], registry=r,
+        )
+        self.operator_blocks = Counter(
+            "kvtier_operator_blocks", "Blocks operators' actions changed: removed (evict, "
+            "clear), newly pinned, unpinned, brought into DRAM (prefetch)", ["action"],
+            registry=r,
+        )
+        for action in OPERATOR_ACTIONS:
+            self.operator_actions.labels(action)
+            self.operator_blocks.labels(action)
+        self.pinned_blocks = Gauge(
+            "kvtier_pinned_blocks", "Blocks operators (or requests' hints) pinned, until their "
+            "deadline", registry=r,
         )
         self.copy_seconds = Histogram(
             "kvtier_client_copy_seconds", "Client-reported copy time per lease", ["direction"],

@@ -53,13 +53,14 @@ calls that may remove the entry.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import cast
 
 from kvtier.core.types import BlockKey, Tier
 from kvtier.index.evict import Eviction
 from kvtier.index.hbm import HbmReports
 from kvtier.index.history import ADMISSION_HISTORY_PER_BLOCK
+from kvtier.index.purge import Purge, Purged
 from kvtier.index.state import short
 from kvtier.index.types import (
     EVICTION_COUNTERS,
@@ -74,6 +75,7 @@ from kvtier.index.types import (
     BadSlot,
     Block,
     Change,
+    Drops,
     DuplicateBlock,
     Evicted,
     IndexStateError,
@@ -90,10 +92,10 @@ from kvtier.index.types import (
 )
 
 __all__ = [
-    "ADMISSION_HISTORY_PER_BLOCK", "EVICTION_COUNTERS", "BadSlot", "Block", "Change",
-    "DuplicateBlock", "Evicted", "IndexStateError", "IndexStats", "MissingParent", "NotEvictable",
-    "Op", "PinnedBlock",
-    "Prefix", "PrefixIndex", "Reason", "Tenant", "TierFull", "UnknownBlock",
+    "ADMISSION_HISTORY_PER_BLOCK", "EVICTION_COUNTERS", "BadSlot", "Block", "Change", "Drops",
+    "DuplicateBlock", "Evicted", "IndexStateError", "IndexStats", "MissingParent",
+    "NotEvictable", "Op", "PinnedBlock",
+    "Prefix", "PrefixIndex", "Purged", "Reason", "Tenant", "TierFull", "UnknownBlock",
 ]
 
 # Module constants: an enum member lookup (`Tier.SSD`) costs ~0.1 us on Python 3.11.
@@ -127,7 +129,7 @@ def _walk(m: dict[BlockKey, Block], keys: Sequence[BlockKey]) -> list[Block]:
     return blocks
 
 
-class PrefixIndex(Eviction, HbmReports):
+class PrefixIndex(Eviction, HbmReports, Purge):
     """Prefix index over DRAM and SSD with HBM annotations (contract in the module docstring).
 
     `dram_blocks`/`ssd_blocks`: tier capacities in blocks (None = unbounded). DRAM slot ids, when
@@ -169,6 +171,11 @@ class PrefixIndex(Eviction, HbmReports):
                 self._policy.looked_up(tenant, keys, blocks)
             return Prefix(blocks, [])
         blocks = _walk(m, keys)
+        if self._doomed:  # a purge's pinned leftovers: never found again
+            doomed = self._doomed
+            cut = next((i for i, b in enumerate(blocks) if b in doomed), None)
+            if cut is not None:
+                del blocks[cut:]
         if replica is None:
             mask = -1
         else:
@@ -258,6 +265,8 @@ class PrefixIndex(Eviction, HbmReports):
         if p is not None:
             p.children += 1
             self._requeue(p)
+            if self._doomed and p in self._doomed:
+                self._doomed.add(b)  # under a purged block: it goes with it
         self._add(b, tier, dram_slot)
         return b
 
@@ -387,12 +396,20 @@ class PrefixIndex(Eviction, HbmReports):
             if s:
                 self._slot_used[s - 1] = 1
             self._requeue(b)
+            if self._doomed and b in self._doomed:
+                self._reap_due = True
         return b
 
     def slot_pinned(self, slot: int) -> bool:
         """Whether DRAM slot `slot` holds a pinned block (the pins' one owner: the daemon's pool
         asks this, `kvtier.tiers.dram.PinOwner`)."""
         return 0 <= slot < len(self._slot_used) and self._slot_used[slot] == 2
+
+    def any_pinned(self, slots: list[int]) -> bool:
+        """`slot_pinned` of any of `slots` (every one in range), at C speed."""
+        if len(slots) == 1:
+            return self._slot_used[slots[0]] == 2
+        return 2 in itemgetter(*slots)(self._slot_used) if slots else False
 
     @property
     def pinned_slots(self) -> int:

@@ -56,6 +56,7 @@ from kvtier.index.types import (
     BadSlot,
     Block,
     Change,
+    Drops,
     Evicted,
     IndexStats,
     MissingParent,
@@ -130,6 +131,9 @@ class IndexState:
         self._ssd_writes = 0
         self._evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
         self._journal: list[Change] | None = [] if journal else None
+        self._doomed: set[Block] = set()  # `kvtier.index.purge`: blocks waiting for pins
+        self._drops: list[Drops] = []  # `kvtier.index.purge`'s journal entries
+        self._reap_due = False
 
     # ---------------------------------------------------------------- journal
     def take_changes(self) -> list[Change]:
@@ -312,6 +316,10 @@ class IndexState:
             p.children -= 1
             if not p.children:
                 self._requeue(p)
+        if self._doomed:
+            self._doomed.discard(b)
+            if p is not None and not p.children and p in self._doomed:
+                self._reap_due = True
 
     def _requeue(self, b: Block) -> None:
         """Put `b` in the queue its state calls for (none, DRAM's or SSD's); O(1)."""

@@ -164,6 +164,18 @@ class Change(NamedTuple):
     old_slot: int | None = None
 
 
+class Drops(NamedTuple):
+    """One purge's drops from one tier (`PrefixIndex.take_drops`): the blocks of one tenant that
+    left `tier`, and (DRAM) the slots they freed, as one entry instead of a `Change` each."""
+
+    tenant: Tenant
+    tier: Tier
+    keys: list[BlockKey]
+    slots: list[int]
+    whole: bool = False
+    """Every block of the tenant left the index (nothing of it is cached any more)."""
+
+
 class Prefix(NamedTuple):
     """The longest cached prefix of a key chain: its blocks and each one's best tier."""
 

@@ -183,6 +183,9 @@ class PinOwner(Protocol):
 
     def slot_pinned(self, slot: int) -> bool: ...
 
+    def any_pinned(self, slots: list[int]) -> bool:
+        """Whether any of `slots` holds a pinned block (`slot_pinned` of each, at C speed)."""
+
     @property
     def pinned_slots(self) -> int: ...
 
@@ -861,6 +864,36 @@ class DramPool:
             n = pages.free(local)
             if r is not None and r.retired and self._regions is not None:
                 self._regions.release_if_drained(r)
+            return n
+
+    def free_many(self, slots: list[int]) -> int:
+        """`free` of each slot under one lock; the bytes they spanned. Checks every slot first
+        (allocated, unpinned) and frees none when one fails."""
+        with self._lock:
+            owner = self.owner
+            if self._pins and not self._pins.keys().isdisjoint(slots):
+                raise SlotPinned("a slot to free is pinned")
+            if owner is not None and slots and owner.any_pinned(slots):
+                raise SlotPinned("a slot to free holds a pinned block")
+            if self._regions is None:
+                try:
+                    return self.pages.free_many(slots)
+                except ValueError as exc:
+                    raise DramError(str(exc)) from None
+            by_table: dict[int, tuple[PageTable, Region, list[int]]] = {}
+            for s in slots:
+                pages, local, r = self._slot(s)
+                assert r is not None
+                by_table.setdefault(id(pages), (pages, r, []))[2].append(local)
+            for pages, _, ids in by_table.values():  # all checked before any is freed
+                for slot in ids:
+                    if not pages.is_allocated(slot):
+                        raise DramError(f"slot {slot} of a region is not allocated")
+            n = 0
+            for pages, r, ids in by_table.values():
+                n += pages.free_many(ids)
+                if r.retired:
+                    self._regions.release_if_drained(r)
             return n
 
     def pin(self, slot: int) -> int:

@@ -376,6 +376,52 @@ class PageTable:
                 self._release_page(q)
         return nbytes
 
+    def free_many(self, slots: list[int]) -> int:
+        """`free` of each slot, in order (the same pages go back), with the lookups hoisted out
+        of the loop: an operator's evict frees ~10^5 slots at once. Checks them all first
+        (allocated, each once) and frees none when one fails; returns the bytes they spanned."""
+        alloc = self._allocated
+        if not slots:
+            return 0
+        if len(set(slots)) != len(slots):
+            raise ValueError("a slot repeats")
+        if min(slots) < 0 or max(slots) >= self.slot_ids or not all(map(alloc.__getitem__,
+                                                                        slots)):
+            bad = next(s for s in slots if not self.is_allocated(s))
+            self.check(bad)
+        ipp, page, st, live = self.ids_per_page, self.page_bytes, self._stride, self._live
+        page_free, class_free = self._page_free, self._class_free
+        inside: dict[int, int] = {}  # page -> its rows wholly inside it (a page's class stays
+        # within this call: a page goes back only once its last slot is freed)
+        total = 0
+        for slot in slots:
+            p, j = divmod(slot, ipp)
+            stride = st[p]
+            g = stride - stride % UNIT
+            alloc[slot] = 0
+            live[p] -= 1
+            free = page_free.get(p)
+            if free is None:
+                page_free[p] = [slot]
+            else:
+                free.append(slot)
+            class_free[stride] += 1
+            total += g
+            k = inside.get(p)
+            if k is None:
+                k = inside[p] = self.inside(stride, p)
+            if j < k:  # wholly inside page p: the only page it lies on
+                if not live[p] and not self._borrowed(p):
+                    self._release_page(p)
+                continue
+            loc = (-(-(p * page) // g) + j) * g  # a link row (or a wide class's row)
+            for q in range(loc // page, (loc + g - 1) // page + 1):
+                if st[q] == stride and not live[q] and not self._borrowed(q):
+                    self._release_page(q)
+        self.used -= len(slots)
+        self.used_bytes -= total
+        return total
+
     def _release_page(self, p: int) -> None:
         stride = self._stride[p]
         self._page_free.pop(p, None)

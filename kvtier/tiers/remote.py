@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FETCH_CHUNK = 8
+DELETE_BATCH = 1000
+"""Keys per UNLINK pipeline (an evict's deletes) and per SCAN step."""
 """Blocks per GET pipeline of a fetch (see `RemoteStore._get_chunks`)."""
 LAYOUT_TAG = blockfmt.layout_digest(b"kvtier-remote/v1")
 """The remote values' layout digest; each block's tenant and layout id are in its key."""
@@ -305,11 +307,63 @@ class RemoteStore:
                       refused[0])
         return [not isinstance(r, Exception) for r in got], sent
 
+    def delete(self, ns: str, keys: Sequence[bytes]) -> list[bytes]:
+        """Deletes `keys` of namespace `ns` (one pipelined UNLINK each, in batches of
+        `DELETE_BATCH`); the keys that were there."""
+        out: list[bytes] = []
+        for i in range(0, len(keys), DELETE_BATCH):
+            part = keys[i:i + DELETE_BATCH]
+            got = self._run([("UNLINK", (self.key(ns, k),)) for k in part])
+            for key, r in zip(part, got, strict=True):
+                if isinstance(r, Exception):
+                    raise RemoteUnavailable(f"remote store {self.where()}: UNLINK: {r}")
+                if r:
+                    out.append(key)
+        return out
+
+    def delete_namespace(self, ns: str) -> list[bytes]:
+        """Deletes every key of namespace `ns` in the store, whichever node wrote it (SCAN
+        with a MATCH on the namespace's key prefix, over every node of a cluster; UNLINK in
+        batches of `DELETE_BATCH`); the block keys deleted. A SCAN visits the whole keyspace:
+        its time grows with the store's size, not the namespace's."""
+        head = self.key(ns, b"")
+        pattern = _glob_escape(head) + b"*"
+        out: list[bytes] = []
+        try:
+            client = self._redis()
+            batch: list[bytes] = []
+            for rkey in client.scan_iter(match=pattern, count=DELETE_BATCH):
+                batch.append(bytes(rkey))
+                if len(batch) >= DELETE_BATCH:
+                    client.unlink(*batch)
+                    out += [k[len(head):] for k in batch]
+                    batch = []
+            if batch:
+                client.unlink(*batch)
+                out += [k[len(head):] for k in batch]
+        except RemoteUnavailable:
+            raise
+        except Exception as exc:
+            self._reset()
+            raise RemoteUnavailable(f"remote store {self.where()}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+        return out
+
     def close(self) -> None:
         if self._fetcher is not None:
             self._fetcher.shutdown(wait=True, cancel_futures=True)
             self._fetcher = None
         self._reset()
+
+
+def _glob_escape(text: bytes) -> bytes:
+    """`text` matched literally by a SCAN MATCH pattern."""
+    out = bytearray()
+    for c in text:
+        if c in b"*?[]\\":
+            out += b"\\"
+        out.append(c)
+    return bytes(out)
 
 
 def _copy_verified(

@@ -152,10 +152,13 @@ class EngineProc:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
 
-    def generate_async(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8
+    def generate_async(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8,
+                       kv_transfer_params: dict[str, Any] | None = None
                        ) -> Callable[[], list[Output]]:
+        """`kv_transfer_params`: every request's (vLLM's per-request connector parameters, as
+        the OpenAI API's field of that name passes them: kvtier's hints)."""
         self._send({"op": "generate", "prompts": [list(p) for p in prompts],
-                    "max_tokens": max_tokens})
+                    "max_tokens": max_tokens, "kv_transfer_params": kv_transfer_params})
 
         def wait() -> list[Output]:
             reply = self._read()
@@ -166,8 +169,9 @@ class EngineProc:
                     for o in reply["outputs"]]
         return wait
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[Output]:
-        return self.generate_async(prompts, max_tokens)()
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8,
+                 kv_transfer_params: dict[str, Any] | None = None) -> list[Output]:
+        return self.generate_async(prompts, max_tokens, kv_transfer_params)()
 
     def answered(self) -> bool:
         """Whether the child's reply to the command in flight is waiting on its pipe (reads
@@ -311,8 +315,10 @@ def _serve(spec: dict[str, Any]) -> None:
             reply({"value": sum(getattr(m, "value", 0) for m in llm.get_metrics()
                                 if m.name == cmd["name"])})
         elif cmd["op"] == "generate":
+            extra = ({"kv_transfer_params": cmd["kv_transfer_params"]}
+                     if cmd.get("kv_transfer_params") is not None else None)
             sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
-                                detokenize=False, logprobs=TOP_LOGPROBS)
+                                detokenize=False, logprobs=TOP_LOGPROBS, extra_args=extra)
             started = time.perf_counter()
             try:
                 outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp,

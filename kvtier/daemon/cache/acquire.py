@@ -310,8 +310,8 @@ class Acquirer:
         pool = self.residency.pool
         if pool.keep is not None:  # no lease holds them any more
             pool.unhold([b.dram_slot for b in r.blocks if not b.pins and b.dram_slot is not None])
-        if self.residency.stale:  # blocks of a retired tenant file waited for this release
-            self.residency.apply()
+        if self.residency.stale or index.reap_due:
+            self.residency.apply()  # blocks of a retired tenant file, or operator-evicted, waited
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no Acquire is between `begin` and `end` with I/O; False on timeout.

@@ -119,6 +119,74 @@ class CacheStats(NamedTuple):
     groups: tuple[GroupUsage, ...] = ()
 
 
+class Scope(NamedTuple):
+    """Which blocks an operator's action names (`kvtier.daemon.cache.control`): namespaces of
+    `tenant` ("" = the caller's own; another tenant's, or `all_tenants`, only for an admin)
+    narrowed to one model (`model_id`) and/or one layout (`layout_id`), and within them, when
+    `keys` is given, the blocks of those packed keys (`key_width` bytes each): a chain from its
+    first block for a pin or a prefetch; for an evict or an unpin, each key's block (an evict:
+    and every block under it)."""
+
+    tenant: str = ""
+    all_tenants: bool = False
+    model_id: str = ""
+    layout_id: bytes = b""
+    keys: bytes = b""
+    key_width: int = 0
+
+
+class EvictResult(NamedTuple):
+    """An evict's figures: namespaces it covered, blocks removed (with their DRAM and SSD
+    copies), remote keys deleted, and blocks left doomed (a lease or a write in flight holds
+    them: they go when it ends, and no lookup finds them meanwhile). `remote_error`: why the
+    remote tier's deletes did not complete ("" when they did or there is none)."""
+
+    namespaces: int
+    blocks: int
+    dram_blocks: int
+    ssd_blocks: int
+    remote_blocks: int
+    doomed: int
+    remote_error: str = ""
+
+
+class PinResult(NamedTuple):
+    """A pin's figures: namespaces (layouts) it covered, keys asked per namespace, blocks of
+    the chain cached and now pinned (its cached prefix, summed over the namespaces), of which
+    `new` were not pinned before, and the pin's TTL."""
+
+    namespaces: int
+    asked: int
+    pinned: int
+    new: int
+    ttl_s: float
+
+
+class PrefetchResult(NamedTuple):
+    """A prefetch's figures, summed over its namespaces: keys asked, blocks already in DRAM,
+    promoted from SSD, fetched from the remote tier, and keys not cached anywhere (or past a
+    block that could not be brought in)."""
+
+    namespaces: int
+    asked: int
+    in_dram: int
+    from_ssd: int
+    from_remote: int
+    missing: int
+
+
+class PinInfo(NamedTuple):
+    """One namespace's pins: its tenant, model and layout, pinned blocks, and the seconds until
+    the first and the last of them expire."""
+
+    tenant: str
+    model_id: str
+    layout_id: bytes
+    blocks: int
+    first_expiry_s: float
+    last_expiry_s: float
+
+
 class CacheApi(Protocol):
     """What the transports call (see the module docstring for the rules every call keeps)."""
 
@@ -195,6 +263,31 @@ class CacheApi(Protocol):
         """Block references the miss-ratio curve has sampled so far."""
 
     def open_session(self, tenant: Tenant) -> str: ...
+
+    async def evict_async(self, caller: Tenant, scope: Scope, clear: bool = False,
+                          local_only: bool = False) -> EvictResult:
+        """Removes the scope's blocks from DRAM and SSD now (those a lease or a write holds
+        when it ends) and deletes their remote copies (unless `local_only`): with `keys`, each
+        key's block and every block under it; without, whole namespaces, which needs a model,
+        a layout or `clear`. Ends the operator pins on them, and for whole namespaces the
+        write leases not yet committed."""
+
+    def pin(self, caller: Tenant, scope: Scope, ttl_s: float, hint: bool = False) -> PinResult:
+        """Pins the cached prefix of the scope's chain (`keys`) in each of its registered
+        namespaces for `ttl_s` (a pinned block keeps the later deadline): never evicted by
+        pressure until then, `unpin` or an evict. Refused (ResourceExhausted, nothing
+        pinned) when the tenant's pins would exceed its DRAM quota or slice of the pool.
+        `hint`: an engine's, for one request (logged at debug level, counted apart)."""
+
+    def unpin(self, caller: Tenant, scope: Scope) -> int:
+        """Ends the scope's pins (with `keys`: those blocks' only); how many."""
+
+    def pins(self, caller: Tenant, scope: Scope) -> list[PinInfo]: ...
+
+    async def prefetch_async(self, caller: Tenant, scope: Scope, hint: bool = False
+                             ) -> PrefetchResult:
+        """Brings the cached prefix of the scope's chain into DRAM in each registered namespace
+        (SSD and remote blocks promoted as an Acquire does), holding no lease after."""
 
     def close_session(self, session: str) -> int:
         """Ends every lease still held under `session`; how many."""

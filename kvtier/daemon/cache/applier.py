@@ -16,8 +16,11 @@ the journal in order and does, per entry, what the daemon owes it:
                 count; publish BlockRemoved
 
 Remote copies are not in the index: `stored_remote` publishes BlockStored (Tier.REMOTE) for the
-blocks the remote store took, and nothing publishes their removal (the store evicts on its own,
-unseen).
+blocks the remote store took, and `removed` their removal by an operator's evict (the store's own
+evictions are unseen).
+
+A purge (`kvtier.index.purge`: an operator's evict) journals its drops as one `Drops` entry per
+tier instead of a DROP each; they are applied the same way, in bulk.
     MOVE DRAM   nothing: the pool already moved the bytes, and a slot of the same size class
                 costs the tenant the same
 
@@ -58,12 +61,14 @@ from kvtier.core.types import Tier
 from kvtier.daemon.cache.events import EventLog
 from kvtier.daemon.cache.namespaces import Namespace, Namespaces
 from kvtier.daemon.metrics import DaemonMetrics
-from kvtier.index.prefix import Change, Op, PrefixIndex
+from kvtier.index.prefix import Change, Drops, Op, PrefixIndex
 from kvtier.tiers.dram import DramPool
 from kvtier.tiers.ssd.store import SsdStore
 
 _ADD, _DROP = Op.ADD, Op.DROP
 _DRAM, _SSD = Tier.DRAM, Tier.SSD
+EVENT_KEYS = 8192
+"""Most keys in one BlockRemoved of a purge (32-byte keys: 256 KiB, well under a message)."""
 
 
 class Applier:
@@ -91,6 +96,9 @@ class Applier:
         of the drops among them (capacity, share, quota, checksum); `publish=False` (the SSD
         rebuild at start) charges and frees but publishes nothing."""
         changes = self.index.take_changes()
+        drops = self.index.take_drops()
+        for d in drops:  # (a purge applies what came before it first: the order holds)
+            self._drops(d, why, publish)
         if not changes:
             return
         names, pool = self.names, self.pool
@@ -148,6 +156,32 @@ class Applier:
             self.metrics.evictions.labels(tier.label, why).inc(n)
         if deletes and self.store is not None:
             self.store.delete_many(deletes)
+
+    def _drops(self, d: Drops, why: str, publish: bool) -> None:
+        """A purge's drops from one tier (`kvtier.index.purge`): as the DROP entries of those
+        blocks would be, in bulk — the slots freed under one pool lock, the tenant charged
+        once, the SSD keys deleted in one batch, BlockRemoved in events of `EVENT_KEYS`."""
+        ns = cast(Namespace, d.tenant)
+        if d.tier is _DRAM:
+            if d.slots:
+                self.names.charge(ns.tenant, _DRAM, -self.pool.free_many(d.slots))
+        else:
+            cost = self.ssd_cost(ns) * len(d.keys)
+            self.ssd_bytes -= cost
+            self.names.charge(ns.tenant, _SSD, -cost)
+            if self.store is not None and d.whole:  # nothing of it is left: by a cursor
+                self.store.delete_tenant(ns)
+            elif self.store is not None:
+                self.store.delete_tenant_keys(ns, d.keys)
+        self.metrics.evictions.labels(d.tier.label, why).inc(len(d.keys))
+        if publish:
+            self.removed(ns, d.tier, d.keys)
+
+    def removed(self, ns: Namespace, tier: Tier, keys: list[bytes]) -> None:
+        """BlockRemoved for `keys` of `ns` in `tier`, in events of at most `EVENT_KEYS` keys
+        (an event is one message of WatchEvents and of the ZMQ stream)."""
+        for i in range(0, len(keys), EVENT_KEYS):
+            self.events.removed(ns.tenant, ns.layout_id, tier, keys[i:i + EVENT_KEYS])
 
     def stored_remote(self, written: list[tuple[str, bytes]]) -> None:
         """Publishes BlockStored in Tier.REMOTE for blocks (namespace, key) the remote store

@@ -83,13 +83,26 @@ from kvtier.daemon.cache.api import (
     AcquireResult,
     AllocateResult,
     CacheStats,
+    EvictResult,
     LookupResult,
+    PinInfo,
+    PinResult,
+    PrefetchResult,
     Registered,
+    Scope,
     SegmentView,
 )
+from kvtier.daemon.cache.control import Control, describe, no_layout
 from kvtier.daemon.cache.events import EventLog
 from kvtier.daemon.cache.leases import Lease, LeaseKind, LeaseTable
-from kvtier.daemon.cache.namespaces import LayoutInfo, NamespaceInfo, Namespaces, Tenant
+from kvtier.daemon.cache.namespaces import (
+    LayoutInfo,
+    Namespace,
+    NamespaceInfo,
+    Namespaces,
+    Tenant,
+)
+from kvtier.daemon.cache.pins import PinTable
 from kvtier.daemon.cache.remote_tier import RemoteTier
 from kvtier.daemon.cache.residency import PageMoves, Residency, Steps
 from kvtier.daemon.cache.slot_stream import LeasedSlots
@@ -152,6 +165,11 @@ class Cache:
         self.allocator = Allocator(self.residency, self._leases)
         metrics.attach_pool(self.gauges)
         metrics.attach(RateCollector(self.rates))
+        self.pin_table = PinTable()
+        self.control = Control(self.residency, self.names, self.pin_table, metrics,
+                               self._leases.clock, spec.max_blocks_per_request,
+                               spec.max_pin_ttl_s, self._end_writes)
+        metrics.pinned_blocks.set_function(self._pinned)
         self.mrc = new_sampler(spec, self.index.capacity(Tier.SSD) or 0)
         self._sized_for: list[int] = []  # block sizes `_size_by_blocks` last saw
         self._sized_dram = spec.pool.slot_count  # DRAM blocks the MRC and the policy are sized for
@@ -543,13 +561,17 @@ class Cache:
             self.allocator.end(lease.payload)  # type: ignore[arg-type]
 
     def expire(self) -> int:
-        """Ends every lease past its TTL (unpin / abort). Returns how many ended."""
+        """Ends every lease past its TTL (unpin / abort) and every operator pin past its
+        deadline. Returns how many leases ended."""
         with self._lock:
             gone = self._leases.expired()
             for lease in gone:
                 self._end(lease)
             if self.residency.held:
                 self.residency.release_held()
+            pins = self.control.expire()
+            if pins or self.index.reap_due:
+                self.residency.apply()
         for lease in gone:
             self.metrics.leases_expired.labels(lease.kind.value).inc()
         return len(gone)
@@ -557,6 +579,109 @@ class Cache:
     def active_leases(self) -> int:
         with self._lock:
             return len(self._leases)
+
+    # -- operators' actions (`kvtier.daemon.cache.control`) ----------------------------------
+
+    async def evict_async(self, caller: Tenant, scope: Scope, clear: bool = False,
+                          local_only: bool = False) -> EvictResult:
+        """Removes the scope's blocks from every tier (see `CacheApi.evict_async`): DRAM and
+        SSD under the lock, then the remote store's copies on a worker thread without it."""
+        with self._lock:
+            got = self.control.evict(caller, scope, clear)
+        result, error = got.result, ""
+        work = got.remote
+        if self.residency.remote is not None and not local_only and (work.whole or work.keys):
+            deleted, error = await asyncio.to_thread(self.control.delete_remote, work)
+            with self._lock:
+                for ns, keys in deleted:
+                    self.residency.applier.removed(ns, Tier.REMOTE, keys)
+            result = result._replace(remote_blocks=sum(len(k) for _, k in deleted),
+                                     remote_error=error)
+        action = "clear" if clear else "evict"
+        self.metrics.operator_actions.labels(action).inc()
+        self.metrics.operator_blocks.labels(action).inc(result.blocks)
+        log.info("%s by %s (%s): %d block(s) removed from %d namespace(s) (DRAM %d, SSD %d, "
+                 "remote %d)%s%s", action, caller.name, describe(scope, clear), result.blocks,
+                 result.namespaces, result.dram_blocks, result.ssd_blocks, result.remote_blocks,
+                 f"; {result.doomed} held by leases or writes go when released"
+                 if result.doomed else "",
+                 f"; remote deletes incomplete: {error}" if error else "")
+        return result
+
+    def pin(self, caller: Tenant, scope: Scope, ttl_s: float, hint: bool = False) -> PinResult:
+        """Pins the cached prefix of the scope's chain (`CacheApi.pin`). `hint`: sent by an
+        engine for one request (logged at debug level, counted apart)."""
+        with self._lock:
+            got = self.control.pin(caller, scope, ttl_s)
+        action = "pin_hint" if hint else "pin"
+        self.metrics.operator_actions.labels(action).inc()
+        self.metrics.operator_blocks.labels(action).inc(got.new)
+        log.log(logging.DEBUG if hint else logging.INFO,
+                "pin by %s (%s) for %g s: %d of %d block(s) cached and pinned (%d new) in %d "
+                "namespace(s)", caller.name, describe(scope), ttl_s, got.pinned,
+                got.asked * got.namespaces, got.new, got.namespaces)
+        return got
+
+    def unpin(self, caller: Tenant, scope: Scope) -> int:
+        with self._lock:
+            n = self.control.unpin(caller, scope)
+        self.metrics.operator_actions.labels("unpin").inc()
+        self.metrics.operator_blocks.labels("unpin").inc(n)
+        log.info("unpin by %s (%s): %d block(s)", caller.name, describe(scope), n)
+        return n
+
+    def pins(self, caller: Tenant, scope: Scope) -> list[PinInfo]:
+        with self._lock:
+            return self.control.listing(caller, scope)
+
+    async def prefetch_async(self, caller: Tenant, scope: Scope, hint: bool = False
+                             ) -> PrefetchResult:
+        """Brings the cached prefix of the scope's chain into DRAM in each of its registered
+        namespaces: an Acquire (promotions from SSD, fetches from the remote tier), released
+        at once. `hint`: as for `pin`."""
+        if not scope.keys:
+            raise InvalidArgument("a prefetch needs the keys of a prefix")
+        with self._lock:
+            targets = [(ns, self.names.tenant(ns.tenant).tenant)
+                       for ns in self.control.namespaces(caller, scope, registered=True)
+                       if self.names.layouts[(ns.tenant, ns.layout_id)].key_width
+                       == scope.key_width]
+        if not targets:
+            raise no_layout(scope)
+        asked = len(scope.keys) // scope.key_width
+        dram = ssd = remote = missing = 0
+        for ns, owner in targets:
+            got = await self.acquire_async(owner, ns.layout_id, scope.keys, scope.key_width,
+                                           0.0)
+            if got.lease_id:
+                self.release(owner, got.lease_id)
+            counted = bytes(got.source_tiers)
+            dram += counted.count(Tier.DRAM)
+            ssd += counted.count(Tier.SSD)
+            remote += counted.count(Tier.REMOTE)
+            missing += asked - len(counted)
+        result = PrefetchResult(len(targets), asked, dram, ssd, remote, missing)
+        action = "prefetch_hint" if hint else "prefetch"
+        self.metrics.operator_actions.labels(action).inc()
+        self.metrics.operator_blocks.labels(action).inc(ssd + remote)
+        log.log(logging.DEBUG if hint else logging.INFO,
+                "prefetch by %s (%s): %d block(s) promoted from SSD, %d fetched from the "
+                "remote tier, %d already in DRAM, %d missing", caller.name, describe(scope),
+                ssd, remote, dram, missing)
+        return result
+
+    def _end_writes(self, namespaces: set[Namespace]) -> int:
+        """Ends the WRITE leases of `namespaces` uncommitted (an evict of them). Lock held."""
+        ended = [lease for lease in self._leases if lease.kind is LeaseKind.WRITE
+                 and cast(WriteLease, lease.payload).ns.name in namespaces]
+        for lease in ended:
+            self._leases.pop(lease.id)
+            self._end(lease)
+        return len(ended)
+
+    def _pinned(self) -> int:
+        with self._lock:
+            return len(self.pin_table)
 
     # -- streaming byte path ----------------------------------------------------------------
 
@@ -692,6 +817,7 @@ class Cache:
                 log.info("reload: %d write lease(s) of rekeyed tenants ended uncommitted",
                          len(ended))
             for name in sorted(moved):
+                self.control.drop_tenant(name)  # pins would hold the old region's slots
                 self.residency.rekey(name)
 
     def close(self, timeout: float = 10.0, keep: bool = False) -> None:

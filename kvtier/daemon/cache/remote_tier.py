@@ -7,6 +7,8 @@
              pipelined GET round trip, each value verified and copied into its slot → the cache
              inserts the good prefix into the index as DRAM blocks under the Acquire's lease
              (`kvtier.daemon.cache.acquire`)
+    Evict    an operator's evict ─▶ `delete`: every key of whole namespaces (SCAN + UNLINK), or
+             given keys (UNLINK), off the cache lock
     Commit   admitted blocks ─▶ `offer(RemoteWrite)`: never blocks; a queue bounded in bytes of
              pinned slots and a byte-rate token bucket decide, else the write is dropped and
              counted; a writer thread (`kvtier.tiers.writeq`, shared with the SSD mover) sends
@@ -71,7 +73,7 @@ class RemoteMetrics:
         r = registry
         self.requests = Counter("kvtier_remote_requests", "Remote store requests",
                                 ["op", "result"], registry=r)
-        for op in ("check", "fetch", "store"):
+        for op in ("check", "fetch", "store", "delete"):
             for result in ("ok", "error", "skipped"):
                 self.requests.labels(op, result)
         self.blocks = Counter("kvtier_remote_blocks", "Fetched remote blocks by outcome",
@@ -88,6 +90,8 @@ class RemoteMetrics:
                                ["reason"], registry=r)
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
+        self.deleted = Counter("kvtier_remote_blocks_deleted",
+                               "Remote blocks deleted by operators' evicts", registry=r)
         self.outages = Counter("kvtier_remote_outages",
                                "Times the remote store was marked down", registry=r)
 
@@ -271,6 +275,30 @@ class RemoteTier:
         if stored is None:  # a bug in the writer, or the tier closed before the batch went out
             self.metrics.dropped.labels("error").inc(len(batch))
         self.on_written(batch, stored or [])
+
+    # -- an operator's evict -------------------------------------------------------------------
+
+    def delete(self, whole: Sequence[str], keys: Sequence[tuple[str, list[bytes]]]
+               ) -> tuple[list[tuple[str, list[bytes]]], str]:
+        """Deletes every key of the `whole` namespaces and the given keys of the others (no
+        cache lock: network); the keys deleted per namespace, and why it stopped early ("" when
+        it did not: a store that is down or fails stops it, counted as an outage)."""
+        out: list[tuple[str, list[bytes]]] = []
+        if not self.backoff.ready():
+            self.metrics.requests.labels("delete", "skipped").inc()
+            return out, f"remote store {self.store.where()} is down; its copies stay"
+        try:
+            for ns in whole:
+                out.append((ns, self.store.delete_namespace(ns)))
+            for ns, some in keys:
+                out.append((ns, self.store.delete(ns, some)))
+        except RemoteUnavailable as exc:
+            self._failed("delete", exc)
+            return out, str(exc)
+        self.metrics.requests.labels("delete", "ok").inc()
+        self._ok()
+        self.metrics.deleted.inc(sum(len(k) for _, k in out))
+        return out, ""
 
     def flush(self, timeout: float) -> bool:
         """Waits until every queued write is sent (or dropped); False on timeout."""

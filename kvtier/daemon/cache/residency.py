@@ -134,8 +134,12 @@ class Residency:
             raise
 
     def apply(self, why: str = "capacity", publish: bool = True) -> None:
-        """`Applier.apply`, then the `stale` blocks no pin holds any more leave DRAM."""
+        """`Applier.apply`; then the doomed blocks (an operator's evict) that nothing holds any
+        more go (`PrefixIndex.reap`), and the `stale` blocks no pin holds leave DRAM."""
         self.applier.apply(why, publish)
+        if self.index.reap_due:
+            self.index.reap()
+            self.applier.apply("operator", publish)
         if self.stale:
             self.drop_stale()
             self.applier.apply("rekeyed", publish)
@@ -583,8 +587,8 @@ class Residency:
                 if self.index.get(w.ns, w.key) is not None:
                     self.index.unpin(w.ns, w.key)
             self.applier.stored_remote([(w.ns, w.key) for w in stored])
-            if self.stale:  # blocks of a retired region this write held now leave DRAM
-                self.apply("rekeyed")
+            if self.stale or self.index.reap_due:  # blocks of a retired region, or evicted
+                self.apply()                          # by an operator, this write held
 
     # -- DRAM ---------------------------------------------------------------------------------
 

@@ -52,8 +52,8 @@ class RemoteTier:
 @dataclass(frozen=True, slots=True)
 class CacheSpec:
     """The DRAM pool, the optional SSD and remote tiers, the index's eviction policy and SSD
-    admission (the k-th access), and the lease rules (default and longest TTL, keys per
-    request)."""
+    admission (the k-th access), the lease rules (default and longest TTL, keys per request),
+    and the longest pin."""
 
     pool: DramSpec
     ssd: SsdTier | None
@@ -63,6 +63,7 @@ class CacheSpec:
     lease_ttl_s: float
     max_lease_ttl_s: float
     max_blocks_per_request: int
+    max_pin_ttl_s: float = 86400.0  # the longest an operator's pin (or a request's hint) lasts
 
     @property
     def ssd_bytes(self) -> int:

@@ -15,7 +15,9 @@ once on the event loop — checked when the service is built (`handlers`). Repli
 messages, or bytes already in wire form (Lookup's, `kvtier.core.lookupwire.lookup_response`).
 
 Tenancy: layouts, cost models and prefill rates are the caller's own; Stats and WatchEvents show
-the caller's own figures and events, node-wide ones only for an admin token. Sessions: leases an
+the caller's own figures and events, node-wide ones only for an admin token; the operators'
+calls (Evict, Pin, Unpin, ListPins, Prefetch) act on the caller's own namespaces, another
+tenant's or every tenant's only for an admin token. Sessions: leases an
 Acquire or Allocate takes under a session end when it ends (`Cache.close_session`).
 """
 
@@ -42,7 +44,7 @@ from kvtier.core.methods import METHODS, PROTOCOL_VERSION, Local
 from kvtier.core.segment import VERSION as SEGMENT_VERSION
 from kvtier.core.types import Tier
 from kvtier.daemon.auth import Authenticator
-from kvtier.daemon.cache.api import CacheApi, SegmentView
+from kvtier.daemon.cache.api import CacheApi, Scope, SegmentView
 from kvtier.daemon.cache.events import BlockEvent
 from kvtier.daemon.cache.namespaces import Tenant
 from kvtier.daemon.rpc.bulk import BulkRead, BulkWrite
@@ -84,6 +86,10 @@ def _seconds(value: float, name: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")
     return value
+
+
+def _scope(sel: pb.Selector, keys: bytes = b"", key_width: int = 0) -> Scope:
+    return Scope(sel.tenant, sel.all_tenants, sel.model_id, sel.layout, keys, key_width)
 
 
 def _snake(name: str) -> str:
@@ -288,6 +294,42 @@ class Service:
                             hit_ratio=p.hit_ratio) for p in self.cache.mrc_gauges().points)
             reply.mrc_sampled_blocks = self.cache.mrc_sampled()
         return reply
+
+    # -- operators' actions (`kvtier.daemon.cache.control`) -----------------------------------
+
+    async def evict(self, request: pb.EvictRequest, call: Call) -> pb.EvictResponse:
+        r = await self.cache.evict_async(
+            call.tenant(), _scope(request.scope, request.keys, request.key_width),
+            request.clear, request.local_only)
+        return pb.EvictResponse(
+            namespaces=r.namespaces, blocks=r.blocks, dram_blocks=r.dram_blocks,
+            ssd_blocks=r.ssd_blocks, remote_blocks=r.remote_blocks, doomed_blocks=r.doomed,
+            remote_error=r.remote_error)
+
+    def pin(self, request: pb.PinRequest, call: Call) -> pb.PinResponse:
+        r = self.cache.pin(call.tenant(), _scope(request.scope, request.keys, request.key_width),
+                           request.ttl_seconds, request.hint)
+        return pb.PinResponse(namespaces=r.namespaces, asked=r.asked, pinned=r.pinned,
+                              new_pins=r.new, ttl_seconds=r.ttl_s)
+
+    def unpin(self, request: pb.UnpinRequest, call: Call) -> pb.UnpinResponse:
+        n = self.cache.unpin(call.tenant(),
+                             _scope(request.scope, request.keys, request.key_width))
+        return pb.UnpinResponse(unpinned=n)
+
+    def list_pins(self, request: pb.ListPinsRequest, call: Call) -> pb.ListPinsResponse:
+        got = self.cache.pins(call.tenant(), _scope(request.scope))
+        return pb.ListPinsResponse(namespaces=[pb.PinnedNamespace(
+            tenant=p.tenant, model_id=p.model_id, layout=p.layout_id, blocks=p.blocks,
+            first_expiry_seconds=p.first_expiry_s, last_expiry_seconds=p.last_expiry_s)
+            for p in got])
+
+    async def prefetch(self, request: pb.PrefetchRequest, call: Call) -> pb.PrefetchResponse:
+        r = await self.cache.prefetch_async(
+            call.tenant(), _scope(request.scope, request.keys, request.key_width), request.hint)
+        return pb.PrefetchResponse(namespaces=r.namespaces, asked=r.asked, in_dram=r.in_dram,
+                                   from_ssd=r.from_ssd, from_remote=r.from_remote,
+                                   missing=r.missing)
 
     # -- streams: the bulk calls (both transports), events and sessions (gRPC) ---------------
 

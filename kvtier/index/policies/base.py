@@ -214,6 +214,12 @@ class Policy:
     def unlinked(self, b: Block) -> None:
         """An entry left its last tier (it is still linked to its parent)."""
 
+    def forget(self, blocks: list[Block]) -> None:
+        """Entries removed on purpose (an operator's evict, `kvtier.index.purge`): drop what
+        the policy keeps about them; they say nothing about reuse. Default: `unlinked` each."""
+        for b in blocks:
+            self.unlinked(b)
+
     def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], blocks: list[Block]) -> None:
         """A touching lookup of `keys` found `blocks` (the first ``len(blocks)`` keys) cached,
         before it counts their access. On the Lookup path: keep it O(1) or C-speed per block

@@ -2,8 +2,12 @@
 when told "not known yet" (vLLM's `get_num_new_matched_tokens` answering None).
 
     fetch_blocks(rid, keys, prompt_tokens)   the blocks of `keys` worth fetching (the daemon's
-                                             plan), or None while that Lookup is still running
+                                             plan), or None while that Lookup is still running;
+                                             `prefetch=True` (a request's hint): a Prefetch of
+                                             the keys first, on the same thread
     forget(rid)                              drop the request's answer (or its Lookup in flight)
+    submit(job)                              any other call off the scheduler's thread, in
+                                             order with the Lookups (a request's `pin`)
 
 With `ends` (one key per key: the block a hit ending at that block ends on instead, e.g. a
 recurrent-state block, `vllm/layout.py`), the answer is the largest c within the fetch such that
@@ -28,13 +32,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.integrations.common.link import DaemonLink
 
 log = logging.getLogger("kvtier.integrations.common")
 
-_STOP: tuple[str, list[bytes], int, list[bytes] | None] = ("", [], 0, None)
+_Ask = tuple[str, list[bytes], int, list[bytes] | None, bool]
+"""A queued Lookup: (request id, keys, prompt tokens, end keys, prefetch first)."""
+_Job = Callable[[], None]
 
 
 class Lookups:
@@ -46,8 +52,7 @@ class Lookups:
         self._done: dict[str, tuple[int, int]] = {}
         """rid -> (number of keys asked, blocks to fetch)"""
         self._running: set[str] = set()
-        self._queue: queue.SimpleQueue[tuple[str, list[bytes], int, list[bytes] | None]] = (
-            queue.SimpleQueue())
+        self._queue: queue.SimpleQueue[_Ask | _Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="kvtier-lookup",
@@ -55,10 +60,13 @@ class Lookups:
             self._thread.start()
 
     def fetch_blocks(self, rid: str, keys: list[bytes], prompt_tokens: int,
-                     ends: list[bytes] | None = None) -> int | None:
+                     ends: list[bytes] | None = None, prefetch: bool = False) -> int | None:
+        """`prefetch`: bring the keys' cached prefix into DRAM first (a request's hint)."""
         if any(link.down() for link in self.links):
             return 0
         if not self.background:
+            if prefetch:
+                self.prefetch(keys)
             return self.lookup(keys, prompt_tokens, ends)
         with self._lock:
             done = self._done.get(rid)
@@ -67,8 +75,39 @@ class Lookups:
             if rid in self._running:
                 return None
             self._running.add(rid)
-        self._queue.put((rid, keys, prompt_tokens, ends))
+        self._queue.put((rid, keys, prompt_tokens, ends, prefetch))
         return None
+
+    def submit(self, job: _Job) -> None:
+        """Runs `job` on the lookup thread (in order with the Lookups), or here without one: a
+        call to the daemon that vLLM's thread must not wait for (a request's pin)."""
+        if self.background:
+            self._queue.put(job)
+        else:
+            job()
+
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Prefetch on every layout (TP shard); a failure is the link's warning."""
+        for link in self.links:
+            client = link.client()
+            if client is None:
+                return
+            try:
+                client.prefetch(keys, hint=True)
+            except Exception as exc:
+                link.failed(exc, "Prefetch")
+
+    def pin(self, keys: list[bytes], pin_s: float) -> None:
+        """Pins the cached prefix of `keys` on every layout (TP shard) for `pin_s`; a failure
+        (a refusal over the tenant's quota, say) is the link's warning."""
+        for link in self.links:
+            client = link.client()
+            if client is None:
+                return
+            try:
+                client.pin(keys, pin_s, hint=True)
+            except Exception as exc:
+                link.failed(exc, "Pin")
 
     def forget(self, rid: str) -> None:
         with self._lock:
@@ -108,13 +147,22 @@ class Lookups:
 
     def _loop(self) -> None:
         while True:
-            rid, keys, prompt_tokens, ends = self._queue.get()
-            if not rid:
+            item = self._queue.get()
+            if item is None:
                 return
+            if callable(item):
+                try:
+                    item()
+                except Exception:  # a bug must not kill the thread
+                    log.exception("kvtier: a call to the daemon failed")
+                continue
+            rid, keys, prompt_tokens, ends, prefetch = item
             with self._lock:
                 if rid not in self._running:
                     continue  # forgotten (finished, aborted) while queued
             try:
+                if prefetch:
+                    self.prefetch(keys)
                 fetch = self.lookup(keys, prompt_tokens, ends)
             except Exception:  # a bug must not kill the thread: that request computes
                 log.exception("kvtier: Lookup failed")
@@ -126,5 +174,5 @@ class Lookups:
 
     def close(self) -> None:
         if self._thread is not None:
-            self._queue.put(_STOP)
+            self._queue.put(None)
             self._thread.join(timeout=5)

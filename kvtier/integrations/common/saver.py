@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,9 @@ class Staged:
     holds at [c * chunk_bytes, (c + 1) * chunk_bytes) (vLLM: `integrations/vllm/pages.py`)."""
     ready: Any = None
     """A CUDA event to synchronize before reading `blocks` (filled by an async copy)."""
+    pin_s: float = 0.0
+    """A request's pin hint: once stored, pin `chain` (its keys up to these) this long."""
+    chain: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)

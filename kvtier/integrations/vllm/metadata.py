@@ -8,7 +8,8 @@
               (-1 where the group needs none: outside a sliding window); the load is
               asynchronous and succeeds or fails per request (`get_finished`).
     SaveJob   store vLLM blocks `block_ids` under `keys` (a chain after `parent`), computed by
-              the end of this step; hybrid models: per group its blocks (`groups`).
+              the end of this step; hybrid models: per group its blocks (`groups`); with the
+              request's pin hint, then pin its chain up to them (`pin_s`, `chain`).
     prefill_tokens / prefill_context
               the step's scheduled prompt tokens and the cached context they attend to (summed
               over requests), for the prefill rate the workers measure.
@@ -41,6 +42,10 @@ class SaveJob:
     parent: bytes
     groups: tuple[list[int], ...] = ()
     """Hybrid: per KV cache group, its vLLM block for each key (every one a real block)."""
+    pin_s: float = 0.0
+    """The request's pin hint: once these blocks are committed, pin `chain` this long."""
+    chain: list[bytes] = field(default_factory=list)
+    """With `pin_s`: the request's keys from its first block to this job's last."""
 
 
 @dataclass

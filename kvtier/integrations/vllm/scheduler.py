@@ -19,7 +19,14 @@ Per request (vLLM calls, in order):
                                  step's prefill shape (for the prefill rate the workers measure).
     request_finished             forgets the request (nothing is held: loads release their
                                  leases in the worker during the step, saves copy the blocks
-                                 out within it).
+                                 out within it); with a pin hint, pins its cached blocks.
+
+Hints (`common/hints.py`, the request's `kv_transfer_params["kvtier"]`, read once per request):
+`prefetch` runs a Prefetch before the request's Lookup (on the lookup thread); `store: false`
+gives the request no saves; `pin_s` pins the request's full blocks (prompt and output) for that
+long, at `request_finished` what is cached by then (on the lookup thread), and in the workers
+after each of its saves commits what the chain holds up to it (`SaveJob.pin_s`, in order with
+the saves on the save thread: a block committed after the request finished is pinned too).
 
 Hybrid models (several KV cache groups or a sliding window, `EngineKV.hybrid`): one kvtier block
 holds every group's pages for one block, keyed by vLLM's block hash at its end (`hash_step`
@@ -52,6 +59,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtier.integrations.common.hints import Hints, parse_hints
 from kvtier.integrations.common.link import DaemonLink
 from kvtier.integrations.common.lookup import Lookups
 from kvtier.integrations.vllm.layout import EngineKV, kv_shard
@@ -111,6 +119,7 @@ class SchedulerSide:
             "scheduler") for s in sorted(set(rank_shard))]
         self.lookups = Lookups(self.links, settings.use_plan, settings.async_lookup)
         self._tracked: dict[str, _Tracked] = {}
+        self._hints: dict[str, Hints] = {}
         self._hits: dict[str, _Hit] = {}
         self._loads: list[LoadJob] = []
         self.cost = CostLog()
@@ -134,7 +143,8 @@ class SchedulerSide:
             return 0
         keys = self._keys(request, 0, usable)
         ends = [self.kv.state_key(k) for k in keys] if self.kv.stateful else None
-        fetch = self.lookups.fetch_blocks(rid, keys, request.num_tokens, ends)
+        fetch = self.lookups.fetch_blocks(rid, keys, request.num_tokens, ends,
+                                          prefetch=self.hints(request).prefetch)
         if fetch is None:
             return None  # the Lookup is running: vLLM asks again next step
         if fetch * self.bt <= num_computed:
@@ -143,6 +153,14 @@ class SchedulerSide:
             keys = [*keys[:fetch - 1], ends[fetch - 1]]
         self._hits[rid] = _Hit(num_computed, keys, fetch)
         return fetch * self.bt - num_computed
+
+    def hints(self, request: Request) -> Hints:
+        """The request's kvtier hints (`common/hints.py`), read once per request."""
+        h = self._hints.get(request.request_id)
+        if h is None:
+            h = self._hints[request.request_id] = parse_hints(
+                request.kv_transfer_params, f"request {request.request_id}")
+        return h
 
     def _keys(self, request: Request, start: int, stop: int) -> list[bytes]:
         """The kvtier keys of blocks [start, stop): vLLM's hash at each block's end."""
@@ -223,6 +241,9 @@ class SchedulerSide:
             if t is None:
                 continue
             r = t.request
+            hints = self.hints(r)
+            if not hints.store:
+                continue  # the request's hint: store nothing of it
             full = min((r.num_computed_tokens + n) // self.bt, len(r.block_hashes))
             if full <= t.saved:
                 continue
@@ -246,8 +267,9 @@ class SchedulerSide:
                 continue
             keys = self._keys(r, start, full)
             parent = self._keys(r, start - 1, start)[0] if start else b""
+            pin = (hints.pin_s, self._keys(r, 0, full)) if hints.pin_s else (0.0, [])
             saves.append(SaveJob(rid, groups[0] if groups else list(ids[0][start:full]), keys,
-                                 parent, groups))
+                                 parent, groups, *pin))
         if self.kv.stateful and state is not None:
             saves += self._state_saves(out, state)
         return saves
@@ -261,7 +283,7 @@ class SchedulerSide:
         for rid, entries in state.boundary_state_offloads.items():
             t = self._tracked.get(rid)
             ids = state.get_block_ids(rid)
-            if t is None or ids is None:
+            if t is None or ids is None or not self.hints(t.request).store:
                 continue
             r = t.request
             done = r.num_computed_tokens + out.num_scheduled_tokens.get(rid, 0)
@@ -279,6 +301,12 @@ class SchedulerSide:
         return saves
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        hints = self._hints.pop(request.request_id, None)
+        if hints is not None and hints.pin_s:
+            # what is cached now (its saves pin what they store after it: `SaveJob.pin_s`)
+            keys = self._keys(request, 0, len(request.block_hashes) // self.step)
+            if keys:
+                self.lookups.submit(lambda: self.lookups.pin(keys, hints.pin_s))
         self._tracked.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self.lookups.forget(request.request_id)

@@ -355,7 +355,7 @@ class WorkerSide:
             out = torch.empty((len(pg.chunks), n, pg.chunk_bytes), dtype=torch.uint8)
             for c, src in enumerate(pg.chunks):
                 torch.index_select(src, 0, which[c], out=out[c])
-            return Staged(job.req_id, job.keys, job.parent, out)
+            return Staged(job.req_id, job.keys, job.parent, out, None, job.pin_s, job.chain)
         out = torch.empty((len(pg.chunks), n, pg.chunk_bytes), dtype=torch.uint8,
                           pin_memory=True)
         compute = torch.cuda.current_stream(pg.device)
@@ -369,7 +369,7 @@ class WorkerSide:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(side)
         compute.wait_event(ready)  # nothing overwrites the blocks before they are copied
-        return Staged(job.req_id, job.keys, job.parent, out, ready)
+        return Staged(job.req_id, job.keys, job.parent, out, ready, job.pin_s, job.chain)
 
     def _store(self, staged: Staged) -> None:
         """Stores one staged job (on the save thread, or inline); raises on failure."""
@@ -393,6 +393,11 @@ class WorkerSide:
                 for c in range(staged.blocks.shape[0]):
                     rows[slots, c * cb:(c + 1) * cb] = staged.blocks[c][which]
         self.stats.stored(tx.committed, time.perf_counter() - started)
+        if staged.pin_s and staged.chain:  # the request's pin hint: its chain, now stored
+            try:
+                client.pin(staged.chain, staged.pin_s, hint=True)
+            except Exception as exc:  # a refused pin costs the pin only, never the store
+                self.link.failed(exc, "Pin")
 
     def close(self) -> None:
         if self.loads is not None:

@@ -252,6 +252,11 @@ class AdaptivePolicy(Policy):
             if bk is not None:
                 self.predictor.learn(b.tenant, bk, b.stamp & HITS_MAX >= 2)
 
+    def forget(self, blocks: list[Block]) -> None:
+        if self._tracked:
+            for b in blocks:
+                self._tracked.pop(b, None)
+
     def nbytes(self) -> int:
         """Bytes of the policy's state besides the index's history: sketch, predictor tables,
         tracker, pending placements, mini simulations (dict slots at estimated sizes)."""
