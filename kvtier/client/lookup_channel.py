@@ -78,16 +78,18 @@ class LookupChannel:
         self.calls = True  # False once the daemon refused a KVTLK2 hello (an older one)
         self.bulk = False  # the daemon's hello answer offered the bulk calls
 
-    def call(self, request: bytes) -> bytes | Refusal | None:
-        """One Lookup (`request` a serialized `LookupRequest`)."""
-        return self.request(0, "", request)
+    def call(self, request: bytes, extra_s: float = 0.0) -> bytes | Refusal | None:
+        """One Lookup (`request` a serialized `LookupRequest`); `extra_s`: how long the daemon
+        may wait before it answers (its `wait_pending_ms`), beyond the channel's timeout."""
+        return self.request(0, "", request, extra_s)
 
-    def request(self, method: int, session: str, request: bytes) -> bytes | Refusal | None:
+    def request(self, method: int, session: str, request: bytes, extra_s: float = 0.0
+                ) -> bytes | Refusal | None:
         """One call of `wire.CALLS[method]` under `session`; None when it must go over gRPC
         (no lookup socket, or a daemon that takes Lookup only and `method` is another). A
         connection lost before the request was sent is replaced and the call sent again; one lost
         after it was sent answers UNAVAILABLE, as gRPC does — except a Lookup's, sent again once
-        (it changes nothing a client relies on)."""
+        (it changes nothing a client relies on). `extra_s` lengthens this call's timeout."""
         if os.getpid() != self._pid:  # a forked child: the parent's connections are not its own
             self._idle, self._pid = [], os.getpid()
         for _ in (0, 1):
@@ -116,7 +118,11 @@ class LookupChannel:
                 conn.close()  # the daemon closed it (restarted, or dropped it): not sent
                 continue
             try:
+                if extra_s:
+                    conn.settimeout(self._timeout + extra_s)
                 reply = _answer(self._read(conn))
+                if extra_s:
+                    conn.settimeout(self._timeout)
             except TimeoutError:
                 conn.close()
                 return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")

@@ -90,6 +90,7 @@ from kvtier.daemon.cache.api import (
 from kvtier.daemon.cache.events import EventLog
 from kvtier.daemon.cache.leases import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.cache.namespaces import LayoutInfo, NamespaceInfo, Namespaces, Tenant
+from kvtier.daemon.cache.pending import WriteWaits
 from kvtier.daemon.cache.remote_tier import RemoteTier
 from kvtier.daemon.cache.residency import PageMoves, Steps, Tiers
 from kvtier.daemon.cache.slot_stream import SlotStream
@@ -145,6 +146,7 @@ class Cache:
         self.acquirer = Acquirer(self._lock, self.tiers, self._leases, metrics, self.rates,
                                  self._claim)
         self.allocator = Allocator(self.tiers, self._leases)
+        self.waits = WriteWaits()  # Lookups waiting for other clients' writes (`pending.py`)
         metrics.attach_pool(self.gauges)
         metrics.attach(RateCollector(self.rates))
         self.mrc = new_sampler(spec, self.index.capacity(Tier.SSD) or 0)
@@ -234,12 +236,20 @@ class Cache:
     async def lookup_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
         start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
-        replica: str = "",
+        replica: str = "", wait_s: float = 0.0,
     ) -> LookupResult:
         """`lookup` for the event loop: the remote check (a network round trip with a bounded
         wait) runs on a worker thread, without the cache lock. The miss-ratio curve sees the
         keys right after the reply is on its way (the loop's next callback: before any later
-        request's handler, so a Stats after this Lookup counts it)."""
+        request's handler, so a Stats after this Lookup counts it). With `wait_s`, first waits
+        (bounded) for blocks after the cached prefix that another client is still writing
+        (`_wait_pending`)."""
+        if wait_s > 0:
+            self.metrics.pending_waiting.inc()
+            try:
+                await self._wait_pending(tenant, layout_id, keys, key_width, wait_s)
+            finally:
+                self.metrics.pending_waiting.dec()
         ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica,
                                               observe=False)
         asyncio.get_running_loop().call_soon(self._observe, ns.name, keys, key_width)
@@ -248,6 +258,52 @@ class Cache:
             more = await asyncio.to_thread(self._remote_present, ns, chain, len(tiers))
             tiers += [Tier.REMOTE] * more
         return self._lookup_result(ns, chain, tiers, start_token, prompt_tokens, want_plan)
+
+    async def _wait_pending(self, tenant: Tenant, layout_id: bytes, keys: bytes,
+                            key_width: int, wait_s: float) -> None:
+        """Waits, up to `wait_s` (at most `max_pending_wait_s`), while the first block after
+        the cached prefix of `keys` is being written: here, by another WRITE lease (until it
+        commits — then looks again —, ends without committing, or the bound: `pending.py`),
+        else, with a remote tier, marked pending there by another daemon's hand-off
+        (`RemoteTier.wait_written`, on a worker thread). Nothing is counted as a lookup here;
+        each wait is metered (`kvtier_pending_waits_total{tier, result}`, its seconds)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + min(wait_s, self.spec.max_pending_wait_s)
+        outcome = ""
+        while True:
+            with self._lock:
+                ns = self._ns(tenant, layout_id)
+                chain = self.names.split_keys(ns, keys, key_width, unique=False)
+                hit = len(self.index.lookup(ns.name, chain, touch=False).blocks)
+                lease = ns.pending.get(chain[hit]) if hit < len(chain) else None
+                fut = self.waits.wait(lease) if lease is not None else None
+            if fut is None or lease is None:
+                break
+            try:
+                left = deadline - loop.time()
+                if left > 0:
+                    await asyncio.wait({fut}, timeout=left)
+            finally:
+                if not fut.done():
+                    with self._lock:
+                        self.waits.forget(lease, fut)
+            if not fut.done():
+                outcome = "timeout"
+                break
+            outcome = "committed" if fut.result() else "aborted"
+            if outcome == "aborted":
+                break
+        if outcome:
+            self.metrics.record_pending_wait("dram", outcome, loop.time() - started)
+            return
+        remote = self.tiers.remote
+        left = deadline - loop.time()
+        if remote is None or hit >= len(chain) or left <= 0 or not remote.ready():
+            return
+        _, outcome = await asyncio.to_thread(remote.wait_written, ns.name, chain[hit:], left)
+        if outcome:
+            self.metrics.record_pending_wait("remote", outcome, loop.time() - started)
 
     def _lookup_local(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, replica: str,
@@ -470,38 +526,79 @@ class Cache:
 
     def allocate(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
-        ttl_s: float, session: str = "",
+        ttl_s: float, session: str = "", handoff: bool = False,
     ) -> AllocateResult:
         """Slots for the keys not cached or being written, under a WRITE lease. See
-        `kvtier.daemon.cache.allocate`."""
+        `kvtier.daemon.cache.allocate`; a `handoff`'s extra steps: `_handoff`."""
         ttl = self._new_lease_ttl(ttl_s)
         with self._lock:
             self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
-            return self.allocator.allocate(tenant, ns, chain, parent, ttl, session)
+            res = self.allocator.allocate(tenant, ns, chain, parent, ttl, session)
+        if handoff:
+            self._handoff(ns, chain, res)
+        return res
 
     async def allocate_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
-        ttl_s: float, session: str = "",
+        ttl_s: float, session: str = "", handoff: bool = False,
     ) -> AllocateResult:
         """`allocate` for the event loop: the page moves that make room for the new blocks'
         size class copy on a worker thread, without the cache lock (`_off_loop`; shielded, so
-        the steps end when the caller is cancelled — its lease then expires after its TTL)."""
+        the steps end when the caller is cancelled — its lease then expires after its TTL);
+        a hand-off's marks in the remote store on a worker thread too."""
         ttl = self._new_lease_ttl(ttl_s)
+        ns_chain: list[tuple[NamespaceInfo, list[bytes]]] = []
 
         def allocating() -> Steps[AllocateResult]:
             self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
+            ns_chain.append((ns, chain))
             return (yield from self.allocator.allocating(tenant, ns, chain, parent, ttl, session))
 
         steps = allocating()
         res, moves = self._first_step(steps)
-        if moves is None:
-            assert res is not None
-            return res
-        return await asyncio.shield(self._off_loop(steps, moves))
+        if moves is not None:
+            res = await asyncio.shield(self._off_loop(steps, moves))
+        assert res is not None
+        if handoff:
+            await asyncio.to_thread(self._handoff, *ns_chain[0], res)
+        return res
+
+    def _handoff(self, ns: NamespaceInfo, chain: list[bytes], res: AllocateResult) -> None:
+        """A prefill's Allocate (`AllocateRequest.handoff`; blocking, called without the cache
+        lock, before the reply): its lease becomes a hand-off (`WriteLease.handoff`) and, with
+        a remote tier, its keys are marked pending in the store; the chain's blocks cached here
+        in DRAM that the store lacks are marked and written too (urgent writes), so a consumer
+        on another node finds the whole prefix coming."""
+        remote = self.tiers.remote
+        with self._lock:
+            lease = self._leases.get(res.lease_id) if res.lease_id else None
+            if lease is not None:
+                cast(WriteLease, lease.payload).handoff = True
+            if remote is None:
+                return
+            mine = set(res.indices)
+            cached = [k for i, k in enumerate(chain)
+                      if i not in mine and (b := self.index.get(ns.name, k)) is not None
+                      and b.in_dram]
+        ttl = 2 * res.ttl_s  # the write follows the commit: the marker outlives the lease
+        allocated = [chain[i] for i in res.indices]
+        if not remote.mark(ns.name, allocated, ttl):
+            return
+        lacking = remote.lacking(ns.name, cached)
+        marked = bool(lacking) and remote.mark(ns.name, lacking, ttl)
+        with self._lock:
+            if lease is not None and self._leases.get(lease.id) is None:
+                remote.unmark_later(ns.name, allocated)  # it ended while the marks were set
+            if not marked:
+                return
+            blocks = [b for k in lacking if (b := self.index.get(ns.name, k)) is not None]
+            remote.unmark_later(ns.name, [k for k in lacking
+                                          if self.index.get(ns.name, k) is None])
+            self.tiers.maybe_write_remote(ns.name, blocks, committed=True, handoff=True)
 
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
         """Makes the lease's filled slots cached blocks; returns how many were inserted."""
@@ -511,6 +608,7 @@ class Cache:
             _check_reported(nbytes, len(w.todo) * w.ns.layout.block_bytes)
             self._leases.pop(lease.id)
             inserted = self.allocator.commit(tenant, w)
+            self.waits.ended(lease.id, True)
         if nbytes:
             self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
         if seconds > 0:
@@ -583,6 +681,7 @@ class Cache:
             self.acquirer.release(lease.payload)  # type: ignore[arg-type]
         else:
             self.allocator.end(lease.payload)  # type: ignore[arg-type]
+            self.waits.ended(lease.id, False)
 
     def expire(self) -> int:
         """Ends every lease past its TTL (unpin / abort). Returns how many ended."""

@@ -52,8 +52,8 @@ class RemoteTier:
 @dataclass(frozen=True, slots=True)
 class CacheSpec:
     """The DRAM pool, the optional SSD and remote tiers, the index's eviction policy and SSD
-    admission (the k-th access), and the lease rules (default and longest TTL, keys per
-    request)."""
+    admission (the k-th access), the lease rules (default and longest TTL, keys per
+    request), and how long a Lookup may wait for blocks being written."""
 
     pool: DramSpec
     ssd: SsdTier | None
@@ -63,6 +63,8 @@ class CacheSpec:
     lease_ttl_s: float
     max_lease_ttl_s: float
     max_blocks_per_request: int
+    max_pending_wait_s: float = 10.0
+    """Longest a Lookup may wait for blocks being written (`LookupRequest.wait_pending_ms`)."""
 
     @property
     def ssd_bytes(self) -> int:

@@ -236,6 +236,7 @@ class KvTierService(pb_grpc.KvTierServicer):
         res = await self.cache.lookup_async(
             tenant, request.layout, request.keys, request.key_width, request.start_token,
             request.prompt_tokens, request.want_plan, request.replica,
+            request.wait_pending_ms / 1000,
         )
         plan = None
         if res.plan is not None:
@@ -292,7 +293,7 @@ class KvTierService(pb_grpc.KvTierServicer):
                         ) -> pb.AllocateResponse:
         res = await self.cache.allocate_async(
             tenant, request.layout, request.keys, request.key_width, request.parent_key,
-            request.lease_ttl_ms / 1000, session,
+            request.lease_ttl_ms / 1000, session, request.handoff,
         )
         info = self.cache.layout(tenant, request.layout)
         return pb.AllocateResponse(
