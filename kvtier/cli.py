@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "stats": "kvtier.commands.stats",
     "demo": "kvtier.commands.demo",
     "top": "kvtier.commands.top",
+    "pd-proxy": "kvtier.commands.pd_proxy",
 }
 
 
