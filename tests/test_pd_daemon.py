@@ -21,15 +21,17 @@ import pytest
 
 from kvtier.client.sync_client import Client, LayoutDecl
 from kvtier.core.types import Tier
-from tests.daemon_fixture import DaemonProc, daemon, wait_for  # noqa: F401  (the fixture)
+from tests.daemon_fixture import DaemonProc, wait_for
 from tests.redis_fixture import RedisServer, needs_redis
 
 BLOCK = 65536
 LAYOUT = LayoutDecl(fingerprint=b"pd-layout-fp-0001", block_bytes=BLOCK, block_tokens=16,
                     model_id="pd-test-model")
-LONG = 60.0
-"""A wait's bound far beyond anything the tests wait for: a wait that ended did so for its
-reason (commit, abort), never for the bound."""
+LONG = 300.0
+"""A wait's bound far beyond anything the tests wait for (the daemons here allow it: `WAIT`): a
+wait that ended did so for its reason (commit, abort), never for the bound, even on a machine
+that stops for tens of seconds."""
+WAIT = ("--max-pending-wait-s", "600", "--remote-timeout-s", "60")
 
 
 def chain(tag: int, n: int) -> list[bytes]:
@@ -71,11 +73,20 @@ class Waiting:
         self.thread.start()
 
     def result(self) -> Any:
-        self.thread.join(LONG * 2)
+        self.thread.join(LONG * 2)  # the client's timeout ends a call at LONG + its own
         assert not self.thread.is_alive(), "the Lookup never answered"
         if self.error is not None:
             raise self.error
         return self.got
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = DaemonProc(tmp_path / "d", WAIT).start()
+    try:
+        yield d
+    finally:
+        d.stop()
 
 
 def waiting(d: DaemonProc, n: int = 1) -> None:
@@ -89,7 +100,7 @@ def fill(kv: Client, keys: list[bytes], data: list[bytes], reply: Any) -> int:
     return tx.committed
 
 
-def test_lookup_waits_for_the_writers_commit(daemon: DaemonProc) -> None:  # noqa: F811
+def test_lookup_waits_for_the_writers_commit(daemon: DaemonProc) -> None:
     keys, data = chain(1, 8), payloads(8, 1)
     with Client(daemon.socket, layout=LAYOUT) as producer, \
             Client(daemon.socket, layout=LAYOUT) as consumer:
@@ -110,7 +121,7 @@ def test_lookup_waits_for_the_writers_commit(daemon: DaemonProc) -> None:  # noq
 
 
 def test_a_chain_written_in_several_leases_is_waited_for_whole(
-        daemon: DaemonProc) -> None:  # noqa: F811
+        daemon: DaemonProc) -> None:
     """A prefill computed in chunks stores one lease per step: the wait follows the chain from
     one lease to the next until the last is committed."""
     keys, data = chain(2, 9), payloads(9, 2)
@@ -127,7 +138,7 @@ def test_a_chain_written_in_several_leases_is_waited_for_whole(
         assert w.result().hit_blocks == 9
 
 
-def test_an_abort_ends_the_wait_at_once(daemon: DaemonProc) -> None:  # noqa: F811
+def test_an_abort_ends_the_wait_at_once(daemon: DaemonProc) -> None:
     keys = chain(3, 4)
     with Client(daemon.socket, layout=LAYOUT) as producer, \
             Client(daemon.socket, layout=LAYOUT) as consumer:
@@ -140,7 +151,7 @@ def test_an_abort_ends_the_wait_at_once(daemon: DaemonProc) -> None:  # noqa: F8
     assert metric(daemon, "kvtier_pending_waits_total", 'result="aborted"') == 1
 
 
-def test_a_writer_that_goes_away_ends_the_wait(daemon: DaemonProc) -> None:  # noqa: F811
+def test_a_writer_that_goes_away_ends_the_wait(daemon: DaemonProc) -> None:
     """The producer's client closes (its process died): the daemon ends its session's leases,
     and the wait with them."""
     keys = chain(4, 4)
@@ -170,7 +181,7 @@ def test_the_daemon_bounds_the_wait(tmp_path: Path) -> None:
         d.stop()
 
 
-def test_nothing_pending_answers_at_once(daemon: DaemonProc) -> None:  # noqa: F811
+def test_nothing_pending_answers_at_once(daemon: DaemonProc) -> None:
     """A wait asked for blocks nobody writes costs nothing: no wait is counted."""
     keys, data = chain(6, 4), payloads(4, 6)
     with Client(daemon.socket, layout=LAYOUT) as kv:
@@ -185,7 +196,7 @@ def test_another_tenants_writes_are_never_waited_for(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[tenants.a]\ntoken = "' + "a" * 32 + '"\n'
                       '[tenants.b]\ntoken = "' + "b" * 32 + '"\n')
-    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens)]).start()
+    d = DaemonProc(tmp_path / "d", ["--tokens-file", str(tokens), *WAIT]).start()
     try:
         keys = chain(7, 4)
         with Client(d.socket, layout=LAYOUT, token="a" * 32) as a, \
@@ -213,7 +224,8 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def node(tmp: Path, name: str, url: str, *args: str) -> DaemonProc:
-    return DaemonProc(tmp / name, ["--remote-url", url, "--ssd-bytes", "0", *args]).start()
+    return DaemonProc(tmp / name, ["--remote-url", url, "--ssd-bytes", "0", *WAIT,
+                                   *args]).start()
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ def kvtier(role: str, d: DaemonProc) -> dict[str, Any]:
             "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": role,
             "kv_connector_extra_config": {"socket": str(d.socket),
                                           "timeout_s": ENGINE_CALL_TIMEOUT_S,
-                                          "pending_wait_s": 30.0}}
+                                          "pending_wait_s": 300.0}}
 
 
 class Fleet(NamedTuple):
@@ -73,7 +73,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint) -> I
     shutil.copytree(checkpoint(), model)
     write_tokenizer(model)
     redis = RedisServer(root / "redis").start()
-    args = ("--dram-bytes", "64MiB", "--ssd-bytes", "0", "--remote-url", redis.url)
+    # a stop of this machine for tens of seconds must not end a wait or mark the store down
+    args = ("--dram-bytes", "64MiB", "--ssd-bytes", "0", "--remote-url", redis.url,
+            "--max-pending-wait-s", "600", "--remote-timeout-s", "60")
     daemons: list[DaemonProc] = []
     servers: list[Server] = []
     proxies: list[Proxy] = []

@@ -13,8 +13,8 @@ import pytest
 
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
-from tests.daemon_fixture import DaemonProc, daemon, wait_for  # noqa: F401  (the fixture)
-from tests.test_pd_daemon import Waiting, metric, waiting
+from tests.daemon_fixture import DaemonProc, wait_for
+from tests.test_pd_daemon import LONG, Waiting, daemon, metric, waiting  # noqa: F401 (fixture)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
@@ -40,7 +40,7 @@ def worker(d: DaemonProc, kv_role: str) -> tuple[WorkerSide, threading.Event]:
     store = w.saver.store
 
     def held(staged: Any) -> None:
-        assert go.wait(60)
+        assert go.wait(LONG)
         store(staged)
 
     w.saver.store = held  # type: ignore[method-assign]
@@ -76,7 +76,7 @@ def test_a_kv_both_engines_stores_are_not_pending_before_its_save_thread(
     with Client(daemon.socket, layout=KV.decl()) as consumer:
         with torch.inference_mode():
             w.wait_for_save(KvtierMetadata(saves=[SaveJob("r", [3, 5, 7], keys[:3], b"")]))
-        assert consumer.lookup(keys[:3], wait_pending_s=60).hit_blocks == 0
+        assert consumer.lookup(keys[:3], wait_pending_s=LONG).hit_blocks == 0
         go.set()
         assert w.saver.idle(10)
         assert consumer.lookup(keys[:3]).hit_blocks == 3
@@ -103,7 +103,7 @@ class Req(SimpleNamespace):
 
 
 def scheduler(d: DaemonProc, kv_role: str, **over: object) -> SchedulerSide:
-    s = settings(d, **{"async_lookup": False, **over})
+    s = settings(d, **{"async_lookup": False, "pending_wait_s": LONG, **over})
     return SchedulerSide(s, KV, 1, 1, False, role_of(kv_role, s))
 
 
