@@ -2,9 +2,10 @@
 `python -m bench.vllm_pd [--quick]`.
 
 Engines (one process each, `bench.vllm_engine`): `prefill` (kv_role kv_producer) on daemon
-`one`, `decode` (kv_consumer) on `one`, `far` (kv_consumer) on daemon `two`; `one` and `two`
-share a real redis-server (the remote tier). The model is a local Llama checkpoint with its own
-initializer's weights (`--layers`, `--hidden`), sized so an 8K-token prefill takes seconds here.
+`one`, `decode` (kv_consumer) on `one`, then (in its place: two engines at a time) `far`
+(kv_consumer) on daemon `two`; `one` and `two` share a real redis-server (the remote tier).
+The model is a local Llama checkpoint with its own initializer's weights (`--layers`,
+`--hidden`), sized so an 8K-token prefill takes seconds here.
 
 Per prompt (fresh random token ids, `--prompt-tokens` long):
   alone      the decode engine computes a prompt nobody prefilled (its baseline TTFT)
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     moves = kvtier_moves(layout, a.prompt_tokens)
     block_bytes = moves["block_bytes"]
     per_prompt = block_bytes * (a.prompt_tokens // BLOCK + 1)
-    dram = f"{max(64, per_prompt * (3 * a.prompts + 4) >> 20)}MiB"
+    dram = f"{max(64, per_prompt * (a.prompts + 4) >> 20)}MiB"
     max_len = a.prompt_tokens + 512
     engine_args = {"max_model_len": max_len, "max_num_batched_tokens": max_len}
     root = Path(tempfile.mkdtemp(prefix="kvtier-vllm-pd-"))
@@ -150,26 +151,31 @@ def main(argv: list[str] | None = None) -> int:
             "--remote-timeout-s", "5"]
     daemons = [DaemonProc(root / "one", args).start(), DaemonProc(root / "two", args).start()]
     one, two = daemons
-    engines = [EngineProc(root / "prefill", model, connector=kvtier("kv_producer", one),
-                          threads=a.threads, engine_args=engine_args),
-               EngineProc(root / "decode", model, connector=kvtier("kv_consumer", one),
-                          threads=a.threads, engine_args=engine_args),
-               EngineProc(root / "far", model, connector=kvtier("kv_consumer", two),
-                          threads=a.threads, engine_args=engine_args)]
+    def engine(name: str, role: str, d: DaemonProc) -> EngineProc:
+        return EngineProc(root / name, model, connector=kvtier(role, d), threads=a.threads,
+                          engine_args=engine_args)
+
+    # two engines at a time (the prefill engine and one decode engine): three vLLM engines
+    # at once were more than a shared 24 GiB machine had free
+    engines = [engine("prefill", "kv_producer", one), engine("decode", "kv_consumer", one)]
     rows: dict[str, list[dict[str, Any]]] = {"alone": [], "one_node": [], "two_nodes": []}
+    sent = moves["remote_write_bytes"]
     try:
         for e in engines:
             e.launch()
         for e in engines:
             e.wait_ready()
-        prefill, decode, far = engines
-        for e in engines:  # warm-up
-            e.generate([toks()[:256]], max_tokens=1)
+            e.generate([toks()[:256]], max_tokens=1)  # warm-up
+        prefill, decode = engines
         for _ in range(a.prompts):
             got = decode.generate([toks()], max_tokens=1)[0]
             rows["alone"].append({"ttft_s": got.seconds, "cached": got.cached})
-            sent = moves["remote_write_bytes"]
             rows["one_node"].append(handoff(prefill, decode, toks(), one, one, sent))
+        decode.close()
+        far = engine("far", "kv_consumer", two)
+        engines.append(far)
+        far.start().generate([toks()[:256]], max_tokens=1)
+        for _ in range(a.prompts):
             rows["two_nodes"].append(handoff(prefill, far, toks(), one, two, sent))
         rates = {"read": counters(two)["remote_read_bw"],
                  "write": counters(one)["remote_write_bw"]}
@@ -181,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         for d in daemons:
             d.stop()
         redis.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        if not sys.exc_info()[0]:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"kept the engines' and daemons' logs under {root}", file=sys.stderr)
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in rows[name])
