@@ -40,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "unpin": "kvtier.commands.unpin",
     "pins": "kvtier.commands.pins",
     "prefetch": "kvtier.commands.prefetch",
+    "pd-proxy": "kvtier.commands.pd_proxy",
 }
 
 

@@ -105,8 +105,8 @@ def test_lease_calls_go_over_the_socket_with_grpcs_answers(daemon: DaemonProc) -
         sent: list[tuple[str, str, bool]] = []
         request = kv._lookups.request
 
-        def spy(method: int, session: str, data: bytes) -> object:
-            got = request(method, session, data)
+        def spy(method: int, session: str, data: bytes, *rest: float) -> object:
+            got = request(method, session, data, *rest)
             sent.append((LOCAL[method].name, session, isinstance(got, bytes)))
             return got
 

@@ -116,3 +116,19 @@ def test_every_gpu_peak_and_link_rate_names_its_source(capsys):
         "way]" in out
     assert "    NVLink 4  4.5e+11 B/s  [H100 SXM datasheet: NVLink 900 GB/s per GPU both ways " \
         "/ 2]" in out
+
+
+def test_what_kvtier_moves_in_whole_blocks(capsys):
+    """The bench's model (8 layers, 4 KV heads of 64, bf16, 32-token blocks): 256 KiB blocks;
+    an 8,192-token prompt stores 256 of them and loads 255 (the last token is computed)."""
+    d = pd(capsys, "--layers", "8", "--kv-heads", "4", "--head-dim", "64", "--params", "1e8",
+           "--block-tokens", "32", "--prompt-tokens", "8192")
+    k = d["kvtier"]
+    assert k["block_bytes"] == 2 * 8 * 4 * 64 * 2 * 32 == 262_144
+    assert (k["stored_blocks"], k["loaded_blocks"]) == (256, 255)
+    assert k["stored_bytes"] == 256 * 262_144 and k["loaded_bytes"] == 255 * 262_144
+    assert k["remote_write_bytes"] == 256 * (262_144 + 64)
+    assert k["remote_read_bytes"] == k["loaded_bytes"]
+    assert main(["size", "--pd", "--layers", "8", "--kv-heads", "4", "--head-dim", "64",
+                 "--params", "1e8", "--block-tokens", "32", "--prompt-tokens", "8193"]) == 0
+    assert "stored 256 blocks = 67,108,864 B, loaded 256" in capsys.readouterr().out

@@ -22,7 +22,7 @@ def test_defaults_and_coercion() -> None:
     ({"use_plan": 3}, "['use_plan'] must be a bool"),
     ({"socket": 5}, "['socket'] must be a str"),
     ({"timeout_s": 0}, "timeout_s and save_buffer_mib must be > 0"),
-    ({"lease_ttl_s": -1}, "lease_ttl_s and prefill_report_s >= 0"),
+    ({"lease_ttl_s": -1}, "lease_ttl_s, prefill_report_s and pending_wait_s >= 0"),
     ({"save_buffer_mib": 0}, "save_buffer_mib must be > 0"),
     ({"async_lookup": "maybe"}, "['async_lookup'] must be a bool"),
 ])
@@ -116,3 +116,36 @@ def test_request_hints_are_read_or_ignored_with_one_warning(
         assert len(lines) == 1 and "request r7" in lines[0] and warning in lines[0], lines
     else:
         assert lines == []
+
+
+@pytest.mark.parametrize(("kv_role", "extra", "want"), [
+    ("kv_both", {}, (True, True, False, 0.0, True)),
+    ("kv_producer", {}, (False, True, True, 0.0, True)),
+    ("kv_consumer", {}, (True, False, False, 5.0, False)),
+    ("kv_consumer", {"pending_wait_s": 0.5, "use_plan": True}, (True, False, False, 0.5, True)),
+    ("kv_consumer", {"store": False}, (True, False, False, 5.0, False)),
+    ("kv_both", {"store": False, "pending_wait_s": 9}, (True, False, False, 0.0, True)),
+])
+def test_roles(kv_role: str, extra: dict[str, object],
+               want: tuple[bool, bool, bool, float, bool]) -> None:
+    from kvtier.integrations.vllm.settings import role_of
+
+    r = role_of(kv_role, ConnectorSettings.from_extra(extra), extra)
+    assert (r.loads, r.stores, r.handoff, r.wait_s, r.use_plan) == want and r.name == kv_role
+
+
+@pytest.mark.parametrize(("kv_role", "extra", "needle"), [
+    ("kv_prodcer", {}, "kv_role must be one of ['kv_producer', 'kv_consumer', 'kv_both'], "
+                       "got 'kv_prodcer'"),
+    (None, {}, "got None"),
+    ("kv_consumer", {"store": True}, "'kv_consumer' never stores"),
+    ("kv_producer", {"store": False}, "'kv_producer' stores what it computes"),
+    ("kv_consumer", {"pending_wait_s": -1}, "pending_wait_s >= 0"),
+])
+def test_wrong_roles_are_refused_with_one_line(kv_role: object, extra: dict[str, object],
+                                                needle: str) -> None:
+    from kvtier.integrations.vllm.settings import role_of
+
+    with pytest.raises(SettingsError) as err:
+        role_of(kv_role, ConnectorSettings.from_extra(extra), extra)
+    assert needle in str(err.value) and "\n" not in str(err.value)

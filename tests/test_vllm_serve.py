@@ -80,6 +80,19 @@ def write_tokenizer(model: Path) -> None:
         "eos_token": "t2", "model_max_length": 8192}))
 
 
+def complete(base: str, model: Path, tokens: list[int], max_tokens: int = 8,
+             **extra: Any) -> dict[str, Any]:
+    """POST /v1/completions to `base` (http://host:port): greedy, the first token's top-5
+    logprobs, the prompt's cached tokens in the usage; `extra`: more fields of the body."""
+    body = json.dumps({"model": str(model), "prompt": tokens, "max_tokens": max_tokens,
+                       "temperature": 0.0, "ignore_eos": True, "logprobs": 5,
+                       **extra}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body,
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return dict(json.loads(r.read()))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,7 +100,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, workdir: Path, model: Path, daemon_socket: Path) -> None:
+    def __init__(self, workdir: Path, model: Path, daemon_socket: Path | None,
+                 ktc: dict[str, Any] | None = None) -> None:
+        """`ktc`: the server's --kv-transfer-config (default: the kvtier connector, kv_both, on
+        `daemon_socket`; no connector at all when that is None too)."""
         self.workdir = workdir
         self.model = model
         self.port = free_port()
@@ -95,10 +111,12 @@ class Server:
         self.log_path = workdir / "server.log"
         self.tmp = workdir / "tmp"  # its own TMPDIR: vLLM's IPC sockets, removed by close()
         self.tmp.mkdir(exist_ok=True)
-        ktc = {"kv_connector": "KvtierConnector",
-               "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False,
-                                             "timeout_s": ENGINE_CALL_TIMEOUT_S}}
+        if ktc is None and daemon_socket is not None:
+            ktc = {"kv_connector": "KvtierConnector",
+                   "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False,
+                                                 "timeout_s": ENGINE_CALL_TIMEOUT_S}}
+        kv_args = ["--kv-transfer-config", json.dumps(ktc)] if ktc is not None else []
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(self.tmp),
@@ -110,7 +128,7 @@ class Server:
                  "--block-size", str(BLOCK), "--max-model-len", "4096", "--dtype", "bfloat16",
                  "--seed", "0", "--prefix-caching-hash-algo", "sha256_cbor",
                  "--enable-prompt-tokens-details", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--kv-transfer-config", json.dumps(ktc)],
+                 "--port", str(self.port), *kv_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
 
     def url(self, path: str) -> str:
@@ -130,15 +148,11 @@ class Server:
             time.sleep(1.0)
         raise RuntimeError(f"server not up after {timeout} s:\n{self.log()[-4000:]}")
 
-    def complete(self, tokens: list[int], **extra: Any) -> dict[str, Any]:
-        """`extra`: more fields of the request's body (`kv_transfer_params`: kvtier's hints)."""
-        body = json.dumps({"model": str(self.model), "prompt": tokens, "max_tokens": 8,
-                           "temperature": 0.0, "ignore_eos": True,
-                           "logprobs": 5, **extra}).encode()
-        req = urllib.request.Request(self.url("/v1/completions"), body,
-                                     {"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return dict(json.loads(r.read()))
+    def complete(self, tokens: list[int], base: str = "", **extra: Any) -> dict[str, Any]:
+        """A greedy completion of 8 tokens with the first token's top-5 logprobs, from this
+        server or from `base` (a proxy in front of it); `extra`: more fields of the request's
+        body (`kv_transfer_params`: kvtier's hints)."""
+        return complete(base or self.url(""), self.model, tokens, **extra)
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(self.url("/metrics"), timeout=10) as r:

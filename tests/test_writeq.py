@@ -122,3 +122,33 @@ def test_close_hands_back_what_was_left(pool: DramPool) -> None:
 def test_queue_must_hold_one_slot(pool: DramPool) -> None:
     with pytest.raises(ValueError, match="cannot hold one"):
         SlotWriteQueue(pool, QueueSpec(SLOT - 1, 4), lambda b: 0, lambda b, r: None, "test")
+
+
+def test_urgent_items_go_first_within_a_bound_of_their_own(pool: DramPool) -> None:
+    """A queue full of background writes still takes urgent ones (a prefill's hand-off), asks
+    them no budget, and writes them before every background item queued."""
+    gate = threading.Event()
+    started = threading.Event()
+    order: list[Item] = []
+
+    def write(batch: list[Item]) -> int:
+        started.set()
+        gate.wait(10)
+        order.extend(batch)
+        return len(batch)
+
+    q: SlotWriteQueue[Item, int] = SlotWriteQueue(
+        pool, QueueSpec(2 * SLOT, 1), write, lambda b, r: None, "test")
+    items = slots(pool, 7)
+    assert q.offer(items[0]) is Offered.QUEUED
+    assert started.wait(10)  # the writer holds items[0]: the rest stays queued
+    assert q.offer(items[1]) is Offered.QUEUED
+    assert q.offer(items[2]) is Offered.FULL  # background bound: 2 slots
+    urgent = [q.offer(it, lambda: False, urgent=True) for it in items[3:6]]
+    assert urgent == [Offered.QUEUED, Offered.QUEUED, Offered.FULL]  # their own 2 slots
+    assert q.held_bytes() == 4 * SLOT and pool.stats().slots_pinned == 4
+    gate.set()
+    assert q.flush(10)
+    assert order == [items[0], items[3], items[4], items[1]]
+    assert q.held_bytes() == 0 and pool.stats().slots_pinned == 0
+    q.close(1)

@@ -137,7 +137,7 @@ class Plan(_message.Message):
     def __init__(self, fetch_blocks: _Optional[int] = ..., predicted_fetch_seconds: _Optional[float] = ..., predicted_recompute_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., promote_in_background: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("layout", "keys", "key_width", "start_token", "want_plan", "prompt_tokens", "replica")
+    __slots__ = ("layout", "keys", "key_width", "start_token", "want_plan", "prompt_tokens", "replica", "wait_pending_ms")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class LookupRequest(_message.Message):
     WANT_PLAN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    WAIT_PENDING_MS_FIELD_NUMBER: _ClassVar[int]
     layout: bytes
     keys: bytes
     key_width: int
@@ -152,7 +153,8 @@ class LookupRequest(_message.Message):
     want_plan: bool
     prompt_tokens: int
     replica: str
-    def __init__(self, layout: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., start_token: _Optional[int] = ..., want_plan: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
+    wait_pending_ms: int
+    def __init__(self, layout: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., start_token: _Optional[int] = ..., want_plan: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., replica: _Optional[str] = ..., wait_pending_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_blocks", "tiers", "plan")
@@ -223,18 +225,20 @@ class RenewLeaseResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("layout", "keys", "key_width", "parent_key", "lease_ttl_ms")
+    __slots__ = ("layout", "keys", "key_width", "parent_key", "lease_ttl_ms", "handoff")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     layout: bytes
     keys: bytes
     key_width: int
     parent_key: bytes
     lease_ttl_ms: int
-    def __init__(self, layout: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    handoff: bool
+    def __init__(self, layout: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_width: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., handoff: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("lease_id", "indices", "offsets", "block_bytes", "segment", "lease_ttl_ms")

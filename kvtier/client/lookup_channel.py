@@ -75,11 +75,14 @@ class LookupChannel:
         self._idle: list[socket.socket] = []
         self._pid = os.getpid()
 
-    def request(self, method: int, session: str, request: bytes) -> bytes | Refusal | None:
+    def request(self, method: int, session: str, request: bytes, extra_s: float = 0.0
+                ) -> bytes | Refusal | None:
         """One call of `LOCAL[method]` under `session`; None when it must go over gRPC (no
         local socket). A connection lost before the request was sent is replaced and the call
         sent again; one lost after it was sent answers UNAVAILABLE, as gRPC does — except a
-        Lookup's, sent again once (it changes nothing a client relies on)."""
+        Lookup's, sent again once (it changes nothing a client relies on). `extra_s`
+        lengthens this call's timeout (a Lookup's `wait_pending_ms`: how long the daemon may
+        wait before it answers)."""
         if os.getpid() != self._pid:  # a forked child: the parent's connections are not its own
             self._idle, self._pid = [], os.getpid()
         for _ in (0, 1):
@@ -104,7 +107,11 @@ class LookupChannel:
                 conn.close()  # the daemon closed it (restarted, or dropped it): not sent
                 continue
             try:
+                if extra_s:
+                    conn.settimeout(self._timeout + extra_s)
                 reply = _answer(self._read(conn))
+                if extra_s:
+                    conn.settimeout(self._timeout)
             except TimeoutError:
                 conn.close()
                 return Refusal(DEADLINE_EXCEEDED, "Deadline Exceeded")

@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -400,22 +401,30 @@ class Client(SegmentHolder):
     # -- API --------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], *, start_token: int = 0, prompt_tokens: int = 0,
-               plan: bool = False, replica: str = "") -> Lookup:
-        reply = self._call(self._lookup, pb.LookupRequest(
+               plan: bool = False, replica: str = "", wait_pending_s: float = 0.0) -> Lookup:
+        """The cached prefix of `keys`. `wait_pending_s`: first wait up to this long (the
+        daemon caps it) for blocks after the prefix that another client is still writing (a
+        decode engine's lookup of its prefill's blocks); the call's timeout grows by as much."""
+        wait_ms = max(0, round(wait_pending_s * 1000))
+        reply = self._call(partial(self._lookup, extra_s=wait_ms / 1000), pb.LookupRequest(
             layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
             key_width=self.layout.key_width, start_token=start_token,
-            prompt_tokens=prompt_tokens, want_plan=plan, replica=replica))
+            prompt_tokens=prompt_tokens, want_plan=plan, replica=replica,
+            wait_pending_ms=wait_ms))
         return lookup_result(reply)
 
-    def _lookup(self, request: pb.LookupRequest, **kwargs: Any) -> pb.LookupResponse:
+    def _lookup(self, request: pb.LookupRequest, extra_s: float = 0.0, **kwargs: Any
+                ) -> pb.LookupResponse:
         """Lookup on the lookup socket when there is one (`kvtier.client.lookup_channel`),
         else over gRPC."""
         if self._lookups is not None:
-            got = self._lookups.request(_LOOKUP, "", request.SerializeToString())
+            got = self._lookups.request(_LOOKUP, "", request.SerializeToString(), extra_s)
             if isinstance(got, Refusal):
                 raise refused(got)
             if got is not None:
                 return pb.LookupResponse.FromString(got)
+        if extra_s and "timeout" in kwargs:
+            kwargs["timeout"] += extra_s
         reply: pb.LookupResponse = self._stub.Lookup(request, **kwargs)
         return reply
 
@@ -531,15 +540,17 @@ class Client(SegmentHolder):
         return Stored(tx.committed, len(keys) - len(tx.slots))
 
     @contextlib.contextmanager
-    def store_into(self, keys: Sequence[bytes], parent: bytes = b""
-                   ) -> Iterator[StoreTx]:
+    def store_into(self, keys: Sequence[bytes], parent: bytes = b"", *, handoff: bool = False,
+                   allocated: pb.AllocateResponse | None = None) -> Iterator[StoreTx]:
         """Allocates slots for the keys not cached; yields (index in keys, writable view) pairs.
 
-        Commits on normal exit, aborts if the block raises. Shared-memory only.
+        Commits on normal exit, aborts if the block raises. Shared-memory only. `handoff`: the
+        blocks are a prefill's for a decode engine (`AllocateRequest.handoff`): with a remote
+        tier they go there at Commit ahead of background copies. `allocated`: the reply of an
+        `allocate` of these keys made before (on another thread, say): no second Allocate.
         """
-        reply = self._call(self._stub.Allocate, pb.AllocateRequest(
-            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
-            key_width=self.layout.key_width, parent_key=parent, lease_ttl_ms=self.lease_ttl_ms))
+        reply = allocated if allocated is not None else self.allocate(keys, parent,
+                                                                       handoff=handoff)
         seg = self._adopt(reply.segment)
         if reply.lease_id and seg.dram is None:
             self._raw(self._stub.Abort, pb.AbortRequest(lease_id=reply.lease_id))
@@ -560,6 +571,21 @@ class Client(SegmentHolder):
                 lease_id=reply.lease_id, bytes=len(tx.slots) * reply.block_bytes,
                 seconds=time.perf_counter() - started))
             tx.committed = done.committed
+
+    def allocate(self, keys: Sequence[bytes], parent: bytes = b"", *, handoff: bool = False
+                 ) -> pb.AllocateResponse:
+        """The Allocate of `store_into` alone: from its return the keys are pending (a lookup
+        that waits for them waits until they are committed); hand the reply to `store_into`
+        (`allocated=`) to fill and commit the slots, or `abort` its lease."""
+        reply: pb.AllocateResponse = self._call(self._stub.Allocate, pb.AllocateRequest(
+            layout=self.layout.layout_id, keys=pack_keys(keys, self.layout.key_width),
+            key_width=self.layout.key_width, parent_key=parent, lease_ttl_ms=self.lease_ttl_ms,
+            handoff=handoff))
+        return reply
+
+    def abort(self, lease_id: str) -> None:
+        """Ends an `allocate`'s lease without committing (its slots go back)."""
+        self._raw(self._stub.Abort, pb.AbortRequest(lease_id=lease_id))
 
     def report_hbm(self, replica: str, added: Sequence[bytes] = (),
                    removed: Sequence[bytes] = (), reset: bool = False) -> int:

@@ -13,6 +13,12 @@ Each TP rank sends its own share over its own NIC, so per rank (b = one rank's b
 
 so the prompt length cancels except through attention's share of the FLOPs (averaged over the
 prompt here). F: the prefill rate (the planner's, or `--gpu` peak x MFU for the table).
+
+Through kvtier (`kvtier_moves`) the KV moves in whole blocks of `--block-tokens`: the producer
+stores the prompt's P // B full blocks, the consumer loads (P - 1) // B of them (it computes the
+prompt's last token itself), each one rank's block; across nodes each stored block also goes to
+the remote store with its 64-byte header. These are the daemons' counters for one request
+(`kvtier_moved_bytes_total`, `kvtier_remote_bytes_total`), exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from kvtier.core.costmodel import CostModel
 from kvtier.core.errors import UsageError
 from kvtier.core.layout import AttentionKind, DType, KVLayout
 from kvtier.core.presets import ModelSpec, get_preset, list_presets
+from kvtier.tiers.blockfmt import HEADER_SIZE
 
 MFU = 0.6
 """Prefill model-FLOP utilization assumed for the GPU table (the planner's default uses it too:
@@ -92,6 +99,19 @@ def request_bytes(layout: KVLayout, prompt: int) -> tuple[int, str]:
     return total, " + ".join(parts)
 
 
+def kvtier_moves(layout: KVLayout, prompt: int) -> dict[str, int]:
+    """What kvtier's vLLM connector moves for one request of `prompt` tokens on one rank (the
+    module docstring): blocks and bytes the producer stores, the consumer loads, and the
+    remote store is sent and read across nodes."""
+    bt, block = layout.block_tokens, layout.block_bytes()
+    stored, loaded = prompt // bt, max(0, prompt - 1) // bt
+    return {"block_tokens": bt, "block_bytes": block,
+            "stored_blocks": stored, "stored_bytes": stored * block,
+            "loaded_blocks": loaded, "loaded_bytes": loaded * block,
+            "remote_write_bytes": stored * (block + HEADER_SIZE),
+            "remote_read_bytes": loaded * block}
+
+
 def hide_bandwidth(layout: KVLayout, cost: CostModel, prompt: int, flops_per_s: float) -> float:
     """Bytes/s one rank's link needs so the transfer takes no longer than the prefill."""
     moved, _ = request_bytes(layout, prompt)
@@ -128,6 +148,7 @@ def compute(
         "bytes_per_request_rank": moved,
         "bytes_per_request_total": moved * layout.tp_size,
         "bytes_formula": formula,
+        "kvtier": kvtier_moves(layout, prompt),
         "prefill_s": float(cost.prefill_flops(0, prompt)) / flops_per_s,
         "prefill_flops": float(cost.prefill_flops(0, prompt)),
         "flops_per_s": flops_per_s,
@@ -152,6 +173,10 @@ def render(d: dict[str, Any]) -> list[str]:
         f"prefill/decode disaggregation ({p:,}-token prompt)",
         f"  KV moved per request, one rank  {d['bytes_per_request_rank']:,} B = "
         f"{d['bytes_formula']}  (all ranks {d['bytes_per_request_total']:,} B)",
+        "  through kvtier, one rank        stored {stored_blocks:,} blocks = {stored_bytes:,} B, "
+        "loaded {loaded_blocks:,} = {loaded_bytes:,} B ({block_tokens}-token blocks of "
+        "{block_bytes:,} B); across nodes the remote store is sent {remote_write_bytes:,} B "
+        "(64-byte headers) and read {remote_read_bytes:,} B".format(**d["kvtier"]),
         f"  prefill on one rank             {d['prefill_s'] * 1e3:.3f} ms = "
         f"{d['prefill_flops']:.4g} FLOPs / {d['flops_per_s']:.4g} FLOP/s  [{d['flops_source']}]",
         f"  link per rank that hides it     {d['hide_gbps']:.1f} Gb/s = bytes / prefill seconds "

@@ -243,6 +243,9 @@ SETTINGS: tuple[Setting, ...] = (
        "ask for, in seconds", "86400", _between(0, 30 * 86400, " seconds", low_open=True)),
     _S("grace_s", "float", 10.0, "SIGTERM drain period in seconds", "10",
        _between(0, 86400, " seconds")),
+    _S("max_pending_wait_s", "float", 10.0, "longest a Lookup may wait for blocks another "
+       "client is still writing (a decode engine waiting for its prefill's stores)", "10",
+       _between(0, 600, " seconds")),
     _S("max_blocks_per_request", "int", 4096, "largest key chain per request", "4096",
        _between(1, 1 << 20)),
     _S("ssd_admit_after", "int", 2, "write a block to SSD from its k-th access", "2",
@@ -342,6 +345,7 @@ class Config:
     max_lease_ttl_s: float
     max_pin_ttl_s: float
     grace_s: float
+    max_pending_wait_s: float
     max_blocks_per_request: int
     ssd_admit_after: int
     policy: str
@@ -681,6 +685,7 @@ def _validate(v: dict[str, object], origin: dict[str, str], check_group: bool = 
         max_lease_ttl_s=f("max_lease_ttl_s"),
         max_pin_ttl_s=f("max_pin_ttl_s"),
         grace_s=f("grace_s"),
+        max_pending_wait_s=f("max_pending_wait_s"),
         max_blocks_per_request=i("max_blocks_per_request"),
         ssd_admit_after=i("ssd_admit_after"),
         policy=str(v["policy"]).lower(),
@@ -785,4 +790,5 @@ def cache_spec(cfg: Config, tenants: int = 0) -> CacheSpec:
             cfg.remote_admit_after, cfg.remote_mode,
         )
     return CacheSpec(pool, ssd, remote, cfg.policy, cfg.ssd_admit_after, cfg.lease_ttl_s,
-                     cfg.max_lease_ttl_s, cfg.max_blocks_per_request, cfg.max_pin_ttl_s)
+                     cfg.max_lease_ttl_s, cfg.max_blocks_per_request, cfg.max_pin_ttl_s,
+                     cfg.max_pending_wait_s)

@@ -37,6 +37,9 @@ DIRECTIONS = ("to_client", "from_client", "promote", "demote")
 EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed", "operator")
 LEASE_KINDS = ("read", "write")
 OPERATOR_ACTIONS = ("evict", "clear", "pin", "unpin", "prefetch", "pin_hint", "prefetch_hint")
+PENDING_WAITS = ("committed", "aborted", "timeout")
+"""How a Lookup's wait for blocks being written ended: they came (committed), their write
+ended without them (aborted), or the wait's bound passed (timeout)."""
 MOVES = (("dram", "to_client"), ("dram", "from_client"), ("ssd", "promote"), ("ssd", "demote"),
          ("remote", "promote"))
 """(tier, direction) pairs of `kvtier_moved_bytes_total` the daemon produces."""
@@ -318,6 +321,23 @@ class DaemonMetrics:
             "kvtier_pinned_blocks", "Blocks operators (or requests' hints) pinned, until their "
             "deadline", registry=r,
         )
+        self.pending_waits = Counter(
+            "kvtier_pending_waits", "Lookups that waited for blocks another client was writing "
+            "(dram: a lease here; remote: another daemon's hand-off), by how the wait ended",
+            ["tier", "result"], registry=r,
+        )
+        self.pending_wait_seconds = Histogram(
+            "kvtier_pending_wait_seconds", "Time Lookups waited for blocks being written",
+            ["tier"], registry=r,
+            buckets=(1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
+        self.pending_waiting = Gauge(
+            "kvtier_pending_waits_active", "Lookups waiting now for blocks being written",
+            registry=r,
+        )
+        for tier in ("dram", "remote"):
+            for result in PENDING_WAITS:
+                self.pending_waits.labels(tier, result)
         self.copy_seconds = Histogram(
             "kvtier_client_copy_seconds", "Client-reported copy time per lease", ["direction"],
             registry=r, buckets=(1e-4, 1e-3, 5e-3, 2e-2, 0.1, 0.5, 2.0),
@@ -344,6 +364,11 @@ class DaemonMetrics:
             self.blocks_hit.labels(tier, t, m).inc(count)
         if missed:
             self.blocks_missed.labels(t, m).inc(missed)
+
+    def record_pending_wait(self, tier: str, result: str, seconds: float) -> None:
+        """One Lookup's wait for blocks being written (`PENDING_WAITS`)."""
+        self.pending_waits.labels(tier, result).inc()
+        self.pending_wait_seconds.labels(tier).observe(seconds)
 
     def attach_mrc(self, points: Callable[[], MrcGauges]) -> None:
         self.registry.register(_MrcCollector(points))

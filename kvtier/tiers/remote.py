@@ -12,6 +12,15 @@ layout tag, key digest, length) and its payload checksummed **after** it is copi
 caller's buffer, so what is served is what was verified; a damaged value is a miss, a counted
 `Corruption` and a best-effort DEL.
 
+Hand-off markers (a prefill's blocks a decode engine on another node waits for):
+
+    key    b"<prefix>:pending:" + namespace + b":" + block key      value b"1", with a TTL
+
+set by the producer's daemon before its engine's Allocate returns (`mark`), deleted in the same
+pipeline that writes the block (after its SET: `put_many(..., unmark=...)`) or when the write
+is given up (`unmark`); a consumer's daemon polls them (`marked`). No tenant name contains ':',
+so a marker key is never a block's.
+
 Requests are pipelined (one round trip per call; in cluster mode redis-py's `ClusterPipeline`
 groups the commands per node — no sharding of ours) and bounded by `timeout_s` per socket
 operation (connect, send, receive). redis-py retries only a broken pooled connection, once; the
@@ -149,6 +158,10 @@ class RemoteStore:
     def key(self, ns: str, key: bytes) -> bytes:
         return self._prefix + ns.encode() + b":" + key
 
+    def marker(self, ns: str, key: bytes) -> bytes:
+        """The hand-off marker's key of block `key` (see the module docstring)."""
+        return self._prefix + b"pending:" + ns.encode() + b":" + key
+
     def client(self) -> Redis | RedisCluster:
         """The redis-py client (connected on first use), for benchmarks and tools that compare
         against raw commands over the same connections."""
@@ -233,6 +246,33 @@ class RemoteStore:
             n += 1
         return n
 
+    def held_each(self, ns: str, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each of `keys` (one pipelined EXISTS per key)."""
+        return [bool(r) for r in self._checked("EXISTS", self._run(
+            [("EXISTS", (self.key(ns, k),)) for k in keys]))]
+
+    def mark(self, ns: str, keys: Sequence[bytes], ttl_s: float) -> None:
+        """Marks `keys` as being written for a hand-off, for `ttl_s` at most."""
+        ms = max(1, int(ttl_s * 1000))
+        self._checked("SET", self._run([("SET", (self.marker(ns, k), b"1", "PX", ms))
+                                        for k in keys]))
+
+    def unmark(self, ns: str, keys: Sequence[bytes]) -> None:
+        """Drops the hand-off markers of `keys` (their writes were given up)."""
+        self._checked("DEL", self._run([("DEL", (self.marker(ns, k),)) for k in keys]))
+
+    def marked(self, ns: str, key: bytes) -> bool:
+        """Whether `key` is marked as being written. Ask before checking the block: a writer
+        deletes the marker after the block's SET, so a marker gone then a block absent means
+        the write was given up."""
+        return bool(self._checked("EXISTS", self._run([("EXISTS", (self.marker(ns, key),))]))[0])
+
+    def _checked(self, what: str, got: list[Any]) -> list[Any]:
+        for r in got:
+            if isinstance(r, Exception):
+                raise RemoteUnavailable(f"remote store {self.where()}: {what}: {r}")
+        return got
+
     def get_into(
         self, ns: str, keys: Sequence[bytes], views: Sequence[memoryview],
     ) -> Fetched:
@@ -288,19 +328,25 @@ class RemoteStore:
             for f in futures:
                 f.cancel()
 
-    def put_many(self, items: Sequence[tuple[str, bytes, memoryview]]
-                 ) -> tuple[list[bool], int]:
+    def put_many(self, items: Sequence[tuple[str, bytes, memoryview]],
+                 unmark: Sequence[bool] = ()) -> tuple[list[bool], int]:
         """Stores (namespace, key, payload) values, one pipelined SET each; returns (whether
         each item was stored, in order; bytes sent). A store that refuses writes (`maxmemory`
-        with `noeviction`: OOM) refuses per block; those are False."""
-        commands = []
+        with `noeviction`: OOM) refuses per block; those are False. `unmark[i]`: item i is a
+        hand-off's, whose marker is deleted after its SET in the same pipeline."""
+        commands: list[tuple[str, tuple[Any, ...]]] = []
+        sets = []
         sent = 0
-        for ns, key, payload in items:
+        for i, (ns, key, payload) in enumerate(items):
             rkey = self.key(ns, key)
             value = b"".join((blockfmt.encode_header(rkey, LAYOUT_TAG, payload), payload))
             sent += len(value)
+            sets.append(len(commands))
             commands.append(("SET", (rkey, value)))
-        got = self._run(commands)
+            if i < len(unmark) and unmark[i]:
+                commands.append(("DEL", (self.marker(ns, key),)))
+        answers = self._run(commands)
+        got = [answers[i] for i in sets]
         refused = [r for r in got if isinstance(r, Exception)]
         if refused:
             log.debug("remote store refused %d of %d writes: %s", len(refused), len(got),

@@ -15,6 +15,11 @@ The queue pins the slots itself only in a pool that keeps its own pins; the daem
 an owner (the prefix index, `DramPool.owner`), and the daemon pins each block there before it
 offers its slot and unpins it in `done`: one owner for every pin.
 
+Urgent items (`offer(..., urgent=True)`: the remote tier's prefill hand-offs, which a decode
+engine elsewhere waits for) go out before every background item queued, are not asked `spend`,
+and have a bound of their own (`queue_bytes` of urgent slots), so a queue full of background
+writes never refuses or delays them.
+
 Lifecycle: `flush(timeout)` waits until everything queued is written; `close(timeout)` flushes,
 stops taking items, stops the thread and hands what is left to `done(left, None)` with its
 slots unpinned. Threading: `offer`, `flush`, `close`, `depth` and `held_bytes` from any thread;
@@ -77,7 +82,9 @@ class SlotWriteQueue(Generic[T, R]):
         self._write = write
         self._done = done
         self._queue: collections.deque[T] = collections.deque()
+        self._urgent: collections.deque[T] = collections.deque()
         self._held = 0  # slot bytes of items queued or being written
+        self._held_urgent = 0  # of which urgent items'
         self._cv = threading.Condition()
         self._busy = False
         self._closing = False
@@ -90,30 +97,35 @@ class SlotWriteQueue(Generic[T, R]):
 
     def depth(self) -> int:
         """Items waiting for the writer (not counting a batch being written)."""
-        return len(self._queue)
+        return len(self._queue) + len(self._urgent)
 
     def held_bytes(self) -> int:
-        """Slot bytes pinned by queued or in-flight items (<= queue_bytes, or one item)."""
+        """Slot bytes pinned by queued or in-flight items (<= queue_bytes, or one item, for the
+        background items; as much again for the urgent ones)."""
         return self._held
 
-    def offer(self, item: T, spend: Callable[[], bool] | None = None) -> Offered:
+    def offer(self, item: T, spend: Callable[[], bool] | None = None, urgent: bool = False
+              ) -> Offered:
         """Queues `item` without blocking. On QUEUED its slot is pinned until `done` reports
         it — by the queue in a pool that keeps its own pins, else by the offerer, who pinned the
         slot's block with the pool's owner before offering (the daemon) —; otherwise the slot
         is untouched. `spend` (a budget, under the queue's lock) is asked
-        only when the item fits; its False is REFUSED."""
+        only when the item fits; its False is REFUSED. An `urgent` item goes ahead of the
+        background ones, within a bound of its own, and is not asked `spend`."""
         size = self.pool.stride_of(item.slot)
         with self._cv:
             if self._closing:
                 return Offered.CLOSED
-            if self._held and self._held + size > self.spec.queue_bytes:
+            held = self._held_urgent if urgent else self._held - self._held_urgent
+            if held and held + size > self.spec.queue_bytes:
                 return Offered.FULL
-            if spend is not None and not spend():
+            if not urgent and spend is not None and not spend():
                 return Offered.REFUSED
             if self.pool.owner is None:  # else the offerer pinned the slot's block
                 self.pool.pin(item.slot)
-            self._queue.append(item)
+            (self._urgent if urgent else self._queue).append(item)
             self._held += size
+            self._held_urgent += size if urgent else 0
             self._cv.notify()
         return Offered.QUEUED
 
@@ -121,17 +133,22 @@ class SlotWriteQueue(Generic[T, R]):
         spec = self.spec
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._urgent and not self._closing:
                     self._cv.wait()
-                if not self._queue:
+                if not self._queue and not self._urgent:
                     return
-                if len(self._queue) < spec.batch_blocks and not self._closing and spec.linger_s:
+                if (not self._urgent and len(self._queue) < spec.batch_blocks
+                        and not self._closing and spec.linger_s):
                     self._cv.wait(spec.linger_s)
-                n = min(len(self._queue), spec.batch_blocks)
-                if n == 0:
+                urgent = min(len(self._urgent), spec.batch_blocks)
+                n = min(len(self._queue), spec.batch_blocks - urgent)
+                if urgent + n == 0:
                     continue
-                batch = [self._queue.popleft() for _ in range(n)]
-                held = sum(self.pool.stride_of(w.slot) for w in batch)  # pinned: allocated
+                batch = [self._urgent.popleft() for _ in range(urgent)]
+                batch += [self._queue.popleft() for _ in range(n)]
+                # pinned (allocated) slots: their strides stay what they were when queued
+                held_urgent = sum(self.pool.stride_of(w.slot) for w in batch[:urgent])
+                held = held_urgent + sum(self.pool.stride_of(w.slot) for w in batch[urgent:])
                 self._busy = True
             try:
                 self._finish(batch, self._attempt(batch))
@@ -139,6 +156,7 @@ class SlotWriteQueue(Generic[T, R]):
                 with self._cv:
                     self._busy = False
                     self._held -= held
+                    self._held_urgent -= held_urgent
                     self._cv.notify_all()
 
     def _attempt(self, batch: list[T]) -> R | None:
@@ -162,7 +180,7 @@ class SlotWriteQueue(Generic[T, R]):
         """Waits until every queued item is written; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._busy:
+            while self._queue or self._urgent or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -175,9 +193,11 @@ class SlotWriteQueue(Generic[T, R]):
         flushed = self.flush(timeout)
         with self._cv:
             self._closing = True
-            left = list(self._queue)
+            left = [*self._urgent, *self._queue]
+            self._urgent.clear()
             self._queue.clear()
             self._held -= sum(self.pool.stride_of(w.slot) for w in left)
+            self._held_urgent = 0
             self._cv.notify_all()
         self._thread.join(timeout=max(timeout, 1.0))
         if left:

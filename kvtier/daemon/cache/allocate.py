@@ -10,6 +10,10 @@
               is ever stranded; BlockStored events per run of consecutive blocks
     end       (Abort, expiry, shutdown) frees every slot of the lease, exactly once
 
+A hand-off's lease (`WriteLease.handoff`: a prefill's blocks, whose keys the cache marked
+pending in the remote store) writes its blocks to the remote tier at Commit, urgently; the
+markers of blocks it does not write there (dropped at Commit, or the lease ended) are deleted.
+
 Every slot of a WRITE lease is charged to its tenant from `allocate` until `commit` makes it a
 block's (still charged) or `end` frees it. The lease table, ownership checks and TTLs are the
 cache's (`kvtier.daemon.cache.cache`); this module only sees leases it was handed.
@@ -44,6 +48,8 @@ class WriteLease:
     keys: list[bytes]
     parent: bytes
     todo: list[tuple[int, int]]  # (index in keys, slot)
+    handoff: bool = False
+    """A prefill's hand-off (set by the cache once granted): see the module docstring."""
 
     def slot_of(self, block: int) -> int:
         """The slot of the lease's `block`-th block (`SlotStream`)."""
@@ -182,6 +188,7 @@ class Allocator:
         SSD event of the same blocks."""
         ns, index = w.ns, self.residency.index
         inserted: list[Block] = []
+        dropped: list[bytes] = []
         for i, slot in w.todo:
             key = w.keys[i]
             del ns.pending[key]
@@ -191,10 +198,13 @@ class Allocator:
                                              dram_slot=slot))
             except (MissingParent, DuplicateBlock):  # parent gone: it could never be hit
                 self.residency.give_back(ns.usage.tenant.name, slot)
+                dropped.append(key)
         self.residency.apply()
         self.residency.pool.unhold([s for _, s in w.todo])  # committed or freed: no writer now
         self.residency.maybe_write_back(ns.name, inserted)  # admitted on the first access (k=1)
-        self.residency.maybe_write_remote(ns.name, inserted, committed=True)
+        self.residency.maybe_write_remote(ns.name, inserted, committed=True, handoff=w.handoff)
+        if w.handoff and dropped and self.residency.remote is not None:
+            self.residency.remote.unmark_later(ns.name, dropped)
         pool = self.residency.pool
         stale = [(ns.name, b.key) for b in inserted
                  if b.dram_slot is not None and pool.slot_stale(b.dram_slot)]
@@ -208,6 +218,8 @@ class Allocator:
         for i, slot in w.todo:
             w.ns.pending.pop(w.keys[i], None)
             self.residency.give_back(w.ns.usage.tenant.name, slot)
+        if w.handoff and self.residency.remote is not None:
+            self.residency.remote.unmark_later(w.ns.name, [w.keys[i] for i, _ in w.todo])
 
     def slots_held(self) -> int:
         """Slots held by live WRITE leases."""

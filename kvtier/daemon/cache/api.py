@@ -210,10 +210,11 @@ class CacheApi(Protocol):
     async def lookup_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
         start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
-        replica: str = "",
+        replica: str = "", wait_s: float = 0.0,
     ) -> LookupResult:
         """The longest cached prefix, each block's tier (HBM for `replica`'s own, REMOTE after
-        the local prefix), and the plan when asked and the layout has a cost model."""
+        the local prefix), and the plan when asked and the layout has a cost model; with
+        `wait_s`, once the blocks after the prefix that are being written are (bounded)."""
 
     async def acquire_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, ttl_s: float,
@@ -230,9 +231,10 @@ class CacheApi(Protocol):
 
     async def allocate_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
-        ttl_s: float, session: str = "",
+        ttl_s: float, session: str = "", handoff: bool = False,
     ) -> AllocateResult:
-        """Slots for the keys neither cached nor being written, under a WRITE lease."""
+        """Slots for the keys neither cached nor being written, under a WRITE lease (a
+        prefill's `handoff`: marked and written to the remote tier for another node)."""
 
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0,
                seconds: float = 0.0) -> int:

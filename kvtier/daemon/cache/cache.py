@@ -102,6 +102,7 @@ from kvtier.daemon.cache.namespaces import (
     Namespaces,
     Tenant,
 )
+from kvtier.daemon.cache.pending import WriteWaits
 from kvtier.daemon.cache.pins import PinTable
 from kvtier.daemon.cache.remote_tier import RemoteTier
 from kvtier.daemon.cache.residency import PageMoves, Residency, Steps
@@ -163,6 +164,7 @@ class Cache:
         self.acquirer = Acquirer(self._lock, self.residency, self._leases, metrics, self.rates,
                                  self._claim)
         self.allocator = Allocator(self.residency, self._leases)
+        self.waits = WriteWaits()  # Lookups waiting for other clients' writes (`pending.py`)
         metrics.attach_pool(self.gauges)
         metrics.attach(RateCollector(self.rates))
         self.pin_table = PinTable()
@@ -245,14 +247,22 @@ class Cache:
     async def lookup_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int,
         start_token: int = 0, prompt_tokens: int = 0, want_plan: bool = False,
-        replica: str = "",
+        replica: str = "", wait_s: float = 0.0,
     ) -> LookupResult:
         """Longest cached prefix with each block's tier: HBM only for blocks `replica` reported
         holding (ReportHbm), else DRAM or SSD — where the daemon would serve it from — then
         REMOTE for the blocks after it that the remote tier holds (asked on a worker thread,
         without the cache lock: a network round trip with a bounded wait). The miss-ratio curve
         sees the keys right after the reply is on its way (the loop's next callback: before any
-        later request's handler, so a Stats after this Lookup counts it)."""
+        later request's handler, so a Stats after this Lookup counts it). With `wait_s`, first
+        waits (bounded) for blocks after the cached prefix that another client is still
+        writing (`_wait_pending`)."""
+        if wait_s > 0:
+            self.metrics.pending_waiting.inc()
+            try:
+                await self._wait_pending(tenant, layout_id, keys, key_width, wait_s)
+            finally:
+                self.metrics.pending_waiting.dec()
         ns, chain, tiers = self._lookup_local(tenant, layout_id, keys, key_width, replica)
         asyncio.get_running_loop().call_soon(self._observe, ns.name, keys, key_width)
         remote = self.residency.remote
@@ -260,6 +270,52 @@ class Cache:
             more = await asyncio.to_thread(self._remote_present, ns, chain, len(tiers))
             tiers += [Tier.REMOTE] * more
         return self._lookup_result(ns, chain, tiers, start_token, prompt_tokens, want_plan)
+
+    async def _wait_pending(self, tenant: Tenant, layout_id: bytes, keys: bytes,
+                            key_width: int, wait_s: float) -> None:
+        """Waits, up to `wait_s` (at most `max_pending_wait_s`), while the first block after
+        the cached prefix of `keys` is being written: here, by another WRITE lease (until it
+        commits — then looks again —, ends without committing, or the bound: `pending.py`),
+        else, with a remote tier, marked pending there by another daemon's hand-off
+        (`RemoteTier.wait_written`, on a worker thread). Nothing is counted as a lookup here;
+        each wait is metered (`kvtier_pending_waits_total{tier, result}`, its seconds)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + min(wait_s, self.spec.max_pending_wait_s)
+        outcome = ""
+        while True:
+            with self._lock:
+                ns = self._ns(tenant, layout_id)
+                chain = self.names.split_keys(ns, keys, key_width, unique=False)
+                hit = len(self.index.lookup(ns.name, chain, touch=False).blocks)
+                lease = ns.pending.get(chain[hit]) if hit < len(chain) else None
+                fut = self.waits.wait(lease) if lease is not None else None
+            if fut is None or lease is None:
+                break
+            try:
+                left = deadline - loop.time()
+                if left > 0:
+                    await asyncio.wait({fut}, timeout=left)
+            finally:
+                if not fut.done():
+                    with self._lock:
+                        self.waits.forget(lease, fut)
+            if not fut.done():
+                outcome = "timeout"
+                break
+            outcome = "committed" if fut.result() else "aborted"
+            if outcome == "aborted":
+                break
+        if outcome:
+            self.metrics.record_pending_wait("dram", outcome, loop.time() - started)
+            return
+        remote = self.residency.remote
+        left = deadline - loop.time()
+        if remote is None or hit >= len(chain) or left <= 0 or not remote.ready():
+            return
+        _, outcome = await asyncio.to_thread(remote.wait_written, ns.name, chain[hit:], left)
+        if outcome:
+            self.metrics.record_pending_wait("remote", outcome, loop.time() - started)
 
     def _lookup_local(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, replica: str,
@@ -458,26 +514,64 @@ class Cache:
 
     async def allocate_async(
         self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, parent: bytes,
-        ttl_s: float, session: str = "",
+        ttl_s: float, session: str = "", handoff: bool = False,
     ) -> AllocateResult:
         """Slots for the keys not cached or being written, under a WRITE lease (see
         `kvtier.daemon.cache.allocate`). The page moves that make room for the new blocks' size
         class copy on a worker thread, without the cache lock (`_off_loop`; shielded, so the
-        steps end when the caller is cancelled — its lease then expires after its TTL)."""
+        steps end when the caller is cancelled — its lease then expires after its TTL); a
+        hand-off's marks in the remote store on a worker thread too."""
         ttl = self._new_lease_ttl(ttl_s)
+        ns_chain: list[tuple[NamespaceInfo, list[bytes]]] = []
 
         def allocating() -> Steps[AllocateResult]:
             self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
             chain = self.names.split_keys(ns, keys, key_width, unique=True)
+            ns_chain.append((ns, chain))
             return (yield from self.allocator.allocating(tenant, ns, chain, parent, ttl, session))
 
         steps = allocating()
         res, moves = self._first_step(steps)
-        if moves is None:
-            assert res is not None
-            return res
-        return await asyncio.shield(self._off_loop(steps, moves))
+        if moves is not None:
+            res = await asyncio.shield(self._off_loop(steps, moves))
+        assert res is not None
+        if handoff:
+            await asyncio.to_thread(self._handoff, *ns_chain[0], res)
+        return res
+
+    def _handoff(self, ns: NamespaceInfo, chain: list[bytes], res: AllocateResult) -> None:
+        """A prefill's Allocate (`AllocateRequest.handoff`; blocking, called without the cache
+        lock, before the reply): its lease becomes a hand-off (`WriteLease.handoff`) and, with
+        a remote tier, its keys are marked pending in the store; the chain's blocks cached here
+        in DRAM that the store lacks are marked and written too (urgent writes), so a consumer
+        on another node finds the whole prefix coming."""
+        remote = self.residency.remote
+        with self._lock:
+            lease = self._leases.get(res.lease_id) if res.lease_id else None
+            if lease is not None:
+                cast(WriteLease, lease.payload).handoff = True
+            if remote is None:
+                return
+            mine = set(res.indices)
+            cached = [k for i, k in enumerate(chain)
+                      if i not in mine and (b := self.index.get(ns.name, k)) is not None
+                      and b.in_dram]
+        ttl = 2 * res.ttl_s  # the write follows the commit: the marker outlives the lease
+        allocated = [chain[i] for i in res.indices]
+        if not remote.mark(ns.name, allocated, ttl):
+            return
+        lacking = remote.lacking(ns.name, cached)
+        marked = bool(lacking) and remote.mark(ns.name, lacking, ttl)
+        with self._lock:
+            if lease is not None and self._leases.get(lease.id) is None:
+                remote.unmark_later(ns.name, allocated)  # it ended while the marks were set
+            if not marked:
+                return
+            blocks = [b for k in lacking if (b := self.index.get(ns.name, k)) is not None]
+            remote.unmark_later(ns.name, [k for k in lacking
+                                          if self.index.get(ns.name, k) is None])
+            self.residency.maybe_write_remote(ns.name, blocks, committed=True, handoff=True)
 
     def commit(self, tenant: Tenant, lease_id: str, nbytes: int = 0, seconds: float = 0.0) -> int:
         """Makes the lease's filled slots cached blocks; returns how many were inserted."""
@@ -487,6 +581,7 @@ class Cache:
             _check_reported(nbytes, len(w.todo) * w.ns.layout.block_bytes)
             self._leases.pop(lease.id)
             inserted = self.allocator.commit(tenant, w)
+            self.waits.ended(lease.id, True)
         if nbytes:
             self.metrics.bytes_moved.labels("dram", "from_client").inc(nbytes)
         if seconds > 0:
@@ -559,6 +654,7 @@ class Cache:
             self.acquirer.release(lease.payload)  # type: ignore[arg-type]
         else:
             self.allocator.end(lease.payload)  # type: ignore[arg-type]
+            self.waits.ended(lease.id, False)
 
     def expire(self) -> int:
         """Ends every lease past its TTL (unpin / abort) and every operator pin past its

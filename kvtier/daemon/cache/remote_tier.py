@@ -16,6 +16,19 @@
              `on_written` with the ones the store took (the cache unpins the index there
              and publishes them as BlockStored in Tier.REMOTE)
 
+Hand-offs (a prefill's blocks for a decode engine, `AllocateRequest.handoff`):
+
+    Allocate  `mark(ns, keys)`: each key marked pending in the store (one pipelined SET with a
+              TTL) before the producer's Allocate returns, so a consumer's daemon that looks
+              them up sees they are coming
+    Commit    every new block offered at once as an urgent write (ahead of the background
+              writes, outside the write rate, `SlotWriteQueue`); the writer deletes each marker
+              in the pipeline that SETs its block; a write given up (dropped, failed, the lease
+              aborted or expired) deletes its markers off the caller's thread (`unmark_later`)
+    Lookup    a consumer's wait (`wait_written`): while the first block the store lacks is
+              marked, poll (1 ms doubling to 20 ms) until it is written (then count on), its
+              marker goes (given up: end at once) or the wait's bound passes
+
 Faults. Every request has a bounded wait (`RemoteSpec.timeout_s` per socket operation). A failed
 request (down, slow, refusing) marks the store down: one warning, `kvtier_remote_up` 0, and every
 check/fetch/write is skipped (a local miss, i.e. recompute; writes dropped and counted) until the
@@ -37,9 +50,11 @@ writer thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter
@@ -64,6 +79,12 @@ class RemoteWrite(NamedTuple):
     key: bytes
     slot: int
     nbytes: int
+    handoff: bool = False
+    """A prefill's hand-off: urgent, its marker deleted with the write."""
+
+
+POLL_FIRST_S, POLL_MAX_S = 0.001, 0.02
+"""A consumer's poll of a marked block: first interval, doubling up to the second."""
 
 
 class RemoteMetrics:
@@ -73,7 +94,7 @@ class RemoteMetrics:
         r = registry
         self.requests = Counter("kvtier_remote_requests", "Remote store requests",
                                 ["op", "result"], registry=r)
-        for op in ("check", "fetch", "store", "delete"):
+        for op in ("check", "fetch", "store", "delete", "mark"):
             for result in ("ok", "error", "skipped"):
                 self.requests.labels(op, result)
         self.blocks = Counter("kvtier_remote_blocks", "Fetched remote blocks by outcome",
@@ -127,6 +148,7 @@ class RemoteTier:
         self._q: SlotWriteQueue[RemoteWrite, list[RemoteWrite]] = SlotWriteQueue(
             pool, QueueSpec(spec.queue_bytes, spec.batch_blocks), self._write, self._written,
             "remote")
+        self._unmarker: ThreadPoolExecutor | None = None
         registry.register(_Gauges(self))
 
     def retune_writes(self, bytes_per_s: float, burst_bytes: int) -> None:
@@ -229,7 +251,7 @@ class RemoteTier:
         if not self.backoff.ready():
             why = "down"
         else:
-            got = self._q.offer(w, lambda: self._bucket.take(w.nbytes))
+            got = self._q.offer(w, lambda: self._bucket.take(w.nbytes), urgent=w.handoff)
             if got is Offered.QUEUED:
                 return ""
             why = {Offered.FULL: "queue_full", Offered.REFUSED: "budget"}.get(got, "down")
@@ -252,10 +274,11 @@ class RemoteTier:
                  for w in batch]
         started = time.perf_counter()
         try:
-            took, sent = self.store.put_many(items)
+            took, sent = self.store.put_many(items, [w.handoff for w in batch])
         except RemoteUnavailable as exc:
             self._failed("store", exc)
             m.dropped.labels("error").inc(len(batch))
+            self.unmark_writes(batch)
             return []
         finally:
             del items
@@ -266,6 +289,7 @@ class RemoteTier:
         m.bytes.labels("write").inc(sent)
         if len(stored) < len(batch):
             m.dropped.labels("refused").inc(len(batch) - len(stored))
+            self.unmark_writes([w for w, ok in zip(batch, took, strict=True) if not ok])
         self.rates.observe_transfer(Link.REMOTE_WRITE, sent, time.perf_counter() - started,
                                     includes_latency=True)
         return stored
@@ -304,7 +328,96 @@ class RemoteTier:
         """Waits until every queued write is sent (or dropped); False on timeout."""
         return self._q.flush(timeout)
 
+    # -- hand-offs ----------------------------------------------------------------------------
+
+    def mark(self, ns: str, keys: Sequence[bytes], ttl_s: float) -> bool:
+        """Marks a hand-off's keys pending in the store (blocking: call without the cache
+        lock); False when the store is down or failed (the consumer then finds nothing to wait
+        for, and recomputes what is not written yet)."""
+        if not keys:
+            return True
+        if not self.backoff.ready():
+            self.metrics.requests.labels("mark", "skipped").inc()
+            return False
+        try:
+            self.store.mark(ns, keys, ttl_s)
+        except RemoteUnavailable as exc:
+            self._failed("mark", exc)
+            return False
+        self.metrics.requests.labels("mark", "ok").inc()
+        self._ok()
+        return True
+
+    def lacking(self, ns: str, keys: Sequence[bytes]) -> list[bytes]:
+        """The `keys` the store does not hold (blocking; [] when it is down: nothing to
+        re-send then)."""
+        if not keys or not self.backoff.ready():
+            return []
+        try:
+            held = self.store.held_each(ns, keys)
+        except RemoteUnavailable as exc:
+            self._failed("check", exc)
+            return []
+        self._ok()
+        return [k for k, h in zip(keys, held, strict=True) if not h]
+
+    def unmark_writes(self, writes: Sequence[RemoteWrite]) -> None:
+        """Drops the markers of hand-off writes that will not be made."""
+        by_ns: dict[str, list[bytes]] = {}
+        for w in writes:
+            if w.handoff:
+                by_ns.setdefault(w.ns, []).append(w.key)
+        for ns, keys in by_ns.items():
+            self.unmark_later(ns, keys)
+
+    def unmark_later(self, ns: str, keys: Sequence[bytes]) -> None:
+        """Deletes hand-off markers on a helper thread (never blocks: callers hold the cache
+        lock); one that fails stays until its TTL."""
+        if not keys:
+            return
+        if self._unmarker is None:
+            self._unmarker = ThreadPoolExecutor(1, thread_name_prefix="kvtier-remote-unmark")
+        with contextlib.suppress(RuntimeError):  # closing: the markers expire by their TTL
+            self._unmarker.submit(self._unmark, ns, list(keys))
+
+    def _unmark(self, ns: str, keys: list[bytes]) -> None:
+        try:
+            self.store.unmark(ns, keys)
+        except RemoteUnavailable as exc:
+            self._failed("mark", exc)
+
+    def wait_written(self, ns: str, keys: Sequence[bytes], timeout: float) -> tuple[int, str]:
+        """A Lookup's wait for a hand-off another daemon is writing (blocking: call without the
+        cache lock): (leading `keys` the store holds at the end, how the wait ended: "" when the
+        first key it lacks was not marked, else "committed" (what was marked came), "aborted"
+        (a marker went without its block) or "timeout")."""
+        deadline = time.monotonic() + timeout
+        held = self.present(ns, keys)
+        outcome, poll = "", POLL_FIRST_S
+        while held < len(keys) and self.backoff.ready():
+            try:
+                marked = self.store.marked(ns, keys[held])
+                more = self.store.present(ns, keys[held:])
+            except RemoteUnavailable as exc:
+                self._failed("check", exc)
+                break
+            if more:
+                held += more
+                outcome, poll = "committed", POLL_FIRST_S
+                continue
+            if not marked:
+                return held, "aborted" if outcome == "waiting" else outcome
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return held, "timeout"
+            outcome = "waiting"
+            time.sleep(min(poll, left))
+            poll = min(poll * 2, POLL_MAX_S)
+        return held, "timeout" if outcome == "waiting" else outcome
+
     def close(self, timeout: float) -> None:
         """Sends what is queued (up to `timeout`), stops the writer, closes the connection."""
         self._q.close(timeout)
+        if self._unmarker is not None:
+            self._unmarker.shutdown(wait=True)
         self.store.close()

@@ -547,24 +547,31 @@ class Residency:
 
     # -- remote -------------------------------------------------------------------------------
 
-    def maybe_write_remote(self, ns: Namespace, blocks: list[IndexBlock], committed: bool) -> None:
+    def maybe_write_remote(self, ns: Namespace, blocks: list[IndexBlock], committed: bool,
+                           handoff: bool = False) -> None:
         """Offers admitted DRAM blocks to the remote tier's write queue: at Commit when
-        `remote_admit_after` is 1, else at the lookup that makes a block's k-th access. Each
-        offered block stays pinned until `on_remote_written`."""
+        `remote_admit_after` is 1, else at the lookup that makes a block's k-th access; a
+        hand-off's (`handoff`: a prefill's blocks, marked pending in the store) every block, at
+        once, as urgent writes. Each offered block stays pinned until `on_remote_written`."""
         remote, spec = self.remote, self.spec.remote
         if remote is None or spec is None:
             return
         k = spec.admit_after
         nbytes = self.block_bytes.get(ns, self.slot_bytes)
-        todo = placement.remote_offers(self._before_stale(ns, blocks), committed, k)
+        todo = ([b for b in blocks if b.in_dram] if handoff
+                else placement.remote_offers(self._before_stale(ns, blocks), committed, k))
+        if handoff and len(todo) < len(blocks):
+            remote.unmark_later(ns, [b.key for b in blocks if not b.in_dram])
         for i, b in enumerate(todo):
             assert b.dram_slot is not None
             self.index.pin(ns, b.key)
-            why = remote.offer(RemoteWrite(ns, b.key, b.dram_slot, nbytes))
+            why = remote.offer(RemoteWrite(ns, b.key, b.dram_slot, nbytes, handoff))
             if why:
                 self.index.unpin(ns, b.key)
                 # the rest would sit behind a hole in the store's chain: dropped too
                 remote.dropped(why, len(todo) - i - 1)
+                if handoff:
+                    remote.unmark_later(ns, [b.key for b in todo[i:]])
                 return
 
     def settle_remote(

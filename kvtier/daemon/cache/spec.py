@@ -53,7 +53,7 @@ class RemoteTier:
 class CacheSpec:
     """The DRAM pool, the optional SSD and remote tiers, the index's eviction policy and SSD
     admission (the k-th access), the lease rules (default and longest TTL, keys per request),
-    and the longest pin."""
+    the longest pin, and how long a Lookup may wait for blocks being written."""
 
     pool: DramSpec
     ssd: SsdTier | None
@@ -64,6 +64,8 @@ class CacheSpec:
     max_lease_ttl_s: float
     max_blocks_per_request: int
     max_pin_ttl_s: float = 86400.0  # the longest an operator's pin (or a request's hint) lasts
+    max_pending_wait_s: float = 10.0
+    """Longest a Lookup may wait for blocks being written (`LookupRequest.wait_pending_ms`)."""
 
     @property
     def ssd_bytes(self) -> int:

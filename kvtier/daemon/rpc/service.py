@@ -189,6 +189,7 @@ class Service:
         res = await self.cache.lookup_async(
             call.tenant(), request.layout, request.keys, request.key_width, request.start_token,
             request.prompt_tokens, request.want_plan, request.replica,
+            request.wait_pending_ms / 1000,
         )
         plan = None
         if res.plan is not None:
@@ -227,7 +228,7 @@ class Service:
         tenant = call.tenant()
         res = await self.cache.allocate_async(
             tenant, request.layout, request.keys, request.key_width, request.parent_key,
-            request.lease_ttl_ms / 1000, call.session,
+            request.lease_ttl_ms / 1000, call.session, request.handoff,
         )
         info = self.cache.layout(tenant, request.layout)
         return pb.AllocateResponse(

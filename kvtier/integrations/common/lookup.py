@@ -21,10 +21,16 @@ up again. Without `background` (vLLM's setting `async_lookup: false`) the Lookup
 the ask, on the caller's thread. One Lookup per link (a layout: one per TP shard); the answer is
 the least of them.
 
+With `wait_s` (a decode engine's: vLLM's `kv_consumer`), each Lookup first waits up to that
+long for blocks after the cached prefix that another client is still writing (the daemon's
+`wait_pending_ms`); such Lookups run on `threads` background threads, so one that waits does
+not hold up the others (with more than one thread, a submitted job is no longer in order with
+the Lookups).
+
 A daemon marked down (`DaemonLink.down`) answers 0 at once: no Lookup, no step lost. A failed
 Lookup answers 0 (the request is computed). Threading: `fetch_blocks` and `forget` on the
-scheduler's thread, the Lookups on the "kvtier-lookup" thread; the links are used by one of
-them only (the thread, or the caller without `background`).
+scheduler's thread, the Lookups on the "kvtier-lookup" threads (the links and their clients
+are thread-safe), or on the caller's without `background`.
 """
 
 from __future__ import annotations
@@ -44,8 +50,10 @@ _Job = Callable[[], None]
 
 
 class Lookups:
-    def __init__(self, links: Sequence[DaemonLink], use_plan: bool, background: bool) -> None:
+    def __init__(self, links: Sequence[DaemonLink], use_plan: bool, background: bool,
+                 wait_s: float = 0.0, threads: int = 1) -> None:
         self.links = list(links)
+        self.wait_s = wait_s
         self.use_plan = use_plan
         self.background = background
         self._lock = threading.Lock()
@@ -53,11 +61,12 @@ class Lookups:
         """rid -> (number of keys asked, blocks to fetch)"""
         self._running: set[str] = set()
         self._queue: queue.SimpleQueue[_Ask | _Job | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         if background:
-            self._thread = threading.Thread(target=self._loop, name="kvtier-lookup",
-                                            daemon=True)
-            self._thread.start()
+            self._threads = [threading.Thread(target=self._loop, name="kvtier-lookup",
+                                              daemon=True) for _ in range(max(1, threads))]
+            for t in self._threads:
+                t.start()
 
     def fetch_blocks(self, rid: str, keys: list[bytes], prompt_tokens: int,
                      ends: list[bytes] | None = None, prefetch: bool = False) -> int | None:
@@ -118,7 +127,7 @@ class Lookups:
                ) -> int:
         """One Lookup per layout (TP shard): the blocks all of them have and plan to fetch;
         with `ends`, cut down to the last block with its end block held (see the module)."""
-        hit, fetch = self._lookup(keys, prompt_tokens, True)
+        hit, fetch = self._lookup(keys, prompt_tokens, True, self.wait_s)
         if ends is None:
             return fetch
         # an end block needs only the blocks before its own: one past the hit when the plan
@@ -129,7 +138,8 @@ class Lookups:
                 return c
         return 0
 
-    def _lookup(self, keys: list[bytes], prompt_tokens: int, plan: bool) -> tuple[int, int]:
+    def _lookup(self, keys: list[bytes], prompt_tokens: int, plan: bool, wait_s: float = 0.0
+                ) -> tuple[int, int]:
         """(blocks all layouts hold, blocks all of them plan to fetch)."""
         hit = fetch = len(keys)
         for link in self.links:
@@ -138,7 +148,7 @@ class Lookups:
                 return 0, 0
             try:
                 found = client.lookup(keys, prompt_tokens=prompt_tokens,
-                                      plan=plan and self.use_plan)
+                                      plan=plan and self.use_plan, wait_pending_s=wait_s)
             except Exception as exc:
                 link.failed(exc, "Lookup")
                 return 0, 0
@@ -173,6 +183,7 @@ class Lookups:
                     self._done[rid] = (len(keys), fetch)
 
     def close(self) -> None:
-        if self._thread is not None:
+        for _ in self._threads:
             self._queue.put(None)
-            self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5 + self.wait_s)

@@ -10,7 +10,9 @@ worker side (vLLM's connector workers use them).
                    are skipped until it is back), and the request's later saves are skipped
                    (their parent is not stored, the daemon would refuse them). With
                    `background=False` everything runs on the caller's thread. How a staged job
-                   reaches the slots is the engine's (`store`, given by the owner).
+                   reaches the slots is the engine's (`store`, given by the owner); a job
+                   skipped for a broken chain goes to `discard` instead (to end the lease of
+                   an Allocate made before it was staged: a prefill's hand-off).
     PrefillClock   times the steps that compute one prompt chunk (wall clock on CPU, CUDA events
                    on a GPU) and hands out the latest at most every `every_s` seconds (for the
                    daemon planner's ReportPrefill).
@@ -46,6 +48,9 @@ class Staged:
     pin_s: float = 0.0
     """A request's pin hint: once stored, pin `chain` (its keys up to these) this long."""
     chain: list[bytes] = field(default_factory=list)
+    allocated: Any = None
+    """The daemon's reply to an Allocate of `keys` made before the job was queued (a
+    hand-off's: the keys pending from then on), or None (the store allocates)."""
 
 
 @dataclass(slots=True)
@@ -57,9 +62,11 @@ class _Report:
 
 class Saver:
     def __init__(self, link: DaemonLink, store: Callable[[Staged], None], max_bytes: int,
-                 background: bool, report_failed: Callable[[int, float, int], None]) -> None:
+                 background: bool, report_failed: Callable[[int, float, int], None],
+                 discard: Callable[[Staged], None] | None = None) -> None:
         self.link = link
         self.store = store
+        self.discard = discard
         self.report_failed = report_failed
         self.max_bytes = max_bytes
         self.background = background
@@ -95,6 +102,15 @@ class Saver:
             self._queue.append(report)
             self._cond.notify_all()
 
+    def broken(self, req_id: str) -> bool:
+        """Whether a failed save broke the request's chain (its later saves are skipped)."""
+        return req_id in self._broken
+
+    def mark_broken(self, req_id: str) -> None:
+        self._broken[req_id] = None
+        while len(self._broken) > 1024:
+            self._broken.popitem(last=False)
+
     def idle(self, timeout: float) -> bool:
         """Waits until every submitted save is done (or `timeout`); whether it is."""
         deadline = time.monotonic() + timeout
@@ -114,6 +130,8 @@ class Saver:
                     client.report_prefill(item.tokens, item.seconds, item.context)
             elif item.req_id not in self._broken:
                 self.store(item)
+            elif self.discard is not None:
+                self.discard(item)
         except Exception as exc:
             if isinstance(item, _Report):  # offered again at the next step
                 self.report_failed(item.tokens, item.seconds, item.context)
@@ -122,9 +140,7 @@ class Saver:
                 else:
                     log.debug("kvtier: ReportPrefill failed: %s", exc)
             else:
-                self._broken[item.req_id] = None
-                while len(self._broken) > 1024:
-                    self._broken.popitem(last=False)
+                self.mark_broken(item.req_id)
                 self.link.failed(exc, "store")
 
     def _loop(self) -> None:

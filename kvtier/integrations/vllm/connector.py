@@ -6,9 +6,12 @@
 
 vLLM builds one instance per role: in the scheduler (`scheduler.py`: lookups, leases, what to
 store) and in each worker (`worker.py`: the copies). This class only routes vLLM's calls to the
-side of its role. A configuration kvtier cannot serve (Mamba state without vLLM's checkpoints,
-...) logs one warning and the connector does nothing; an unreachable daemon makes it do nothing
-until it is back.
+side of its role. vLLM's `kv_role` decides what it does (`settings.Role`: a `kv_producer` only
+stores, as a prefill's hand-off; a `kv_consumer` only loads, waiting for blocks still being
+written; `kv_both` both); an unknown role, or one its extra config contradicts, stops the
+engine's start with one line (`SettingsError`). A configuration kvtier cannot serve (Mamba
+state without vLLM's checkpoints, ...) logs one warning and the connector does nothing; an
+unreachable daemon makes it do nothing until it is back.
 
 The connector supports vLLM's hybrid KV cache manager (`SupportsHMA`): with it vLLM keeps that
 manager on (sliding-window layers keep only their window; Mamba hybrids start at all), and
@@ -40,7 +43,7 @@ from kvtier.integrations.vllm.layout import Unsupported, default_model_id, engin
 from kvtier.integrations.vllm.metadata import KvtierMetadata
 from kvtier.integrations.vllm.pages import PREFERRED_LAYOUT
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.settings import ConnectorSettings, role_of
 from kvtier.integrations.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -74,6 +77,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
+        self.pd_role = role_of(ktc.kv_role, self.settings, ktc.kv_connector_extra_config)
         ktc.kv_load_failure_policy = "recompute"
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -91,14 +95,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             pc = vllm_config.parallel_config
             self.scheduler = SchedulerSide(
                 self.settings, kv, int(pc.tensor_parallel_size),
-                max(int(mc.get_total_num_kv_heads()), 1), bool(getattr(mc, "use_mla", False)))
+                max(int(mc.get_total_num_kv_heads()), 1), bool(getattr(mc, "use_mla", False)),
+                self.pd_role)
             self.tier_events = tier_events(vllm_config, self.scheduler.links[0])
         else:
             _init_cpu_isa()
-            self.worker = WorkerSide(self.settings, kv, rank)
-        log.info("kvtier connector (%s): model %r, %d-byte blocks of %d tokens, shard %d/%d, "
-                 "daemon %s, layout %s (layers %s)", role.name.lower(), model_id,
-                 kv.block_bytes, kv.block_tokens, kv.shard.number, kv.shard.of,
+            self.worker = WorkerSide(self.settings, kv, rank, self.pd_role)
+        log.info("kvtier connector (%s, %s): model %r, %d-byte blocks of %d tokens, shard %d/%d, "
+                 "daemon %s, layout %s (layers %s)", role.name.lower(), self.pd_role.name,
+                 model_id, kv.block_bytes, kv.block_tokens, kv.shard.number, kv.shard.of,
                  self.settings.socket or "default socket", kv.describe(),
                  ",".join(kv.layer_names))
 

@@ -47,6 +47,10 @@ as above (the state groups not asked to hold them: their pages there are not mea
 for each block-aligned state vLLM offers (`boundary_state_offloads`: the exact state blocks,
 computed by the end of the step) the state block of that boundary.
 
+Roles (`settings.Role`, from vLLM's `kv_role`): a producer answers 0 to every
+`get_num_new_matched_tokens` (no Lookup), a consumer's metadata never carries a save; a
+consumer's Lookups wait for blocks being written (`common/lookup.py`, `wait_s`).
+
 Preemption needs nothing special: a preempted request is allocated again (update_state_after_alloc
 resets it), and no lease outlives the step that loads. Leases a worker never released (it died)
 expire after their TTL. Any daemon failure: the affected request just gets fewer (or no) tokens
@@ -64,7 +68,7 @@ from kvtier.integrations.common.link import DaemonLink
 from kvtier.integrations.common.lookup import Lookups
 from kvtier.integrations.vllm.layout import EngineKV, kv_shard
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
-from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.settings import ConnectorSettings, Role, role_of
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -105,10 +109,15 @@ class CostLog:
         self.per_request[req_id] = self.per_request.get(req_id, 0.0) + seconds
 
 
+LOOKUP_THREADS_WAITING = 4
+"""Lookup threads of a connector whose Lookups may wait (a consumer's)."""
+
+
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, kv: EngineKV, tp_size: int,
-                 total_kv_heads: int, replicated: bool) -> None:
+                 total_kv_heads: int, replicated: bool, role: Role | None = None) -> None:
         self.settings = settings
+        self.role = role = role or role_of("kv_both", settings)
         self.kv = kv
         self.bt = kv.block_tokens
         self.step = kv.hash_step()
@@ -117,7 +126,8 @@ class SchedulerSide:
         self.links = [DaemonLink(settings, kv.for_shard(
             kv_shard(tp_size, rank_shard.index(s), total_kv_heads, replicated)).decl(),
             "scheduler") for s in sorted(set(rank_shard))]
-        self.lookups = Lookups(self.links, settings.use_plan, settings.async_lookup)
+        self.lookups = Lookups(self.links, role.use_plan, settings.async_lookup, role.wait_s,
+                               LOOKUP_THREADS_WAITING if role.wait_s else 1)
         self._tracked: dict[str, _Tracked] = {}
         self._hints: dict[str, Hints] = {}
         self._hits: dict[str, _Hit] = {}
@@ -128,6 +138,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
+        if not self.role.loads:
+            return 0, False
         started = time.perf_counter()
         try:
             n = self._match(request, num_computed_tokens)
@@ -216,7 +228,7 @@ class SchedulerSide:
                 t.saved = computed  # rewound after a load error: recomputing from there
         meta = KvtierMetadata(loads=self._loads)
         self._loads = []
-        if self.settings.store:
+        if self.role.stores:
             meta.saves = self._saves(out)
         if not meta.loads and len(out.num_scheduled_tokens) == 1:
             self._prefill_shape(out, meta)

@@ -28,6 +28,12 @@ and vLLM's paged KV cache, on each TP rank.
                       returns, so nothing holds them (a preempted or finished request frees
                       them at once). Runs after the step's forward, so the blocks hold their
                       final KV; errors only lose the store.
+    roles             a consumer (`Role.stores` false) stores nothing; a producer's stores are
+                      hand-offs: each staged job's Allocate (`handoff`) is made on this thread,
+                      within `wait_for_save`, so its keys are pending at the daemon before the
+                      step's output reaches the scheduler (a decode engine's lookup sent the
+                      moment the request answers waits for them); the copy into the slots and
+                      the Commit then run on the save thread as above.
     prefill rate      `bind` (before the forward) to `wait_for_save` (after it) times the steps
                       the scheduler marked as one prompt chunk; rank 0 reports the latest to the
                       daemon's planner (ReportPrefill) at most every `prefill_report_s`.
@@ -63,7 +69,7 @@ from kvtier.integrations.common.saver import PrefillClock, Saver, Staged
 from kvtier.integrations.vllm.layout import EngineKV, Unsupported
 from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.pages import Paged, paged, state_pages
-from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.settings import ConnectorSettings, Role, role_of
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
@@ -117,10 +123,12 @@ class WorkerStats:
 
 
 class WorkerSide:
-    def __init__(self, settings: ConnectorSettings, kv: EngineKV, rank: int) -> None:
+    def __init__(self, settings: ConnectorSettings, kv: EngineKV, rank: int,
+                 role: Role | None = None) -> None:
         self.kv = kv
         self.rank = rank
         self.settings = settings
+        self.role = role or role_of("kv_both", settings)
         self.link = DaemonLink(settings, kv.decl(), f"worker {rank}")
         self.paged: Paged | None = None
         self.loads: Loads | None = None
@@ -135,7 +143,7 @@ class WorkerSide:
         self.stats = WorkerStats()
         self.clock = PrefillClock(settings.prefill_report_s if rank == 0 else 0.0)
         self.saver = Saver(self.link, self._store, int(settings.save_buffer_mib * 2**20),
-                           settings.async_save, self.clock.retry)
+                           settings.async_save, self.clock.retry, self._discard)
 
     @property
     def layerwise(self) -> bool:
@@ -336,10 +344,35 @@ class WorkerSide:
         report = self.clock.due()
         if report is not None:
             self.saver.report_prefill(*report)
-        if not meta.saves or not self.kv.shard.saves or self.link.down():
+        if (not meta.saves or not self.role.stores or not self.kv.shard.saves
+                or self.link.down()):
             return
         for job in meta.saves:
-            self.saver.submit(self._stage(job))
+            staged = self._stage(job)
+            if self.role.handoff and not self._allocate(staged):
+                continue
+            self.saver.submit(staged)
+
+    def _allocate(self, staged: Staged) -> bool:
+        """A hand-off's Allocate, on vLLM's thread (the module docstring); False when it was
+        not made (the request's chain is broken: its later saves are skipped too)."""
+        client = self.link.client()
+        if client is None or self.saver.broken(staged.req_id):
+            return False
+        try:
+            staged.allocated = client.allocate(staged.keys, staged.parent, handoff=True)
+        except Exception as exc:
+            self.saver.mark_broken(staged.req_id)
+            self.link.failed(exc, "store")
+            return False
+        return True
+
+    def _discard(self, staged: Staged) -> None:
+        """A staged job that will not be stored: the lease of its Allocate, if any, ends."""
+        lease = staged.allocated.lease_id if staged.allocated is not None else ""
+        client = self.link.client()
+        if lease and client is not None:
+            client.abort(lease)
 
     def _stage(self, job: SaveJob) -> Staged:
         """The job's blocks copied out of vLLM's cache, chunk-major: [chunks, blocks,
@@ -381,7 +414,8 @@ class WorkerSide:
             staged.ready.synchronize()
         # vLLM's worker runs in inference mode, so the slot rows may be an inference tensor
         # (made by a load): in-place writes to it need inference mode on this thread too
-        with torch.inference_mode(), client.store_into(staged.keys, staged.parent) as tx:
+        with torch.inference_mode(), client.store_into(staged.keys, staged.parent,
+                                                       allocated=staged.allocated) as tx:
             if tx.slot_ids:
                 buf = client.slot_buffer()
                 if buf is None:
