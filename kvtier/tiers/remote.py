@@ -305,6 +305,16 @@ class RemoteStore:
                       refused[0])
         return [not isinstance(r, Exception) for r in got], sent
 
+    def delete(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Deletes the values of `keys` (one pipelined DEL each); how many existed."""
+        if not keys:
+            return 0
+        got = self._run([("DEL", (self.key(ns, k),)) for k in keys])
+        errors = [r for r in got if isinstance(r, Exception)]
+        if errors:
+            raise RemoteUnavailable(f"remote store {self.where()}: DEL: {errors[0]}")
+        return sum(int(r) for r in got)
+
     def close(self) -> None:
         if self._fetcher is not None:
             self._fetcher.shutdown(wait=True, cancel_futures=True)

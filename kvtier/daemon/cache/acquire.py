@@ -309,8 +309,8 @@ class Acquirer:
         index = self.tiers.index
         for block in r.blocks:
             index.unpin(r.ns.name, block.key)
-        if self.tiers.stale:  # blocks of a retired tenant file waited for this release
-            self.tiers.apply()
+        if self.tiers.stale or self.tiers.quarantine.pending:  # (blocks that waited for a
+            self.tiers.apply()  # release: of a retired tenant file, quarantined)
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no Acquire is between `begin` and `end` with I/O; False on timeout.

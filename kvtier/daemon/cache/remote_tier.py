@@ -71,7 +71,7 @@ class RemoteMetrics:
         r = registry
         self.requests = Counter("kvtier_remote_requests", "Remote store requests",
                                 ["op", "result"], registry=r)
-        for op in ("check", "fetch", "store"):
+        for op in ("check", "fetch", "store", "delete"):
             for result in ("ok", "error", "skipped"):
                 self.requests.labels(op, result)
         self.blocks = Counter("kvtier_remote_blocks", "Fetched remote blocks by outcome",
@@ -215,6 +215,18 @@ class RemoteTier:
             self.rates.observe_transfer(Link.REMOTE_READ, got.nbytes, seconds,
                                         includes_latency=True)
         return got.sizes
+
+    def delete(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Deletes the stored copies of `keys` (a quarantine), tried even in an outage's backoff
+        (it must not be skipped); how many existed, or -1 when the store could not be asked."""
+        try:
+            n = self.store.delete(ns, keys)
+        except RemoteUnavailable as exc:
+            self._failed("delete", exc)
+            return -1
+        self.metrics.requests.labels("delete", "ok").inc()
+        self._ok()
+        return n
 
     # -- write-through ------------------------------------------------------------------------
 

@@ -62,6 +62,7 @@ from kvtier.core.wear import WriteBudget
 from kvtier.daemon.cache.applier import Applier
 from kvtier.daemon.cache.events import EventLog
 from kvtier.daemon.cache.namespaces import Namespace, Namespaces
+from kvtier.daemon.cache.quarantine import Quarantine
 from kvtier.daemon.cache.remote_tier import RemoteTier, RemoteWrite
 from kvtier.daemon.cache.spec import CacheSpec, SsdTier
 from kvtier.daemon.cache.spec import RemoteTier as RemoteTierConfig
@@ -106,6 +107,7 @@ class Tiers:
         )
         self.pool.owner = self.index  # the index's block pins are the only pins
         self.applier = Applier(self.index, self.pool, names, events, metrics, self.ssd_bytes_of)
+        self.quarantine = Quarantine(self.index, self.applier.apply, metrics)
         self.stale: set[tuple[str, bytes]] = set()  # DRAM blocks of a retired tenant file
         self.moved = 0  # blocks moved to free a page for another size class
         self.moving = 0  # target slots of page moves in flight (claimed, no block yet)
@@ -128,11 +130,14 @@ class Tiers:
             raise
 
     def apply(self, why: str = "capacity", publish: bool = True) -> None:
-        """`Applier.apply`, then the `stale` blocks no pin holds any more leave DRAM."""
+        """`Applier.apply`, then the `stale` blocks no pin holds any more leave DRAM, and the
+        quarantined subtrees no pin holds any more leave every tier (`Quarantine.retry`)."""
         self.applier.apply(why, publish)
         if self.stale:
             self.drop_stale()
             self.applier.apply("rekeyed", publish)
+        if self.quarantine.pending:
+            self.quarantine.retry()
 
     def rekey(self, tenant: str) -> None:
         """A reload changed or revoked `tenant`'s token (isolated pool): what it stores from

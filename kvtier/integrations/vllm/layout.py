@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvtier.client.decl import LayoutDecl, ModelCost
+from kvtier.integrations.common.verify import Region
 
 FORMAT = "kvtier-vllm-v1"
 STATE_KEY_TAG = b"kvtier-state\0"
@@ -167,6 +168,22 @@ class EngineKV:
         return LayoutDecl(self.fingerprint(), self.block_bytes, self.block_tokens,
                           self.key_width, model=self.cost, model_id=self.model_id,
                           groups=groups if self.hybrid else ())
+
+    def verify_regions(self, state_block: bool = False) -> list[Region]:
+        """What shadow verification compares in one block (`common/verify.py`): each attention
+        layer's page as its dtype; in a state block (`state_key`) also each state layer's state
+        tensors (`state_parts`; vLLM's padding after them is never compared). A chain block's
+        state pages are not meaningful and are skipped."""
+        out = []
+        for i in range(len(self.layer_names)):
+            g, base = self.group_of(i), self.layer_offset(i)
+            if not self.is_state(g):
+                kind = "swa" if self.windows[g] else "full"
+                out.append(Region(i, kind, base, base + self.page_bytes, self.dtype))
+            elif state_block:
+                out += [Region(i, "state", base + a, base + b, dt)
+                        for a, b, dt in state_parts(self.states[g])]
+        return out
 
     def for_shard(self, shard: Shard) -> EngineKV:
         return EngineKV(self.model_id, self.dtype, self.block_tokens, self.layer_names,
@@ -306,6 +323,23 @@ def state_shape(shapes: Any, dtypes: Any) -> str:
     """A state group's shape for the fingerprint: each state tensor's dims and dtype."""
     return "+".join("x".join(str(int(d)) for d in shape) + ":" + str(dt).removeprefix("torch.")
                     for shape, dt in zip(shapes, dtypes, strict=True))
+
+
+def state_parts(shape: str) -> list[tuple[int, int, str]]:
+    """The byte ranges and dtypes of a state page's tensors, from `state_shape`'s text: vLLM
+    packs them back to back in that order (`MambaBase.bind_kv_cache`)."""
+    import torch
+
+    out, at = [], 0
+    for part in shape.split("+"):
+        dims, dt = part.split(":")
+        n = 1
+        for d in dims.split("x"):
+            n *= int(d)
+        size = n * getattr(torch, dt).itemsize
+        out.append((at, at + size, dt))
+        at += size
+    return out
 
 
 def hash_width(algo: str) -> int:
