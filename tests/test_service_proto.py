@@ -53,6 +53,6 @@ def test_service_has_every_rpc_of_the_protocol() -> None:
     assert methods == {
         "RegisterLayout", "Lookup", "Acquire", "Release", "RenewLease", "Allocate", "Commit",
         "Abort", "ReadBlocks", "WriteBlocks", "ReportHbm", "ReportPrefill", "Stats",
-        "WatchEvents", "OpenSession",
+        "WatchEvents", "OpenSession", "ReportVerification",
     }
     assert hasattr(kvtier_pb2_grpc, "KvTierServicer")

@@ -43,6 +43,8 @@ class Staged:
     holds at [c * chunk_bytes, (c + 1) * chunk_bytes) (vLLM: `integrations/vllm/pages.py`)."""
     ready: Any = None
     """A CUDA event to synchronize before reading `blocks` (filled by an async copy)."""
+    verify: Any = None
+    """Shadow verification: what the engine's `store` compares first (the engine's own)."""
 
 
 @dataclass(slots=True)

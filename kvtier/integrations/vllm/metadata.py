@@ -8,7 +8,9 @@
               (-1 where the group needs none: outside a sliding window); the load is
               asynchronous and succeeds or fails per request (`get_finished`).
     SaveJob   store vLLM blocks `block_ids` under `keys` (a chain after `parent`), computed by
-              the end of this step; hybrid models: per group its blocks (`groups`).
+              the end of this step; hybrid models: per group its blocks (`groups`). With
+              `verify` (shadow verification: a hit the scheduler did not load), first compare
+              them with the bytes the daemon holds for the same keys.
     prefill_tokens / prefill_context
               the step's scheduled prompt tokens and the cached context they attend to (summed
               over requests), for the prefill rate the workers measure.
@@ -34,6 +36,17 @@ class LoadJob:
 
 
 @dataclass(slots=True)
+class VerifyRef:
+    """What a save compares (`worker.py`): Acquire `chain` (from the prompt's first block);
+    the job's block j is chain position `first + j` (those the daemon holds). `state`: the job
+    is a state block (its state layers' states are compared too)."""
+
+    chain: list[bytes]
+    first: int
+    state: bool = False
+
+
+@dataclass(slots=True)
 class SaveJob:
     req_id: str
     block_ids: list[int]
@@ -41,6 +54,7 @@ class SaveJob:
     parent: bytes
     groups: tuple[list[int], ...] = ()
     """Hybrid: per KV cache group, its vLLM block for each key (every one a real block)."""
+    verify: VerifyRef | None = None
 
 
 @dataclass

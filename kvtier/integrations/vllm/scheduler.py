@@ -40,6 +40,11 @@ as above (the state groups not asked to hold them: their pages there are not mea
 for each block-aligned state vLLM offers (`boundary_state_offloads`: the exact state blocks,
 computed by the end of the step) the state block of that boundary.
 
+Shadow verification (`verify_sample`): a sampled request's hit (`sampled`: a fixed function of
+its id) is answered 0: vLLM computes the prompt as if nothing were cached, and its saves of the
+hit's blocks carry a `VerifyRef`: the worker compares the computed blocks with the daemon's bytes
+for the same keys before storing (`worker.py`), and the daemon quarantines a block that differs.
+
 Preemption needs nothing special: a preempted request is allocated again (update_state_after_alloc
 resets it), and no lease outlives the step that loads. Leases a worker never released (it died)
 expire after their TTL. Any daemon failure: the affected request just gets fewer (or no) tokens
@@ -48,6 +53,7 @@ from kvtier. Threading: vLLM's scheduler thread, plus the lookup thread of `comm
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.integrations.common.link import DaemonLink
 from kvtier.integrations.common.lookup import Lookups
 from kvtier.integrations.vllm.layout import EngineKV, kv_shard
-from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob, VerifyRef
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -77,6 +83,15 @@ class _Tracked:
     """Blocks [0, saved) are stored, being loaded, or not to be stored. When vLLM rewinds the
     request below it (a load failed: it recomputes from the first bad block), it drops to the
     rewound point, so the recomputed blocks are saved again."""
+    verify: _Verify | None = None
+    """Shadow verification: the hit this request did not load, compared at its saves."""
+
+
+@dataclass(slots=True)
+class _Verify:
+    keys: list[bytes]
+    """The hit's chain keys (blocks [0, fetch))."""
+    fetch: int
 
 
 @dataclass(slots=True)
@@ -112,6 +127,7 @@ class SchedulerSide:
         self.lookups = Lookups(self.links, settings.use_plan, settings.async_lookup)
         self._tracked: dict[str, _Tracked] = {}
         self._hits: dict[str, _Hit] = {}
+        self._verify: dict[str, _Verify] = {}
         self._loads: list[LoadJob] = []
         self.cost = CostLog()
 
@@ -129,6 +145,7 @@ class SchedulerSide:
     def _match(self, request: Request, num_computed: int) -> int | None:
         rid = request.request_id
         self._hits.pop(rid, None)
+        self._verify.pop(rid, None)
         usable = min(len(request.block_hashes) // self.step, (request.num_tokens - 1) // self.bt)
         if usable * self.bt <= num_computed:
             return 0
@@ -139,10 +156,23 @@ class SchedulerSide:
             return None  # the Lookup is running: vLLM asks again next step
         if fetch * self.bt <= num_computed:
             return 0
+        if self.sampled(rid):  # shadow verification: computed, and compared at its saves
+            self._verify[rid] = _Verify(keys[:fetch], fetch)
+            return 0
         if ends is not None:  # the hit's last block is the state block of its boundary
             keys = [*keys[:fetch - 1], ends[fetch - 1]]
         self._hits[rid] = _Hit(num_computed, keys, fetch)
         return fetch * self.bt - num_computed
+
+    def sampled(self, req_id: str) -> bool:
+        """Whether request `req_id`'s hit is verified instead of loaded: a fixed function of the
+        id (vLLM asking again, or after preemption, gets the same answer), true for a
+        `verify_sample` fraction of ids."""
+        rate = self.settings.verify_sample
+        if rate <= 0.0:
+            return False
+        digest = hashlib.sha256(b"kvtier-verify\0" + req_id.encode()).digest()
+        return int.from_bytes(digest[:8], "big") < rate * 2**64
 
     def _keys(self, request: Request, start: int, stop: int) -> list[bytes]:
         """The kvtier keys of blocks [start, stop): vLLM's hash at each block's end."""
@@ -155,12 +185,15 @@ class SchedulerSide:
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         hit = self._hits.pop(rid, None)
+        verify = self._verify.pop(rid, None)
         self.lookups.forget(rid)  # a later ask (after preemption) looks up afresh
         tracked = self._tracked.get(rid)
         if tracked is None or tracked.request is not request:
             # (kept when vLLM allocates again for the same request: after its asynchronous
             # load, or after preemption, whose rewind `build_connector_meta` catches)
             tracked = self._tracked[rid] = _Tracked(request, 0)
+        if verify is not None:
+            tracked.verify = verify
         if num_external_tokens <= 0 or hit is None:
             return
         started = time.perf_counter()
@@ -246,8 +279,11 @@ class SchedulerSide:
                 continue
             keys = self._keys(r, start, full)
             parent = self._keys(r, start - 1, start)[0] if start else b""
+            v = t.verify
+            check = (VerifyRef(v.keys[:min(full, v.fetch)], start)
+                     if v is not None and start < v.fetch else None)
             saves.append(SaveJob(rid, groups[0] if groups else list(ids[0][start:full]), keys,
-                                 parent, groups))
+                                 parent, groups, check))
         if self.kv.stateful and state is not None:
             saves += self._state_saves(out, state)
         return saves
@@ -275,12 +311,16 @@ class SchedulerSide:
                     continue
                 key = self.kv.state_key(self._keys(r, c - 1, c)[0])
                 parent = self._keys(r, c - 2, c - 1)[0] if c > 1 else b""
-                saves.append(SaveJob(rid, per[0], [key], parent, per))
+                v = t.verify
+                check = (VerifyRef([*v.keys[:c - 1], key], c - 1, state=True)
+                         if v is not None and c <= v.fetch else None)
+                saves.append(SaveJob(rid, per[0], [key], parent, per, check))
         return saves
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
+        self._verify.pop(request.request_id, None)
         self.lookups.forget(request.request_id)
         self.cost.per_request.pop(request.request_id, None)
         return False, None

@@ -55,6 +55,11 @@ class ConnectorSettings:
     prefill_report_s: float = 2.0
     """Report vLLM's measured prefill rate to the daemon's planner at most this often
     (0 = never)."""
+    verify_sample: float = 0.01
+    """Shadow verification: the fraction of requests with a hit that are recomputed instead of
+    loaded, their computed blocks compared with the bytes kvtier holds under the same keys
+    (within the engine's numerical spread, `common/verify.py`); a mismatch quarantines the
+    block and its descendants on every tier of the daemon (0 = never)."""
     transfer: str = "auto"
     """How loads copy slots into vLLM's cache: "engine" (kvtier's TransferEngine, layer by
     layer: CUDA kernels or batched DMA on a GPU, its CPU backend otherwise), "torch"
@@ -68,7 +73,9 @@ class ConnectorSettings:
             raise SettingsError(f"kvtier connector: kv_connector_extra_config['transfer'] must "
                                 f"be one of {list(TRANSFERS)}, got {s.transfer!r}")
         if (s.timeout_s <= 0 or s.retry_after_s < 0 or s.lease_ttl_s < 0
-                or s.prefill_report_s < 0 or s.save_buffer_mib <= 0):
+                or s.prefill_report_s < 0 or s.save_buffer_mib <= 0
+                or not 0.0 <= s.verify_sample <= 1.0):
             raise SettingsError("kvtier connector: timeout_s and save_buffer_mib must be > 0, "
-                                "retry_after_s, lease_ttl_s and prefill_report_s >= 0")
+                                "retry_after_s, lease_ttl_s and prefill_report_s >= 0, "
+                                "verify_sample within [0, 1]")
         return s
