@@ -6,7 +6,10 @@ bad reports refused and tenants kept apart."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +17,9 @@ import pytest
 
 from kvtier._proto import kvtier_pb2 as pb
 from kvtier.client.sync_client import Client, KvtierRpcError, LayoutDecl
+from kvtier.commands import top_view
 from kvtier.core.types import Tier
-from tests.daemon_fixture import DaemonProc, daemon, wait_for, wait_ssd_blocks  # noqa: F401
+from tests.daemon_fixture import ROOT, DaemonProc, daemon, wait_for, wait_ssd_blocks  # noqa: F401
 from tests.redis_fixture import RedisServer, needs_redis
 
 BLOCK = 65536
@@ -88,6 +92,12 @@ def test_a_mismatch_quarantines_the_block_and_its_descendants(
                   'model="verify-test-model"') == 1
     assert metric(daemon, "kvtier_verify_quarantined_blocks_total", 'tier="dram"') == 3
     assert metric(daemon, "kvtier_evictions_total", 'reason="quarantine",tier="dram"') == 3
+    out = subprocess.run([sys.executable, "-m", "kvtier", "stats", "--socket",
+                          str(daemon.socket)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    assert "verification: 3 blocks verified, 1 mismatched, 3 quarantined" in out, out
+    top = top_view.row(None, top_view.from_metrics("d", 0.0, daemon.metrics_text()))
+    assert "1 of 3 verified blocks wrong (quarantined)" in top_view._cells(top)[-1]
     line = next(x for x in daemon.log().splitlines() if "verification MISMATCH" in x)
     assert "WARNING" in line and "tenant default" in line and "model verify-test-model" in line
     assert main[1].hex() in line and "layer 1 (full, bfloat16)" in line
