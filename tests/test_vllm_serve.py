@@ -98,6 +98,7 @@ class Server:
         ktc = {"kv_connector": "KvtierConnector",
                "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
                "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False,
+                                             "verify_sample": 0.0,
                                              "timeout_s": ENGINE_CALL_TIMEOUT_S}}
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",

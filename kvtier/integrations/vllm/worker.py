@@ -459,7 +459,7 @@ class WorkerSide:
                         "copies%s); storing the recomputed KV", self.kv.model_id,
                         self.kv.describe(), detail, reply.quarantined_dram,
                         reply.quarantined_ssd, reply.quarantined_remote,
-                        ", more once unpinned" if reply.deferred else "")
+                        ", the rest once unpinned" if reply.deferred else "")
 
     def close(self) -> None:
         if self.loads is not None:
