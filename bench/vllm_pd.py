@@ -52,7 +52,7 @@ def kvtier(role: str, d: DaemonProc) -> dict[str, Any]:
     return {"kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": role,
             "kv_connector_extra_config": {"socket": str(d.socket), "timeout_s": 30.0,
-                                          "pending_wait_s": 30.0}}
+                                          "pending_wait_s": 30.0, "verify_sample": 0.0}}
 
 
 def counters(d: DaemonProc) -> dict[str, float]:

@@ -54,5 +54,6 @@ def test_service_has_every_rpc_of_the_protocol() -> None:
         "RegisterLayout", "Lookup", "Acquire", "Release", "RenewLease", "Allocate", "Commit",
         "Abort", "ReadBlocks", "WriteBlocks", "ReportHbm", "ReportPrefill", "Stats",
         "WatchEvents", "OpenSession", "Evict", "Pin", "Unpin", "ListPins", "Prefetch",
+        "ReportVerification",
     }
     assert hasattr(kvtier_pb2_grpc, "KvTierServicer")

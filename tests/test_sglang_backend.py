@@ -33,7 +33,8 @@ def backend(socket: Path, pool: LayerFirstPool, **extra: Any) -> Any:
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=True, is_page_first_layout=False,
         model_name="test/sglang-backend",
-        extra_config={**BACKEND, "socket": str(socket), "use_plan": False, **extra})
+        extra_config={**BACKEND, "socket": str(socket), "use_plan": False,
+                      "verify_sample": 0.0, **extra})
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     b.register_mem_pool_host(pool)  # as SGLang's cache controller does
     return b

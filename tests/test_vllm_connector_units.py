@@ -63,9 +63,13 @@ def test_fingerprint_covers_what_shapes_the_bytes() -> None:
     assert a.decl().block_bytes == a.block_bytes and a.decl().key_width == 32
     others = [kv(dtype="float16"), kv(block_tokens=64), kv(layer_names=("l0",)),
               kv(page_bytes=8192), kv(kv_heads=1), kv(head_size=128), kv(backend="cuda"),
-              kv(shard=Shard(1, 2, True)), kv(key_width=16)]
-    prints = {o.fingerprint() for o in others}
-    assert a.fingerprint() not in prints and len(prints) == len(others)
+              kv(shard=Shard(1, 2, True)), kv(key_width=16), kv(kv_cache="fp8/FP8_PER_TENSOR"),
+              kv(kv_cache="fp8_per_token_head/FP8_PER_TOKEN_HEAD"), kv(hash_algo="sha256"),
+              kv(pp=(1, 2)), kv(model_id="other@r")]
+    prints = {o.fingerprint() for o in others if o.model_id == a.model_id}
+    assert a.fingerprint() not in prints and len(prints) == len(others) - 1
+    # the weights are named by the model id, which the layout id (the namespace) covers
+    assert len({o.decl().layout_id for o in [a, *others]}) == len(others) + 1
     assert kv(shard=Shard(0, 1, False)).fingerprint() == a.fingerprint()  # same bytes, same blocks
     assert a.for_shard(Shard(1, 2, True)).fingerprint() == kv(shard=Shard(1, 2, True)).fingerprint()
 

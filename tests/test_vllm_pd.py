@@ -50,7 +50,8 @@ def kvtier(role: str, d: DaemonProc) -> dict[str, Any]:
             "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": role,
             "kv_connector_extra_config": {"socket": str(d.socket),
                                           "timeout_s": ENGINE_CALL_TIMEOUT_S,
-                                          "pending_wait_s": 300.0}}
+                                          "pending_wait_s": 300.0,
+                                          "verify_sample": 0.0}}
 
 
 class Fleet(NamedTuple):

@@ -115,6 +115,7 @@ class Server:
             ktc = {"kv_connector": "KvtierConnector",
                    "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"socket": str(daemon_socket), "use_plan": False,
+                                                 "verify_sample": 0.0,
                                                  "timeout_s": ENGINE_CALL_TIMEOUT_S}}
         kv_args = ["--kv-transfer-config", json.dumps(ktc)] if ktc is not None else []
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -370,6 +370,34 @@ class ReportPrefillResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReportVerificationRequest(_message.Message):
+    __slots__ = ("layout", "key_width", "keys", "matched", "mismatched", "detail")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    layout: bytes
+    key_width: int
+    keys: bytes
+    matched: int
+    mismatched: bool
+    detail: str
+    def __init__(self, layout: _Optional[bytes] = ..., key_width: _Optional[int] = ..., keys: _Optional[bytes] = ..., matched: _Optional[int] = ..., mismatched: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReportVerificationResponse(_message.Message):
+    __slots__ = ("quarantined_dram", "quarantined_ssd", "quarantined_remote", "deferred")
+    QUARANTINED_DRAM_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_SSD_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    quarantined_dram: int
+    quarantined_ssd: int
+    quarantined_remote: int
+    deferred: bool
+    def __init__(self, quarantined_dram: _Optional[int] = ..., quarantined_ssd: _Optional[int] = ..., quarantined_remote: _Optional[int] = ..., deferred: _Optional[bool] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -387,7 +415,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "active_leases", "lookups", "blocks_hit", "blocks_missed", "tenant_dram_bytes", "tenant_ssd_bytes", "tenant_dram_quota_bytes", "tenant_ssd_quota_bytes", "segment", "uptime_seconds", "layouts", "writeback_dropped", "checksum_failures", "version", "mrc", "node_wide", "tenant_dram_guarantee_bytes", "mrc_sampled_blocks", "groups")
+    __slots__ = ("tiers", "active_leases", "lookups", "blocks_hit", "blocks_missed", "tenant_dram_bytes", "tenant_ssd_bytes", "tenant_dram_quota_bytes", "tenant_ssd_quota_bytes", "segment", "uptime_seconds", "layouts", "writeback_dropped", "checksum_failures", "version", "mrc", "node_wide", "tenant_dram_guarantee_bytes", "mrc_sampled_blocks", "groups", "verify_verified_blocks", "verify_mismatched_blocks", "verify_quarantined_blocks")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -408,6 +436,9 @@ class StatsResponse(_message.Message):
     TENANT_DRAM_GUARANTEE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MRC_SAMPLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_VERIFIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MISMATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_QUARANTINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     active_leases: int
     lookups: int
@@ -428,7 +459,10 @@ class StatsResponse(_message.Message):
     tenant_dram_guarantee_bytes: int
     mrc_sampled_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., active_leases: _Optional[int] = ..., lookups: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., blocks_missed: _Optional[int] = ..., tenant_dram_bytes: _Optional[int] = ..., tenant_ssd_bytes: _Optional[int] = ..., tenant_dram_quota_bytes: _Optional[int] = ..., tenant_ssd_quota_bytes: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., layouts: _Optional[int] = ..., writeback_dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., mrc: _Optional[_Iterable[_Union[MrcPoint, _Mapping]]] = ..., node_wide: _Optional[bool] = ..., tenant_dram_guarantee_bytes: _Optional[int] = ..., mrc_sampled_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ...) -> None: ...
+    verify_verified_blocks: int
+    verify_mismatched_blocks: int
+    verify_quarantined_blocks: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., active_leases: _Optional[int] = ..., lookups: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., blocks_missed: _Optional[int] = ..., tenant_dram_bytes: _Optional[int] = ..., tenant_ssd_bytes: _Optional[int] = ..., tenant_dram_quota_bytes: _Optional[int] = ..., tenant_ssd_quota_bytes: _Optional[int] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., layouts: _Optional[int] = ..., writeback_dropped: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., version: _Optional[str] = ..., mrc: _Optional[_Iterable[_Union[MrcPoint, _Mapping]]] = ..., node_wide: _Optional[bool] = ..., tenant_dram_guarantee_bytes: _Optional[int] = ..., mrc_sampled_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., verify_verified_blocks: _Optional[int] = ..., verify_mismatched_blocks: _Optional[int] = ..., verify_quarantined_blocks: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ()

@@ -104,6 +104,11 @@ class KvTierStub:
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.KvEvent.FromString,
                 _registered_method=True)
+        self.ReportVerification = channel.unary_unary(
+                '/kvtier.v1.KvTier/ReportVerification',
+                request_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportVerificationRequest.SerializeToString,
+                response_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReportVerificationResponse.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_stream(
                 '/kvtier.v1.KvTier/OpenSession',
                 request_serializer=kvtier_dot_v1_dot_kvtier__pb2.OpenSessionRequest.SerializeToString,
@@ -238,6 +243,15 @@ class KvTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportVerification(self, request, context):
+        """Shadow verification: an engine recomputed blocks the daemon holds and compared them with the
+        stored bytes. The daemon counts the result; a block that did not match is quarantined with
+        every block after it in its chain, on every tier this node holds (never served again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenSession(self, request, context):
         """A session: the first (and only) message names it; the stream stays open until the client
         cancels it or its connection closes, and then every lease granted under it ends.
@@ -358,6 +372,11 @@ def add_KvTierServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvtier_dot_v1_dot_kvtier__pb2.KvEvent.SerializeToString,
+            ),
+            'ReportVerification': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportVerification,
+                    request_deserializer=kvtier_dot_v1_dot_kvtier__pb2.ReportVerificationRequest.FromString,
+                    response_serializer=kvtier_dot_v1_dot_kvtier__pb2.ReportVerificationResponse.SerializeToString,
             ),
             'OpenSession': grpc.unary_stream_rpc_method_handler(
                     servicer.OpenSession,
@@ -768,6 +787,33 @@ class KvTier:
             '/kvtier.v1.KvTier/WatchEvents',
             kvtier_dot_v1_dot_kvtier__pb2.WatchEventsRequest.SerializeToString,
             kvtier_dot_v1_dot_kvtier__pb2.KvEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportVerification(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/ReportVerification',
+            kvtier_dot_v1_dot_kvtier__pb2.ReportVerificationRequest.SerializeToString,
+            kvtier_dot_v1_dot_kvtier__pb2.ReportVerificationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -602,6 +602,18 @@ class Client(SegmentHolder):
             layout=self.layout.layout_id, tokens=tokens, seconds=seconds,
             context_tokens=context_tokens))
 
+    def report_verification(self, keys: list[bytes], matched: int, mismatched: bool,
+                            detail: str = "") -> pb.ReportVerificationResponse:
+        """Shadow verification: `keys` (consecutive blocks of a chain) were recomputed and
+        compared; keys[:matched] matched, and with `mismatched` keys[matched] did not: the
+        daemon quarantines it and its descendants on every tier."""
+        reply: pb.ReportVerificationResponse = self._call(
+            self._stub.ReportVerification, pb.ReportVerificationRequest(
+                layout=self.layout.layout_id, key_width=self.layout.key_width,
+                keys=pack_keys(keys, self.layout.key_width), matched=matched,
+                mismatched=mismatched, detail=detail))
+        return reply
+
     def stats(self) -> pb.StatsResponse:
         reply: pb.StatsResponse = self._call(self._stub.Stats, pb.StatsRequest())
         return reply

@@ -99,7 +99,10 @@ def report(s: Any, where: str) -> list[str]:
     text = [f"lookups {s.lookups}, blocks hit {s.blocks_hit}, missed {s.blocks_missed} "
             f"(block hit ratio {ratio})",
             f"active leases {s.active_leases}, write-backs dropped {s.writeback_dropped}, "
-            f"checksum failures {s.checksum_failures}"]
+            f"checksum failures {s.checksum_failures}",
+            f"verification: {s.verify_verified_blocks} blocks verified, "
+            f"{s.verify_mismatched_blocks} mismatched, {s.verify_quarantined_blocks} "
+            f"quarantined"]
     if s.node_wide and s.mrc_sampled_blocks < MIN_SAMPLES:
         text.append(f"estimated hit ratio (MRC): not enough lookups yet "
                     f"({s.mrc_sampled_blocks} of {MIN_SAMPLES} sampled blocks)")

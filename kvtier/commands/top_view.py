@@ -41,6 +41,8 @@ class Sample:
     writeback_dropped: float = 0.0
     checksum_failures: float = 0.0
     mrc_samples: float | None = None  # block references the MRC has sampled (None: unknown)
+    verified: float = 0.0  # shadow verification: blocks compared, of them mismatched
+    mismatched: float = 0.0
     answered: bool = False  # a failed reading the daemon refused (reached, not down)
 
 
@@ -66,7 +68,9 @@ def from_metrics(source: str, t: float, text: str) -> Sample:
         for s in family.samples:
             name, lb, v = s.name, s.labels, float(s.value)
             if name in ("kvtier_lookups_total", "kvtier_blocks_missed_total",
-                        "kvtier_writeback_dropped_total", "kvtier_checksum_failures_total"):
+                        "kvtier_writeback_dropped_total", "kvtier_checksum_failures_total",
+                        "kvtier_verify_verified_blocks_total",
+                        "kvtier_verify_mismatched_blocks_total"):
                 sums[name] = sums.get(name, 0.0) + v
             elif name == "kvtier_blocks_hit_total":
                 add("hit", lb["tier"], v)
@@ -96,6 +100,8 @@ def from_metrics(source: str, t: float, text: str) -> Sample:
         writeback_dropped=sums.get("kvtier_writeback_dropped_total", 0.0),
         checksum_failures=sums.get("kvtier_checksum_failures_total", 0.0),
         mrc_samples=sums.get("kvtier_mrc_sampled_blocks_total"),
+        verified=sums.get("kvtier_verify_verified_blocks_total", 0.0),
+        mismatched=sums.get("kvtier_verify_mismatched_blocks_total", 0.0),
     )
 
 
@@ -113,6 +119,7 @@ def from_stats(source: str, t: float, s: Any) -> Sample:
         writeback_dropped=float(s.writeback_dropped),
         checksum_failures=float(s.checksum_failures),
         mrc_samples=float(s.mrc_sampled_blocks) if s.node_wide else None,
+        verified=float(s.verify_verified_blocks), mismatched=float(s.verify_mismatched_blocks),
     )
 
 
@@ -134,6 +141,8 @@ class Row(NamedTuple):
     writeback_dropped: float
     checksum_failures: float
     mrc_samples: float | None = None  # block references the MRC has sampled (None: unknown)
+    verified: float = 0.0  # shadow verification since start: blocks compared, mismatched
+    mismatched: float = 0.0
 
 
 def _ratio(hit: float, missed: float) -> float | None:
@@ -179,7 +188,8 @@ def row(prev: Sample | None, cur: Sample, trend: Sequence[float] = ()) -> Row:
     return Row(cur.source, True, "", cur.version, interval,
                _ratio(cur.blocks_hit, cur.blocks_missed), new_trend[-60:], fill, lookups,
                traffic, dict(sorted(cur.leases.items())), share, mrc, headroom,
-               cur.writeback_dropped, cur.checksum_failures, cur.mrc_samples)
+               cur.writeback_dropped, cur.checksum_failures, cur.mrc_samples, cur.verified,
+               cur.mismatched)
 
 
 def sparkline(values: Sequence[float], width: int = 20) -> str:
@@ -234,9 +244,13 @@ def _cells(r: Row) -> list[str]:
         problems.append(f"{r.writeback_dropped:g} write-backs dropped")
     if r.checksum_failures:
         problems.append(f"[red]{r.checksum_failures:g} checksum failures[/red]")
+    if r.mismatched:
+        problems.append(f"[red]{r.mismatched:g} of {r.verified:g} verified blocks wrong "
+                        f"(quarantined)[/red]")
+    verified = f" ({r.verified:g} blocks verified)" if r.verified and not r.mismatched else ""
     return [f"{_pct(r.hit_ratio)} (total {_pct(r.hit_ratio_total)})", sparkline(r.trend), fill,
             f"{r.lookups_per_s:.1f}", traffic, leases, planner or "-", head or "-",
-            ", ".join(problems) or "none"]
+            (", ".join(problems) or "none") + verified]
 
 
 def render(rows: Sequence[Row], interval_s: float, width: int = WIDE) -> Any:

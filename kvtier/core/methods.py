@@ -72,6 +72,8 @@ METHODS: tuple[Method, ...] = (
     Method("ReportPrefill", "ReportPrefillRequest", "ReportPrefillResponse", Size.SMALL, False),
     Method("Stats", "StatsRequest", "StatsResponse", Size.SMALL, False),
     Method("WatchEvents", "WatchEventsRequest", "KvEvent", Size.SMALL, True),
+    Method("ReportVerification", "ReportVerificationRequest", "ReportVerificationResponse",
+           Size.KEYS, True),
     Method("OpenSession", "OpenSessionRequest", "SessionEvent", Size.SMALL, True),
     Method("Evict", "EvictRequest", "EvictResponse", Size.KEYS, True),
     Method("Pin", "PinRequest", "PinResponse", Size.KEYS, False),

@@ -34,7 +34,9 @@ from kvtier.core.planner import Plan, Reason
 from kvtier.index.mrc import MIN_SAMPLES
 
 DIRECTIONS = ("to_client", "from_client", "promote", "demote")
-EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed", "operator")
+EVICTION_REASONS = ("capacity", "quota", "checksum", "expired_write", "rekeyed", "operator",
+                    "quarantine")
+QUARANTINE_TIERS = ("dram", "ssd", "remote")
 LEASE_KINDS = ("read", "write")
 OPERATOR_ACTIONS = ("evict", "clear", "pin", "unpin", "prefetch", "pin_hint", "prefetch_hint")
 PENDING_WAITS = ("committed", "aborted", "timeout")
@@ -338,6 +340,26 @@ class DaemonMetrics:
         for tier in ("dram", "remote"):
             for result in PENDING_WAITS:
                 self.pending_waits.labels(tier, result)
+        self.verify_verified = Counter(
+            "kvtier_verify_verified_blocks", "Blocks an engine recomputed and compared with the "
+            "stored bytes (shadow verification)", ["tenant", "model"], registry=r,
+        )
+        self.verify_matched = Counter(
+            "kvtier_verify_matched_blocks", "Verified blocks within the engine's numerical "
+            "spread", ["tenant", "model"], registry=r,
+        )
+        self.verify_mismatched = Counter(
+            "kvtier_verify_mismatched_blocks", "Verified blocks that did not match: wrong KV "
+            "held under the right key (quarantined with their descendants)",
+            ["tenant", "model"], registry=r,
+        )
+        self.verify_quarantined = Counter(
+            "kvtier_verify_quarantined_blocks", "Blocks removed from a tier for a verification "
+            "mismatch (the block and its descendants; remote: copies deleted)", ["tier"],
+            registry=r,
+        )
+        for tier in QUARANTINE_TIERS:
+            self.verify_quarantined.labels(tier)
         self.copy_seconds = Histogram(
             "kvtier_client_copy_seconds", "Client-reported copy time per lease", ["direction"],
             registry=r, buckets=(1e-4, 1e-3, 5e-3, 2e-2, 0.1, 0.5, 2.0),
@@ -369,6 +391,13 @@ class DaemonMetrics:
         """One Lookup's wait for blocks being written (`PENDING_WAITS`)."""
         self.pending_waits.labels(tier, result).inc()
         self.pending_wait_seconds.labels(tier).observe(seconds)
+    def record_verification(self, tenant: str, model: str, matched: int, mismatched: int
+                            ) -> None:
+        """One verification report: blocks that matched and that did not (capped labels)."""
+        t, m = self.tenants.label(tenant), self.models.label(model)
+        self.verify_verified.labels(t, m).inc(matched + mismatched)
+        self.verify_matched.labels(t, m).inc(matched)
+        self.verify_mismatched.labels(t, m).inc(mismatched)
 
     def attach_mrc(self, points: Callable[[], MrcGauges]) -> None:
         self.registry.register(_MrcCollector(points))

@@ -36,7 +36,7 @@ SHIMS = ROOT / "tests" / "sglang_shims"
 PAGE = 16
 BACKEND = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang.backend",
            "class_name": "KvtierStorage", "interface_v1": 1,
-           "hicache_storage_pass_prefix_keys": True}
+           "hicache_storage_pass_prefix_keys": True, "verify_sample": 0.0}
 
 
 def sglang_python() -> Path | None:

@@ -97,7 +97,8 @@ class EngineProc:
         self.threads = threads
         self.core_process = core_process
         self.spec = {"model": str(model), "socket": str(socket) if socket else None,
-                     "extra": {"retry_after_s": 1.0, "use_plan": False, **(extra or {})},
+                     "extra": {"retry_after_s": 1.0, "use_plan": False, "verify_sample": 0.0,
+                               **(extra or {})},
                      "engine_args": engine_args or {}, "connector": connector}
         self.proc: subprocess.Popen[str] | Forked | None = None
         self._exiting = False

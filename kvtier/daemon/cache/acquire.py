@@ -310,8 +310,9 @@ class Acquirer:
         pool = self.residency.pool
         if pool.keep is not None:  # no lease holds them any more
             pool.unhold([b.dram_slot for b in r.blocks if not b.pins and b.dram_slot is not None])
-        if self.residency.stale or index.reap_due:
-            self.residency.apply()  # blocks of a retired tenant file, or operator-evicted, waited
+        if self.residency.stale or index.reap_due or self.residency.quarantine.pending:
+            self.residency.apply()  # blocks that waited for this release: of a retired tenant
+            # file, evicted by an operator, quarantined
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no Acquire is between `begin` and `end` with I/O; False on timeout.

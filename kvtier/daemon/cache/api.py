@@ -87,6 +87,16 @@ class AllocateResult(NamedTuple):
     ttl_s: float
 
 
+class Quarantined(NamedTuple):
+    """What a verification report's quarantine removed: DRAM and SSD copies, remote copies
+    deleted; `deferred`: a block of the subtree was pinned (it leaves when the pin goes)."""
+
+    dram: int
+    ssd: int
+    remote: int
+    deferred: bool
+
+
 class GroupUsage(NamedTuple):
     """Bytes one KV cache group of a model holds per tier: its layouts' blocks there times the
     group's bytes per block (`RegisterLayoutRequest.groups`)."""
@@ -117,6 +127,9 @@ class CacheStats(NamedTuple):
     blocks_hit: int = 0
     blocks_missed: int = 0
     groups: tuple[GroupUsage, ...] = ()
+    verified: int = 0  # shadow verification: the tenant's own, or every tenant's (node-wide)
+    mismatched: int = 0
+    quarantined: int = 0
 
 
 class Scope(NamedTuple):
@@ -256,6 +269,13 @@ class CacheApi(Protocol):
 
     def report_prefill(self, tenant: Tenant, layout_id: bytes, tokens: int, seconds: float,
                        context: int) -> bool: ...
+
+    async def report_verification_async(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, matched: int,
+        mismatched: bool, detail: str,
+    ) -> Quarantined:
+        """Counts an engine's verification of `keys`; a mismatch quarantines keys[matched]
+        and its descendants on every tier (never served again)."""
 
     def stats(self, tenant: Tenant | None = None) -> CacheStats: ...
 

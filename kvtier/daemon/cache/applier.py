@@ -200,6 +200,11 @@ class Applier:
         if run:
             self._stored(run)
 
+    def removed_remote(self, ns: Namespace, keys: list[bytes]) -> None:
+        """Publishes BlockRemoved in Tier.REMOTE for keys whose remote copies this node deleted
+        (a quarantine; cache lock held)."""
+        self.events.removed(ns.tenant, ns.layout_id, Tier.REMOTE, keys)
+
     def _stored(self, run: list[Change]) -> None:
         """One BlockStored event for a run of consecutive blocks of one chain in one tier."""
         first = run[0]

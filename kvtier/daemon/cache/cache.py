@@ -88,6 +88,7 @@ from kvtier.daemon.cache.api import (
     PinInfo,
     PinResult,
     PrefetchResult,
+    Quarantined,
     Registered,
     Scope,
     SegmentView,
@@ -104,6 +105,7 @@ from kvtier.daemon.cache.namespaces import (
 )
 from kvtier.daemon.cache.pending import WriteWaits
 from kvtier.daemon.cache.pins import PinTable
+from kvtier.daemon.cache.quarantine import RemoteDeletes, Removed
 from kvtier.daemon.cache.remote_tier import RemoteTier
 from kvtier.daemon.cache.residency import PageMoves, Residency, Steps
 from kvtier.daemon.cache.slot_stream import LeasedSlots
@@ -125,6 +127,15 @@ T = TypeVar("T")
 def _check_reported(nbytes: int, most: int) -> None:
     if nbytes > most:
         raise InvalidArgument(f"reported {nbytes} bytes copied; the lease covers {most}")
+
+
+MAX_DETAIL = 1024
+"""Characters of a verification report's detail the daemon takes (it goes into one log line)."""
+
+
+def _printable(text: str) -> str:
+    """`text` safe for one log line: control characters (newlines: a forged line) as '?'."""
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 _NO_REPLICA = "-"  # never registered (real names contain the namespace): lookups without HBM
@@ -176,6 +187,13 @@ class Cache:
         self._sized_for: list[int] = []  # block sizes `_size_by_blocks` last saw
         self._sized_dram = spec.pool.slot_count  # DRAM blocks the MRC and the policy are sized for
         metrics.attach_mrc(self.mrc_gauges)
+        self.residency.quarantine.on_removed = self._quarantine_removed
+        self._remote_deletes = RemoteDeletes(self._lock, self._delete_remote,
+                                             self._remote_deleted)
+
+    def _delete_remote(self, ns: Namespace, keys: list[bytes]) -> int:
+        remote = self.residency.remote
+        return 0 if remote is None else remote.delete_quarantined(ns, keys)
 
     def register_layout(
         self, tenant: Tenant, model_id: str, fingerprint: bytes, block_bytes: int,
@@ -322,7 +340,8 @@ class Cache:
     ) -> tuple[NamespaceInfo, list[bytes], list[Tier]]:
         with self._lock:
             ns = self._ns(tenant, layout_id)
-            chain = self.names.split_keys(ns, keys, key_width, unique=False)
+            chain = self.residency.quarantine.cut(
+                ns.name, self.names.split_keys(ns, keys, key_width, unique=False))
             who = f"{ns.name}#{replica}" if replica else _NO_REPLICA
             found = self.index.lookup(ns.name, chain, replica=who)
             self.residency.maybe_write_back(ns.name, found.blocks)
@@ -470,7 +489,8 @@ class Cache:
         with self._lock:
             self._check_session(tenant, session)
             ns = self._ns(tenant, layout_id)
-            chain = self.names.split_keys(ns, keys, key_width, unique=False)
+            chain = self.residency.quarantine.cut(
+                ns.name, self.names.split_keys(ns, keys, key_width, unique=False))
             remote = self.residency.remote
             if remote is None or not remote.ready():
                 return ns, chain, None
@@ -845,6 +865,81 @@ class Cache:
         return self.tenant_rates.observe(
             tenant.name, lambda book: book.observe_prefill_tokens(cost, context, tokens, seconds))
 
+    # -- shadow verification ----------------------------------------------------------------
+
+    async def report_verification_async(
+        self, tenant: Tenant, layout_id: bytes, keys: bytes, key_width: int, matched: int,
+        mismatched: bool, detail: str,
+    ) -> Quarantined:
+        """An engine compared `keys` (a chain's consecutive blocks) with its own recomputed KV:
+        the first `matched` matched; with `mismatched`, the next one did not, and it is
+        quarantined with its descendants on every tier (`kvtier.daemon.cache.quarantine`):
+        removed from DRAM and SSD now (or, when a block of its subtree is pinned, once the pin
+        goes; lookups stop before it at once), its remote copies deleted on a worker thread.
+        One WARNING line names the tenant, model, layout and block."""
+        if len(detail) > MAX_DETAIL:
+            raise InvalidArgument(f"detail is {len(detail)} characters; at most {MAX_DETAIL}")
+        with self._lock:
+            ns = self._ns(tenant, layout_id)
+            chain = self.names.split_keys(ns, keys, key_width, unique=True)
+            if matched > len(chain) or (mismatched and matched >= len(chain)):
+                raise InvalidArgument(
+                    f"matched {matched}{' + 1 mismatched' if mismatched else ''} of "
+                    f"{len(chain)} keys")
+            usage = ns.usage
+            usage.verified += matched + int(mismatched)
+            usage.mismatched += int(mismatched)
+            self.metrics.record_verification(tenant.name, ns.layout.model_id, matched,
+                                             int(mismatched))
+            if not mismatched:
+                return Quarantined(0, 0, 0, False)
+            key = chain[matched]
+            got = self.residency.quarantine.begin(ns.name, key)
+            if got is not None:
+                usage.quarantined += len(got.keys) if got.dram or got.ssd else 0
+        lay = ns.layout
+        log.warning(
+            "verification MISMATCH: tenant %s, model %s, layout %s (fingerprint %s), block %s: "
+            "the engine's recomputed KV differs from the stored bytes (%s); quarantined with "
+            "its descendants: %s", tenant.name, lay.model_id, layout_id.hex()[:16],
+            lay.fingerprint.hex()[:16], key.hex(), _printable(detail) or "no detail",
+            "pending (a block of its subtree is pinned; lookups stop before it now)"
+            if got is None else f"{got.dram} DRAM, {got.ssd} SSD copies removed")
+        if got is None:
+            return Quarantined(0, 0, 0, True)
+        remote = self.residency.remote
+        deleted = 0
+        if remote is not None:
+            deleted = await asyncio.to_thread(remote.delete_quarantined, ns.name, got.keys)
+        with self._lock:
+            self._remote_deleted(ns.name, key, got.keys, deleted)
+        return Quarantined(got.dram, got.ssd, max(0, deleted), False)
+
+    def _remote_deleted(self, ns: Namespace, key: bytes, keys: list[bytes], deleted: int
+                        ) -> None:
+        """A quarantined subtree's remote copies were deleted (`deleted` of `keys`; -1: the
+        store could not be asked, so `key` stays cut). Cache lock held."""
+        if deleted > 0:
+            self.metrics.verify_quarantined.labels("remote").inc(deleted)
+            self.residency.applier.removed_remote(ns, keys)
+        if deleted < 0:
+            log.warning("quarantined block %s: its remote copies could not be deleted (the "
+                        "store is down); this daemon never fetches them (until it restarts)",
+                        key.hex())
+            return
+        self.residency.quarantine.settle(ns, key)
+
+    def _quarantine_removed(self, ns: Namespace, key: bytes, got: Removed) -> None:
+        """A pending quarantine's subtree left the local tiers (cache lock held): its remote
+        copies are deleted off the lock, then the key settles."""
+        usage = self.names.tenants.get(ns.tenant)
+        if usage is not None:
+            usage.quarantined += len(got.keys)
+        if self.residency.remote is None:
+            self.residency.quarantine.settle(ns, key)
+        else:
+            self._remote_deletes.start(ns, key, got.keys)
+
     # -- reporting and shutdown -------------------------------------------------------------
 
     def stats(self, tenant: Tenant | None = None) -> CacheStats:
@@ -931,5 +1026,6 @@ class Cache:
                 self.pool.freeze_keep()
             for lease in self._leases.pop_all():
                 self._end(lease)
+        self._remote_deletes.join(timeout)
         self.residency.close(timeout, keep)
         self.events.close()

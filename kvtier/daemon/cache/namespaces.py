@@ -135,6 +135,9 @@ class TenantUsage:
     lookup_hits: int = 0
     blocks_hit: int = 0
     blocks_missed: int = 0
+    verified: int = 0  # blocks an engine verified (ReportVerification), mismatched of them,
+    mismatched: int = 0  # and blocks removed from some tier for a mismatch
+    quarantined: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -242,6 +242,18 @@ class RemoteTier:
                                         includes_latency=True)
         return got.sizes
 
+    def delete_quarantined(self, ns: str, keys: Sequence[bytes]) -> int:
+        """Deletes the stored copies of `keys` (a quarantine), tried even in an outage's backoff
+        (it must not be skipped); how many existed, or -1 when the store could not be asked."""
+        try:
+            n = len(self.store.delete(ns, keys))
+        except RemoteUnavailable as exc:
+            self._failed("delete", exc)
+            return -1
+        self.metrics.requests.labels("delete", "ok").inc()
+        self._ok()
+        return n
+
     # -- write-through ------------------------------------------------------------------------
 
     def offer(self, w: RemoteWrite) -> str:

@@ -61,6 +61,7 @@ from kvtier.core.wear import WriteBudget
 from kvtier.daemon.cache.applier import Applier
 from kvtier.daemon.cache.events import EventLog
 from kvtier.daemon.cache.namespaces import Namespace, Namespaces
+from kvtier.daemon.cache.quarantine import Quarantine
 from kvtier.daemon.cache.remote_tier import RemoteTier, RemoteWrite
 from kvtier.daemon.cache.spec import CacheSpec, SsdTier
 from kvtier.daemon.cache.spec import RemoteTier as RemoteTierConfig
@@ -110,6 +111,7 @@ class Residency:
         self.held: list[Held] = []  # what a dead daemon's leases hold (`_adopt_dram`)
         self.held_slots = 0  # slots among them held for a dead daemon's writers
         self.adopted = ""  # the start log's line about a kept DRAM pool ("" if none)
+        self.quarantine = Quarantine(self.index, self.applier.apply, metrics)
         self.stale: set[tuple[str, bytes]] = set()  # DRAM blocks of a retired tenant file
         self.moved = 0  # blocks moved to free a page for another size class
         self.moving = 0  # target slots of page moves in flight (claimed, no block yet)
@@ -135,7 +137,8 @@ class Residency:
 
     def apply(self, why: str = "capacity", publish: bool = True) -> None:
         """`Applier.apply`; then the doomed blocks (an operator's evict) that nothing holds any
-        more go (`PrefixIndex.reap`), and the `stale` blocks no pin holds leave DRAM."""
+        more go (`PrefixIndex.reap`), the `stale` blocks no pin holds leave DRAM, and the
+        quarantined subtrees no pin holds any more leave every tier (`Quarantine.retry`)."""
         self.applier.apply(why, publish)
         if self.index.reap_due:
             self.index.reap()
@@ -143,6 +146,8 @@ class Residency:
         if self.stale:
             self.drop_stale()
             self.applier.apply("rekeyed", publish)
+        if self.quarantine.pending:
+            self.quarantine.retry()
 
     def rekey(self, tenant: str) -> None:
         """A reload changed or revoked `tenant`'s token (isolated pool): what it stores from

@@ -58,7 +58,10 @@ def cache_stats(
             usage.ssd_bytes if usage else 0, False,
             usage.lookups if usage else 0, usage.blocks_hit if usage else 0,
             usage.blocks_missed if usage else 0, group_usage(residency, names, tenant.name),
+            usage.verified if usage else 0, usage.mismatched if usage else 0,
+            usage.quarantined if usage else 0,
         )
+    every = names.tenants.values()
     return CacheStats(
         ps.bytes_reserved, ps.bytes_used, residency.index.blocks(Tier.DRAM),
         ss.capacity_bytes if ss else 0, ss.used_bytes if ss else 0,
@@ -66,6 +69,8 @@ def cache_stats(
         leases.count(LeaseKind.READ), leases.count(LeaseKind.WRITE),
         len(names.layouts), usage.dram_bytes if usage else 0,
         usage.ssd_bytes if usage else 0, groups=group_usage(residency, names, None),
+        verified=sum(u.verified for u in every), mismatched=sum(u.mismatched for u in every),
+        quarantined=sum(u.quarantined for u in every),
     )
 
 

@@ -259,6 +259,14 @@ class Service:
                                   request.seconds, request.context_tokens)
         return pb.ReportPrefillResponse()
 
+    async def report_verification(self, request: pb.ReportVerificationRequest, call: Call
+                                  ) -> pb.ReportVerificationResponse:
+        q = await self.cache.report_verification_async(
+            call.tenant(), request.layout, request.keys, request.key_width, request.matched,
+            request.mismatched, request.detail)
+        return pb.ReportVerificationResponse(quarantined_dram=q.dram, quarantined_ssd=q.ssd,
+                                             quarantined_remote=q.remote, deferred=q.deferred)
+
     def stats(self, request: pb.StatsRequest, call: Call) -> pb.StatsResponse:
         tenant = call.tenant()
         s = self.cache.stats(tenant)
@@ -281,6 +289,8 @@ class Service:
             layouts=s.layouts, version=_version, node_wide=s.node_wide,
             groups=[pb.GroupStats(model_id=g.model_id, group=g.group, dram_bytes=g.dram_bytes,
                                   ssd_bytes=g.ssd_bytes) for g in s.groups],
+            verify_verified_blocks=s.verified, verify_mismatched_blocks=s.mismatched,
+            verify_quarantined_blocks=s.quarantined,
         )
         if s.node_wide:  # node totals, and the miss-ratio curve of all tenants' traffic
             reply.lookups = int(total("kvtier_lookups_total"))

@@ -51,6 +51,8 @@ class Staged:
     allocated: Any = None
     """The daemon's reply to an Allocate of `keys` made before the job was queued (a
     hand-off's: the keys pending from then on), or None (the store allocates)."""
+    verify: Any = None
+    """Shadow verification: what the engine's `store` compares first (the engine's own)."""
 
 
 @dataclass(slots=True)

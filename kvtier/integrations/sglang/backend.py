@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.integrations.sglang.chains import page_key, page_keys
 from kvtier.integrations.sglang.layout import declare, default_model_id, model_cost
-from kvtier.integrations.sglang.pool import U8, HostPages
+from kvtier.integrations.sglang.pool import U8, HostPages, page_regions
 from kvtier.integrations.sglang.settings import StorageSettings
 from kvtier.integrations.sglang.store import PageStore
 
@@ -63,7 +63,8 @@ class KvtierStorage(HiCacheStorage):
                        model_cost(self.model_path))
         if self._store is not None:
             self._store.close()
-        self.pages, self._store = pages, PageStore(self.settings, decl)
+        self.pages, self._store = pages, PageStore(self.settings, decl,
+                                                   page_regions(pages.geometry))
         log.info("kvtier backend: rank %d/%d, %s pages of %d tokens, %d bytes, model %s",
                  self.config.tp_rank, self.config.tp_size, pages.geometry.layout,
                  pages.page_size, decl.block_bytes, self.model_id)

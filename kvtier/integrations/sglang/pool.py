@@ -20,6 +20,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvtier.integrations.common.verify import Region
+
 FORMAT = "kvtier-sglang-page-v1"
 U8 = npt.NDArray[np.uint8]
 
@@ -43,6 +45,12 @@ def geometry(pool: Any) -> PageGeometry:
         "torch."), int(pool.page_size), tuple(int(d) for d in page.shape),
         int(page.numel()) * int(page.element_size()),
         str(getattr(pool, "storage_format_tag", None) or ""))
+
+
+def page_regions(geo: PageGeometry) -> list[Region]:
+    """What shadow verification compares in a page: its bytes as the pool's dtype (every
+    layer's K and V together; `common/verify.py`)."""
+    return [Region(0, "full", 0, geo.block_bytes, geo.dtype)]
 
 
 def fingerprint(geo: PageGeometry, shard: dict[str, int]) -> bytes:

@@ -50,6 +50,11 @@ class StorageSettings:
     recomputing; needs the model's config.json to be readable) instead of every cached page."""
     store: bool = True
     """Store pages SGLang backs up (False: only load)."""
+    verify_sample: float = 0.01
+    """Shadow verification: the fraction of `batch_exists` calls with a hit answered 0 instead
+    (SGLang computes the pages), whose pages are compared with the bytes kvtier holds when
+    SGLang backs them up; a mismatch quarantines the page and its descendants in the daemon
+    (0 = never)."""
     chain_memory: int = 262144
     """Page keys whose parents the generic (non-v1) path remembers: SGLang's generic calls
     carry no prefix, and kvtier's keys form chains from a prompt's first page."""
@@ -57,7 +62,9 @@ class StorageSettings:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> StorageSettings:
         s = parse_extra(cls, extra, where=WHERE, ignore=SGLANG_KEYS)
-        if s.timeout_s <= 0 or s.retry_after_s < 0 or s.lease_ttl_s < 0 or s.chain_memory < 0:
+        if (s.timeout_s <= 0 or s.retry_after_s < 0 or s.lease_ttl_s < 0 or s.chain_memory < 0
+                or not 0.0 <= s.verify_sample <= 1.0):
             raise SettingsError(f"kvtier: {WHERE}: timeout_s must be > 0, retry_after_s, "
-                                "lease_ttl_s and chain_memory >= 0")
+                                "lease_ttl_s and chain_memory >= 0, verify_sample within "
+                                "[0, 1]")
         return s

@@ -25,9 +25,11 @@ chain blocks' state pages are not meaningful and never loaded.
 
 A page is one block of one layer in vLLM's standardized per-layer view `kv[block]` ([B, H, N, C],
 blocks at dim 0), in its logical element order whatever the physical layout (LBHNC, ...): the
-fingerprint names everything that shapes those bytes (dtype, block size, heads on this rank,
-head size, page bytes, the platform — cpu, cuda — whose backends define [H, N, C], the TP
-shard), so engines whose pages differ never share blocks.
+fingerprint names everything that shapes those bytes (the slot format's version, dtype, KV cache
+dtype and quantization mode, block size, layers, heads on this rank, head size, page bytes, the
+platform — cpu, cuda — whose backends define [H, N, C], the TP shard, the pipeline stage, the
+hash algorithm and key width, the groups), so engines whose pages differ never share blocks;
+the weights are named by the model id beside it (docs/vllm.md "Verification": the manifest).
 
 Tensor parallel: with `kv_heads` KV heads over TP size t, rank r holds heads of shard
 r * min(t, kv_heads) // t of min(t, kv_heads) shards; beyond kv_heads ranks (and for MLA, whose
@@ -42,8 +44,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvtier.client.decl import LayoutDecl, ModelCost
+from kvtier.integrations.common.verify import Region
 
-FORMAT = "kvtier-vllm-v1"
+FORMAT = "kvtier-vllm-v2"
+"""The slot format's version: the first part of every fingerprint (v2: the KV cache dtype and
+quantization, the hash algorithm and the pipeline stage joined the fingerprint)."""
 STATE_KEY_TAG = b"kvtier-state\0"
 
 
@@ -91,6 +96,13 @@ class EngineKV:
     """Tokens per vLLM block hash (`KVCacheConfig.hash_block_size`); 0: `block_tokens`."""
     states: tuple[str, ...] = ()
     """Per group, its recurrent state's shape ("" for an attention group; empty: none)."""
+    kv_cache: str = "auto"
+    """vLLM's KV cache dtype setting and, when quantized, its quantization mode (scale layout):
+    "auto", "fp8", "fp8_per_token_head/PER_TOKEN_HEAD_FP8", ..."""
+    hash_algo: str = "sha256_cbor"
+    """vLLM's prefix-caching hash (`prefix_caching_hash_algo`): the keys' meaning."""
+    pp: tuple[int, int] = (0, 1)
+    """Pipeline stage and stage count."""
 
     @property
     def stateful(self) -> bool:
@@ -143,6 +155,7 @@ class EngineKV:
         return (f"{FORMAT}/{self.dtype}/bt{self.block_tokens}/L{len(self.layer_names)}:{layers}"
                 f"/kvh{self.kv_heads}/hd{self.head_size}/page{self.page_bytes}/{self.backend}"
                 f"/shard{self.shard.number}of{self.shard.of}/key{self.key_width}"
+                f"/kv:{self.kv_cache}/hash:{self.hash_algo}/pp{self.pp[0]}of{self.pp[1]}"
                 + (self._describe_groups() if self.hybrid else ""))
 
     def _describe_groups(self) -> str:
@@ -168,11 +181,27 @@ class EngineKV:
                           self.key_width, model=self.cost, model_id=self.model_id,
                           groups=groups if self.hybrid else ())
 
+    def verify_regions(self, state_block: bool = False) -> list[Region]:
+        """What shadow verification compares in one block (`common/verify.py`): each attention
+        layer's page as its dtype; in a state block (`state_key`) also each state layer's state
+        tensors (`state_parts`; vLLM's padding after them is never compared). A chain block's
+        state pages are not meaningful and are skipped."""
+        out = []
+        for i in range(len(self.layer_names)):
+            g, base = self.group_of(i), self.layer_offset(i)
+            if not self.is_state(g):
+                kind = "swa" if self.windows[g] else "full"
+                out.append(Region(i, kind, base, base + self.page_bytes, self.dtype))
+            elif state_block:
+                out += [Region(i, "state", base + a, base + b, dt)
+                        for a, b, dt in state_parts(self.states[g])]
+        return out
+
     def for_shard(self, shard: Shard) -> EngineKV:
         return EngineKV(self.model_id, self.dtype, self.block_tokens, self.layer_names,
                         self.page_bytes, self.kv_heads, self.head_size, self.backend, shard,
                         self.cost, self.key_width, self.layer_groups, self.windows,
-                        self.hash_tokens, self.states)
+                        self.hash_tokens, self.states, self.kv_cache, self.hash_algo, self.pp)
 
 
 class Unsupported(ValueError):
@@ -236,6 +265,9 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) 
                               f"groups' ({spec.block_size}, {spec.page_size_bytes})")
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
+    if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
+        raise Unsupported("pipeline parallelism is not supported (each stage holds other "
+                          "layers; the scheduler side looks up one layout per TP shard)")
     if any(states) and int(pc.tensor_parallel_size) > 1:
         raise Unsupported("Mamba / linear-attention state with tensor parallelism is not "
                           "supported (the state is sharded by vLLM's own rules)")
@@ -248,6 +280,11 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) 
     layer_groups = tuple(i for i, g in enumerate(groups) for _ in g.layer_names)
     hybrid = len(groups) > 1 or any(windows) or any(states)
     hash_tokens = int(getattr(kv_cache_config, "hash_block_size", None) or spec.block_size)
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    kv_cache = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    mode = getattr(spec, "kv_quant_mode", None)
+    if mode is not None and getattr(mode, "name", "NONE") != "NONE":
+        kv_cache += f"/{mode.name}"
     if int(spec.block_size) % hash_tokens:
         raise Unsupported(f"block size {spec.block_size} is not a multiple of vLLM's hash "
                           f"block size {hash_tokens}")
@@ -262,11 +299,13 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, rank: int, model_id: str) 
         backend=("mla-" if is_mla else "") + str(current_platform.device_type),
         shard=shard,
         cost=model_cost(mc.hf_config),
-        key_width=hash_width(str(vllm_config.cache_config.prefix_caching_hash_algo)),
+        key_width=hash_width(algo),
         layer_groups=layer_groups if hybrid else (),
         windows=windows,
         hash_tokens=hash_tokens if hybrid else 0,
         states=states if any(states) else (),
+        kv_cache=kv_cache,
+        hash_algo=algo,
     )
 
 
@@ -306,6 +345,23 @@ def state_shape(shapes: Any, dtypes: Any) -> str:
     """A state group's shape for the fingerprint: each state tensor's dims and dtype."""
     return "+".join("x".join(str(int(d)) for d in shape) + ":" + str(dt).removeprefix("torch.")
                     for shape, dt in zip(shapes, dtypes, strict=True))
+
+
+def state_parts(shape: str) -> list[tuple[int, int, str]]:
+    """The byte ranges and dtypes of a state page's tensors, from `state_shape`'s text: vLLM
+    packs them back to back in that order (`MambaBase.bind_kv_cache`)."""
+    import torch
+
+    out, at = [], 0
+    for part in shape.split("+"):
+        dims, dt = part.split(":")
+        n = 1
+        for d in dims.split("x"):
+            n *= int(d)
+        size = n * getattr(torch, dt).itemsize
+        out.append((at, at + size, dt))
+        at += size
+    return out
 
 
 def hash_width(algo: str) -> int:

@@ -9,7 +9,9 @@
               asynchronous and succeeds or fails per request (`get_finished`).
     SaveJob   store vLLM blocks `block_ids` under `keys` (a chain after `parent`), computed by
               the end of this step; hybrid models: per group its blocks (`groups`); with the
-              request's pin hint, then pin its chain up to them (`pin_s`, `chain`).
+              request's pin hint, then pin its chain up to them (`pin_s`, `chain`). With
+              `verify` (shadow verification: a hit the scheduler did not load), first compare
+              them with the bytes the daemon holds for the same keys.
     prefill_tokens / prefill_context
               the step's scheduled prompt tokens and the cached context they attend to (summed
               over requests), for the prefill rate the workers measure.
@@ -35,6 +37,17 @@ class LoadJob:
 
 
 @dataclass(slots=True)
+class VerifyRef:
+    """What a save compares (`worker.py`): Acquire `chain` (from the prompt's first block);
+    the job's block j is chain position `first + j` (those the daemon holds). `state`: the job
+    is a state block (its state layers' states are compared too)."""
+
+    chain: list[bytes]
+    first: int
+    state: bool = False
+
+
+@dataclass(slots=True)
 class SaveJob:
     req_id: str
     block_ids: list[int]
@@ -46,6 +59,7 @@ class SaveJob:
     """The request's pin hint: once these blocks are committed, pin `chain` this long."""
     chain: list[bytes] = field(default_factory=list)
     """With `pin_s`: the request's keys from its first block to this job's last."""
+    verify: VerifyRef | None = None
 
 
 @dataclass

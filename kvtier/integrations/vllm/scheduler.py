@@ -51,6 +51,11 @@ Roles (`settings.Role`, from vLLM's `kv_role`): a producer answers 0 to every
 `get_num_new_matched_tokens` (no Lookup), a consumer's metadata never carries a save; a
 consumer's Lookups wait for blocks being written (`common/lookup.py`, `wait_s`).
 
+Shadow verification (`verify_sample`): a sampled request's hit (`sampled`: a fixed function of
+its id) is answered 0: vLLM computes the prompt as if nothing were cached, and its saves of the
+hit's blocks carry a `VerifyRef`: the worker compares the computed blocks with the daemon's bytes
+for the same keys before storing (`worker.py`), and the daemon quarantines a block that differs.
+
 Preemption needs nothing special: a preempted request is allocated again (update_state_after_alloc
 resets it), and no lease outlives the step that loads. Leases a worker never released (it died)
 expire after their TTL. Any daemon failure: the affected request just gets fewer (or no) tokens
@@ -59,6 +64,7 @@ from kvtier. Threading: vLLM's scheduler thread, plus the lookup thread of `comm
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,7 +73,7 @@ from kvtier.integrations.common.hints import Hints, parse_hints
 from kvtier.integrations.common.link import DaemonLink
 from kvtier.integrations.common.lookup import Lookups
 from kvtier.integrations.vllm.layout import EngineKV, kv_shard
-from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob, VerifyRef
 from kvtier.integrations.vllm.settings import ConnectorSettings, Role, role_of
 
 if TYPE_CHECKING:
@@ -89,6 +95,15 @@ class _Tracked:
     """Blocks [0, saved) are stored, being loaded, or not to be stored. When vLLM rewinds the
     request below it (a load failed: it recomputes from the first bad block), it drops to the
     rewound point, so the recomputed blocks are saved again."""
+    verify: _Verify | None = None
+    """Shadow verification: the hit this request did not load, compared at its saves."""
+
+
+@dataclass(slots=True)
+class _Verify:
+    keys: list[bytes]
+    """The hit's chain keys (blocks [0, fetch))."""
+    fetch: int
 
 
 @dataclass(slots=True)
@@ -131,6 +146,7 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._hints: dict[str, Hints] = {}
         self._hits: dict[str, _Hit] = {}
+        self._verify: dict[str, _Verify] = {}
         self._loads: list[LoadJob] = []
         self.cost = CostLog()
 
@@ -150,6 +166,7 @@ class SchedulerSide:
     def _match(self, request: Request, num_computed: int) -> int | None:
         rid = request.request_id
         self._hits.pop(rid, None)
+        self._verify.pop(rid, None)
         usable = min(len(request.block_hashes) // self.step, (request.num_tokens - 1) // self.bt)
         if usable * self.bt <= num_computed:
             return 0
@@ -160,6 +177,9 @@ class SchedulerSide:
         if fetch is None:
             return None  # the Lookup is running: vLLM asks again next step
         if fetch * self.bt <= num_computed:
+            return 0
+        if self.sampled(rid):  # shadow verification: computed, and compared at its saves
+            self._verify[rid] = _Verify(keys[:fetch], fetch)
             return 0
         if ends is not None:  # the hit's last block is the state block of its boundary
             keys = [*keys[:fetch - 1], ends[fetch - 1]]
@@ -174,6 +194,16 @@ class SchedulerSide:
                 request.kv_transfer_params, f"request {request.request_id}")
         return h
 
+    def sampled(self, req_id: str) -> bool:
+        """Whether request `req_id`'s hit is verified instead of loaded: a fixed function of the
+        id (vLLM asking again, or after preemption, gets the same answer), true for a
+        `verify_sample` fraction of ids."""
+        rate = self.settings.verify_sample
+        if rate <= 0.0:
+            return False
+        digest = hashlib.sha256(b"kvtier-verify\0" + req_id.encode()).digest()
+        return int.from_bytes(digest[:8], "big") < rate * 2**64
+
     def _keys(self, request: Request, start: int, stop: int) -> list[bytes]:
         """The kvtier keys of blocks [start, stop): vLLM's hash at each block's end."""
         hashes = request.block_hashes
@@ -185,12 +215,15 @@ class SchedulerSide:
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         hit = self._hits.pop(rid, None)
+        verify = self._verify.pop(rid, None)
         self.lookups.forget(rid)  # a later ask (after preemption) looks up afresh
         tracked = self._tracked.get(rid)
         if tracked is None or tracked.request is not request:
             # (kept when vLLM allocates again for the same request: after its asynchronous
             # load, or after preemption, whose rewind `build_connector_meta` catches)
             tracked = self._tracked[rid] = _Tracked(request, 0)
+        if verify is not None:
+            tracked.verify = verify
         if num_external_tokens <= 0 or hit is None:
             return
         started = time.perf_counter()
@@ -280,8 +313,11 @@ class SchedulerSide:
             keys = self._keys(r, start, full)
             parent = self._keys(r, start - 1, start)[0] if start else b""
             pin = (hints.pin_s, self._keys(r, 0, full)) if hints.pin_s else (0.0, [])
+            v = t.verify
+            check = (VerifyRef(v.keys[:min(full, v.fetch)], start)
+                     if v is not None and start < v.fetch else None)
             saves.append(SaveJob(rid, groups[0] if groups else list(ids[0][start:full]), keys,
-                                 parent, groups, *pin))
+                                 parent, groups, *pin, verify=check))
         if self.kv.stateful and state is not None:
             saves += self._state_saves(out, state)
         return saves
@@ -309,7 +345,10 @@ class SchedulerSide:
                     continue
                 key = self.kv.state_key(self._keys(r, c - 1, c)[0])
                 parent = self._keys(r, c - 2, c - 1)[0] if c > 1 else b""
-                saves.append(SaveJob(rid, per[0], [key], parent, per))
+                v = t.verify
+                check = (VerifyRef([*v.keys[:c - 1], key], c - 1, state=True)
+                         if v is not None and c <= v.fetch else None)
+                saves.append(SaveJob(rid, per[0], [key], parent, per, verify=check))
         return saves
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
@@ -321,6 +360,7 @@ class SchedulerSide:
                 self.lookups.submit(lambda: self.lookups.pin(keys, hints.pin_s))
         self._tracked.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
+        self._verify.pop(request.request_id, None)
         self.lookups.forget(request.request_id)
         self.cost.per_request.pop(request.request_id, None)
         return False, None

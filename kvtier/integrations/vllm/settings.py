@@ -74,6 +74,11 @@ class ConnectorSettings:
     """How long a `kv_consumer`'s lookup waits for blocks a producer is still writing (its
     prefill's stores; the daemon caps it, `max_pending_wait_s`); 0 = never. Other roles never
     wait."""
+    verify_sample: float = 0.01
+    """Shadow verification: the fraction of requests with a hit that are recomputed instead of
+    loaded, their computed blocks compared with the bytes kvtier holds under the same keys
+    (within the engine's numerical spread, `common/verify.py`); a mismatch quarantines the
+    block and its descendants on every tier of the daemon (0 = never)."""
     transfer: str = "auto"
     """How loads copy slots into vLLM's cache: "engine" (kvtier's TransferEngine, layer by
     layer: CUDA kernels or batched DMA on a GPU, its CPU backend otherwise), "torch"
@@ -87,10 +92,11 @@ class ConnectorSettings:
             raise SettingsError(f"kvtier connector: kv_connector_extra_config['transfer'] must "
                                 f"be one of {list(TRANSFERS)}, got {s.transfer!r}")
         if (s.timeout_s <= 0 or s.retry_after_s < 0 or s.lease_ttl_s < 0
-                or s.prefill_report_s < 0 or s.save_buffer_mib <= 0 or s.pending_wait_s < 0):
+                or s.prefill_report_s < 0 or s.save_buffer_mib <= 0 or s.pending_wait_s < 0
+                or not 0.0 <= s.verify_sample <= 1.0):
             raise SettingsError("kvtier connector: timeout_s and save_buffer_mib must be > 0, "
                                 "retry_after_s, lease_ttl_s, prefill_report_s and "
-                                "pending_wait_s >= 0")
+                                "pending_wait_s >= 0, verify_sample within [0, 1]")
         return s
 
 

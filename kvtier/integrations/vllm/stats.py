@@ -21,6 +21,10 @@ FIELDS = {
     "stored_blocks": "Blocks stored into kvtier",
     "load_seconds": "Seconds spent copying blocks from kvtier (and releasing leases)",
     "store_seconds": "Seconds spent storing blocks into kvtier",
+    "verified_blocks": "Blocks recomputed for shadow verification and compared with the bytes "
+                       "kvtier held for them",
+    "verify_mismatched_blocks": "Verified blocks that differed from kvtier's bytes beyond the "
+                                "engine's numerical spread (the daemon quarantined them)",
     "dropped_tier_events": "kvtier tier events left out of vLLM's KV-event stream because the "
                            "connector's queue was full (a router did not see them)",
 }

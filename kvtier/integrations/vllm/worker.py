@@ -62,12 +62,13 @@ from typing import Any
 
 import torch
 
-from kvtier.client.sync_client import SlotBuffer
-from kvtier.integrations.common.link import DaemonLink
+from kvtier.client.sync_client import Client, SlotBuffer
+from kvtier.integrations.common.link import DaemonLink, unreachable
 from kvtier.integrations.common.loads import LayerLoads, Lease, Loads, TorchLoads
 from kvtier.integrations.common.saver import PrefillClock, Saver, Staged
+from kvtier.integrations.common.verify import check_block, describe
 from kvtier.integrations.vllm.layout import EngineKV, Unsupported
-from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metadata import KvtierMetadata, LoadJob, SaveJob, VerifyRef
 from kvtier.integrations.vllm.pages import Paged, paged, state_pages
 from kvtier.integrations.vllm.settings import ConnectorSettings, Role, role_of
 
@@ -86,6 +87,10 @@ class WorkerStats:
         self.stored_blocks = 0
         self.load_seconds = 0.0
         self.store_seconds = 0.0
+        self.verified_blocks = 0
+        self.mismatched_blocks = 0
+        self.worst: dict[str, tuple[float, float]] = {}
+        """Per group kind, the largest errors (relative L2, worst element) of matched blocks."""
         self._reported: dict[str, float] = {}
         self.lock = threading.Lock()
 
@@ -97,7 +102,8 @@ class WorkerStats:
         return {"loaded_blocks": self.loaded_blocks, "loaded_bytes": self.loaded_bytes,
                 "load_failed_blocks": self.failed_blocks,
                 "stored_blocks": self.stored_blocks, "load_seconds": self.load_seconds,
-                "store_seconds": self.store_seconds}
+                "store_seconds": self.store_seconds, "verified_blocks": self.verified_blocks,
+                "verify_mismatched_blocks": self.mismatched_blocks}
 
     def loaded(self, blocks: int, nbytes: int, seconds: float) -> None:
         with self.lock:
@@ -113,6 +119,15 @@ class WorkerStats:
         with self.lock:
             self.stored_blocks += blocks
             self.store_seconds += seconds
+
+    def verified(self, blocks: int, mismatched: int, worst: dict[str, tuple[float, float]]
+                 ) -> None:
+        with self.lock:
+            self.verified_blocks += blocks
+            self.mismatched_blocks += mismatched
+            for kind, (l2, mx) in worst.items():
+                was = self.worst.get(kind, (0.0, 0.0))
+                self.worst[kind] = (max(was[0], l2), max(was[1], mx))
 
     def take(self) -> dict[str, float]:
         with self.lock:
@@ -388,7 +403,8 @@ class WorkerSide:
             out = torch.empty((len(pg.chunks), n, pg.chunk_bytes), dtype=torch.uint8)
             for c, src in enumerate(pg.chunks):
                 torch.index_select(src, 0, which[c], out=out[c])
-            return Staged(job.req_id, job.keys, job.parent, out, None, job.pin_s, job.chain)
+            return Staged(job.req_id, job.keys, job.parent, out, None, job.pin_s, job.chain,
+                          verify=job.verify)
         out = torch.empty((len(pg.chunks), n, pg.chunk_bytes), dtype=torch.uint8,
                           pin_memory=True)
         compute = torch.cuda.current_stream(pg.device)
@@ -402,7 +418,8 @@ class WorkerSide:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(side)
         compute.wait_event(ready)  # nothing overwrites the blocks before they are copied
-        return Staged(job.req_id, job.keys, job.parent, out, ready, job.pin_s, job.chain)
+        return Staged(job.req_id, job.keys, job.parent, out, ready, job.pin_s, job.chain,
+                          verify=job.verify)
 
     def _store(self, staged: Staged) -> None:
         """Stores one staged job (on the save thread, or inline); raises on failure."""
@@ -412,6 +429,8 @@ class WorkerSide:
         started = time.perf_counter()
         if staged.ready is not None:
             staged.ready.synchronize()
+        if staged.verify is not None:
+            self._verify(client, staged, staged.verify)
         # vLLM's worker runs in inference mode, so the slot rows may be an inference tensor
         # (made by a load): in-place writes to it need inference mode on this thread too
         with torch.inference_mode(), client.store_into(staged.keys, staged.parent,
@@ -432,6 +451,56 @@ class WorkerSide:
                 client.pin(staged.chain, staged.pin_s, hint=True)
             except Exception as exc:  # a refused pin costs the pin only, never the store
                 self.link.failed(exc, "Pin")
+
+    def _verify(self, client: Client, staged: Staged, ref: VerifyRef) -> None:
+        """Shadow verification of a staged save: the blocks the daemon holds under its keys
+        compared with the computed ones (`common/verify.py`), the result reported
+        (ReportVerification); a mismatch is quarantined by the daemon and logged here. Before
+        the store, so a quarantined block's recomputed KV is stored in its place. A failure is
+        a verification not made (raised only when the daemon is unreachable)."""
+        try:
+            got = client.acquire(ref.chain)
+        except Exception as exc:
+            if unreachable(exc):
+                raise
+            log.debug("kvtier verify: Acquire failed: %s", exc)
+            return
+        matched, bad = 0, None
+        worst: dict[str, tuple[float, float]] = {}
+        try:
+            held = min(got.blocks - ref.first, len(staged.keys))
+            buf = client.slot_buffer_for(got.segment) if held > 0 else None
+            if buf is None:
+                return
+            rows = self._rows(buf)
+            regions = self.kv.verify_regions(ref.state)
+            nbytes = self.kv.block_bytes
+            for j in range(held):
+                computed = staged.blocks[:, j, :].reshape(-1)
+                check = check_block(computed, rows[got.slots[ref.first + j], :nbytes], regions)
+                for kind, (l2, mx) in check.worst.items():
+                    was = worst.get(kind, (0.0, 0.0))
+                    worst[kind] = (max(was[0], l2), max(was[1], mx))
+                if not check.ok:
+                    bad = check.first_bad
+                    break
+                matched += 1
+        finally:
+            if got.lease_id:
+                client.release(got.lease_id)
+        keys = ref.chain[ref.first:ref.first + matched + (bad is not None)]
+        detail = "" if bad is None else (f"block {ref.first + matched} of request "
+                                         f"{staged.req_id}: {describe(bad)}")
+        reply = client.report_verification(keys, matched, bad is not None, detail[:1024])
+        self.stats.verified(len(keys), int(bad is not None),
+                            {} if bad is not None else worst)
+        if bad is not None:
+            log.warning("kvtier verify: MISMATCH, model %r, layout %s, %s; the daemon "
+                        "quarantined it and its descendants (%d DRAM, %d SSD, %d remote "
+                        "copies%s); storing the recomputed KV", self.kv.model_id,
+                        self.kv.describe(), detail, reply.quarantined_dram,
+                        reply.quarantined_ssd, reply.quarantined_remote,
+                        ", the rest once unpinned" if reply.deferred else "")
 
     def close(self) -> None:
         if self.loads is not None:
