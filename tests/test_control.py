@@ -7,7 +7,6 @@ tests/test_operations.py."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvtier.daemon.cache.cache import Cache
 from kvtier.daemon.cache.namespaces import Namespace, Tenant
 from kvtier.daemon.cache.pins import Cost, PinTable
 from kvtier.daemon.metrics import DaemonMetrics
+from tests.cache_calls import run
 
 BLOCK = 4096
 ADMIN = Tenant("default", admin=True)
@@ -65,13 +65,13 @@ def keys(tag: int, n: int) -> bytes:
 
 
 def store(c: Cache, model: str, k: bytes, parent: bytes = b"") -> None:
-    a = c.allocate(ADMIN, layout_id(model, FP), k, 32, parent, 0)
+    a = run(c.allocate_async(ADMIN, layout_id(model, FP), k, 32, parent, 0))
     if a.lease_id:
         c.commit(ADMIN, a.lease_id)
 
 
 def hits(c: Cache, model: str, k: bytes) -> int:
-    return len(c.lookup(ADMIN, layout_id(model, FP), k, 32).tiers)
+    return len(run(c.lookup_async(ADMIN, layout_id(model, FP), k, 32)).tiers)
 
 
 def flood(c: Cache, tag: int, n: int) -> None:
@@ -118,9 +118,9 @@ def test_purge_under_a_lease_dooms_then_frees_at_release(cache: Cache) -> None:
     store(cache, "m/a", keys(1, 4))
     store(cache, "m/a", keys(2, 2))
     store(cache, "m/b", keys(1, 4))
-    lease = cache.acquire(ADMIN, layout_id("m/a", FP), keys(1, 2), 32, 0)
+    lease = run(cache.acquire_async(ADMIN, layout_id("m/a", FP), keys(1, 2), 32, 0))
     assert len(lease.offsets) == 2
-    got = asyncio.run(cache.evict_async(ADMIN, Scope(model_id="m/a")))
+    got = run(cache.evict_async(ADMIN, Scope(model_id="m/a")))
     # keys(1, ..)[2:] and keys(2, ..) go now; the two leased blocks stay, doomed
     assert (got.blocks, got.doomed, got.dram_blocks) == (4, 2, 4)
     assert hits(cache, "m/a", keys(1, 4)) == 0  # no lookup finds a doomed block
@@ -128,7 +128,7 @@ def test_purge_under_a_lease_dooms_then_frees_at_release(cache: Cache) -> None:
     store(cache, "m/a", keys(1, 3))  # a commit under a doomed block: doomed with it
     cache.release(ADMIN, lease.lease_id)
     assert cache.stats().dram_blocks == 4 and cache.leaked_slots() == 0
-    asyncio.run(cache.evict_async(ADMIN, Scope(model_id="m/b")))
+    run(cache.evict_async(ADMIN, Scope(model_id="m/b")))
     assert cache.stats().dram_blocks == 0 and cache.leaked_slots() == 0
     assert cache.names.tenants[ADMIN.name].dram_bytes == 0  # every byte given back
 
@@ -138,7 +138,7 @@ def test_evict_of_a_prefix_keeps_its_ancestors_and_siblings(cache: Cache) -> Non
     branch = b"".join(bytes([9, i]) + bytes(30) for i in range(2))
     store(cache, "m/a", branch, parent=keys(1, 3)[-32:])
     store(cache, "m/a", keys(1, 5)[96:], parent=keys(1, 3)[-32:])  # keys(1, 5): 3 + 2 more
-    got = asyncio.run(cache.evict_async(ADMIN, Scope(model_id="m/a", keys=branch[:32],
+    got = run(cache.evict_async(ADMIN, Scope(model_id="m/a", keys=branch[:32],
                                                       key_width=32)))
     assert got.blocks == 2
     assert hits(cache, "m/a", keys(1, 5)) == 5
@@ -155,7 +155,7 @@ def test_bad_scopes_are_refused_and_change_nothing(cache: Cache) -> None:
         (Scope(all_tenants=True), True, PermissionDenied),
     ]:
         with pytest.raises(err):
-            asyncio.run(cache.evict_async(alice if err is PermissionDenied else ADMIN, scope,
+            run(cache.evict_async(alice if err is PermissionDenied else ADMIN, scope,
                                           clear))
     with pytest.raises(InvalidArgument):
         cache.pin(ADMIN, Scope(model_id="m/a", keys=keys(1, 2), key_width=32), 3601)
@@ -212,7 +212,7 @@ def test_ssd_copies_go_in_one_batch_and_a_restart_finds_none(tmp_path: Path,
         hits(c, "m/b", keys(1, 6))  # the 2nd access: written back
         assert c.flush(30)
         assert c.stats().ssd_blocks == 12
-        got = asyncio.run(c.evict_async(ADMIN, Scope(model_id="m/a")))
+        got = run(c.evict_async(ADMIN, Scope(model_id="m/a")))
         assert (got.blocks, got.dram_blocks, got.ssd_blocks) == (6, 6, 6)
         assert c.stats().ssd_blocks == 6
     finally:
