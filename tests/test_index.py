@@ -342,3 +342,19 @@ def test_evict_count_matches_evict() -> None:
     n = two.evict_count(D, 4)
     assert n == sum(e.tier is D for e in out) == 4
     assert one.stats() == two.stats()
+
+
+@pytest.mark.parametrize("policy", ["kvtier", "lru", "sglang-hicache"])
+def test_memory_is_bounded_whatever_the_tier_capacity(policy: str) -> None:
+    """An SSD tier of billions of small blocks must not size the index's side tables by its
+    block count (the admission history, the sketch in front of a larger SSD)."""
+    from kvtier.index.history import HISTORY_MAX_WORDS
+    from kvtier.index.policies.adaptive.predictor import SKETCH_MAX
+
+    ix = PrefixIndex(dram_blocks=1024, ssd_blocks=6_000_000_000, policy=policy)
+    assert ix.history.size <= HISTORY_MAX_WORDS
+    pol = ix._policy
+    for table in ("sketch", "seen"):
+        got = getattr(pol, table, None)
+        if got is not None:
+            assert got.size <= max(SKETCH_MAX, HISTORY_MAX_WORDS), table

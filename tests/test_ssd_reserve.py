@@ -45,7 +45,8 @@ def test_a_full_disk_is_found_at_start(tmp_path: Path) -> None:
                 "--dram-bytes", "16MiB", "--slot-bytes", "64KiB", "--metrics", "",
                 "--ssd-bytes", str(too_big))
     line = one_line_exit_2(run)
-    assert "cannot reserve" in line and "No space left on device" in line
+    assert "the SSD tier (its blocks and their LMDB index) needs" in line
+    assert "but its filesystem has" in line and "lower ssd_bytes" in line
     data = tmp_path / "data" / "ssd" / "data.mdb"
     assert not data.exists() or allocated(data) < 64 * MiB
     assert not (tmp_path / "data" / "kept.toml").exists()
@@ -84,3 +85,33 @@ def test_shrinking_the_ssd_tier_gives_its_disk_back(tmp_path: Path) -> None:
             assert kv.lookup(keys).hit_blocks == 24  # 1.5 MiB of blocks: all still fit
     finally:
         assert d.stop() == 0
+
+
+def test_an_ssd_tier_of_billions_of_blocks_is_refused_without_sizing_memory_by_it(
+        tmp_path: Path) -> None:
+    """Defect: `--ssd-bytes 100TB` (6 billion blocks of the default 16 KiB) sized the policy's
+    frequency sketch and the admission history by the block count: the daemon took 15 GB and was
+    killed by the kernel before any message. Both are now bounded, and a tier larger than its
+    disk is refused before the store is mapped: one line, exit 2, a small peak memory."""
+    code = (
+        "import os, resource, subprocess, sys\n"
+        "env = {**os.environ}; env.pop('KVTIER_CONFIG', None)\n"
+        "p = subprocess.run([sys.executable, '-m', 'kvtier', 'serve', *sys.argv[1:]], env=env,"
+        " capture_output=True, text=True, timeout=120)\n"
+        "sys.stderr.write(p.stderr)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+        "sys.exit(p.returncode)\n")
+    import subprocess
+    import sys
+
+    from tests.daemon_fixture import ROOT
+    run = subprocess.run(
+        [sys.executable, "-c", code, "--socket", str(tmp_path / "run" / "s.sock"),
+         "--data-dir", str(tmp_path / "data"), "--dram-bytes", "16MiB", "--metrics", "",
+         "--ssd-bytes", "100TB"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=180)
+    line = one_line_exit_2(run)
+    assert "needs" in line and "TiB" in line and "but its filesystem has" in line
+    assert int(run.stdout.strip()) < 1024 * 1024  # peak RSS in KiB: under 1 GiB
+    assert not (tmp_path / "data" / "ssd" / "data.mdb").exists()

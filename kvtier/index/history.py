@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 ADMISSION_HISTORY_PER_BLOCK = 1
 """Default admission-history words per block of total capacity (DRAM + SSD); see `PrefixIndex`."""
+HISTORY_MAX_WORDS = 1 << 25
+"""The most words a default admission history takes (128 MiB), whatever the capacity: a tier of
+billions of small blocks (a large SSD) must not size the daemon's memory by its block count."""
 
 _MASK64 = (1 << 64) - 1
 _COUNT_MAX = 255

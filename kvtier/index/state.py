@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from kvtier.core.types import BlockKey, Tier
-from kvtier.index.history import AdmissionHistory
+from kvtier.index.history import HISTORY_MAX_WORDS, AdmissionHistory
 from kvtier.index.policies import DEFAULT_POLICY, make_policy
 from kvtier.index.policies.base import EvictionQueue
 from kvtier.index.types import (
@@ -114,10 +114,10 @@ class IndexState:
         self.policy = policy
         self.admission = pol.ssd_admission
         if admission_history is None:
-            admission_history = (
+            admission_history = min(HISTORY_MAX_WORDS, (
                 pol.ghost_words * (dram_blocks + ssd_blocks)
                 if dram_blocks is not None and ssd_blocks is not None
-                and (ssd_blocks or pol.ghosts) else 0)
+                and (ssd_blocks or pol.ghosts) else 0))
         self.history = AdmissionHistory(admission_history)
         self.block_bytes = block_bytes
         self._slot_used = bytearray(dram_blocks or 0)  # 0 free, 1 a block's, 2 a pinned block's

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.core.types import BlockKey
-from kvtier.index.history import AdmissionHistory
+from kvtier.index.history import HISTORY_MAX_WORDS, AdmissionHistory
 from kvtier.index.policies.base import Policy
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ class HiCachePolicy(Policy):
 
     def __init__(self, dram_blocks: int | None, ssd_blocks: int | None, admission_k: int) -> None:
         super().__init__(dram_blocks, ssd_blocks, admission_k)
-        self.seen = AdmissionHistory(max(1, (dram_blocks or 0) + (ssd_blocks or 0)))
+        self.seen = AdmissionHistory(
+            max(1, min(HISTORY_MAX_WORDS, (dram_blocks or 0) + (ssd_blocks or 0))))
 
     def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
               partial_last: bool) -> int:

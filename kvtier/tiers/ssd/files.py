@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import lmdb
 
 from kvtier.core.errors import UsageError
+from kvtier.core.units import format_bytes
 from kvtier.tiers import blockfmt
 from kvtier.tiers.ssd.read import META
 from kvtier.tiers.ssd.slots import SlotFile
@@ -169,6 +170,7 @@ def open_files(spec: SsdSpec) -> StoreFiles:
     ident = identity(spec)
     os.makedirs(spec.path, mode=0o700, exist_ok=True)
     check_size(spec.path)
+    check_room(spec)
     probe(spec.path)
     env = open_env(spec)
     try:
@@ -248,6 +250,27 @@ def _claim_slots(slots: SlotFile, meta: Any, txn: Any, path: str
         log.warning("SSD store %s: %d index entries were undecodable or shared a slot; dropped",
                     path, damaged)
     return doomed, Dropped(shrunk, shrunk_bytes, damaged)
+
+
+def check_room(spec: SsdSpec) -> None:
+    """Refuses, before anything is opened or mapped, a store larger than the disk can hold: the
+    bytes it reserves (the LMDB map, and the slot file in slots mode) less what its files
+    already hold, against the filesystem's free space. (`preallocate` checks each file again.)"""
+    files = [("data.mdb", spec.map_size())]
+    if spec.mode() == "slots":
+        files.append((SLOT_FILE, spec.slot_size * spec.slot_count()))
+    want = held = 0
+    for name, size in files:
+        want += size
+        with contextlib.suppress(FileNotFoundError):
+            held += min(size, os.stat(os.path.join(spec.path, name)).st_blocks * 512)
+    st = os.statvfs(spec.path)
+    free = st.f_bavail * st.f_frsize
+    if want - held > free:
+        raise UsageError(
+            f"the SSD tier (its blocks and their LMDB index) needs {format_bytes(want)} at "
+            f"{spec.path}, but its filesystem has "
+            f"{format_bytes(free + held)} for it (lower ssd_bytes, or free disk space)")
 
 
 def open_env(spec: SsdSpec) -> Any:

@@ -51,6 +51,7 @@ from kvtier.index.policies.adaptive.minisim import (
     SeenTable,
 )
 from kvtier.index.policies.adaptive.predictor import (
+    SKETCH_MAX,
     SKETCH_MIN,
     SKETCH_SLOTS,
     FrequencySketch,
@@ -112,7 +113,8 @@ class AdaptivePolicy(Policy):
         self._front = (ssd_blocks or 0) > (dram_blocks or 0)
         # "seen before": the sketch in front of a larger SSD, else the seen table (one of them
         # is allocated: the other stays at its minimum, 64 B / 4 B)
-        self.sketch = FrequencySketch(max(SKETCH_SLOTS * cap, SKETCH_MIN) if self._front else 64)
+        self.sketch = FrequencySketch(
+            min(SKETCH_MAX, max(SKETCH_SLOTS * cap, SKETCH_MIN)) if self._front else 64)
         self._seen_size = 1 if self._front else max(SEEN_MIN, SEEN_PER_BLOCK * (dram_blocks or 0))
         self.seen = SeenTable(self._seen_size)
         super().__init__(dram_blocks, ssd_blocks, admission_k)

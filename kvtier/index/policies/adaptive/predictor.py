@@ -44,7 +44,9 @@ BUCKETS = 8 * 3 * 3 * 4 * 2
 SKETCH_SLOTS = 4
 """Sketch bytes per block of the larger tier..."""
 SKETCH_MIN = 1 << 16
-"""...and at least this many (64 KiB: a small cache still remembers a long window of keys)."""
+"""...and at least this many (64 KiB: a small cache still remembers a long window of keys)..."""
+SKETCH_MAX = 1 << 27
+"""...and at most this many (128 MiB), whatever the capacity (billions of small SSD blocks)."""
 _HALVE_AT = 256
 _MASK64 = (1 << 64) - 1
 _COUNT_MAX = 15
