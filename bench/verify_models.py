@@ -1,8 +1,8 @@
 """The test models of shadow verification's benchmarks (`bench.verify_spread`, `bench.verify_fp`),
 one per KV cache group kind, with what the connector's layout of each is (`EngineKV`):
 
-    dense        the engine tests' Llama (2 layers, full attention; `bench.model_weights`)
-    gemma3       3 sliding-window layers : 1 full (`bench.hybrid_models`; 4 groups)
+    dense        the engine tests' Llama (2 layers, full attention; `tests.support.model_weights`)
+    gemma3       3 sliding-window layers : 1 full (`tests.support.hybrid_models`; 4 groups)
     mistral-swa  a sliding window on every layer (1 sliding group)
     qwen3-next   3 Gated DeltaNet linear-attention layers : 1 full (state groups; vLLM picks a
                  160-token block so one attention page holds a layer's state)
@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.hybrid_models import MODELS, WINDOW, write_hybrid
-from bench.model_weights import llama_config, write_checkpoint
+from tests.support.hybrid_models import MODELS, WINDOW, write_hybrid
+from tests.support.model_weights import llama_config, write_checkpoint
 
 NAMES = ("dense", "gemma3", "mistral-swa", "qwen3-next")
 HYBRID_ARGS = {"disable_hybrid_kv_cache_manager": False}

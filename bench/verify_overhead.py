@@ -28,10 +28,10 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.vllm_engine import EngineProc, write_model
 from bench.vllm_ttft import BLOCK, pct, prompts
 from kvtier.engine.local_daemon import LocalDaemon
 from kvtier.integrations.vllm.settings import ConnectorSettings
+from tests.support.vllm_engine import EngineProc, write_model
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT = ConnectorSettings().verify_sample

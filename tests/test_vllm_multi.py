@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from bench.vllm_engine import BLOCK, PAGE_BYTES, EngineProc
 
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
+from tests.support.vllm_engine import BLOCK, PAGE_BYTES, EngineProc
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -14,7 +14,8 @@ the first token's top-5 logprobs within `kv_controls.TOLERANCE`), the decode ser
 nothing and the prefill server load nothing. Negative control: another prompt's KV (or random
 bytes) planted under a prompt's keys makes the decode servers answer differently from `ref`, on
 one node and across the two. The weights are the module's checkpoint (its own initializer's,
-`bench.model_weights`): their output depends on the KV (the oracle test of test_vllm_serve.py).
+`tests.support.model_weights`): their output depends on the KV (the oracle test of
+test_vllm_serve.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from bench.vllm_engine import BLOCK, PAGE_BYTES
 
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
@@ -37,6 +37,7 @@ from tests import kv_controls as kc
 from tests.conftest import Checkpoint
 from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
 from tests.redis_fixture import RedisServer, needs_redis
+from tests.support.vllm_engine import BLOCK, PAGE_BYTES
 
 pytest.importorskip("vllm.entrypoints.openai.api_server")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500), needs_redis]

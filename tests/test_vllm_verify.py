@@ -27,14 +27,22 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from bench.model_weights import llama_config, write_checkpoint
-from bench.vllm_engine import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, PAGE_BYTES, EngineProc, Output
 
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
 from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
+from tests.support.model_weights import llama_config, write_checkpoint
+from tests.support.vllm_engine import (
+    BLOCK,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PAGE_BYTES,
+    EngineProc,
+    Output,
+)
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
