@@ -31,7 +31,7 @@ def test_tenant_victims_are_one_tenants_coldest_leaves_first() -> None:
     ix.insert("a/y", k(3, 0), None)
     ix.insert("b/x", k(2, 1), None)
     got = placement.tenant_victims(ix, owner, "a", 5)
-    assert [(b.tenant, b.key) for b in got] == [("a/x", k(1, 2)), ("a/y", k(3, 0))]
+    assert [(b.ns, b.key) for b in got] == [("a/x", k(1, 2)), ("a/y", k(3, 0))]
     assert [b.key for b in placement.tenant_victims(ix, owner, "b", 1)] == [k(2, 0)]
     assert placement.tenant_victims(ix, owner, "c", 3) == []
     assert len(ix) == 6  # intents only: nothing dropped

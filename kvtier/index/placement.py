@@ -51,33 +51,33 @@ Threading: none; the daemon calls these under its cache lock.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
-from typing import NamedTuple
+from typing import Generic, NamedTuple
 
 from kvtier.core.types import BlockKey, Tier
-from kvtier.index.prefix import Block, PrefixIndex, Tenant
+from kvtier.index.prefix import Block, NsT, PrefixIndex
 
 _DRAM, _SSD = Tier.DRAM, Tier.SSD
 
 
-class WriteBack(NamedTuple):
+class WriteBack(NamedTuple, Generic[NsT]):
     """An intent: copy `key` (in DRAM slot `slot`; None in an index without slot ids) to SSD."""
 
-    tenant: Tenant
+    ns: NsT
     key: BlockKey
     parent: BlockKey | None
     slot: int | None
 
 
 def write_backs(
-    index: PrefixIndex, tenant: Tenant, blocks: Sequence[Block],
+    index: PrefixIndex[NsT], ns: NsT, blocks: Sequence[Block[NsT]],
     queued: Container[BlockKey] = (),
-) -> list[WriteBack]:
+) -> list[WriteBack[NsT]]:
     """The write-backs `blocks` (a chain, root first, e.g. a Lookup's prefix or a Commit's new
-    blocks) call for now; `queued`: this tenant's keys already on their way to SSD (they count
+    blocks) call for now; `queued`: this namespace's keys already on their way to SSD (they count
     as on SSD for their children). [] without an SSD tier."""
     if index.capacity(_SSD) == 0:
         return []
-    out: list[WriteBack] = []
+    out: list[WriteBack[NsT]] = []
     planned: set[BlockKey] = set()
     for b in blocks:
         if b.on_ssd or b.key in queued:
@@ -87,12 +87,12 @@ def write_backs(
             break
         if not b.in_dram or not index.admits(b):
             break
-        out.append(WriteBack(tenant, b.key, None if p is None else p.key, b.dram_slot))
+        out.append(WriteBack(ns, b.key, None if p is None else p.key, b.dram_slot))
         planned.add(b.key)
     return out
 
 
-def ssd_room(index: PrefixIndex, need: int) -> bool:
+def ssd_room(index: PrefixIndex[NsT], need: int) -> bool:
     """Evicts SSD victims until `need` more blocks fit the index's SSD bound; False (after
     evicting what it could) when they cannot."""
     free = index.free(_SSD)
@@ -102,7 +102,7 @@ def ssd_room(index: PrefixIndex, need: int) -> bool:
     return (index.free(_SSD) or 0) >= need
 
 
-def dram_room(index: PrefixIndex, n: int, free: int, pinned: int) -> int:
+def dram_room(index: PrefixIndex[NsT], n: int, free: int, pinned: int) -> int:
     """Evicts DRAM victims until `n` blocks fit; returns the free blocks then. `free`: free
     slots now; `pinned`: DRAM blocks that cannot leave (leased, being written). Evicts nothing
     when fewer than `n - free` blocks could ever leave."""
@@ -119,7 +119,7 @@ def dram_room(index: PrefixIndex, n: int, free: int, pinned: int) -> int:
     return free
 
 
-def room_hopeless(index: PrefixIndex, n: int, room: int, pinned: int, one_class: bool) -> bool:
+def room_hopeless(index: PrefixIndex[NsT], n: int, room: int, pinned: int, one_class: bool) -> bool:
     """Whether no eviction can make room for `n` blocks (`room` free slots of their class now,
     `pinned` DRAM blocks that cannot leave): nothing is evictable, or — one size class, where
     a victim frees one slot — fewer evictable blocks than the slots missing. With several
@@ -136,26 +136,26 @@ def over_quota(held: int, more: int, quota: int, stride: int) -> int:
     return -(-(held + more - quota) // stride)
 
 
-def tenant_victims(index: PrefixIndex, owner: Callable[[Tenant], str], tenant: str,
-                   n: int) -> list[Block]:
+def tenant_victims(index: PrefixIndex[NsT], owner: Callable[[NsT], str], tenant: str,
+                   n: int) -> list[Block[NsT]]:
     """Up to `n` of `tenant`'s evictable DRAM blocks, coldest first (the index's order); the
-    index's key spaces map to tenants by `owner`. O(evictable blocks)."""
-    return [b for b in index.victims(_DRAM, 1 << 30) if owner(b.tenant) == tenant][:n]
+    index's namespaces map to tenants by `owner`. O(evictable blocks)."""
+    return [b for b in index.victims(_DRAM, 1 << 30) if owner(b.ns) == tenant][:n]
 
 
-def class_victim(index: PrefixIndex) -> bool:
+def class_victim(index: PrefixIndex[NsT]) -> bool:
     """Evicts one DRAM victim (the index's order); False when none can go."""
     return bool(index.evict_count(_DRAM, 1))
 
 
-def promotions(blocks: Sequence[Block]) -> list[int]:
+def promotions(blocks: Sequence[Block[NsT]]) -> list[int]:
     """Positions of the blocks of an acquired prefix (pinned, root first) to promote into
     DRAM: those not in DRAM (SSD-only), in order. The caller gives each a slot (`dram_room`
     or the daemon's claim) and cuts the prefix before the first that gets none."""
     return [i for i, b in enumerate(blocks) if not b.in_dram]
 
 
-def remote_offers(blocks: Sequence[Block], committed: bool, k: int) -> list[Block]:
+def remote_offers(blocks: Sequence[Block[NsT]], committed: bool, k: int) -> list[Block[NsT]]:
     """The blocks of a chain to offer to the remote tier, whose admission is the `k`-th access:
     at Commit (`committed`) every new DRAM block when k is 1, none otherwise; at a Lookup the
     DRAM blocks whose hits reach k just now."""
