@@ -48,6 +48,35 @@ def test_room_hopeless_with_one_class_and_with_several() -> None:
     assert placement.room_hopeless(ix, 1, 0, 4, one_class=False)  # nothing evictable
 
 
+def test_ssd_room_evicts_nothing_when_it_cannot_make_the_room() -> None:
+    ix = lru(dram=16, ssd=3)
+    ix.insert("a/x", k(1, 0), None, Tier.SSD)  # SSD only, a leaf: evictable
+    for i in (1, 2):  # in DRAM too: SSD eviction never takes their copies
+        ix.insert("a/x", k(2, i), None)
+        ix.add_tier("a/x", k(2, i), Tier.SSD)
+    before = ix.stats()
+    assert not placement.ssd_room(ix, 2)  # 2 more need 2 victims; one can go
+    assert ix.stats() == before  # so none went
+    assert ix.get("a/x", k(1, 0)) is not None
+    assert placement.ssd_room(ix, 1)
+    assert ix.get("a/x", k(1, 0)) is None and ix.free(Tier.SSD) == 1
+
+
+def test_ssd_room_counts_parents_a_leaf_first_drop_frees() -> None:
+    ix = lru(dram=16, ssd=3)
+    for i in range(3):  # a chain on SSD only: one leaf evictable now, its parents after it
+        ix.insert("a/x", k(1, i), k(1, i - 1) if i else None, Tier.SSD)
+    assert placement.ssd_room(ix, 3)
+    assert len(ix) == 0
+    for i in range(3):
+        ix.insert("a/x", k(1, i), k(1, i - 1) if i else None, Tier.SSD)
+    ix.pin("a/x", k(1, 1))  # the leaf can go; its pinned parent, and so the root, cannot
+    before = ix.stats()
+    assert not placement.ssd_room(ix, 2)
+    assert ix.stats() == before
+    assert placement.ssd_room(ix, 1) and len(ix) == 2
+
+
 def test_class_victim_evicts_one_coldest_block() -> None:
     ix = lru(dram=4, ssd=0)
     for i in range(3):
