@@ -7,7 +7,8 @@ peers', each with where it comes from) and kvtier's own in `kvtier.index.policie
 An eviction queue holds the blocks of one tier that may be evicted *now* (the index decides
 membership; see `kvtier.index.prefix`). The queue only orders them. Blocks are linked intrusively
 through their own `prev`/`next` slots (vLLM free-block-queue style), so push, discard and touch are
-O(1) and a block is in at most one queue at a time.
+O(1) and a block is in at most one queue at a time. A policy serves an index of any namespace
+type (`Block[Any]`): it only hashes a block's `ns` (an `Ns`) and never hands it back.
 
     coldest ─▶ b ⇄ b ⇄ b ⇄ b ◀─ hottest          (iteration order = eviction order)
 
