@@ -2,7 +2,7 @@
 
     python -m bench.index [--blocks N] [--chain L] [--repeats R] [--policy P] [--compare Q]
 
-Workload: N cached blocks (default 1,000,000) of one tenant with 32-byte keys (sha256_cbor
+Workload: N cached blocks (default 1,000,000) of one namespace with 32-byte keys (sha256_cbor
 width), as chains of L blocks (default 64 = a 1,024-token prompt in 16-token blocks) plus 16
 chains of 1,024 blocks.
 

@@ -290,7 +290,7 @@ def test_applier_keeps_tenant_usage_equal_to_a_recount(tmp_path: Path, clock: Cl
                     state = c.names.tenants["t"]
                     dram = sum(c.pool.stride_of(b.dram_slot) for b in blocks
                                if b.dram_slot is not None)
-                    ssd = sum(c.residency.ssd_bytes_of(str(b.tenant)) for b in blocks if b.on_ssd)
+                    ssd = sum(c.residency.ssd_bytes_of(b.ns) for b in blocks if b.on_ssd)
                     assert (state.dram_bytes, state.ssd_bytes) == (dram, ssd)
         assert c.stats().ssd_blocks > 0
         assert c.metrics.value("kvtier_evictions_total", tier="ssd", reason="capacity") > 0

@@ -24,10 +24,10 @@ from kvtier.index.prefix import (
 D, S, H = Tier.DRAM, Tier.SSD, Tier.HBM
 
 
-def chain(ix: PrefixIndex, keys: list[bytes], tenant: int | str = 0, tier: Tier = D) -> None:
+def chain(ix: PrefixIndex, keys: list[bytes], ns: int | str = 0, tier: Tier = D) -> None:
     parent = None
     for k in keys:
-        ix.insert(tenant, k, parent, tier)
+        ix.insert(ns, k, parent, tier)
         parent = k
 
 
@@ -51,13 +51,13 @@ def test_lookup_stops_at_gap_and_at_broken_chain() -> None:
     assert len(ix.lookup(0, [b"z", b"c"]).blocks) == 1
     # A chain must start at a root.
     assert ix.lookup(0, [b"b", b"c"]).blocks == []
-    assert ix.lookup(1, [b"a"]).blocks == []  # other tenant sees nothing
+    assert ix.lookup(1, [b"a"]).blocks == []  # another namespace sees nothing
 
 
-def test_tenants_are_isolated() -> None:
+def test_namespaces_are_isolated() -> None:
     ix = PrefixIndex()
     ix.insert("t1", b"a", None)
-    ix.insert("t2", b"a", None)  # same key bytes, different tenant: separate entry
+    ix.insert("t2", b"a", None)  # same key bytes, another namespace: separate entry
     with pytest.raises(MissingParent):
         ix.insert("t3", b"b", b"a")
     assert len(ix) == 2
@@ -272,8 +272,8 @@ def test_remove_subtree_cascades_and_respects_pins() -> None:
 # ---------------------------------------------------------------- admission history
 
 
-def hits(ix: PrefixIndex, tenant: int, key: bytes) -> int:
-    b = ix.get(tenant, key)
+def hits(ix: PrefixIndex, ns: int, key: bytes) -> int:
+    b = ix.get(ns, key)
     assert b is not None
     return b.hits
 
@@ -293,7 +293,7 @@ def test_dropped_block_comes_back_with_its_count() -> None:
     assert (st.history_entries, st.history_recalled) == (0, 1)
     ix.insert(1, b"b", None)
     ix.drop(1, b"b", D)
-    ix.insert(0, b"b", None)  # same key, other tenant: not its history
+    ix.insert(0, b"b", None)  # same key, another namespace: not its history
     assert hits(ix, 0, b"b") == 1
 
 

@@ -111,9 +111,9 @@ class IndexMachine(RuleBasedStateMachine):
             return S in e.tiers or self.children(tk) == 0
         return D not in e.tiers and self.children(tk) == 0
 
-    def apply(self, tenant: int | str, ev_key: bytes, tier: Tier, reason: Reason,
+    def apply(self, ns: int | str, ev_key: bytes, tier: Tier, reason: Reason,
               slot: int | None) -> None:
-        tk = (tenant, ev_key)
+        tk = (ns, ev_key)
         e = self.m[tk]
         assert not e.pins, "a pinned block was evicted"
         assert tier in e.tiers
@@ -122,7 +122,7 @@ class IndexMachine(RuleBasedStateMachine):
             assert slot == e.slot
             e.slot = None
         if reason is Reason.WRITTEN_BACK:
-            assert S not in e.tiers and (e.parent is None or S in self.m[(tenant, e.parent)].tiers)
+            assert S not in e.tiers and (e.parent is None or S in self.m[(ns, e.parent)].tiers)
             e.tiers.add(S)
             self.ssd_writes += 1
         e.tiers.discard(tier)
@@ -273,7 +273,7 @@ class IndexMachine(RuleBasedStateMachine):
         for ev in out:
             assert ev.tier is tier
             main += 1
-            self.apply(ev.tenant, ev.key, ev.tier, ev.reason, ev.dram_slot)
+            self.apply(ev.ns, ev.key, ev.tier, ev.reason, ev.dram_slot)
         assert main <= n
         if main < n:
             assert not any(self.evictable(tk, tier) for tk in self.m), "stopped early"
@@ -296,7 +296,7 @@ class IndexMachine(RuleBasedStateMachine):
                 self.ix.drop(*tk, tier)
             return
         ev = self.ix.drop(*tk, tier)
-        self.apply(ev.tenant, ev.key, ev.tier, ev.reason, ev.dram_slot)
+        self.apply(ev.ns, ev.key, ev.tier, ev.reason, ev.dram_slot)
 
     @rule(data=st.data(), any_block=st.booleans())
     def demote(self, data: st.DataObject, any_block: bool) -> None:
@@ -320,7 +320,7 @@ class IndexMachine(RuleBasedStateMachine):
                 self.ix.demote(*tk)
             return
         ev = self.ix.demote(*tk)
-        self.apply(ev.tenant, ev.key, ev.tier, ev.reason, ev.dram_slot)
+        self.apply(ev.ns, ev.key, ev.tier, ev.reason, ev.dram_slot)
 
     @rule(data=st.data(), tier=st.sampled_from([D, S]), use_slot=st.booleans())
     def promote(self, data: st.DataObject, tier: Tier, use_slot: bool) -> None:
@@ -378,10 +378,10 @@ class IndexMachine(RuleBasedStateMachine):
                 self.ix.remove_subtree(*top)
             return
         out = self.ix.remove_subtree(*top)
-        assert {(e.tenant, e.key) for e in out} == sub
+        assert {(e.ns, e.key) for e in out} == sub
         for ev in out:
             if ev.reason is Reason.DROPPED:
-                self.forget((ev.tenant, ev.key))
+                self.forget((ev.ns, ev.key))
         assert not sub & set(self.m)
         self.evictions["removed"] += len(sub)
 
@@ -413,7 +413,7 @@ class IndexMachine(RuleBasedStateMachine):
                     p = self.m[cur].parent
                     cur = None if p is None else (t, p)
         selection = self.ix.select(t, keys)
-        assert {(b.tenant, b.key) for b in selection} == chosen
+        assert {(b.ns, b.key) for b in selection} == chosen
         gone = chosen - keep
         want = (len(gone), sum(D in self.m[tk].tiers for tk in gone),
                 sum(S in self.m[tk].tiers for tk in gone))
@@ -464,7 +464,7 @@ class IndexMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ invariants
     @invariant()
     def matches_model_and_invariants_hold(self) -> None:
-        blocks = {(b.tenant, b.key): b for b in self.ix.iter_blocks()}
+        blocks = {(b.ns, b.key): b for b in self.ix.iter_blocks()}
         assert set(blocks) == set(self.m)
         for tk, b in blocks.items():
             e = self.m[tk]
@@ -497,14 +497,14 @@ class IndexMachine(RuleBasedStateMachine):
         assert not {tk for tk, _ in self.ghost.values()} & set(self.m)
         for tier, n in ((D, st_.evictable_dram), (S, st_.evictable_ssd)):
             want = {tk for tk in self.m if self.evictable(tk, tier)}
-            got = {(b.tenant, b.key) for b in self.ix.victims(tier, 100)}
+            got = {(b.ns, b.key) for b in self.ix.victims(tier, 100)}
             assert got == want and n == len(want)
         for c in self.ix.take_changes():
-            where = (c.tenant, c.key, c.tier)
+            where = (c.ns, c.key, c.tier)
             if c.op is Op.ADD:
                 assert where not in self.copies, "added twice"
                 self.copies[where] = c.slot
-                b = blocks.get((c.tenant, c.key))
+                b = blocks.get((c.ns, c.key))
                 assert b is None or c.parent == b.parent_key
             elif c.op is Op.DROP:
                 assert self.copies.pop(where) == c.slot, "dropped what was not there"
@@ -512,7 +512,7 @@ class IndexMachine(RuleBasedStateMachine):
                 assert c.tier is D and self.copies[where] == c.old_slot
                 self.copies[where] = c.slot
         for d in self.ix.take_drops():
-            freed = [self.copies.pop((d.tenant, k, d.tier)) for k in d.keys]
+            freed = [self.copies.pop((d.ns, k, d.tier)) for k in d.keys]
             assert sorted(s for s in freed if s is not None) == sorted(d.slots)
         assert self.copies == {(t, k, tier): e.slot if tier is D else None
                                for (t, k), e in self.m.items() for tier in e.tiers}
@@ -592,7 +592,7 @@ def test_index_machine_long(machine: type[IndexMachine]) -> None:
 
 def audit(ix: PrefixIndex) -> None:
     """Brute-force invariants of a whole index from its public view."""
-    blocks = {(b.tenant, b.key): b for b in ix.iter_blocks()}
+    blocks = {(b.ns, b.key): b for b in ix.iter_blocks()}
     kids: dict[tuple[int | str, bytes], int] = dict.fromkeys(blocks, 0)
     for (t, _), b in blocks.items():
         assert b.in_dram or b.on_ssd

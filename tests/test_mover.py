@@ -59,7 +59,7 @@ class Recorder:
         with self.lock:
             for w in batch:
                 self.pool.free(w.slot)  # unpinned by the mover before this call
-                self.done.append((w, (w.tenant, w.key) not in refused))
+                self.done.append((w, (w.ns, w.key) not in refused))
 
 
 def test_write_back_then_promote(pool: DramPool, store: SsdStore) -> None:
@@ -75,7 +75,7 @@ def test_write_back_then_promote(pool: DramPool, store: SsdStore) -> None:
     for w, data in blocks:
         slot = pool.alloc()
         assert slot is not None
-        assert mover.promote(w.tenant, w.key, slot) == SLOT
+        assert mover.promote(w.ns, w.key, slot) == SLOT
         assert bytes(pool.view(slot)) == data
     assert mover.promote("t", b"absent", 0) is None
     s = mover.stats()

@@ -31,7 +31,7 @@ def test_tenant_victims_are_one_tenants_coldest_leaves_first() -> None:
     ix.insert("a/y", k(3, 0), None)
     ix.insert("b/x", k(2, 1), None)
     got = placement.tenant_victims(ix, owner, "a", 5)
-    assert [(b.tenant, b.key) for b in got] == [("a/x", k(1, 2)), ("a/y", k(3, 0))]
+    assert [(b.ns, b.key) for b in got] == [("a/x", k(1, 2)), ("a/y", k(3, 0))]
     assert [b.key for b in placement.tenant_victims(ix, owner, "b", 1)] == [k(2, 0)]
     assert placement.tenant_victims(ix, owner, "c", 3) == []
     assert len(ix) == 6  # intents only: nothing dropped
@@ -46,6 +46,35 @@ def test_room_hopeless_with_one_class_and_with_several() -> None:
     assert not placement.room_hopeless(ix, 5, 1, 1, one_class=False)
     assert not placement.room_hopeless(ix, 4, 1, 1, one_class=True)
     assert placement.room_hopeless(ix, 1, 0, 4, one_class=False)  # nothing evictable
+
+
+def test_ssd_room_evicts_nothing_when_it_cannot_make_the_room() -> None:
+    ix = lru(dram=16, ssd=3)
+    ix.insert("a/x", k(1, 0), None, Tier.SSD)  # SSD only, a leaf: evictable
+    for i in (1, 2):  # in DRAM too: SSD eviction never takes their copies
+        ix.insert("a/x", k(2, i), None)
+        ix.add_tier("a/x", k(2, i), Tier.SSD)
+    before = ix.stats()
+    assert not placement.ssd_room(ix, 2)  # 2 more need 2 victims; one can go
+    assert ix.stats() == before  # so none went
+    assert ix.get("a/x", k(1, 0)) is not None
+    assert placement.ssd_room(ix, 1)
+    assert ix.get("a/x", k(1, 0)) is None and ix.free(Tier.SSD) == 1
+
+
+def test_ssd_room_counts_parents_a_leaf_first_drop_frees() -> None:
+    ix = lru(dram=16, ssd=3)
+    for i in range(3):  # a chain on SSD only: one leaf evictable now, its parents after it
+        ix.insert("a/x", k(1, i), k(1, i - 1) if i else None, Tier.SSD)
+    assert placement.ssd_room(ix, 3)
+    assert len(ix) == 0
+    for i in range(3):
+        ix.insert("a/x", k(1, i), k(1, i - 1) if i else None, Tier.SSD)
+    ix.pin("a/x", k(1, 1))  # the leaf can go; its pinned parent, and so the root, cannot
+    before = ix.stats()
+    assert not placement.ssd_room(ix, 2)
+    assert ix.stats() == before
+    assert placement.ssd_room(ix, 1) and len(ix) == 2
 
 
 def test_class_victim_evicts_one_coldest_block() -> None:

@@ -123,7 +123,7 @@ def drive_sim(reqs: list[Request], dram: int | None, ssd: int, k: int, policy: s
     assert dram is not None
     cfg = TierConfig(dram, ssd, policy, k, ssd_write_bytes_per_day=budget[0],
                      ssd_write_burst_bytes=budget[1], ssd_block_bytes=BLOCK + HEADER_SIZE)
-    s = replay(reqs, cfg, tenant=Namespace(T.name, LID), key_bytes=32)
+    s = replay(reqs, cfg, ns=Namespace(T.name, LID), key_bytes=32)
     return {"dram": s.hits_dram, "ssd": s.hits_ssd, "refs": s.block_refs,
             "ssd_writes": s.ssd_blocks_written, "refused": s.ssd_writes_refused,
             "budget": budget, "dram_blocks": dram}
@@ -177,7 +177,7 @@ def drive_sim_remote(reqs: list[Request], dram: int, ssd: int, k: int, policy: s
                      **({} if not ssd else {"ssd_write_bytes_per_day": budget[0],
                                             "ssd_write_burst_bytes": budget[1]}))
     store = RemoteStore(1 << 30)
-    node = Node(cfg, tenant=Namespace(T.name, LID), key_bytes=32, remote=store,
+    node = Node(cfg, ns=Namespace(T.name, LID), key_bytes=32, remote=store,
                 remote_budget=None if not remote_burst_blocks else (
                     remote_burst_blocks * BLOCK, BLOCK))
     for r in reqs:

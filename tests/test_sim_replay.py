@@ -176,7 +176,7 @@ def test_dram_hit_ratio_rises_with_capacity(sample, source, policy):
 class _FakeBlock:
     def __init__(self, key, parent, dram=True):
         self.key, self.parent, self.in_dram, self.on_ssd = key, parent, dram, False
-        self.tenant = 0
+        self.ns = 0
 
 
 class _FakeIndex:
@@ -185,7 +185,7 @@ class _FakeIndex:
     def __init__(self, blocks):
         self._m = {b.key: b for b in blocks}
 
-    def get(self, tenant, key):
+    def get(self, ns, key):
         return self._m.get(key)
 
     def iter_blocks(self):

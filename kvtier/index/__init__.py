@@ -1,2 +1,2 @@
-"""The prefix index the daemon and the simulator run: (tenant, key) -> block, residency per
+"""The prefix index the daemon and the simulator run: (namespace, key) -> block, residency per
 tier, leaf-first eviction and admission policies. Pure (.importlinter)."""

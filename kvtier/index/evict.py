@@ -13,25 +13,25 @@ from itertools import islice
 from kvtier.core.types import Tier
 from kvtier.index.policies.base import EvictionQueue
 from kvtier.index.state import IndexState
-from kvtier.index.types import Block, Evicted
+from kvtier.index.types import Block, Evicted, NsT
 
 
-class Eviction(IndexState):
+class Eviction(IndexState[NsT]):
     """`victims`, `evict`, `evict_count` and the admission rule over an `IndexState`."""
 
-    def victims(self, tier: Tier, n: int) -> list[Block]:
+    def victims(self, tier: Tier, n: int) -> list[Block[NsT]]:
         """Up to `n` blocks that may leave `tier` now, coldest first; changes nothing. Each stays
         evictable until a call changes that block (pin, insert of a child, a drop)."""
         if n <= 0:
             return []
         return list(islice(self._queue_of(tier), n))
 
-    def evict(self, tier: Tier, n: int) -> list[Evicted]:
+    def evict(self, tier: Tier, n: int) -> list[Evicted[NsT]]:
         """Evict up to `n` blocks from `tier` (fewer if fewer are evictable), coldest first:
         a DRAM copy whose block is on SSD is demoted, else the block is dropped (leaf-first).
         The result lists every change, in order. The placement planner
         (`kvtier.index.placement`) decides what goes to SSD; eviction never writes."""
-        out: list[Evicted] = []
+        out: list[Evicted[NsT]] = []
         self._evict(self._queue_of(tier), tier, n, out)
         return out
 
@@ -40,11 +40,11 @@ class Eviction(IndexState):
         returns only how many blocks left `tier`, building no `Evicted` records."""
         return self._evict(self._queue_of(tier), tier, n, None)
 
-    def admits(self, b: Block) -> bool:
+    def admits(self, b: Block[NsT]) -> bool:
         """The SSD admission rule (k-th access)."""
         return self.admission.admits(b)
 
-    def _evict(self, q: EvictionQueue, tier: Tier, n: int, out: list[Evicted] | None) -> int:
+    def _evict(self, q: EvictionQueue, tier: Tier, n: int, out: list[Evicted[NsT]] | None) -> int:
         done = 0
         while done < n:
             b = q.first()

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from kvtier.core.types import BlockKey
 from kvtier.index.state import IndexState
-from kvtier.index.types import Block, Tenant
+from kvtier.index.types import Block, NsT
 
 
-class HbmReports(IndexState):
+class HbmReports(IndexState[NsT]):
     """`hbm_add`, `hbm_drop` and `drop_replica` over an `IndexState`."""
 
-    def hbm_add(self, replica: str | int, tenant: Tenant, key: BlockKey) -> bool:
+    def hbm_add(self, replica: str | int, ns: NsT, key: BlockKey) -> bool:
         """Replica reports holding the block in HBM. False (ignored) if the block is not cached."""
-        b = self.get(tenant, key)
+        b = self.get(ns, key)
         if b is None:
             return False
         bit = self._replicas.get(replica)
@@ -30,8 +30,8 @@ class HbmReports(IndexState):
         b.hbm |= 1 << bit
         return True
 
-    def hbm_drop(self, replica: str | int, tenant: Tenant, key: BlockKey) -> bool:
-        b = self.get(tenant, key)
+    def hbm_drop(self, replica: str | int, ns: NsT, key: BlockKey) -> bool:
+        b = self.get(ns, key)
         bit = self._replicas.get(replica)
         if b is None or bit is None or not b.hbm >> bit & 1:
             return False
@@ -48,7 +48,7 @@ class HbmReports(IndexState):
             self._clear_hbm(b, bit)
         return len(held)
 
-    def _clear_hbm(self, b: Block, bit: int) -> None:
+    def _clear_hbm(self, b: Block[NsT], bit: int) -> None:
         b.hbm &= ~(1 << bit)
         if not b.hbm:
             self._hbm_blocks -= 1

@@ -1,7 +1,7 @@
 """Access counts of recently dropped blocks ("ghost" entries), kept by the index.
 
 When an entry leaves its last tier its access count goes to the index's `AdmissionHistory`; an
-insert of the same (tenant, key) while the history still remembers it starts at that count + 1
+insert of the same (ns, key) while the history still remembers it starts at that count + 1
 (`kvtier.index.prefix`), so SSD admission on the k-th access (`kvtier.index.policies.base.
 KthAccess`) still counts a block reused at a distance larger than DRAM, and policies that read
 ghosts (`kvtier.index.policies.base.Policy.ghosts`) see a returning block.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from xxhash import xxh3_64_intdigest
 
 if TYPE_CHECKING:
-    from kvtier.index.types import Tenant
+    from kvtier.index.types import Ns
 
 ADMISSION_HISTORY_PER_BLOCK = 1
 """Default admission-history words per block of total capacity (DRAM + SSD); see `PrefixIndex`."""
@@ -33,8 +33,8 @@ class AdmissionHistory:
     """Access counts of recently dropped blocks ("ghost" entries), for k-th-access admission.
 
     A direct-mapped table of `size` 32-bit words (4 bytes each, allocated once; size 0 = off).
-    `remember` stores a dropped (tenant, key) in word ``h % size`` as ``tag << 8 | min(hits,
-    255)`` (h = XXH3-64 of the key seeded by the tenant, tag = its top 24 bits), overwriting what
+    `remember` stores a dropped (ns, key) in word ``h % size`` as ``tag << 8 | min(hits,
+    255)`` (h = XXH3-64 of the key seeded by the namespace, tag = its top 24 bits), overwriting what
     was there; `recall` of a key whose tag matches returns the count and clears the word. So memory
     is fixed, every operation is O(1) and keeps no key alive; a dropped block is remembered until
     a later drop lands on its word: after m more drops with probability (1 - 1/size)^m ~
@@ -55,27 +55,27 @@ class AdmissionHistory:
         self.entries = 0
         self.recalled = 0
 
-    def slot(self, tenant: Tenant, key: bytes) -> tuple[int, int]:
+    def slot(self, ns: Ns, key: bytes) -> tuple[int, int]:
         """(word index, tag) of a key; for tests and audits."""
-        h = _fingerprint(tenant, key)
+        h = _fingerprint(ns, key)
         return h % self.size, h >> 40
 
-    def remember(self, tenant: Tenant, key: bytes, hits: int) -> None:
+    def remember(self, ns: Ns, key: bytes, hits: int) -> None:
         """A block left the cache after `hits` accesses (>= 1)."""
         if not self.size:
             return
-        h = _fingerprint(tenant, key)
+        h = _fingerprint(ns, key)
         i = h % self.size
         words = self._words
         if not words[i]:
             self.entries += 1
         words[i] = (h >> 40) << 8 | (hits if hits < _COUNT_MAX else _COUNT_MAX)
 
-    def recall(self, tenant: Tenant, key: bytes) -> int:
+    def recall(self, ns: Ns, key: bytes) -> int:
         """The remembered access count of a dropped key, forgetting it; 0 if not remembered."""
         if not self.entries:
             return 0
-        h = _fingerprint(tenant, key)
+        h = _fingerprint(ns, key)
         i = h % self.size
         w = self._words[i]
         if w and w >> 8 == h >> 40:
@@ -93,6 +93,6 @@ class AdmissionHistory:
         return self.size - self._words.count(0)
 
 
-def _fingerprint(tenant: Tenant, key: bytes) -> int:
-    seed = tenant if isinstance(tenant, int) else xxh3_64_intdigest(tenant.encode())
+def _fingerprint(ns: Ns, key: bytes) -> int:
+    seed = ns if isinstance(ns, int) else xxh3_64_intdigest(ns.encode())
     return xxh3_64_intdigest(key, seed & _MASK64)

@@ -5,7 +5,7 @@ estimates at scrape time; the tests feed it a trace and compare with `kvtier sim
 
 Method — SHARDS (Waldspurger et al., FAST'15), spatially hashed sampling of LRU reuse distances:
 
-- A key is *sampled* when a 64-bit hash of (tenant, key) falls under ``rate * 2**64``; only
+- A key is *sampled* when a 64-bit hash of (ns, key) falls under ``rate * 2**64``; only
   sampled keys are tracked, and a sampled reuse distance counted among sampled keys, divided by
   the rate, estimates the true one. The rate is what bounds memory: the table never holds more
   than ``max_keys`` keys. When it would, the rate halves and the keys above the new threshold are
@@ -250,21 +250,21 @@ class ReuseSampler:
         return (len(self._tiered) * 4 + 1) * (self._size + 1)
 
     # ------------------------------------------------------------------ feeding
-    def observe(self, tenant: object, keys: Sequence[bytes]) -> None:
-        """One lookup of the chain `keys` (root first) by `tenant`."""
+    def observe(self, ns: object, keys: Sequence[bytes]) -> None:
+        """One lookup of the chain `keys` (root first) by `ns`."""
         if not keys:
             return
         width = len(keys[0])
         if width % 8 == 0 and all(len(k) == width for k in keys):
-            self.observe_packed(tenant, b"".join(keys), width)
+            self.observe_packed(ns, b"".join(keys), width)
             return
         self.lookups += 1
-        thr, salt = self._threshold, self._salt(tenant)
+        thr, salt = self._threshold, self._salt(ns)
         sampled = [v for v in (xxh3_64_intdigest(k, salt) for k in keys) if v < thr]
         for h in reversed(sampled):  # root last: a parent is more recent than its child
             self._access(h)
 
-    def observe_packed(self, tenant: object, keys: bytes, width: int) -> None:
+    def observe_packed(self, ns: object, keys: bytes, width: int) -> None:
         """`observe` for keys packed back to back, `width` bytes each (a multiple of 8), as the
         Lookup RPC carries them: one vectorised hash of all keys, no per-key Python work."""
         if not keys:
@@ -274,7 +274,7 @@ class ReuseSampler:
         self.lookups += 1
         # Fibonacci hashing of each key's first 8 bytes (block keys are SHA-256 or XXH3 output,
         # so those are uniform; the multiply is a bijection, so distinct words stay distinct)
-        h = np.frombuffer(keys, dtype=np.uint64)[:: width // 8] ^ self._np_salt(tenant)
+        h = np.frombuffer(keys, dtype=np.uint64)[:: width // 8] ^ self._np_salt(ns)
         h *= _MUL
         under = h < self._np_threshold
         if under.any():
@@ -289,18 +289,18 @@ class ReuseSampler:
                     for v in part:
                         self._access(v)
 
-    def _salt(self, tenant: object) -> int:
-        salt = self._salts.get(tenant)
+    def _salt(self, ns: object) -> int:
+        salt = self._salts.get(ns)
         if salt is None:
-            salt = self._salts[tenant] = xxh3_64_intdigest(repr(tenant).encode())
-            self._np_salts[tenant] = np.uint64(salt)
+            salt = self._salts[ns] = xxh3_64_intdigest(repr(ns).encode())
+            self._np_salts[ns] = np.uint64(salt)
         return salt
 
-    def _np_salt(self, tenant: object) -> np.uint64:
-        salt = self._np_salts.get(tenant)
+    def _np_salt(self, ns: object) -> np.uint64:
+        salt = self._np_salts.get(ns)
         if salt is None:
-            self._salt(tenant)
-            salt = self._np_salts[tenant]
+            self._salt(ns)
+            salt = self._np_salts[ns]
         return salt
 
     def _access(self, h: int) -> None:

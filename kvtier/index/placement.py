@@ -10,14 +10,15 @@ same points of a request, so the simulator's hits and SSD writes are the daemon'
                  parent that is on SSD or goes before it (SSD stays prefix-closed). Intents:
                  the caller checks quota and wear budget, copies, then records each SSD copy
                  with `add_tier`, stopping at the first it cannot write.
-    ssd_room     evicts SSD victims (the index's order) until `need` more blocks fit.
-                 Acts, and not atomically: when the victims run out first it has evicted them
-                 and reports no room (the caller then writes nothing back).
+    ssd_room     evicts SSD victims (the index's order) until `need` more blocks fit. Acts,
+                 atomically: all the victims needed, or none when fewer can leave (counted
+                 first, leaf-first drops included) and it reports no room.
     dram_room    evicts DRAM victims (the index's order: demotion of blocks on SSD, else
-                 leaf-first drops) until `n` blocks fit; nothing when the count of unpinned
-                 blocks shows room cannot be made. Acts, and not atomically: past that check it
-                 may evict some and still fall short (a pinned block's DRAM-only ancestors
-                 cannot leave either).
+                 leaf-first drops) until `n` blocks fit, and returns the free count reached.
+                 Acts, best effort and not atomically: nothing when fewer unpinned DRAM blocks
+                 than missing slots exist, but past that check it may evict some and still
+                 fall short (a pinned block's DRAM-only ancestors cannot leave either); the
+                 simulator stores the part of a chain that fits.
     room_hopeless whether no eviction can make room for `n` blocks (nothing to evict; or one
                  size class and fewer evictable blocks than missing slots), so none is made.
     over_quota   how many of its blocks a tenant must give up for more bytes to fit its DRAM
@@ -27,8 +28,8 @@ same points of a request, so the simulator's hits and SSD writes are the daemon'
                  intents the caller drops; dropping a leaf exposes its parent, so the caller
                  asks again until it has dropped enough or none is left.
     class_victim with several size classes, a victim frees a slot only its own class can use:
-                 one DRAM victim at a time (the caller tries to empty a page after each);
-                 with one class `dram_room` is the rule.
+                 evicts one DRAM victim (the caller tries to empty a page after each); with
+                 one class `dram_room` is the rule.
     promotions   which blocks of an acquired prefix are promoted into DRAM: the SSD-only ones,
                  in chain order (the prefix ends before the first that gets no slot).
     remote_offers which blocks go to the remote tier: at Commit all new DRAM blocks when its
@@ -39,7 +40,8 @@ same points of a request, so the simulator's hits and SSD writes are the daemon'
                  holds, by its existence check, and only after a whole local prefix — never a
                  slot for a key the store does not hold.
 
-The others are pure: they decide and change nothing (intents the caller applies). Evictions
+`ssd_room`, `dram_room` and `class_victim` evict; the others are pure: they decide and change
+nothing (intents the caller applies). Evictions
 change the index, which journals them (`PrefixIndex.take_changes`): the daemon's
 applier frees their slots and deletes their SSD keys; the simulator only counts. The daemon's
 pool has size classes of several block sizes; with one size (the simulator's, and a daemon whose
@@ -51,33 +53,33 @@ Threading: none; the daemon calls these under its cache lock.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
-from typing import NamedTuple
+from typing import Generic, NamedTuple
 
 from kvtier.core.types import BlockKey, Tier
-from kvtier.index.prefix import Block, PrefixIndex, Tenant
+from kvtier.index.prefix import Block, NsT, PrefixIndex
 
 _DRAM, _SSD = Tier.DRAM, Tier.SSD
 
 
-class WriteBack(NamedTuple):
+class WriteBack(NamedTuple, Generic[NsT]):
     """An intent: copy `key` (in DRAM slot `slot`; None in an index without slot ids) to SSD."""
 
-    tenant: Tenant
+    ns: NsT
     key: BlockKey
     parent: BlockKey | None
     slot: int | None
 
 
 def write_backs(
-    index: PrefixIndex, tenant: Tenant, blocks: Sequence[Block],
+    index: PrefixIndex[NsT], ns: NsT, blocks: Sequence[Block[NsT]],
     queued: Container[BlockKey] = (),
-) -> list[WriteBack]:
+) -> list[WriteBack[NsT]]:
     """The write-backs `blocks` (a chain, root first, e.g. a Lookup's prefix or a Commit's new
-    blocks) call for now; `queued`: this tenant's keys already on their way to SSD (they count
+    blocks) call for now; `queued`: this namespace's keys already on their way to SSD (they count
     as on SSD for their children). [] without an SSD tier."""
     if index.capacity(_SSD) == 0:
         return []
-    out: list[WriteBack] = []
+    out: list[WriteBack[NsT]] = []
     planned: set[BlockKey] = set()
     for b in blocks:
         if b.on_ssd or b.key in queued:
@@ -87,25 +89,51 @@ def write_backs(
             break
         if not b.in_dram or not index.admits(b):
             break
-        out.append(WriteBack(tenant, b.key, None if p is None else p.key, b.dram_slot))
+        out.append(WriteBack(ns, b.key, None if p is None else p.key, b.dram_slot))
         planned.add(b.key)
     return out
 
 
-def ssd_room(index: PrefixIndex, need: int) -> bool:
-    """Evicts SSD victims until `need` more blocks fit the index's SSD bound; False (after
-    evicting what it could) when they cannot."""
+def ssd_room(index: PrefixIndex[NsT], need: int) -> bool:
+    """Evicts SSD victims until `need` more blocks fit the index's SSD bound; False, having
+    evicted nothing, when fewer can leave (`_ssd_can_drop`)."""
     free = index.free(_SSD)
     if free is None or free >= need:
         return True
+    if not _ssd_can_drop(index, need - free):
+        return False
     index.evict_count(_SSD, need - free)
     return (index.free(_SSD) or 0) >= need
 
 
-def dram_room(index: PrefixIndex, n: int, free: int, pinned: int) -> int:
-    """Evicts DRAM victims until `n` blocks fit; returns the free blocks then. `free`: free
-    slots now; `pinned`: DRAM blocks that cannot leave (leased, being written). Evicts nothing
-    when fewer than `n - free` blocks could ever leave."""
+def _ssd_can_drop(index: PrefixIndex[NsT], n: int) -> bool:
+    """Whether SSD eviction can drop `n` blocks: the SSD queue's (unpinned SSD-only leaves),
+    then each SSD-only unpinned parent whose children all go before it, counted without
+    changing anything. O(n) when the queue holds n; else O(queue + the parents it frees)."""
+    leaves = index.victims(_SSD, n)
+    if len(leaves) >= n:
+        return True
+    left: dict[Block[NsT], int] = {}  # a parent's children not yet counted as dropped
+    going, count = leaves, 0
+    while going:
+        b = going.pop()
+        count += 1
+        if count >= n:
+            return True
+        p = b.parent
+        if p is None or p.pins or p.in_dram or not p.on_ssd:
+            continue
+        left[p] = k = left.get(p, p.children) - 1
+        if not k:
+            going.append(p)
+    return False
+
+
+def dram_room(index: PrefixIndex[NsT], n: int, free: int, pinned: int) -> int:
+    """Evicts DRAM victims until `n` blocks fit, best effort; returns the free blocks then
+    (fewer than `n` when it fell short, having evicted what it could). `free`: free slots now;
+    `pinned`: DRAM blocks that cannot leave (leased, being written). Evicts nothing when fewer
+    than `n - free` DRAM blocks are unpinned."""
     if free >= n:
         return free
     evictable = index.blocks(_DRAM) - pinned
@@ -119,7 +147,7 @@ def dram_room(index: PrefixIndex, n: int, free: int, pinned: int) -> int:
     return free
 
 
-def room_hopeless(index: PrefixIndex, n: int, room: int, pinned: int, one_class: bool) -> bool:
+def room_hopeless(index: PrefixIndex[NsT], n: int, room: int, pinned: int, one_class: bool) -> bool:
     """Whether no eviction can make room for `n` blocks (`room` free slots of their class now,
     `pinned` DRAM blocks that cannot leave): nothing is evictable, or — one size class, where
     a victim frees one slot — fewer evictable blocks than the slots missing. With several
@@ -136,26 +164,26 @@ def over_quota(held: int, more: int, quota: int, stride: int) -> int:
     return -(-(held + more - quota) // stride)
 
 
-def tenant_victims(index: PrefixIndex, owner: Callable[[Tenant], str], tenant: str,
-                   n: int) -> list[Block]:
+def tenant_victims(index: PrefixIndex[NsT], owner: Callable[[NsT], str], tenant: str,
+                   n: int) -> list[Block[NsT]]:
     """Up to `n` of `tenant`'s evictable DRAM blocks, coldest first (the index's order); the
-    index's key spaces map to tenants by `owner`. O(evictable blocks)."""
-    return [b for b in index.victims(_DRAM, 1 << 30) if owner(b.tenant) == tenant][:n]
+    index's namespaces map to tenants by `owner`. O(evictable blocks)."""
+    return [b for b in index.victims(_DRAM, 1 << 30) if owner(b.ns) == tenant][:n]
 
 
-def class_victim(index: PrefixIndex) -> bool:
+def class_victim(index: PrefixIndex[NsT]) -> bool:
     """Evicts one DRAM victim (the index's order); False when none can go."""
     return bool(index.evict_count(_DRAM, 1))
 
 
-def promotions(blocks: Sequence[Block]) -> list[int]:
+def promotions(blocks: Sequence[Block[NsT]]) -> list[int]:
     """Positions of the blocks of an acquired prefix (pinned, root first) to promote into
     DRAM: those not in DRAM (SSD-only), in order. The caller gives each a slot (`dram_room`
     or the daemon's claim) and cuts the prefix before the first that gets none."""
     return [i for i, b in enumerate(blocks) if not b.in_dram]
 
 
-def remote_offers(blocks: Sequence[Block], committed: bool, k: int) -> list[Block]:
+def remote_offers(blocks: Sequence[Block[NsT]], committed: bool, k: int) -> list[Block[NsT]]:
     """The blocks of a chain to offer to the remote tier, whose admission is the `k`-th access:
     at Commit (`committed`) every new DRAM block when k is 1, none otherwise; at a Lookup the
     DRAM blocks whose hits reach k just now."""

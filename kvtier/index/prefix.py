@@ -1,8 +1,10 @@
 """The prefix index: which blocks are cached, in which tiers, who pins them, what to evict next.
 
 Pure bookkeeping — no I/O, no tensors, no protobuf, no threads. Entries are keyed by
-``(tenant, key)``: the tenant is a small int or str chosen by the server after authentication, the
-key the block key of `kvtier.core.keys` (opaque bytes here). One `Block` per entry.
+``(ns, key)``: the namespace (`ns`, of the type the index is instantiated with: the daemon's
+`Namespace`, chosen by the server after authentication, or the simulator's int; see
+`kvtier.index.types`), and the block key of `kvtier.core.keys` (opaque bytes here). One `Block`
+per entry.
 
 Residency. An entry exists exactly while the daemon *stores* the block: in a DRAM slot, on SSD,
 or both (promotion keeps the SSD copy, so a later DRAM eviction of that block is a free demotion).
@@ -12,7 +14,7 @@ evicts HBM, and HBM never keeps an entry alive.
 
 Invariants (checked by tests/test_index_props.py after every step):
 
-1. No stranded block: every entry's parent is an entry of the same tenant (or it is a root).
+1. No stranded block: every entry's parent is an entry of the same namespace (or it is a root).
    A chain can only hit from its first block, so a block under a missing parent is dead weight.
    Hence a block leaves its *last* tier only as a leaf (``children == 0``), and the block that
    leaves DRAM while it has an SSD copy (demotion) keeps its children reachable.
@@ -34,7 +36,7 @@ Access statistics: `hits` counts accesses (the commit is the first, each lookup 
 `last` is the index's logical clock at the last access (one tick per insert and per touching
 lookup that hits). Admission
 history: when an entry leaves its last tier (eviction, drop, remove), its `hits` go to a
-fixed-size `kvtier.index.policies.AdmissionHistory`; an insert of the same (tenant, key) while the
+fixed-size `kvtier.index.policies.AdmissionHistory`; an insert of the same (ns, key) while the
 history still remembers it starts at that count + 1, so a block reused at a distance larger than
 DRAM can still reach the k-th access that admits it to SSD. The history holds no key and never
 grows (4 bytes a word, one word per block of DRAM + SSD capacity by default).
@@ -82,11 +84,12 @@ from kvtier.index.types import (
     IndexStats,
     MissingParent,
     NotEvictable,
+    Ns,
+    NsT,
     Op,
     PinnedBlock,
     Prefix,
     Reason,
-    Tenant,
     TierFull,
     UnknownBlock,
 )
@@ -94,8 +97,8 @@ from kvtier.index.types import (
 __all__ = [
     "ADMISSION_HISTORY_PER_BLOCK", "EVICTION_COUNTERS", "BadSlot", "Block", "Change", "Drops",
     "DuplicateBlock", "Evicted", "IndexStateError", "IndexStats", "MissingParent",
-    "NotEvictable", "Op", "PinnedBlock",
-    "Prefix", "PrefixIndex", "Purged", "Reason", "Tenant", "TierFull", "UnknownBlock",
+    "NotEvictable", "Ns", "NsT", "Op", "PinnedBlock",
+    "Prefix", "PrefixIndex", "Purged", "Reason", "TierFull", "UnknownBlock",
 ]
 
 # Module constants: an enum member lookup (`Tier.SSD`) costs ~0.1 us on Python 3.11.
@@ -103,7 +106,7 @@ _HBM, _DRAM, _SSD = Tier.HBM, Tier.DRAM, Tier.SSD
 _PARENT = attrgetter("parent")
 
 
-def _walk(m: dict[BlockKey, Block], keys: Sequence[BlockKey]) -> list[Block]:
+def _walk(m: dict[BlockKey, Block[NsT]], keys: Sequence[BlockKey]) -> list[Block[NsT]]:
     """The blocks of the longest prefix of `keys` cached as one chain (keys[0] cached as a
     root): each key's block whose parent is the previous key's block. When the last key is
     cached (a full hit, most likely) the dict look-ups, the parents and the check are C loops
@@ -116,8 +119,8 @@ def _walk(m: dict[BlockKey, Block], keys: Sequence[BlockKey]) -> list[Block]:
         except AttributeError:  # a key not cached in between
             parents = None
         if parents is not None and parents[1:] == found[:-1]:  # Blocks compare by identity
-            return cast("list[Block]", found)
-    blocks: list[Block] = []
+            return cast("list[Block[NsT]]", found)
+    blocks: list[Block[NsT]] = []
     get, add = m.get, blocks.append
     parent = None
     for key in keys:
@@ -129,7 +132,7 @@ def _walk(m: dict[BlockKey, Block], keys: Sequence[BlockKey]) -> list[Block]:
     return blocks
 
 
-class PrefixIndex(Eviction, HbmReports, Purge):
+class PrefixIndex(Eviction[NsT], HbmReports[NsT], Purge[NsT]):
     """Prefix index over DRAM and SSD with HBM annotations (contract in the module docstring).
 
     `dram_blocks`/`ssd_blocks`: tier capacities in blocks (None = unbounded). DRAM slot ids, when
@@ -151,12 +154,12 @@ class PrefixIndex(Eviction, HbmReports, Purge):
     # ---------------------------------------------------------------- lookup
     def lookup(
         self,
-        tenant: Tenant,
+        ns: NsT,
         keys: Sequence[BlockKey],
         *,
         replica: str | int | None = None,
         touch: bool = True,
-    ) -> Prefix:
+    ) -> Prefix[NsT]:
         """Longest cached prefix of the chain `keys` (keys[0] a root, each next key's parent the
         previous one; the walk stops at the first key not cached *as that chain's next block*).
 
@@ -164,11 +167,11 @@ class PrefixIndex(Eviction, HbmReports, Purge):
         else DRAM, else SSD. With `touch`, each hit block counts an access (hits, last, and its
         eviction-queue position). O(len(prefix)).
         """
-        m = self._maps.get(tenant)
+        m = self._maps.get(ns)
         if m is None or not keys or (first := m.get(keys[0])) is None or first.parent is not None:
-            blocks: list[Block] = []
+            blocks: list[Block[NsT]] = []
             if touch and self._hooks:
-                self._policy.looked_up(tenant, keys, blocks)
+                self._policy.looked_up(ns, keys, blocks)
             return Prefix(blocks, [])
         blocks = _walk(m, keys)
         if self._doomed:  # a purge's pinned leftovers: never found again
@@ -189,7 +192,7 @@ class PrefixIndex(Eviction, HbmReports, Purge):
         else:
             tiers = [dram if b.flags & IN_DRAM else ssd for b in blocks]
         if touch and self._hooks:
-            self._policy.looked_up(tenant, keys, blocks)
+            self._policy.looked_up(ns, keys, blocks)
         if touch:
             self._clock += 1
             now = self._clock << HITS_BITS
@@ -208,7 +211,7 @@ class PrefixIndex(Eviction, HbmReports, Purge):
         return Prefix(blocks, tiers)
 
     # ---------------------------------------------------------------- commit
-    def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, *,
+    def admit(self, ns: NsT, keys: Sequence[BlockKey], start: int, *,
               partial_last: bool = False) -> int:
         """DRAM admission: how many blocks of ``keys[start:]`` — the part of a looked-up chain
         that missed, ``keys[:start]`` being cached — the caller should store, from the first
@@ -219,32 +222,32 @@ class PrefixIndex(Eviction, HbmReports, Purge):
             raise ValueError(f"start {start} is outside the chain (0..{len(keys)})")
         parent = None
         if start:
-            parent = self.get(tenant, keys[start - 1])
+            parent = self.get(ns, keys[start - 1])
             if parent is None:
                 raise MissingParent(f"block {short(keys[start - 1])} is not cached")
-        return self._policy.admit(tenant, keys, start, parent, partial_last)
+        return self._policy.admit(ns, keys, start, parent, partial_last)
 
     def insert(
         self,
-        tenant: Tenant,
+        ns: NsT,
         key: BlockKey,
         parent: BlockKey | None,
         tier: Tier = _DRAM,
         *,
         dram_slot: int | None = None,
-    ) -> Block:
+    ) -> Block[NsT]:
         """Record a committed block stored in `tier` (DRAM or SSD) under `parent` (None = root).
 
-        Raises DuplicateBlock if (tenant, key) is cached (one payload per key: the caller frees
+        Raises DuplicateBlock if (ns, key) is cached (one payload per key: the caller frees
         its copy), MissingParent if `parent` is not cached, TierFull, BadSlot.
         """
         if not isinstance(key, bytes) or not key:
             raise TypeError("a block key is non-empty bytes")
         if tier is _HBM:
             raise ValueError("HBM residency is reported with hbm_add, not inserted")
-        m = self._maps.get(tenant)
+        m = self._maps.get(ns)
         if m is not None and key in m:
-            raise DuplicateBlock(f"block {short(key)} of tenant {tenant!r} is already cached")
+            raise DuplicateBlock(f"block {short(key)} in namespace {ns!r} is already cached")
         p = None
         if parent is not None:
             p = None if m is None else m.get(parent)
@@ -254,10 +257,10 @@ class PrefixIndex(Eviction, HbmReports, Purge):
         if tier is _SSD:
             self._check_closure(p)
         if m is None:
-            m = self._maps[tenant] = {}
+            m = self._maps[ns] = {}
         self._clock += 1
-        hits = 1 + self.history.recall(tenant, key) if self.history.entries else 1
-        b = Block(key, tenant, p, stamp=self._clock << HITS_BITS | hits)
+        hits = 1 + self.history.recall(ns, key) if self.history.entries else 1
+        b = Block(key, ns, p, stamp=self._clock << HITS_BITS | hits)
         if self._hooks:
             self._policy.inserted(b)
         m[key] = b
@@ -270,12 +273,12 @@ class PrefixIndex(Eviction, HbmReports, Purge):
         self._add(b, tier, dram_slot)
         return b
 
-    def add_tier(self, tenant: Tenant, key: BlockKey, tier: Tier, *,
-                 dram_slot: int | None = None) -> Block:
+    def add_tier(self, ns: NsT, key: BlockKey, tier: Tier, *,
+                 dram_slot: int | None = None) -> Block[NsT]:
         """A copy of a cached block now also lives in `tier`: promotion SSD -> DRAM (with its
         slot), or a completed write-back DRAM -> SSD. Raises if already there, TierFull, BadSlot.
         """
-        b = self._need(tenant, key)
+        b = self._need(ns, key)
         if tier is _HBM:
             raise ValueError("HBM residency is reported with hbm_add")
         if b.flags & (1 << tier):
@@ -288,10 +291,10 @@ class PrefixIndex(Eviction, HbmReports, Purge):
 
     promote = add_tier
 
-    def demote(self, tenant: Tenant, key: BlockKey) -> Evicted:
+    def demote(self, ns: NsT, key: BlockKey) -> Evicted[NsT]:
         """DRAM -> SSD bookkeeping once the bytes are on SSD: adds the SSD copy if missing and
         drops the DRAM copy; children stay reachable. Raises PinnedBlock, TierFull."""
-        b = self._need(tenant, key)
+        b = self._need(ns, key)
         if not b.flags & IN_DRAM:
             raise UnknownBlock(f"block {short(key)} is not in dram")
         self._check_unpinned(b)
@@ -300,63 +303,63 @@ class PrefixIndex(Eviction, HbmReports, Purge):
             self._check_room(_SSD, None)
             self._check_closure(b.parent)
             self._add(b, _SSD, None)
-        out: list[Evicted] = []
+        out: list[Evicted[NsT]] = []
         self._drop(b, _DRAM, out, written_back=written)
         return out[0]
 
-    def drop(self, tenant: Tenant, key: BlockKey, tier: Tier) -> Evicted:
+    def drop(self, ns: NsT, key: BlockKey, tier: Tier) -> Evicted[NsT]:
         """Drop the copy in `tier`. Raises PinnedBlock; NotEvictable when the block has children
         and the copy is its last, or is an SSD copy (a child may need it: SSD prefix closure)."""
-        b = self._need(tenant, key)
+        b = self._need(ns, key)
         if tier is _HBM or not b.flags & (1 << tier):
             raise UnknownBlock(f"block {short(key)} is not in {tier.label}")
         self._check_unpinned(b)
         if b.children and (tier is _SSD or not b.flags & ON_SSD):
             raise NotEvictable(f"block {short(key)} has {b.children} cached children")
-        out: list[Evicted] = []
+        out: list[Evicted[NsT]] = []
         self._drop(b, tier, out)
         return out[0]
 
-    def remove(self, tenant: Tenant, key: BlockKey) -> list[Evicted]:
+    def remove(self, ns: NsT, key: BlockKey) -> list[Evicted[NsT]]:
         """Remove a leaf block from every tier (e.g. its SSD copy failed verification)."""
-        b = self._need(tenant, key)
+        b = self._need(ns, key)
         self._check_unpinned(b)
         if b.children:
             raise NotEvictable(f"block {short(key)} has {b.children} cached children")
-        out: list[Evicted] = []
+        out: list[Evicted[NsT]] = []
         for tier in (_SSD, _DRAM):
             if b.flags & (1 << tier):
                 self._drop(b, tier, out, count=False)
         self._evictions["removed"] += 1
         return out
 
-    def remove_subtree(self, tenant: Tenant, key: BlockKey) -> list[Evicted]:
+    def remove_subtree(self, ns: NsT, key: BlockKey) -> list[Evicted[NsT]]:
         """Remove a block and every cached descendant (e.g. its only copy failed verification,
         so the whole subtree can never hit again). Children before parents in the result.
 
-        O(entries of the tenant) — one pass, since entries iterate parents before children;
+        O(entries of the namespace) — one pass, since entries iterate parents before children;
         for rare events, never the request path. Raises PinnedBlock (nothing removed) if any
         block of the subtree is pinned."""
-        top = self._need(tenant, key)
+        top = self._need(ns, key)
         doomed = [top]
         inside = {top}
-        for b in self._maps[tenant].values():
+        for b in self._maps[ns].values():
             if b.parent in inside:
                 inside.add(b)
                 doomed.append(b)
         pinned = next((b for b in doomed if b.pins), None)
         if pinned is not None:
             raise PinnedBlock(f"block {short(pinned.key)} of the subtree is pinned")
-        out: list[Evicted] = []
+        out: list[Evicted[NsT]] = []
         for b in reversed(doomed):
-            out.extend(self.remove(tenant, b.key))
+            out.extend(self.remove(ns, b.key))
         return out
 
-    def move_dram(self, tenant: Tenant, key: BlockKey, slot: int) -> Block:
+    def move_dram(self, ns: NsT, key: BlockKey, slot: int) -> Block[NsT]:
         """Repoints an unpinned DRAM block at another free slot (the pool moved its bytes to
         free a page); residency, queue position and counters stay. Raises PinnedBlock,
         UnknownBlock, BadSlot."""
-        b = self._need(tenant, key)
+        b = self._need(ns, key)
         self._check_unpinned(b)
         old = b.dram_slot
         if old is None:
@@ -367,13 +370,13 @@ class PrefixIndex(Eviction, HbmReports, Purge):
         self._slot_used[slot] = 1
         b.flags = b.flags & FLAG_BITS | (slot + 1) << SLOT_SHIFT
         if self._journal is not None:
-            self._journal.append(Change(Op.MOVE, tenant, key, _DRAM, slot, None, old))
+            self._journal.append(Change(Op.MOVE, ns, key, _DRAM, slot, None, old))
         return b
 
     # ---------------------------------------------------------------- leases
-    def pin(self, tenant: Tenant, key: BlockKey) -> Block:
+    def pin(self, ns: NsT, key: BlockKey) -> Block[NsT]:
         """Take one lease: the block cannot leave any tier until the matching `unpin`."""
-        b = self._need(tenant, key)
+        b = self._need(ns, key)
         b.pins += 1
         self._pins += 1
         if b.pins == 1:
@@ -384,8 +387,8 @@ class PrefixIndex(Eviction, HbmReports, Purge):
             self._requeue(b)
         return b
 
-    def unpin(self, tenant: Tenant, key: BlockKey) -> Block:
-        b = self._need(tenant, key)
+    def unpin(self, ns: NsT, key: BlockKey) -> Block[NsT]:
+        b = self._need(ns, key)
         if not b.pins:
             raise IndexStateError(f"block {short(key)} is not pinned")
         b.pins -= 1

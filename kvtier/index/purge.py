@@ -1,9 +1,9 @@
 """Removing blocks on purpose (an operator's evict or clear): a whole key space, or the blocks
 under given keys, from every tier at once.
 
-    select(tenant, None)      every block of `tenant` (one of the daemon's namespaces)
-    select(tenant, keys)      each given key's block and every block under it
-    purge(tenant, blocks)     removes the selection leaf-first from DRAM and SSD, journaled
+    select(ns, None)      every block of `ns` (one of the daemon's namespaces)
+    select(ns, keys)      each given key's block and every block under it
+    purge(ns, blocks)     removes the selection leaf-first from DRAM and SSD, journaled
 
 A block some pin holds cannot go now (invariant 3), nor can its ancestors (invariant 2): they
 stay *doomed*. A lookup stops before a doomed block, so nothing new pins it; a block committed
@@ -14,7 +14,7 @@ or a child went since the last `reap`. A doomed block that pressure evicts meanw
 Cost: `purge` is one pass over the selection with the removal inlined (no requeueing of a parent
 that goes too, no admission history: an operator's removal says nothing about reuse); its
 journal lists every DRAM drop, then every SSD drop, so the applier's events come as one
-BlockRemoved per tier. `select` of a subtree is one pass over the tenant's entries (they iterate
+BlockRemoved per tier. `select` of a subtree is one pass over the namespace's entries (they iterate
 parents before children). Pure, like the rest of the index; contract in `kvtier.index.prefix`.
 """
 
@@ -33,7 +33,7 @@ from kvtier.index.types import (
     SLOT_SHIFT,
     Block,
     Drops,
-    Tenant,
+    NsT,
 )
 
 _DRAM, _SSD = Tier.DRAM, Tier.SSD
@@ -50,17 +50,17 @@ class Purged(NamedTuple):
     doomed: int
 
 
-class Purge(IndexState):
+class Purge(IndexState[NsT]):
     """`select`, `purge`, `reap` over an `IndexState` (see the module docstring)."""
 
-    def tenants(self) -> list[Tenant]:
-        """The key spaces that hold at least one block."""
+    def namespaces(self) -> list[NsT]:
+        """The namespaces that hold at least one block."""
         return list(self._maps)
 
-    def select(self, tenant: Tenant, keys: Sequence[BlockKey] | None = None) -> list[Block]:
-        """`tenant`'s blocks (None: all) or each given key's block and every block under it,
+    def select(self, ns: NsT, keys: Sequence[BlockKey] | None = None) -> list[Block[NsT]]:
+        """`ns`'s blocks (None: all) or each given key's block and every block under it,
         parents before children. Keys not cached are skipped."""
-        m = self._maps.get(tenant)
+        m = self._maps.get(ns)
         if not m:
             return []
         if keys is None:
@@ -69,26 +69,26 @@ class Purge(IndexState):
         if not tops:
             return []
         inside = set(tops)
-        out: list[Block] = []
+        out: list[Block[NsT]] = []
         for b in m.values():
             if b in inside or b.parent in inside:
                 inside.add(b)
                 out.append(b)
         return out
 
-    def purge(self, tenant: Tenant, blocks: list[Block]) -> Purged:
+    def purge(self, ns: NsT, blocks: list[Block[NsT]]) -> Purged:
         """Removes `blocks` (a `select` result, parents before children) from every tier; a
         pinned block and its ancestors among them stay, doomed. The drops are journaled as one
         `Drops` entry per tier (`take_drops`)."""
-        m = self._maps.get(tenant)
+        m = self._maps.get(ns)
         if not m or not blocks:
             return Purged(0, 0, 0, [], 0)
-        keep: set[Block] = set()
+        keep: set[Block[NsT]] = set()
         pinned = [b for b in blocks if b.pins]
         if pinned:
             chosen = set(blocks)
             for b in pinned:
-                a: Block | None = b
+                a: Block[NsT] | None = b
                 while a is not None and a in chosen and a not in keep:
                     keep.add(a)
                     a = a.parent
@@ -112,7 +112,7 @@ class Purge(IndexState):
             self._policy.forget(gone)
         keys = [b.key for b in gone]
         if whole:
-            del self._maps[tenant]
+            del self._maps[ns]
         else:
             gone_set = set(gone)
             for b in reversed(gone):  # children first: a parent that stays is requeued last
@@ -123,7 +123,7 @@ class Purge(IndexState):
                     if p not in gone_set:
                         self._requeue(p)
             if not m:
-                del self._maps[tenant]
+                del self._maps[ns]
         if keep:
             self._doomed.update(keep)
         if self._doomed:
@@ -136,12 +136,12 @@ class Purge(IndexState):
         self._evictions["removed"] += n
         if self._journal is not None:
             if dram:
-                self._drops.append(Drops(tenant, _DRAM, [b.key for b in dram], slots, whole))
+                self._drops.append(Drops(ns, _DRAM, [b.key for b in dram], slots, whole))
             if ssd_keys:
-                self._drops.append(Drops(tenant, _SSD, ssd_keys, [], whole))
+                self._drops.append(Drops(ns, _SSD, ssd_keys, [], whole))
         return Purged(n, len(dram), len(ssd_keys), keys, len(keep))
 
-    def take_drops(self) -> list[Drops]:
+    def take_drops(self) -> list[Drops[NsT]]:
         """The purges' drops since the last call (`Drops`, oldest first), and a fresh list."""
         d = self._drops
         if not d:
@@ -149,9 +149,9 @@ class Purge(IndexState):
         self._drops = []
         return d
 
-    def doomed(self, tenant: Tenant, key: BlockKey) -> bool:
-        """Whether `tenant`'s block `key` is doomed (waits for its pins to go)."""
-        b = self.get(tenant, key)
+    def doomed(self, ns: NsT, key: BlockKey) -> bool:
+        """Whether `ns`'s block `key` is doomed (waits for its pins to go)."""
+        b = self.get(ns, key)
         return b is not None and b in self._doomed
 
     @property
@@ -163,13 +163,13 @@ class Purge(IndexState):
         """A doomed block lost its last pin or child since the last `reap`."""
         return self._reap_due
 
-    def reap(self) -> list[tuple[Tenant, BlockKey]]:
+    def reap(self) -> list[tuple[NsT, BlockKey]]:
         """Removes every doomed block that nothing pins and that has no children (then its
-        doomed parent when it is left so, and so on); the (tenant, key) removed."""
+        doomed parent when it is left so, and so on); the (ns, key) removed."""
         self._reap_due = False
         doomed = self._doomed
         ready = [b for b in doomed if not b.pins and not b.children]
-        out: list[tuple[Tenant, BlockKey]] = []
+        out: list[tuple[NsT, BlockKey]] = []
         while ready:
             b = ready.pop()
             if b not in doomed or b.pins or b.children:
@@ -179,7 +179,7 @@ class Purge(IndexState):
                 if b.flags & (1 << tier):
                     self._drop(b, tier, None, count=False)  # the last one unlinks it
             self._evictions["removed"] += 1
-            out.append((b.tenant, b.key))
+            out.append((b.ns, b.key))
             if p is not None and p in doomed and not p.pins and not p.children:
                 ready.append(p)
         self._reap_due = False

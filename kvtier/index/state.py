@@ -36,6 +36,7 @@ Threading: none; the owner serialises calls (see `kvtier.index.prefix`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Generic
 
 from kvtier.core.types import BlockKey, Tier
 from kvtier.index.history import HISTORY_MAX_WORDS, AdmissionHistory
@@ -60,10 +61,10 @@ from kvtier.index.types import (
     Evicted,
     IndexStats,
     MissingParent,
+    NsT,
     Op,
     PinnedBlock,
     Reason,
-    Tenant,
     TierFull,
     UnknownBlock,
 )
@@ -80,7 +81,7 @@ def short(key: BlockKey) -> str:
     return key.hex()[:16]
 
 
-class IndexState:
+class IndexState(Generic[NsT]):
     """The fields of a prefix index and the primitives that keep them consistent.
 
     Constructor arguments are documented on `kvtier.index.prefix.PrefixIndex`. Subclasses add
@@ -121,7 +122,7 @@ class IndexState:
         self.history = AdmissionHistory(admission_history)
         self.block_bytes = block_bytes
         self._slot_used = bytearray(dram_blocks or 0)  # 0 free, 1 a block's, 2 a pinned block's
-        self._maps: dict[Tenant, dict[BlockKey, Block]] = {}
+        self._maps: dict[NsT, dict[BlockKey, Block[NsT]]] = {}
         self._replicas: dict[str | int, int] = {}
         self._clock = 0
         self._entries = 0
@@ -130,13 +131,13 @@ class IndexState:
         self._pins = 0
         self._ssd_writes = 0
         self._evictions = dict.fromkeys(EVICTION_COUNTERS, 0)
-        self._journal: list[Change] | None = [] if journal else None
-        self._doomed: set[Block] = set()  # `kvtier.index.purge`: blocks waiting for pins
-        self._drops: list[Drops] = []  # `kvtier.index.purge`'s journal entries
+        self._journal: list[Change[NsT]] | None = [] if journal else None
+        self._doomed: set[Block[NsT]] = set()  # `kvtier.index.purge`: blocks waiting for pins
+        self._drops: list[Drops[NsT]] = []  # `kvtier.index.purge`'s journal entries
         self._reap_due = False
 
     # ---------------------------------------------------------------- journal
-    def take_changes(self) -> list[Change]:
+    def take_changes(self) -> list[Change[NsT]]:
         """The residency changes since the last call, oldest first, and a fresh journal ([]
         when the index keeps none: `journal=False`)."""
         j = self._journal
@@ -146,21 +147,21 @@ class IndexState:
         return j
 
     # ---------------------------------------------------------------- queries
-    def get(self, tenant: Tenant, key: BlockKey) -> Block | None:
-        m = self._maps.get(tenant)
+    def get(self, ns: NsT, key: BlockKey) -> Block[NsT] | None:
+        m = self._maps.get(ns)
         return None if m is None else m.get(key)
 
     def __len__(self) -> int:
         return self._entries
 
-    def iter_blocks(self) -> Iterator[Block]:
-        """Every entry, tenant by tenant, parents before children. O(entries): for audits,
+    def iter_blocks(self) -> Iterator[Block[NsT]]:
+        """Every entry, namespace by namespace, parents before children. O(entries): for audits,
         statistics and snapshots, not for the request path; don't mutate while iterating."""
         for m in self._maps.values():
             yield from m.values()
 
-    def blocks_of(self, match: Callable[[Tenant], bool], tier: Tier) -> int:
-        """Blocks in `tier` of the tenants (namespaces) `match` accepts. O(their entries): for
+    def blocks_of(self, match: Callable[[NsT], bool], tier: Tier) -> int:
+        """Blocks in `tier` of the namespaces `match` accepts. O(their entries): for
         statistics, not for the request path."""
         bit = 1 << tier
         return sum(1 for t, m in self._maps.items() if match(t)
@@ -207,11 +208,11 @@ class IndexState:
         )
 
     # ---------------------------------------------------------------- checks
-    def _need(self, tenant: Tenant, key: BlockKey) -> Block:
-        b = self.get(tenant, key)
+    def _need(self, ns: NsT, key: BlockKey) -> Block[NsT]:
+        b = self.get(ns, key)
         if b is None:
             shown = short(key) if isinstance(key, bytes) else repr(key)
-            raise UnknownBlock(f"block {shown} of tenant {tenant!r} is not cached")
+            raise UnknownBlock(f"block {shown} in namespace {ns!r} is not cached")
         return b
 
     def _queue_of(self, tier: Tier) -> EvictionQueue:
@@ -238,18 +239,18 @@ class IndexState:
             raise BadSlot(f"DRAM slot {slot} already holds another block")
 
     @staticmethod
-    def _check_unpinned(b: Block) -> None:
+    def _check_unpinned(b: Block[NsT]) -> None:
         if b.pins:
             raise PinnedBlock(f"block {short(b.key)} is pinned")
 
     @staticmethod
-    def _check_closure(parent: Block | None) -> None:
+    def _check_closure(parent: Block[NsT] | None) -> None:
         if parent is not None and not parent.flags & ON_SSD:
             raise MissingParent(
                 f"parent {short(parent.key)} is not on SSD; SSD holds whole prefixes")
 
     # ---------------------------------------------------------------- mutations
-    def _add(self, b: Block, tier: Tier, slot: int | None) -> None:
+    def _add(self, b: Block[NsT], tier: Tier, slot: int | None) -> None:
         b.flags |= 1 << tier
         self._count[tier] += 1
         if tier is _SSD:
@@ -260,10 +261,10 @@ class IndexState:
         self._requeue(b)
         if self._journal is not None:
             p = b.parent
-            self._journal.append(Change(_ADD, b.tenant, b.key, tier, slot,
+            self._journal.append(Change(_ADD, b.ns, b.key, tier, slot,
                                         None if p is None else p.key))
 
-    def _drop(self, b: Block, tier: Tier, out: list[Evicted] | None, *,
+    def _drop(self, b: Block[NsT], tier: Tier, out: list[Evicted[NsT]] | None, *,
               written_back: bool = False, count: bool = True) -> None:
         """Drop `b`'s copy in `tier`; appends what happened to `out` unless it is None."""
         f = b.flags
@@ -294,21 +295,21 @@ class IndexState:
         if count:
             self._evictions[name] += 1
         if self._journal is not None:
-            self._journal.append(Change(_DROP, b.tenant, b.key, tier, slot))
+            self._journal.append(Change(_DROP, b.ns, b.key, tier, slot))
         if out is not None:
-            out.append(Evicted(b.tenant, b.key, tier, reason, slot))
+            out.append(Evicted(b.ns, b.key, tier, reason, slot))
 
-    def _unlink(self, b: Block) -> None:
+    def _unlink(self, b: Block[NsT]) -> None:
         """Remove an entry that left its last tier (a leaf); its access count goes to history."""
         self._requeue(b)
         if b.hbm:
             self._hbm_blocks -= 1
-        m = self._maps[b.tenant]
+        m = self._maps[b.ns]
         del m[b.key]
         if not m:
-            del self._maps[b.tenant]
+            del self._maps[b.ns]
         self._entries -= 1
-        self.history.remember(b.tenant, b.key, b.stamp & HITS_MAX)
+        self.history.remember(b.ns, b.key, b.stamp & HITS_MAX)
         if self._hooks:
             self._policy.unlinked(b)
         p = b.parent
@@ -321,7 +322,7 @@ class IndexState:
             if p is not None and not p.children and p in self._doomed:
                 self._reap_due = True
 
-    def _requeue(self, b: Block) -> None:
+    def _requeue(self, b: Block[NsT]) -> None:
         """Put `b` in the queue its state calls for (none, DRAM's or SSD's); O(1)."""
         f = b.flags
         want = 0

@@ -1,5 +1,10 @@
 """The prefix index's vocabulary: the `Block` node, its packed bits, results and errors.
 
+The index's key space is a *namespace* (`ns`): the index is generic in its type, `NsT`, any
+hashable `Ns` (int or str). The daemon's is `kvtier.daemon.cache.namespaces.Namespace` (tenant
+and layout id, a str), the simulator's a small int; each gets its own type back from every
+block, journal entry and result (``PrefixIndex[Namespace]``), never a str it must cast.
+
 Kept apart from the index's logic (`kvtier.index.prefix`, `kvtier.index.state`,
 `kvtier.index.evict`, `kvtier.index.hbm`); `kvtier.index.prefix` re-exports all of it. See
 `kvtier.index.prefix` for the contract.
@@ -9,12 +14,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from kvtier.core.errors import KvtierError
 from kvtier.core.types import BlockKey, Tier
 
-Tenant = int | str
+Ns = int | str
+"""What may name a namespace of the index; the policies and the history hash it (an int is
+its own seed, a str's UTF-8 is hashed)."""
+NsT = TypeVar("NsT", bound=Ns)
 
 IN_DRAM = 1 << 1
 ON_SSD = 1 << 2
@@ -31,8 +39,9 @@ HITS_MAX = (1 << HITS_BITS) - 1
 
 
 @dataclass(slots=True, eq=False)
-class Block:
-    """One cached block. Fields are owned by the index (and its queue links by the policy).
+class Block(Generic[NsT]):
+    """One cached block of namespace `ns`. Fields are owned by the index (and its queue links
+    by the policy).
 
     Packed to stay small (~110 bytes + key): `flags` holds the residency/queue bits in its low
     byte and ``dram_slot + 1`` above; `stamp` holds the logical time of the last access above
@@ -40,15 +49,15 @@ class Block:
     """
 
     key: BlockKey
-    tenant: Tenant
-    parent: Block | None = field(repr=False)
+    ns: NsT
+    parent: Block[NsT] | None = field(repr=False)
     children: int = 0
     flags: int = 0
     hbm: int = 0
     pins: int = 0
     stamp: int = 0
-    prev: Block | None = field(default=None, repr=False)
-    next: Block | None = field(default=None, repr=False)
+    prev: Block[NsT] | None = field(default=None, repr=False)
+    next: Block[NsT] | None = field(default=None, repr=False)
 
     @property
     def dram_slot(self) -> int | None:
@@ -127,11 +136,11 @@ EVICTION_COUNTERS = ("dram_demoted", "dram_written_back", "dram_dropped", "ssd_c
 """Keys of `IndexStats.evictions`: `<tier>_<reason>` of every eviction/drop, and `removed`."""
 
 
-class Evicted(NamedTuple):
+class Evicted(NamedTuple, Generic[NsT]):
     """What one eviction/drop did to one block in `tier`. `dram_slot`: the DRAM slot freed; None
     if no slot is involved."""
 
-    tenant: Tenant
+    ns: NsT
     key: BlockKey
     tier: Tier
     reason: Reason
@@ -149,14 +158,14 @@ class Op(enum.Enum):
     """The DRAM copy now lives in another slot (`slot`; the pool moved its bytes)."""
 
 
-class Change(NamedTuple):
+class Change(NamedTuple, Generic[NsT]):
     """One entry of the index's journal (`PrefixIndex.take_changes`), in the order the changes
     happened. `slot`: the DRAM slot taken (ADD), freed (DROP) or moved to (MOVE); None when no
     slot is tracked or the tier is SSD. `parent`: the block's parent key (ADD only; None for a
     root and for DROP/MOVE). `old_slot`: the slot a MOVE left (else None)."""
 
     op: Op
-    tenant: Tenant
+    ns: NsT
     key: BlockKey
     tier: Tier
     slot: int | None
@@ -164,22 +173,22 @@ class Change(NamedTuple):
     old_slot: int | None = None
 
 
-class Drops(NamedTuple):
-    """One purge's drops from one tier (`PrefixIndex.take_drops`): the blocks of one tenant that
+class Drops(NamedTuple, Generic[NsT]):
+    """One purge's drops from one tier (`PrefixIndex.take_drops`): the blocks of one namespace that
     left `tier`, and (DRAM) the slots they freed, as one entry instead of a `Change` each."""
 
-    tenant: Tenant
+    ns: NsT
     tier: Tier
     keys: list[BlockKey]
     slots: list[int]
     whole: bool = False
-    """Every block of the tenant left the index (nothing of it is cached any more)."""
+    """Every block of the namespace left the index (nothing of it is cached any more)."""
 
 
-class Prefix(NamedTuple):
+class Prefix(NamedTuple, Generic[NsT]):
     """The longest cached prefix of a key chain: its blocks and each one's best tier."""
 
-    blocks: list[Block]
+    blocks: list[Block[NsT]]
     tiers: list[Tier]
 
 

@@ -27,21 +27,21 @@ class Compared(NamedTuple):
         return self.estimated - self.replayed
 
 
-def estimate(requests: Sequence[Request], sampler: ReuseSampler, tenant: object = 0) -> None:
+def estimate(requests: Sequence[Request], sampler: ReuseSampler, ns: object = 0) -> None:
     """Feeds every request of the trace to `sampler` as one lookup of its whole chain."""
     for r in requests:
-        sampler.observe(tenant, [key_of(i) for i in r.hash_ids])
+        sampler.observe(ns, [key_of(i) for i in r.hash_ids])
 
 
 def compare(
     requests: Sequence[Request], dram_blocks: int, ssd_blocks: int, *, admit_k: int = 2,
-    max_keys: int, tenant: object = 0, factors: Sequence[float] = FACTORS,
+    max_keys: int, ns: object = 0, factors: Sequence[float] = FACTORS,
 ) -> tuple[list[Compared], ReuseSampler]:
     """Estimate at the `capacity_grid` of (dram_blocks, ssd_blocks), then replay each point
     under `lru`, the policy the estimator models (LRU reuse distances), whatever the default."""
     grid = capacity_grid(dram_blocks, ssd_blocks, factors)
     sampler = ReuseSampler(grid, admit_k=admit_k, max_keys=max_keys)
-    estimate(requests, sampler, tenant)
+    estimate(requests, sampler, ns)
     out = []
     for scaled, factor, p in labelled(sampler.points(), factors):
         real = replay(requests, TierConfig(p.dram_blocks, p.ssd_blocks, policy="lru",

@@ -1,7 +1,7 @@
 """Replay a trace through the real `kvtier.index.prefix.PrefixIndex` and the daemon's placement
 planner (`kvtier.index.placement`), step by step as the daemon serves a request.
 
-Per request, in arrival order (one tenant; trace id i is the 8-byte big-endian key of block i):
+Per request, in arrival order (one namespace; trace id i is the 8-byte big-endian key of block i):
 
   1. Lookup: `index.lookup` returns the longest cached prefix and each block's best tier; those
      blocks are the request's hits (by tier), and the lookup counts an access on each. Then the
@@ -53,11 +53,11 @@ from typing import NamedTuple, Protocol
 from kvtier.core.types import Tier
 from kvtier.core.wear import TokenBucket, WriteBudget
 from kvtier.index import placement
-from kvtier.index.prefix import Block, PrefixIndex, Tenant
+from kvtier.index.prefix import Block, Ns, PrefixIndex
 from kvtier.sim.config import ReplayStats, TierConfig
 from kvtier.sim.trace import TRACE_BLOCK_TOKENS, Request
 
-TENANT = 0
+NS = 0
 _PROGRESS_EVERY = 256
 
 
@@ -79,7 +79,7 @@ def key_of(block_id: int) -> bytes:
     return block_id.to_bytes(8, "big")
 
 
-def new_index(config: TierConfig, journal: bool = False) -> PrefixIndex:
+def new_index(config: TierConfig, journal: bool = False) -> PrefixIndex[Ns]:
     """An empty index at `config`'s capacities; `journal`: keep its residency changes (the
     events a fleet's router learns node contents from, `kvtier.sim.fleet`)."""
     return PrefixIndex(
@@ -95,17 +95,17 @@ def new_index(config: TierConfig, journal: bool = False) -> PrefixIndex:
 class _Writer:
     """Applies the planner's write-back intents at once, under the SSD write budget."""
 
-    def __init__(self, idx: PrefixIndex, config: TierConfig, now: list[float],
-                 tenant: Tenant) -> None:
+    def __init__(self, idx: PrefixIndex[Ns], config: TierConfig, now: list[float],
+                 ns: Ns) -> None:
         self.idx = idx
-        self.tenant = tenant
+        self.ns = ns
         self.cost = config.ssd_block_bytes
         self.budget = None if config.ssd_write_bytes_per_day is None else WriteBudget(
             config.ssd_write_bytes_per_day, config.ssd_write_burst_bytes,
             clock=lambda: now[0] / 1000.0)
         self.refused = 0
 
-    def write(self, blocks: list[Block]) -> bool:
+    def write(self, blocks: list[Block[Ns]]) -> bool:
         """Writes back what the planner calls for, as the daemon does: each write-back is
         pinned while it waits (room is made for it and those before it), then all are
         recorded on SSD in order, each unpinned first (`queue`, then `done`). True if SSD
@@ -114,12 +114,12 @@ class _Writer:
         self.done(queued)
         return evicted
 
-    def queue(self, blocks: list[Block]) -> tuple[list[bytes], bool]:
+    def queue(self, blocks: list[Block[Ns]]) -> tuple[list[bytes], bool]:
         """`write`'s first half: the write-backs pinned as the daemon queues them, and whether
         SSD victims were evicted for room."""
-        idx, tenant, evicted = self.idx, self.tenant, False
+        idx, ns, evicted = self.idx, self.ns, False
         queued: list[bytes] = []
-        for w in placement.write_backs(idx, tenant, blocks):
+        for w in placement.write_backs(idx, ns, blocks):
             need = 1 + len(queued)
             free = idx.free(Tier.SSD)
             evicted = evicted or (free is not None and free < need)
@@ -128,17 +128,17 @@ class _Writer:
             if self.budget is not None and not self.budget.try_spend(self.cost):
                 self.refused += 1
                 break
-            idx.pin(tenant, w.key)
+            idx.pin(ns, w.key)
             queued.append(w.key)
         return queued, evicted
 
     def done(self, queued: list[bytes]) -> None:
         """`write`'s second half: the queued write-backs are on SSD (the daemon's writer
         reports them in order, each unpinned first)."""
-        idx, tenant = self.idx, self.tenant
+        idx, ns = self.idx, self.ns
         for key in queued:
-            idx.unpin(tenant, key)
-            idx.add_tier(tenant, key, Tier.SSD)
+            idx.unpin(ns, key)
+            idx.add_tier(ns, key, Tier.SSD)
 
 
 class Served(NamedTuple):
@@ -168,20 +168,20 @@ class Node:
     blocks (which would sit behind a hole in the store's chain), as the daemon drops them
     (`remote_writes_dropped`)."""
 
-    def __init__(self, config: TierConfig, index: PrefixIndex | None = None, *,
-                 tenant: Tenant = TENANT, key_bytes: int = 8, remote: RemoteLike | None = None,
+    def __init__(self, config: TierConfig, index: PrefixIndex[Ns] | None = None, *,
+                 ns: Ns = NS, key_bytes: int = 8, remote: RemoteLike | None = None,
                  remote_budget: tuple[float, int] | None = None) -> None:
         idx = new_index(config) if index is None else index
         if len(idx):
             raise ValueError("replay needs an empty index")
-        self.index, self.config, self.tenant, self.key_bytes = idx, config, tenant, key_bytes
+        self.index, self.config, self.ns, self.key_bytes = idx, config, ns, key_bytes
         self.remote = remote
         self._now = [0.0]
         self._remote_budget = None if remote_budget is None else (TokenBucket(
             remote_budget[0], max(remote_budget[0], remote_budget[1]),
             clock=lambda: self._now[0] / 1000.0), remote_budget[1])
         self.remote_writes_dropped = 0
-        self._writer = _Writer(idx, config, self._now, tenant)
+        self._writer = _Writer(idx, config, self._now, ns)
         self._write = self._writer.write if config.ssd_blocks else None
         self.requests = self.refs = 0
         self.hits_dram = self.hits_ssd = self.hits_remote = 0
@@ -190,7 +190,7 @@ class Node:
 
     def serve(self, req: Request) -> Served:
         """Lookup, Acquire, Allocate + Commit and Release of one request (module docstring)."""
-        idx, tenant, remote, write = self.index, self.tenant, self.remote, self._write
+        idx, ns, remote, write = self.index, self.ns, self.remote, self._write
         dram, ssd = Tier.DRAM, Tier.SSD
         pin, unpin, free, dram_room = idx.pin, idx.unpin, idx.free, placement.dram_room
         self._now[0] = req.timestamp
@@ -199,7 +199,7 @@ class Node:
         self.requests += 1
         self.refs += len(keys)
         # Lookup
-        prefix = idx.lookup(tenant, keys)
+        prefix = idx.lookup(ns, keys)
         tiers = prefix.tiers
         h = len(tiers)
         on_ssd = tiers.count(ssd)
@@ -207,7 +207,7 @@ class Node:
         self.hits_dram += h - on_ssd
         held = prefix.blocks
         if write is not None and h and write(held):
-            held = idx.lookup(tenant, keys, touch=False).blocks  # as Acquire looks again
+            held = idx.lookup(ns, keys, touch=False).blocks  # as Acquire looks again
         start = len(held)
         # the daemon's Acquire asks the store after the local prefix it finds (`Cache`)
         there = remote.present(keys, start) if remote is not None and start < len(keys) else 0
@@ -216,14 +216,14 @@ class Node:
         # then, after a whole local prefix, for each key the remote store holds; then, as its
         # `end`, the claims are filled in that order
         for b in held:
-            pin(tenant, b.key)
+            pin(ns, b.key)
         claims = promoted = 0
         if on_ssd:
             pinned = sum(b.in_dram for b in held)
             for i in placement.promotions(held):
                 if dram_room(idx, 1, (free(dram) or 0) - claims, pinned) < 1:
                     for rest in held[i:]:
-                        unpin(tenant, rest.key)
+                        unpin(ns, rest.key)
                     del held[i:]
                     break
                 claims += 1
@@ -235,7 +235,7 @@ class Node:
                     break
                 claims += 1
         for i in placement.promotions(held):
-            idx.promote(tenant, held[i].key, dram)
+            idx.promote(ns, held[i].key, dram)
             promoted += 1
         self.promotions += promoted
         got: list[Tier] = list(tiers)
@@ -244,8 +244,8 @@ class Node:
             parent = keys[start - 1] if start else None
             for k in keys[start : start + fetched]:
                 remote.fetch(k)
-                held.append(idx.insert(tenant, k, parent))
-                pin(tenant, k)
+                held.append(idx.insert(ns, k, parent))
+                pin(ns, k)
                 parent = k
             self.hits_remote += fetched
             start += fetched
@@ -254,7 +254,7 @@ class Node:
         missing = len(keys) - start
         committed: list[bytes] = []
         if missing:
-            admitted = idx.admit(tenant, keys, start,
+            admitted = idx.admit(ns, keys, start,
                                  partial_last=req.input_length < len(keys) * TRACE_BLOCK_TOKENS)
             self.bypassed += missing - admitted
             stored = 0
@@ -264,10 +264,10 @@ class Node:
                 stored = min(fit, dram_room(idx, fit, room, len(held)))
             if stored:
                 parent = keys[start - 1] if start else None
-                new: list[Block] = []
+                new: list[Block[Ns]] = []
                 insert = idx.insert
                 for k in keys[start : start + stored]:
-                    new.append(insert(tenant, k, parent))
+                    new.append(insert(ns, k, parent))
                     parent = k
                 committed = keys[start : start + stored]
                 # the daemon's Commit queues the write-backs, then the remote writes (each
@@ -279,24 +279,24 @@ class Node:
                     sent = self._write_remote(remote, [b.key for b in offers])
                 self._writer.done(queued)
                 for k in sent:
-                    unpin(tenant, k)
+                    unpin(ns, k)
             self.not_stored += missing - stored
             self.inserted += stored
         # Release
         for b in held:
-            unpin(tenant, b.key)
+            unpin(ns, b.key)
         return Served(got, committed)
 
     def _write_remote(self, remote: RemoteLike, keys: list[bytes]) -> list[bytes]:
         """Writes `keys` to the remote store as the daemon queues them: each pinned while its
         write waits (the caller unpins the ones returned once written); a write the budget
         refuses is unpinned at once and drops the rest."""
-        budget, idx, tenant = self._remote_budget, self.index, self.tenant
+        budget, idx, ns = self._remote_budget, self.index, self.ns
         sent: list[bytes] = []
         for i, k in enumerate(keys):
-            idx.pin(tenant, k)
+            idx.pin(ns, k)
             if budget is not None and not budget[0].take(budget[1]):
-                idx.unpin(tenant, k)
+                idx.unpin(ns, k)
                 self.remote_writes_dropped += len(keys) - i
                 break
             remote.store(k)
@@ -337,17 +337,17 @@ def replay(
     requests: Sequence[Request],
     config: TierConfig,
     progress: Callable[[int], None] | None = None,
-    index: PrefixIndex | None = None,
+    index: PrefixIndex[Ns] | None = None,
     *,
-    tenant: Tenant = TENANT,
+    ns: Ns = NS,
     key_bytes: int = 8,
 ) -> ReplayStats:
     """Replay `requests` (see the module docstring) on one `Node`. `index`, if given, must be
     empty and is left in its final state for inspection; `progress(n)` is called every few
-    hundred requests. `tenant` and `key_bytes` (trace id i is the big-endian key of that width)
+    hundred requests. `ns` and `key_bytes` (trace id i is the big-endian key of that width)
     name the blocks in the index; a daemon's own names make its admission history and policy
     hashes the same (the equality test)."""
-    node = Node(config, index, tenant=tenant, key_bytes=key_bytes)
+    node = Node(config, index, ns=ns, key_bytes=key_bytes)
     serve = node.serve
     t0, c0 = time.perf_counter(), time.process_time()
     for n, req in enumerate(requests, start=1):
@@ -360,7 +360,7 @@ def replay(
     return node.stats()
 
 
-def count_stranded(idx: PrefixIndex) -> int:
+def count_stranded(idx: PrefixIndex[Ns]) -> int:
     """Cached blocks whose parent is not cached in any tier (DESIGN invariant 2 says none).
 
     Walks every entry (`iter_blocks`): each must be stored in DRAM or on SSD, and its parent must
@@ -368,11 +368,11 @@ def count_stranded(idx: PrefixIndex) -> int:
     """
     get = idx.get
 
-    def stored(b: Block) -> bool:
+    def stored(b: Block[Ns]) -> bool:
         return b.in_dram or b.on_ssd
 
-    def parent_ok(b: Block) -> bool:
+    def parent_ok(b: Block[Ns]) -> bool:
         p = b.parent
-        return p is None or (get(b.tenant, p.key) is p and stored(p))
+        return p is None or (get(b.ns, p.key) is p and stored(p))
 
     return sum(1 for b in idx.iter_blocks() if not (stored(b) and parent_ok(b)))

@@ -16,7 +16,7 @@ never blocks: a write-back over the wear budget, or that finds the queue full
 (`MoverSpec.queue_bytes` of slots already held), is dropped and counted; the caller keeps the
 slot.
 
-Promotion (synchronous, on the caller's thread): `promote(tenant, key, slot)` copies a verified
+Promotion (synchronous, on the caller's thread): `promote(ns, key, slot)` copies a verified
 SSD payload into a DRAM slot the caller allocated and has not published yet.
 
 Threading and ownership: `submit`, `promote` and `stats` may be called from any thread.
@@ -31,7 +31,7 @@ import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from kvtier.core.wear import WriteBudget
 from kvtier.tiers import blockfmt
@@ -42,8 +42,13 @@ from kvtier.tiers.writeq import Offered, QueueSpec, SlotWriteQueue
 log = logging.getLogger(__name__)
 
 
-class WriteBack(NamedTuple):
-    tenant: str
+S = TypeVar("S", bound=str)
+"""The namespace type of the mover's owner (the daemon's `Namespace`): a write-back comes back
+to `on_written` as it was submitted."""
+
+
+class WriteBack(NamedTuple, Generic[S]):
+    ns: S
     key: bytes
     parent: bytes | None
     slot: int
@@ -58,7 +63,7 @@ class Submitted(enum.Enum):
     CLOSED = "closed"
 
 
-OnWritten = Callable[[list[WriteBack], PutResult], None]
+OnWritten = Callable[[list[WriteBack[S]], PutResult], None]
 
 
 @dataclass(frozen=True)
@@ -100,14 +105,14 @@ class _Counts:
     promote_misses: int = 0
 
 
-class Mover:
+class Mover(Generic[S]):
     def __init__(
         self,
         pool: DramPool,
         store: SsdStore,
         budget: WriteBudget,
         spec: MoverSpec = MoverSpec(),
-        on_written: OnWritten | None = None,
+        on_written: OnWritten[S] | None = None,
     ) -> None:
         self.pool = pool
         self.store = store
@@ -115,13 +120,13 @@ class Mover:
         self.spec = spec
         self.on_written = on_written
         self._c = _Counts()
-        self._q: SlotWriteQueue[WriteBack, PutResult] = SlotWriteQueue(
+        self._q: SlotWriteQueue[WriteBack[S], PutResult] = SlotWriteQueue(
             pool, QueueSpec(spec.queue_bytes, spec.batch_blocks, spec.linger_s),
             self._write, self._written, "write-back")
 
     # -- write-back -------------------------------------------------------------------------
 
-    def submit(self, item: WriteBack) -> Submitted:
+    def submit(self, item: WriteBack[S]) -> Submitted:
         """Queue a write-back without blocking; on QUEUED the slot stays pinned until written
         (the queue pins it, or the pool's owner does: `SlotWriteQueue.offer`).
 
@@ -132,7 +137,7 @@ class Mover:
         if not 0 < item.nbytes <= self.pool.max_block:
             raise ValueError(f"write-back of {item.nbytes} bytes (blocks are 1..."
                              f"{self.pool.max_block} B)")
-        if self.store.contains(item.tenant, item.key):
+        if self.store.contains(item.ns, item.key):
             return Submitted.ALREADY_STORED
         size = self.pool.stride_of(item.slot)
         if item.nbytes > size:
@@ -150,22 +155,22 @@ class Mover:
             return Submitted.OVER_BUDGET
         return Submitted.CLOSED
 
-    def _write(self, batch: list[WriteBack]) -> PutResult:
+    def _write(self, batch: list[WriteBack[S]]) -> PutResult:
         items = [
-            PutItem(w.tenant, w.key, w.parent, self.pool.view(w.slot, w.nbytes)) for w in batch
+            PutItem(w.ns, w.key, w.parent, self.pool.view(w.slot, w.nbytes)) for w in batch
         ]
         try:
             return self.store.put_many(items)
         finally:
             del items
 
-    def _written(self, batch: list[WriteBack], result: PutResult | None) -> None:
+    def _written(self, batch: list[WriteBack[S]], result: PutResult | None) -> None:
         """The batch's slots are unpinned: refund what was not stored, tell the daemon."""
         if result is None:  # the write failed, or the mover closed before it
-            result = PutResult([], [(w.tenant, w.key) for w in batch], [], 0)
+            result = PutResult([], [(w.ns, w.key) for w in batch], [], 0)
         refused = set(result.refused)
         for w in batch:
-            if (w.tenant, w.key) in refused:
+            if (w.ns, w.key) in refused:
                 self.budget.refund(w.nbytes + blockfmt.HEADER_SIZE)
         c = self._c
         c.written_blocks += len(batch) - len(refused)
@@ -176,18 +181,18 @@ class Mover:
 
     # -- promotion ----------------------------------------------------------------------------
 
-    def promote(self, tenant: str, key: bytes, slot: int) -> int | None:
+    def promote(self, ns: str, key: bytes, slot: int) -> int | None:
         """Copy a verified SSD block into an allocated, unpublished DRAM slot; bytes or None."""
-        return self.promote_many([(tenant, key, slot)])[0]
+        return self.promote_many([(ns, key, slot)])[0]
 
     def promote_many(self, reads: list[tuple[str, bytes, int]]) -> list[int | None]:
         """`promote` for a batch (one read transaction, read-ahead for all of it)."""
         got = self.store.get_many_into([(t, k, self.pool.view(s)) for t, k, s in reads])
-        for (tenant, key, _), n in zip(reads, got, strict=True):
+        for (ns, key, _), n in zip(reads, got, strict=True):
             if n is None:
                 self._c.promote_misses += 1
                 continue
-            self.store.record_access(tenant, key)
+            self.store.record_access(ns, key)
             self._c.promoted += 1
             self._c.promoted_bytes += n
         return got

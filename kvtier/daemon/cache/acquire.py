@@ -56,7 +56,7 @@ from typing import NamedTuple
 from kvtier.core.types import Tier
 from kvtier.daemon.cache.api import AcquireResult
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
-from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant
+from kvtier.daemon.cache.namespaces import Namespace, NamespaceInfo, Tenant
 from kvtier.daemon.cache.residency import Residency, Steps
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.rates.book import Link, RateBook
@@ -75,7 +75,7 @@ class ReadLease:
     """A READ lease's payload: the pinned blocks (pinned in the index, which the pool asks)."""
 
     ns: NamespaceInfo
-    blocks: list[Block]
+    blocks: list[Block[Namespace]]
     h2d_bytes_per_s: float  # the planner's DRAM-read estimate when granted (prediction error)
 
     def slot_of(self, block: int) -> int:
@@ -104,7 +104,7 @@ class Acquiring:
     tenant: Tenant
     ns: NamespaceInfo
     ttl: float
-    blocks: list[Block]  # the prefix, each pinned in the index
+    blocks: list[Block[Namespace]]  # the prefix, each pinned in the index
     claimed: dict[int, int]  # position -> slot claimed to promote that SSD-only block into
     waits: dict[int, threading.Event]  # position -> the promoting Acquire's `done`
     done: threading.Event  # set once this Acquire's promotions are settled
@@ -225,7 +225,7 @@ class Acquirer:
         ns, name = a.ns, a.ns.name
         residency, pool = self.residency, self.residency.pool
         got = dict(zip(a.claimed, a.got or [None] * len(a.claimed), strict=True))
-        pinned: list[Block] = []
+        pinned: list[Block[Namespace]] = []
         sources: list[Tier] = []
         stop, lost, promoted = len(a.blocks), None, 0
         with self._lock:
@@ -275,7 +275,7 @@ class Acquirer:
                 Link.SSD_READ, a.read_s, promoted * ns.layout.block_bytes / a.ssd_bytes_per_s)
         return AcquireResult(lease_id, offsets, sources, a.ttl)
 
-    def _settle_remote(self, a: Acquiring, whole: bool, pinned: list[Block],
+    def _settle_remote(self, a: Acquiring, whole: bool, pinned: list[Block[Namespace]],
                        sources: list[Tier]) -> None:
         """Fetched remote payloads after a whole local prefix become DRAM blocks, pinned for the
         lease; every other remote claim is given back. Cache lock held."""

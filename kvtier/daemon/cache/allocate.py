@@ -32,7 +32,7 @@ from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
 from kvtier.daemon.cache.api import AllocateResult
 from kvtier.daemon.cache.leases import LeaseKind, LeaseTable
-from kvtier.daemon.cache.namespaces import NamespaceInfo, Tenant, TenantUsage
+from kvtier.daemon.cache.namespaces import Namespace, NamespaceInfo, Tenant, TenantUsage
 from kvtier.daemon.cache.residency import Residency, Steps
 from kvtier.index import placement
 from kvtier.index.prefix import Block, DuplicateBlock, MissingParent
@@ -187,7 +187,7 @@ class Allocator:
         The applier publishes them (one BlockStored per run of consecutive blocks) before any
         SSD event of the same blocks."""
         ns, index = w.ns, self.residency.index
-        inserted: list[Block] = []
+        inserted: list[Block[Namespace]] = []
         dropped: list[bytes] = []
         for i, slot in w.todo:
             key = w.keys[i]

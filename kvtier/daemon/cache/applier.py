@@ -55,7 +55,6 @@ none of these calls back into a lock before it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 from kvtier.core.types import Tier
 from kvtier.daemon.cache.events import EventLog
@@ -76,7 +75,7 @@ class Applier:
     block of namespace `ns`. `store` is set once the SSD tier is open (None: no SSD tier)."""
 
     def __init__(
-        self, index: PrefixIndex, pool: DramPool, names: Namespaces, events: EventLog,
+        self, index: PrefixIndex[Namespace], pool: DramPool, names: Namespaces, events: EventLog,
         metrics: DaemonMetrics, ssd_cost: Callable[[str], int],
         payload: Callable[[str], int] | None = None,
     ) -> None:
@@ -104,11 +103,11 @@ class Applier:
         names, pool = self.names, self.pool
         keep = pool.keep is not None and self.payload is not None and self.recording
         deletes: list[tuple[str, bytes]] = []
-        run: list[Change] = []
-        gone: list[Change] = []  # a run of drops of one namespace's blocks from one tier
+        run: list[Change[Namespace]] = []
+        gone: list[Change[Namespace]] = []  # a run of drops of one namespace's blocks from one tier
         dropped: dict[Tier, int] = {}  # the eviction counters, added once per tier
         for c in changes:
-            ns = cast(Namespace, c.tenant)  # the daemon keys the index by Namespace only
+            ns = c.ns
             if c.op is _ADD:
                 if gone:
                     self._removed(gone)
@@ -122,7 +121,7 @@ class Applier:
                                 self.payload(ns))  # type: ignore[misc]
                 if not publish:
                     continue
-                if run and not (c.tenant == run[-1].tenant and c.tier is run[-1].tier
+                if run and not (c.ns == run[-1].ns and c.tier is run[-1].tier
                                 and c.parent == run[-1].key):
                     self._stored(run)
                     run = []
@@ -144,7 +143,7 @@ class Applier:
                 names.charge(tenant, _SSD, -cost)
             dropped[c.tier] = dropped.get(c.tier, 0) + 1
             if publish:
-                if gone and not (c.tenant == gone[-1].tenant and c.tier is gone[-1].tier):
+                if gone and not (c.ns == gone[-1].ns and c.tier is gone[-1].tier):
                     self._removed(gone)
                     gone = []
                 gone.append(c)
@@ -157,11 +156,11 @@ class Applier:
         if deletes and self.store is not None:
             self.store.delete_many(deletes)
 
-    def _drops(self, d: Drops, why: str, publish: bool) -> None:
+    def _drops(self, d: Drops[Namespace], why: str, publish: bool) -> None:
         """A purge's drops from one tier (`kvtier.index.purge`): as the DROP entries of those
         blocks would be, in bulk — the slots freed under one pool lock, the tenant charged
         once, the SSD keys deleted in one batch, BlockRemoved in events of `EVENT_KEYS`."""
-        ns = cast(Namespace, d.tenant)
+        ns = d.ns
         if d.tier is _DRAM:
             if d.slots:
                 self.names.charge(ns.tenant, _DRAM, -self.pool.free_many(d.slots))
@@ -183,17 +182,17 @@ class Applier:
         for i in range(0, len(keys), EVENT_KEYS):
             self.events.removed(ns.tenant, ns.layout_id, tier, keys[i:i + EVENT_KEYS])
 
-    def stored_remote(self, written: list[tuple[str, bytes]]) -> None:
+    def stored_remote(self, written: list[tuple[Namespace, bytes]]) -> None:
         """Publishes BlockStored in Tier.REMOTE for blocks (namespace, key) the remote store
         just took (the remote writer's callback, cache lock held), a chain's consecutive blocks
         as one event. The index keeps no remote copies, and the store's own evictions are not
         seen here: nothing publishes a remote BlockRemoved."""
-        run: list[Change] = []
+        run: list[Change[Namespace]] = []
         for ns, key in written:
             block = self.index.get(ns, key)
             parent = None if block is None else block.parent_key
             c = Change(_ADD, ns, key, Tier.REMOTE, None, parent)
-            if run and not (c.tenant == run[-1].tenant and c.parent == run[-1].key):
+            if run and not (c.ns == run[-1].ns and c.parent == run[-1].key):
                 self._stored(run)
                 run = []
             run.append(c)
@@ -205,19 +204,18 @@ class Applier:
         (a quarantine; cache lock held)."""
         self.events.removed(ns.tenant, ns.layout_id, Tier.REMOTE, keys)
 
-    def _stored(self, run: list[Change]) -> None:
+    def _stored(self, run: list[Change[Namespace]]) -> None:
         """One BlockStored event for a run of consecutive blocks of one chain in one tier."""
         first = run[0]
-        ns = cast(Namespace, first.tenant)
-        tenant, lid = ns.tenant, ns.layout_id
+        tenant, lid = first.ns.tenant, first.ns.layout_id
         layout = self.names.layouts.get((tenant, lid))
         self.events.stored(tenant, lid, first.tier, [c.key for c in run], first.parent or b"",
                            0 if layout is None else layout.block_tokens)
 
-    def _removed(self, gone: list[Change]) -> None:
+    def _removed(self, gone: list[Change[Namespace]]) -> None:
         """One BlockRemoved event for a run of drops of one namespace's blocks from one tier,
         in the journal's order (an eviction pass: one event, as vLLM's publisher sends one)."""
-        ns = cast(Namespace, gone[0].tenant)
+        ns = gone[0].ns
         self.events.removed(ns.tenant, ns.layout_id, gone[0].tier, [c.key for c in gone])
 
     # -- held for a block not yet in a tier (module docstring) ---------------------------------

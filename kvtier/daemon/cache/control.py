@@ -29,7 +29,7 @@ import logging
 import math
 import struct
 from collections.abc import Callable
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 from kvtier.core.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvtier.core.keys import LAYOUT_ID_BYTES, check_model_id
@@ -152,7 +152,7 @@ class Control:
         layouts = self.names.layouts
         found: set[Namespace] = {Namespace(t, lid) for t, lid in layouts}
         if not registered:
-            found.update(cast(Namespace, ns) for ns in self.index.tenants())
+            found.update(self.index.namespaces())
         out = []
         for ns in found:
             if tenants is not None and ns.tenant not in tenants:
@@ -214,7 +214,7 @@ class Control:
             return [], ""
         remote.flush(REMOTE_FLUSH_S)
         deleted, error = remote.delete(work.whole, work.keys)
-        return [(cast(Namespace, ns), keys) for ns, keys in deleted], error
+        return deleted, error
 
     # -- pins ---------------------------------------------------------------------------------
 

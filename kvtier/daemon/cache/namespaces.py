@@ -52,7 +52,8 @@ class Tenant:
 
 
 class Namespace(str):
-    """(tenant, layout id): the key space of the prefix index, the SSD store and the remote tier.
+    """(tenant, layout id): the namespace of the prefix index (``PrefixIndex[Namespace]``: every
+    block and journal entry gives it back as its `ns`), the SSD store and the remote tier.
 
     Typed: `tenant` and `layout_id` are fields, never parsed back out of a string. Its *value* is
     the stored form `"<tenant>/ns2:<layout id hex>"`, so it keys the index and the stores as it

@@ -51,7 +51,7 @@ class Removed(NamedTuple):
 
 
 class Quarantine:
-    def __init__(self, index: PrefixIndex, apply: Callable[[str], None],
+    def __init__(self, index: PrefixIndex[Namespace], apply: Callable[[str], None],
                  metrics: DaemonMetrics) -> None:
         self.index = index
         self._apply = apply

@@ -62,6 +62,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.core.wear import TokenBucket
+from kvtier.daemon.cache.namespaces import Namespace
 from kvtier.daemon.cache.spec import RemoteTierSpec
 from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.tiers.backoff import Backoff
@@ -75,7 +76,7 @@ DROP_REASONS = ("queue_full", "budget", "down", "error", "refused")
 
 
 class RemoteWrite(NamedTuple):
-    ns: str
+    ns: Namespace
     key: bytes
     slot: int
     nbytes: int
@@ -314,12 +315,12 @@ class RemoteTier:
 
     # -- an operator's evict -------------------------------------------------------------------
 
-    def delete(self, whole: Sequence[str], keys: Sequence[tuple[str, list[bytes]]]
-               ) -> tuple[list[tuple[str, list[bytes]]], str]:
+    def delete(self, whole: Sequence[Namespace], keys: Sequence[tuple[Namespace, list[bytes]]]
+               ) -> tuple[list[tuple[Namespace, list[bytes]]], str]:
         """Deletes every key of the `whole` namespaces and the given keys of the others (no
         cache lock: network); the keys deleted per namespace, and why it stopped early ("" when
         it did not: a store that is down or fails stops it, counted as an outage)."""
-        out: list[tuple[str, list[bytes]]] = []
+        out: list[tuple[Namespace, list[bytes]]] = []
         if not self.backoff.ready():
             self.metrics.requests.labels("delete", "skipped").inc()
             return out, f"remote store {self.store.where()} is down; its copies stay"

@@ -53,7 +53,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import NamedTuple, TypeVar, cast
+from typing import NamedTuple, TypeVar
 
 from kvtier.core.types import Tier
 from kvtier.core.units import format_bytes
@@ -68,13 +68,15 @@ from kvtier.daemon.cache.spec import RemoteTier as RemoteTierConfig
 from kvtier.daemon.metrics import DaemonMetrics
 from kvtier.daemon.rates.book import Link, RateBook
 from kvtier.index import placement
-from kvtier.index.prefix import Block as IndexBlock
-from kvtier.index.prefix import IndexStateError, PrefixIndex
+from kvtier.index.prefix import Block, IndexStateError, PrefixIndex
 from kvtier.tiers import blockfmt
 from kvtier.tiers.dram import DramPool, SlotMove
 from kvtier.tiers.dram_keep import Keeper, KeptBlock
 from kvtier.tiers.mover import Mover, MoverSpec, Submitted, WriteBack
 from kvtier.tiers.ssd.store import PutResult, SsdEntry, SsdStore, open_store
+
+IndexBlock = Block[Namespace]
+"""A block of the daemon's index, whose namespaces are `Namespace`s."""
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ class Residency:
         # one size (slot_bytes == max_block_bytes) keeps the slot file.
         self.ssd_block_bytes = self.slot_bytes + blockfmt.HEADER_SIZE
         ssd_blocks = spec.ssd_bytes // self.ssd_block_bytes
-        self.index = PrefixIndex(
+        self.index: PrefixIndex[Namespace] = PrefixIndex(
             dram_blocks=self.pool.slot_ids, ssd_blocks=ssd_blocks,
             admission_k=spec.ssd_admit_after, policy=spec.policy, journal=True,
         )
@@ -112,13 +114,13 @@ class Residency:
         self.held_slots = 0  # slots among them held for a dead daemon's writers
         self.adopted = ""  # the start log's line about a kept DRAM pool ("" if none)
         self.quarantine = Quarantine(self.index, self.applier.apply, metrics)
-        self.stale: set[tuple[str, bytes]] = set()  # DRAM blocks of a retired tenant file
+        self.stale: set[tuple[Namespace, bytes]] = set()  # DRAM blocks of a retired tenant file
         self.moved = 0  # blocks moved to free a page for another size class
         self.moving = 0  # target slots of page moves in flight (claimed, no block yet)
         self.store: SsdStore | None = None
-        self.mover: Mover | None = None
+        self.mover: Mover[Namespace] | None = None
         self.budget: WriteBudget | None = None
-        self._queued: set[tuple[str, bytes]] = set()
+        self._queued: set[tuple[Namespace, bytes]] = set()
         self._read_lock = threading.Lock()  # one promotion batch at a time (exact corrupt counts)
         self.claimed = 0  # slots claimed for promotions not yet settled or unclaimed
         self.block_bytes: dict[str, int] = {}  # namespace -> payload bytes (from its layout)
@@ -160,9 +162,8 @@ class Residency:
         pool = self.pool
         for b in self.index.iter_blocks():
             slot = b.dram_slot
-            if (slot is not None and _tenant_of(b.tenant) == tenant
-                    and pool.slot_stale(slot)):
-                self.stale.add((cast(str, b.tenant), b.key))
+            if slot is not None and b.ns.tenant == tenant and pool.slot_stale(slot):
+                self.stale.add((b.ns, b.key))
         self.apply()
 
     def _before_stale(self, ns: Namespace, blocks: list[IndexBlock]) -> list[IndexBlock]:
@@ -463,25 +464,25 @@ class Residency:
             over -= before - self.applier.ssd_bytes
         return True
 
-    def on_written(self, batch: list[WriteBack], result: PutResult) -> None:
+    def on_written(self, batch: list[WriteBack[Namespace]], result: PutResult) -> None:
         """Mover callback (writer thread): record SSD copies, unpin, account."""
         stored = set(result.stored)
         undo: list[tuple[str, bytes]] = []
         with self._lock:
             for w in batch:
-                self._queued.discard((w.tenant, w.key))
-                if self.index.get(w.tenant, w.key) is None:  # cannot happen: it was pinned
+                self._queued.discard((w.ns, w.key))
+                if self.index.get(w.ns, w.key) is None:  # cannot happen: it was pinned
                     continue
-                self.index.unpin(w.tenant, w.key)
+                self.index.unpin(w.ns, w.key)
                 # the reservation ends; the applier charges the copy the index now records
-                self.applier.unreserve_ssd(cast(Namespace, w.tenant))  # as queued
-                if (w.tenant, w.key) not in stored:
+                self.applier.unreserve_ssd(w.ns)  # as queued
+                if (w.ns, w.key) not in stored:
                     self.metrics.writeback_dropped.inc()
                     continue
                 try:
-                    self.index.add_tier(w.tenant, w.key, Tier.SSD)
+                    self.index.add_tier(w.ns, w.key, Tier.SSD)
                 except IndexStateError:  # parent's copy was refused: keep SSD prefix-closed
-                    undo.append((w.tenant, w.key))
+                    undo.append((w.ns, w.key))
             self.apply()
             if undo and self.store is not None:
                 self.store.delete_many(undo)
@@ -747,7 +748,7 @@ class Residency:
         slots, a lease-free check at the end) and counts their targets as in flight."""
         blocks = [owners[m.old] for m in moves]
         for b in blocks:
-            self.index.pin(b.tenant, b.key)
+            self.index.pin(b.ns, b.key)
         self.moving += len(moves)
         return PageMoves(moves, blocks)
 
@@ -758,10 +759,10 @@ class Residency:
         stays, and its target is given back."""
         done = 0
         for m, b in zip(p.moves, p.blocks, strict=True):
-            self.index.unpin(b.tenant, b.key)
+            self.index.unpin(b.ns, b.key)
             moved = not b.pins and b.dram_slot == m.old
             if moved:
-                self.index.move_dram(b.tenant, b.key, m.new)
+                self.index.move_dram(b.ns, b.key, m.new)
                 done += 1
             self.pool.end_move(m, moved)
         self.moving -= len(p.moves)
@@ -779,7 +780,7 @@ class Residency:
             if not mine:
                 break
             for b in mine:
-                self.index.drop(b.tenant, b.key, Tier.DRAM)
+                self.index.drop(b.ns, b.key, Tier.DRAM)
             self.apply(reason)
             done += len(mine)
         return done
@@ -831,7 +832,7 @@ class _Queued:
 
     __slots__ = ("ns", "queued")
 
-    def __init__(self, ns: str, queued: set[tuple[str, bytes]]) -> None:
+    def __init__(self, ns: Namespace, queued: set[tuple[Namespace, bytes]]) -> None:
         self.ns = ns
         self.queued = queued
 
@@ -839,9 +840,9 @@ class _Queued:
         return (self.ns, key) in self.queued
 
 
-def _tenant_of(ns: object) -> str:
-    """The tenant of an index key space (the daemon's are `Namespace`s)."""
-    return cast(Namespace, ns).tenant
+def _tenant_of(ns: Namespace) -> str:
+    """The tenant of a namespace of the index (`placement.tenant_victims`'s owner)."""
+    return ns.tenant
 
 
 def _open_remote(

@@ -16,7 +16,7 @@ Threading: none; the index's owner serialises calls.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.index.policies.base import PROTECTED, BlockList, EvictionQueue, Policy
 from kvtier.index.types import HITS_MAX
@@ -38,17 +38,17 @@ class ArcQueue(EvictionQueue):
         self._t2 = BlockList()
         self.target = 0.0
 
-    def push(self, b: Block, cold: bool = False) -> None:
+    def push(self, b: Block[Any], cold: bool = False) -> None:
         lst = self._t2 if b.flags & PROTECTED else self._t1
         if cold:
             lst.appendleft(b)
         else:
             lst.append(b)
 
-    def discard(self, b: Block) -> None:
+    def discard(self, b: Block[Any]) -> None:
         (self._t2 if b.flags & PROTECTED else self._t1).unlink(b)
 
-    def touch(self, b: Block) -> None:
+    def touch(self, b: Block[Any]) -> None:
         if b.flags & PROTECTED:
             self._t2.move_to_end(b)
         else:
@@ -62,13 +62,13 @@ class ArcQueue(EvictionQueue):
         else:
             self.target = min(self.target + 1.0, float(self._cap))
 
-    def first(self) -> Block | None:
+    def first(self) -> Block[Any] | None:
         t1 = self._t1
         if t1.head is not None and (t1.size >= int(self.target) or self._t2.head is None):
             return t1.head
         return self._t2.head
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[Block[Any]]:
         if self._t1.size >= int(self.target):
             yield from self._t1
             yield from self._t2
@@ -86,13 +86,13 @@ class ArcPolicy(Policy):
     hooks = True
     marks = True
 
-    def mark(self, b: Block) -> None:
+    def mark(self, b: Block[Any]) -> None:
         b.flags |= PROTECTED
 
     def make_queue(self, capacity: int | None) -> EvictionQueue:
         return ArcQueue(capacity)
 
-    def inserted(self, b: Block) -> None:
+    def inserted(self, b: Block[Any]) -> None:
         hits = b.stamp & HITS_MAX
         if hits > 1:  # the history remembered it: a ghost hit
             q = self.dram

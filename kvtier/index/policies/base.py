@@ -7,7 +7,8 @@ peers', each with where it comes from) and kvtier's own in `kvtier.index.policie
 An eviction queue holds the blocks of one tier that may be evicted *now* (the index decides
 membership; see `kvtier.index.prefix`). The queue only orders them. Blocks are linked intrusively
 through their own `prev`/`next` slots (vLLM free-block-queue style), so push, discard and touch are
-O(1) and a block is in at most one queue at a time.
+O(1) and a block is in at most one queue at a time. A policy serves an index of any namespace
+type (`Block[Any]`): it only hashes a block's `ns` (an `Ns`) and never hands it back.
 
     coldest ─▶ b ⇄ b ⇄ b ⇄ b ◀─ hottest          (iteration order = eviction order)
 
@@ -25,14 +26,14 @@ Threading: none of this is thread-safe; the index's owner serialises calls.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.types import BlockKey
 from kvtier.index.history import ADMISSION_HISTORY_PER_BLOCK
 from kvtier.index.types import HITS_MAX
 
 if TYPE_CHECKING:
-    from kvtier.index.types import Block, Tenant
+    from kvtier.index.types import Block, Ns
 
 PROTECTED = 1 << 7
 """Bit of `Block.flags` owned by the policy: SLRU's protected list, ARC's T2, S3-FIFO's main
@@ -50,11 +51,11 @@ class BlockList:
     __slots__ = ("head", "size", "tail")
 
     def __init__(self) -> None:
-        self.head: Block | None = None
-        self.tail: Block | None = None
+        self.head: Block[Any] | None = None
+        self.tail: Block[Any] | None = None
         self.size = 0
 
-    def append(self, b: Block) -> None:
+    def append(self, b: Block[Any]) -> None:
         tail = self.tail
         b.prev = tail
         b.next = None
@@ -65,7 +66,7 @@ class BlockList:
         self.tail = b
         self.size += 1
 
-    def appendleft(self, b: Block) -> None:
+    def appendleft(self, b: Block[Any]) -> None:
         head = self.head
         b.next = head
         b.prev = None
@@ -76,7 +77,7 @@ class BlockList:
         self.head = b
         self.size += 1
 
-    def unlink(self, b: Block) -> None:
+    def unlink(self, b: Block[Any]) -> None:
         p, n = b.prev, b.next
         if p is None:
             self.head = n
@@ -89,12 +90,12 @@ class BlockList:
         b.prev = b.next = None
         self.size -= 1
 
-    def move_to_end(self, b: Block) -> None:
+    def move_to_end(self, b: Block[Any]) -> None:
         if self.tail is not b:
             self.unlink(b)
             self.append(b)
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[Block[Any]]:
         b = self.head
         while b is not None:
             nxt = b.next
@@ -113,21 +114,21 @@ class EvictionQueue:
     __slots__ = ()
     name = ""
 
-    def push(self, b: Block, cold: bool = False) -> None:
+    def push(self, b: Block[Any], cold: bool = False) -> None:
         """Add an evictable block; `cold` places it at the eviction end instead of the hot end."""
         raise NotImplementedError
 
-    def discard(self, b: Block) -> None:
+    def discard(self, b: Block[Any]) -> None:
         raise NotImplementedError
 
-    def touch(self, b: Block) -> None:
+    def touch(self, b: Block[Any]) -> None:
         raise NotImplementedError
 
-    def first(self) -> Block | None:
+    def first(self) -> Block[Any] | None:
         """The next victim, or None when nothing is evictable."""
         raise NotImplementedError
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[Block[Any]]:
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -140,7 +141,7 @@ class LruQueue(BlockList, EvictionQueue):
     __slots__ = ()
     name = "lru"
 
-    def push(self, b: Block, cold: bool = False) -> None:
+    def push(self, b: Block[Any], cold: bool = False) -> None:
         if cold:
             self.appendleft(b)
         else:
@@ -149,7 +150,7 @@ class LruQueue(BlockList, EvictionQueue):
     discard = BlockList.unlink
     touch = BlockList.move_to_end
 
-    def first(self) -> Block | None:
+    def first(self) -> Block[Any] | None:
         return self.head
 
     __iter__ = BlockList.__iter__
@@ -168,7 +169,7 @@ class KthAccess:
             raise ValueError(f"admission k must be >= 1, got {k}")
         self.k = k
 
-    def admits(self, b: Block) -> bool:
+    def admits(self, b: Block[Any]) -> bool:
         return b.stamp & HITS_MAX >= self.k
 
 
@@ -201,26 +202,26 @@ class Policy:
     def make_queue(self, capacity: int | None) -> EvictionQueue:
         return LruQueue()
 
-    def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
+    def admit(self, ns: Ns, keys: Sequence[BlockKey], start: int, parent: Block[Any] | None,
               partial_last: bool) -> int:
         """How many blocks of ``keys[start:]`` (not cached; `parent` is keys[start - 1]'s block,
         or None at a root) to store, from the first; `partial_last`: the chain's last block holds
         fewer tokens than a full block (so no longer prompt can share it)."""
         return len(keys) - start
 
-    def inserted(self, b: Block) -> None:
+    def inserted(self, b: Block[Any]) -> None:
         """A new entry (its count already includes what the history recalled)."""
 
-    def unlinked(self, b: Block) -> None:
+    def unlinked(self, b: Block[Any]) -> None:
         """An entry left its last tier (it is still linked to its parent)."""
 
-    def forget(self, blocks: list[Block]) -> None:
+    def forget(self, blocks: list[Block[Any]]) -> None:
         """Entries removed on purpose (an operator's evict, `kvtier.index.purge`): drop what
         the policy keeps about them; they say nothing about reuse. Default: `unlinked` each."""
         for b in blocks:
             self.unlinked(b)
 
-    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], blocks: list[Block]) -> None:
+    def looked_up(self, ns: Ns, keys: Sequence[BlockKey], blocks: list[Block[Any]]) -> None:
         """A touching lookup of `keys` found `blocks` (the first ``len(blocks)`` keys) cached,
         before it counts their access. On the Lookup path: keep it O(1) or C-speed per block
         (read `blocks`, never change it)."""
@@ -230,7 +231,7 @@ class Policy:
         layouts registered, so a daemon learns it after start). Policies that size their own
         state by capacity follow it; the queues and tier bounds do not change. Default: nothing."""
 
-    def mark(self, b: Block) -> None:
+    def mark(self, b: Block[Any]) -> None:
         """A touching lookup hit `b`, which is in no queue (its children keep it, or it is
         pinned): what a queue's `touch` would record, for when it enters one. Called only when
         `marks` is true."""

@@ -15,14 +15,14 @@ Threading: none; the index's owner serialises calls.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.types import BlockKey
 from kvtier.index.history import HISTORY_MAX_WORDS, AdmissionHistory
 from kvtier.index.policies.base import Policy
 
 if TYPE_CHECKING:
-    from kvtier.index.types import Block, Tenant
+    from kvtier.index.types import Block, Ns
 
 
 class HiCachePolicy(Policy):
@@ -38,16 +38,16 @@ class HiCachePolicy(Policy):
         self.seen = AdmissionHistory(
             max(1, min(HISTORY_MAX_WORDS, (dram_blocks or 0) + (ssd_blocks or 0))))
 
-    def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
+    def admit(self, ns: Ns, keys: Sequence[BlockKey], start: int, parent: Block[Any] | None,
               partial_last: bool) -> int:
         seen, need = self.seen, self.threshold
         n = start
         while n < len(keys):
-            refs = seen.recall(tenant, keys[n]) + 1
+            refs = seen.recall(ns, keys[n]) + 1
             if refs < need:
-                seen.remember(tenant, keys[n], refs)
+                seen.remember(ns, keys[n], refs)
                 for key in keys[n + 1:]:  # the rest is referenced too, just not storable now
-                    seen.remember(tenant, key, seen.recall(tenant, key) + 1)
+                    seen.remember(ns, key, seen.recall(ns, key) + 1)
                 break
             n += 1
         return n - start

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.index.policies.base import BlockList, EvictionQueue, Policy
 from kvtier.index.types import HITS_MAX
@@ -49,7 +49,7 @@ class LfuQueue(EvictionQueue):
             heapq.heappush(self._heap, hits)
         return lst
 
-    def push(self, b: Block, cold: bool = False) -> None:
+    def push(self, b: Block[Any], cold: bool = False) -> None:
         lst = self._list(min(b.stamp & HITS_MAX, _LFU_TOP))
         if cold:
             lst.appendleft(b)
@@ -57,22 +57,22 @@ class LfuQueue(EvictionQueue):
             lst.append(b)
         self._size += 1
 
-    def _unlink(self, b: Block, hits: int) -> None:
+    def _unlink(self, b: Block[Any], hits: int) -> None:
         lst = self._lists[hits]
         lst.unlink(b)
         if not lst.size:
             del self._lists[hits]
 
-    def discard(self, b: Block) -> None:
+    def discard(self, b: Block[Any]) -> None:
         self._unlink(b, min(b.stamp & HITS_MAX, _LFU_TOP))
         self._size -= 1
 
-    def touch(self, b: Block) -> None:
+    def touch(self, b: Block[Any]) -> None:
         hits = b.stamp & HITS_MAX  # one more than when the block entered its list
         self._unlink(b, min(hits - 1, _LFU_TOP))
         self._list(min(hits, _LFU_TOP)).append(b)
 
-    def first(self) -> Block | None:
+    def first(self) -> Block[Any] | None:
         heap, lists = self._heap, self._lists
         while heap:
             lst = lists.get(heap[0])
@@ -81,7 +81,7 @@ class LfuQueue(EvictionQueue):
             heapq.heappop(heap)
         return None
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[Block[Any]]:
         for hits in sorted(self._lists):
             yield from list(self._lists[hits])
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.types import BlockKey
 from kvtier.index.policies.base import Policy
 
 if TYPE_CHECKING:
-    from kvtier.index.types import Block, Tenant
+    from kvtier.index.types import Block, Ns
 
 
 class ReuseFilterPolicy(Policy):
@@ -33,12 +33,12 @@ class ReuseFilterPolicy(Policy):
 
     def __init__(self, dram_blocks: int | None, ssd_blocks: int | None, admission_k: int) -> None:
         super().__init__(dram_blocks, ssd_blocks, admission_k)
-        self.counts: OrderedDict[tuple[Tenant, BlockKey], int] = OrderedDict()
+        self.counts: OrderedDict[tuple[Ns, BlockKey], int] = OrderedDict()
 
-    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], blocks: list[Block]) -> None:
+    def looked_up(self, ns: Ns, keys: Sequence[BlockKey], blocks: list[Block[Any]]) -> None:
         counts = self.counts
         for key in keys:
-            tk = (tenant, key)
+            tk = (ns, key)
             n = counts.get(tk)
             if n is None:
                 if len(counts) >= self.tracker_size:
@@ -48,10 +48,10 @@ class ReuseFilterPolicy(Policy):
                 counts.move_to_end(tk)
                 counts[tk] = n + 1
 
-    def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
+    def admit(self, ns: Ns, keys: Sequence[BlockKey], start: int, parent: Block[Any] | None,
               partial_last: bool) -> int:
         counts, need = self.counts, self.threshold
         n = start
-        while n < len(keys) and counts.get((tenant, keys[n]), 0) >= need:
+        while n < len(keys) and counts.get((ns, keys[n]), 0) >= need:
             n += 1
         return n - start

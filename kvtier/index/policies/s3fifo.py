@@ -15,7 +15,7 @@ Threading: none; the index's owner serialises calls.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.index.policies.base import (
     COUNT_BITS,
@@ -45,22 +45,22 @@ class S3FifoQueue(EvictionQueue):
         self._m = BlockList()
         self._ratio = small_ratio
 
-    def push(self, b: Block, cold: bool = False) -> None:
+    def push(self, b: Block[Any], cold: bool = False) -> None:
         lst = self._m if b.flags & PROTECTED else self._s
         if cold:
             lst.appendleft(b)
         else:
             lst.append(b)
 
-    def discard(self, b: Block) -> None:
+    def discard(self, b: Block[Any]) -> None:
         (self._m if b.flags & PROTECTED else self._s).unlink(b)
 
-    def touch(self, b: Block) -> None:
+    def touch(self, b: Block[Any]) -> None:
         f = b.flags
         if f & COUNT_BITS != COUNT_BITS:
             b.flags = f + (1 << COUNT_SHIFT)
 
-    def first(self) -> Block | None:
+    def first(self) -> Block[Any] | None:
         s, m = self._s, self._m
         while True:
             head = s.head
@@ -81,7 +81,7 @@ class S3FifoQueue(EvictionQueue):
                 continue
             return head
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[Block[Any]]:
         yield from self._s
         yield from self._m
 
@@ -95,7 +95,7 @@ class S3FifoPolicy(Policy):
     hooks = True
     marks = True
 
-    def mark(self, b: Block) -> None:
+    def mark(self, b: Block[Any]) -> None:
         f = b.flags
         if f & COUNT_BITS != COUNT_BITS:
             b.flags = f + (1 << COUNT_SHIFT)
@@ -103,6 +103,6 @@ class S3FifoPolicy(Policy):
     def make_queue(self, capacity: int | None) -> EvictionQueue:
         return S3FifoQueue()
 
-    def inserted(self, b: Block) -> None:
+    def inserted(self, b: Block[Any]) -> None:
         if b.stamp & HITS_MAX > 1:  # a ghost hit enters M
             b.flags |= PROTECTED

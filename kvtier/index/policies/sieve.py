@@ -13,7 +13,7 @@ Threading: none; the index's owner serialises calls.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.index.policies.base import MARK, BlockList, EvictionQueue, Policy
 
@@ -29,23 +29,23 @@ class SieveQueue(BlockList, EvictionQueue):
 
     def __init__(self) -> None:
         super().__init__()
-        self._hand: Block | None = None
+        self._hand: Block[Any] | None = None
 
-    def push(self, b: Block, cold: bool = False) -> None:
+    def push(self, b: Block[Any], cold: bool = False) -> None:
         if cold:
             self.appendleft(b)
         else:
             self.append(b)
 
-    def discard(self, b: Block) -> None:
+    def discard(self, b: Block[Any]) -> None:
         if self._hand is b:
             self._hand = b.next
         self.unlink(b)
 
-    def touch(self, b: Block) -> None:
+    def touch(self, b: Block[Any]) -> None:
         b.flags |= MARK
 
-    def first(self) -> Block | None:
+    def first(self) -> Block[Any] | None:
         b = self._hand or self.head
         for _ in range(self.size + 1):
             if b is None:
@@ -60,7 +60,7 @@ class SieveQueue(BlockList, EvictionQueue):
         self._hand = b
         return b
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[Block[Any]]:
         hand = self._hand or self.head
         seen = []
         b = hand
@@ -81,7 +81,7 @@ class SievePolicy(Policy):
     name = "sieve"
     marks = True
 
-    def mark(self, b: Block) -> None:
+    def mark(self, b: Block[Any]) -> None:
         b.flags |= MARK
 
     def make_queue(self, capacity: int | None) -> EvictionQueue:

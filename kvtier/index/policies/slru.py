@@ -11,7 +11,7 @@ Threading: none; the index's owner serialises calls.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.index.policies.base import PROTECTED, BlockList, EvictionQueue, Policy
 from kvtier.index.types import HITS_MAX
@@ -31,7 +31,7 @@ class SlruQueue(EvictionQueue):
         self._probation = BlockList()
         self._protected = BlockList()
 
-    def push(self, b: Block, cold: bool = False) -> None:
+    def push(self, b: Block[Any], cold: bool = False) -> None:
         if b.stamp & HITS_MAX < 2:
             seg = self._probation
         else:
@@ -43,14 +43,14 @@ class SlruQueue(EvictionQueue):
             seg.append(b)
         self._rebalance()
 
-    def discard(self, b: Block) -> None:
+    def discard(self, b: Block[Any]) -> None:
         if b.flags & PROTECTED:
             b.flags &= ~PROTECTED
             self._protected.unlink(b)
         else:
             self._probation.unlink(b)
 
-    def touch(self, b: Block) -> None:
+    def touch(self, b: Block[Any]) -> None:
         if b.flags & PROTECTED:
             self._protected.move_to_end(b)
         elif b.stamp & HITS_MAX >= 2:
@@ -70,10 +70,10 @@ class SlruQueue(EvictionQueue):
             b.flags &= ~PROTECTED
             probation.append(b)
 
-    def first(self) -> Block | None:
+    def first(self) -> Block[Any] | None:
         return self._probation.head or self._protected.head
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[Block[Any]]:
         yield from self._probation
         yield from self._protected
 

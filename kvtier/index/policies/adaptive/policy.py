@@ -26,9 +26,9 @@ slot) and whether it is in the sample; then a bucket index and one dict operatio
 Memory: the seen table (4 B a word, one word per block of DRAM, at least 1 MB) or, in front of a
 larger SSD, 4 B of sketch per block of the larger tier (>= 64 KiB); the admission history (4 B a
 word per block of DRAM + SSD); at most `TRACKED_MAX` control blocks x ~50 B; the pending
-placements of the requests in flight; 576 x 8 B per tenant; the mini simulations (~110 B per block
-of DRAM up to 32K blocks, at most ~3.7 MB). `nbytes` counts them; bench.index and bench.policies
-measure them.
+placements of the requests in flight; 576 x 8 B per namespace; the mini simulations (~110 B per
+block of DRAM up to 32K blocks, at most ~3.7 MB). `nbytes` counts them; bench.index and
+bench.policies measure them.
 
 Threading: none; the index's owner serialises calls.
 """
@@ -36,7 +36,7 @@ Threading: none; the index's owner serialises calls.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from xxhash import xxh3_64_intdigest
 
@@ -64,7 +64,7 @@ from kvtier.index.policies.base import MARK, PROTECTED, EvictionQueue, Policy
 from kvtier.index.types import HITS_MAX
 
 if TYPE_CHECKING:
-    from kvtier.index.types import Block, Tenant
+    from kvtier.index.types import Block, Ns
 
 SAMPLE = 4
 """In the probation mode, 1 stored block in SAMPLE is a control (stored whatever the predictor
@@ -122,8 +122,8 @@ class AdaptivePolicy(Policy):
         if self._front:  # DRAM in front of a larger SSD: a recency buffer (measured), no bypass
             self.bypass = -1.0
         self.predictor = ReusePredictor()
-        self._pending: dict[tuple[Tenant, BlockKey], int] = {}
-        self._tracked: dict[Block, int] = {}
+        self._pending: dict[tuple[Ns, BlockKey], int] = {}
+        self._tracked: dict[Block[Any], int] = {}
         self._deferred: list[BlockKey] = []
         self._n = 0
         self.minisims = MiniSims(max(1, dram_blocks or 1 << 16), SHARES, LRU,
@@ -141,7 +141,7 @@ class AdaptivePolicy(Policy):
                                  seen=self._seen_size)
         self._deferred = []
 
-    def looked_up(self, tenant: Tenant, keys: Sequence[BlockKey], blocks: list[Block]) -> None:
+    def looked_up(self, ns: Ns, keys: Sequence[BlockKey], blocks: list[Block[Any]]) -> None:
         if not blocks or self._front:
             return
         sampled = [b.key for b in blocks if b.flags & SAMPLED]
@@ -163,13 +163,13 @@ class AdaptivePolicy(Policy):
                 self._tracked.clear()
             q.set_share(ms.best)
 
-    def admit(self, tenant: Tenant, keys: Sequence[BlockKey], start: int, parent: Block | None,
+    def admit(self, ns: Ns, keys: Sequence[BlockKey], start: int, parent: Block[Any] | None,
               partial_last: bool) -> int:
         pending = self._pending
         if len(pending) > _PENDING_MAX:
             pending.clear()
         missed = keys[start:]
-        fps = fingerprints(tenant, missed)
+        fps = fingerprints(ns, missed)
         th, sh = self.minisims.threshold, self.sample_shift
         end = len(keys)
         lo, bypass = s3_lo, s3_bypass = self.lo, self.bypass
@@ -199,14 +199,14 @@ class AdaptivePolicy(Policy):
                     end = start + unseen[0]
         last = len(keys) - 1
         hit = 0 if parent is None else 1 if parent.stamp & HITS_MAX <= 2 else 2
-        reused, stored, total = self.predictor.table(tenant)
+        reused, stored, total = self.predictor.table(ns)
         prior = _PRIOR * total[0] / total[1]
         n = start
         # per block, its feature bucket b: depth (bit length of its position) x `tail` (0 inner,
         # 1 full last, 2 partial last) x `hit` (0 no prefix hit, 1 the parent hit for the first
         # time, 2 the parent reused before) x `since` (blocks since the hit boundary: 0, 1, 2-3,
         # 4+) x seen by the sketch before; and its reuse estimate p = (reused + prior) /
-        # (stored + _PRIOR), the prior being the tenant's overall rate. Inline: per stored block.
+        # (stored + _PRIOR), the prior being the namespace's overall rate. Inline: per stored block.
         for i in range(start, end):
             tail = 0 if i < last else 2 if partial_last else 1
             since = i - start
@@ -224,18 +224,18 @@ class AdaptivePolicy(Policy):
                     break
                 if p < lo:
                     code |= _P_COLD
-            pending[(tenant, keys[i])] = code
+            pending[(ns, keys[i])] = code
             n += 1
         if sampled:  # the mini simulations see the missed sampled keys after the decisions
             self._feed(sampled, placed, real_hits)
         return n - start
 
-    def inserted(self, b: Block) -> None:
-        code = self._pending.pop((b.tenant, b.key), -1)
+    def inserted(self, b: Block[Any]) -> None:
+        code = self._pending.pop((b.ns, b.key), -1)
         if b.stamp & HITS_MAX > 1:  # the history remembered it: a ghost hit
             b.flags |= PROTECTED
         if code < 0:  # stored without asking `admit` (its parent was not cached yet)
-            h = xxh3_64_intdigest(b.key, _seed(b.tenant))
+            h = xxh3_64_intdigest(b.key, _seed(b.ns))
             if h >> self.sample_shift & 255 < self.minisims.threshold:
                 b.flags |= SAMPLED
             return
@@ -248,13 +248,13 @@ class AdaptivePolicy(Policy):
             assert isinstance(q, AdaptiveQueue)
             q.cold_next = b
 
-    def unlinked(self, b: Block) -> None:
+    def unlinked(self, b: Block[Any]) -> None:
         if self._tracked:
             bk = self._tracked.pop(b, None)
             if bk is not None:
-                self.predictor.learn(b.tenant, bk, b.stamp & HITS_MAX >= 2)
+                self.predictor.learn(b.ns, bk, b.stamp & HITS_MAX >= 2)
 
-    def forget(self, blocks: list[Block]) -> None:
+    def forget(self, blocks: list[Block[Any]]) -> None:
         if self._tracked:
             for b in blocks:
                 self._tracked.pop(b, None)

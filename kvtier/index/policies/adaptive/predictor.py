@@ -1,7 +1,7 @@
 """The adaptive policy's admission side: `FrequencySketch` and `ReusePredictor`.
 
 `FrequencySketch`: one saturating byte per slot (4 slots per block of the larger tier, at least 64
-KiB), indexed by the XXH3 fingerprint of (tenant, key); every key `admit` is asked about (the
+KiB), indexed by the XXH3 fingerprint of (ns, key); every key `admit` is asked about (the
 missed suffix of a request, when it is about to be stored) adds 1 (up to 15) and every slot is
 halved after 10 x slots increments, so it tells whether a key was referenced before over a window
 ~10x longer than the cache, without keeping any key. A collision only inflates a count: it can
@@ -15,11 +15,11 @@ when it is stored —
     x blocks since the hit boundary (0, 1, 2-3, 4+) x key seen before (the seen table; the sketch
     in front of a larger SSD) = 576 buckets
 
-and per tenant (the daemon's tenant is the namespace: tenant + model) a table of (reused,
-stored) counts per bucket, with a prior from the tenant's overall rate and halving when a bucket's
-count reaches 256 (so it follows drift). In the probation mode (and in front of a larger SSD) a
-block with estimate p < `lo` enters probation's cold end (evicted first); a partial last block
-with p < `bypass` is not stored at all. Outside those the predictor neither places nor learns.
+and per namespace (the daemon's: tenant + layout) a table of (reused, stored) counts per bucket,
+with a prior from the namespace's overall rate and halving when a bucket's count reaches 256 (so
+it follows drift). In the probation mode (and in front of a larger SSD) a block with estimate
+p < `lo` enters probation's cold end (evicted first); a partial last block with p < `bypass` is
+not stored at all. Outside those the predictor neither places nor learns.
 One block in `SAMPLE` (while fewer than `TRACKED_MAX` are tracked) is a control: stored whatever
 p says and tracked until it leaves the cache; whether it was hit meanwhile is the label its bucket
 learns, so learning never starves a bucket and the labels do not depend on the predictions.
@@ -38,7 +38,7 @@ from xxhash import xxh3_64_intdigest
 from kvtier.core.types import BlockKey
 
 if TYPE_CHECKING:
-    from kvtier.index.types import Tenant
+    from kvtier.index.types import Ns
 
 BUCKETS = 8 * 3 * 3 * 4 * 2
 SKETCH_SLOTS = 4
@@ -53,14 +53,14 @@ _COUNT_MAX = 15
 _HALVE = bytes(i >> 1 for i in range(256))
 
 
-def _seed(tenant: Tenant) -> int:
-    return (tenant if isinstance(tenant, int) else xxh3_64_intdigest(tenant.encode())) & _MASK64
+def _seed(ns: Ns) -> int:
+    return (ns if isinstance(ns, int) else xxh3_64_intdigest(ns.encode())) & _MASK64
 
 
-def fingerprints(tenant: Tenant, keys: Sequence[BlockKey]) -> list[int]:
-    """XXH3-64 of each key seeded by the tenant: the sketch slot (``h % size``) and the mini
+def fingerprints(ns: Ns, keys: Sequence[BlockKey]) -> list[int]:
+    """XXH3-64 of each key seeded by the namespace: the sketch slot (``h % size``) and the mini
     simulations' sample (``h >> 56``) both come from it, so a key is hashed once."""
-    seed = _seed(tenant)
+    seed = _seed(ns)
     return [xxh3_64_intdigest(k, seed) for k in keys]
 
 
@@ -75,9 +75,9 @@ class FrequencySketch:
         self._period = 10 * self.size
         self._adds = 0
 
-    def add(self, tenant: Tenant, keys: Sequence[BlockKey]) -> list[int]:
+    def add(self, ns: Ns, keys: Sequence[BlockKey]) -> list[int]:
         """Count one reference of each key; returns each key's count, this one included."""
-        return self.add_hashed(fingerprints(tenant, keys))
+        return self.add_hashed(fingerprints(ns, keys))
 
     def add_hashed(self, fps: Sequence[int]) -> list[int]:
         """`add` for keys already fingerprinted (`fingerprints`)."""
@@ -95,31 +95,31 @@ class FrequencySketch:
             self._counts = bytearray(counts.translate(_HALVE))
         return out
 
-    def count(self, tenant: Tenant, key: BlockKey) -> int:
-        return self._counts[xxh3_64_intdigest(key, _seed(tenant)) % self.size]
+    def count(self, ns: Ns, key: BlockKey) -> int:
+        return self._counts[xxh3_64_intdigest(key, _seed(ns)) % self.size]
 
     def nbytes(self) -> int:
         return self.size
 
 
 class ReusePredictor:
-    """Per-tenant (reused, stored) counts per bucket; see the module docstring."""
+    """Per-namespace (reused, stored) counts per bucket; see the module docstring."""
 
     __slots__ = ("_tables",)
 
     def __init__(self) -> None:
-        self._tables: dict[Tenant, tuple[array[int], array[int], list[int]]] = {}
+        self._tables: dict[Ns, tuple[array[int], array[int], list[int]]] = {}
 
-    def table(self, tenant: Tenant) -> tuple[array[int], array[int], list[int]]:
-        """(reused, stored, [reused, stored] overall) of a tenant, created on first use."""
-        t = self._tables.get(tenant)
+    def table(self, ns: Ns) -> tuple[array[int], array[int], list[int]]:
+        """(reused, stored, [reused, stored] overall) of a namespace, created on first use."""
+        t = self._tables.get(ns)
         if t is None:
-            t = self._tables[tenant] = (array("I", bytes(4 * BUCKETS)),
+            t = self._tables[ns] = (array("I", bytes(4 * BUCKETS)),
                                         array("I", bytes(4 * BUCKETS)), [1, 2])
         return t
 
-    def learn(self, tenant: Tenant, b: int, was_reused: bool) -> None:
-        reused, stored, total = self.table(tenant)
+    def learn(self, ns: Ns, b: int, was_reused: bool) -> None:
+        reused, stored, total = self.table(ns)
         stored[b] += 1
         total[1] += 1
         if was_reused:

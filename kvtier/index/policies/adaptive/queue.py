@@ -30,7 +30,7 @@ Threading: none; the index's owner serialises calls.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.index.policies.adaptive.minisim import LFU
 from kvtier.index.policies.base import COUNT_BITS, COUNT_SHIFT, PROTECTED, BlockList, EvictionQueue
@@ -46,7 +46,7 @@ frequency (an inner block is in no queue, so its hits reached no counter); measu
 docqa/chat at 1-2% (+6%/+2%) without the losses of 2-4 on the sample trace at 10% (-5%/-2%)."""
 
 
-def _last(b: Block) -> int:
+def _last(b: Block[Any]) -> int:
     return b.stamp >> HITS_BITS
 
 
@@ -67,7 +67,7 @@ class AdaptiveQueue(EvictionQueue):
         self.share = 0.1
         self._lru = False
         """One list in the ``lru`` policy's order (LRU or FILTER mode with `lru_main`)."""
-        self.cold_next: Block | None = None
+        self.cold_next: Block[Any] | None = None
         self.set_share(share)
 
     def set_share(self, share: float) -> None:
@@ -92,7 +92,7 @@ class AdaptiveQueue(EvictionQueue):
         self._lru = lru
         self.share = share
 
-    def push(self, b: Block, cold: bool = False) -> None:
+    def push(self, b: Block[Any], cold: bool = False) -> None:
         if b.stamp & HITS_MAX >= HOT_HITS:  # hit while out of the queue (an inner block)
             b.flags |= COUNT_BITS
         if b is self.cold_next:
@@ -110,7 +110,7 @@ class AdaptiveQueue(EvictionQueue):
         else:
             lst.append(b)
 
-    def discard(self, b: Block) -> None:
+    def discard(self, b: Block[Any]) -> None:
         if self._lru:
             self._s.unlink(b)
         elif self._f is not None:
@@ -118,7 +118,7 @@ class AdaptiveQueue(EvictionQueue):
         else:
             (self._m if b.flags & PROTECTED else self._s).unlink(b)
 
-    def touch(self, b: Block) -> None:
+    def touch(self, b: Block[Any]) -> None:
         f = b.flags
         if f & COUNT_BITS != COUNT_BITS:
             b.flags = f = f + (1 << COUNT_SHIFT)
@@ -129,7 +129,7 @@ class AdaptiveQueue(EvictionQueue):
         elif not f & PROTECTED:
             self._s.move_to_end(b)
 
-    def first(self) -> Block | None:
+    def first(self) -> Block[Any] | None:
         s = self._s
         if self._lru:
             return s.head
@@ -160,7 +160,7 @@ class AdaptiveQueue(EvictionQueue):
                 continue
             return head
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[Block[Any]]:
         if self._f is not None:
             yield from self._f
         yield from self._s
