@@ -187,7 +187,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--blocks", type=int, default=100_000)
     ap.add_argument("--others", type=int, default=100_000)
     ap.add_argument("--ssd-blocks", type=int, default=None,

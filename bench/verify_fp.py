@@ -111,7 +111,8 @@ def run_model(root: Path, m: Model, hits: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.verify_fp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--models", default="dense,gemma3,qwen3-next")
     ap.add_argument("--hits", type=int, default=1000, help="verified blocks per model")
     ap.add_argument("--json", type=Path, default=RESULTS / "verify_fp.json")

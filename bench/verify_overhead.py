@@ -39,7 +39,8 @@ DEFAULT = ConnectorSettings().verify_sample
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.verify_overhead", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--doc-tokens", type=int, default=4096)
     ap.add_argument("--docs", type=int, default=8)

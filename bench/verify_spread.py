@@ -219,7 +219,8 @@ def by_kind(regions: dict[str, dict[str, float]], stat: str) -> dict[str, float]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.verify_spread", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--models", default=",".join(NAMES))
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--json", type=Path, default=RESULTS / "verify_spread.json")

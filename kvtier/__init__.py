@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     # talking to a daemon
     "Client": "kvtier.client.sync_client",
     "AsyncClient": "kvtier.client.async_client",
+    "Control": "kvtier.client.control",
     "LayoutDecl": "kvtier.client.decl",
     "ModelCost": "kvtier.client.decl",
     "Lookup": "kvtier.client.sync_client",
@@ -54,6 +55,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "AsyncClient",
     "Client",
+    "Control",
     "DType",
     "Extras",
     "KVLayout",
@@ -83,6 +85,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvtier.client.async_client import AsyncClient
+    from kvtier.client.control import Control
     from kvtier.client.decl import LayoutDecl, ModelCost
     from kvtier.client.sync_client import (
         Client,

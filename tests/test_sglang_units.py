@@ -327,9 +327,12 @@ def test_store_with_the_daemon_down_misses_and_warns_once(
 
 
 def test_store_survives_the_daemon_killed_and_restarted(tmp_path: Path) -> None:
-    """The daemon killed: misses, no exception; restarted: the store does not call it until
-    `retry_after_s` (30 s here) passed on its clock, stepped by the test (no real wait), then it
-    reconnects at once."""
+    """The daemon killed: misses, no exception, and the store does not call it within
+    `retry_after_s` (30 s here, on its clock, stepped by the test: no real wait) while it stays
+    down; a new daemon on the socket (a new socket file, looked at every `PROBE_S`) ends the
+    outage at once: the store reconnects within the window."""
+    from kvtier.integrations.common.link import PROBE_S
+
     now = [0.0]
     d = DaemonProc(tmp_path / "d").start()
     s, pages, pool = make_store(d.socket, clock=lambda: now[0], retry_after_s=30)
@@ -340,11 +343,12 @@ def test_store_survives_the_daemon_killed_and_restarted(tmp_path: Path) -> None:
         d.kill()
         assert s.exists(keys, []) == 0  # a miss, not an exception
         assert not s.save(keys, [], lambda i, v: pages.copy_out(i * PAGE, v))
-        d.start()
-        now[0] = 29.9  # within the outage: the daemon is back, but not asked
+        now[0] = 10.0  # within the outage, the daemon still down: not asked
         assert s.link.down() and s.exists(keys, []) == 0
         assert not s.save(keys, [], lambda i, v: pytest.fail("saved within the outage"))
-        now[0] = 30.0  # the outage over: the next call reconnects
+        d.start()
+        now[0] = 10.0 + PROBE_S  # a new daemon took the socket: the outage ends at once
+        assert not s.link.down()
         assert s.save(keys, [], lambda i, v: pages.copy_out(i * PAGE, v))
         assert s.exists(keys, []) == 2  # stored again after the restart (DRAM was lost)
     finally:

@@ -219,7 +219,8 @@ def test_worker_stats_change_only_under_their_lock() -> None:
     for t in threads:
         t.join(5)
     assert stats.take() == {"loaded_blocks": 2, "loaded_bytes": 10, "load_failed_blocks": 1,
-                            "stored_blocks": 3, "load_seconds": 0.5, "store_seconds": 0.25}
+                            "stored_blocks": 3, "load_seconds": 0.5, "store_seconds": 0.25,
+                            "verified_blocks": 0, "verify_mismatched_blocks": 0}
     assert set(stats.take().values()) == {0}  # taken once
     assert stats.totals()["loaded_blocks"] == 2
 

@@ -163,7 +163,7 @@ class Block:
 
 
 class Req(SimpleNamespace):
-    pass
+    kv_transfer_params: dict[str, object] | None = None  # vLLM's Request has it (None: no hints)
 
 
 def side(k: EngineKV) -> SchedulerSide:

@@ -99,7 +99,7 @@ def test_a_consumer_stores_nothing_and_allocates_nothing(daemon: DaemonProc) -> 
 
 
 class Req(SimpleNamespace):
-    pass
+    kv_transfer_params: dict[str, object] | None = None  # vLLM's Request has it (None: no hints)
 
 
 def scheduler(d: DaemonProc, kv_role: str, **over: object) -> SchedulerSide:

@@ -120,7 +120,7 @@ def test_verify_sample_is_checked_and_sampling_is_a_fixed_function_of_the_id() -
 
 
 class Req(SimpleNamespace):
-    pass
+    kv_transfer_params: dict[str, object] | None = None  # vLLM's Request has it (None: no hints)
 
 
 def test_a_sampled_hit_is_computed_and_its_saves_carry_what_to_compare(
