@@ -46,6 +46,8 @@ def write(root: Path, name: str, seed: int = 0) -> Model:
         write_hybrid(path, name, seed=seed)
     block = QWEN_BLOCK if name == "qwen3-next" else 32
     args = {} if name == "dense" else dict(HYBRID_ARGS)
+    if name == "qwen3-next":  # QWEN_BLOCK and QWEN_STATE: a float32 SSM state, whatever the CPU
+        args["mamba_ssm_cache_dtype"] = "float32"  # ("auto" follows its ISA)
     return Model(name, path, block, args, name == "qwen3-next")
 
 

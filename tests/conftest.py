@@ -20,6 +20,7 @@ a port taken by another program). The summary says how many tests ran of each ma
 
 from __future__ import annotations
 
+import functools
 import getpass
 import importlib.util
 import os
@@ -222,11 +223,41 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The engine modules (markers vllm, sglang: minutes each) run first, each module's tests
-    staying together and in order: under pytest-xdist (`--dist loadfile`, bin/test) the longest
-    modules then start at once instead of last, where one would run alone on one core."""
+    staying together and in order: under pytest-xdist (bin/test) their worker starts on them at
+    once (`pytest_xdist_make_scheduler`), instead of finishing alone on one core at the end."""
     engines = {item.path for item in items
                if item.get_closest_marker("vllm") or item.get_closest_marker("sglang")}
     items.sort(key=lambda item: item.path not in engines)  # stable: else as collected
+
+
+_ENGINE_MARK = re.compile(r"pytest\.mark\.(?:vllm|sglang)\b")
+
+
+@functools.cache
+def _engine_module(path: str) -> bool:
+    """Whether the test module at `path` (relative to the checkout) runs real engines (a vllm or
+    sglang marker in its text: the controller of pytest-xdist sees node ids only)."""
+    file = ROOT / path
+    return file.suffix == ".py" and file.is_file() and bool(_ENGINE_MARK.search(file.read_text()))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `--dist loadfile` (bin/test), every engine module is one work unit: one worker runs
+    them one after another while the other takes the remaining modules a file at a time. Two
+    engine modules at once (a tensor-parallel engine's ranks busy-poll their queues) starved
+    each other and the daemons beside them, whose calls and shutdowns then ran past their
+    timeouts."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class EnginesTogether(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "(engine modules)" if _engine_module(path) else path
+
+    return EnginesTogether(config, log)
 
 
 def _count(report: pytest.TestReport) -> None:

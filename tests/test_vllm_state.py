@@ -50,7 +50,9 @@ prompt ends one token after it: a linear-attention state forgets fast (with 60 t
 checkpoint another prompt's state moved the first token's logprobs by 0.00014 only), so the
 answer depends on the state at the cut, and a wrong state shows."""
 DAEMON_ARGS = ("--dram-bytes", "48MiB", "--slot-bytes", "320KiB", "--ssd-bytes", "0")
-ARGS = {"disable_hybrid_kv_cache_manager": False}
+ARGS = {"disable_hybrid_kv_cache_manager": False, "mamba_ssm_cache_dtype": "float32"}
+"""The SSM state in float32, set: vLLM's "auto" follows the CPU (float32 where it has AVX512-BF16,
+else the model's bf16, which makes 96-token blocks), and BLOCK and STATE are this layout's."""
 TOKENS = 12
 
 
