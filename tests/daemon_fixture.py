@@ -68,7 +68,7 @@ class DaemonProc:
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_port = 0
 
-    def start(self, timeout: float = 30.0) -> DaemonProc:
+    def start(self, timeout: float = 120.0) -> DaemonProc:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the child)
         self.proc = subprocess.Popen(

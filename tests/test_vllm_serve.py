@@ -33,6 +33,7 @@ from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
 from tests.daemon_fixture import ENGINE_CALL_TIMEOUT_S, DaemonProc
+from tests.support.child_tmp import child_tmpdir
 from tests.support.vllm_engine import BLOCK, ROOT
 
 pytest.importorskip("vllm.entrypoints.openai.api_server")
@@ -109,8 +110,8 @@ class Server:
         self.port = free_port()
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "server.log"
-        self.tmp = workdir / "tmp"  # its own TMPDIR: vLLM's IPC sockets, removed by close()
-        self.tmp.mkdir(exist_ok=True)
+        self.tmp = child_tmpdir(workdir)  # its own TMPDIR: vLLM's IPC sockets (a short path),
+        # removed by close()
         if ktc is None and daemon_socket is not None:
             ktc = {"kv_connector": "KvtierConnector",
                    "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
