@@ -98,12 +98,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, checkpoint: Checkpoint) -> I
             keys = [wait_stored(d, kv, p) for p in prompts]
         finally:
             old.close()
-        held = len({k for ks in keys for k in ks})  # (the branch shares 10 blocks)
-        with Client(d.socket, layout=kv.decl()) as c:  # written back to SSD too
-            deadline = time.monotonic() + ENGINE_CALL_TIMEOUT_S
-            while next(t.blocks for t in c.stats().tiers if t.tier == 3) < held:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        wait_on_ssd(d, kv, len({k for ks in keys for k in ks}))  # (the branch shares 10)
         before = [kc.read_blocks(d.socket, kv.decl(), k) for k in keys]
         size = (model / "model.safetensors").stat().st_size
         write_checkpoint(model, llama_config(), seed=1)  # in place: the pinned id stays
@@ -141,6 +136,15 @@ def wait_stored(d: DaemonProc, kv: EngineKV, tokens: list[int],
     return keys
 
 
+def wait_on_ssd(d: DaemonProc, kv: EngineKV, blocks: int) -> None:
+    """Until the SSD tier holds `blocks` blocks (written back)."""
+    with Client(d.socket, layout=kv.decl()) as c:
+        deadline = time.monotonic() + ENGINE_CALL_TIMEOUT_S
+        while next(t.blocks for t in c.stats().tiers if t.tier == 3) < blocks:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
 def metric(s: Setup, name: str, labels: str = "") -> float:
     return sum(float(line.split()[-1]) for line in s.daemon.metrics_text().splitlines()
                if line.startswith(name) and labels in line)
@@ -167,6 +171,12 @@ def test_wrong_kv_under_a_pinned_model_id_is_found_quarantined_and_never_served_
     got = s.plain.generate([prompts[1]])[0]
     assert got.cached >= (N - 1) // BLOCK * BLOCK
     assert not same(got, want[1]), (got, want[1])
+    # `plain` also stored the block its answer filled (the prompt's last tokens and its first
+    # generated ones), computed over the wrong KV: a descendant, quarantined with its chain
+    derived = wait_stored(s.daemon, s.kv, prompts[1] + got.tokens[:-1])[len(keys[1]):]
+    assert len(derived) == 1 and derived[0] not in {k for ks in keys for k in ks}
+    held += len(derived)
+    wait_on_ssd(s.daemon, s.kv, held)
     s.plain.reset_prefix_cache()
 
     # every hit of `check` is verified: prompts[0] is recomputed (the right answer), its first
@@ -231,7 +241,12 @@ def test_right_kv_never_mismatches_across_batch_splits_chunks_and_preemption(
     preempted = s.check.preemptions()
     want = s.ref.generate(batch, max_tokens=200)
     got = s.check.generate(batch, max_tokens=200)
-    assert all(same(g, w) for g, w in zip(got, want, strict=True))
+    # nothing was loaded (every hit verified, so computed): the outputs are the reference's up to
+    # bf16 near-ties that another split flips (greedy tokens of a random-weights model)
+    assert all(g.cached == 0 for g in got)
+    assert all(kc.same_up_to_ties(g.tokens, g.steps, w.tokens, w.steps)
+               for g, w in zip(got, want, strict=True)), [(g.tokens, w.tokens) for g, w in zip(
+                                                        got, want, strict=True)]
     assert s.check.preemptions() > preempted
     wait_metric(s, "kvtier_verify_verified_blocks_total", verified + len(batch) * (N // BLOCK))
     assert metric(s, "kvtier_verify_mismatched_blocks_total") == mismatched

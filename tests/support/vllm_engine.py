@@ -75,6 +75,8 @@ class Output(NamedTuple):
     """Wall time of the whole `generate` call (with max_tokens=1: the time to first token)."""
     logprobs: dict[int, float] = {}  # noqa: RUF012 (never mutated)
     """The first generated token's top `TOP_LOGPROBS` logprobs, by token id."""
+    steps: list[dict[int, float]] = []  # noqa: RUF012 (never mutated)
+    """Every generated token's top `TOP_LOGPROBS` logprobs (steps[0] is `logprobs`)."""
 
 
 def logprob_distance(a: dict[int, float], b: dict[int, float]) -> float:
@@ -166,7 +168,8 @@ class EngineProc:
             if "error" in reply:
                 raise RuntimeError(reply["error"])
             return [Output(o["tokens"], o["cached"], reply["seconds"],
-                           {int(t): float(v) for t, v in o["logprobs"].items()})
+                           {int(t): float(v) for t, v in o["logprobs"].items()},
+                           [{int(t): float(v) for t, v in step.items()} for step in o["steps"]])
                     for o in reply["outputs"]]
         return wait
 
@@ -330,8 +333,14 @@ def _serve(spec: dict[str, Any]) -> None:
             reply({"seconds": time.perf_counter() - started,
                    "outputs": [{"tokens": list(o.outputs[0].token_ids),
                                 "cached": int(o.num_cached_tokens or 0),
-                                "logprobs": _first_logprobs(o.outputs[0].logprobs)}
+                                "logprobs": _first_logprobs(o.outputs[0].logprobs),
+                                "steps": _step_logprobs(o.outputs[0].logprobs)}
                                for o in outs]})
+
+
+def _step_logprobs(logprobs: Any) -> list[dict[str, float]]:
+    """vLLM's per-token logprobs (a list of {token: Logprob}) -> every token's, JSON-ready."""
+    return [{str(t): float(lp.logprob) for t, lp in step.items()} for step in logprobs or ()]
 
 
 def _first_logprobs(logprobs: Any) -> dict[str, float]:
