@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     # remote_timeout_s: a shared 2-core machine stalled a 4 MiB pipeline past the 0.25 s default
     args = ["--dram-bytes", dram, "--slot-bytes", f"{block_bytes // 1024}KiB", "--ssd-bytes",
             "0", "--remote-url", redis.url, "--max-blocks-per-request", "100000",
-            "--remote-timeout-s", "5"]
+            "--remote-timeout-s", "5",
+            # hand-off writes queue within remote_queue_bytes: room for two requests' KV
+            "--remote-queue-bytes", f"{2 * moves['stored_bytes'] // (1 << 20) + 1}MiB"]
     daemons = [DaemonProc(root / "one", args).start(), DaemonProc(root / "two", args).start()]
     one, two = daemons
     def engine(name: str, role: str, d: DaemonProc) -> EngineProc:
