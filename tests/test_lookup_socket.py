@@ -488,7 +488,10 @@ def test_a_flood_of_connections_takes_no_descriptors_the_daemon_needs(tmp_path: 
             for _ in range(200):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect(str(lookup_socket(d)))
-                s.sendall(wire.hello(""))  # a good hello, then idle: kept
+                # a good hello, then idle: kept within the cap; past it the daemon closes the
+                # connection at accept, which may come before this send (a broken pipe)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    s.sendall(wire.hello(""))
                 flood.append(s)
             flooded = time.monotonic()
             # each one answered (the hello's reply) or closed: a fixed sleep counted the ones

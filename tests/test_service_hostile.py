@@ -177,7 +177,7 @@ def _answer(conn: socket.socket) -> bytes:
 def on_socket(e: Env, data: bytes, hello: bytes = ALICE_HELLO) -> pb.LookupResponse:
     """Sends `hello`, then `data` (raw bytes, framed by the caller) on the lookup socket."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(5)
+        conn.settimeout(60)  # a hang check: this VM stops every process for tens of seconds
         conn.connect(wire.lookup_socket_path(str(e.d.socket)))
         conn.sendall(hello)
         assert _answer(conn) == b""
