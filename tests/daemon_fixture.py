@@ -36,8 +36,9 @@ ENGINE_CALL_TIMEOUT_S = 300.0
 engine must load (a call that times out starts an outage: nothing is loaded or stored until
 `retry_after_s`). The default 1 s is too short on a shared 2-core machine, and this VM stops
 every process at times — seen for 8-88 s here (the kernel's "workqueue lockup" lines), no steal
-time counted; a 30 s bound failed a CI run, and a 120 s one a full run here. A call to a live daemon never waits this long otherwise; a module that SIGKILLs the daemon
-keeps 1 s (a call to a killed daemon waits its whole timeout)."""
+time counted; a 30 s bound failed a CI run, and a 120 s one a full run here. A call to a live
+daemon never waits this long otherwise; a module that SIGKILLs the daemon keeps 1 s (a call to
+a killed daemon waits its whole timeout)."""
 
 
 LIVE: set[DaemonProc] = set()
