@@ -180,3 +180,9 @@ def wait_for(pred: Callable[[], object], timeout: float = 15.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("condition not reached")
+
+
+SAVES_SETTLE_S = 20.0
+"""How long a test waits for an engine's background saves (and their write leases) to finish
+after its request returned: well under the daemon's default 30 s lease TTL, so a lease that was
+leaked rather than released still fails the wait instead of expiring inside it."""

@@ -31,7 +31,7 @@ from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
 from tests import kv_controls as kc
 from tests.conftest import Checkpoint
-from tests.daemon_fixture import DaemonProc, wait_for
+from tests.daemon_fixture import SAVES_SETTLE_S, DaemonProc, wait_for
 from tests.support.model_weights import llama_config, write_checkpoint
 from tests.support.vllm_engine import (
     BLOCK,
@@ -211,7 +211,7 @@ def test_second_engine_loads_first_engines_prompt(engines: Engines) -> None:
     assert engines.e1.metric("vllm:kvtier_stored_blocks") >= len(p) // BLOCK
     with Client(engines.daemon.socket, layout=decl(engines.model).decl()) as kv:
         assert kv.lookup(block_keys(p, BLOCK)).hit_blocks == len(p) // BLOCK
-        assert kv.stats().active_leases == 0
+        wait_for(lambda: kv.stats().active_leases == 0, SAVES_SETTLE_S)
 
 
 def test_multi_turn_chat_from_the_other_engine(engines: Engines) -> None:
@@ -254,7 +254,8 @@ def test_preemption_in_a_small_pool_leaves_no_leases(engines: Engines) -> None:
     got = engines.e2.generate(batch, max_tokens=200)
     assert engines.e2.preemptions() > before, "the batch did not preempt: pool too large?"
     assert all(same(g, w) for g, w in zip(got, want, strict=True))
-    assert stats(engines.daemon, engines.model).active_leases == 0
+    # the batch's saves run in the background after generate returned
+    wait_for(lambda: stats(engines.daemon, engines.model).active_leases == 0, SAVES_SETTLE_S)
 
 
 def test_daemon_sigkilled_between_requests(engines: Engines) -> None:
@@ -340,8 +341,8 @@ def test_corrupted_ssd_block_is_recomputed(engines: Engines) -> None:
     # the Acquire stopped at the bad block and vLLM recomputed from there
     assert got.cached == full_blocks(len(p))
     assert "Recovered from KV load failure: 1 request(s) rescheduled" in engines.e2.log()[start:]
-    s = stats(engines.daemon, engines.model)
-    assert s.checksum_failures == 1 and s.active_leases == 0
+    assert stats(engines.daemon, engines.model).checksum_failures == 1
+    wait_for(lambda: stats(engines.daemon, engines.model).active_leases == 0, SAVES_SETTLE_S)
     stored(engines, p)  # the recomputed blocks are stored again
 
 

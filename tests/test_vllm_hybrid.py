@@ -27,7 +27,7 @@ import pytest
 
 from kvtier.client.sync_client import Client
 from kvtier.core.keys import block_keys
-from tests.daemon_fixture import DaemonProc, wait_for
+from tests.daemon_fixture import SAVES_SETTLE_S, DaemonProc, wait_for
 from tests.kv_controls import corrupt, differs, same
 from tests.support.hybrid_models import (
     ATTENTION_MODELS,
@@ -222,8 +222,8 @@ def test_preemption_in_a_small_pool(setup: Setup) -> None:
     got = s.e2.generate(batch, max_tokens=200)
     assert s.e2.preemptions() > before, "the batch did not preempt: pool too large?"
     assert [o.tokens for o in got] == [o.tokens for o in want]
-    with Client(s.b.socket, layout=s.kv.decl()) as c:
-        assert c.stats().active_leases == 0
+    with Client(s.b.socket, layout=s.kv.decl()) as c:  # saves finish after generate returned
+        wait_for(lambda: c.stats().active_leases == 0, SAVES_SETTLE_S)
 
 
 def restart(d: DaemonProc, park: str = "") -> None:
