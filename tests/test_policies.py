@@ -11,6 +11,7 @@ from hypothesis import assume, given, settings
 from kvtier.core.types import Tier
 from kvtier.index.policies import DEFAULT_POLICY, PEERS, POLICIES, make_policy
 from kvtier.index.policies.adaptive import minisim as policy_minisim
+from kvtier.index.policies.adaptive import policy as policy_adaptive
 from kvtier.index.policies.adaptive.minisim import (
     COLD,
     FILTER,
@@ -268,6 +269,38 @@ def test_kvtier_lookup_work_is_a_sample_whatever_the_keys() -> None:
     assert ix.admit(0, [b"other"], 0) <= 1
     assert pol.minisims._seen >= 2 * fed_at_admit and not pol._deferred
     assert pol.minisims.best == LRU and pol.minisims.real == {}
+
+
+def test_kvtier_full_hits_with_no_admit_each_feed_only_their_own_sample(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lookups that all hit (no `admit` between them) hold their sampled hits up to
+    `DEFER_MAX`; past it each lookup feeds the mini simulations as many of the oldest as it
+    kept: no lookup pays for the others' (one lookup in ~60 of a 1,024-block chain used to feed
+    all 8,192 at once, milliseconds on the Lookup path), and none is lost or fed twice."""
+    ix = PrefixIndex(dram_blocks=16_384, ssd_blocks=0, policy="kvtier")
+    pol = ix._policy
+    assert isinstance(pol, AdaptivePolicy)
+    keys = [i.to_bytes(8, "little") * 4 for i in range(1024)]
+    parent = None
+    for key in keys:
+        ix.insert(0, key, parent)
+        parent = key
+    feeds: list[int] = []
+    feed = MiniSims.feed
+    def spy(self: MiniSims, sampled: Any, placed: Any = None, real_hits: Any = None) -> None:
+        feeds.append(len(sampled))
+        feed(self, sampled, placed, real_hits)
+    monkeypatch.setattr(MiniSims, "feed", spy)
+    kept = []
+    for _ in range(200):
+        before = len(pol._deferred) + sum(feeds)
+        assert len(ix.lookup(0, keys).blocks) == len(keys)
+        kept.append(len(pol._deferred) + sum(feeds) - before)
+    per_lookup = kept[0]
+    assert 1024 // 32 < per_lookup < 1024 // 4 and set(kept) == {per_lookup}
+    assert feeds and max(feeds) <= per_lookup  # past DEFER_MAX, one lookup's share at a time
+    assert len(pol._deferred) <= policy_adaptive.DEFER_MAX
+    assert sum(feeds) + len(pol._deferred) == 200 * per_lookup
 
 
 def test_kvtier_inner_block_hits_count_once_it_is_evictable() -> None:

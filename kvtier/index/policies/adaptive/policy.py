@@ -20,9 +20,12 @@ SSD tier evicts in recency order. Both were measured against the alternatives (d
 Cost: O(1) per block, and almost nothing on the Lookup path. A lookup's hit blocks are scanned
 once for the `SAMPLED` bit (set at insert) and only the sampled ones (1 in 8 or fewer; all of
 them in a cache under 512 blocks) are kept for the mini simulations, which run them at the next
-`admit` (or once `DEFER_MAX` are kept); a miss costs nothing. Everything else happens in `admit`
-(the daemon's Allocate): one fingerprint per missed key gives its seen-table word (or sketch
-slot) and whether it is in the sample; then a bucket index and one dict operation per stored block.
+`admit`; past `DEFER_MAX` kept (lookups with no admit between them: full hits), each lookup runs
+the oldest of them, as many as it kept, so a lookup's cost stays in proportion to its own chain
+instead of one lookup in many paying for all the others; a miss costs nothing. Everything else
+happens in `admit` (the daemon's Allocate): one fingerprint per missed key gives its seen-table
+word (or sketch slot) and whether it is in the sample; then a bucket index and one dict operation
+per stored block.
 Memory: the seen table (4 B a word, one word per block of DRAM, at least 1 MB) or, in front of a
 larger SSD, 4 B of sketch per block of the larger tier (>= 64 KiB); the admission history (4 B a
 word per block of DRAM + SSD); at most `TRACKED_MAX` control blocks x ~50 B; the pending
@@ -88,7 +91,7 @@ placement and tail bypass), `LRU` (the mode unless another is resolved to hit mo
 SEEN_MIN = 1 << 18
 """Keys the reuse filter's `SeenTable` remembers at least (vLLM's filter tracks 64,000)..."""
 DEFER_MAX = 1 << 13
-"""Sampled lookup hits held for the next `admit` at most; past this the lookup feeds them."""
+"""Sampled lookup hits held for the next `admit`; past this each lookup feeds the oldest ones."""
 SEEN_PER_BLOCK = 1
 """...and this many per block of DRAM (4 bytes a block, the sketch's share, which only a DRAM in
 front of a larger SSD allocates: index memory at 1M blocks stays under 300 B/block)."""
@@ -149,8 +152,10 @@ class AdaptivePolicy(Policy):
             deferred = self._deferred
             deferred.extend(sampled)
             if len(deferred) > DEFER_MAX:
-                self._deferred = []
-                self._feed(deferred, None, len(deferred))
+                n = len(deferred) - DEFER_MAX  # as many as it kept: one observation
+                oldest = deferred[:n]
+                del deferred[:n]
+                self._feed(oldest, None, len(oldest))
 
     def _feed(self, sampled: list[BlockKey], placed: dict[BlockKey, int] | None,
               real_hits: int) -> None:
