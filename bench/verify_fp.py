@@ -9,6 +9,7 @@ of long generations are preempted) then serves the same prompts in batches of 1,
 every hit is recomputed in another split than `store`'s (and, when preempted, recomputed and
 verified again) and compared with the stored bytes. Counted by the daemon
 (`kvtier_verify_*_blocks_total`); the run goes on until `--hits` blocks per model were verified.
+Each mismatch's log line (which layer and group kind, by how much) goes to the JSON.
 The baseline it compares against is `store`'s own bytes (right KV by construction); the
 tolerance is `kvtier.integrations.common.verify.TOLERANCES`. Writes
 bench/results/verify_fp.json.
@@ -90,21 +91,27 @@ def run_model(root: Path, m: Model, hits: int) -> dict[str, Any]:
             i = 0
             rng = random.Random(7)
             while metrics(port)["verified"] < hits and i < len(prompts):
-                size = rng.choice(BATCHES)
+                # the first batch: the largest, with long generations, which the small pool
+                # preempts (the others at random)
+                size = max(BATCHES) if i == 0 else rng.choice(BATCHES)
                 batch = prompts[i:i + size]
                 i += size
                 verify.reset_prefix_cache()
-                verify.generate(batch, max_tokens=rng.choice((1, 64, 160)))
+                verify.generate(batch, max_tokens=200 if size == max(BATCHES) and i == size
+                                else rng.choice((1, 64, 160)))
             deadline = time.monotonic() + 60
             while metrics(port)["verified"] < hits and time.monotonic() < deadline:
                 time.sleep(0.5)  # the last saves (and their verification) run after the answer
             preempted = verify.preemptions()
+            mismatches = [line[line.index("MISMATCH"):] for line in verify.log().splitlines()
+                          if "kvtier verify: MISMATCH" in line]
         finally:
             verify.close()
         got = metrics(port)
     finally:
         d.stop()
-    return {**got, "prompts": i, "preemptions": preempted, "block": m.block,
+    return {**got, "prompts": i, "preemptions": preempted, "mismatch_lines": mismatches,
+            "block": m.block,
             "prompt_tokens": n_tokens, "chunk_tokens": chunk,
             "seconds": time.monotonic() - started}
 
@@ -134,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         print(f"{name:<14}{r['verified']:>10.0f}{r['matched']:>10.0f}{r['mismatched']:>12.0f}"
               f"{r['prompts']:>9}{r['preemptions']:>11}{r['seconds']:>9.0f}")
+    for name, r in results.items():
+        for line in r["mismatch_lines"]:
+            print(f"  {name}: {line}")
     total = sum(r["verified"] for r in results.values())
     wrong = sum(r["mismatched"] for r in results.values())
     print(f"false mismatches: {wrong:.0f} of {total:.0f} verified blocks of right KV "

@@ -13,8 +13,7 @@ and the zero-copy v1 path. First the backend class alone in the SGLang venv
 - The daemon killed mid-run: B keeps serving (recomputes, no storage hits), with one warning;
   the restarted daemon is used again (A's pages, kept by its SSD tier).
 
-Took 8 min 39 s here (519 s: the class test 39 s, the servers 475 s; three SGLang starts of
-~2-3 min each on a 2-core machine shared by 7 sessions).
+Three SGLang server starts: the slowest engine test of the suite.
 """
 
 from __future__ import annotations
