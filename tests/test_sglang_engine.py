@@ -12,6 +12,9 @@ and the zero-copy v1 path. First the backend class alone in the SGLang venv
   the output really depends on the bytes kvtier supplies.
 - The daemon killed mid-run: B keeps serving (recomputes, no storage hits), with one warning;
   the restarted daemon is used again (A's pages, kept by its SSD tier).
+- Shadow verification: C, B's weights under A's model id with `verify_sample` 1.0, computes the
+  prompt instead of loading A's pages (its answer is its own), finds them wrong when SGLang backs
+  its pages up, and the daemon quarantines them (C's computed pages are stored in their place).
 
 Three SGLang server starts: the slowest engine test of the suite.
 """
@@ -54,6 +57,19 @@ def wait_pages(daemon: DaemonProc, want: int, timeout: float = 60.0) -> int:
         deadline = time.monotonic() + timeout
         while True:
             n = int(next(t.blocks for t in kv.stats().tiers if t.tier == pb.TIER_DRAM))
+            if n >= want or time.monotonic() > deadline:
+                return n
+            time.sleep(0.2)
+
+
+def wait_stat(daemon: DaemonProc, field: str, want: int, timeout: float = 60.0) -> int:
+    """Until the daemon's Stats counter `field` reaches `want` (a backup, and so its
+    verification, runs after the request); returns it then."""
+    decl = LayoutDecl(b"sglang-test-probe", 4096, PAGE, model_id="test/probe")
+    with Client(daemon.socket, layout=decl) as kv:
+        deadline = time.monotonic() + timeout
+        while True:
+            n = int(getattr(kv.stats(), field))
             if n >= want or time.monotonic() > deadline:
                 return n
             time.sleep(0.2)
@@ -129,3 +145,13 @@ def test_servers_share_pages_through_kvtier(daemon: DaemonProc, tmp_path: Path) 
         back = b.generate(prompts[0])
         assert back.storage > 0 and back.tokens == wrong.tokens, back
         assert "reachable again" in b.log()
+
+    with SglangServer(tmp_path / "c", model_b, socket=daemon.socket,
+                      extra={**extra, "verify_sample": 1.0}) as c:
+        c.start()
+        checked = c.generate(prompts[0])
+        assert checked.storage == 0 and checked.tokens == own.tokens, checked
+        mismatched = wait_stat(daemon, "verify_mismatched_blocks", 1)
+        assert mismatched >= 1, c.tail()
+        assert "kvtier verify: MISMATCH" in c.log(), c.tail()
+        assert wait_stat(daemon, "verify_quarantined_blocks", 1) >= 1
