@@ -134,7 +134,7 @@ def test_restart_keeps_each_models_blocks_and_drops_pre_model_id_blocks(tmp_path
     store = SsdStore(SsdSpec(path=str(d.data_dir / "ssd"), capacity_bytes=64 << 20,
                              layout_fingerprint=STORE_FINGERPRINT, payload="lmdb"))
     try:
-        names = {e.tenant for e in store.entries()}
+        names = {e.ns for e in store.entries()}
     finally:
         store.close()
     assert legacy_ns not in names and len(names) == 2

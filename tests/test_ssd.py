@@ -156,7 +156,7 @@ def test_full_store_evicts_through_callback(tmp_path: Path, mode: str) -> None:
             items = chain(10, 64 << 10, tag=b"r%d" % round_)
             r = s.put_many(items)
             assert not r.refused
-            ev.order.extend((i.tenant, i.key) for i in items)
+            ev.order.extend((i.ns, i.key) for i in items)
             assert s.stats().used_bytes <= 1 << 20
         # 40 blocks written into room for 15: 25 evicted, the newest 15 remain and verify
         assert s.stats().evicted_total == 25 and len(s) == 15
@@ -272,21 +272,21 @@ def test_no_room_for_the_map_is_a_clean_error(tmp_path: Path) -> None:
 
 @MODES
 def test_a_tenants_blocks_deleted_at_once_and_no_one_elses(tmp_path: Path, mode: str) -> None:
-    """An operator's evict of a namespace: `delete_tenant` (a cursor over its keys) and
-    `delete_tenant_keys` (some of them) leave the other tenants' blocks, and the totals hold
+    """An operator's evict of a namespace: `delete_ns` (a cursor over its keys) and
+    `delete_ns_keys` (some of them) leave the other namespaces' blocks, and the totals hold
     after a reopen. A tenant whose name extends another's is another tenant."""
     a, b, ab = chain(30, 1000, "ns-a"), chain(20, 1000, "ns-b"), chain(5, 1000, "ns-a2")
     with store(tmp_path, mode=mode, slot=1000) as s:
         s.put_many(a + b + ab)
-        assert s.delete_tenant("ns-a") == 30
-        s.delete_tenant_keys("ns-b", [it.key for it in b[:5]] + [b"absent"])
-        assert s.delete_tenant("nobody") == 0
+        assert s.delete_ns("ns-a") == 30
+        s.delete_ns_keys("ns-b", [it.key for it in b[:5]] + [b"absent"])
+        assert s.delete_ns("nobody") == 0
         assert [s.get("ns-a", it.key) for it in a] == [None] * 30
         assert [s.get("ns-b", it.key) for it in b] == [None] * 5 + [it.payload for it in b[5:]]
         assert [s.get("ns-a2", it.key) for it in ab] == [it.payload for it in ab]
         assert len(s) == 20 and s.stats().used_bytes == 20 * (1000 + HEADER_SIZE)
     with store(tmp_path, mode=mode, slot=1000) as s:
         assert len(s) == 20 and s.stats().used_bytes == 20 * (1000 + HEADER_SIZE)
-        assert {e.tenant for e in s.entries()} == {"ns-b", "ns-a2"}
+        assert {e.ns for e in s.entries()} == {"ns-b", "ns-a2"}
         s.put_many(chain(30, 1000, "ns-a"))  # the freed slots are used again
         assert len(s) == 50

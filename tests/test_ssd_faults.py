@@ -250,9 +250,9 @@ def test_fill_far_beyond_capacity(tmp_path: Path, with_evictor: bool, mode: str)
             r = s.put_many(items)
             stored = set(r.stored)
             for it in items:
-                if (it.tenant, it.key) in stored:
+                if (it.ns, it.key) in stored:
                     kept[it.key] = it.payload
-                    order.append((it.tenant, it.key))
+                    order.append((it.ns, it.key))
             for _, k in r.evicted:
                 kept.pop(k)
             assert s.stats().used_bytes <= cap

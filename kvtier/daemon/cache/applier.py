@@ -169,9 +169,9 @@ class Applier:
             self.ssd_bytes -= cost
             self.names.charge(ns.tenant, _SSD, -cost)
             if self.store is not None and d.whole:  # nothing of it is left: by a cursor
-                self.store.delete_tenant(ns)
+                self.store.delete_ns(ns)
             elif self.store is not None:
-                self.store.delete_tenant_keys(ns, d.keys)
+                self.store.delete_ns_keys(ns, d.keys)
         self.metrics.evictions.labels(d.tier.label, why).inc(len(d.keys))
         if publish:
             self.removed(ns, d.tier, d.keys)

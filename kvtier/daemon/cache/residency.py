@@ -223,11 +223,11 @@ class Residency:
         foreign: list[tuple[str, bytes]] = []
         parsed: dict[str, Namespace | None] = {}
         for e in entries:
-            ns = parsed.get(e.tenant, _UNSEEN)
+            ns = parsed.get(e.ns, _UNSEEN)
             if ns is _UNSEEN:
-                ns = parsed[e.tenant] = Namespace.parse(e.tenant)
+                ns = parsed[e.ns] = Namespace.parse(e.ns)
             if ns is None:
-                foreign.append((e.tenant, e.key))
+                foreign.append((e.ns, e.key))
                 continue
             by_ns.setdefault(ns, {})[e.key] = e.parent
             self.block_bytes.setdefault(ns, e.size - blockfmt.HEADER_SIZE)

@@ -8,7 +8,7 @@ Sub-databases of one LMDB environment, always changed in the same transaction:
     info    b"format" / b"layout" / b"mode" / b"used" -> store format, layout digest,
             payload mode and slot size, used bytes
 
-A stored key is `len(tenant) | tenant utf-8 | block key`, so tenants never share entries.
+A stored key is `len(ns) | ns utf-8 | block key`, so namespaces never share entries.
 
 Where payloads live (`SsdSpec.payload`, measured in docs/benchmarks.md, "Storage tiers"):
     "slots"  a preallocated file of fixed-size slots (`kvtier.tiers.ssd.slots`), written with
@@ -43,7 +43,7 @@ Damage (`open_store`): a store that cannot be opened — LMDB damage, a truncate
 reads the index first) — is renamed aside to `<path>.damaged-<UTC time>` (never deleted: it may
 be wanted for a post-mortem) and an empty store is created in its place, with one ERROR line
 naming both paths. Index entries that cannot be decoded (a damaged
-tenant name, a record of the wrong length) are skipped, counted (`Counters.undecodable`) and
+namespace name, a record of the wrong length) are skipped, counted (`Counters.undecodable`) and
 deleted; the rest of the store serves on.
 
 Format: `STORE_FORMAT` 3 (a slot number in every index record). A store of another format, layout
@@ -166,11 +166,11 @@ class SsdStore:
             for skey, rec in txn.cursor().iternext(keys=True, values=True):
                 try:
                     size, count, last, stored_at, plen, _slot = unpack(rec)
-                    tenant, key = split_key(skey)
+                    ns, key = split_key(skey)
                 except (struct.error, UnicodeDecodeError, IndexError):
                     bad.append(bytes(skey))
                     continue
-                out.append(SsdEntry(tenant, key, rec[hsize : hsize + plen] or None, size, count,
+                out.append(SsdEntry(ns, key, rec[hsize : hsize + plen] or None, size, count,
                                     last, stored_at))
         if bad:
             self.counters.undecodable += len(bad)
@@ -190,9 +190,9 @@ class SsdStore:
         """Slots the payload file had before this open (more than now: the capacity shrank)."""
         return self._slots.found_slots if self._slots is not None else 0
 
-    def record_access(self, tenant: str, key: bytes, now: float | None = None) -> None:
+    def record_access(self, ns: str, key: bytes, now: float | None = None) -> None:
         """Count an access; persisted with the next write transaction (lost if the daemon dies)."""
-        self._access.record(stored_key(tenant, key), time.time() if now is None else now)
+        self._access.record(stored_key(ns, key), time.time() if now is None else now)
 
     # -- writes (one writer) ---------------------------------------------------------------
 
@@ -207,7 +207,7 @@ class SsdStore:
         self._check_open()
         f = self._files
         items = [i._replace(payload=_raw_bytes(i.payload)) for i in items]
-        skeys = [stored_key(i.tenant, i.key) for i in items]
+        skeys = [stored_key(i.ns, i.key) for i in items]
         batch = Batch(items, skeys, [HEADER_SIZE + i.payload.nbytes for i in items])
         is_fresh = fresh(f, skeys)
         need = sum(s for s, new in zip(batch.sizes, is_fresh, strict=True) if new)
@@ -243,7 +243,7 @@ class SsdStore:
                     self.counters.io_errors += 1
                     log.error("SSD write failed: %s", exc)
                     break
-        refused = [(i.tenant, i.key) for i in items]
+        refused = [(i.ns, i.key) for i in items]
         self.counters.refused += len(refused)
         return PutResult([], refused, evicted, 0)
 
@@ -261,18 +261,18 @@ class SsdStore:
             self._check_open()
             return delete(self._files, [stored_key(t, k) for t, k in keys])
 
-    def delete_tenant_keys(self, tenant: str, keys: list[bytes]) -> None:
-        """`delete_many` of one tenant's keys (an operator's evict: ~10^5 at once), the stored
+    def delete_ns_keys(self, ns: str, keys: list[bytes]) -> None:
+        """`delete_many` of one namespace's keys (an operator's evict: ~10^5 at once), the stored
         keys built with one prefix and nothing reported back."""
-        head = stored_key(tenant, b"\0")[:-1]
+        head = stored_key(ns, b"\0")[:-1]
         with self._wlock:
             self._check_open()
             delete(self._files, [head + k for k in keys], report=False)
 
-    def delete_tenant(self, tenant: str) -> int:
-        """Deletes every block of `tenant` (a whole namespace: an operator's evict) in one
+    def delete_ns(self, ns: str) -> int:
+        """Deletes every block of `ns` (a whole namespace: an operator's evict) in one
         transaction, by a cursor over its keys; how many there were."""
-        head = stored_key(tenant, b"\0")[:-1]
+        head = stored_key(ns, b"\0")[:-1]
         with self._wlock:
             self._check_open()
             return delete_prefix(self._files, head)
@@ -290,13 +290,13 @@ class SsdStore:
 
     # -- reads (concurrent) ------------------------------------------------------------------
 
-    def get_into(self, tenant: str, key: bytes, out: Any) -> int | None:
+    def get_into(self, ns: str, key: bytes, out: Any) -> int | None:
         """Copy a verified payload into `out` (a writable buffer); its length, or None on a miss.
 
         A corrupt entry is a miss: counted, deleted, never served. `out` must hold the payload;
         if it is too small the block is a miss (and is not deleted).
         """
-        return self.get_many_into([(tenant, key, out)])[0]
+        return self.get_many_into([(ns, key, out)])[0]
 
     def get_many_into(self, reads: Sequence[tuple[str, bytes, Any]]) -> list[int | None]:
         """`get_into` for a batch in one read transaction.
@@ -330,20 +330,20 @@ class SsdStore:
         self.counters.misses += len(reads) - hits - len(rejected)
         return results
 
-    def get(self, tenant: str, key: bytes) -> bytes | None:
+    def get(self, ns: str, key: bytes) -> bytes | None:
         """A verified payload as bytes (a copy), or None."""
-        skey = stored_key(tenant, key)
+        skey = stored_key(ns, key)
         with self._files.env.begin(db=self._files.meta) as txn:
             rec = txn.get(skey)
         if rec is None:
             self.counters.misses += 1
             return None
         buf = bytearray(max(0, _META.unpack_from(rec)[0] - HEADER_SIZE))
-        n = self.get_into(tenant, key, buf)
+        n = self.get_into(ns, key, buf)
         return None if n is None else bytes(buf[:n])
 
-    def contains(self, tenant: str, key: bytes) -> bool:
-        skey = stored_key(tenant, key)
+    def contains(self, ns: str, key: bytes) -> bool:
+        skey = stored_key(ns, key)
         if skey in self._bad:
             return False
         with self._files.env.begin(db=self._files.meta) as txn:

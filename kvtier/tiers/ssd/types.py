@@ -14,15 +14,15 @@ Durability = Literal["sync", "nometasync", "nosync"]
 PayloadMode = Literal["auto", "slots", "lmdb"]
 TenantKey = tuple[str, bytes]
 Evictor = Callable[[int], Sequence[TenantKey]]
-"""Given bytes to free, return victims (tenant, key) to delete, leaf-first. Runs on the writer."""
+"""Given bytes to free, return victims (ns, key) to delete, leaf-first. Runs on the writer."""
 
 HEADER_SIZE = 64  # kvtier.tiers.blockfmt.HEADER_SIZE (asserted in kvtier.tiers.ssd.store)
 
 
-def stored_key(tenant: str, key: bytes) -> bytes:
-    t = tenant.encode()
+def stored_key(ns: str, key: bytes) -> bytes:
+    t = ns.encode()
     if len(t) > 255:
-        raise UsageError("tenant name longer than 255 bytes")
+        raise UsageError("namespace name longer than 255 bytes")
     if not 1 <= len(key) <= 200:
         raise UsageError(f"block key must be 1..200 bytes, got {len(key)}")
     return bytes((len(t),)) + t + key
@@ -81,7 +81,7 @@ class SsdSpec:
 class SsdEntry(NamedTuple):
     """One row of the persistent SSD index (read at start without touching payloads)."""
 
-    tenant: str
+    ns: str
     key: bytes
     parent: bytes | None
     size: int  # stored bytes, header included
@@ -91,7 +91,7 @@ class SsdEntry(NamedTuple):
 
 
 class PutItem(NamedTuple):
-    tenant: str
+    ns: str
     key: bytes
     parent: bytes | None
     payload: Any  # any buffer

@@ -93,8 +93,8 @@ def put_lmdb(
         used = f.used
         entries = f.entries
         batch = set(b.skeys)
-        for tenant, key in victims:
-            vkey = stored_key(tenant, key)
+        for ns, key in victims:
+            vkey = stored_key(ns, key)
             if vkey in batch:
                 continue
             rec = txn.get(vkey, db=f.meta)
@@ -104,9 +104,9 @@ def put_lmdb(
             txn.delete(vkey, db=f.meta)
             used -= META.unpack_from(rec)[0]
             entries -= 1
-            evicted.append((tenant, key))
+            evicted.append((ns, key))
         for item, skey, size, is_new in zip(b.items, b.skeys, b.sizes, is_fresh, strict=True):
-            tk = (item.tenant, item.key)
+            tk = (item.ns, item.key)
             if not is_new:
                 stored.append(tk)
                 continue
@@ -163,14 +163,14 @@ def put_slots(f: StoreFiles, spec: SsdSpec, b: Batch, access: PendingAccess) -> 
         slots.release(got)
         raise
     f.used, f.entries = f.used + written, f.entries + len(todo)
-    keys = [(it.tenant, it.key) for it in items]
+    keys = [(it.ns, it.key) for it in items]
     stored = [tk for i, tk in enumerate(keys) if i in placed or not is_fresh[i]]
     refused = [tk for i, tk in enumerate(keys) if is_fresh[i] and i not in placed]
     return PutResult(stored, refused, [], written)
 
 
 def delete_prefix(f: StoreFiles, prefix: bytes) -> int:
-    """Deletes every entry whose stored key starts with `prefix` (one tenant's: an operator's
+    """Deletes every entry whose stored key starts with `prefix` (one namespace's: an operator's
     evict of a whole namespace) in one transaction, walking each sub-database with a cursor from
     the prefix on (no search per key); how many index entries went (0 on an LMDB error:
     nothing changed). Slots mode: their slots go to the reader quarantine after the commit."""
