@@ -70,10 +70,14 @@ def run_model(root: Path, m: Model, hits: int, seed: int = 0) -> dict[str, Any]:
     port = int(re.findall(r"metrics http://[\d.]+:(\d+)/metrics", d.log())[-1])
     extra = {"model_id": MODEL_ID, "timeout_s": 120.0}
     chunk = 2 * m.block
-    # vLLM admits a request only when its whole prompt fits the pool: room for two prompts and
-    # less than their 200-token generations, so the first batch's decodes preempt
+    # vLLM admits a request only when its whole prompt fits the pool. One KV cache group (the
+    # dense model): room for two prompts and less than their 200-token generations, so the first
+    # batch's decodes preempt. Several groups share the pool in proportions of vLLM's choosing:
+    # room for three whole requests (no preemption guaranteed)
     prompt_blocks = -(-n_tokens // m.block)
-    small = {"num_gpu_blocks_override": max(48, 2 * prompt_blocks + 200 // m.block),
+    blocks = (max(48, 2 * prompt_blocks + 200 // m.block) if m.name == "dense"
+              else max(48, 3 * (n_tokens // m.block + 8)))
+    small = {"num_gpu_blocks_override": blocks,
              "max_model_len": n_tokens + 512, "max_num_batched_tokens": chunk,
              "long_prefill_token_threshold": chunk, "max_num_seqs": 8}
     prompts = [prompt(1000 + 100_000 * seed + i, n_tokens) for i in range(n_prompts)]
