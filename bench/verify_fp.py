@@ -101,12 +101,12 @@ def run_model(root: Path, m: Model, hits: int, seed: int = 0) -> dict[str, Any]:
             while metrics(port)["verified"] < hits and i < len(prompts):
                 # the first batch: the largest, with long generations, which the small pool
                 # preempts (the others at random)
-                size = max(BATCHES) if i == 0 else rng.choice(BATCHES)
+                first = i == 0
+                size = max(BATCHES) if first else rng.choice(BATCHES)
                 batch = prompts[i:i + size]
                 i += size
                 verify.reset_prefix_cache()
-                verify.generate(batch, max_tokens=200 if size == max(BATCHES) and i == size
-                                else rng.choice((1, 64, 160)))
+                verify.generate(batch, max_tokens=200 if first else rng.choice((1, 64, 160)))
             deadline = time.monotonic() + 60
             while metrics(port)["verified"] < hits and time.monotonic() < deadline:
                 time.sleep(0.5)  # the last saves (and their verification) run after the answer

@@ -24,7 +24,7 @@ split (its chunked scan restarts at other tokens), and the attention layers afte
 their KV from that output, so right KV spreads ~20x more there than in a dense model, with
 single elements off by nearly half the page's largest value. Its relative L2 bound still lies
 ~9x under wrong KV's smallest; its worst-element bound only catches gross corruption (a block
-with one wrong token among 160 is within it: a limit of verification on such models).
+with one wrong token among 160 may be within it: a limit of verification on such models).
 """
 
 from __future__ import annotations

@@ -188,11 +188,10 @@ class EngineKV:
         state pages are not meaningful and are skipped. In a model with state layers, every
         attention page is of kind "hybrid" (its own tolerance)."""
         out = []
-        hybrid = self.stateful
         for i in range(len(self.layer_names)):
             g, base = self.group_of(i), self.layer_offset(i)
             if not self.is_state(g):
-                kind = "hybrid" if hybrid else "swa" if self.windows[g] else "full"
+                kind = "hybrid" if self.stateful else "swa" if self.windows[g] else "full"
                 out.append(Region(i, kind, base, base + self.page_bytes, self.dtype))
             elif state_block:
                 out += [Region(i, "state", base + a, base + b, dt)
